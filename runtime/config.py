@@ -1,0 +1,123 @@
+"""ServerArgs: every knob of a Shoal server, built once (from the CLI or kwargs), validated, frozen."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.errors import ServerArgsError
+
+
+def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True, slots=True)
+class ServerArgs:
+    # Model
+    model_path: str | None = _opt(None, "HF model folder (config.json + safetensors); default: embedded SmolLM2-135M-Instruct")
+    tokenizer_path: str | None = _opt(None, "tokenizer folder; default: the model folder")
+    served_model_name: str | None = _opt(None, "model name reported by the API; default: the model folder name")
+    dtype: str = _opt("auto", "weight and activation dtype", ("auto", "float32", "bfloat16", "float16"))
+    load_format: str = _opt("auto", "auto/safetensors read the checkpoint; dummy makes random weights", ("auto", "safetensors", "dummy"))
+    context_length: int | None = _opt(None, "max tokens of prompt + output; default: the model's max_position_embeddings")
+    device: str = _opt("auto", "auto picks cuda when available", ("auto", "cpu", "cuda"))
+    random_seed: int = _opt(0, "seed for dummy weights and for requests without a seed")
+    # Memory and batching
+    max_total_tokens: int | None = _opt(None, "KV pool size in tokens (CPU default 16384; GPU: from --mem-fraction-static)")
+    mem_fraction_static: float = _opt(0.85, "fraction of GPU memory for weights + KV pool")
+    max_running_requests: int = _opt(256, "most requests decoding at once")
+    max_prefill_tokens: int = _opt(16384, "token budget of one prefill batch")
+    chunked_prefill_size: int = _opt(8192, "split prompts longer than this across steps; -1 disables")
+    enable_mixed_chunk: bool = _opt(False, "run a prefill chunk and the running decodes in one MIXED forward")
+    schedule_policy: str = _opt("lpm", "waiting-queue order (lpm needs the radix cache)", ("fcfs", "lpm"))
+    disable_radix_cache: bool = _opt(False, "turn the RadixAttention prefix cache off")
+    init_new_token_ratio: float = _opt(0.7, "initial estimate of the share of max_new_tokens a request still needs")
+    min_new_token_ratio: float = _opt(0.1, "floor of that estimate")
+    new_token_ratio_decay: float = _opt(0.001, "per-step decay of the estimate")
+    # Execution
+    attention_backend: str = _opt("auto", "attention backend", ("auto", "torch_native", "triton", "flashinfer"))
+    disable_cuda_graph: bool = _opt(False, "never capture CUDA graphs")
+    cuda_graph_max_bs: int = _opt(160, "largest decode batch captured in a CUDA graph")
+    disable_overlap_schedule: bool = _opt(False, "prepare the next batch only after the current one finishes")
+    # Parallelism and Ray
+    tp_size: int = _opt(1, "tensor-parallel ranks per replica")
+    dp_size: int = _opt(1, "data-parallel replicas")
+    enable_dp_attention: bool = _opt(False, "attention data-parallel, MLP tensor-parallel across all DP ranks")
+    use_ray: bool = _opt(False, "run on Ray actors even for tp=dp=1")
+    address: str | None = _opt(None, "Ray cluster address ('auto' joins a running one); default: start a local one")
+    placement: str = _opt("pack", "placement of a replica's TP ranks across nodes", ("pack", "spread"))
+    routing_policy: str = _opt("round_robin", "gateway routing across replicas", ("round_robin", "least_load", "prefix_hash"))
+    # HTTP
+    host: str = _opt("127.0.0.1", "HTTP host")
+    port: int = _opt(30000, "HTTP port")
+    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every route but /health and /metrics")
+    max_request_bytes: int = _opt(8 * 1024 * 1024, "largest accepted request body")
+    max_n: int = _opt(16, "largest n (choices per request)")
+    log_level: str = _opt("info", "log level", ("debug", "info", "warning", "error"))
+    log_interval_s: float = _opt(10.0, "seconds between scheduler stats log lines")
+
+    def __post_init__(self) -> None:
+        positive = ("mem_fraction_static", "max_running_requests", "max_prefill_tokens", "tp_size", "dp_size",
+                    "cuda_graph_max_bs", "max_request_bytes", "max_n", "init_new_token_ratio")
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ServerArgsError(_flag(name), f"must be positive, got {getattr(self, name)}")
+        for name in ("max_total_tokens", "context_length"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ServerArgsError(_flag(name), f"must be positive, got {v}")
+        if self.mem_fraction_static > 1.0:
+            raise ServerArgsError("--mem-fraction-static", f"must be in (0, 1], got {self.mem_fraction_static}")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ServerArgsError("--chunked-prefill-size", f"must be -1 (off) or positive, got {self.chunked_prefill_size}")
+        if not 0 < self.port < 65536:
+            raise ServerArgsError("--port", f"must be in 1..65535, got {self.port}")
+        if not 0.0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0:
+            raise ServerArgsError("--min-new-token-ratio", "need 0 <= min ratio <= init ratio <= 1")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ServerArgsError(_flag(f.name), f"must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}")
+        if self.enable_dp_attention and self.dp_size < 2:
+            raise ServerArgsError("--enable-dp-attention", "needs --dp-size of 2 or more")
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.use_ray or self.tp_size > 1 or self.dp_size > 1 or self.address is not None
+
+    @property
+    def radix_cache_enabled(self) -> bool:
+        return not self.disable_radix_cache
+
+    def replace(self, **changes: Any) -> ServerArgs:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ServerArgsError(_flag(unknown[0]), "unknown server argument")
+        return cls(**kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flag, helptext = _flag(f.name), f.metadata.get("help", "")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", default=f.default, help=helptext)
+                continue
+            kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+            parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"),
+                                help=f"{helptext} (default: {f.default})")
+
+    @classmethod
+    def from_cli(cls, ns: argparse.Namespace) -> ServerArgs:
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")

@@ -1,0 +1,39 @@
+"""EngineClient: what the gateway needs from whatever runs the model. runtime.Engine implements it in
+one process; the Ray runtime implements it over many scheduler replicas. The gateway depends only on this."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+
+from runtime.messages import GenerateRequest, RequestOutput, SchedulerStats
+
+
+class EngineClient(ABC):
+    model_name: str
+    context_len: int
+
+    @property
+    @abstractmethod
+    def tokenizer(self):  # runtime.managers.tokenizer.Tokenizer
+        ...
+
+    @abstractmethod
+    def is_ready(self) -> bool:
+        """False while starting or shutting down (the gateway answers 503)."""
+
+    @abstractmethod
+    def validate(self, req: GenerateRequest) -> GenerateRequest:
+        """Checks a request against the model (context length, token ids in vocab). Returns it, possibly
+        with max_new_tokens clipped to the context; raises InvalidRequestError otherwise."""
+
+    @abstractmethod
+    def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Submits and yields deltas until one with finished=True. Closing the iterator early aborts it."""
+
+    @abstractmethod
+    async def abort(self, rid: str) -> None: ...
+
+    @abstractmethod
+    async def get_stats(self) -> SchedulerStats:
+        """Summed over replicas."""

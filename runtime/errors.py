@@ -1,0 +1,56 @@
+"""Typed errors. Each names what was wrong so the boundary that caught it can say so (HTTP 4xx, CLI)."""
+
+from __future__ import annotations
+
+
+class ShoalError(Exception):
+    """Base of every error Shoal raises on purpose."""
+
+
+class InvalidRequestError(ShoalError, ValueError):
+    """A request that can never be served as sent (the gateway maps it to HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class ContextLengthError(InvalidRequestError):
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, context_len: int):
+        super().__init__(
+            f"This model's maximum context length is {context_len} tokens, but the request has "
+            f"{prompt_tokens} prompt tokens and asks for up to {max_new_tokens} new tokens "
+            f"({prompt_tokens + max_new_tokens} in total). Shorten the prompt or lower max_tokens.",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+        self.prompt_tokens = prompt_tokens
+        self.context_len = context_len
+
+
+class ServerArgsError(ShoalError, ValueError):
+    def __init__(self, flag: str, message: str):
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
+
+
+class ModelConfigError(ShoalError, ValueError):
+    """config.json names an unsupported architecture or has a missing/invalid field."""
+
+
+class WeightLoadError(ShoalError, RuntimeError):
+    """A checkpoint file or tensor is missing or has the wrong shape."""
+
+
+class DoubleFreeError(ShoalError, RuntimeError):
+    """A KV or request slot was freed twice: an accounting bug, never a user error."""
+
+
+class RequestAbortedError(ShoalError):
+    """The request was aborted (client disconnect, explicit abort) before it finished."""
+
+
+class EngineUnavailableError(ShoalError):
+    """The engine is starting, shutting down, or the replica holding the request died."""

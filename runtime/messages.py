@@ -1,0 +1,132 @@
+"""Typed messages that cross a boundary: gateway ⇄ scheduler (requests, output deltas, stats) and
+scheduler → TP workers (one WorkerBatch per step, one BatchResult back). msgspec Structs, so the
+same objects pass by reference in one process and encode cheaply between Ray actors."""
+
+from __future__ import annotations
+
+import msgspec
+
+from runtime.sampling.params import SamplingParams
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True):
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_input_logprob: bool = False
+    arrival_time: float = 0.0
+
+
+class FinishReason(msgspec.Struct, frozen=True):
+    kind: str  # "length" | "stop" | "abort" | "error"
+    matched: int | str | None = None  # the stop token id or stop string that ended it
+    message: str | None = None
+
+    def openai_reason(self) -> str:
+        return {"length": "length", "stop": "stop"}.get(self.kind, self.kind)
+
+
+class RequestOutput(msgspec.Struct, kw_only=True):
+    """A delta: tokens generated since the previous output of the same request."""
+
+    rid: str
+    new_token_ids: list[int]
+    new_logprobs: list[float] | None = None
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    input_logprobs: list[float | None] | None = None  # only in the first delta, when asked
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    queue_time_s: float = 0.0
+
+
+class AbortRequest(msgspec.Struct):
+    rid: str
+
+
+class SamplingBatch(msgspec.Struct, kw_only=True):
+    """Per-request sampling settings of one batch, in batch order."""
+
+    temperatures: list[float]
+    top_ps: list[float]
+    top_ks: list[int]
+    min_ps: list[float]
+    seeds: list[int]
+    steps: list[int]  # output position of the token being sampled: seeds the per-request noise
+    repetition_penalties: list[float]
+    frequency_penalties: list[float]
+    presence_penalties: list[float]
+    penalty_tokens: list[list[int]]  # prompt + output ids where a penalty is set, else []
+    prompt_lens: list[int]
+    blocked_token_ids: list[list[int]]  # EOS/stop ids banned until min_new_tokens is reached
+    top_logprobs_nums: list[int]
+    return_logprob: bool = False
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(t == 0.0 for t in self.temperatures)
+
+
+class PrefixWrite(msgspec.Struct, array_like=True):
+    """KV slots of a cached prefix to copy into a request's row of the worker's token table."""
+
+    req_pool_idx: int
+    start: int
+    kv_indices: list[int]
+
+
+class WorkerBatch(msgspec.Struct, kw_only=True):
+    """One step's work for every TP rank. Requests are ordered extend-first (MIXED: then decodes);
+    each has prefix_len cached tokens and seq_len - prefix_len new ones (a decode has exactly one)."""
+
+    batch_id: int
+    forward_mode: int
+    input_ids: list[int]
+    req_pool_indices: list[int]
+    seq_lens: list[int]
+    prefix_lens: list[int]
+    out_cache_loc: list[int]
+    prefix_writes: list[PrefixWrite] = []
+    sampling: SamplingBatch | None = None
+    return_input_logprob: list[bool] = []
+    # DP attention: every rank's token count this step, so the MLP gather is sized alike everywhere.
+    global_num_tokens: list[int] | None = None
+
+
+class BatchResult(msgspec.Struct, kw_only=True):
+    batch_id: int
+    next_token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    input_logprobs: list[list[float]] | None = None  # per request that asked, logprob of each input token after the first
+    forward_s: float = 0.0
+
+
+class ModeStats(msgspec.Struct):
+    batches: int = 0
+    tokens: int = 0
+
+
+class SchedulerStats(msgspec.Struct, kw_only=True):
+    num_running_reqs: int = 0
+    num_queue_reqs: int = 0
+    num_used_tokens: int = 0  # KV slots held by running requests
+    num_cached_tokens: int = 0  # KV slots held only by the evictable prefix cache
+    max_total_tokens: int = 0
+    gen_throughput: float = 0.0
+    forward_modes: dict[str, ModeStats] = {}
+    retractions: int = 0
+    evictions: int = 0
+    cache_hit_tokens: int = 0
+    cache_query_tokens: int = 0
+    waiting_tokens: int = 0  # prompt tokens still to prefill; least_load routing uses it
+
+    @property
+    def kv_usage_ratio(self) -> float:
+        return self.num_used_tokens / max(self.max_total_tokens, 1)
+
+    @property
+    def kv_cache_ratio(self) -> float:
+        return self.num_cached_tokens / max(self.max_total_tokens, 1)
