@@ -28,7 +28,7 @@ class EngineClient(ABC):
         with max_new_tokens clipped to the context; raises InvalidRequestError otherwise."""
 
     @abstractmethod
-    def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    def stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Submits and yields deltas until one with finished=True. Closing the iterator early aborts it."""
 
     @abstractmethod
