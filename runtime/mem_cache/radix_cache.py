@@ -1,0 +1,272 @@
+"""RadixCache: a radix tree from token-id prefixes to the KV slots that already hold their K/V.
+
+Page size 1: every token owns exactly one slot. The tree owns the slots of every token stored in it;
+they go back to the KVAllocator only through `evict` or `reset`.
+
+Accounting: each non-root node's tokens count as *protected* while some request holds a lock on the
+node or on one of its descendants, and as *evictable* otherwise. `total_size()` is their sum, so at any
+moment `allocator.available_size() + cache.total_size() + slots held outside the tree == allocator.size`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+from runtime.errors import DoubleFreeError
+from runtime.mem_cache.allocator import KVAllocator
+
+
+class TreeNode:
+    """One edge of the radix tree: `key` tokens whose K/V live in the slots `value` (same length)."""
+
+    __slots__ = ("id", "parent", "children", "key", "value", "lock_ref", "last_access")
+
+    def __init__(self, node_id: int, parent: TreeNode | None, key: list[int], value: torch.Tensor):
+        # Ties in last_access (one tick stamps a whole path) break by creation order, so eviction
+        # order is fully deterministic.
+        self.id = node_id
+        self.parent = parent
+        self.children: dict[int, TreeNode] = {}
+        self.key = key
+        self.value = value
+        self.lock_ref = 0
+        self.last_access = 0
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    kv_indices: torch.Tensor  # int64 slots of the longest cached prefix of the query (may be empty)
+    last_node: TreeNode  # where the match ended (the root when nothing matched); lock it while in use
+
+
+def _common_prefix_len(a: list[int], a_start: int, b: list[int]) -> int:
+    n = min(len(a) - a_start, len(b))
+    i = 0
+    while i < n and a[a_start + i] == b[i]:
+        i += 1
+    return i
+
+
+class RadixCache:
+    def __init__(self, allocator: KVAllocator, disable: bool = False):
+        self.allocator = allocator
+        self.disable = disable
+        # A logical clock instead of wall time: LRU order must not depend on timer resolution.
+        self._clock = 0
+        self._next_id = 0
+        self.root = self._new_node(None, [], torch.empty(0, dtype=torch.int64))
+        self._evictable_size = 0
+        self._protected_size = 0
+        # Unlocked childless nodes, i.e. exactly what `evict` may take next.
+        self._evictable_leaves: set[TreeNode] = set()
+
+    # ---------------------------------------------------------------- queries
+
+    def match_prefix(self, token_ids: list[int]) -> MatchResult:
+        """Longest cached prefix of `token_ids`.
+
+        If the match ends inside an edge, that edge is split so `last_node` covers exactly the matched
+        tokens (locking it must not protect tokens the caller does not use). Every node on the matched
+        path becomes most recently used.
+        """
+        if self.disable or not token_ids:
+            return MatchResult(torch.empty(0, dtype=torch.int64), self.root)
+        tick = self._tick()
+        node = self.root
+        values: list[torch.Tensor] = []
+        pos = 0
+        while pos < len(token_ids):
+            child = node.children.get(token_ids[pos])
+            if child is None:
+                break
+            n = _common_prefix_len(token_ids, pos, child.key)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = tick
+            values.append(child.value)
+            node = child
+            pos += n
+        kv = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+        return MatchResult(kv, node)
+
+    def evictable_size(self) -> int:
+        return self._evictable_size
+
+    def protected_size(self) -> int:
+        return self._protected_size
+
+    def total_size(self) -> int:
+        return self._evictable_size + self._protected_size
+
+    # ---------------------------------------------------------------- updates
+
+    def insert(self, token_ids: list[int], kv_indices: torch.Tensor) -> int:
+        """Store `token_ids` with their slots `kv_indices`; return `prefix_len`, how many leading tokens
+        were already in the tree before this call.
+
+        Ownership after the call, for a caller that earlier matched `cached_len` tokens of this
+        sequence (and kept that node locked, so `cached_len <= prefix_len`):
+          * `kv_indices[:cached_len]` are the tree's own slots (they came from `match_prefix`); don't free.
+          * `kv_indices[cached_len:prefix_len]` duplicate tokens the tree already had under other slots;
+            the tree keeps its own copy, so these are still the caller's and the CALLER MUST FREE them.
+          * `kv_indices[prefix_len:]` now belong to the tree; the caller must not free them.
+        In disable mode this returns 0 and the caller keeps every slot.
+        """
+        if len(token_ids) != kv_indices.numel():
+            raise ValueError(f"insert: {len(token_ids)} tokens but {kv_indices.numel()} KV slots")
+        if self.disable or not token_ids:
+            return 0
+        tick = self._tick()
+        node = self.root
+        pos = 0
+        while pos < len(token_ids):
+            child = node.children.get(token_ids[pos])
+            if child is None:
+                # Clone: callers often pass a view into their req→token table, which they will reuse.
+                value = kv_indices[pos:].to(torch.int64).clone()
+                leaf = self._new_node(node, list(token_ids[pos:]), value)
+                leaf.last_access = tick
+                node.children[token_ids[pos]] = leaf
+                self._evictable_size += len(leaf.key)
+                self._refresh_leaf_status(leaf)
+                self._refresh_leaf_status(node)
+                break
+            n = _common_prefix_len(token_ids, pos, child.key)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = tick
+            node = child
+            pos += n
+        return pos
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        """Protect `node` and all its ancestors from eviction until the matching `dec_lock_ref`."""
+        if self.disable:
+            return
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._evictable_size -= len(node.key)
+                self._protected_size += len(node.key)
+            node.lock_ref += 1
+            self._refresh_leaf_status(node)
+            node = node.parent  # type: ignore[assignment]
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        if self.disable:
+            return
+        while node is not self.root:
+            if node.lock_ref == 0:
+                raise DoubleFreeError(f"dec_lock_ref on an unlocked node {node!r}: a lock was released twice")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable_size += len(node.key)
+                self._protected_size -= len(node.key)
+            self._refresh_leaf_status(node)
+            node = node.parent  # type: ignore[assignment]
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` slots if the unlocked part of the tree holds them; return how many
+        were freed.
+
+        Takes whole leaves, least recently used first; a parent becomes a candidate once its last child
+        is gone. May free more than asked (a leaf is never cut), or less when too much is locked.
+        """
+        if self.disable or num_tokens <= 0:
+            return 0
+        heap = [(n.last_access, n.id, n) for n in self._evictable_leaves]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, leaf = heapq.heappop(heap)
+            self.allocator.free(leaf.value)
+            freed += len(leaf.key)
+            self._evictable_size -= len(leaf.key)
+            parent = leaf.parent
+            assert parent is not None
+            del parent.children[leaf.key[0]]
+            self._evictable_leaves.discard(leaf)
+            leaf.parent = None
+            self._refresh_leaf_status(parent)
+            if parent in self._evictable_leaves:
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        return freed
+
+    def reset(self) -> None:
+        """Return every cached slot to the allocator and empty the tree. Nothing may be locked."""
+        if self._protected_size:
+            raise DoubleFreeError(
+                f"reset with {self._protected_size} locked tokens: their slots are still in use by requests"
+            )
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            self.allocator.free(node.value)
+            stack.extend(node.children.values())
+        self.root.children.clear()
+        self._evictable_leaves.clear()
+        self._evictable_size = 0
+        self._protected_size = 0
+
+    # ---------------------------------------------------------------- debug
+
+    def pretty_print(self) -> str:
+        lines = [
+            f"RadixCache(evictable={self._evictable_size}, protected={self._protected_size}, "
+            f"disable={self.disable})"
+        ]
+        stack: list[tuple[TreeNode, int]] = [(c, 1) for c in reversed(self._sorted_children(self.root))]
+        while stack:
+            node, depth = stack.pop()
+            preview = node.key[:8]
+            more = "..." if len(node.key) > 8 else ""
+            lines.append(
+                f"{'  ' * depth}#{node.id} len={len(node.key)} key={preview}{more} "
+                f"lock={node.lock_ref} t={node.last_access}"
+            )
+            stack.extend((c, depth + 1) for c in reversed(self._sorted_children(node)))
+        return "\n".join(lines)
+
+    # ---------------------------------------------------------------- internals
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _new_node(self, parent: TreeNode | None, key: list[int], value: torch.Tensor) -> TreeNode:
+        node = TreeNode(self._next_id, parent, key, value)
+        self._next_id += 1
+        return node
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Cut `child`'s edge after `n` tokens; return the new upper node (which holds those n tokens).
+
+        The upper node inherits the lock count: every lock on `child` also covered these tokens, so
+        evictable/protected sizes and the leaf set are unchanged.
+        """
+        parent = child.parent
+        assert parent is not None and 0 < n < len(child.key)
+        upper = self._new_node(parent, child.key[:n], child.value[:n])
+        upper.lock_ref = child.lock_ref
+        upper.last_access = child.last_access
+        parent.children[child.key[0]] = upper
+        child.key = child.key[n:]
+        child.value = child.value[n:]
+        child.parent = upper
+        upper.children[child.key[0]] = child
+        return upper
+
+    def _refresh_leaf_status(self, node: TreeNode) -> None:
+        if node is not self.root and not node.children and node.lock_ref == 0:
+            self._evictable_leaves.add(node)
+        else:
+            self._evictable_leaves.discard(node)
+
+    @staticmethod
+    def _sorted_children(node: TreeNode) -> list[TreeNode]:
+        return sorted(node.children.values(), key=lambda c: c.key[0])
