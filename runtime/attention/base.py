@@ -1,0 +1,54 @@
+"""AttentionBackend ABC. Backends own their CUDA-graph hooks, so CudaGraphRunner stays generic."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from runtime.layers.attention import Attention
+    from runtime.model_executor.forward_batch import ForwardBatch
+    from runtime.model_executor.forward_mode import ForwardMode
+
+
+class AttentionBackend(ABC):
+    supports_cuda_graph: bool = False
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        """Once per batch, before the layers run (plan kernels, build index tensors)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
+                fb: ForwardBatch) -> torch.Tensor:
+        """q [T, Hq*D], k/v [T, Hkv*D] → o [T, Hq*D]. Stores K/V at fb.out_cache_loc first."""
+        if fb.forward_mode.is_idle():
+            return q.new_empty((0, layer.num_heads * layer.head_dim))
+        if fb.forward_mode.is_decode():
+            return self.forward_decode(q, k, v, layer, fb)
+        return self.forward_extend(q, k, v, layer, fb)
+
+    @abstractmethod
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
+                       fb: ForwardBatch) -> torch.Tensor: ...
+
+    @abstractmethod
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
+                       fb: ForwardBatch) -> torch.Tensor: ...
+
+    # CUDA-graph hooks: static buffers sized for the largest captured batch, filled per replay.
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode) -> None:
+        raise NotImplementedError
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor, seq_lens_sum: int,
+                                                forward_mode: ForwardMode) -> None:
+        raise NotImplementedError
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """seq_len given to padded rows of a replayed batch (they read slot 0)."""
+        return 1

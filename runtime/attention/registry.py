@@ -1,0 +1,38 @@
+"""Name → backend class, imported lazily so CPU installs never import flashinfer."""
+
+from __future__ import annotations
+
+import importlib
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from runtime.attention.base import AttentionBackend
+
+ATTENTION_BACKENDS = MappingProxyType({
+    "torch_native": "runtime.attention.torch_native:TorchNativeAttnBackend",
+    "triton": "runtime.attention.triton_backend:TritonAttnBackend",
+    "flashinfer": "runtime.attention.flashinfer_backend:FlashInferAttnBackend",
+})
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    if name != "auto":
+        return name
+    if device.type != "cuda":
+        return "torch_native"
+    try:
+        importlib.import_module("flashinfer")
+        return "flashinfer"
+    except ImportError:
+        return "triton"
+
+
+def create_attention_backend(name: str, runner: object) -> AttentionBackend:
+    """`runner` is the ModelRunner (pools, model config, device) the backend serves."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(ATTENTION_BACKENDS)}")
+    module, cls = ATTENTION_BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)(runner)

@@ -1,0 +1,2 @@
+"""Model building blocks (tensor-parallel linear/embedding, norm, rotary, attention, logits, sampler).
+Called by models; they call attention backends and kernels below them."""

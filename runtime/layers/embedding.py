@@ -1,0 +1,46 @@
+"""Vocab-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.distributed import ParallelGroup
+from runtime.errors import WeightLoadError
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden: int, group: ParallelGroup, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.group, self.vocab_size = group, vocab_size
+        self.per_rank = (vocab_size + group.size - 1) // group.size  # last rank padded
+        self.start = group.rank * self.per_rank
+        self.end = min(self.start + self.per_rank, vocab_size)
+        self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if loaded.shape[0] != self.vocab_size or loaded.shape[1] != param.shape[1]:
+            raise WeightLoadError(
+                f"tensor {getattr(param, 'hf_name', '')}: checkpoint shape {tuple(loaded.shape)}, "
+                f"expected ({self.vocab_size}, {param.shape[1]})")
+        param.data[: self.end - self.start].copy_(loaded[self.start:self.end])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.group.size == 1:
+            return F.embedding(input_ids, self.weight)
+        mask = (input_ids >= self.start) & (input_ids < self.end)
+        local = torch.where(mask, input_ids - self.start, torch.zeros_like(input_ids))
+        out = F.embedding(local, self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
+        return self.group.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """logits = h W^T over this rank's vocab slice, gathered to the full vocabulary on every rank."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.group.size > 1:
+            logits = self.group.all_gather(logits, dim=-1)
+        return logits[..., : self.vocab_size]

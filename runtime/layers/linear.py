@@ -1,0 +1,135 @@
+"""Tensor-parallel linear layers. tp_size=1 is the trivial case of the same code.
+
+Each parameter carries a `weight_loader(param, loaded, shard_id)` that copies this rank's slice of a
+full checkpoint tensor, so a rank never materialises more than one full tensor at a time."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.distributed import ParallelGroup
+from runtime.errors import WeightLoadError
+
+
+def _check_shape(param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise WeightLoadError(
+            f"tensor {getattr(param, 'hf_name', name) or name}: checkpoint shape {tuple(loaded.shape)} "
+            f"does not fit parameter shape {tuple(param.shape)}")
+
+
+def _narrow(loaded: torch.Tensor, dim: int, rank: int, size: int, expected: int, name: str) -> torch.Tensor:
+    if loaded.shape[dim] != expected * size:
+        raise WeightLoadError(
+            f"tensor {name}: checkpoint dim {dim} is {loaded.shape[dim]}, expected {expected * size}")
+    return loaded.narrow(dim, rank * expected, expected)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W split by output rows; gather_output concatenates the shards on every rank."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: ParallelGroup,
+                 gather_output: bool = False, dtype: torch.dtype | None = None):
+        super().__init__()
+        if out_features % group.size:
+            raise ValueError(f"output size {out_features} is not divisible by tp size {group.size}")
+        self.group, self.gather_output = group, gather_output
+        self.out_per_rank = out_features // group.size
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.out_per_rank, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        part = _narrow(loaded, 0, self.group.rank, self.group.size, param.shape[0], getattr(param, "hf_name", ""))
+        _check_shape(param, part)
+        param.data.copy_(part)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return self.group.all_gather(y, dim=-1) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs fused in one matmul (gate_proj + up_proj); shard_id picks which."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, group: ParallelGroup,
+                 dtype: torch.dtype | None = None):
+        super().__init__(in_features, sum(out_sizes), bias, group, dtype=dtype)
+        self.out_sizes = [s // group.size for s in out_sizes]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        idx = int(shard_id)  # type: ignore[arg-type]
+        start, size = sum(self.out_sizes[:idx]), self.out_sizes[idx]
+        part = _narrow(loaded, 0, self.group.rank, self.group.size, size, getattr(param, "hf_name", ""))
+        dst = param.data.narrow(0, start, size)
+        _check_shape(dst, part)  # type: ignore[arg-type]
+        dst.copy_(part)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k, v projections fused; heads split across ranks (KV heads replicated when fewer than ranks)."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 group: ParallelGroup, dtype: torch.dtype | None = None):
+        tp = group.size
+        if num_heads % tp:
+            raise ValueError(f"num_attention_heads {num_heads} is not divisible by tp size {tp}")
+        if num_kv_heads % tp and tp % num_kv_heads:
+            raise ValueError(f"num_key_value_heads {num_kv_heads} and tp size {tp} must divide one another")
+        self.num_heads = num_heads // tp
+        self.num_kv_heads = max(1, num_kv_heads // tp)
+        self.kv_replicas = max(1, tp // num_kv_heads)
+        self.head_dim = head_dim
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
+        super().__init__(hidden, out, bias, group, dtype=dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]  # type: ignore[index]
+        rank, shards = self.group.rank, self.group.size
+        if shard_id != "q":
+            rank, shards = rank // self.kv_replicas, shards // self.kv_replicas
+        part = _narrow(loaded, 0, rank, shards, size, getattr(param, "hf_name", ""))
+        dst = param.data.narrow(0, start, size)
+        _check_shape(dst, part)  # type: ignore[arg-type]
+        dst.copy_(part)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W split by input columns; the partial sums are all-reduced (bias added once)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: ParallelGroup,
+                 reduce_results: bool = True, dtype: torch.dtype | None = None):
+        super().__init__()
+        if in_features % group.size:
+            raise ValueError(f"input size {in_features} is not divisible by tp size {group.size}")
+        self.group, self.reduce_results = group, reduce_results
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // group.size, dtype=dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self._bias_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        part = _narrow(loaded, 1, self.group.rank, self.group.size, param.shape[1], getattr(param, "hf_name", ""))
+        _check_shape(param, part)
+        param.data.copy_(part)
+
+    def _bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        _check_shape(param, loaded)
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.reduce_results:
+            y = self.group.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

@@ -1,0 +1,51 @@
+"""Rotary position embedding (neox / rotate-half style, as HF Llama/Qwen/Mistral), with llama3 and
+linear scaling. cos/sin are precomputed for every position once, in fp32."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from runtime.model_config import RopeConfig
+
+
+def _inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.scaling_type == "linear":
+        return inv / rope.factor
+    if rope.scaling_type != "llama3":
+        return inv
+    old = rope.original_max_position_embeddings
+    low_wavelen, high_wavelen = old / rope.low_freq_factor, old / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+    smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, rope: RopeConfig):
+        super().__init__()
+        self.head_dim = head_dim
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), _inv_freq(head_dim, rope))
+        # [max_pos, head_dim]: cos of the half dim, then sin (the layout kernels/rotary.py reads).
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [T, Hq*D], k [T, Hkv*D] → rotated copies (same shapes and dtypes)."""
+        cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+        cos = torch.cat([cos, cos], dim=-1).unsqueeze(1)
+        sin = torch.cat([sin, sin], dim=-1).unsqueeze(1)
+        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+
+    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.view(shape[0], -1, self.head_dim)
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat([-x2, x1], dim=-1)
+        out = x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+        return out.view(shape)

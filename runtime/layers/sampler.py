@@ -1,0 +1,107 @@
+"""Sampler: penalties, temperature, top-k / top-p / min-p, then a Gumbel-style draw whose noise is a
+pure function of (request seed, output position, token id). So a seeded request samples the same
+tokens whatever else shares its batch, on any device, with no generator state to carry around."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.messages import SamplingBatch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= (1 << 63) else c
+
+
+_GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+_STEP = _signed(0xD1B54A32D192ED03)
+
+
+def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] uniforms in (0, 1): splitmix64 of (seed, step, token id) in wrapping int64 arithmetic."""
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    x = seeds[:, None] * _GOLDEN + steps[:, None] * _STEP + ids[None, :] * _GOLDEN
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * _MIX1
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * _MIX2
+    x = x ^ ((x >> 31) & ((1 << 33) - 1))
+    return (((x >> 40) & ((1 << 24) - 1)).float() + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    next_token_ids: torch.Tensor  # [B]
+    logprobs: torch.Tensor | None = None  # [B] logprob of the chosen token under the raw distribution
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
+        logits = logits.float()
+        bsz, vocab = logits.shape
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if sb.return_logprob else None
+        logits = self._apply_penalties(logits, sb)
+        for i, banned in enumerate(sb.blocked_token_ids):
+            if banned:
+                logits[i, [t for t in banned if t < vocab]] = float("-inf")
+        if sb.all_greedy:
+            ids = logits.argmax(dim=-1)
+        else:
+            ids = self._sample(logits, sb)
+        out = SampleOutput(ids)
+        if raw_logprobs is not None:
+            out.logprobs = raw_logprobs.gather(1, ids[:, None]).squeeze(1)
+            k = max(sb.top_logprobs_nums, default=0)
+            if k > 0:
+                vals, idx = raw_logprobs.topk(k, dim=-1)
+                vals, idx = vals.tolist(), idx.tolist()
+                out.top_logprobs = [list(zip(idx[i][:n], vals[i][:n])) for i, n in enumerate(sb.top_logprobs_nums)]
+        return out
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+        rows = [i for i, toks in enumerate(sb.penalty_tokens) if toks]
+        if not rows:
+            return logits
+        dev, vocab = logits.device, logits.shape[1]
+        for i in rows:
+            toks = torch.tensor(sb.penalty_tokens[i], dtype=torch.int64, device=dev).clamp_(0, vocab - 1)
+            rep = sb.repetition_penalties[i]
+            if rep != 1.0:  # HF semantics: over prompt and output alike
+                seen = torch.unique(toks)
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / rep, vals * rep)
+            freq, pres = sb.frequency_penalties[i], sb.presence_penalties[i]
+            if freq != 0.0 or pres != 0.0:  # OpenAI semantics: over generated tokens only
+                out_toks = toks[sb.prompt_lens[i]:]
+                counts = torch.zeros(vocab, device=dev).scatter_add_(0, out_toks, torch.ones_like(out_toks, dtype=torch.float32))
+                logits[i] -= freq * counts + pres * (counts > 0).float()
+        return logits
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+        dev = logits.device
+        temps = torch.tensor(sb.temperatures, dtype=torch.float32, device=dev)
+        greedy = temps == 0.0
+        probs = torch.softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
+        if any(k > 0 for k in sb.top_ks) or any(p < 1.0 for p in sb.top_ps):
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            ranks = torch.arange(probs.shape[1], device=dev)[None, :]
+            top_ks = torch.tensor([k if k > 0 else probs.shape[1] for k in sb.top_ks], device=dev)
+            top_ps = torch.tensor(sb.top_ps, dtype=torch.float32, device=dev)
+            drop = (ranks >= top_ks[:, None]) | ((sorted_p.cumsum(-1) - sorted_p) > top_ps[:, None])
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
+        if any(m > 0.0 for m in sb.min_ps):
+            min_ps = torch.tensor(sb.min_ps, dtype=torch.float32, device=dev)
+            probs = probs.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * min_ps[:, None], 0.0)
+        seeds = torch.tensor(sb.seeds, dtype=torch.int64, device=dev)
+        steps = torch.tensor(sb.steps, dtype=torch.int64, device=dev)
+        noise = -torch.log(hash_uniform(seeds, steps, probs.shape[1]))  # Exp(1): argmax p/E draws from p
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)

@@ -1,0 +1,137 @@
+"""ModelConfig: the fields of a HF config.json that the engine needs, checked once."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.errors import ModelConfigError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    theta: float
+    scaling_type: str = "default"  # default | llama3 | linear
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # Qwen2: bias on q/k/v projections
+    qk_norm: bool  # Qwen3: RMSNorm on q and k per head
+    dtype: torch.dtype
+    eos_token_ids: tuple[int, ...]
+    hidden_act: str = "silu"
+
+    @classmethod
+    def from_pretrained(cls, model_path: str | Path, dtype: str = "auto") -> ModelConfig:
+        path = Path(model_path) / "config.json"
+        if not path.is_file():
+            raise ModelConfigError(f"no config.json in model folder {model_path}")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_dict(raw, dtype=dtype)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], dtype: str = "auto") -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelConfigError(
+                f"unsupported architecture {archs or 'missing'} (config field 'architectures'); "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        model_type = SUPPORTED_ARCHITECTURES[arch]
+
+        def need(name: str, kind: type = int) -> Any:
+            if name not in raw or raw[name] is None:
+                raise ModelConfigError(f"config.json of {arch} is missing required field '{name}'")
+            v = raw[name]
+            if kind is int and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise ModelConfigError(f"config field '{name}' must be a positive integer, got {v!r}")
+            if kind is float and (not isinstance(v, (int, float)) or v <= 0):
+                raise ModelConfigError(f"config field '{name}' must be a positive number, got {v!r}")
+            return v
+
+        hidden, heads = need("hidden_size"), need("num_attention_heads")
+        kv_heads = raw.get("num_key_value_heads") or heads
+        if not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads:
+            raise ModelConfigError(
+                f"config field 'num_key_value_heads' ({kv_heads}) must divide num_attention_heads ({heads})")
+        head_dim = raw.get("head_dim") or hidden // heads
+        if raw.get("head_dim") is None and hidden % heads:
+            raise ModelConfigError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads}")
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelConfigError(f"config field 'hidden_act' must be 'silu', got {act!r}")
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        return cls(
+            architecture=arch, model_type=model_type,
+            vocab_size=need("vocab_size"), hidden_size=hidden,
+            intermediate_size=need("intermediate_size"), num_hidden_layers=need("num_hidden_layers"),
+            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope=_rope(raw), max_position_embeddings=need("max_position_embeddings"),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3", dtype=_dtype(raw, dtype), eos_token_ids=eos_ids,
+        )
+
+
+def _rope(raw: dict[str, Any]) -> RopeConfig:
+    # transformers 5 writes rope_parameters; published configs carry rope_theta + rope_scaling.
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind not in ("default", "llama3", "linear"):
+        raise ModelConfigError(f"unsupported rope_scaling type {kind!r}; supported: default, llama3, linear")
+    if not isinstance(theta, (int, float)) or theta <= 0:
+        raise ModelConfigError(f"config field 'rope_theta' must be positive, got {theta!r}")
+    return RopeConfig(
+        theta=float(theta), scaling_type=kind, factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _dtype(raw: dict[str, Any], requested: str) -> torch.dtype:
+    if requested != "auto":
+        return _DTYPES[requested]
+    name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    if name not in _DTYPES:
+        raise ModelConfigError(f"config field 'torch_dtype' has unsupported dtype {name!r}")
+    return _DTYPES[name]

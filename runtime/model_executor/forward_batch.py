@@ -1,0 +1,80 @@
+"""ForwardBatch: everything one forward needs, as device tensors, built once from a WorkerBatch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from runtime.messages import SamplingBatch, WorkerBatch
+from runtime.model_executor.forward_mode import ForwardMode
+
+if TYPE_CHECKING:
+    from runtime.attention.base import AttentionBackend
+    from runtime.mem_cache.kv_pool import TokenToKVPool
+    from runtime.mem_cache.req_to_token import ReqToTokenPool
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    out_cache_loc: torch.Tensor  # [T] KV slot of each new token
+    req_pool_indices: torch.Tensor  # [B]
+    seq_lens: torch.Tensor  # [B] tokens in KV after this forward
+    extend_prefix_lens: torch.Tensor  # [B] tokens already in KV before it
+    extend_seq_lens: torch.Tensor  # [B] new tokens (1 for a decode)
+    extend_start_loc: torch.Tensor  # [B] offset of each request's first new token in input_ids
+    seq_lens_cpu: list[int]
+    extend_prefix_lens_cpu: list[int]
+    extend_seq_lens_cpu: list[int]
+    extend_start_loc_cpu: list[int]
+    seq_lens_sum: int
+    extend_num_tokens: int
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: TokenToKVPool
+    attn_backend: AttentionBackend
+    sampling: SamplingBatch | None = None
+    return_input_logprob: list[bool] = field(default_factory=list)
+    global_num_tokens: list[int] | None = None
+
+    @classmethod
+    def init_new(cls, batch: WorkerBatch, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool,
+                 attn_backend: AttentionBackend, device: torch.device) -> ForwardBatch:
+        mode = ForwardMode(batch.forward_mode)
+        if not mode.is_executable():
+            raise NotImplementedError(f"ForwardMode.{mode.name} is not executed by this ModelRunner yet")
+        seq_lens, prefix_lens = batch.seq_lens, batch.prefix_lens
+        extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
+        starts, acc = [], 0
+        for n in extend_lens:
+            starts.append(acc)
+            acc += n
+        if acc != len(batch.input_ids) or acc != len(batch.out_cache_loc):
+            raise ValueError(f"worker batch has {len(batch.input_ids)} input ids and {len(batch.out_cache_loc)} "
+                             f"KV slots for {acc} new tokens")
+        positions = [p for s, pre in zip(seq_lens, prefix_lens) for p in range(pre, s)]
+
+        def t(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)
+
+        return cls(
+            forward_mode=mode, batch_size=len(seq_lens), input_ids=t(batch.input_ids), positions=t(positions),
+            out_cache_loc=t(batch.out_cache_loc), req_pool_indices=t(batch.req_pool_indices),
+            seq_lens=t(seq_lens), extend_prefix_lens=t(prefix_lens), extend_seq_lens=t(extend_lens),
+            extend_start_loc=t(starts), seq_lens_cpu=list(seq_lens), extend_prefix_lens_cpu=list(prefix_lens),
+            extend_seq_lens_cpu=extend_lens, extend_start_loc_cpu=starts, seq_lens_sum=sum(seq_lens), extend_num_tokens=acc,
+            req_to_token_pool=req_to_token_pool, token_to_kv_pool=token_to_kv_pool, attn_backend=attn_backend,
+            sampling=batch.sampling, return_input_logprob=list(batch.return_input_logprob),
+            global_num_tokens=batch.global_num_tokens,
+        )
+
+    def write_req_to_token(self) -> None:
+        """Records where this step's new tokens live, so attention can gather each request's KV."""
+        if self.extend_num_tokens == 0:
+            return
+        rows = torch.repeat_interleave(self.req_pool_indices, self.extend_seq_lens)
+        self.req_to_token_pool.req_to_token[rows, self.positions] = self.out_cache_loc.to(torch.int32)

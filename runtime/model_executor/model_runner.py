@@ -1,0 +1,136 @@
+"""ModelRunner: one rank's model, KV pools, attention backend, CUDA graphs and sampler.
+
+`run_batch(WorkerBatch) -> BatchResult` is all a TpWorker calls: build the ForwardBatch once, run the
+forward (replaying a CUDA graph when the mode allows), sample."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from runtime.attention.registry import create_attention_backend, resolve_backend_name
+from runtime.config import ServerArgs
+from runtime.layers.logits import LogitsOutput, LogitsProcessor
+from runtime.layers.sampler import Sampler
+from runtime.mem_cache.kv_pool import TokenToKVPool
+from runtime.mem_cache.req_to_token import ReqToTokenPool
+from runtime.messages import BatchResult, WorkerBatch
+from runtime.model_config import ModelConfig
+from runtime.model_executor.forward_batch import ForwardBatch
+from runtime.model_executor.weight_loader import init_dummy_weights, iterate_safetensors
+from runtime.models.parallel_context import ParallelContext
+from runtime.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs, model_path: str, ctx: ParallelContext | None = None,
+                 device: torch.device | None = None):
+        self.args = args
+        self.ctx = ctx or ParallelContext()
+        self.device = device or resolve_device(args.device)
+        dtype = args.dtype
+        if dtype == "auto" and self.device.type == "cpu":
+            dtype = "float32"  # CPU bf16 matmuls are slow and drift from the HF fp32 reference
+        self.model_config = ModelConfig.from_pretrained(model_path, dtype=dtype)
+        self.context_len = args.context_length or self.model_config.max_position_embeddings
+        self.model = self._load_model(model_path)
+        self.max_total_tokens = self._kv_pool_size()
+        self.max_running_requests = args.max_running_requests + 4  # + requests mid chunked prefill
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len + 1, self.device)
+        attn0 = self.model.model.layers[0].self_attn
+        self.token_to_kv_pool = TokenToKVPool(self.max_total_tokens, self.model_config.num_hidden_layers,
+                                              attn0.num_kv_heads, attn0.head_dim, self.model_config.dtype,
+                                              self.device)
+        self.attn_backend_name = resolve_backend_name(args.attention_backend, self.device)
+        self.attn_backend = create_attention_backend(self.attn_backend_name, self)
+        self.logits_processor = LogitsProcessor(self.model.compute_logits)
+        self.sampler = Sampler()
+        self.cuda_graph_runner = self._init_cuda_graphs()
+
+    def _load_model(self, model_path: str) -> torch.nn.Module:
+        cfg = self.model_config
+        t0 = time.perf_counter()
+        with torch.device(self.device):
+            model = get_model_class(cfg.architecture)(cfg, self.ctx)
+        if self.args.load_format == "dummy":
+            init_dummy_weights(model, self.args.random_seed)
+        else:
+            show = self.ctx.attn.rank == 0 and self.ctx.mlp.rank == 0
+            model.load_weights(iterate_safetensors(model_path, show_progress=show))
+        model.eval()
+        logger.info("loaded %s (%s, %s) in %.1f s", cfg.architecture, cfg.dtype, self.args.load_format,
+                    time.perf_counter() - t0)
+        return model
+
+    def _kv_pool_size(self) -> int:
+        cfg, args = self.model_config, self.args
+        attn0 = self.model.model.layers[0].self_attn
+        per_token = TokenToKVPool.bytes_per_token(cfg.num_hidden_layers, attn0.num_kv_heads, attn0.head_dim, cfg.dtype)
+        if self.device.type != "cuda":
+            return args.max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * args.mem_fraction_static - (total - free)
+        size = int(budget // per_token)
+        if self.ctx.attn.size > 1 or self.ctx.mlp.size > 1:  # every rank must agree on the pool size
+            t = torch.tensor([size], device=self.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.ctx.mlp.group)
+            size = int(t.item())
+        if args.max_total_tokens:
+            size = min(size, args.max_total_tokens)
+        if size < 16:
+            raise RuntimeError(f"not enough GPU memory for a KV pool ({size} tokens); raise --mem-fraction-static")
+        return size
+
+    def _init_cuda_graphs(self):
+        if self.device.type != "cuda" or self.args.disable_cuda_graph or not self.attn_backend.supports_cuda_graph:
+            return None
+        from runtime.model_executor.cuda_graph_runner import CudaGraphRunner
+
+        return CudaGraphRunner(self)
+
+    # ---- one step -------------------------------------------------------------------------------------
+    def apply_prefix_writes(self, batch: WorkerBatch) -> None:
+        for w in batch.prefix_writes:
+            self.req_to_token_pool.write(w.req_pool_idx, w.start, torch.tensor(w.kv_indices, device=self.device))
+
+    def build_forward_batch(self, batch: WorkerBatch) -> ForwardBatch:
+        self.apply_prefix_writes(batch)
+        fb = ForwardBatch.init_new(batch, self.req_to_token_pool, self.token_to_kv_pool, self.attn_backend,
+                                   self.device)
+        fb.write_req_to_token()
+        return fb
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> LogitsOutput:
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
+            return self.cuda_graph_runner.replay(fb)
+        self.attn_backend.init_forward_metadata(fb)
+        hidden = self.model(fb.input_ids, fb.positions, fb)
+        return self.logits_processor(hidden, fb.input_ids, fb)
+
+    @torch.inference_mode()
+    def run_batch(self, batch: WorkerBatch) -> BatchResult:
+        t0 = time.perf_counter()
+        fb = self.build_forward_batch(batch)
+        out = self.forward(fb)
+        if fb.batch_size == 0 or batch.sampling is None:
+            return BatchResult(batch_id=batch.batch_id, next_token_ids=[], forward_s=time.perf_counter() - t0)
+        sample = self.sampler(out.next_token_logits, batch.sampling)
+        return BatchResult(
+            batch_id=batch.batch_id, next_token_ids=sample.next_token_ids.tolist(),
+            logprobs=sample.logprobs.tolist() if sample.logprobs is not None else None,
+            top_logprobs=sample.top_logprobs, input_logprobs=out.input_logprobs,
+            forward_s=time.perf_counter() - t0)

@@ -1,0 +1,161 @@
+"""Llama / Mistral decoder (Qwen2 and Qwen3 reuse it: q/k/v bias and q/k RMSNorm come from ModelConfig).
+
+Tensor-parallel from the start: attention heads and MLP columns are split across `ctx.attn` / `ctx.mlp`
+ranks; with DP attention the MLP group spans all DP ranks and tokens are gathered around it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from runtime.errors import WeightLoadError
+from runtime.layers.activation import SiluAndMul
+from runtime.layers.attention import Attention
+from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from runtime.layers.norm import RMSNorm
+from runtime.layers.rotary import RotaryEmbedding
+from runtime.models.parallel_context import ParallelContext
+from runtime.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from runtime.model_executor.forward_batch import ForwardBatch
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, ctx: ParallelContext):
+        super().__init__()
+        dt, hd = cfg.dtype, cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, hd, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                          cfg.attention_bias, ctx.attn, dtype=dt)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size, self.head_dim = self.num_heads * hd, self.num_kv_heads * hd, hd
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, cfg.hidden_size, False, ctx.attn, dtype=dt)
+        self.rotary_emb = RotaryEmbedding(hd, cfg.max_position_embeddings, cfg.rope)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
+        self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, hd, hd**-0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v.contiguous(), fb))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext):
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], False, ctx.mlp, cfg.dtype)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, ctx.mlp, dtype=cfg.dtype)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, ctx: ParallelContext):
+        super().__init__()
+        self.ctx = ctx
+        self.self_attn = LlamaAttention(cfg, layer_id, ctx)
+        self.mlp = LlamaMLP(cfg, ctx)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+
+    def forward(self, positions, hidden, residual, fb: ForwardBatch):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        if hidden.shape[0]:
+            hidden = self.self_attn(positions, hidden, fb)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.ctx.run_mlp(self.mlp, hidden, fb), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.vocab, cfg.dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ctx) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+
+    def forward(self, input_ids, positions, fb: ForwardBatch) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, fb)
+        if residual is None:
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF checkpoint name fragment → (our fused parameter, shard id)
+    stacked_params = (
+        ("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
+        ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1),
+    )
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext):
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg, ctx)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx.vocab, cfg.dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        return self.model(input_ids, positions, fb)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Loads every checkpoint tensor into its (possibly fused, possibly sharded) parameter."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        expected = {n for n in params if not (self.cfg.tie_word_embeddings and n == "lm_head.weight")}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (self.cfg.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            target, shard = name, None
+            for hf, ours, shard_id in self.stacked_params:
+                if f".{hf}." in name:
+                    target, shard = name.replace(f".{hf}.", f".{ours}."), shard_id
+                    break
+            param = params.get(target)
+            if param is None:
+                continue  # tensors we do not use (e.g. extra heads); missing ones are caught below
+            param.hf_name = name
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor, shard)
+            else:
+                _default_loader(param, tensor, name)
+            loaded.add(f"{target}:{shard}" if shard is not None else target)
+        missing = []
+        for n in sorted(expected):
+            fused = [f"{n}:{s}" for hf, ours, s in self.stacked_params if f".{ours}." in n]
+            if (fused and not all(f in loaded for f in fused)) or (not fused and n not in loaded):
+                missing.append(n)
+        if missing:
+            raise WeightLoadError(f"checkpoint is missing tensors for: {', '.join(missing[:8])}"
+                                  + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""))
+
+
+def _default_loader(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise WeightLoadError(f"tensor {name}: checkpoint shape {tuple(tensor.shape)} does not fit "
+                              f"parameter shape {tuple(param.shape)}")
+    param.data.copy_(tensor)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass

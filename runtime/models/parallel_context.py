@@ -1,0 +1,47 @@
+"""ParallelContext: which process group each part of a model is split over.
+
+Plain TP: attention, MLP and vocabulary share one group. DP attention: attention (and the vocabulary)
+is replicated per DP rank, the MLP is split over every rank, and each MLP runs on the tokens of all
+ranks (gathered, padded to the largest rank's count) so the collectives match even on an IDLE rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from runtime.distributed import ParallelGroup
+
+if TYPE_CHECKING:
+    from runtime.model_executor.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelContext:
+    attn: ParallelGroup = field(default_factory=ParallelGroup.single)
+    mlp: ParallelGroup = field(default_factory=ParallelGroup.single)
+    dp_attention: bool = False
+
+    @property
+    def vocab(self) -> ParallelGroup:
+        return self.attn
+
+    @classmethod
+    def tensor_parallel(cls, group: ParallelGroup) -> ParallelContext:
+        return cls(attn=group, mlp=group)
+
+    def run_mlp(self, mlp: nn.Module, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        if not self.dp_attention:
+            return mlp(hidden)
+        counts = fb.global_num_tokens
+        if counts is None or len(counts) != self.mlp.size:
+            raise ValueError("DP attention needs every rank's token count in the batch (global_num_tokens)")
+        width = max(max(counts), 1)
+        local = hidden.shape[0]
+        padded = hidden.new_zeros((width, hidden.shape[1]))
+        padded[:local] = hidden
+        out = mlp(self.mlp.all_gather(padded, dim=0))
+        start = self.mlp.rank * width
+        return out[start:start + local]
