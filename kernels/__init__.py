@@ -1,0 +1,1 @@
+"""Lowest layer: Triton kernels called by attention backends and layers; each has a torch reference."""

@@ -1,0 +1,259 @@
+"""Decode attention: one new query token per request over its paged KV (page size 1), flash-decoding style.
+
+Stage 1 splits each request's sequence into `num_kv_splits` chunks and computes, per chunk, the softmax-
+normalised partial output and its log-sum-exp; one program serves all query heads that share a KV head, so
+each K/V row is read once per group instead of once per query head. Stage 2 merges the chunks with their
+log-sum-exps. Every size the launch depends on is known on the host without reading device memory, so the
+whole call can be captured in a CUDA graph and replayed with new `seq_lens`/`req_to_token` contents.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Chunks are rounded up to this many tokens so short sequences do not get split into tiny pieces.
+_MIN_BLOCK_KV = 32
+# tl.dot needs at least 16 rows on tensor cores; smaller GQA groups are padded up to it with masked rows.
+_MIN_BLOCK_H = 16
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    Q,
+    K_Buffer,
+    V_Buffer,
+    Req_To_Token,
+    Req_Pool_Indices,
+    Seq_Lens,
+    Mid,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_kbs,
+    stride_kh,
+    stride_vbs,
+    stride_vh,
+    stride_req,
+    stride_mid_b,
+    stride_mid_h,
+    stride_mid_s,
+    KV_GROUP: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    VALID_H: tl.constexpr,
+    BLOCKS_PER_GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_BLOCK_KV: tl.constexpr,
+):
+    cur_batch = tl.program_id(0)
+    head_block = tl.program_id(1)
+    split_id = tl.program_id(2)
+
+    # Each KV head's query group is covered by BLOCKS_PER_GROUP head blocks of VALID_H real heads.
+    cur_kv_head = head_block // BLOCKS_PER_GROUP
+    first_head = cur_kv_head * KV_GROUP + (head_block % BLOCKS_PER_GROUP) * VALID_H
+    offs_h = first_head + tl.arange(0, BLOCK_H)
+    mask_h = (tl.arange(0, BLOCK_H) < VALID_H) & (offs_h < (cur_kv_head + 1) * KV_GROUP)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+
+    seq_len = tl.load(Seq_Lens + cur_batch).to(tl.int32)
+    req_row = tl.load(Req_Pool_Indices + cur_batch).to(tl.int64)
+    kv_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), MIN_BLOCK_KV) * MIN_BLOCK_KV
+    split_start = kv_per_split * split_id
+    split_end = tl.minimum(split_start + kv_per_split, seq_len)
+
+    if split_end > split_start:
+        q = tl.load(
+            Q + cur_batch * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
+            mask=mask_h[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        e_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        e_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        for start_n in range(split_start, split_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < split_end
+            kv_loc = tl.load(Req_To_Token + req_row * stride_req + offs_n, mask=mask_n, other=0).to(tl.int64)
+            k = tl.load(
+                K_Buffer + kv_loc[None, :] * stride_kbs + cur_kv_head * stride_kh + offs_d[:, None],
+                mask=mask_n[None, :] & mask_d[:, None],
+                other=0.0,
+            )
+            # Scores are kept in the log2 domain (scale includes log2(e)) so exp2 can be used throughout.
+            qk = tl.dot(q, k) * qk_scale
+            qk = tl.where(mask_h[:, None] & mask_n[None, :], qk, float("-inf"))
+            v = tl.load(
+                V_Buffer + kv_loc[:, None] * stride_vbs + cur_kv_head * stride_vh + offs_d[None, :],
+                mask=mask_n[:, None] & mask_d[None, :],
+                other=0.0,
+            )
+            new_max = tl.maximum(tl.max(qk, 1), e_max)
+            # Padded head rows stay at -inf; subtracting a finite stand-in keeps them at 0 instead of NaN.
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+            rescale = tl.exp2(e_max - safe_max)
+            p = tl.exp2(qk - safe_max[:, None])
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+            e_sum = e_sum * rescale + tl.sum(p, 1)
+            e_max = new_max
+
+        safe_sum = tl.where(e_sum > 0, e_sum, 1.0)
+        mid_offs = cur_batch * stride_mid_b + offs_h * stride_mid_h + split_id * stride_mid_s
+        tl.store(
+            Mid + mid_offs[:, None] + offs_d[None, :],
+            acc / safe_sum[:, None],
+            mask=mask_h[:, None] & mask_d[None, :],
+        )
+        tl.store(Mid + mid_offs + HEAD_DIM, e_max + tl.log2(safe_sum), mask=mask_h)
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    Mid,
+    Out,
+    Seq_Lens,
+    stride_mid_b,
+    stride_mid_h,
+    stride_mid_s,
+    stride_ob,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MIN_BLOCK_KV: tl.constexpr,
+):
+    cur_batch = tl.program_id(0)
+    cur_head = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+
+    seq_len = tl.load(Seq_Lens + cur_batch).to(tl.int32)
+    kv_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), MIN_BLOCK_KV) * MIN_BLOCK_KV
+
+    e_max = float("-inf")
+    e_sum = 0.0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    base = cur_batch * stride_mid_b + cur_head * stride_mid_h
+    for split_id in range(0, NUM_SPLITS):
+        split_start = kv_per_split * split_id
+        split_end = tl.minimum(split_start + kv_per_split, seq_len)
+        # Splits past the end of a short sequence were never written by stage 1: skip them.
+        if split_end > split_start:
+            part = tl.load(Mid + base + split_id * stride_mid_s + offs_d, mask=mask_d, other=0.0)
+            lse = tl.load(Mid + base + split_id * stride_mid_s + HEAD_DIM)
+            new_max = tl.maximum(lse, e_max)
+            old_scale = tl.exp2(e_max - new_max)
+            weight = tl.exp2(lse - new_max)
+            acc = acc * old_scale + part * weight
+            e_sum = e_sum * old_scale + weight
+            e_max = new_max
+
+    # A zero-length (padding) request yields zeros rather than NaN.
+    out = acc / tl.where(e_sum > 0, e_sum, 1.0)
+    tl.store(Out + cur_batch * stride_ob + cur_head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
+
+
+def decode_attention_workspace(
+    batch: int, num_heads: int, head_dim: int, num_kv_splits: int, device: torch.device | str
+) -> torch.Tensor:
+    """The stage-1 scratch buffer: per (request, head, split) the partial output and, last, its lse."""
+    return torch.empty((batch, num_heads, num_kv_splits, head_dim + 1), dtype=torch.float32, device=device)
+
+
+def decode_attention_fwd(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    o: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    num_kv_splits: int = 8,
+    attn_logits: torch.Tensor | None = None,
+) -> None:
+    """Writes into `o` [B, Hq, D] the attention of q [B, Hq, D] over each request's first seq_lens[b]
+    tokens. `attn_logits` is an optional [>=B, Hq, num_kv_splits, D+1] fp32 workspace (pass a fixed one
+    when capturing CUDA graphs to keep allocations out of the graph's pool)."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if batch == 0:
+        return
+    kv_group = num_heads // num_kv_heads
+    if attn_logits is None:
+        attn_logits = decode_attention_workspace(batch, num_heads, head_dim, num_kv_splits, q.device)
+    elif attn_logits.shape[1:] != (num_heads, num_kv_splits, head_dim + 1) or attn_logits.shape[0] < batch:
+        raise ValueError(f"attn_logits has shape {tuple(attn_logits.shape)}, needs [>={batch}, {num_heads}, "
+                         f"{num_kv_splits}, {head_dim + 1}]")
+    for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("o", o)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+
+    block_h = max(_MIN_BLOCK_H, triton.next_power_of_2(min(kv_group, _MIN_BLOCK_H)))
+    blocks_per_group = triton.cdiv(kv_group, block_h)
+    block_d = triton.next_power_of_2(head_dim)
+    grid1 = (batch, num_kv_heads * blocks_per_group, num_kv_splits)
+    _decode_stage1_kernel[grid1](
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits,
+        sm_scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1),
+        req_to_token.stride(0),
+        attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
+        KV_GROUP=kv_group,
+        NUM_SPLITS=num_kv_splits,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_H=block_h,
+        VALID_H=min(block_h, kv_group),
+        BLOCKS_PER_GROUP=blocks_per_group,
+        BLOCK_N=32 if block_d > 128 else 64,
+        MIN_BLOCK_KV=_MIN_BLOCK_KV,
+        num_warps=4,
+        num_stages=2,
+    )
+    _decode_stage2_kernel[(batch, num_heads)](
+        attn_logits, o, seq_lens,
+        attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
+        o.stride(0), o.stride(1),
+        NUM_SPLITS=num_kv_splits,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        MIN_BLOCK_KV=_MIN_BLOCK_KV,
+        num_warps=4,
+    )
+
+
+def decode_attention_ref(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Plain per-request softmax attention in fp32; returns o [B, Hq, D] in q's dtype."""
+    batch, num_heads, head_dim = q.shape
+    kv_group = num_heads // k_buffer.shape[1]
+    o = torch.zeros_like(q)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        if n == 0:
+            continue
+        slots = req_to_token[int(req_pool_indices[b]), :n].long()
+        k = k_buffer[slots].float().repeat_interleave(kv_group, dim=1)  # [n, Hq, D]
+        v = v_buffer[slots].float().repeat_interleave(kv_group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * sm_scale
+        o[b] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), v).to(q.dtype)
+    return o

@@ -1,0 +1,62 @@
+import pytest
+import torch
+
+from kernels.decode_attention import decode_attention_fwd, decode_attention_ref, decode_attention_workspace
+
+
+def _decode_batch(paged_batch, seq_lens: list[int], hq: int, hkv: int, d: int):
+    return paged_batch(seq_lens, [n - 1 for n in seq_lens], hq, hkv, d)
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 2, 32), (4, 4, 32), (9, 3, 24)])
+@pytest.mark.parametrize("num_kv_splits", [1, 4])
+def test_decode_matches_reference(paged_batch, hq: int, hkv: int, d: int, num_kv_splits: int) -> None:
+    # 1: a single token; 37/100: not multiples of the 32-token split granularity or 64-token block.
+    pb = _decode_batch(paged_batch, [1, 37, 100, 64], hq, hkv, d)
+    o = torch.full_like(pb.q, float("nan"))
+    decode_attention_fwd(pb.q, pb.k_buffer, pb.v_buffer, o, pb.req_to_token, pb.req_pool_indices,
+                         pb.seq_lens, pb.sm_scale, num_kv_splits=num_kv_splits)
+    ref = decode_attention_ref(pb.q, pb.k_buffer, pb.v_buffer, pb.req_to_token, pb.req_pool_indices,
+                               pb.seq_lens, pb.sm_scale)
+    torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_seq_len_one_returns_that_tokens_value(paged_batch) -> None:
+    pb = _decode_batch(paged_batch, [1, 1], 4, 2, 16)
+    o = torch.empty_like(pb.q)
+    decode_attention_fwd(pb.q, pb.k_buffer, pb.v_buffer, o, pb.req_to_token, pb.req_pool_indices,
+                         pb.seq_lens, pb.sm_scale)
+    # Softmax over one key is 1: each q head returns its KV head's V row exactly.
+    torch.testing.assert_close(o, pb.v.repeat_interleave(2, dim=1))
+
+
+def test_decode_large_gqa_group_and_caller_workspace(paged_batch) -> None:
+    # A group of 20 q heads per KV head needs two head blocks of 16 per KV head.
+    pb = _decode_batch(paged_batch, [50, 3], 40, 2, 16)
+    workspace = decode_attention_workspace(4, 40, 16, 2, "cpu")  # larger batch than used: allowed
+    o = torch.empty_like(pb.q)
+    decode_attention_fwd(pb.q, pb.k_buffer, pb.v_buffer, o, pb.req_to_token, pb.req_pool_indices,
+                         pb.seq_lens, pb.sm_scale, num_kv_splits=2, attn_logits=workspace)
+    ref = decode_attention_ref(pb.q, pb.k_buffer, pb.v_buffer, pb.req_to_token, pb.req_pool_indices,
+                               pb.seq_lens, pb.sm_scale)
+    torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_zero_length_padding_request_gives_zeros(paged_batch) -> None:
+    pb = _decode_batch(paged_batch, [5, 9], 4, 2, 16)
+    seq_lens = torch.tensor([5, 0])
+    o = torch.full_like(pb.q, float("nan"))
+    decode_attention_fwd(pb.q, pb.k_buffer, pb.v_buffer, o, pb.req_to_token, pb.req_pool_indices,
+                         seq_lens, pb.sm_scale, num_kv_splits=2)
+    assert torch.equal(o[1], torch.zeros_like(o[1]))
+    ref = decode_attention_ref(pb.q, pb.k_buffer, pb.v_buffer, pb.req_to_token, pb.req_pool_indices,
+                               seq_lens, pb.sm_scale)
+    torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_rejects_mismatched_workspace(paged_batch) -> None:
+    pb = _decode_batch(paged_batch, [3], 4, 2, 16)
+    with pytest.raises(ValueError, match="attn_logits"):
+        decode_attention_fwd(pb.q, pb.k_buffer, pb.v_buffer, torch.empty_like(pb.q), pb.req_to_token,
+                             pb.req_pool_indices, pb.seq_lens, pb.sm_scale, num_kv_splits=4,
+                             attn_logits=decode_attention_workspace(1, 4, 16, 2, "cpu"))
