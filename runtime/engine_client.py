@@ -35,5 +35,5 @@ class EngineClient(ABC):
     async def abort(self, rid: str) -> None: ...
 
     @abstractmethod
-    async def get_stats(self) -> SchedulerStats:
+    async def stats(self) -> SchedulerStats:
         """Summed over replicas."""

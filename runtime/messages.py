@@ -130,3 +130,15 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     @property
     def kv_cache_ratio(self) -> float:
         return self.num_cached_tokens / max(self.max_total_tokens, 1)
+
+
+class WorkerInfo(msgspec.Struct, kw_only=True):
+    """What a TP worker reports once loaded; the scheduler sizes its allocator and tables from it."""
+
+    max_total_tokens: int
+    max_reqs: int
+    context_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    attention_backend: str
+    device: str

@@ -1,0 +1,233 @@
+"""Engine: the whole server in one process, without Ray — a Scheduler driving one in-process TpWorker on
+a background thread. The Python API for tests, notebooks and the quick start, and the EngineClient the
+HTTP gateway uses when tp = dp = 1."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from runtime.config import ServerArgs
+from runtime.engine_client import EngineClient
+from runtime.errors import EngineUnavailableError, InvalidRequestError
+from runtime.logging_setup import setup_logging
+from runtime.managers.detokenizer import IncrementalDetokenizer
+from runtime.managers.scheduler import Scheduler
+from runtime.managers.tokenizer import Tokenizer
+from runtime.managers.tp_worker import TpWorker
+from runtime.messages import GenerateRequest, RequestOutput, SchedulerStats
+from runtime.sampling.params import SamplingParams
+
+
+class Engine(EngineClient):
+    def __init__(self, model_path: str | None = None, *, server_args: ServerArgs | None = None, **kwargs: Any):
+        if server_args is None:
+            server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        self.args = server_args
+        setup_logging(server_args.log_level)
+        path = server_args.model_path
+        if path is None:
+            from runtime.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+
+            path = str(ensure_default_model())
+            self.model_name = server_args.served_model_name or DEFAULT_MODEL_NAME
+        else:
+            self.model_name = server_args.served_model_name or path.rstrip("/").split("/")[-1]
+        self.model_path = path
+        self.worker = TpWorker(server_args, path)
+        info = self.worker.info()
+        self._tokenizer = Tokenizer(server_args.tokenizer_path or path, tuple(info.eos_token_ids))
+        self.context_len = info.context_len
+        self.scheduler = Scheduler(
+            server_args, self.worker, max_total_tokens=info.max_total_tokens, max_reqs=info.max_reqs,
+            context_len=info.context_len, vocab_size=info.vocab_size,
+            eos_token_ids=self._tokenizer.eos_token_ids, sink=self._on_outputs,
+            decode_text=lambda ids: self._tokenizer.decode(ids))
+        self._consumers: dict[str, Callable[[RequestOutput], None]] = {}
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self.scheduler.run_forever, args=(self._stop,),
+                                        name="shoal-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- EngineClient ---------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    def is_ready(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def validate(self, req: GenerateRequest) -> GenerateRequest:
+        return self.scheduler.validate(req)
+
+    async def stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        if not self.is_ready():
+            raise EngineUnavailableError("the engine is shut down")
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._consumers[req.rid] = lambda o: loop.call_soon_threadsafe(q.put_nowait, o)
+        self.scheduler.submit(req)
+        done = False
+        try:
+            while not done:
+                out = await q.get()
+                done = out.finished
+                yield out
+        finally:
+            if not done:  # the consumer went away (client disconnect): free the request's KV
+                self._consumers.pop(req.rid, None)
+                self.scheduler.abort(req.rid)
+
+    async def abort(self, rid: str) -> None:
+        self.scheduler.abort(rid)
+
+    async def stats(self) -> SchedulerStats:
+        return self.get_stats()
+
+    # ---- Python API -----------------------------------------------------------------------------
+    def get_stats(self) -> SchedulerStats:
+        with self.scheduler.lock:
+            return self.scheduler.get_stats()
+
+    def make_request(self, prompt: str | None = None, input_ids: list[int] | None = None,
+                     sampling_params: dict | SamplingParams | None = None, return_input_logprob: bool = False,
+                     rid: str | None = None) -> GenerateRequest:
+        """Tokenizes and validates one request (InvalidRequestError on anything wrong)."""
+        params = SamplingParams.from_dict(sampling_params)
+        if input_ids is None:
+            if not isinstance(prompt, str):
+                raise InvalidRequestError("give a prompt string or input_ids", param="prompt")
+            input_ids = self._tokenizer.encode(prompt)
+        req = GenerateRequest(rid=rid or f"engine-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
+                              input_ids=list(input_ids), sampling_params=params,
+                              return_input_logprob=return_input_logprob)
+        return self.validate(req)
+
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, return_input_logprob: bool = False,
+                 ) -> dict | list[dict]:
+        """Blocking generation for one prompt or a list (returned in the same order)."""
+        reqs, single = self._make_requests(prompt, sampling_params, input_ids, return_input_logprob)
+        qs: dict[str, queue.SimpleQueue] = {}
+        for r in reqs:
+            qs[r.rid] = queue.SimpleQueue()
+            self._consumers[r.rid] = qs[r.rid].put
+        for r in reqs:
+            self.scheduler.submit(r)
+        results = []
+        for r in reqs:
+            collector = _Collector(self._tokenizer, r)
+            while not collector.add(qs[r.rid].get()):
+                pass
+            results.append(collector.result())
+        return results[0] if single else results
+
+    def async_generate(self, prompt: str | None = None, sampling_params: dict | None = None,
+                       input_ids: list[int] | None = None, stream: bool = False,
+                       return_input_logprob: bool = False) -> _AsyncCall:
+        """`await engine.async_generate(...)` gives the result dict; with stream=True,
+        `async for delta in engine.async_generate(..., stream=True)` gives text deltas as they come."""
+        req = self.make_request(prompt, input_ids, sampling_params, return_input_logprob)
+        return _AsyncCall(self, req)
+
+    def _make_requests(self, prompt, sampling_params, input_ids, return_input_logprob):
+        single = isinstance(prompt, str) or (input_ids is not None and input_ids and isinstance(input_ids[0], int))
+        prompts = [prompt] if isinstance(prompt, str) else prompt
+        ids = [input_ids] if single and input_ids is not None else input_ids
+        n = len(prompts) if prompts is not None else len(ids or [])
+        if n == 0:
+            raise InvalidRequestError("nothing to generate: give prompt or input_ids", param="prompt")
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
+        if len(params) != n:
+            raise InvalidRequestError(f"{len(params)} sampling_params for {n} prompts", param="sampling_params")
+        reqs = [self.make_request(prompts[i] if prompts is not None else None, ids[i] if ids is not None else None,
+                                  params[i], return_input_logprob) for i in range(n)]
+        return reqs, single
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        for o in outputs:
+            cb = self._consumers.pop(o.rid, None) if o.finished else self._consumers.get(o.rid)
+            if cb is not None:
+                cb(o)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+class _Collector:
+    """Accumulates a request's deltas into the result dict."""
+
+    def __init__(self, tokenizer: Tokenizer, req: GenerateRequest):
+        p = req.sampling_params
+        self.rid = req.rid
+        self.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens, p.stop)
+        self.text, self.ids, self.logprobs, self.top = "", [], [], []
+        self.last: RequestOutput | None = None
+        self.input_logprobs = None
+
+    def add(self, o: RequestOutput) -> bool:
+        self.ids.extend(o.new_token_ids)
+        delta = self.detok.add(o.new_token_ids, finished=o.finished)
+        self.text += delta
+        if o.new_logprobs:
+            self.logprobs.extend(o.new_logprobs)
+        if o.new_top_logprobs:
+            self.top.extend(o.new_top_logprobs)
+        if o.input_logprobs is not None:
+            self.input_logprobs = o.input_logprobs
+        self.last = o
+        return o.finished
+
+    def result(self) -> dict:
+        o = self.last
+        fr = o.finish_reason
+        out = {
+            "rid": self.rid, "text": self.text, "output_ids": self.ids,
+            "finish_reason": fr.kind if fr else None, "matched_stop": fr.matched if fr else None,
+            "usage": {"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
+                      "cached_tokens": o.cached_tokens},
+        }
+        if fr is not None and fr.message:
+            out["error"] = fr.message
+        if self.logprobs:
+            out["logprobs"] = self.logprobs
+            out["top_logprobs"] = self.top
+        if self.input_logprobs is not None:
+            out["input_logprobs"] = self.input_logprobs
+        return out
+
+
+class _AsyncCall:
+    def __init__(self, engine: Engine, req: GenerateRequest):
+        self.engine, self.req = engine, req
+
+    def __await__(self):
+        return self._collect().__await__()
+
+    async def _collect(self) -> dict:
+        c = _Collector(self.engine.tokenizer, self.req)
+        async for o in self.engine.stream(self.req):
+            c.add(o)
+        return c.result()
+
+    async def __aiter__(self):
+        c = _Collector(self.engine.tokenizer, self.req)
+        async for o in self.engine.stream(self.req):
+            delta = c.detok.add(o.new_token_ids, finished=o.finished)
+            yield {"text": delta, "output_ids": o.new_token_ids, "finished": o.finished,
+                   "finish_reason": o.finish_reason.kind if o.finish_reason else None,
+                   "usage": {"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
+                             "cached_tokens": o.cached_tokens}}

@@ -1,0 +1,66 @@
+"""IncrementalDetokenizer: turns a growing list of token ids into text deltas that never split a UTF-8
+character or lose a leading space, and that stop before (and never show) a stop string."""
+
+from __future__ import annotations
+
+from runtime.managers.tokenizer import Tokenizer
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = [s for s in (stop or []) if s]
+        self.ids: list[int] = []
+        self.text = ""  # every complete character decoded so far
+        self.emitted = 0  # characters of self.text already returned
+        self.stopped = False
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def add(self, new_ids: list[int], finished: bool = False) -> str:
+        """Adds tokens; returns the text that is now safe to show."""
+        if self.stopped:
+            return ""
+        self.ids.extend(new_ids)
+        self._advance()
+        end = len(self.text)
+        for s in self.stop:
+            at = self.text.find(s)
+            if at != -1:
+                self.stopped, end = True, min(end, at)
+        if self.stopped:
+            self.text = self.text[:end]
+        elif not finished:
+            end -= self._held_back()
+        if finished and not self.stopped:
+            self._flush()
+            end = len(self.text)
+        delta = self.text[self.emitted:end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return delta
+
+    def _advance(self) -> None:
+        dec = self.tokenizer.decode
+        prefix = dec(self.ids[self._prefix_offset:self._read_offset], self.skip_special_tokens)
+        full = dec(self.ids[self._prefix_offset:], self.skip_special_tokens)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix):]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+
+    def _flush(self) -> None:
+        prefix = self.tokenizer.decode(self.ids[self._prefix_offset:self._read_offset], self.skip_special_tokens)
+        full = self.tokenizer.decode(self.ids[self._prefix_offset:], self.skip_special_tokens)
+        if len(full) > len(prefix):
+            self.text += full[len(prefix):]
+        self._prefix_offset = self._read_offset = len(self.ids)
+
+    def _held_back(self) -> int:
+        """Length of the longest suffix of the text that could still grow into a stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:n]):
+                    best = n
+                    break
+        return best

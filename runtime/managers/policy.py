@@ -1,0 +1,40 @@
+"""SchedulePolicy: the order in which waiting requests are considered for prefill."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+from runtime.managers.req import Req
+
+
+class SchedulePolicy(ABC):
+    @abstractmethod
+    def order(self, waiting: list[Req], prefix_len: Callable[[Req], int]) -> list[Req]: ...
+
+
+class FCFSPolicy(SchedulePolicy):
+    def order(self, waiting: list[Req], prefix_len: Callable[[Req], int]) -> list[Req]:
+        return waiting  # the queue is kept in arrival order (retracted requests go back to the front)
+
+
+class LongestPrefixMatchPolicy(SchedulePolicy):
+    """Longest cached prefix first, so requests that share a prefix run while it is still cached.
+    Falls back to FCFS for long queues, where matching every request would cost more than it saves."""
+
+    max_queue_for_matching = 128
+
+    def order(self, waiting: list[Req], prefix_len: Callable[[Req], int]) -> list[Req]:
+        if len(waiting) > self.max_queue_for_matching:
+            return waiting
+        keyed = [(-prefix_len(r), i, r) for i, r in enumerate(waiting)]
+        keyed.sort(key=lambda t: (t[0], t[1]))
+        return [r for _, _, r in keyed]
+
+
+def create_policy(name: str, cache_enabled: bool) -> SchedulePolicy:
+    if name == "lpm" and cache_enabled:
+        return LongestPrefixMatchPolicy()
+    if name in ("fcfs", "lpm"):
+        return FCFSPolicy()
+    raise ValueError(f"unknown schedule policy {name!r}; known: fcfs, lpm")

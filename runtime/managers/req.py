@@ -1,0 +1,107 @@
+"""Req: one request's life in the scheduler: waiting → (chunked) prefill → decoding → finished."""
+
+from __future__ import annotations
+
+import time
+from enum import Enum, auto
+from typing import Any
+
+import torch
+
+from runtime.messages import FinishReason
+from runtime.sampling.params import SamplingParams
+
+
+class ReqState(Enum):
+    WAITING = auto()
+    PREFILLING = auto()  # some prompt chunks done, more to go
+    DECODING = auto()
+    FINISHED = auto()
+
+
+class Req:
+    def __init__(self, rid: str, input_ids: list[int], params: SamplingParams, seed: int,
+                 eos_token_ids: frozenset[int], return_input_logprob: bool = False, arrival_time: float = 0.0):
+        self.rid = rid
+        self.origin_input_ids = list(input_ids)
+        self.params = params
+        self.seed = seed
+        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.stop_token_ids = frozenset(params.stop_token_ids)
+        self.return_input_logprob = return_input_logprob
+        self.arrival_time = arrival_time or time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.output_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []
+        self.input_logprobs: list[float | None] | None = None
+        self.state = ReqState.WAITING
+        self.finish_reason: FinishReason | None = None
+        # KV state, owned by the scheduler's memory manager
+        self.req_pool_idx: int | None = None
+        self.kv_indices = torch.empty(0, dtype=torch.int64)  # slots holding KV of all_ids[:kv_len]
+        self.cached_len = 0  # leading kv_indices owned by the prefix cache (locked through last_node)
+        self.last_node: Any = None
+        self.pending_prefix_write = 0  # kv_indices[:n] must be (re)written into the worker's table
+        self.extend_len = 0  # new tokens of this step
+        self.sent_tokens = 0  # output tokens already delivered
+        self.prompt_cached_tokens = 0  # for usage: prompt tokens served from the cache at first prefill
+        self.retractions = 0
+        self.admit_seq = 0  # order of (re)admission: retraction takes the latest first
+
+    # ---- token views ------------------------------------------------------------------------------
+    @property
+    def all_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def kv_len(self) -> int:
+        return int(self.kv_indices.numel())
+
+    @property
+    def remaining_prefill(self) -> int:
+        """Tokens still to prefill before the next token can be sampled."""
+        return self.seq_len - self.kv_len
+
+    @property
+    def max_new_remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def blocked_token_ids(self) -> list[int]:
+        if len(self.output_ids) >= self.params.min_new_tokens:
+            return []
+        return sorted(self.eos_token_ids | self.stop_token_ids)
+
+    # ---- finishing ----------------------------------------------------------------------------------
+    def check_finished(self, context_len: int, tail_text: str | None = None) -> None:
+        if self.finished or not self.output_ids:
+            return
+        last = self.output_ids[-1]
+        min_ok = len(self.output_ids) >= self.params.min_new_tokens
+        if min_ok and last in self.stop_token_ids:
+            self.finish_reason = FinishReason("stop", matched=last)
+        elif min_ok and last in self.eos_token_ids:
+            self.finish_reason = FinishReason("stop", matched=last)
+        elif min_ok and tail_text is not None and (hit := next((s for s in self.params.stop if s in tail_text), None)):
+            self.finish_reason = FinishReason("stop", matched=hit)
+        elif len(self.output_ids) >= self.params.max_new_tokens or self.seq_len >= context_len:
+            self.finish_reason = FinishReason("length")
+
+    def abort(self, message: str = "aborted") -> None:
+        if not self.finished:
+            self.finish_reason = FinishReason("abort", message=message)
+
+    def reset_for_retract(self) -> None:
+        """Back to waiting with its generated tokens; KV is re-prefilled later."""
+        self.req_pool_idx, self.kv_indices, self.cached_len = None, torch.empty(0, dtype=torch.int64), 0
+        self.last_node, self.pending_prefix_write, self.extend_len = None, 0, 0
+        self.state = ReqState.WAITING
+        self.retractions += 1

@@ -1,0 +1,69 @@
+"""ScheduleBatch: the requests of one step and what each runs, turned into the WorkerBatch the TP
+workers execute. Requests are ordered extend-first; a MIXED batch puts the decodes after them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.managers.req import Req
+from runtime.messages import PrefixWrite, SamplingBatch, WorkerBatch
+from runtime.model_executor.forward_mode import ForwardMode
+
+
+@dataclass(slots=True)
+class ScheduleBatch:
+    forward_mode: ForwardMode
+    reqs: list[Req] = field(default_factory=list)
+    num_extend: int = 0  # reqs[:num_extend] run extend; the rest decode
+    out_cache_loc: list[torch.Tensor] = field(default_factory=list)  # new slots, one tensor per req
+
+    @property
+    def extend_reqs(self) -> list[Req]:
+        return self.reqs[: self.num_extend]
+
+    @property
+    def decode_reqs(self) -> list[Req]:
+        return self.reqs[self.num_extend:]
+
+    def num_tokens(self) -> int:
+        return sum(r.extend_len for r in self.reqs)
+
+    def to_worker_batch(self, batch_id: int, global_num_tokens: list[int] | None = None) -> WorkerBatch:
+        input_ids: list[int] = []
+        seq_lens, prefix_lens, writes = [], [], []
+        for r in self.reqs:
+            prefix = r.kv_len - r.extend_len  # kv_indices already include this step's slots
+            input_ids.extend(r.all_ids[prefix:prefix + r.extend_len])
+            prefix_lens.append(prefix)
+            seq_lens.append(prefix + r.extend_len)
+            if r.pending_prefix_write:
+                writes.append(PrefixWrite(r.req_pool_idx, 0, r.kv_indices[: r.pending_prefix_write].tolist()))
+                r.pending_prefix_write = 0
+        locs = torch.cat(self.out_cache_loc).tolist() if self.out_cache_loc else []
+        return WorkerBatch(
+            batch_id=batch_id, forward_mode=int(self.forward_mode), input_ids=input_ids,
+            req_pool_indices=[r.req_pool_idx for r in self.reqs], seq_lens=seq_lens, prefix_lens=prefix_lens,
+            out_cache_loc=locs, prefix_writes=writes, sampling=self._sampling() if self.reqs else None,
+            return_input_logprob=[r.return_input_logprob and r.output_ids == [] for r in self.reqs]
+            if any(r.return_input_logprob for r in self.reqs) else [],
+            global_num_tokens=global_num_tokens,
+        )
+
+    def _sampling(self) -> SamplingBatch:
+        rs = self.reqs
+        return SamplingBatch(
+            temperatures=[0.0 if r.params.is_greedy else r.params.temperature for r in rs],
+            top_ps=[r.params.top_p for r in rs], top_ks=[r.params.top_k for r in rs],
+            min_ps=[r.params.min_p for r in rs], seeds=[r.seed for r in rs],
+            steps=[len(r.output_ids) for r in rs],
+            repetition_penalties=[r.params.repetition_penalty for r in rs],
+            frequency_penalties=[r.params.frequency_penalty for r in rs],
+            presence_penalties=[r.params.presence_penalty for r in rs],
+            penalty_tokens=[r.all_ids if r.params.needs_penalties else [] for r in rs],
+            prompt_lens=[len(r.origin_input_ids) for r in rs],
+            blocked_token_ids=[r.blocked_token_ids() for r in rs],
+            top_logprobs_nums=[r.params.top_logprobs_num for r in rs],
+            return_logprob=any(r.params.return_logprob for r in rs),
+        )

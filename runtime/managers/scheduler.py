@@ -1,0 +1,368 @@
+"""Scheduler: continuous batching for one data-parallel replica.
+
+Each step: take new requests and aborts from the inbox, pick the next batch (prefill first under the
+token budget, chunked; else the running decodes; both at once when MIXED is on; IDLE when a DP rank
+must step with nothing to do), allocate KV (evicting cache, then retracting), run it on the TP
+workers, then append tokens, check stops and free or cache what finished."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import msgspec
+import torch
+
+from runtime.config import ServerArgs
+from runtime.errors import ContextLengthError, InvalidRequestError
+from runtime.managers.policy import create_policy
+from runtime.managers.req import Req, ReqState
+from runtime.managers.retract import Retractor
+from runtime.managers.schedule_batch import ScheduleBatch
+from runtime.managers.stats import ForwardModeStats
+from runtime.mem_cache.kv_cache_manager import KVCacheManager
+from runtime.messages import (
+    BatchResult,
+    FinishReason,
+    GenerateRequest,
+    RequestOutput,
+    SchedulerStats,
+    WorkerBatch,
+)
+from runtime.model_executor.forward_mode import ForwardMode
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerClient(Protocol):
+    """What the scheduler needs from its TP workers (one in-process TpWorker, or a group of actors)."""
+
+    def run_batch(self, batch: WorkerBatch) -> BatchResult: ...
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs, worker: WorkerClient, *, max_total_tokens: int, max_reqs: int,
+                 context_len: int, vocab_size: int, eos_token_ids: frozenset[int],
+                 sink: Callable[[list[RequestOutput]], None], decode_text: Callable[[list[int]], str] | None = None):
+        self.args, self.worker, self.sink, self.decode_text = args, worker, sink, decode_text
+        self.context_len, self.vocab_size, self.eos_token_ids = context_len, vocab_size, eos_token_ids
+        self.max_running = min(args.max_running_requests, max_reqs - 1)
+        self.kv = KVCacheManager(max_total_tokens, max_reqs, context_len, enable_cache=args.radix_cache_enabled)
+        self.policy = create_policy(args.schedule_policy, args.radix_cache_enabled)
+        self.retractor = Retractor(args)
+        self.stats = ForwardModeStats(args.log_interval_s)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()  # held for a whole step; readers of the state take it too
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.reqs: dict[str, Req] = {}
+        self.rng = random.Random(args.random_seed)
+        self.batch_id = 0
+        self.admit_counter = 0
+        self.must_step = False  # DP attention: step (IDLE) even with no work of our own
+        self.gen_throughput = 0.0
+        self.cache_hit_tokens = 0
+        self.cache_query_tokens = 0
+
+    # ---- requests in ----------------------------------------------------------------------------
+    def validate(self, req: GenerateRequest) -> GenerateRequest:
+        n = len(req.input_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if n >= self.context_len:
+            raise ContextLengthError(n, req.sampling_params.max_new_tokens, self.context_len)
+        if n + 1 > self.kv.size:
+            raise InvalidRequestError(f"the prompt has {n} tokens but the KV pool holds only {self.kv.size}",
+                                      param="prompt")
+        bad = next((t for t in req.input_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                                      param="prompt")
+        room = self.context_len - n
+        if req.sampling_params.max_new_tokens > room:
+            params = msgspec.structs.replace(req.sampling_params, max_new_tokens=room,
+                                             min_new_tokens=min(req.sampling_params.min_new_tokens, room))
+            req = GenerateRequest(rid=req.rid, input_ids=req.input_ids, sampling_params=params,
+                                  return_input_logprob=req.return_input_logprob, arrival_time=req.arrival_time)
+        return req
+
+    def submit(self, req: GenerateRequest) -> None:
+        """Thread-safe. The request must have passed validate()."""
+        self.inbox.put(("add", req))
+
+    def abort(self, rid: str) -> None:
+        """Thread-safe; unknown or finished rids are ignored."""
+        self.inbox.put(("abort", rid))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._add(item)
+            elif kind == "abort":
+                self._abort(item)
+
+    def _add(self, g: GenerateRequest) -> None:
+        if g.rid in self.reqs:
+            self.sink([RequestOutput(rid=g.rid, new_token_ids=[], finished=True, finish_reason=FinishReason(
+                "error", message=f"duplicate request id {g.rid!r}"))])
+            return
+        p = g.sampling_params
+        seed = p.seed if p.seed is not None else self.rng.getrandbits(62)
+        req = Req(g.rid, g.input_ids, p, seed, self.eos_token_ids, g.return_input_logprob, g.arrival_time)
+        self.reqs[g.rid] = req
+        self.waiting.append(req)
+
+    def _abort(self, rid: str) -> None:
+        req = self.reqs.get(rid)
+        if req is None:
+            return
+        req.abort()
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req)
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req)
+
+    def run_forever(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                if not self.step():
+                    try:
+                        item = self.inbox.get(timeout=0.05)
+                        self.inbox.put(item)
+                    except queue.Empty:
+                        pass
+            except Exception as e:  # never lose requests silently: fail what is in flight, keep serving
+                logger.exception("scheduler step failed")
+                with self.lock:
+                    self.fail_all(f"internal error: {type(e).__name__}: {e}")
+
+    def step(self) -> bool:
+        with self.lock:
+            self._drain_inbox()
+            batch = self.get_next_batch_to_run()
+            if batch is None:
+                self.retractor.on_idle()
+                return False
+            self.batch_id += 1
+            result = self.worker.run_batch(batch.to_worker_batch(self.batch_id))
+            self.process_batch_result(batch, result)
+            return True
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        prefill = self._get_new_batch_prefill()
+        if prefill is not None:
+            if self.args.enable_mixed_chunk and self.running:
+                decode = self._prepare_decode()
+                if decode is not None and decode.reqs:
+                    prefill.reqs += decode.reqs
+                    prefill.out_cache_loc += decode.out_cache_loc
+                    prefill.forward_mode = ForwardMode.MIXED
+            return prefill
+        if self.running:
+            return self._prepare_decode()
+        if self.must_step:
+            return ScheduleBatch(ForwardMode.IDLE)
+        return None
+
+    def _get_new_batch_prefill(self) -> ScheduleBatch | None:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        chunk = self.args.chunked_prefill_size if self.args.chunked_prefill_size > 0 else 1 << 62
+        budget = min(self.args.max_prefill_tokens, chunk)
+        batch = ScheduleBatch(ForwardMode.EXTEND)
+        reserved = self.retractor.reserved_tokens(self.running)
+        if self.chunked_req is not None:
+            r = self.chunked_req
+            n = min(r.remaining_prefill, budget)
+            slots = self.kv.alloc(n)
+            if slots is None:
+                return None
+            self._extend(batch, r, slots)
+            budget -= n
+            reserved += r.max_new_remaining * self.retractor.ratio
+            if r.remaining_prefill > 0:
+                return batch
+            self.chunked_req = None
+        for r in list(self.policy.order(self.waiting, self.kv.prefix_len)):
+            if budget <= 0 or len(self.running) + len(batch.reqs) >= self.max_running:
+                break
+            if not self.kv.admit(r):
+                break
+            need = r.remaining_prefill
+            if self.kv.available() - reserved < need + r.max_new_remaining * self.retractor.ratio and (
+                    self.running or batch.reqs):
+                self.kv.release_retracted(r)  # not now: give back the row and the lock
+                break
+            n = need if (r.return_input_logprob or not batch.reqs and chunk >= need) else min(need, budget)
+            if r.return_input_logprob and batch.reqs and n > budget:
+                self.kv.release_retracted(r)
+                break
+            slots = self.kv.alloc(n)
+            if slots is None:
+                self.kv.release_retracted(r)
+                break
+            self.waiting.remove(r)
+            self.admit_counter += 1
+            r.admit_seq = self.admit_counter
+            if r.first_scheduled_time is None:
+                r.first_scheduled_time = time.monotonic()
+                r.prompt_cached_tokens = r.cached_len
+                self.cache_hit_tokens += r.cached_len
+                self.cache_query_tokens += len(r.origin_input_ids)
+            self._extend(batch, r, slots)
+            budget -= n
+            reserved += r.max_new_remaining * self.retractor.ratio
+            if r.remaining_prefill > 0:
+                self.chunked_req = r
+                break
+        if not batch.reqs:
+            return None
+        batch.num_extend = len(batch.reqs)
+        return batch
+
+    @staticmethod
+    def _extend(batch: ScheduleBatch, r: Req, slots: torch.Tensor) -> None:
+        r.kv_indices = torch.cat([r.kv_indices, slots])
+        r.extend_len = slots.numel()
+        r.state = ReqState.PREFILLING
+        batch.reqs.append(r)
+        batch.out_cache_loc.append(slots)
+        batch.num_extend = len(batch.reqs)
+
+    def _prepare_decode(self) -> ScheduleBatch | None:
+        need = len(self.running)
+        if self.kv.available() < need:
+            victims = self.retractor.pick_victims(self.running, need, self.kv.available())
+            for v in victims:
+                self.running.remove(v)
+                self.kv.release_retracted(v)
+                v.reset_for_retract()
+                self.waiting.insert(0, v)
+                self.stats.retractions += 1
+            self.retractor.after_retract(self.running)
+            if self.kv.available() < len(self.running):  # one request larger than the whole pool
+                for r in list(self.running):
+                    r.finish_reason = FinishReason("error", message="out of KV memory for this request")
+                    self._finish(r)
+                return None
+        batch = ScheduleBatch(ForwardMode.DECODE)
+        for r in self.running:
+            slots = self.kv.alloc(1)
+            assert slots is not None  # checked above
+            r.kv_indices = torch.cat([r.kv_indices, slots])
+            r.extend_len = 1
+            batch.reqs.append(r)
+            batch.out_cache_loc.append(slots)
+        self.retractor.on_decode_step()
+        return batch
+
+    # ---- results --------------------------------------------------------------------------------
+    def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
+        self.stats.record(batch.forward_mode, batch.num_tokens())
+        outputs: list[RequestOutput] = []
+        for i, r in enumerate(batch.reqs):
+            if r.finished:
+                continue
+            if i < batch.num_extend:
+                if r.remaining_prefill > 0:
+                    self.kv.cache_unfinished(r)
+                    continue
+                if r.return_input_logprob and r.input_logprobs is None and result.input_logprobs:
+                    r.input_logprobs = [None, *result.input_logprobs[i]]
+            r.output_ids.append(result.next_token_ids[i])
+            if result.logprobs is not None and r.params.return_logprob:
+                r.output_logprobs.append(result.logprobs[i])
+                if result.top_logprobs is not None:
+                    r.output_top_logprobs.append(result.top_logprobs[i])
+            self.stats.generated_tokens += 1
+            r.check_finished(self.context_len, self._tail_text(r))
+            if r.finished:
+                self._finish(r, emit=False)
+            elif r.state is not ReqState.DECODING:
+                r.state = ReqState.DECODING
+                self.running.append(r)
+            outputs.append(self._delta(r))
+        if outputs:
+            self.sink(outputs)
+        tput = self.stats.maybe_log(batch.forward_mode, len(self.running), len(self.waiting),
+                                    self.kv.held_by(self._live()), self.kv.size, self.kv.cache.total_size())
+        if tput >= 0:
+            self.gen_throughput = tput
+
+    def _tail_text(self, r: Req) -> str | None:
+        if not r.params.stop or self.decode_text is None:
+            return None
+        window = max(len(s) for s in r.params.stop) + 4
+        return self.decode_text(r.output_ids[-window:])
+
+    def _delta(self, r: Req) -> RequestOutput:
+        start = r.sent_tokens
+        r.sent_tokens = len(r.output_ids)
+        out = RequestOutput(
+            rid=r.rid, new_token_ids=r.output_ids[start:], finished=r.finished, finish_reason=r.finish_reason,
+            prompt_tokens=len(r.origin_input_ids), completion_tokens=len(r.output_ids),
+            cached_tokens=r.prompt_cached_tokens,
+            queue_time_s=(r.first_scheduled_time or time.monotonic()) - r.arrival_time)
+        if r.params.return_logprob:
+            out.new_logprobs = r.output_logprobs[start:]
+            out.new_top_logprobs = r.output_top_logprobs[start:] if r.params.top_logprobs_num else None
+        if start == 0 and r.input_logprobs is not None:
+            out.input_logprobs = r.input_logprobs
+        return out
+
+    def _finish(self, r: Req, emit: bool = True) -> None:
+        """Frees (or caches) the request's KV and forgets it; emits its last delta unless told not to."""
+        if r in self.running:
+            self.running.remove(r)
+        if self.chunked_req is r:
+            self.chunked_req = None
+        self.kv.release_finished(r)
+        r.state = ReqState.FINISHED
+        self.reqs.pop(r.rid, None)
+        if emit:
+            self.sink([self._delta(r)])
+
+    def fail_all(self, message: str) -> None:
+        for r in list(self.reqs.values()):
+            if r in self.waiting:
+                self.waiting.remove(r)
+            r.finish_reason = FinishReason("error", message=message)
+            try:
+                self._finish(r)
+            except Exception:  # the pool may be inconsistent after the failure: reset it below
+                self.reqs.pop(r.rid, None)
+        self.running.clear()
+        self.chunked_req = None
+
+    # ---- introspection ------------------------------------------------------------------------------
+    def _live(self) -> list[Req]:
+        live = list(self.running)
+        if self.chunked_req is not None and self.chunked_req not in live:
+            live.append(self.chunked_req)
+        return live
+
+    def check_kv_invariant(self) -> None:
+        self.kv.check_invariant(self._live())
+
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running), num_queue_reqs=len(self.waiting),
+            num_used_tokens=self.kv.held_by(self._live()) + self.kv.cache.protected_size(),
+            num_cached_tokens=self.kv.cache.evictable_size(), max_total_tokens=self.kv.size,
+            gen_throughput=self.gen_throughput, forward_modes=self.stats.snapshot(),
+            retractions=self.stats.retractions, evictions=self.kv.evictions,
+            cache_hit_tokens=self.cache_hit_tokens, cache_query_tokens=self.cache_query_tokens,
+            waiting_tokens=sum(r.remaining_prefill for r in self.waiting))

@@ -1,0 +1,40 @@
+"""Tokenizer: text ⇄ token ids and chat templates, over transformers' AutoTokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from runtime.errors import InvalidRequestError
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path, eos_token_ids: tuple[int, ...] = ()):
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(str(path))
+        eos = set(eos_token_ids)
+        if self.hf.eos_token_id is not None:
+            eos.add(self.hf.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.vocab_size = len(self.hf)
+        self.has_chat_template = bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        if not self.has_chat_template:
+            raise InvalidRequestError("this model's tokenizer has no chat template; use /v1/completions",
+                                      param="messages")
+        try:
+            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # jinja errors (bad roles, missing content) are the request's fault
+            raise InvalidRequestError(f"cannot apply the chat template: {e}", param="messages") from None
+        return self.encode(text, add_special_tokens=False)
+
+    def id_to_token_text(self, token_id: int) -> str:
+        return self.hf.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,27 @@
+"""TpWorker: one tensor-parallel rank. Holds a ModelRunner and executes WorkerBatches. In one process it
+is called directly; under Ray a TpWorkerActor hosts the same class."""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.config import ServerArgs
+from runtime.messages import BatchResult, WorkerBatch, WorkerInfo
+from runtime.model_executor.model_runner import ModelRunner
+from runtime.models.parallel_context import ParallelContext
+
+
+class TpWorker:
+    def __init__(self, args: ServerArgs, model_path: str, ctx: ParallelContext | None = None,
+                 device: torch.device | None = None):
+        self.runner = ModelRunner(args, model_path, ctx, device)
+
+    def info(self) -> WorkerInfo:
+        r = self.runner
+        return WorkerInfo(max_total_tokens=r.max_total_tokens, max_reqs=r.max_running_requests,
+                          context_len=r.context_len, vocab_size=r.model_config.vocab_size,
+                          eos_token_ids=list(r.model_config.eos_token_ids), attention_backend=r.attn_backend_name,
+                          device=str(r.device))
+
+    def run_batch(self, batch: WorkerBatch) -> BatchResult:
+        return self.runner.run_batch(batch)
