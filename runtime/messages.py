@@ -102,6 +102,7 @@ class BatchResult(msgspec.Struct, kw_only=True):
     top_logprobs: list[list[tuple[int, float]]] | None = None
     input_logprobs: list[list[float]] | None = None  # per request that asked, logprob of each input token after the first
     forward_s: float = 0.0
+    all_idle: bool = False  # DP attention: every rank was idle, so nothing ran
 
 
 class ModeStats(msgspec.Struct):

@@ -65,7 +65,7 @@ class Scheduler:
         self.rng = random.Random(args.random_seed)
         self.batch_id = 0
         self.admit_counter = 0
-        self.must_step = False  # DP attention: step (IDLE) even with no work of our own
+        self.must_step = args.enable_dp_attention  # step (IDLE) even with no work of our own
         self.gen_throughput = 0.0
         self.cache_hit_tokens = 0
         self.cache_query_tokens = 0
@@ -139,8 +139,8 @@ class Scheduler:
         while not stop.is_set():
             try:
                 if not self.step():
-                    try:
-                        item = self.inbox.get(timeout=0.05)
+                    try:  # wait for work; DP ranks poll fast since their peers block on our collective
+                        item = self.inbox.get(timeout=0.002 if self.must_step else 0.05)
                         self.inbox.put(item)
                     except queue.Empty:
                         pass
@@ -158,6 +158,8 @@ class Scheduler:
                 return False
             self.batch_id += 1
             result = self.worker.run_batch(batch.to_worker_batch(self.batch_id))
+            if result.all_idle:
+                return False
             self.process_batch_result(batch, result)
             return True
 

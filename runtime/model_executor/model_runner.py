@@ -124,6 +124,12 @@ class ModelRunner:
     @torch.inference_mode()
     def run_batch(self, batch: WorkerBatch) -> BatchResult:
         t0 = time.perf_counter()
+        if self.ctx.dp_attention:
+            # Every DP rank steps together: agree on token counts first; skip the forward if all are idle.
+            counts = self.ctx.mlp.all_gather(torch.tensor([len(batch.input_ids)], device=self.device), dim=0)
+            batch.global_num_tokens = counts.tolist()
+            if not any(batch.global_num_tokens):
+                return BatchResult(batch_id=batch.batch_id, next_token_ids=[], all_idle=True)
         fb = self.build_forward_batch(batch)
         out = self.forward(fb)
         if fb.batch_size == 0 or batch.sampling is None:

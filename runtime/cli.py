@@ -1,0 +1,52 @@
+"""`shoal` command line: `shoal serve [flags]` runs the OpenAI-compatible server; `shoal generate` runs
+one prompt and prints the completion (a smoke test that needs no HTTP client)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from runtime.config import ServerArgs
+from runtime.errors import ShoalError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shoal", description="Shoal LLM serving runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ServerArgs.add_cli_args(serve)
+    gen = sub.add_parser("generate", help="generate a completion for one prompt and print it")
+    ServerArgs.add_cli_args(gen)
+    gen.add_argument("--prompt", default="The capital of France is")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        args = ServerArgs.from_cli(ns)
+        if ns.command == "serve":
+            from runtime.gateway.server import run_server
+
+            run_server(args)
+            return 0
+        from runtime.engine import Engine
+
+        with Engine(server_args=args) as engine:
+            ids = None
+            if ns.chat:
+                ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": ns.prompt}])
+            out = engine.generate(prompt=None if ids else ns.prompt, input_ids=ids,
+                                  sampling_params={"max_new_tokens": ns.max_new_tokens,
+                                                   "temperature": ns.temperature})
+        print(out["text"])
+        return 0
+    except ShoalError as e:
+        print(f"shoal: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
