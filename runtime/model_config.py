@@ -94,6 +94,8 @@ class ModelConfig:
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ModelConfigError(f"config field 'hidden_act' must be 'silu', got {act!r}")
+        if raw.get("mlp_bias"):  # the MLP layers carry no bias: loading would silently drop the checkpoint's
+            raise ModelConfigError("config field 'mlp_bias' is true; MLP biases are not supported")
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         return cls(

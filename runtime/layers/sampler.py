@@ -42,7 +42,8 @@ class SampleOutput:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
-        logits = logits.float()
+        # Penalties and blocked ids edit rows in place: copy, so the caller's logits stay as computed.
+        logits = logits.to(torch.float32, copy=any(sb.penalty_tokens) or any(sb.blocked_token_ids))
         bsz, vocab = logits.shape
         raw_logprobs = torch.log_softmax(logits, dim=-1) if sb.return_logprob else None
         logits = self._apply_penalties(logits, sb)

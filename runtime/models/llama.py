@@ -18,8 +18,8 @@ from runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from runtime.layers.norm import RMSNorm
 from runtime.layers.rotary import RotaryEmbedding
-from runtime.models.parallel_context import ParallelContext
 from runtime.model_config import ModelConfig
+from runtime.models.parallel_context import ParallelContext
 
 if TYPE_CHECKING:
     from runtime.model_executor.forward_batch import ForwardBatch
@@ -140,10 +140,13 @@ class LlamaForCausalLM(nn.Module):
             else:
                 _default_loader(param, tensor, name)
             loaded.add(f"{target}:{shard}" if shard is not None else target)
-        missing = []
+        missing = []  # named as in the checkpoint (q_proj, not our fused qkv_proj), so users can find them
         for n in sorted(expected):
-            fused = [f"{n}:{s}" for hf, ours, s in self.stacked_params if f".{ours}." in n]
-            if (fused and not all(f in loaded for f in fused)) or (not fused and n not in loaded):
+            fused = [(n.replace(f".{ours}.", f".{hf}."), f"{n}:{s}")
+                     for hf, ours, s in self.stacked_params if f".{ours}." in n]
+            if fused:
+                missing.extend(hf_name for hf_name, key in fused if key not in loaded)
+            elif n not in loaded:
                 missing.append(n)
         if missing:
             raise WeightLoadError(f"checkpoint is missing tensors for: {', '.join(missing[:8])}"

@@ -1,0 +1,94 @@
+"""ServerArgs: validated once, errors name the CLI flag, and the CLI round-trips through argparse."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+import pytest
+
+from runtime.config import ServerArgs
+from runtime.errors import ServerArgsError
+
+
+def _parse(argv: list[str]) -> ServerArgs:
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli(parser.parse_args(argv))
+
+
+@pytest.mark.parametrize(("kwargs", "flag"), [
+    ({"max_running_requests": 0}, "--max-running-requests"),
+    ({"max_prefill_tokens": -5}, "--max-prefill-tokens"),
+    ({"tp_size": 0}, "--tp-size"),
+    ({"max_total_tokens": 0}, "--max-total-tokens"),
+    ({"context_length": -1}, "--context-length"),
+    ({"mem_fraction_static": 1.5}, "--mem-fraction-static"),
+    ({"mem_fraction_static": 0.0}, "--mem-fraction-static"),
+    ({"chunked_prefill_size": 0}, "--chunked-prefill-size"),
+    ({"chunked_prefill_size": -2}, "--chunked-prefill-size"),
+    ({"port": 70000}, "--port"),
+    ({"min_new_token_ratio": 0.9}, "--min-new-token-ratio"),
+    ({"dtype": "float64"}, "--dtype"),
+    ({"attention_backend": "sdpa"}, "--attention-backend"),
+    ({"enable_dp_attention": True}, "--enable-dp-attention"),
+])
+def test_invalid_values_name_the_flag(kwargs: dict[str, Any], flag: str) -> None:
+    with pytest.raises(ServerArgsError) as e:
+        ServerArgs(**kwargs)
+    assert e.value.flag == flag
+    assert str(e.value).startswith(f"{flag}: ")
+
+
+def test_unknown_kwarg_names_the_flag() -> None:
+    with pytest.raises(ServerArgsError, match="--max-batch-size: unknown server argument"):
+        ServerArgs.from_kwargs(max_batch_size=4)
+    assert ServerArgs.from_kwargs(tp_size=2).tp_size == 2
+
+
+def test_frozen_and_replace_revalidates() -> None:
+    args = ServerArgs()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        args.port = 1  # type: ignore[misc]
+    assert args.replace(port=8080).port == 8080 and args.port == 30000
+    with pytest.raises(ServerArgsError, match="--port"):
+        args.replace(port=0)
+
+
+def test_derived_properties() -> None:
+    assert not ServerArgs().uses_ray and ServerArgs().radix_cache_enabled
+    assert ServerArgs(tp_size=2).uses_ray and ServerArgs(dp_size=2).uses_ray and ServerArgs(address="auto").uses_ray
+    assert not ServerArgs(disable_radix_cache=True).radix_cache_enabled
+
+
+def test_cli_defaults_equal_dataclass_defaults() -> None:
+    assert _parse([]) == ServerArgs()
+
+
+def test_cli_round_trip() -> None:
+    args = _parse(["--model-path", "/models/x", "--max-running-requests", "8", "--enable-mixed-chunk",
+                   "--dtype", "bfloat16", "--mem-fraction-static", "0.5", "--context-length", "1024",
+                   "--chunked-prefill-size", "-1", "--api-key", "k", "--log-interval-s", "2.5"])
+    assert args == ServerArgs(model_path="/models/x", max_running_requests=8, enable_mixed_chunk=True,
+                              dtype="bfloat16", mem_fraction_static=0.5, context_length=1024,
+                              chunked_prefill_size=-1, api_key="k", log_interval_s=2.5)
+    assert isinstance(args.max_running_requests, int) and isinstance(args.mem_fraction_static, float)
+    # Every field has a flag, and flags written from an instance parse back to the same instance.
+    argv: list[str] = []
+    for f in dataclasses.fields(ServerArgs):
+        v = getattr(args, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(v, bool):
+            argv += [flag] if v else []
+        elif v is not None:
+            argv += [flag, str(v)]
+    assert _parse(argv) == args
+
+
+def test_cli_rejects_bad_choice_and_bad_value(capsys) -> None:
+    with pytest.raises(SystemExit):
+        _parse(["--attention-backend", "sdpa"])
+    assert "--attention-backend" in capsys.readouterr().err
+    with pytest.raises(ServerArgsError, match="--max-running-requests"):
+        _parse(["--max-running-requests", "0"])
