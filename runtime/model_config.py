@@ -50,6 +50,9 @@ class ModelConfig:
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
     hidden_act: str = "silu"
+    # Sliding-window attention is not implemented: such models are served with the context capped at
+    # the window, where full attention and sliding-window attention agree.
+    sliding_window: int | None = None
 
     @classmethod
     def from_pretrained(cls, model_path: str | Path, dtype: str = "auto") -> ModelConfig:
@@ -84,7 +87,7 @@ class ModelConfig:
             return v
 
         hidden, heads = need("hidden_size"), need("num_attention_heads")
-        kv_heads = raw.get("num_key_value_heads") or heads
+        kv_heads = raw.get("num_key_value_heads", heads)
         if not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads:
             raise ModelConfigError(
                 f"config field 'num_key_value_heads' ({kv_heads}) must divide num_attention_heads ({heads})")
@@ -108,6 +111,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type == "qwen3", dtype=_dtype(raw, dtype), eos_token_ids=eos_ids,
+            sliding_window=_sliding_window(raw, model_type),
         )
 
 
@@ -128,6 +132,15 @@ def _rope(raw: dict[str, Any]) -> RopeConfig:
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
     )
+
+
+def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
+    window = raw.get("sliding_window")
+    if not isinstance(window, int) or window <= 0:
+        return None
+    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        return None
+    return window
 
 
 def _dtype(raw: dict[str, Any], requested: str) -> torch.dtype:

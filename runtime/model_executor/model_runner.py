@@ -45,6 +45,8 @@ class ModelRunner:
             dtype = "float32"  # CPU bf16 matmuls are slow and drift from the HF fp32 reference
         self.model_config = ModelConfig.from_pretrained(model_path, dtype=dtype)
         self.context_len = args.context_length or self.model_config.max_position_embeddings
+        if self.model_config.sliding_window:
+            self.context_len = min(self.context_len, self.model_config.sliding_window)
         self.model = self._load_model(model_path)
         self.max_total_tokens = self._kv_pool_size()
         self.max_running_requests = args.max_running_requests + 4  # + requests mid chunked prefill
