@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 import uuid
@@ -41,13 +42,13 @@ class Engine(EngineClient):
         self.model_path = path
         self.worker = TpWorker(server_args, path)
         info = self.worker.info()
-        self._tokenizer = Tokenizer(server_args.tokenizer_path or path, tuple(info.eos_token_ids))
+        self._tokenizer = _load_tokenizer(server_args.tokenizer_path or path, tuple(info.eos_token_ids))
         self.context_len = info.context_len
         self.scheduler = Scheduler(
             server_args, self.worker, max_total_tokens=info.max_total_tokens, max_reqs=info.max_reqs,
             context_len=info.context_len, vocab_size=info.vocab_size,
-            eos_token_ids=self._tokenizer.eos_token_ids, sink=self._on_outputs,
-            decode_text=lambda ids: self._tokenizer.decode(ids))
+            eos_token_ids=self._tokenizer.eos_token_ids if self._tokenizer else frozenset(info.eos_token_ids),
+            sink=self._on_outputs, decode_text=self._tokenizer.decode if self._tokenizer else None)
         self._consumers: dict[str, Callable[[RequestOutput], None]] = {}
         self._ids = itertools.count()
         self._stop = threading.Event()
@@ -103,6 +104,8 @@ class Engine(EngineClient):
         if input_ids is None:
             if not isinstance(prompt, str):
                 raise InvalidRequestError("give a prompt string or input_ids", param="prompt")
+            if self._tokenizer is None:
+                raise InvalidRequestError("this model folder has no tokenizer: send input_ids", param="prompt")
             input_ids = self._tokenizer.encode(prompt)
         req = GenerateRequest(rid=rid or f"engine-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
                               input_ids=list(input_ids), sampling_params=params,
@@ -167,21 +170,29 @@ class Engine(EngineClient):
         self.shutdown()
 
 
+def _load_tokenizer(path: str, eos_token_ids: tuple[int, ...]) -> Tokenizer | None:
+    """Benchmarks run dummy weights from a bare config.json: no tokenizer there, token ids only."""
+    try:
+        return Tokenizer(path, eos_token_ids)
+    except (OSError, ValueError) as e:
+        logging.getLogger(__name__).warning("no tokenizer in %s (%s): only input_ids requests work", path, e)
+        return None
+
+
 class _Collector:
     """Accumulates a request's deltas into the result dict."""
 
     def __init__(self, tokenizer: Tokenizer, req: GenerateRequest):
         p = req.sampling_params
         self.rid = req.rid
-        self.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens, p.stop)
+        self.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens, p.stop) if tokenizer else None
         self.text, self.ids, self.logprobs, self.top = "", [], [], []
         self.last: RequestOutput | None = None
         self.input_logprobs = None
 
     def add(self, o: RequestOutput) -> bool:
         self.ids.extend(o.new_token_ids)
-        delta = self.detok.add(o.new_token_ids, finished=o.finished)
-        self.text += delta
+        self.text += self.detok.add(o.new_token_ids, finished=o.finished) if self.detok else ""
         if o.new_logprobs:
             self.logprobs.extend(o.new_logprobs)
         if o.new_top_logprobs:
@@ -226,7 +237,7 @@ class _AsyncCall:
     async def __aiter__(self):
         c = _Collector(self.engine.tokenizer, self.req)
         async for o in self.engine.stream(self.req):
-            delta = c.detok.add(o.new_token_ids, finished=o.finished)
+            delta = c.detok.add(o.new_token_ids, finished=o.finished) if c.detok else ""
             yield {"text": delta, "output_ids": o.new_token_ids, "finished": o.finished,
                    "finish_reason": o.finish_reason.kind if o.finish_reason else None,
                    "usage": {"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
