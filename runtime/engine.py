@@ -5,6 +5,7 @@ HTTP gateway uses when tp = dp = 1."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -230,15 +231,18 @@ class _AsyncCall:
 
     async def _collect(self) -> dict:
         c = _Collector(self.engine.tokenizer, self.req)
-        async for o in self.engine.stream(self.req):
-            c.add(o)
+        # aclosing: a cancelled caller must abort the request now, not when the GC finalizes the stream.
+        async with contextlib.aclosing(self.engine.stream(self.req)) as stream:
+            async for o in stream:
+                c.add(o)
         return c.result()
 
     async def __aiter__(self):
         c = _Collector(self.engine.tokenizer, self.req)
-        async for o in self.engine.stream(self.req):
-            delta = c.detok.add(o.new_token_ids, finished=o.finished) if c.detok else ""
-            yield {"text": delta, "output_ids": o.new_token_ids, "finished": o.finished,
-                   "finish_reason": o.finish_reason.kind if o.finish_reason else None,
-                   "usage": {"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
-                             "cached_tokens": o.cached_tokens}}
+        async with contextlib.aclosing(self.engine.stream(self.req)) as stream:
+            async for o in stream:
+                delta = c.detok.add(o.new_token_ids, finished=o.finished) if c.detok else ""
+                yield {"text": delta, "output_ids": o.new_token_ids, "finished": o.finished,
+                       "finish_reason": o.finish_reason.kind if o.finish_reason else None,
+                       "usage": {"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
+                                 "cached_tokens": o.cached_tokens}}

@@ -1,0 +1,62 @@
+"""Retraction: when the KV pool cannot hold the next decode step, the latest-admitted requests go back to
+the queue and are re-prefilled later; every request still ends with the tokens it would have had."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+PARAMS = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
+
+
+def workload(n: int = 8, seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randint(3, 399) for _ in range(rng.randint(8, 12))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def unconstrained(tiny_llama) -> list[list[int]]:
+    from runtime import Engine
+
+    with Engine(str(tiny_llama), device="cpu", max_total_tokens=4096, log_level="warning") as e:
+        return [o["output_ids"] for o in e.generate(input_ids=workload(), sampling_params=PARAMS)]
+
+
+@pytest.mark.parametrize("disable_radix_cache", [False, True], ids=["cache", "nocache"])
+def test_small_pool_retracts_and_finishes_exactly(make_engine, tiny_llama, unconstrained, pool_full, disable_radix_cache: bool):
+    # 8 requests of ~40 tokens each in a 120-token pool; an optimistic new-token estimate admits more
+    # than fit, so decoding runs out of slots and has to retract.
+    engine = make_engine(tiny_llama, max_total_tokens=120, disable_radix_cache=disable_radix_cache,
+                         init_new_token_ratio=0.2, min_new_token_ratio=0.05)
+    outs = engine.generate(input_ids=workload(), sampling_params=PARAMS)
+    for i, (o, ref) in enumerate(zip(outs, unconstrained)):
+        assert o["finish_reason"] == "length", o
+        assert o["output_ids"] == ref, f"request {i} changed by retraction"
+    stats = engine.get_stats()
+    assert stats.retractions > 0
+    assert stats.max_total_tokens == 120
+    pool_full(engine)
+    # A retracted request re-prefills its prompt and the tokens it had generated: more extend tokens
+    # than prompt tokens without the cache (with it, part of that comes back from the cache).
+    if disable_radix_cache:
+        assert stats.forward_modes["EXTEND"].tokens > sum(len(p) for p in workload())
+
+
+def test_default_ratio_also_fits_small_pool(make_engine, tiny_llama, unconstrained, pool_full):
+    """The default estimate, with or without retraction, must still finish everything exactly."""
+    engine = make_engine(tiny_llama, max_total_tokens=120)
+    outs = engine.generate(input_ids=workload(), sampling_params=PARAMS)
+    assert [o["output_ids"] for o in outs] == unconstrained
+    pool_full(engine)
+
+
+def test_request_larger_than_pool_is_rejected(make_engine, tiny_llama):
+    from runtime.errors import InvalidRequestError
+
+    engine = make_engine(tiny_llama, max_total_tokens=32)
+    with pytest.raises(InvalidRequestError) as ei:
+        engine.generate(input_ids=list(range(3, 43)), sampling_params=PARAMS)
+    assert ei.value.param == "prompt" and "32" in str(ei.value)
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params={**PARAMS, "max_new_tokens": 4})
+    assert len(out["output_ids"]) == 4
