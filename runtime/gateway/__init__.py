@@ -1,0 +1,17 @@
+"""The HTTP gateway: the first and last hop of a request.
+
+In: an OpenAI-compatible (`/v1/completions`, `/v1/chat/completions`, `/v1/models`) or SGLang-style
+(`/generate`) HTTP request. The gateway checks the API key, decodes the body into msgspec Structs
+(protocol.py), applies the chat template, tokenizes, builds one GenerateRequest per choice and has the
+EngineClient validate it — so every bad input ends here as an OpenAI-style 4xx (errors.py) and nothing
+below sees an invalid request.
+
+Out: it consumes the EngineClient's RequestOutput deltas, detokenizes them incrementally (stop strings
+cut, never a broken UTF-8 character), and answers one JSON body or an SSE stream flushed per delta. A
+client that goes away closes the delta streams, which aborts its requests and frees their KV.
+
+Beside the data path: /health, /health_generate, /abort_request and Prometheus /metrics (metrics.py),
+whose scheduler gauges and counters come from EngineClient.stats() at scrape time.
+
+Entry points: app.build_app (the aiohttp Application), server.run_server (blocking `shoal serve`),
+server.serve_in_thread (tests, Ray actors)."""

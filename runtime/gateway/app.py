@@ -1,0 +1,78 @@
+"""build_app: the gateway's aiohttp Application — the route table and the one middleware that checks
+the API key and turns every failure into an OpenAI-style error body (never a bare 500 page)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from runtime.config import ServerArgs
+from runtime.engine_client import EngineClient
+from runtime.errors import ShoalError
+from runtime.gateway import native_routes
+from runtime.gateway.errors import ApiError, from_http_exception, from_shoal_error
+from runtime.gateway.openai_chat import chat_completions
+from runtime.gateway.openai_completions import completions
+from runtime.gateway.state import STATE_KEY, ClientProvider, GatewayState
+
+logger = logging.getLogger("shoal.gateway")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key needed: probes and scrapers
+
+
+def _authorized(request: web.Request, api_key: str) -> bool:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+def _middleware(api_key: str | None) -> Callable:
+    @web.middleware
+    async def gateway_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            if api_key and request.path not in _OPEN_PATHS and not _authorized(request, api_key):
+                raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                               code="invalid_api_key")
+            return await handler(request)
+        except ApiError as e:
+            return e.response()
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            err, headers = from_http_exception(e, request.path)
+            return err.response(headers)
+        except ShoalError as e:
+            return from_shoal_error(e).response()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the last resort: a bug of ours must not take the server down
+            logger.exception("unhandled error on %s %s", request.method, request.path)
+            return ApiError(500, f"internal error: {type(e).__name__}: {e}").response()
+
+    return gateway_middleware
+
+
+def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) -> web.Application:
+    """client_provider: a ready EngineClient, or a zero-arg callable returning it (None while the
+    model loads: model routes and /health answer 503 until then)."""
+    app = web.Application(client_max_size=args.max_request_bytes, middlewares=[_middleware(args.api_key)])
+    app[STATE_KEY] = GatewayState(client_provider, args)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", native_routes.models)
+    app.router.add_post("/generate", native_routes.generate)
+    app.router.add_post("/abort_request", native_routes.abort_request)
+    app.router.add_get("/health", native_routes.health)
+    app.router.add_get("/health_generate", native_routes.health_generate)
+    app.router.add_get("/metrics", native_routes.metrics)
+    return app
+
+
+def gateway_state(app: web.Application) -> GatewayState:
+    return app[STATE_KEY]

@@ -1,0 +1,23 @@
+"""Reading a request body into its protocol Struct: size limit (413, enforced by aiohttp's
+client_max_size), JSON syntax and types (400), all as OpenAI-style errors."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import msgspec
+from aiohttp import web
+
+from runtime.gateway.errors import ApiError, from_decode_error
+
+T = TypeVar("T")
+
+
+async def read_body(request: web.Request, kind: type[T]) -> T:
+    raw = await request.read()  # raises HTTPRequestEntityTooLarge past client_max_size
+    if not raw.strip():
+        raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.DecodeError as e:
+        raise from_decode_error(e) from None

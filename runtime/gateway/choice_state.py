@@ -1,0 +1,109 @@
+"""ChoiceState: one choice (one GenerateRequest) as its RequestOutput deltas arrive — the detokenized
+text so far, token ids, logprobs, the finish reason — and the latency metrics it produces on the way."""
+
+from __future__ import annotations
+
+import time
+
+from runtime.gateway.metrics import GatewayMetrics
+from runtime.gateway.protocol import PromptTokensDetails, UsageInfo
+from runtime.managers.detokenizer import IncrementalDetokenizer
+from runtime.managers.tokenizer import Tokenizer
+from runtime.messages import GenerateRequest, RequestOutput
+
+
+class ChoiceState:
+    def __init__(self, index: int, req: GenerateRequest, tokenizer: Tokenizer, metrics: GatewayMetrics,
+                 arrival: float):
+        p = req.sampling_params
+        self.index = index
+        self.req = req
+        self.metrics = metrics
+        self.arrival = arrival
+        self.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens, p.stop)
+        self.text = ""
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.input_logprobs: list[float | None] | None = None
+        self.last: RequestOutput | None = None
+        self._last_token_at: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None and self.last.finished
+
+    def add(self, o: RequestOutput) -> str:
+        """Takes one delta; returns the text it made safe to show."""
+        now = time.monotonic()
+        if self.last is None:
+            self.metrics.queue_time.observe(max(o.queue_time_s, 0.0))
+        n = len(o.new_token_ids)
+        if n:
+            if self._last_token_at is None:
+                self.metrics.ttft.observe(now - self.arrival)
+                self.metrics.observe_tokens(n, None)
+            else:
+                self.metrics.observe_tokens(n, now - self._last_token_at)
+            self._last_token_at = now
+        if o.finished:
+            self.metrics.e2e.observe(now - self.arrival)
+            self.metrics.prompt_tokens.inc(o.prompt_tokens)
+        self.last = o
+        self.ids.extend(o.new_token_ids)
+        if o.new_logprobs:
+            self.logprobs.extend(o.new_logprobs)
+        if o.new_top_logprobs:
+            self.top_logprobs.extend(o.new_top_logprobs)
+        if o.input_logprobs is not None:
+            self.input_logprobs = o.input_logprobs
+        delta = self.detok.add(o.new_token_ids, finished=o.finished)
+        self.text += delta
+        return delta
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's finish_reason: stop, length, abort or error; None while running."""
+        if not self.finished or self.last.finish_reason is None:
+            return None
+        if self.detok.stopped:  # our detokenizer saw the stop string even if the engine ran on
+            return "stop"
+        return self.last.finish_reason.openai_reason()
+
+    @property
+    def matched_stop(self) -> int | str | None:
+        fr = self.last.finish_reason if self.last is not None else None
+        return fr.matched if fr is not None else None
+
+    @property
+    def error(self) -> str | None:
+        """The engine's message when the request failed (finish kind "error")."""
+        fr = self.last.finish_reason if self.last is not None else None
+        if fr is not None and fr.kind == "error":
+            return fr.message or "the request failed in the engine"
+        return None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.last.prompt_tokens if self.last is not None else len(self.req.input_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.last.completion_tokens if self.last is not None else 0
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.last.cached_tokens if self.last is not None else 0
+
+
+def usage_info(choices: list[ChoiceState], n: int) -> UsageInfo:
+    """OpenAI usage: each prompt counted once (choices come n per prompt), every choice's completion.
+    cached_tokens is per prompt the most any of its choices found in the prefix cache."""
+    prompt = cached = completion = 0
+    for start in range(0, len(choices), n):
+        group = choices[start:start + n]
+        prompt += group[0].prompt_tokens
+        cached += max(c.cached_tokens for c in group)
+        completion += sum(c.completion_tokens for c in group)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))

@@ -1,0 +1,96 @@
+"""GatewayMetrics: Prometheus metrics of one gateway app, in the app's own CollectorRegistry (two apps in
+one process, as in tests, never share counters).
+
+Latencies (TTFT, inter-token, end-to-end, queue) and token counters are measured in the gateway as
+deltas stream through. Scheduler gauges and cumulative counters come from EngineClient.stats(), fetched
+at scrape time by the /metrics handler (stats() is async; collectors are not) and handed to a custom
+collector that turns that snapshot into metric families."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from runtime.messages import SchedulerStats
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class _SchedulerStatsCollector(Collector):
+    def __init__(self) -> None:
+        self.stats: SchedulerStats | None = None
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self._families(None))
+
+    def collect(self) -> Iterable[Metric]:
+        return list(self._families(self.stats))
+
+    @staticmethod
+    def _families(s: SchedulerStats | None) -> Iterable[Metric]:
+        gauges = {
+            "shoal:num_running_reqs": ("requests decoding now", lambda: s.num_running_reqs),
+            "shoal:num_queue_reqs": ("requests waiting to be scheduled", lambda: s.num_queue_reqs),
+            "shoal:kv_usage_ratio": ("share of KV slots held by running requests", lambda: s.kv_usage_ratio),
+            "shoal:kv_cache_ratio": ("share of KV slots held only by the evictable prefix cache",
+                                     lambda: s.kv_cache_ratio),
+            "shoal:cache_hit_ratio": ("prompt tokens found in the prefix cache / prompt tokens looked up",
+                                      lambda: s.cache_hit_tokens / max(s.cache_query_tokens, 1)),
+        }
+        for name, (doc, value) in gauges.items():
+            g = GaugeMetricFamily(name, doc)
+            if s is not None:
+                g.add_metric([], float(value()))
+            yield g
+        batches = CounterMetricFamily("shoal:forward_batches", "forward batches run, by ForwardMode",
+                                      labels=["mode"])
+        tokens = CounterMetricFamily("shoal:forward_tokens", "tokens in forward batches, by ForwardMode",
+                                     labels=["mode"])
+        retractions = CounterMetricFamily("shoal:retractions", "requests retracted for lack of KV memory")
+        evictions = CounterMetricFamily("shoal:cache_evictions", "tokens evicted from the prefix cache")
+        if s is not None:
+            for mode, m in sorted(s.forward_modes.items()):
+                batches.add_metric([mode.lower()], m.batches)
+                tokens.add_metric([mode.lower()], m.tokens)
+            retractions.add_metric([], s.retractions)
+            evictions.add_metric([], s.evictions)
+        yield from (batches, tokens, retractions, evictions)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("shoal:time_to_first_token_seconds", "arrival at the gateway to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("shoal:inter_token_latency_seconds", "time between consecutive output tokens",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("shoal:e2e_request_latency_seconds", "arrival at the gateway to the last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("shoal:queue_time_seconds", "time waiting in the scheduler queue",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("shoal:prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("shoal:generation_tokens", "tokens generated", registry=r)
+        self._stats = _SchedulerStatsCollector()
+        r.register(self._stats)
+
+    def observe_tokens(self, num_tokens: int, since_last_s: float | None) -> None:
+        """A delta of num_tokens arrived since_last_s after the previous one (None: the first delta)."""
+        if num_tokens <= 0:
+            return
+        self.generation_tokens.inc(num_tokens)
+        if since_last_s is not None:
+            per_token = since_last_s / num_tokens  # a delta may batch several tokens
+            for _ in range(num_tokens):
+                self.itl.observe(per_token)
+
+    def render(self, stats: SchedulerStats | None) -> bytes:
+        """Prometheus text exposition; stats None (engine not ready) leaves the scheduler families empty."""
+        self._stats.stats = stats
+        return generate_latest(self.registry)

@@ -1,0 +1,262 @@
+"""The HTTP bodies the gateway reads and writes, as msgspec Structs: OpenAI completions, chat completions
+and models, SGLang-style /generate, and the error body. Requests forbid unknown fields (OpenAI rejects
+them too), so a misspelt parameter is a 400 rather than silently ignored. Numeric knobs accept null
+(some clients send it) and mean "the default" then."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, Struct, UnsetType
+
+# ---- shared --------------------------------------------------------------------------------------
+
+
+class StreamOptions(Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0
+
+
+class UsageInfo(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ErrorInfo(Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(Struct):
+    error: ErrorInfo
+
+
+class ModelCard(Struct):
+    id: str
+    object: str = "model"
+    created: int = 0
+    owned_by: str = "shoal"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+# ---- /v1/completions -----------------------------------------------------------------------------
+
+
+class CompletionRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    prompt: str | list[Any]  # str | list[str] | list[int] | list[list[int]], checked by the handler
+    model: str | None = None
+    max_tokens: int | None = 16  # OpenAI's default; an explicit null means "as many as the context allows"
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int | None = None
+    best_of: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logprobs: int | None = None
+    echo: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    skip_special_tokens: bool | None = None
+    user: str | None = None
+    suffix: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+
+class CompletionResponse(Struct, kw_only=True):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None | UnsetType = UNSET  # streaming chunks carry it only with include_usage
+
+
+# ---- /v1/chat/completions ------------------------------------------------------------------------
+
+
+class ChatMessage(Struct, kw_only=True, forbid_unknown_fields=True):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    function_call: Any = None
+    refusal: str | None = None
+
+
+class ChatCompletionRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    messages: list[ChatMessage]
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    skip_special_tokens: bool | None = None
+    user: str | None = None
+    # Known OpenAI fields Shoal does not implement: accepted by the decoder only to answer a clear 400.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class ChatTopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatChoiceLogprobs(Struct):
+    content: list[ChatTokenLogprob] | None
+
+
+class ChatResponseMessage(Struct):
+    content: str | None
+    role: str = "assistant"
+
+
+class ChatCompletionChoice(Struct):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+
+class ChatCompletionResponse(Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(Struct, omit_defaults=True):
+    role: str | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+
+
+class ChatStreamChoice(Struct):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+
+class ChatCompletionChunk(Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None | UnsetType = UNSET
+
+
+# ---- native /generate (SGLang style) -------------------------------------------------------------
+
+
+class GenerateBody(Struct, kw_only=True, forbid_unknown_fields=True):
+    text: str | list[str] | None = None
+    input_ids: list[Any] | None = None  # list[int] or list[list[int]], checked by the handler
+    sampling_params: dict[str, Any] | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    rid: str | None = None
+
+
+class GenerateFinishReason(Struct, omit_defaults=True):
+    type: str
+    matched: int | str | None = None
+    message: str | None = None
+
+
+class GenerateMetaInfo(Struct, kw_only=True):
+    id: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reason: GenerateFinishReason | None
+    e2e_latency: float
+    # [logprob, token_id] or [logprob, token_id, text]; top: one list of those per output token
+    output_token_logprobs: list[list[Any]] | UnsetType = UNSET
+    output_top_logprobs: list[list[list[Any]]] | UnsetType = UNSET
+
+
+class GenerateResponse(Struct, kw_only=True):
+    text: str
+    output_ids: list[int]
+    meta_info: GenerateMetaInfo
+
+
+class AbortRequestBody(Struct, forbid_unknown_fields=True):
+    rid: str  # a response id (aborts all its choices) or one request's rid
+
+
+def encode(obj: Any) -> bytes:
+    return msgspec.json.encode(obj)

@@ -1,0 +1,194 @@
+"""Hosting the gateway: run_server (the blocking `shoal serve`) and serve_in_thread (tests, Ray actors).
+
+Usage
+-----
+Start a server (the embedded SmolLM2-135M-Instruct when no --model-path is given)::
+
+    shoal serve --port 30000                       # or: python -m runtime serve ...
+    shoal serve --model-path /models/Llama-3.2-1B-Instruct --api-key sk-local --max-n 4
+
+It listens at once; /health and the model routes answer 503 until the model is loaded, then the log
+says "Shoal is ready ... at http://HOST:PORT". Ctrl-C or SIGTERM shuts it down cleanly.
+
+curl::
+
+    curl http://127.0.0.1:30000/v1/models
+    curl http://127.0.0.1:30000/v1/completions -H 'Content-Type: application/json' \\
+        -d '{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}'
+    curl -N http://127.0.0.1:30000/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"messages": [{"role": "user", "content": "Hi!"}], "stream": true,
+             "stream_options": {"include_usage": true}}'
+    curl http://127.0.0.1:30000/generate \\
+        -d '{"text": "Hello", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}'
+    curl http://127.0.0.1:30000/metrics            # Prometheus text, shoal:* metrics
+
+With --api-key, add `-H 'Authorization: Bearer sk-local'` (not needed for /health and /metrics).
+
+openai client::
+
+    from openai import OpenAI
+    client = OpenAI(base_url="http://127.0.0.1:30000/v1", api_key="sk-local")  # any key without --api-key
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=64,
+                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
+    print(r.choices[0].message.content)
+    for chunk in client.completions.create(model="SmolLM2-135M-Instruct", prompt="Once upon a time",
+                                           max_tokens=32, stream=True):
+        print(chunk.choices[0].text, end="", flush=True)
+
+Other routes: POST /abort_request {"rid": "<response id or request id>"}, GET /health (200 when
+ready), GET /health_generate (runs a one-token generation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from typing import Any
+
+from aiohttp import web
+
+from runtime.config import ServerArgs
+from runtime.engine_client import EngineClient
+from runtime.gateway.app import build_app, gateway_state
+from runtime.gateway.state import ClientProvider
+from runtime.logging_setup import setup_logging
+
+logger = logging.getLogger("shoal.gateway")
+
+
+class _EngineLoader:
+    """Builds the EngineClient on a background thread so the HTTP port is open (and says 503) meanwhile."""
+
+    def __init__(self, args: ServerArgs):
+        self.args = args
+        self.client: EngineClient | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def load(self) -> None:
+        try:
+            if self.args.uses_ray:
+                from runtime.cluster.launch import create_ray_engine_client
+
+                self.client = create_ray_engine_client(self.args)
+            else:
+                from runtime.engine import Engine
+
+                self.client = Engine(server_args=self.args)
+        except BaseException as e:  # reported by run_server, which then stops
+            self.error = e
+        finally:
+            self.done.set()
+
+    def provider(self) -> EngineClient | None:
+        return self.client
+
+
+def _shutdown_client(client: Any) -> None:
+    shutdown = getattr(client, "shutdown", None)
+    if shutdown is not None:
+        try:
+            shutdown()
+        except Exception:
+            logger.exception("error while shutting the engine down")
+
+
+def run_server(args: ServerArgs) -> None:
+    """Serves on args.host:args.port until SIGINT/SIGTERM; raises if the engine fails to load."""
+    setup_logging(args.log_level)
+    loader = _EngineLoader(args)
+    app = build_app(loader.provider, args)
+    asyncio.run(_serve_until_stopped(app, args, loader))
+    if loader.error is not None:
+        raise loader.error
+
+
+async def _serve_until_stopped(app: web.Application, args: ServerArgs, loader: _EngineLoader) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    url = f"http://{args.host}:{args.port}"
+    logger.info("listening at %s; loading the model (routes answer 503 until ready)", url)
+    threading.Thread(target=loader.load, name="shoal-engine-loader", daemon=True).start()
+    ready = asyncio.ensure_future(asyncio.to_thread(loader.done.wait))
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if loader.done.is_set() and loader.error is None:
+        client = loader.client
+        logger.info("Shoal is ready: serving model %r at %s (OpenAI API: %s/v1)",
+                    gateway_state(app).served_model(client), url, url)
+        await stopped
+    elif loader.error is not None:
+        logger.error("the engine failed to load: %s", loader.error)
+    logger.info("shutting down")
+    gateway_state(app).shutting_down = True  # new requests get 503 while in-flight ones drain
+    await runner.cleanup()
+    if not loader.done.is_set():
+        # A load cannot be interrupted; its thread is a daemon and dies with the process.
+        logger.info("exiting while the model was still loading")
+    elif loader.client is not None:
+        await asyncio.to_thread(_shutdown_client, loader.client)
+    ready.cancel()
+    stopped.cancel()
+    logger.info("stopped")
+
+
+class ServerHandle:
+    """A gateway running on its own event loop in a thread. url: http://HOST:PORT; stop() ends it."""
+
+    def __init__(self, app: web.Application, host: str, port: int):
+        self.app = app
+        self.host = host
+        self.url = ""
+        self._loop = asyncio.new_event_loop()
+        self._runner = web.AppRunner(app, access_log=None)
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(host, port), name="shoal-gateway", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
+
+    def _run(self, host: str, port: int) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._runner.setup())
+            site = web.TCPSite(self._runner, host, port)
+            self._loop.run_until_complete(site.start())
+            bound = self._runner.addresses[0][1]
+            self.url = f"http://{host}:{bound}"
+        except BaseException as e:
+            self._error = e
+            self._started.set()
+            return
+        self._started.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(self._runner.cleanup())
+        self._loop.close()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve_in_thread(client: EngineClient | ClientProvider, args: ServerArgs, *, host: str | None = None,
+                    port: int | None = None) -> ServerHandle:
+    """Runs build_app(client, args) on 127.0.0.1 (or host) in a background thread. port overrides
+    args.port; 0 takes a free ephemeral port (ServerArgs itself only accepts 1..65535). The client is
+    not shut down by stop(): its owner does that."""
+    app = build_app(client, args)
+    return ServerHandle(app, host or "127.0.0.1", args.port if port is None else port)

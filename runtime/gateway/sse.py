@@ -1,0 +1,53 @@
+"""SseWriter: a server-sent-events response exactly as OpenAI streams it — `data: {json}\n\n` per event,
+written (and so flushed) as each delta comes, ending with `data: [DONE]\n\n`. A write to a client that
+went away raises RequestAbortedError, so the caller stops generating for it."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from runtime.errors import RequestAbortedError
+
+
+def is_disconnected(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+class SseWriter:
+    def __init__(self, request: web.Request):
+        self.request = request
+        self.response = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+            "Connection": "keep-alive", "X-Accel-Buffering": "no"})
+        self.started = False
+
+    async def start(self) -> None:
+        await self.response.prepare(self.request)
+        self.started = True
+
+    async def send(self, payload: bytes) -> None:
+        if not self.started:
+            await self.start()
+        if is_disconnected(self.request):
+            raise RequestAbortedError("the client disconnected")
+        try:
+            await self.response.write(b"data: " + payload + b"\n\n")
+        except (ConnectionError, RuntimeError) as e:  # aiohttp: "Cannot write to closing transport"
+            raise RequestAbortedError("the client disconnected") from e
+
+    async def finish(self) -> web.StreamResponse:
+        await self.send(b"[DONE]")
+        try:
+            await self.response.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass  # the client already has [DONE]; nothing left to tell it
+        return self.response
+
+    async def send_error(self, error_body: bytes) -> None:
+        """After the 200 headers went out, an error can only be an event in the stream (as vLLM does)."""
+        try:
+            await self.send(error_body)
+            await self.finish()
+        except RequestAbortedError:
+            pass

@@ -1,0 +1,137 @@
+"""GatewayState: what every handler of one app shares — the server args, the EngineClient (or the
+provider that returns it once loaded), the metrics, and the rids of requests in flight (so
+/abort_request can name a whole n>1 request by its response id)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from runtime.config import ServerArgs
+from runtime.engine_client import EngineClient
+from runtime.errors import InvalidRequestError, ShoalError
+from runtime.gateway.errors import ApiError, bad_request, from_shoal_error
+from runtime.gateway.metrics import GatewayMetrics
+from runtime.messages import GenerateRequest
+from runtime.sampling.params import SamplingParams
+
+ClientProvider = Callable[[], EngineClient | None]
+
+# Our SamplingParams names → the OpenAI request field a user wrote, for error messages.
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs_num": "logprobs"}
+
+
+class GatewayState:
+    def __init__(self, client_provider: EngineClient | ClientProvider, args: ServerArgs):
+        if hasattr(client_provider, "stream"):  # a ready client rather than a provider
+            client = client_provider
+            self.provider: ClientProvider = lambda: client
+        else:
+            self.provider = client_provider
+        self.args = args
+        self.metrics = GatewayMetrics()
+        self.created = int(time.time())
+        self.shutting_down = False
+        self.inflight: dict[str, list[str]] = {}  # response id → rids of its choices
+
+    # ---- the engine -------------------------------------------------------------------------------
+    def current_client(self) -> EngineClient | None:
+        client = self.provider()
+        if client is None or self.shutting_down:
+            return None
+        try:
+            return client if client.is_ready() else None
+        except Exception:  # a client that cannot even say whether it is ready is not
+            return None
+
+    def client(self) -> EngineClient:
+        """The ready client, or a 503 while the engine loads or shuts down."""
+        client = self.current_client()
+        if client is None:
+            what = "shutting down" if self.shutting_down else "still starting (loading the model)"
+            raise ApiError(503, f"the server is {what}; retry shortly", code="engine_not_ready")
+        return client
+
+    def served_model(self, client: EngineClient) -> str:
+        return self.args.served_model_name or client.model_name
+
+    def check_model(self, client: EngineClient, model: str | None) -> str:
+        names = {client.model_name, self.served_model(client)}
+        if model is not None and model not in names:
+            raise ApiError(404, f"The model `{model}` does not exist. This server serves "
+                                f"`{self.served_model(client)}`.", param="model", code="model_not_found")
+        return self.served_model(client)
+
+    def check_n(self, n: int | None) -> int:
+        n = 1 if n is None else n
+        if not 1 <= n <= self.args.max_n:
+            raise bad_request(f"n must be in [1, {self.args.max_n}] on this server, got {n}", param="n")
+        return n
+
+    # ---- building requests ------------------------------------------------------------------------
+    @staticmethod
+    def sampling_params(body: Any, max_new_tokens: int, return_logprob: bool = False, top_logprobs_num: int = 0,
+                        logprob_param: str = "logprobs", max_param: str = "max_tokens") -> SamplingParams:
+        """SamplingParams from the OpenAI fields of a completions or chat body (None = our default)."""
+        fields = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                  "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                  "repetition_penalty": "repetition_penalty", "stop_token_ids": "stop_token_ids",
+                  "seed": "seed", "ignore_eos": "ignore_eos", "min_tokens": "min_new_tokens",
+                  "skip_special_tokens": "skip_special_tokens"}
+        kw: dict[str, Any] = {ours: getattr(body, theirs) for theirs, ours in fields.items()
+                              if getattr(body, theirs) is not None}
+        stop = body.stop
+        if stop is not None:
+            kw["stop"] = [stop] if isinstance(stop, str) else list(stop)
+        names = {**_OPENAI_NAMES, "top_logprobs_num": logprob_param, "max_new_tokens": max_param}
+        try:
+            params = SamplingParams(max_new_tokens=max_new_tokens, return_logprob=return_logprob,
+                                    top_logprobs_num=top_logprobs_num, **kw)
+            params.validate()
+        except InvalidRequestError as e:
+            param = names.get(e.param or "", e.param)
+            message = e.message
+            for ours, theirs in names.items():
+                message = message.replace(ours, theirs)
+            raise bad_request(message, param=param) from None
+        return params
+
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    def choice_requests(self, client: EngineClient, base_id: str, prompts: list[list[int]],
+                        params: SamplingParams, n: int, return_input_logprob: bool = False,
+                        ) -> list[GenerateRequest]:
+        """n requests per prompt (choice index = prompt * n + i), each validated before any is sent so
+        a bad one leaves nothing running. A given seed becomes seed + i: choices differ, reproducibly."""
+        reqs = []
+        for p, ids in enumerate(prompts):
+            for i in range(n):
+                pi = params
+                if params.seed is not None and i:
+                    pi = msgspec.structs.replace(params, seed=(params.seed + i) % 2**63)
+                req = GenerateRequest(rid=f"{base_id}-{p * n + i}", input_ids=ids, sampling_params=pi,
+                                      return_input_logprob=return_input_logprob)
+                reqs.append(self.validate(client, req))
+        return reqs
+
+    @staticmethod
+    def validate(client: EngineClient, req: GenerateRequest) -> GenerateRequest:
+        try:
+            return client.validate(req)
+        except ShoalError as e:
+            raise from_shoal_error(e) from None
+
+    def track(self, base_id: str, reqs: list[GenerateRequest]) -> None:
+        self.inflight[base_id] = [r.rid for r in reqs]
+
+    def untrack(self, base_id: str) -> None:
+        self.inflight.pop(base_id, None)
+
+
+STATE_KEY: web.AppKey[GatewayState] = web.AppKey("shoal_gateway_state", GatewayState)

@@ -1,0 +1,53 @@
+"""HTTP helpers of the gateway tests: raw requests, SSE parsing, and the wait for a full KV pool."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from runtime import Engine
+
+
+def http(url: str, method: str = "GET", body: Any = None, headers: dict[str, str] | None = None,
+         timeout: float = 60) -> tuple[int, Any]:
+    """(status, parsed JSON body or text) for a raw request; body: dict (sent as JSON) or bytes."""
+    data = body if isinstance(body, bytes | None) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json",
+                                                                        **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode()
+
+
+def sse_events(raw: str) -> list[Any]:
+    """Parsed `data:` payloads of an SSE body, "[DONE]" kept as the string."""
+    out = []
+    for block in raw.split("\n\n"):
+        if block.startswith("data: "):
+            payload = block[len("data: "):]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def wait_kv_full(engine: Engine, timeout_s: float = 5.0) -> None:
+    """Polls until nothing runs or waits and every KV slot is free or evictable cache; asserts it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with engine.scheduler.lock:
+            kv = engine.scheduler.kv
+            idle = not engine.scheduler.reqs
+            full = kv.allocator.available_size() + kv.cache.evictable_size() == kv.size
+            engine.scheduler.check_kv_invariant()
+        if idle and full:
+            return
+        assert time.monotonic() < deadline, "the KV pool did not return to full"
+        time.sleep(0.05)
