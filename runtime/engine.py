@@ -71,6 +71,8 @@ class Engine(EngineClient):
     async def stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if not self.is_ready():
             raise EngineUnavailableError("the engine is shut down")
+        if req.rid in self._consumers:  # a second consumer would steal the first one's outputs
+            raise InvalidRequestError(f"request id {req.rid!r} is already in use", param="rid")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._consumers[req.rid] = lambda o: loop.call_soon_threadsafe(q.put_nowait, o)

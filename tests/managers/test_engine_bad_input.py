@@ -1,0 +1,101 @@
+"""Bad requests fail at the Engine boundary with a typed error that names the parameter, and the
+engine keeps serving everyone else."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.errors import ContextLengthError, InvalidRequestError
+
+OK = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+
+
+def assert_still_serving(engine) -> None:
+    out = engine.generate("The quick brown fox", OK)
+    assert out["finish_reason"] == "length" and len(out["output_ids"]) == 4
+
+
+@pytest.mark.parametrize(("params", "param"), [
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"max_new_tokens": -3}, "max_new_tokens"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"top_k": 0}, "top_k"),
+    ({"min_new_tokens": 9, "max_new_tokens": 4}, "min_new_tokens"),
+    ({"stop": [""]}, "stop"),
+    ({"no_such_knob": 1}, "no_such_knob"),
+    ({"max_new_tokens": "many"}, "max_new_tokens"),
+])
+def test_bad_sampling_params(engine, params: dict, param: str):
+    with pytest.raises(InvalidRequestError) as ei:
+        engine.generate("Hello world", params)
+    assert ei.value.param == param, ei.value
+    with pytest.raises(InvalidRequestError):  # the async path validates before anything is queued
+        engine.async_generate("Hello world", params)
+    assert_still_serving(engine)
+
+
+def test_prompt_longer_than_context(engine):
+    n = engine.context_len + 5
+    with pytest.raises(ContextLengthError) as ei:
+        engine.generate(input_ids=[7] * n, sampling_params=OK)
+    msg = str(ei.value)
+    assert str(engine.context_len) in msg and str(n) in msg
+    assert ei.value.param == "prompt" and ei.value.code == "context_length_exceeded"
+    assert isinstance(ei.value, InvalidRequestError)
+    assert_still_serving(engine)
+
+
+def test_prompt_plus_output_over_context_is_clipped(engine):
+    """A prompt that fits but leaves less room than max_new_tokens asks runs to the context end."""
+    n = engine.context_len - 3
+    out = engine.generate(input_ids=[7] * n, sampling_params={**OK, "max_new_tokens": 50})
+    assert out["finish_reason"] == "length" and len(out["output_ids"]) == 3
+    assert_still_serving(engine)
+
+
+@pytest.mark.parametrize(("kwargs", "param"), [
+    ({"prompt": ""}, "prompt"),
+    ({"input_ids": []}, "prompt"),
+    ({"input_ids": [5, 6, 400]}, "prompt"),  # vocab is 400: ids 0..399
+    ({"input_ids": [5, -1, 6]}, "prompt"),
+    ({"input_ids": [5, 10**9]}, "prompt"),
+])
+def test_bad_prompts(engine, kwargs: dict, param: str):
+    with pytest.raises(InvalidRequestError) as ei:
+        engine.generate(sampling_params=OK, **kwargs)
+    assert ei.value.param == param
+    if "input_ids" in kwargs and kwargs["input_ids"]:
+        bad = next(t for t in kwargs["input_ids"] if not 0 <= t < 400)
+        assert str(bad) in str(ei.value)
+    assert_still_serving(engine)
+
+
+def test_one_bad_request_in_a_list_submits_none(engine):
+    with pytest.raises(InvalidRequestError) as ei:
+        engine.generate(["fine", "also fine"], [OK, {**OK, "top_p": 2.0}])
+    assert ei.value.param == "top_p"
+    with pytest.raises(InvalidRequestError) as ei:
+        engine.generate(["a", "b"], [OK])
+    assert ei.value.param == "sampling_params"
+    assert engine.get_stats().num_queue_reqs == 0
+    assert_still_serving(engine)
+
+
+async def test_duplicate_rid_is_rejected_not_a_hang(engine):
+    import asyncio
+
+    first = engine.make_request(input_ids=[5, 6, 7], sampling_params={**OK, "max_new_tokens": 200}, rid="dup")
+    second = engine.make_request(input_ids=[8, 9], sampling_params=OK, rid="dup")
+    s1 = engine.stream(first)
+    await anext(s1)
+    with pytest.raises(InvalidRequestError) as ei:
+        await anext(engine.stream(second))
+    assert ei.value.param == "rid"
+    rest = await asyncio.wait_for(_drain(s1), 10)  # the first request still gets all its outputs
+    assert rest[-1].finished and rest[-1].completion_tokens == 200
+
+
+async def _drain(stream) -> list:
+    return [o async for o in stream]
