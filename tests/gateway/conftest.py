@@ -6,11 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from gw_helpers import GATEWAY_ARGS
 
-from runtime import Engine, ServerArgs
+from runtime import Engine
 from runtime.gateway.server import ServerHandle, serve_in_thread
-
-GATEWAY_ARGS = ServerArgs(max_n=4, max_request_bytes=64 * 1024)
 
 
 @pytest.fixture(scope="session")

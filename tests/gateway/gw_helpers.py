@@ -8,7 +8,9 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from runtime import Engine
+from runtime import Engine, ServerArgs
+
+GATEWAY_ARGS = ServerArgs(max_n=4, max_request_bytes=64 * 1024)
 
 
 def http(url: str, method: str = "GET", body: Any = None, headers: dict[str, str] | None = None,

@@ -1,0 +1,137 @@
+"""Every error the gateway answers: status, OpenAI error body, and a message that says what was wrong.
+No input may produce a 500 or take the server down."""
+
+from __future__ import annotations
+
+import pytest
+from gw_helpers import http
+
+MODEL = "llama"
+CONTEXT = 512  # the tiny model's max_position_embeddings
+
+
+def _error(status_body: tuple[int, object], status: int) -> dict:
+    got, body = status_body
+    assert got == status, body
+    assert isinstance(body, dict) and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+def test_invalid_json(gw_url):
+    err = _error(http(gw_url + "/v1/completions", "POST", b'{"prompt": "hi",'), 400)
+    assert "not valid JSON" in err["message"] and err["code"] == "invalid_json"
+    err = _error(http(gw_url + "/v1/chat/completions", "POST", b""), 400)
+    assert "empty" in err["message"]
+
+
+def test_wrong_type_names_the_field(gw_url):
+    err = _error(http(gw_url + "/v1/completions", "POST", {"prompt": "hi", "max_tokens": "ten"}), 400)
+    assert err["param"] == "max_tokens" and "int" in err["message"]
+    err = _error(http(gw_url + "/v1/chat/completions", "POST", {"messages": "hi"}), 400)
+    assert err["param"] == "messages"
+
+
+def test_unknown_field_rejected(gw_url):
+    err = _error(http(gw_url + "/v1/completions", "POST", {"prompt": "hi", "temprature": 0.5}), 400)
+    assert "temprature" in err["message"] and err["param"] == "temprature"
+    err = _error(http(gw_url + "/v1/chat/completions", "POST",
+                      {"messages": [{"role": "user", "content": "hi", "colour": 1}]}), 400)
+    assert "colour" in err["message"]
+
+
+@pytest.mark.parametrize("field, value, param", [
+    ("temperature", -1, "temperature"), ("top_p", 2.0, "top_p"), ("top_k", 0, "top_k"),
+    ("max_tokens", 0, "max_tokens"), ("logprobs", 50, "logprobs"), ("presence_penalty", 3, "presence_penalty"),
+    ("min_p", 1.5, "min_p"), ("seed", -5, "seed"), ("stop", [""], "stop"),
+])
+def test_out_of_range_values(gw_url, field, value, param):
+    err = _error(http(gw_url + "/v1/completions", "POST", {"prompt": "hi", field: value}), 400)
+    assert err["param"] == param and param in err["message"]
+
+
+def test_chat_out_of_range_names_openai_fields(gw_url):
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    err = _error(http(gw_url + "/v1/chat/completions", "POST", {**body, "max_completion_tokens": 0}), 400)
+    assert err["param"] == "max_completion_tokens" and "max_completion_tokens" in err["message"]
+    err = _error(http(gw_url + "/v1/chat/completions", "POST", {**body, "logprobs": True, "top_logprobs": 30}), 400)
+    assert err["param"] == "top_logprobs"
+    err = _error(http(gw_url + "/v1/chat/completions", "POST", {**body, "top_logprobs": 2}), 400)
+    assert "logprobs" in err["message"]
+
+
+def test_prompt_longer_than_context(gw_url):
+    err = _error(http(gw_url + "/v1/completions", "POST", {"prompt": [5] * 600, "max_tokens": 4}), 400)
+    assert err["code"] == "context_length_exceeded"
+    assert "600" in err["message"] and str(CONTEXT) in err["message"]
+    err = _error(http(gw_url + "/v1/chat/completions", "POST",
+                      {"messages": [{"role": "user", "content": "fox " * 600}]}), 400)
+    assert err["code"] == "context_length_exceeded" and str(CONTEXT) in err["message"]
+
+
+def test_n_over_max(gw_url):
+    err = _error(http(gw_url + "/v1/completions", "POST", {"prompt": "hi", "n": 5}), 400)
+    assert err["param"] == "n" and "[1, 4]" in err["message"]
+    err = _error(http(gw_url + "/v1/chat/completions", "POST",
+                      {"messages": [{"role": "user", "content": "hi"}], "n": 0}), 400)
+    assert err["param"] == "n"
+
+
+def test_unknown_model_404(gw_url):
+    err = _error(http(gw_url + "/v1/completions", "POST", {"model": "gpt-17", "prompt": "hi"}), 404)
+    assert err["code"] == "model_not_found" and "gpt-17" in err["message"]
+    err = _error(http(gw_url + "/v1/chat/completions", "POST",
+                      {"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}), 404)
+    assert "gpt-17" in err["message"]
+
+
+def test_unknown_route_and_wrong_method(gw_url):
+    err = _error(http(gw_url + "/v1/nothing-here"), 404)
+    assert "/v1/nothing-here" in err["message"]
+    err = _error(http(gw_url + "/v1/completions"), 405)
+    assert "POST" in err["message"]
+
+
+def test_body_too_large_413(gw_url):
+    err = _error(http(gw_url + "/v1/completions", "POST", {"prompt": "x" * (100 * 1024)}), 413)
+    assert "too large" in err["message"]
+
+
+def test_bad_prompts_and_messages(gw_url):
+    cases = [
+        ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/completions", {"prompt": [10**9]}, "prompt"),  # token id outside the vocabulary
+        ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 2}}, "logit_bias"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "hi"}]}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages"),
+    ]
+    for path, body, param in cases:
+        err = _error(http(gw_url + path, "POST", body), 400)
+        assert err["param"] == param, (body, err)
+
+
+def test_no_input_makes_a_500(gw_url, gw_engine):
+    bodies = [b"null", b"[]", b'"text"', b"123", b"\xff\xfe", b'{"prompt": null}', b'{"prompt": [[]]}',
+              b'{"prompt": [1.5]}', b'{"prompt": [true]}', b'{"prompt": "hi", "stop": 5}',
+              b'{"prompt": "hi", "stream_options": {"x": 1}}', b'{"prompt": "hi", "n": 1e30}',
+              b'{"prompt": "hi", "temperature": "NaN"}', b'{"prompt": "hi", "max_tokens": 1e400}']
+    chat = [b'{"messages": null}', b'{"messages": [null]}', b'{"messages": [{"role": "user", "content": '
+            b'[{"type": "text"}]}]}', b'{"messages": [{"role": "user", "content": 5}]}',
+            b'{"messages": [{"role": "user", "content": "hi"}], "stop": [1]}']
+    native = [b'{}', b'{"text": "a", "input_ids": [1]}', b'{"input_ids": [[]]}', b'{"text": []}',
+              b'{"text": "a", "sampling_params": {"bogus": 1}}', b'{"text": "a", "sampling_params": 3}',
+              b'{"text": ["a", "b"], "stream": true}']
+    for path, group in (("/v1/completions", bodies), ("/v1/chat/completions", chat), ("/generate", native)):
+        for raw in group:
+            status, body = http(gw_url + path, "POST", raw)
+            assert 400 <= status < 500, (path, raw, status, body)
+            assert "error" in body
+    err = _error(http(gw_url + "/abort_request", "POST", {"request": 1}), 400)
+    assert err["message"]
+    assert http(gw_url + "/health")[0] == 200  # still serving
+    assert gw_engine.is_ready()
