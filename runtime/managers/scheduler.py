@@ -325,13 +325,17 @@ class Scheduler:
             out.input_logprobs = r.input_logprobs
         return out
 
-    def _finish(self, r: Req, emit: bool = True) -> None:
-        """Frees (or caches) the request's KV and forgets it; emits its last delta unless told not to."""
+    def _finish(self, r: Req, emit: bool = True, cache: bool = True) -> None:
+        """Frees (or caches) the request's KV and forgets it; emits its last delta unless told not to.
+        cache=False frees without inserting into the prefix cache (KV a failed step may not have written)."""
         if r in self.running:
             self.running.remove(r)
         if self.chunked_req is r:
             self.chunked_req = None
-        self.kv.release_finished(r)
+        if cache:
+            self.kv.release_finished(r)
+        else:
+            self.kv.release_retracted(r)
         r.state = ReqState.FINISHED
         self.reqs.pop(r.rid, None)
         if emit:
@@ -343,7 +347,7 @@ class Scheduler:
                 self.waiting.remove(r)
             r.finish_reason = FinishReason("error", message=message)
             try:
-                self._finish(r)
+                self._finish(r, cache=False)
             except Exception:  # the pool may be inconsistent after the failure: reset it below
                 self.reqs.pop(r.rid, None)
         self.running.clear()

@@ -1,0 +1,128 @@
+"""IncrementalDetokenizer on the tiny byte-level BPE tokenizer: multi-byte characters split across tokens
+never come out broken, leading spaces survive, and stop strings are held back while partial, then dropped."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from runtime.managers.detokenizer import IncrementalDetokenizer
+from runtime.managers.tokenizer import Tokenizer
+
+MULTIBYTE = "Émile a mangé une crème brûlée à Zürich. 日本語のテキストも少し。 emoji: 🙂🚀 fin"
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_llama) -> Tokenizer:
+    return Tokenizer(tiny_llama)
+
+
+def feed(detok: IncrementalDetokenizer, ids: list[int], sizes: list[int] | None = None,
+         finish: bool = True) -> list[str]:
+    """Adds ids in pieces of the given sizes (default one at a time); returns every delta."""
+    sizes = sizes or [1] * len(ids)
+    deltas, pos = [], 0
+    for n in sizes:
+        chunk = ids[pos:pos + n]
+        pos += n
+        deltas.append(detok.add(chunk, finished=finish and pos >= len(ids)))
+    return deltas
+
+
+def test_the_tokenizer_really_splits_characters(tok):
+    # The tests below mean something only if some tokens are partial UTF-8 sequences.
+    ids = tok.encode(MULTIBYTE)
+    assert sum("\ufffd" in tok.decode([i]) for i in ids) >= 4
+    assert tok.decode(ids) == MULTIBYTE
+
+
+@pytest.mark.parametrize("seed", [None, 1, 2, 3])
+def test_multibyte_never_broken(tok, seed):
+    ids = tok.encode(MULTIBYTE)
+    sizes = None
+    if seed is not None:
+        rng = random.Random(seed)
+        sizes = []
+        while sum(sizes) < len(ids):
+            sizes.append(rng.randint(1, 4))
+    deltas = feed(IncrementalDetokenizer(tok), ids, sizes)
+    assert not any("\ufffd" in d for d in deltas)
+    assert "".join(deltas) == tok.decode(ids) == MULTIBYTE
+    # Text comes out as soon as it is complete, not all at the end.
+    assert sum(1 for d in deltas if d) > len(deltas) // 3
+
+
+def test_characters_wait_until_complete(tok):
+    ids = tok.encode("日本語")
+    detok = IncrementalDetokenizer(tok)
+    seen = ""
+    for i, t in enumerate(ids):
+        seen += detok.add([t], finished=i == len(ids) - 1)
+        assert seen == "日本語"[:len(seen)]  # only whole characters, each once
+    assert seen == "日本語"
+
+
+@pytest.mark.parametrize("text", [" hello world", "  two leading spaces", "\n\tindented"])
+def test_leading_whitespace_kept(tok, text):
+    ids = tok.encode(text)
+    deltas = feed(IncrementalDetokenizer(tok), ids)
+    assert "".join(deltas) == text
+    assert next(d for d in deltas if d)[0] == text[0]
+
+
+def test_stop_string_held_back_then_dropped(tok):
+    text = "The capital of France is Paris. The capital of Italy is Rome."
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, stop=["Paris."])
+    shown = ""
+    for i, t in enumerate(ids):
+        shown += detok.add([t], finished=i == len(ids) - 1)
+        assert "P" not in shown  # not even the first letter while it may still become the stop string
+        if detok.stopped:
+            break
+    assert detok.stopped
+    assert shown == "The capital of France is "
+    assert detok.add(tok.encode(" more"), finished=True) == ""  # nothing after the stop
+
+
+def test_partial_stop_released_when_it_diverges(tok):
+    text = "The capital of France is Paris. The end"
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, stop=["Paris!"])
+    deltas = feed(detok, ids)
+    assert not detok.stopped
+    assert "".join(deltas) == text
+    # "Paris" was held back until the "." showed it is not "Paris!".
+    at = next(i for i, _ in enumerate(deltas) if "Paris" in "".join(deltas[:i + 1]))
+    assert "." in "".join(deltas[:at + 1]).split("Paris", 1)[1]
+
+
+def test_partial_stop_flushed_at_finish(tok):
+    ids = tok.encode("The capital of France is Pa")
+    deltas = feed(IncrementalDetokenizer(tok, stop=["Paris"]), ids)
+    assert "".join(deltas) == "The capital of France is Pa"
+
+
+def test_stop_string_spanning_two_tokens(tok):
+    ids = tok.encode("Hello world")
+    pieces = [tok.decode([i]) for i in ids]
+    assert pieces[1].endswith("o") and pieces[2].startswith(" w")  # "lo" | " w": the stop spans both
+    detok = IncrementalDetokenizer(tok, stop=["o w"])
+    assert "".join(feed(detok, ids)) == "Hell"
+    assert detok.stopped
+
+
+def test_multibyte_stop_string(tok):
+    ids = tok.encode("emoji: 日本語 then more")
+    detok = IncrementalDetokenizer(tok, stop=["本語"])
+    deltas = feed(detok, ids)
+    assert "".join(deltas) == "emoji: 日"
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_special_tokens_skipped_or_kept(tok):
+    eos = next(iter(tok.eos_token_ids))
+    ids = [*tok.encode("Hello"), eos]
+    assert "".join(feed(IncrementalDetokenizer(tok), ids)) == "Hello"
+    assert "".join(feed(IncrementalDetokenizer(tok, skip_special_tokens=False), ids)) == "Hello<|im_end|>"
