@@ -101,7 +101,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     reqs = [state.validate(client, GenerateRequest(rid=f"{base}-{k}" if batch else base, input_ids=ids,
                                                    sampling_params=params)) for k, ids in enumerate(prompts)]
     choices = [ChoiceState(i, r, client.tokenizer, state.metrics, arrival) for i, r in enumerate(reqs)]
-    state.track(base, reqs)
+    tracked = state.track(base, reqs)
     try:
         fan = OutputFanIn(client, reqs, lambda: is_disconnected(request))
         if not body.stream:
@@ -125,7 +125,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             await sse.send_error(encode((e if isinstance(e, ApiError) else from_shoal_error(e)).body()))
             return sse.response
     finally:
-        state.untrack(base)
+        state.untrack(base, tracked)
 
 
 async def abort_request(request: web.Request) -> web.Response:

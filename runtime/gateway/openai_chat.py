@@ -128,14 +128,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     base = state.new_id("chatcmpl")
     reqs = state.choice_requests(client, base, [ids], params, n)
     choices = [ChoiceState(i, r, client.tokenizer, state.metrics, arrival) for i, r in enumerate(reqs)]
-    state.track(base, reqs)
+    tracked = state.track(base, reqs)
     try:
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return await _stream(request, client, base, model, choices, want_lp, n, include_usage)
         return await _complete(request, client, base, model, choices, want_lp, n)
     finally:
-        state.untrack(base)
+        state.untrack(base, tracked)
 
 
 async def _complete(request: web.Request, client: EngineClient, base: str, model: str,

@@ -98,14 +98,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     echo = [(texts[i // n] if texts[i // n] is not None else client.tokenizer.decode(r.input_ids))
             if body.echo else "" for i, r in enumerate(reqs)]
     choices = [ChoiceState(i, r, client.tokenizer, state.metrics, arrival) for i, r in enumerate(reqs)]
-    state.track(base, reqs)
+    tracked = state.track(base, reqs)
     try:
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return await _stream(request, state, client, base, model, choices, echo, want_lp, n, include_usage)
         return await _complete(request, client, base, model, choices, echo, want_lp, n)
     finally:
-        state.untrack(base)
+        state.untrack(base, tracked)
 
 
 async def _complete(request: web.Request, client: EngineClient, base: str, model: str,

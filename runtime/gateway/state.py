@@ -127,11 +127,14 @@ class GatewayState:
         except ShoalError as e:
             raise from_shoal_error(e) from None
 
-    def track(self, base_id: str, reqs: list[GenerateRequest]) -> None:
-        self.inflight[base_id] = [r.rid for r in reqs]
+    def track(self, base_id: str, reqs: list[GenerateRequest]) -> list[str]:
+        rids = [r.rid for r in reqs]
+        self.inflight.setdefault(base_id, rids)  # a duplicate user rid must not hide the first request
+        return rids
 
-    def untrack(self, base_id: str) -> None:
-        self.inflight.pop(base_id, None)
+    def untrack(self, base_id: str, rids: list[str]) -> None:
+        if self.inflight.get(base_id) is rids:
+            del self.inflight[base_id]
 
 
 STATE_KEY: web.AppKey[GatewayState] = web.AppKey("shoal_gateway_state", GatewayState)

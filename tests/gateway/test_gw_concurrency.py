@@ -78,3 +78,25 @@ async def test_non_stream_disconnect_frees_kv(gw_url, gw_engine):
             pass
     await asyncio.to_thread(wait_kv_full, gw_engine)
     assert _decode_tokens(gw_engine) - before < 479
+
+
+async def test_abort_request_by_response_id_aborts_every_choice(gw_url, gw_engine):
+    body = {"messages": [{"role": "user", "content": "Count"}], "max_tokens": 450, "n": 2, "stream": True,
+            "ignore_eos": True}
+    reasons: dict[int, str] = {}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(gw_url + "/v1/chat/completions", json=body) as resp:
+            aborted = None
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if aborted is None:
+                    async with session.post(gw_url + "/abort_request", json={"rid": event["id"]}) as r:
+                        aborted = (await r.json())["aborted"]
+                for c in event["choices"]:
+                    if c["finish_reason"]:
+                        reasons[c["index"]] = c["finish_reason"]
+    assert sorted(aborted) == [f"{event['id']}-0", f"{event['id']}-1"]
+    assert reasons == {0: "abort", 1: "abort"}
+    await asyncio.to_thread(wait_kv_full, gw_engine)

@@ -69,6 +69,8 @@ def test_abort_request_by_rid(gw_url, gw_engine):
     deadline = time.monotonic() + 10
     while "abort-me" not in gw_engine.scheduler.reqs and time.monotonic() < deadline:
         time.sleep(0.01)
+    status, err = http(gw_url + "/generate", "POST", {"text": "Hi", "rid": "abort-me"})
+    assert status == 400 and err["error"]["param"] == "rid" and "already in use" in err["error"]["message"]
     assert http(gw_url + "/abort_request", "POST", {"rid": "abort-me"}) == (200, {"aborted": ["abort-me"]})
     t.join(timeout=20)
     status, body = result["r"]
