@@ -1,0 +1,48 @@
+"""`shoal generate` in-process: prints the completion and exits 0; a bad flag value exits 2 naming it."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime import Engine
+from runtime.cli import main
+
+PROMPT = "The capital of France is"
+
+
+def test_generate_prints_the_greedy_completion(tiny_llama, capsys):
+    rc = main(["generate", "--model-path", str(tiny_llama), "--device", "cpu", "--max-new-tokens", "4",
+               "--max-total-tokens", "1024", "--log-level", "warning", "--prompt", PROMPT])
+    out = capsys.readouterr().out
+    assert rc == 0
+    with Engine(str(tiny_llama), device="cpu", max_total_tokens=1024, log_level="warning") as e:
+        expected = e.generate(PROMPT, {"temperature": 0, "max_new_tokens": 4})
+    assert expected["text"]
+    assert out == expected["text"] + "\n"
+
+
+def test_generate_chat_template(tiny_llama, capsys):
+    rc = main(["generate", "--model-path", str(tiny_llama), "--device", "cpu", "--max-new-tokens", "3",
+               "--max-total-tokens", "1024", "--log-level", "warning", "--chat", "--prompt", "Hi"])
+    assert rc == 0
+    with Engine(str(tiny_llama), device="cpu", max_total_tokens=1024, log_level="warning") as e:
+        ids = e.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+        assert e.tokenizer.decode(ids, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+        expected = e.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 3})
+    assert capsys.readouterr().out == expected["text"] + "\n"
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--max-running-requests", "0"), ("--max-prefill-tokens", "-5"),
+                                             ("--chunked-prefill-size", "0")])
+def test_bad_flag_value_exits_2_naming_it(tiny_llama, capsys, flag: str, value: str):
+    rc = main(["generate", "--model-path", str(tiny_llama), "--device", "cpu", flag, value])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert flag in err and value in err
+
+
+def test_bad_choice_is_an_argparse_error(tiny_llama, capsys):
+    with pytest.raises(SystemExit) as ei:
+        main(["generate", "--model-path", str(tiny_llama), "--schedule-policy", "random"])
+    assert ei.value.code == 2
+    assert "--schedule-policy" in capsys.readouterr().err
