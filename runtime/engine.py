@@ -22,7 +22,7 @@ from runtime.managers.detokenizer import IncrementalDetokenizer
 from runtime.managers.scheduler import Scheduler
 from runtime.managers.tokenizer import Tokenizer
 from runtime.managers.tp_worker import TpWorker
-from runtime.messages import GenerateRequest, RequestOutput, SchedulerStats
+from runtime.messages import FinishReason, GenerateRequest, RequestOutput, SchedulerStats
 from runtime.sampling.params import SamplingParams
 
 
@@ -69,13 +69,12 @@ class Engine(EngineClient):
         return self.scheduler.validate(req)
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        if not self.is_ready():
-            raise EngineUnavailableError("the engine is shut down")
         if req.rid in self._consumers:  # a second consumer would steal the first one's outputs
             raise InvalidRequestError(f"request id {req.rid!r} is already in use", param="rid")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._consumers[req.rid] = lambda o: loop.call_soon_threadsafe(q.put_nowait, o)
+        self._check_ready([req.rid])
         self.scheduler.submit(req)
         done = False
         try:
@@ -124,6 +123,7 @@ class Engine(EngineClient):
         for r in reqs:
             qs[r.rid] = queue.SimpleQueue()
             self._consumers[r.rid] = qs[r.rid].put
+        self._check_ready([r.rid for r in reqs])
         for r in reqs:
             self.scheduler.submit(r)
         results = []
@@ -162,9 +162,27 @@ class Engine(EngineClient):
             if cb is not None:
                 cb(o)
 
+    def _check_ready(self, rids: list[str]) -> None:
+        """Called after registering consumers: shutdown sets _stop before ending registered consumers, so a
+        request is either refused here or ended by shutdown, never left waiting."""
+        if not self.is_ready():
+            for rid in rids:
+                self._consumers.pop(rid, None)
+            raise EngineUnavailableError("the engine is shut down")
+
     def shutdown(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        # The scheduler is gone: whoever still waits on a request would wait forever.
+        for rid in list(self._consumers):
+            cb = self._consumers.pop(rid, None)
+            if cb is None:
+                continue
+            try:
+                cb(RequestOutput(rid=rid, new_token_ids=[], finished=True,
+                                 finish_reason=FinishReason("abort", message="the engine shut down")))
+            except RuntimeError:  # that stream's event loop is already closed: nobody is waiting
+                pass
 
     def __enter__(self) -> Engine:
         return self

@@ -164,3 +164,21 @@ def test_logprobs_match_hf_log_softmax(engine, hf_logprobs):
             assert lp == pytest.approx(float(ref[i, tid]), abs=1e-4)
     plain = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 10})
     assert "logprobs" not in plain and plain["output_ids"] == ids
+
+
+@pytest.mark.parametrize("chunk", [-1, 8])
+def test_input_logprobs_match_hf(make_engine, tiny_llama, hf_llama, chunk: int):
+    import torch
+
+    engine = make_engine(tiny_llama, chunked_prefill_size=chunk)
+    prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    engine.generate(input_ids=prompt, sampling_params=GREEDY)  # cached now: input logprobs must not use it
+    out = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 3},
+                          return_input_logprob=True)
+    got = out["input_logprobs"]
+    assert len(got) == len(prompt) and got[0] is None
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_llama(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    for i in range(1, len(prompt)):
+        assert got[i] == pytest.approx(float(ref[i - 1, prompt[i]]), abs=1e-4)
+    assert out["usage"]["cached_tokens"] == 0

@@ -60,3 +60,17 @@ def test_request_larger_than_pool_is_rejected(make_engine, tiny_llama):
     assert ei.value.param == "prompt" and "32" in str(ei.value)
     out = engine.generate(input_ids=[5, 6, 7], sampling_params={**PARAMS, "max_new_tokens": 4})
     assert len(out["output_ids"]) == 4
+
+
+def test_request_outgrowing_the_whole_pool_errors(make_engine, tiny_llama, pool_full):
+    """A prompt that fits but whose output cannot: it ends with an error instead of hanging, and a
+    request beside it that fits still finishes exactly."""
+    engine = make_engine(tiny_llama, max_total_tokens=64, disable_radix_cache=True)
+    outs = engine.generate(input_ids=[list(range(3, 53)), [5, 6, 7]], sampling_params=[
+        {**PARAMS, "max_new_tokens": 40}, {**PARAMS, "max_new_tokens": 5}])
+    assert outs[0]["finish_reason"] == "error" and "KV" in outs[0]["error"]
+    assert 0 < len(outs[0]["output_ids"]) < 40
+    assert outs[1]["finish_reason"] == "length" and len(outs[1]["output_ids"]) == 5
+    pool_full(engine)
+    alone = engine.generate(input_ids=[5, 6, 7], sampling_params={**PARAMS, "max_new_tokens": 5})
+    assert alone["output_ids"] == outs[1]["output_ids"]
