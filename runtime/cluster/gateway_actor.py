@@ -1,0 +1,28 @@
+"""GatewayActor: the HTTP gateway as a Ray actor — the aiohttp app (runtime.gateway) on its own thread
+over a RayEngineClient whose replicas this actor owns (they die with it). Lets a cluster host the whole
+server without a long-lived driver: `launch.launch_gateway_actor(args, detached=True)`."""
+
+from __future__ import annotations
+
+from runtime.config import ServerArgs
+
+
+class GatewayActor:
+    def __init__(self, args: ServerArgs, port: int | None = None):
+        from runtime.cluster.launch import create_ray_engine_client
+        from runtime.gateway.server import serve_in_thread
+
+        self.args = args
+        self.client = create_ray_engine_client(args)  # Ray is up inside an actor: joins this cluster
+        self.server = serve_in_thread(self.client, args, host=args.host, port=port)
+
+    def url(self) -> str:
+        """http://HOST:PORT the gateway listens on (on this actor's node)."""
+        return self.server.url
+
+    def ready(self) -> bool:
+        return self.client.is_ready()
+
+    def shutdown(self) -> None:
+        self.server.stop()
+        self.client.shutdown()

@@ -1,0 +1,164 @@
+"""Launching the Ray runtime: join or start a cluster, reserve a placement group per replica, start each
+replica's actors, and hand back a RayEngineClient (what `shoal serve` uses when args.uses_ray).
+
+Startup of one replica group: TP worker actors in the group's bundles → rank 0 picks the rendezvous
+address → every rank joins the torch.distributed group and loads its shard (concurrently) → scheduler
+actor(s) with the workers' WorkerInfo. Groups launch in parallel; a dead group is relaunched the same
+way into the same placement group."""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from runtime.cluster import placement
+from runtime.cluster.replica_group import ReplicaGroup
+from runtime.config import ServerArgs
+from runtime.engine_client import EngineClient
+from runtime.errors import ServerArgsError
+
+logger = logging.getLogger(__name__)
+
+LOCAL_OBJECT_STORE_BYTES = 512 << 20  # only small messages travel: the 30%-of-RAM default is waste
+DISPATCH_ENV = "SHOAL_RAY_DISPATCH"  # "actor" (default) or "compiled": see worker_group.py
+
+
+def init_ray(args: ServerArgs, num_bundles: int = 1) -> bool:
+    """Connects to args.address ('auto' joins the running cluster) or starts a local one bound to
+    loopback. Returns True when it started Ray (its owner shuts it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if args.address is not None:
+        ray.init(address=args.address, log_to_driver=True)
+        return True
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # makes Ray bind 127.0.0.1 (NOTES.md)
+    # Bundles are logical: a replica's CPU bundle is a scheduling slot, not a core it spins on.
+    ray.init(num_cpus=max(os.cpu_count() or 1, num_bundles), include_dashboard=False,
+             object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=True)
+    return True
+
+
+class ReplicaLauncher:
+    """Starts (and restarts) replica groups. Plain DP: dp_size groups of tp_size ranks. DP attention:
+    one group of dp_size ranks, each with its own scheduler, the MLP split across all of them."""
+
+    def __init__(self, args: ServerArgs, model_path: str, replica_resources: list[dict[str, float]] | None = None):
+        import ray
+
+        self.args, self.model_path = args, model_path
+        self.dp_attention = args.enable_dp_attention
+        if self.dp_attention and args.tp_size not in (1, args.dp_size):
+            raise ServerArgsError("--tp-size", f"with --enable-dp-attention the MLP is split over the "
+                                  f"{args.dp_size} DP ranks: give --tp-size {args.dp_size} (or 1)")
+        self.num_groups = 1 if self.dp_attention else args.dp_size
+        self.ranks = args.dp_size if self.dp_attention else args.tp_size
+        if replica_resources is not None and len(replica_resources) != self.num_groups:
+            raise ValueError(f"replica_resources has {len(replica_resources)} entries for {self.num_groups} replicas")
+        if args.device == "auto":
+            self.use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        else:
+            self.use_gpu = args.device == "cuda"
+        self.dispatch = os.environ.get(DISPATCH_ENV, "actor")
+        self.pgs = [placement.create_placement_group(
+            self.ranks, args.placement, self.use_gpu, name=f"shoal-replica-{g}-{os.getpid()}",
+            extra=replica_resources[g] if replica_resources else None) for g in range(self.num_groups)]
+
+    def launch_all(self) -> list[ReplicaGroup]:
+        with ThreadPoolExecutor(self.num_groups) as pool:
+            return list(pool.map(self.launch, range(self.num_groups)))
+
+    def launch(self, g: int, generation: int = 0) -> ReplicaGroup:
+        """Starts group g's actors in its placement group and waits until they serve."""
+        import ray
+
+        from runtime.cluster.scheduler_actor import SchedulerActor
+        from runtime.cluster.tp_worker_actor import TpWorkerActor
+
+        pg = self.pgs[g]
+        worker_cls = ray.remote(TpWorkerActor)
+        workers = [worker_cls.options(num_cpus=1, num_gpus=1 if self.use_gpu else 0, max_restarts=0,
+                                      scheduling_strategy=placement.bundle_strategy(pg, r)).remote(
+                       self.args, self.model_path, r, self.ranks, self.dp_attention) for r in range(self.ranks)]
+        schedulers: list[Any] = []
+        try:
+            addr, port = ray.get(workers[0].endpoint.remote())
+            infos = ray.get([w.init.remote(addr, port) for w in workers])
+            sched_cls = ray.remote(SchedulerActor)
+            if self.dp_attention:
+                plan = [([workers[r]], infos[r], f"dp rank {r}", r) for r in range(self.ranks)]
+            else:
+                plan = [(workers, infos[0], f"replica {g}", 0)]
+            for ws, info, name, bundle in plan:
+                schedulers.append(sched_cls.options(
+                    num_cpus=0, max_restarts=0, scheduling_strategy=placement.bundle_strategy(pg, bundle),
+                ).remote(self.args, self.model_path, ws, info, name, self.dispatch))
+            ray.get([s.ready.remote() for s in schedulers])
+        except BaseException:
+            ReplicaGroup(g, workers, schedulers, None, generation).kill()  # type: ignore[arg-type]
+            raise
+        logger.info("replica group %d up: %d rank(s), %s, KV pool %d tokens, dispatch %s", g, self.ranks,
+                    "GPU" if self.use_gpu else "CPU", infos[0].max_total_tokens, self.dispatch)
+        return ReplicaGroup(g, workers, schedulers, infos[0], generation)
+
+    def shutdown(self) -> None:
+        for pg in self.pgs:
+            placement.remove(pg)
+
+
+def resolve_model(args: ServerArgs) -> tuple[str, str]:
+    """(model folder, served model name), fetching the embedded default model when none is given."""
+    if args.model_path is None:
+        from runtime.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+
+        return str(ensure_default_model()), args.served_model_name or DEFAULT_MODEL_NAME
+    return args.model_path, args.served_model_name or args.model_path.rstrip("/").split("/")[-1]
+
+
+def create_ray_engine_client(args: ServerArgs, *, replica_resources: list[dict[str, float]] | None = None,
+                             ) -> EngineClient:
+    """Starts every replica on Ray and returns the client the gateway serves through.
+    replica_resources: extra custom resources per replica's bundles (pins replicas to nodes)."""
+    from runtime.cluster.ray_engine_client import RayEngineClient
+    from runtime.managers.tokenizer import Tokenizer
+
+    model_path, model_name = resolve_model(args)
+    bundles = args.dp_size * (1 if args.enable_dp_attention else args.tp_size)
+    owns_ray = init_ray(args, bundles)
+    launcher = None
+    try:
+        launcher = ReplicaLauncher(args, model_path, replica_resources)
+        groups = launcher.launch_all()
+        tokenizer = Tokenizer(args.tokenizer_path or model_path, tuple(groups[0].info.eos_token_ids))
+    except BaseException:
+        if launcher is not None:
+            launcher.shutdown()
+        if owns_ray:
+            import ray
+
+            ray.shutdown()
+        raise
+    return RayEngineClient(args, launcher, groups, tokenizer, model_name, owns_ray=owns_ray)
+
+
+def launch_gateway_actor(args: ServerArgs, *, port: int | None = None, name: str | None = None,
+                         detached: bool = False) -> Any:
+    """Starts a GatewayActor (the HTTP server plus its replicas) and waits until it serves; returns the
+    handle (`ray.get(handle.url.remote())` gives the address). detached: it outlives this driver."""
+    import ray
+
+    from runtime.cluster.gateway_actor import GatewayActor
+
+    bundles = args.dp_size * (1 if args.enable_dp_attention else args.tp_size)
+    init_ray(args, bundles)
+    options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
+    if name is not None:
+        options["name"] = name
+    if detached:
+        options["lifetime"] = "detached"
+    handle = ray.remote(GatewayActor).options(**options).remote(args, port)
+    ray.get(handle.url.remote())
+    return handle

@@ -1,0 +1,333 @@
+"""RayEngineClient: the gateway's EngineClient over scheduler replicas running as Ray actors.
+
+It routes each request to a live replica (RoutingPolicy), submits it, and receives its deltas through a
+per-replica output pump (one long-poll per replica, see SchedulerActor.poll) running on the client's own
+event loop thread; deltas are handed to each stream's own loop. A health loop pings every replica and
+refreshes the loads least_load routes by. When a replica fails (an actor died, a step failed, a health
+check timed out) its in-flight requests end at once with an error delta, routing skips it, and the
+whole replica group is relaunched in the background; new requests go to the live replicas meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.cluster.replica_group import ReplicaGroup
+from runtime.cluster.routing import ReplicaLoad, create_routing_policy
+from runtime.config import ServerArgs
+from runtime.engine_client import EngineClient
+from runtime.errors import EngineUnavailableError
+from runtime.messages import FinishReason, GenerateRequest, ModeStats, RequestOutput, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    target: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def put(self, out: RequestOutput) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+
+
+@dataclass
+class _KvLimits:
+    size: int
+
+
+@dataclass
+class _Limits:
+    """The replica limits Scheduler.validate reads (context_len, vocab_size, kv.size): validating here
+    with the scheduler's own checks means a bad request never crosses an actor boundary."""
+
+    context_len: int
+    vocab_size: int
+    kv: _KvLimits
+
+
+def _error_output(rid: str, message: str) -> RequestOutput:
+    return RequestOutput(rid=rid, new_token_ids=[], finished=True, finish_reason=FinishReason("error", message=message))
+
+
+class RayEngineClient(EngineClient):
+    def __init__(self, args: ServerArgs, launcher: Any, groups: list[ReplicaGroup], tokenizer: Any,
+                 model_name: str, *, health_interval_s: float = 1.0, health_timeout_s: float = 10.0,
+                 owns_ray: bool = False):
+        self.args, self.launcher, self.groups = args, launcher, groups
+        self.model_name = model_name
+        self._tokenizer = tokenizer
+        info = groups[0].info
+        self.context_len = info.context_len
+        self._limits = _Limits(info.context_len, info.vocab_size, _KvLimits(min(g.info.max_total_tokens for g in groups)))
+        self.policy = create_routing_policy(args.routing_policy)
+        self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
+        self.owns_ray = owns_ray
+        # Routing targets: a replica's scheduler, or each DP-attention rank's.
+        self.replicas: list[ReplicaLoad] = []
+        self._target_group: list[int] = []
+        for g in groups:
+            for _ in g.schedulers:
+                self.replicas.append(ReplicaLoad(index=len(self.replicas)))
+                self._target_group.append(g.index)
+        self._streams: dict[str, _Stream] = {}
+        self._restarting: set[int] = set()
+        self._consumer = f"client-{uuid.uuid4().hex[:12]}"
+        self._closing = False
+        self.restarts = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="shoal-ray-client", daemon=True)
+        self._thread.start()
+        self._tasks: set[asyncio.Future] = set()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result()
+
+    # ---- EngineClient ---------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    def is_ready(self) -> bool:
+        return not self._closing and self._thread.is_alive() and any(r.alive for r in self.replicas)
+
+    def validate(self, req: GenerateRequest) -> GenerateRequest:
+        from runtime.managers.scheduler import Scheduler
+
+        return Scheduler.validate(self._limits, req)  # type: ignore[arg-type]
+
+    async def stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        if self._closing:
+            raise EngineUnavailableError("the engine is shut down")
+        target = self.policy.pick(req, self.replicas)
+        i = target.index
+        group = self.groups[self._target_group[i]]
+        actor, generation = self._actor(i), group.generation
+        st = _Stream(asyncio.get_running_loop(), i)
+        self._streams[req.rid] = st
+        target.load += len(req.input_ids)
+        done = False
+        try:
+            try:
+                await actor.submit.remote(req, self._consumer)
+            except Exception as e:  # the actor died between the routing and the call
+                message = self._failure_message(group.index, e)
+                self._loop.call_soon_threadsafe(self._on_failure, group.index, generation, message)
+                done = True
+                yield _error_output(req.rid, message)
+                return
+            while not done:
+                out = await st.queue.get()
+                done = out.finished
+                yield out
+        finally:
+            self._streams.pop(req.rid, None)
+            if not done:  # the consumer went away: free the request's KV on its replica
+                try:
+                    actor.abort.remote(req.rid)
+                except Exception:
+                    logger.debug("abort of %s failed", req.rid, exc_info=True)
+
+    async def abort(self, rid: str) -> None:
+        st = self._streams.get(rid)
+        targets = [st.target] if st is not None else [r.index for r in self.replicas if r.alive]
+        for i in targets:
+            try:
+                await self._actor(i).abort.remote(rid)
+            except Exception:  # a dead replica has already failed the request
+                logger.debug("abort of %s on target %d failed", rid, i, exc_info=True)
+
+    async def stats(self) -> SchedulerStats:
+        return sum_stats([s for s in await self.replica_stats() if s is not None])
+
+    # ---- introspection --------------------------------------------------------------------------
+    async def replica_stats(self) -> list[SchedulerStats | None]:
+        """Per routing target (replica or DP rank), None for one that is down."""
+        return await asyncio.gather(*(self._target_stats(r.index) for r in self.replicas))
+
+    async def _target_stats(self, i: int) -> SchedulerStats | None:
+        if not self.replicas[i].alive:
+            return None
+        try:
+            return await asyncio.wait_for(self._actor(i).stats.remote(), self.health_timeout_s)
+        except Exception:
+            return None
+
+    def replica_stats_sync(self) -> list[SchedulerStats | None]:
+        return asyncio.run_coroutine_threadsafe(self.replica_stats(), self._loop).result()
+
+    def wait_until_healthy(self, timeout_s: float = 120.0) -> None:
+        """Blocks until every replica is alive again (after a relaunch)."""
+        deadline = time.monotonic() + timeout_s
+        while not all(r.alive for r in self.replicas):
+            if time.monotonic() > deadline:
+                raise EngineUnavailableError(f"replicas still down after {timeout_s:.0f} s")
+            time.sleep(0.1)
+
+    def _actor(self, i: int) -> Any:
+        group = self.groups[self._target_group[i]]
+        return group.schedulers[i - self._first_target(group.index)]
+
+    def _first_target(self, group_index: int) -> int:
+        return self._target_group.index(group_index)
+
+    def _targets_of(self, group_index: int) -> list[int]:
+        return [i for i, g in enumerate(self._target_group) if g == group_index]
+
+    # ---- background loop: pumps, health, relaunch ------------------------------------------------
+    async def _start(self) -> None:
+        for g in self.groups:
+            self._start_pumps(g)
+        self._spawn(self._health_loop())
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _start_pumps(self, group: ReplicaGroup) -> None:
+        for i in self._targets_of(group.index):
+            self._spawn(self._pump(i, group.generation))
+
+    async def _pump(self, i: int, generation: int) -> None:
+        gi = self._target_group[i]
+        actor = self._actor(i)
+        while not self._closing and self.groups[gi].generation == generation:
+            try:
+                poll = await actor.poll.remote(self._consumer, 1.0)
+            except Exception as e:
+                if not self._closing:
+                    self._on_failure(gi, generation, self._failure_message(gi, e))
+                return
+            for out in poll.outputs:
+                st = self._streams.get(out.rid)
+                if st is not None:
+                    st.put(out)
+            if not poll.healthy:
+                self._on_failure(gi, generation, f"replica {gi} failed: {poll.error}")
+                return
+
+    async def _health_loop(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(self.health_interval_s)
+            for g in list(self.groups):
+                if g.index in self._restarting:
+                    continue
+                for i in self._targets_of(g.index):
+                    await self._check_target(i, g.generation)
+
+    async def _check_target(self, i: int, generation: int) -> None:
+        gi = self._target_group[i]
+        try:
+            healthy, stats = await asyncio.wait_for(asyncio.gather(
+                self._actor(i).health.remote(), self._actor(i).stats.remote()), self.health_timeout_s)
+        except Exception as e:
+            if not self._closing:
+                self._on_failure(gi, generation, self._failure_message(gi, e))
+            return
+        if not healthy:
+            self._on_failure(gi, generation, f"replica {gi} failed its health check")
+            return
+        self.replicas[i].load = stats.num_used_tokens + stats.waiting_tokens
+
+    @staticmethod
+    def _failure_message(gi: int, e: BaseException) -> str:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return f"replica {gi} is down: {type(e).__name__}" + (f": {first}" if first else "")
+
+    def _on_failure(self, gi: int, generation: int, message: str) -> None:
+        """On the client loop: fail the group's in-flight requests now, relaunch it in the background."""
+        group = self.groups[gi]
+        if group.generation != generation or gi in self._restarting or self._closing:
+            return
+        logger.error("%s; relaunching it", message)
+        self._restarting.add(gi)
+        targets = set(self._targets_of(gi))
+        for i in targets:
+            self.replicas[i].alive = False
+            self.replicas[i].load = 0.0
+        text = f"{message}; the request was lost and the replica is being restarted"
+        for rid, st in list(self._streams.items()):
+            if st.target in targets:
+                st.put(_error_output(rid, text))
+        self._spawn(self._relaunch(gi))
+
+    async def _relaunch(self, gi: int) -> None:
+        old = self.groups[gi]
+        await asyncio.to_thread(old.kill)
+        delay = 1.0
+        while not self._closing:
+            try:
+                new = await asyncio.to_thread(self.launcher.launch, gi, old.generation + 1)
+                break
+            except Exception:
+                logger.exception("relaunch of replica %d failed; retrying in %.0f s", gi, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+        else:
+            return
+        if self._closing:
+            await asyncio.to_thread(new.kill)
+            return
+        self.groups[gi] = new
+        self._restarting.discard(gi)
+        self.restarts += 1
+        for i in self._targets_of(gi):
+            self.replicas[i].alive = True
+        self._start_pumps(new)
+        logger.info("replica %d is back (generation %d)", gi, new.generation)
+
+    # ---- shutdown -------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        for rid, st in list(self._streams.items()):
+            st.put(_error_output(rid, "the engine is shutting down"))
+
+        async def stop() -> None:
+            for t in list(self._tasks):
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=10)
+        except Exception:
+            logger.debug("stopping client tasks failed", exc_info=True)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        for g in self.groups:
+            g.kill()
+        self.launcher.shutdown()
+        if self.owns_ray:
+            import ray
+
+            ray.shutdown()
+
+    def __enter__(self) -> RayEngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def sum_stats(parts: list[SchedulerStats]) -> SchedulerStats:
+    """Replicas' stats added up (a cluster-wide view for /metrics)."""
+    total = SchedulerStats()
+    modes: dict[str, ModeStats] = {}
+    for s in parts:
+        for name in ("num_running_reqs", "num_queue_reqs", "num_used_tokens", "num_cached_tokens",
+                     "max_total_tokens", "gen_throughput", "retractions", "evictions", "cache_hit_tokens",
+                     "cache_query_tokens", "waiting_tokens"):
+            setattr(total, name, getattr(total, name) + getattr(s, name))
+        for mode, m in s.forward_modes.items():
+            acc = modes.setdefault(mode, ModeStats())
+            acc.batches += m.batches
+            acc.tokens += m.tokens
+    total.forward_modes = modes
+    return total
