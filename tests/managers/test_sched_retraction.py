@@ -74,3 +74,16 @@ def test_request_outgrowing_the_whole_pool_errors(make_engine, tiny_llama, pool_
     pool_full(engine)
     alone = engine.generate(input_ids=[5, 6, 7], sampling_params={**PARAMS, "max_new_tokens": 5})
     assert alone["output_ids"] == outs[1]["output_ids"]
+
+
+def test_seeded_sampling_survives_retraction(make_engine, tiny_llama):
+    """Sampling noise is keyed by (seed, output position), so re-prefilling after a retraction resumes the
+    same random stream: a seeded, penalized workload ends identically in a tight and a roomy pool."""
+    params = [{**PARAMS, "temperature": 0.8, "seed": 100 + i, "repetition_penalty": 1.2 if i % 2 else 1.0}
+              for i in range(8)]
+    roomy = make_engine(tiny_llama, max_total_tokens=4096)
+    expected = [o["output_ids"] for o in roomy.generate(input_ids=workload(), sampling_params=params)]
+    tight = make_engine(tiny_llama, max_total_tokens=120, init_new_token_ratio=0.2, min_new_token_ratio=0.05)
+    got = [o["output_ids"] for o in tight.generate(input_ids=workload(), sampling_params=params)]
+    assert tight.get_stats().retractions > 0
+    assert got == expected
