@@ -7,7 +7,7 @@ import torch
 
 from runtime.config import ServerArgs
 from runtime.messages import BatchResult, WorkerBatch, WorkerInfo
-from runtime.model_executor.model_runner import ModelRunner
+from runtime.model_executor.model_runner import LaunchedBatch, ModelRunner
 from runtime.models.parallel_context import ParallelContext
 
 
@@ -25,3 +25,9 @@ class TpWorker:
 
     def run_batch(self, batch: WorkerBatch) -> BatchResult:
         return self.runner.run_batch(batch)
+
+    def launch_batch(self, batch: WorkerBatch) -> LaunchedBatch:
+        return self.runner.launch_batch(batch)
+
+    def finish_batch(self, launched: LaunchedBatch) -> BatchResult:
+        return self.runner.finish_batch(launched)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
 from runtime.attention.registry import create_attention_backend, resolve_backend_name
 from runtime.config import ServerArgs
 from runtime.layers.logits import LogitsOutput, LogitsProcessor
-from runtime.layers.sampler import Sampler
+from runtime.layers.sampler import SampleOutput, Sampler
 from runtime.mem_cache.kv_pool import TokenToKVPool
 from runtime.mem_cache.req_to_token import ReqToTokenPool
 from runtime.messages import BatchResult, WorkerBatch
@@ -59,6 +60,7 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(self.attn_backend_name, self)
         self.logits_processor = LogitsProcessor(self.model.compute_logits)
         self.sampler = Sampler()
+        self.future_token_ids = torch.zeros(self.max_running_requests, dtype=torch.int64, device=self.device)
         self.cuda_graph_runner = self._init_cuda_graphs()
 
     def _load_model(self, model_path: str) -> torch.nn.Module:
@@ -125,20 +127,47 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_batch(self, batch: WorkerBatch) -> BatchResult:
+        return self.finish_batch(self.launch_batch(batch))
+
+    @torch.inference_mode()
+    def launch_batch(self, batch: WorkerBatch) -> LaunchedBatch:
+        """Enqueues the forward and the sampling without waiting for the device, so the scheduler can
+        prepare the next batch meanwhile (overlap scheduling). finish_batch() collects the result."""
         t0 = time.perf_counter()
         if self.ctx.dp_attention:
             # Every DP rank steps together: agree on token counts first; skip the forward if all are idle.
             counts = self.ctx.mlp.all_gather(torch.tensor([len(batch.input_ids)], device=self.device), dim=0)
             batch.global_num_tokens = counts.tolist()
             if not any(batch.global_num_tokens):
-                return BatchResult(batch_id=batch.batch_id, next_token_ids=[], all_idle=True)
+                return LaunchedBatch(batch.batch_id, t0, done=BatchResult(batch_id=batch.batch_id,
+                                                                          next_token_ids=[], all_idle=True))
         fb = self.build_forward_batch(batch)
+        # A negative id -(r+1) stands for the token just sampled for request row r, which the scheduler
+        # has not seen yet (overlap scheduling): take it from the device-side buffer.
+        ids = fb.input_ids
+        fb.input_ids = torch.where(ids < 0, self.future_token_ids[(-ids - 1).clamp_(min=0)], ids)
         out = self.forward(fb)
         if fb.batch_size == 0 or batch.sampling is None:
-            return BatchResult(batch_id=batch.batch_id, next_token_ids=[], forward_s=time.perf_counter() - t0)
+            return LaunchedBatch(batch.batch_id, t0, done=BatchResult(batch_id=batch.batch_id, next_token_ids=[]))
         sample = self.sampler(out.next_token_logits, batch.sampling)
+        self.future_token_ids[fb.req_pool_indices] = sample.next_token_ids
+        return LaunchedBatch(batch.batch_id, t0, sample=sample, input_logprobs=out.input_logprobs)
+
+    def finish_batch(self, launched: LaunchedBatch) -> BatchResult:
+        if launched.done is not None:
+            return launched.done
+        sample = launched.sample
         return BatchResult(
-            batch_id=batch.batch_id, next_token_ids=sample.next_token_ids.tolist(),
+            batch_id=launched.batch_id, next_token_ids=sample.next_token_ids.tolist(),
             logprobs=sample.logprobs.tolist() if sample.logprobs is not None else None,
-            top_logprobs=sample.top_logprobs, input_logprobs=out.input_logprobs,
-            forward_s=time.perf_counter() - t0)
+            top_logprobs=sample.top_logprobs, input_logprobs=launched.input_logprobs,
+            forward_s=time.perf_counter() - launched.t0)
+
+
+@dataclass(slots=True)
+class LaunchedBatch:
+    batch_id: int
+    t0: float
+    sample: SampleOutput | None = None
+    input_logprobs: list[list[float]] | None = None
+    done: BatchResult | None = None  # already complete (idle, nothing to sample)
