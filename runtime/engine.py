@@ -49,7 +49,8 @@ class Engine(EngineClient):
             server_args, self.worker, max_total_tokens=info.max_total_tokens, max_reqs=info.max_reqs,
             context_len=info.context_len, vocab_size=info.vocab_size,
             eos_token_ids=self._tokenizer.eos_token_ids if self._tokenizer else frozenset(info.eos_token_ids),
-            sink=self._on_outputs, decode_text=self._tokenizer.decode if self._tokenizer else None)
+            sink=self._on_outputs, decode_text=self._tokenizer.decode if self._tokenizer else None,
+            overlap=not server_args.disable_overlap_schedule and info.device.startswith("cuda"))
         self._consumers: dict[str, Callable[[RequestOutput], None]] = {}
         self._ids = itertools.count()
         self._stop = threading.Event()

@@ -47,12 +47,22 @@ class Req:
         self.sent_tokens = 0  # output tokens already delivered
         self.prompt_cached_tokens = 0  # for usage: prompt tokens served from the cache at first prefill
         self.retractions = 0
+        self.pending_tokens = 0  # overlap scheduling: tokens sampled on the device, not yet seen here
         self.admit_seq = 0  # order of (re)admission: retraction takes the latest first
 
     # ---- token views ------------------------------------------------------------------------------
     @property
     def all_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_ids[start:end] without building all_ids (the hot path of batch building)."""
+        n = len(self.origin_input_ids)
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        if end <= n:
+            return self.origin_input_ids[start:end]
+        return self.origin_input_ids[start:] + self.output_ids[:end - n]
 
     @property
     def seq_len(self) -> int:
@@ -76,7 +86,7 @@ class Req:
         return self.finish_reason is not None
 
     def blocked_token_ids(self) -> list[int]:
-        if len(self.output_ids) >= self.params.min_new_tokens:
+        if len(self.output_ids) + self.pending_tokens >= self.params.min_new_tokens:
             return []
         return sorted(self.eos_token_ids | self.stop_token_ids)
 

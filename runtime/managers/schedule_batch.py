@@ -18,6 +18,7 @@ class ScheduleBatch:
     reqs: list[Req] = field(default_factory=list)
     num_extend: int = 0  # reqs[:num_extend] run extend; the rest decode
     out_cache_loc: list[torch.Tensor] = field(default_factory=list)  # new slots, one tensor per req
+    completes_prefill: list[bool] = field(default_factory=list)  # per extend req: its last chunk?
 
     @property
     def extend_reqs(self) -> list[Req]:
@@ -35,7 +36,10 @@ class ScheduleBatch:
         seq_lens, prefix_lens, writes = [], [], []
         for r in self.reqs:
             prefix = r.kv_len - r.extend_len  # kv_indices already include this step's slots
-            input_ids.extend(r.all_ids[prefix:prefix + r.extend_len])
+            if r.pending_tokens:  # its input is the token the previous batch is still sampling
+                input_ids.append(-(r.req_pool_idx + 1))
+            else:
+                input_ids.extend(r.token_slice(prefix, prefix + r.extend_len))
             prefix_lens.append(prefix)
             seq_lens.append(prefix + r.extend_len)
             if r.pending_prefix_write:
@@ -57,7 +61,7 @@ class ScheduleBatch:
             temperatures=[0.0 if r.params.is_greedy else r.params.temperature for r in rs],
             top_ps=[r.params.top_p for r in rs], top_ks=[r.params.top_k for r in rs],
             min_ps=[r.params.min_p for r in rs], seeds=[r.seed for r in rs],
-            steps=[len(r.output_ids) for r in rs],
+            steps=[len(r.output_ids) + r.pending_tokens for r in rs],
             repetition_penalties=[r.params.repetition_penalty for r in rs],
             frequency_penalties=[r.params.frequency_penalty for r in rs],
             presence_penalties=[r.params.presence_penalty for r in rs],

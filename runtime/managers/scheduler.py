@@ -48,7 +48,8 @@ class WorkerClient(Protocol):
 class Scheduler:
     def __init__(self, args: ServerArgs, worker: WorkerClient, *, max_total_tokens: int, max_reqs: int,
                  context_len: int, vocab_size: int, eos_token_ids: frozenset[int],
-                 sink: Callable[[list[RequestOutput]], None], decode_text: Callable[[list[int]], str] | None = None):
+                 sink: Callable[[list[RequestOutput]], None], decode_text: Callable[[list[int]], str] | None = None,
+                 overlap: bool = False):
         self.args, self.worker, self.sink, self.decode_text = args, worker, sink, decode_text
         self.context_len, self.vocab_size, self.eos_token_ids = context_len, vocab_size, eos_token_ids
         self.max_running = min(args.max_running_requests, max_reqs - 1)
@@ -66,6 +67,10 @@ class Scheduler:
         self.batch_id = 0
         self.admit_counter = 0
         self.must_step = args.enable_dp_attention  # step (IDLE) even with no work of our own
+        # Overlap scheduling: launch batch N+1 before collecting batch N, so the device never waits for
+        # the CPU. Needs a worker with launch_batch/finish_batch; DP attention keeps ranks in lockstep.
+        self.overlap = overlap and hasattr(worker, "launch_batch") and not self.must_step
+        self.pending: tuple[ScheduleBatch, object] | None = None
         self.gen_throughput = 0.0
         self.cache_hit_tokens = 0
         self.cache_query_tokens = 0
@@ -152,16 +157,54 @@ class Scheduler:
     def step(self) -> bool:
         with self.lock:
             self._drain_inbox()
+            if self.pending is not None and self._must_flush():
+                self._collect_pending()
             batch = self.get_next_batch_to_run()
             if batch is None:
+                if self.pending is not None:
+                    self._collect_pending()
+                    return True
                 self.retractor.on_idle()
                 return False
             self.batch_id += 1
-            result = self.worker.run_batch(batch.to_worker_batch(self.batch_id))
-            if result.all_idle:
-                return False
-            self.process_batch_result(batch, result)
+            wb = batch.to_worker_batch(self.batch_id)
+            if not self.overlap:
+                result = self.worker.run_batch(wb)
+                if result.all_idle:
+                    return False
+                self.process_batch_result(batch, result)
+                return True
+            launched = self.worker.launch_batch(wb)
+            for i, r in enumerate(batch.reqs):
+                if i >= batch.num_extend or batch.completes_prefill[i]:
+                    r.pending_tokens += 1
+            previous, self.pending = self.pending, (batch, launched)
+            if previous is not None:
+                self._collect(*previous)
             return True
+
+    def _inflight_new(self) -> list[Req]:
+        """Requests whose prefill finished in the batch in flight: running from the next collect on."""
+        if self.pending is None:
+            return []
+        b = self.pending[0]
+        return [r for i, r in enumerate(b.reqs[: b.num_extend]) if b.completes_prefill[i] and not r.finished]
+
+    def _must_flush(self) -> bool:
+        """Cases where the next batch needs the real tokens of the one in flight."""
+        return (self.kv.available() < len(self.running) + 1
+                or any(r.params.needs_penalties for r in self.running))
+
+    def _collect_pending(self) -> None:
+        previous, self.pending = self.pending, None
+        self._collect(*previous)
+
+    def _collect(self, batch: ScheduleBatch, launched: object) -> None:
+        result = self.worker.finish_batch(launched)
+        for i, r in enumerate(batch.reqs):
+            if i >= batch.num_extend or batch.completes_prefill[i]:
+                r.pending_tokens -= 1
+        self.process_batch_result(batch, result)
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         prefill = self._get_new_batch_prefill()
@@ -185,7 +228,8 @@ class Scheduler:
         chunk = self.args.chunked_prefill_size if self.args.chunked_prefill_size > 0 else 1 << 62
         budget = min(self.args.max_prefill_tokens, chunk)
         batch = ScheduleBatch(ForwardMode.EXTEND)
-        reserved = self.retractor.reserved_tokens(self.running)
+        active = self.running + self._inflight_new()
+        reserved = self.retractor.reserved_tokens(active)
         if self.chunked_req is not None:
             r = self.chunked_req
             n = min(r.remaining_prefill, budget)
@@ -199,7 +243,7 @@ class Scheduler:
                 return batch
             self.chunked_req = None
         for r in list(self.policy.order(self.waiting, self.kv.prefix_len)):
-            if budget <= 0 or len(self.running) + len(batch.reqs) >= self.max_running:
+            if budget <= 0 or len(active) + len(batch.reqs) >= self.max_running:
                 break
             if not self.kv.admit(r):
                 break
@@ -242,6 +286,7 @@ class Scheduler:
         r.state = ReqState.PREFILLING
         batch.reqs.append(r)
         batch.out_cache_loc.append(slots)
+        batch.completes_prefill.append(r.remaining_prefill == 0)
         batch.num_extend = len(batch.reqs)
 
     def _prepare_decode(self) -> ScheduleBatch | None:
@@ -262,6 +307,8 @@ class Scheduler:
                 return None
         batch = ScheduleBatch(ForwardMode.DECODE)
         for r in self.running:
+            if r.pending_tokens and self._finishes_with_pending(r):
+                continue  # its token in flight ends it: no need to run it again
             slots = self.kv.alloc(1)
             assert slots is not None  # checked above
             r.kv_indices = torch.cat([r.kv_indices, slots])
@@ -269,7 +316,11 @@ class Scheduler:
             batch.reqs.append(r)
             batch.out_cache_loc.append(slots)
         self.retractor.on_decode_step()
-        return batch
+        return batch if batch.reqs else None
+
+    def _finishes_with_pending(self, r: Req) -> bool:
+        return (len(r.output_ids) + r.pending_tokens >= r.params.max_new_tokens
+                or r.seq_len + r.pending_tokens >= self.context_len)
 
     # ---- results --------------------------------------------------------------------------------
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
@@ -279,7 +330,7 @@ class Scheduler:
             if r.finished:
                 continue
             if i < batch.num_extend:
-                if r.remaining_prefill > 0:
+                if not batch.completes_prefill[i]:
                     self.kv.cache_unfinished(r)
                     continue
                 if r.return_input_logprob and r.input_logprobs is None and result.input_logprobs:
@@ -352,13 +403,12 @@ class Scheduler:
                 self.reqs.pop(r.rid, None)
         self.running.clear()
         self.chunked_req = None
+        self.pending = None
 
     # ---- introspection ------------------------------------------------------------------------------
     def _live(self) -> list[Req]:
-        live = list(self.running)
-        if self.chunked_req is not None and self.chunked_req not in live:
-            live.append(self.chunked_req)
-        return live
+        """Requests holding KV: running, mid chunked prefill, or prefilled in a batch still in flight."""
+        return [r for r in self.reqs.values() if r.req_pool_idx is not None]
 
     def check_kv_invariant(self) -> None:
         self.kv.check_invariant(self._live())
