@@ -103,6 +103,7 @@ class BatchResult(msgspec.Struct, kw_only=True):
     input_logprobs: list[list[float]] | None = None  # per request that asked, logprob of each input token after the first
     forward_s: float = 0.0
     all_idle: bool = False  # DP attention: every rank was idle, so nothing ran
+    device_s: float = 0.0  # device time of the batch (CUDA events); 0 on CPU
 
 
 class ModeStats(msgspec.Struct):
@@ -123,6 +124,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     cache_hit_tokens: int = 0
     cache_query_tokens: int = 0
     waiting_tokens: int = 0  # prompt tokens still to prefill; least_load routing uses it
+    device_busy_s: float = 0.0  # summed device time of all batches: 1 - busy/wall is the idle fraction
 
     @property
     def kv_usage_ratio(self) -> float:

@@ -73,6 +73,7 @@ class Scheduler:
         self.pending: tuple[ScheduleBatch, object] | None = None
         self.gen_throughput = 0.0
         self.cache_hit_tokens = 0
+        self.device_busy_s = 0.0
         self.cache_query_tokens = 0
 
     # ---- requests in ----------------------------------------------------------------------------
@@ -325,6 +326,7 @@ class Scheduler:
     # ---- results --------------------------------------------------------------------------------
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
         self.stats.record(batch.forward_mode, batch.num_tokens())
+        self.device_busy_s += result.device_s
         outputs: list[RequestOutput] = []
         for i, r in enumerate(batch.reqs):
             if r.finished:
@@ -421,4 +423,5 @@ class Scheduler:
             gen_throughput=self.gen_throughput, forward_modes=self.stats.snapshot(),
             retractions=self.stats.retractions, evictions=self.kv.evictions,
             cache_hit_tokens=self.cache_hit_tokens, cache_query_tokens=self.cache_query_tokens,
+            device_busy_s=self.device_busy_s,
             waiting_tokens=sum(r.remaining_prefill for r in self.waiting))

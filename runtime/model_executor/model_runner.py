@@ -141,6 +141,10 @@ class ModelRunner:
             if not any(batch.global_num_tokens):
                 return LaunchedBatch(batch.batch_id, t0, done=BatchResult(batch_id=batch.batch_id,
                                                                           next_token_ids=[], all_idle=True))
+        events = None
+        if self.device.type == "cuda":  # device busy time per batch, for the GPU idle fraction
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         fb = self.build_forward_batch(batch)
         # A negative id -(r+1) stands for the token just sampled for request row r, which the scheduler
         # has not seen yet (overlap scheduling): take it from the device-side buffer.
@@ -151,7 +155,9 @@ class ModelRunner:
             return LaunchedBatch(batch.batch_id, t0, done=BatchResult(batch_id=batch.batch_id, next_token_ids=[]))
         sample = self.sampler(out.next_token_logits, batch.sampling)
         self.future_token_ids[fb.req_pool_indices] = sample.next_token_ids
-        return LaunchedBatch(batch.batch_id, t0, sample=sample, input_logprobs=out.input_logprobs)
+        if events is not None:
+            events[1].record()
+        return LaunchedBatch(batch.batch_id, t0, sample=sample, input_logprobs=out.input_logprobs, events=events)
 
     def finish_batch(self, launched: LaunchedBatch) -> BatchResult:
         if launched.done is not None:
@@ -161,7 +167,8 @@ class ModelRunner:
             batch_id=launched.batch_id, next_token_ids=sample.next_token_ids.tolist(),
             logprobs=sample.logprobs.tolist() if sample.logprobs is not None else None,
             top_logprobs=sample.top_logprobs, input_logprobs=launched.input_logprobs,
-            forward_s=time.perf_counter() - launched.t0)
+            forward_s=time.perf_counter() - launched.t0,
+            device_s=launched.events[0].elapsed_time(launched.events[1]) / 1e3 if launched.events else 0.0)
 
 
 @dataclass(slots=True)
@@ -171,3 +178,4 @@ class LaunchedBatch:
     sample: SampleOutput | None = None
     input_logprobs: list[list[float]] | None = None
     done: BatchResult | None = None  # already complete (idle, nothing to sample)
+    events: tuple | None = None  # CUDA start/end events around the batch's device work
