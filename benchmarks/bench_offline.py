@@ -108,10 +108,12 @@ def run_throughput(engine: Any, args: argparse.Namespace, config: dict[str, Any]
                                                                   for p in warm_params])
     prompts, params = build_workload(args, config)
     before = stats_snapshot(engine)
+    busy0 = getattr(engine.get_stats(), "device_busy_s", 0.0)
     t0 = time.perf_counter()
     outs = engine.generate(input_ids=prompts, sampling_params=params)
     duration = time.perf_counter() - t0
     modes = stats_delta(before, stats_snapshot(engine))
+    busy = getattr(engine.get_stats(), "device_busy_s", 0.0) - busy0
     n_in = sum(o["usage"]["prompt_tokens"] for o in outs)
     n_out = sum(o["usage"]["completion_tokens"] for o in outs)
     short = sum(1 for o, p in zip(outs, params, strict=True) if o["usage"]["completion_tokens"] != p["max_new_tokens"])
@@ -124,6 +126,8 @@ def run_throughput(engine: Any, args: argparse.Namespace, config: dict[str, Any]
         "cached_tokens": sum(o["usage"].get("cached_tokens", 0) for o in outs),
         "requests_with_wrong_output_len": short,
         "forward_modes": modes,
+        # Share of the run the device sat idle between batches (CUDA events; None on CPU).
+        "device_idle_fraction": max(0.0, 1.0 - busy / duration) if busy > 0 else None,
     }
 
 
