@@ -1,0 +1,174 @@
+"""FlashInferAttnBackend: flashinfer's paged prefill/decode wrappers over our token-level KV pool.
+
+Each KV slot is one page (page size 1): the [slots, Hkv, D] buffers are viewed as [slots, 1, Hkv, D]
+NHD pages, and a request's page list is its req_to_token row, copied into a flat kv_indices array by a
+small Triton kernel. Wrappers are planned once per batch (init_forward_metadata), never per layer.
+flashinfer is imported lazily here only: CPU installs do not have it."""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.kv_store import store_kv
+from runtime.attention.base import AttentionBackend
+
+if TYPE_CHECKING:
+    from runtime.layers.attention import Attention
+    from runtime.model_executor.forward_batch import ForwardBatch
+    from runtime.model_executor.forward_mode import ForwardMode
+
+WORKSPACE_BYTES = 256 * 1024 * 1024
+# fa2 serves both the prefill and the tensor-core decode wrapper from one JIT module family, which
+# halves the first-use compile time; fa3 would only pay off for long prefills.
+FLASHINFER_KERNEL_BACKEND = "fa2"
+
+
+@triton.jit
+def _build_kv_indices_kernel(Req_To_Token, Req_Pool_Indices, Seq_Lens, Kv_Indptr, Kv_Indices, stride_req,
+                             BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    row = tl.load(Req_Pool_Indices + b).to(tl.int64)
+    n = tl.load(Seq_Lens + b).to(tl.int32)
+    out = tl.load(Kv_Indptr + b).to(tl.int64)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        slots = tl.load(Req_To_Token + row * stride_req + offs, mask=mask)
+        tl.store(Kv_Indices + out + offs, slots, mask=mask)
+
+
+def build_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                     kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> None:
+    """kv_indices[kv_indptr[b] : kv_indptr[b] + seq_lens[b]] = req_to_token[req_pool_indices[b], :seq_lens[b]],
+    on device with no host sync (so it can run inside a captured graph or before a replay)."""
+    bs = req_pool_indices.shape[0]
+    if bs == 0:
+        return
+    _build_kv_indices_kernel[(bs,)](req_to_token, req_pool_indices, seq_lens, kv_indptr, kv_indices,
+                                    req_to_token.stride(0), BLOCK=512)
+
+
+def _indptr(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+
+
+class FlashInferAttnBackend(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, runner: object):
+        import flashinfer
+
+        self._fi = flashinfer
+        self.device: torch.device = runner.device
+        self.req_to_token: torch.Tensor = runner.req_to_token_pool.req_to_token
+        self.max_context_len = self.req_to_token.shape[1]
+        attn0 = runner.model.model.layers[0].self_attn.attn
+        self.num_heads, self.num_kv_heads = attn0.num_heads, attn0.num_kv_heads
+        self.head_dim, self.sm_scale = attn0.head_dim, attn0.scaling
+        self.dtype: torch.dtype = runner.model_config.dtype
+        # Tensor-core decode reads each KV row once per query-head group; it wins as soon as heads share KV.
+        self.use_tensor_cores = self.num_heads // self.num_kv_heads > 1
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=FLASHINFER_KERNEL_BACKEND)
+        self.decode_wrapper = self._decode_wrapper()
+        self._wrapper: Any = None
+        self._graph_wrappers: dict[int, Any] = {}
+
+    def _decode_wrapper(self, **graph_buffers: torch.Tensor) -> Any:
+        return self._fi.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=bool(graph_buffers), use_tensor_cores=self.use_tensor_cores,
+            backend=FLASHINFER_KERNEL_BACKEND, **graph_buffers)
+
+    # ---- per batch ------------------------------------------------------------------------------------
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        mode = fb.forward_mode
+        if mode.is_idle() or fb.batch_size == 0:
+            self._wrapper = None
+            return
+        kv_indptr_cpu = _indptr(fb.seq_lens_cpu)
+        kv_indptr = kv_indptr_cpu.to(self.device, non_blocking=True)
+        kv_indices = torch.empty(fb.seq_lens_sum, dtype=torch.int32, device=self.device)
+        build_kv_indices(self.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr, kv_indices)
+        last_page_len = torch.ones(fb.batch_size, dtype=torch.int32)
+        if mode.is_decode():
+            self._plan_decode(self.decode_wrapper, kv_indptr_cpu, kv_indices, last_page_len)
+            self._wrapper = self.decode_wrapper
+            return
+        # Causal masks in flashinfer align the new tokens with the end of each request's KV.
+        self.prefill_wrapper.plan(
+            _indptr(fb.extend_seq_lens_cpu), kv_indptr_cpu, kv_indices, last_page_len,
+            self.num_heads, self.num_kv_heads, self.head_dim, 1, causal=True, sm_scale=self.sm_scale,
+            q_data_type=self.dtype, kv_data_type=self.dtype)
+        self._wrapper = self.prefill_wrapper
+
+    def _plan_decode(self, wrapper: Any, kv_indptr_cpu: torch.Tensor, kv_indices: torch.Tensor,
+                     last_page_len: torch.Tensor) -> None:
+        wrapper.plan(kv_indptr_cpu, kv_indices, last_page_len, self.num_heads, self.num_kv_heads,
+                     self.head_dim, 1, pos_encoding_mode="NONE", sm_scale=self.sm_scale,
+                     q_data_type=self.dtype, kv_data_type=self.dtype)
+
+    def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
+             fb: ForwardBatch) -> torch.Tensor:
+        k_buf, v_buf = fb.token_to_kv_pool.get_kv(layer.layer_id)
+        store_kv(k_buf, v_buf, fb.out_cache_loc, k.view(-1, layer.num_kv_heads, layer.head_dim),
+                 v.view(-1, layer.num_kv_heads, layer.head_dim))
+        q3 = q.reshape(-1, layer.num_heads, layer.head_dim)
+        o = torch.empty_like(q3, memory_format=torch.contiguous_format)
+        self._wrapper.run(q3, (k_buf.unsqueeze(1), v_buf.unsqueeze(1)), out=o)
+        return o.view(-1, layer.num_heads * layer.head_dim)
+
+    def forward_extend(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
+        return self._run(q, k, v, layer, fb)
+
+    def forward_decode(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
+        return self._run(q, k, v, layer, fb)
+
+    # ---- CUDA graphs ----------------------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        self._graph_kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
+        self._graph_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=self.device)
+        # Requests sharing a cached prefix share slots, so the pool size does not bound the index count.
+        self._graph_kv_indices = torch.zeros(max_bs * self.max_context_len, dtype=torch.int32, device=self.device)
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode) -> None:
+        self._check_graph_mode(forward_mode)
+        wrapper = self._decode_wrapper(paged_kv_indptr_buffer=self._graph_kv_indptr[:bs + 1],
+                                       paged_kv_indices_buffer=self._graph_kv_indices,
+                                       paged_kv_last_page_len_buffer=self._graph_last_page_len[:bs])
+        self._graph_wrappers[bs] = wrapper
+        self._plan_graph(wrapper, bs, req_pool_indices, seq_lens, seq_lens.tolist())
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor, seq_lens_sum: int,
+                                                forward_mode: ForwardMode, seq_lens_cpu: list[int] | None = None
+                                                ) -> None:
+        self._check_graph_mode(forward_mode)
+        if seq_lens_cpu is None:
+            seq_lens_cpu = seq_lens.tolist()
+        self._plan_graph(self._graph_wrappers[bs], bs, req_pool_indices, seq_lens, seq_lens_cpu)
+
+    def _plan_graph(self, wrapper: Any, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                    seq_lens_cpu: list[int]) -> None:
+        kv_indptr_cpu = _indptr(seq_lens_cpu)
+        kv_indptr = self._graph_kv_indptr[:bs + 1]
+        kv_indptr.copy_(kv_indptr_cpu, non_blocking=True)
+        n = int(kv_indptr_cpu[-1])
+        build_kv_indices(self.req_to_token, req_pool_indices, seq_lens, kv_indptr, self._graph_kv_indices)
+        # plan copies indptr/indices into the wrapper's own (these same) buffers and schedules on the host.
+        self._plan_decode(wrapper, kv_indptr_cpu, self._graph_kv_indices[:n], self._graph_last_page_len[:bs])
+        self._wrapper = wrapper
+
+    @staticmethod
+    def _check_graph_mode(forward_mode: ForwardMode) -> None:
+        if not forward_mode.is_decode():
+            raise NotImplementedError(f"FlashInferAttnBackend captures DECODE only, not {forward_mode.name}")
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1

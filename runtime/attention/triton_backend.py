@@ -1,0 +1,100 @@
+"""TritonAttnBackend: our kernels/ attention on the paged token-level KV pool.
+
+EXTEND and MIXED batches run extend_attention_fwd (a decode request inside a MIXED batch is an extend
+request with one new token); DECODE runs the split-KV decode_attention_fwd. K/V are stored with
+store_kv before attention. The decode scratch buffer is allocated once, for the largest batch the
+runner can hold, so eager steps allocate nothing and a captured CUDA graph always sees the same buffer."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kernels.decode_attention import decode_attention_fwd, decode_attention_workspace
+from kernels.extend_attention import extend_attention_fwd
+from kernels.kv_store import store_kv
+from runtime.attention.base import AttentionBackend
+
+if TYPE_CHECKING:
+    from runtime.layers.attention import Attention
+    from runtime.model_executor.forward_batch import ForwardBatch
+    from runtime.model_executor.forward_mode import ForwardMode
+
+# Splits of each sequence in decode: enough programs to fill the GPU at batch 1 with a few KV heads.
+DEFAULT_NUM_KV_SPLITS = 8
+
+
+class TritonAttnBackend(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, runner: object, num_kv_splits: int = DEFAULT_NUM_KV_SPLITS):
+        self.device: torch.device = runner.device
+        self.req_to_token: torch.Tensor = runner.req_to_token_pool.req_to_token
+        attn0 = runner.model.model.layers[0].self_attn.attn
+        self.num_heads, self.head_dim = attn0.num_heads, attn0.head_dim
+        self.num_kv_splits = num_kv_splits
+        self.max_bs = int(getattr(runner, "max_running_requests", 1))
+        self._workspace: torch.Tensor | None = None
+        self._max_extend_len = 0
+
+    def _decode_workspace(self, bs: int) -> torch.Tensor:
+        if self._workspace is None or self._workspace.shape[0] < bs:
+            self.max_bs = max(self.max_bs, bs)
+            self._workspace = decode_attention_workspace(self.max_bs, self.num_heads, self.head_dim,
+                                                         self.num_kv_splits, self.device)
+        return self._workspace
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if fb.forward_mode.is_decode():
+            self._decode_workspace(fb.batch_size)
+        elif fb.forward_mode.is_extend():
+            self._max_extend_len = max(fb.extend_seq_lens_cpu, default=0)
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        k_buf, v_buf = fb.token_to_kv_pool.get_kv(layer.layer_id)
+        k3 = k.view(-1, layer.num_kv_heads, layer.head_dim)
+        v3 = v.view(-1, layer.num_kv_heads, layer.head_dim)
+        store_kv(k_buf, v_buf, fb.out_cache_loc, k3, v3)
+        return k3, v3, k_buf, v_buf
+
+    def forward_extend(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
+        k3, v3, k_buf, v_buf = self._store(k, v, layer, fb)
+        q3 = q.view(-1, layer.num_heads, layer.head_dim)
+        o = torch.empty((q3.shape[0], layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
+        extend_attention_fwd(q3, k3, v3, o, k_buf, v_buf, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                             fb.extend_prefix_lens, fb.extend_start_loc, self._max_extend_len, layer.scaling)
+        return o.view(-1, layer.num_heads * layer.head_dim)
+
+    def forward_decode(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
+        _, _, k_buf, v_buf = self._store(k, v, layer, fb)
+        q3 = q.view(-1, layer.num_heads, layer.head_dim)
+        o = torch.empty((q3.shape[0], layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
+        decode_attention_fwd(q3, k_buf, v_buf, o, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                             layer.scaling, num_kv_splits=self.num_kv_splits,
+                             attn_logits=self._decode_workspace(q3.shape[0]))
+        return o.view(-1, layer.num_heads * layer.head_dim)
+
+    # ---- CUDA graphs: the kernels read seq_lens/req_to_token on device, so replay needs no re-plan --------
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        self._decode_workspace(max_bs)
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode) -> None:
+        self._check_graph_mode(forward_mode)
+        self._decode_workspace(bs)
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor, seq_lens_sum: int,
+                                                forward_mode: ForwardMode, seq_lens_cpu: list[int] | None = None
+                                                ) -> None:
+        self._check_graph_mode(forward_mode)
+
+    @staticmethod
+    def _check_graph_mode(forward_mode: ForwardMode) -> None:
+        if not forward_mode.is_decode():
+            raise NotImplementedError(f"TritonAttnBackend captures DECODE only, not {forward_mode.name}")
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
