@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -22,7 +23,7 @@ from runtime.errors import ServerArgsError
 logger = logging.getLogger(__name__)
 
 LOCAL_OBJECT_STORE_BYTES = 512 << 20  # only small messages travel: the 30%-of-RAM default is waste
-DISPATCH_ENV = "SHOAL_RAY_DISPATCH"  # "actor" (default) or "compiled": see worker_group.py
+DISPATCH_ENV = "SHOAL_RAY_DISPATCH"  # overrides the dispatch path: "actor" or "compiled" (worker_group.py)
 
 
 def init_ray(args: ServerArgs, num_bundles: int = 1) -> bool:
@@ -37,8 +38,30 @@ def init_ray(args: ServerArgs, num_bundles: int = 1) -> bool:
         return True
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # makes Ray bind 127.0.0.1 (NOTES.md)
     # Bundles are logical: a replica's CPU bundle is a scheduling slot, not a core it spins on.
-    ray.init(num_cpus=max(os.cpu_count() or 1, num_bundles), include_dashboard=False,
-             object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=True)
+    kwargs = dict(num_cpus=max(os.cpu_count() or 1, num_bundles), include_dashboard=False,
+                  object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=True)
+    if threading.current_thread() is threading.main_thread():
+        ray.init(**kwargs)
+        return True
+    # Ray's local GCS and raylet get PR_SET_PDEATHSIG, which fires when the *thread* that spawned them
+    # exits: started from a short-lived thread (the gateway's model loader), the cluster would die with
+    # it. Start it from a daemon thread that lives as long as the process.
+    started = threading.Event()
+    failure: list[BaseException] = []
+
+    def host() -> None:
+        try:
+            ray.init(**kwargs)
+        except BaseException as e:
+            failure.append(e)
+        started.set()
+        if not failure:
+            threading.Event().wait()
+
+    threading.Thread(target=host, name="shoal-ray-host", daemon=True).start()
+    started.wait()
+    if failure:
+        raise failure[0]
     return True
 
 
@@ -46,7 +69,8 @@ class ReplicaLauncher:
     """Starts (and restarts) replica groups. Plain DP: dp_size groups of tp_size ranks. DP attention:
     one group of dp_size ranks, each with its own scheduler, the MLP split across all of them."""
 
-    def __init__(self, args: ServerArgs, model_path: str, replica_resources: list[dict[str, float]] | None = None):
+    def __init__(self, args: ServerArgs, model_path: str, replica_resources: list[dict[str, float]] | None = None,
+                 dispatch: str | None = None):
         import ray
 
         self.args, self.model_path = args, model_path
@@ -62,7 +86,10 @@ class ReplicaLauncher:
             self.use_gpu = ray.cluster_resources().get("GPU", 0) > 0
         else:
             self.use_gpu = args.device == "cuda"
-        self.dispatch = os.environ.get(DISPATCH_ENV, "actor")
+        # benchmarks/bench_dispatch.py: a compiled graph cuts ~1 ms of per-step overhead to ~0.13 ms but
+        # each idle worker busy-polls a core. GPU hosts have the cores and their steps are short enough
+        # for 1 ms to matter; on a CPU host the spinning would starve the forward itself.
+        self.dispatch = dispatch or os.environ.get(DISPATCH_ENV) or ("compiled" if self.use_gpu else "actor")
         self.pgs = [placement.create_placement_group(
             self.ranks, args.placement, self.use_gpu, name=f"shoal-replica-{g}-{os.getpid()}",
             extra=replica_resources[g] if replica_resources else None) for g in range(self.num_groups)]
@@ -119,9 +146,10 @@ def resolve_model(args: ServerArgs) -> tuple[str, str]:
 
 
 def create_ray_engine_client(args: ServerArgs, *, replica_resources: list[dict[str, float]] | None = None,
-                             ) -> EngineClient:
+                             dispatch: str | None = None) -> EngineClient:
     """Starts every replica on Ray and returns the client the gateway serves through.
-    replica_resources: extra custom resources per replica's bundles (pins replicas to nodes)."""
+    replica_resources: extra custom resources per replica's bundles (pins replicas to nodes).
+    dispatch: "actor" | "compiled" (default: $SHOAL_RAY_DISPATCH, else compiled on GPU, actor on CPU)."""
     from runtime.cluster.ray_engine_client import RayEngineClient
     from runtime.managers.tokenizer import Tokenizer
 
@@ -130,7 +158,7 @@ def create_ray_engine_client(args: ServerArgs, *, replica_resources: list[dict[s
     owns_ray = init_ray(args, bundles)
     launcher = None
     try:
-        launcher = ReplicaLauncher(args, model_path, replica_resources)
+        launcher = ReplicaLauncher(args, model_path, replica_resources, dispatch)
         groups = launcher.launch_all()
         tokenizer = Tokenizer(args.tokenizer_path or model_path, tuple(groups[0].info.eos_token_ids))
     except BaseException:

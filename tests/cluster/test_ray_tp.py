@@ -1,5 +1,6 @@
 """TP=2 over two TpWorker actors (gloo) gives the same greedy tokens as the in-process TP=1 Engine
-(tiny llama, and qwen3 with its q/k norms: 4 heads / 2 KV heads split over the 2 ranks)."""
+(tiny llama, and qwen3 with its q/k norms: 4 heads / 2 KV heads split over the 2 ranks), through both
+dispatch paths (plain actor calls; a Ray compiled graph)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ pytestmark = pytest.mark.ray
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [300, 12, 99]]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_tp2_matches_tp1(ray_local, tiny_model_dirs, arch):
+@pytest.mark.parametrize(("arch", "dispatch"), [("llama", "actor"), ("qwen3", "actor"), ("llama", "compiled")])
+def test_tp2_matches_tp1(ray_local, tiny_model_dirs, arch, dispatch):
     from runtime import Engine
     from runtime.cluster.launch import create_ray_engine_client
 
@@ -24,7 +25,8 @@ def test_tp2_matches_tp1(ray_local, tiny_model_dirs, arch):
     with Engine(path, device="cpu", max_total_tokens=2048) as engine:
         expected = [engine.generate(input_ids=p, sampling_params={"max_new_tokens": 12, "temperature": 0})["output_ids"]
                     for p in PROMPTS]
-    client = create_ray_engine_client(ServerArgs(model_path=path, tp_size=2, device="cpu", max_total_tokens=2048))
+    client = create_ray_engine_client(ServerArgs(model_path=path, tp_size=2, device="cpu", max_total_tokens=2048),
+                                      dispatch=dispatch)
     try:
         assert client.is_ready()
         # Both ranks really run: two workers on the replica, and each got the same batches.
@@ -36,7 +38,7 @@ def test_tp2_matches_tp1(ray_local, tiny_model_dirs, arch):
             assert last.finished and last.finish_reason.kind == "length" and last.completion_tokens == 12
         stats = client.replica_stats_sync()[0]
         assert stats.forward_modes["DECODE"].batches > 0 and stats.num_running_reqs == 0
-        if arch == "llama":  # the client validates with the scheduler's own checks, before any actor call
+        if dispatch == "actor" and arch == "llama":  # the client validates with the scheduler's own checks, before any actor call
             with pytest.raises(ContextLengthError):
                 client.validate(GenerateRequest(rid="long", input_ids=[5] * 600, sampling_params=greedy(4)))
             with pytest.raises(InvalidRequestError):
