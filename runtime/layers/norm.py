@@ -1,9 +1,15 @@
-"""RMSNorm, with the residual add fused in (SGLang semantics: returns (normed, new_residual))."""
+"""RMSNorm, with the residual add fused in (SGLang semantics: returns (normed, new_residual)).
+
+On CUDA the Triton kernels run instead of the torch ops: one launch instead of ~7, measured 7-12x faster
+per call on an H200 (1.7 vs 12-13 us inside a CUDA graph at one token; 20 vs 227 us at 4096 tokens). The
+fused add works in place: `x` and `residual` are overwritten, so callers must not reuse them."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 
 
 class RMSNorm(nn.Module):
@@ -18,6 +24,11 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.is_cuda and x.stride(-1) == 1:
+            if residual is None:
+                return rmsnorm(x, self.weight, self.eps)
+            fused_add_rmsnorm(x, residual, self.weight, self.eps)
+            return x, residual
         if residual is None:
             return self._norm(x)
         residual = x + residual
