@@ -1,6 +1,6 @@
 """A TP worker killed mid-stream (ray.kill): its replica's requests end with a clear error within
 seconds (never a hang), new requests go to the live replica meanwhile, the dead replica is relaunched,
-and later requests succeed on both."""
+and later requests succeed on both. The same when the replica's scheduler actor is the one killed."""
 
 from __future__ import annotations
 
@@ -56,5 +56,24 @@ def test_kill_tp_worker_mid_stream(ray_local, tiny_llama):
                                    for i in range(4)])
         assert [r[0] for r in results] == [ids] * 4  # both replicas, the relaunched one included
         assert all(s is not None and s.cache_query_tokens >= 6 for s in client.replica_stats_sync())
+
+        async def kill_scheduler():
+            req = GenerateRequest(rid="long2", input_ids=[5, 6, 7, 8], sampling_params=greedy(400, ignore_eos=True))
+            stream = client.stream(client.validate(req))
+            await stream.__anext__()
+            target = client._streams["long2"].target
+            ray.kill(client.groups[target].schedulers[0])
+            t0 = time.monotonic()
+            outs = [o async for o in stream]
+            return target, outs[-1], time.monotonic() - t0
+
+        target, last, took = asyncio.run(kill_scheduler())
+        assert last.finish_reason.kind == "error" and f"replica {target} is down" in last.finish_reason.message
+        assert took < 5.0
+        client.wait_until_healthy(timeout_s=90)
+        assert client.restarts == 2
+        ids2, done2 = asyncio.run(collect(client, GenerateRequest(rid="final", input_ids=[9, 10, 11],
+                                                                  sampling_params=greedy(6))))
+        assert ids2 == ids and done2.finish_reason.kind == "length"
     finally:
         client.shutdown()
