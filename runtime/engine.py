@@ -74,7 +74,7 @@ class Engine(EngineClient):
             raise InvalidRequestError(f"request id {req.rid!r} is already in use", param="rid")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._consumers[req.rid] = lambda o: loop.call_soon_threadsafe(q.put_nowait, o)
+        self._consumers[req.rid] = _AsyncConsumer(loop, q)
         self._check_ready([req.rid])
         self.scheduler.submit(req)
         done = False
@@ -158,10 +158,20 @@ class Engine(EngineClient):
         return reqs, single
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        # One wake-up per event loop per step, not one per request: with hundreds of streams the
+        # per-call cost of call_soon_threadsafe would show in the step time.
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for o in outputs:
             cb = self._consumers.pop(o.rid, None) if o.finished else self._consumers.get(o.rid)
-            if cb is not None:
+            if isinstance(cb, _AsyncConsumer):
+                by_loop.setdefault(cb.loop, []).append((cb.queue, o))
+            elif cb is not None:
                 cb(o)
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that loop is closed: its consumers are gone
+                pass
 
     def _check_ready(self, rids: list[str]) -> None:
         """Called after registering consumers: shutdown sets _stop before ending registered consumers, so a
@@ -199,6 +209,23 @@ def _load_tokenizer(path: str, eos_token_ids: tuple[int, ...]) -> Tokenizer | No
     except (OSError, ValueError) as e:
         logging.getLogger(__name__).warning("no tokenizer in %s (%s): only input_ids requests work", path, e)
         return None
+
+
+class _AsyncConsumer:
+    """Where one stream's deltas go: a queue read on the consumer's own event loop."""
+
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
+        self.loop, self.queue = loop, queue
+
+    def __call__(self, o: RequestOutput) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, o)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, o in items:
+        q.put_nowait(o)
 
 
 class _Collector:

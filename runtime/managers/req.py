@@ -12,6 +12,10 @@ from runtime.messages import FinishReason
 from runtime.sampling.params import SamplingParams
 
 
+_EMPTY = torch.empty(0, dtype=torch.int64)
+_NOTHING_BLOCKED: list[int] = []
+
+
 class ReqState(Enum):
     WAITING = auto()
     PREFILLING = auto()  # some prompt chunks done, more to go
@@ -39,7 +43,10 @@ class Req:
         self.finish_reason: FinishReason | None = None
         # KV state, owned by the scheduler's memory manager
         self.req_pool_idx: int | None = None
-        self.kv_indices = torch.empty(0, dtype=torch.int64)  # slots holding KV of all_ids[:kv_len]
+        # Slots holding the KV of all_ids[:kv_len]: a tensor plus a tail of single decode slots kept as
+        # ints, because a torch.cat per request per decode step is the scheduler's hottest cost.
+        self._kv_base = _EMPTY
+        self._kv_tail: list[int] = []
         self.cached_len = 0  # leading kv_indices owned by the prefix cache (locked through last_node)
         self.last_node: Any = None
         self.pending_prefix_write = 0  # kv_indices[:n] must be (re)written into the worker's table
@@ -69,8 +76,25 @@ class Req:
         return len(self.origin_input_ids) + len(self.output_ids)
 
     @property
+    def kv_indices(self) -> torch.Tensor:
+        if self._kv_tail:
+            self._kv_base = torch.cat([self._kv_base, torch.tensor(self._kv_tail, dtype=torch.int64)])
+            self._kv_tail = []
+        return self._kv_base
+
+    @kv_indices.setter
+    def kv_indices(self, value: torch.Tensor) -> None:
+        self._kv_base, self._kv_tail = value, []
+
+    def append_kv(self, slots: torch.Tensor) -> None:
+        self._kv_base = torch.cat([self.kv_indices, slots]) if self.kv_len else slots
+
+    def append_kv_slot(self, slot: int) -> None:
+        self._kv_tail.append(slot)
+
+    @property
     def kv_len(self) -> int:
-        return int(self.kv_indices.numel())
+        return self._kv_base.numel() + len(self._kv_tail)
 
     @property
     def remaining_prefill(self) -> int:
@@ -86,8 +110,8 @@ class Req:
         return self.finish_reason is not None
 
     def blocked_token_ids(self) -> list[int]:
-        if len(self.output_ids) + self.pending_tokens >= self.params.min_new_tokens:
-            return []
+        if not self.params.min_new_tokens or len(self.output_ids) + self.pending_tokens >= self.params.min_new_tokens:
+            return _NOTHING_BLOCKED
         return sorted(self.eos_token_ids | self.stop_token_ids)
 
     # ---- finishing ----------------------------------------------------------------------------------
@@ -111,7 +135,7 @@ class Req:
 
     def reset_for_retract(self) -> None:
         """Back to waiting with its generated tokens; KV is re-prefilled later."""
-        self.req_pool_idx, self.kv_indices, self.cached_len = None, torch.empty(0, dtype=torch.int64), 0
+        self.req_pool_idx, self.kv_indices, self.cached_len = None, _EMPTY, 0
         self.last_node, self.pending_prefix_write, self.extend_len = None, 0, 0
         self.state = ReqState.WAITING
         self.retractions += 1

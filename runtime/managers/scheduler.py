@@ -282,7 +282,7 @@ class Scheduler:
 
     @staticmethod
     def _extend(batch: ScheduleBatch, r: Req, slots: torch.Tensor) -> None:
-        r.kv_indices = torch.cat([r.kv_indices, slots])
+        r.append_kv(slots)
         r.extend_len = slots.numel()
         r.state = ReqState.PREFILLING
         batch.reqs.append(r)
@@ -307,14 +307,13 @@ class Scheduler:
                     self._finish(r)
                 return None
         batch = ScheduleBatch(ForwardMode.DECODE)
-        for r in self.running:
-            if r.pending_tokens and self._finishes_with_pending(r):
-                continue  # its token in flight ends it: no need to run it again
-            slots = self.kv.alloc(1)
+        batch.reqs = [r for r in self.running if not (r.pending_tokens and self._finishes_with_pending(r))]
+        if batch.reqs:
+            slots = self.kv.alloc(len(batch.reqs))  # one allocation for the whole step
             assert slots is not None  # checked above
-            r.kv_indices = torch.cat([r.kv_indices, slots])
-            r.extend_len = 1
-            batch.reqs.append(r)
+            for r, slot in zip(batch.reqs, slots.tolist()):
+                r.append_kv_slot(slot)
+                r.extend_len = 1
             batch.out_cache_loc.append(slots)
         self.retractor.on_decode_step()
         return batch if batch.reqs else None

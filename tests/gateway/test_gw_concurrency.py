@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import aiohttp
 from gw_helpers import wait_kv_full
@@ -66,7 +67,19 @@ async def test_stream_disconnect_frees_kv(gw_url, gw_engine):
     assert _decode_tokens(gw_engine) - before < 2 * 449  # aborted, not run to the end
 
 
-async def test_non_stream_disconnect_frees_kv(gw_url, gw_engine):
+def _slow_steps(engine, monkeypatch, seconds: float = 0.003) -> None:
+    """Makes each engine step take a little longer, so long requests reliably outlive client actions."""
+    run_batch = engine.worker.run_batch
+
+    def slow_run_batch(batch):
+        time.sleep(seconds)
+        return run_batch(batch)
+
+    monkeypatch.setattr(engine.worker, "run_batch", slow_run_batch)
+
+
+async def test_non_stream_disconnect_frees_kv(gw_url, gw_engine, monkeypatch):
+    _slow_steps(gw_engine, monkeypatch)
     before = _decode_tokens(gw_engine)
     body = {"prompt": "Tell me a long story", "max_tokens": 480, "ignore_eos": True}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.4)) as session:
@@ -80,7 +93,8 @@ async def test_non_stream_disconnect_frees_kv(gw_url, gw_engine):
     assert _decode_tokens(gw_engine) - before < 479
 
 
-async def test_abort_request_by_response_id_aborts_every_choice(gw_url, gw_engine):
+async def test_abort_request_by_response_id_aborts_every_choice(gw_url, gw_engine, monkeypatch):
+    _slow_steps(gw_engine, monkeypatch)  # 450 tokens must not all be generated before the abort lands
     body = {"messages": [{"role": "user", "content": "Count"}], "max_tokens": 450, "n": 2, "stream": True,
             "ignore_eos": True}
     reasons: dict[int, str] = {}
