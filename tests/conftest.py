@@ -14,7 +14,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
 import pytest  # noqa: E402
-
 from tiny_models import ARCHS, make_tiny_model  # noqa: E402
 
 

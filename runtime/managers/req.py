@@ -11,7 +11,6 @@ import torch
 from runtime.messages import FinishReason
 from runtime.sampling.params import SamplingParams
 
-
 _EMPTY = torch.empty(0, dtype=torch.int64)
 _NOTHING_BLOCKED: list[int] = []
 
