@@ -58,15 +58,19 @@ class ForwardBatch:
                              f"KV slots for {acc} new tokens")
         positions = [p for s, pre in zip(seq_lens, prefix_lens) for p in range(pre, s)]
 
-        def t(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)
-
+        # One host→device copy for every index tensor of the step (eight small copies cost more).
+        b, n = len(seq_lens), acc
+        flat = torch.tensor(batch.input_ids + positions + batch.out_cache_loc + batch.req_pool_indices
+                            + seq_lens + prefix_lens + extend_lens + starts, dtype=torch.int64)
+        if device.type == "cuda":
+            flat = flat.pin_memory().to(device, non_blocking=True)
+        ids, pos, loc, rpi, sl, pl, el, st = flat.split([n, n, n, b, b, b, b, b])
         return cls(
-            forward_mode=mode, batch_size=len(seq_lens), input_ids=t(batch.input_ids), positions=t(positions),
-            out_cache_loc=t(batch.out_cache_loc), req_pool_indices=t(batch.req_pool_indices),
-            seq_lens=t(seq_lens), extend_prefix_lens=t(prefix_lens), extend_seq_lens=t(extend_lens),
-            extend_start_loc=t(starts), seq_lens_cpu=list(seq_lens), extend_prefix_lens_cpu=list(prefix_lens),
-            extend_seq_lens_cpu=extend_lens, extend_start_loc_cpu=starts, seq_lens_sum=sum(seq_lens), extend_num_tokens=acc,
+            forward_mode=mode, batch_size=b, input_ids=ids, positions=pos, out_cache_loc=loc,
+            req_pool_indices=rpi, seq_lens=sl, extend_prefix_lens=pl, extend_seq_lens=el,
+            extend_start_loc=st, seq_lens_cpu=list(seq_lens), extend_prefix_lens_cpu=list(prefix_lens),
+            extend_seq_lens_cpu=extend_lens, extend_start_loc_cpu=starts, seq_lens_sum=sum(seq_lens),
+            extend_num_tokens=n,
             req_to_token_pool=req_to_token_pool, token_to_kv_pool=token_to_kv_pool, attn_backend=attn_backend,
             sampling=batch.sampling, return_input_logprob=list(batch.return_input_logprob),
             global_num_tokens=batch.global_num_tokens,
@@ -76,5 +80,6 @@ class ForwardBatch:
         """Records where this step's new tokens live, so attention can gather each request's KV."""
         if self.extend_num_tokens == 0:
             return
-        rows = torch.repeat_interleave(self.req_pool_indices, self.extend_seq_lens)
+        rows = torch.repeat_interleave(self.req_pool_indices, self.extend_seq_lens,
+                                       output_size=self.extend_num_tokens)  # no host sync
         self.req_to_token_pool.req_to_token[rows, self.positions] = self.out_cache_loc.to(torch.int32)
