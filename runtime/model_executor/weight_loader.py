@@ -53,16 +53,14 @@ def iterate_safetensors(model_path: str | Path, show_progress: bool = True) -> I
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights of the right shapes, small enough that activations stay finite in bf16."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights of the right shapes, small enough that activations stay finite in bf16. Drawn on
+    the parameters' own device (a 70B model's worth of CPU random numbers would take minutes)."""
+    gens: dict[torch.device, torch.Generator] = {}
     for name, p in model.named_parameters():
         if "norm" in name:
             p.data.fill_(1.0)
             continue
-        cpu = torch.empty(p.shape, dtype=torch.float32).uniform_(-0.02, 0.02, generator=gen) \
-            if p.numel() < 2**26 else None
-        if cpu is not None:
-            p.data.copy_(cpu)
-        else:  # very large tensors: fill on device, still seeded
-            torch.manual_seed(seed + p.numel() % 9973)
-            p.data.uniform_(-0.02, 0.02)
+        gen = gens.get(p.device)
+        if gen is None:
+            gen = gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+        p.data.uniform_(-0.02, 0.02, generator=gen)
