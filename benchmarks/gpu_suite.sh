@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The single-GPU measurements of the benchmarks README, in two parts that each fit one device call:
+#   bash benchmarks/gpu_suite.sh part1 OUTDIR   # GPU tests, batch-1 decode, offline throughput, overlap on/off
+#   bash benchmarks/gpu_suite.sh part2 OUTDIR   # static vs continuous, HTTP vs offline, prefix cache
+set -u
+part=$1 out=$2
+mkdir -p "$out"
+M=Llama-3.1-8B-Instruct
+OFF="python -m benchmarks.bench_offline --model-config $M"
+run() { echo "=== $*"; "$@" 2>&1 | grep -v "Loading\|it/s\]" | tail -${TAIL:-25}; }
+if [ "$part" = part1 ]; then
+  TAIL=12 run timeout 240 python -m pytest tests/gpu -q -x --ignore=tests/gpu/test_ray_tp_gpu.py -p no:cacheprovider
+  run timeout 100 $OFF --batch1-decode --output-file "$out/llama8b_batch1_overlap.json"
+  run timeout 100 $OFF --batch1-decode --disable-cuda-graph --output-file "$out/llama8b_batch1_nograph_overlap.json"
+  T="--num-prompts 500 --input-len 462 --output-len 256 --cuda-graph-max-bs 256 --max-running-requests 512"
+  run timeout 120 $OFF $T --output-file "$out/llama8b_462x256_overlap.json"
+  run timeout 120 $OFF $T --disable-overlap-schedule --output-file "$out/llama8b_462x256_nooverlap.json"
+  run timeout 170 $OFF --num-prompts 800 --input-len 1000 --output-len 1000 --cuda-graph-max-bs 256 \
+    --max-running-requests 768 --output-file "$out/llama8b_1000x1000_overlap.json"
+fi
+if [ "$part" = part2 ]; then
+  run timeout 200 python -m benchmarks.bench_static_vs_continuous --model-config $M --skip hf-continuous --num-requests 128 \
+    --hf-timeout 120 --output-file "$out/static_vs_continuous_llama8b.json"
+  run timeout 120 python -m benchmarks.bench_prefix_cache --model-config $M --load-format dummy --dtype bfloat16 \
+    --num-questions 256 --system-len 1024 --output-file "$out/prefix_cache_llama8b.json"
+  dir=$(mktemp -d) && python -c "import sys,shutil; sys.path[:0]=['benchmarks','tests']; from common import resolve_model_config as r; from tiny_models import make_tokenizer as t; shutil.copy(r('$M'), '$dir/config.json'); t(__import__('pathlib').Path('$dir'))"
+  python -m runtime serve --model-path "$dir" --load-format dummy --dtype bfloat16 --port 30000 \
+    --cuda-graph-max-bs 256 --max-running-requests 512 > "$out/server.log" 2>&1 &
+  for i in $(seq 120); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
+  run timeout 150 python -m benchmarks.bench_serving --base-url http://127.0.0.1:30000 --model-config $M \
+    --num-prompts 500 --random-input-len 462 --random-output-len 256 --random-range-ratio 1.0 \
+    --max-concurrency 500 --disable-tqdm --output-file "$out/serving_llama8b_462x256.json"
+  kill %1
+fi
