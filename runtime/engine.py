@@ -81,6 +81,8 @@ class Engine(EngineClient):
         try:
             while not done:
                 out = await q.get()
+                while not out.finished and not q.empty():  # coalesce what piled up while we were busy
+                    out = out.merge(q.get_nowait())
                 done = out.finished
                 yield out
         finally:
@@ -194,6 +196,8 @@ class Engine(EngineClient):
                                  finish_reason=FinishReason("abort", message="the engine shut down")))
             except RuntimeError:  # that stream's event loop is already closed: nobody is waiting
                 pass
+        if not self._thread.is_alive():
+            self.worker.release()  # so a next Engine in this process gets the GPU memory
 
     def __enter__(self) -> Engine:
         return self

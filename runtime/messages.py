@@ -41,6 +41,21 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     cached_tokens: int = 0
     queue_time_s: float = 0.0
 
+    def merge(self, later: RequestOutput) -> RequestOutput:
+        """This delta followed by a later one of the same request, as one delta (a slow consumer takes
+        what piled up in one go instead of paying per-delta costs)."""
+        def cat(a, b):
+            return None if a is None and b is None else (a or []) + (b or [])
+
+        return RequestOutput(
+            rid=self.rid, new_token_ids=self.new_token_ids + later.new_token_ids,
+            new_logprobs=cat(self.new_logprobs, later.new_logprobs),
+            new_top_logprobs=cat(self.new_top_logprobs, later.new_top_logprobs),
+            input_logprobs=self.input_logprobs if self.input_logprobs is not None else later.input_logprobs,
+            finished=later.finished, finish_reason=later.finish_reason, prompt_tokens=later.prompt_tokens,
+            completion_tokens=later.completion_tokens, cached_tokens=later.cached_tokens,
+            queue_time_s=self.queue_time_s)
+
 
 class AbortRequest(msgspec.Struct):
     rid: str

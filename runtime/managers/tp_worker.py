@@ -26,6 +26,9 @@ class TpWorker:
     def run_batch(self, batch: WorkerBatch) -> BatchResult:
         return self.runner.run_batch(batch)
 
+    def release(self) -> None:
+        self.runner.release()
+
     def launch_batch(self, batch: WorkerBatch) -> LaunchedBatch:
         return self.runner.launch_batch(batch)
 

@@ -5,6 +5,7 @@ forward (replaying a CUDA graph when the mode allows), sample."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -104,6 +105,15 @@ class ModelRunner:
         from runtime.model_executor.cuda_graph_runner import CudaGraphRunner
 
         return CudaGraphRunner(self)
+
+    def release(self) -> None:
+        """Drops weights, KV pool and graphs and returns the device memory (the runner is unusable after)."""
+        if self.device.type != "cuda":
+            return
+        self.cuda_graph_runner = None
+        self.model = self.token_to_kv_pool = self.attn_backend = self.logits_processor = None  # type: ignore[assignment]
+        gc.collect()
+        torch.cuda.empty_cache()
 
     # ---- one step -------------------------------------------------------------------------------------
     def apply_prefix_writes(self, batch: WorkerBatch) -> None:
