@@ -2,6 +2,7 @@
 # The single-GPU measurements of the benchmarks README, in two parts that each fit one device call:
 #   bash benchmarks/gpu_suite.sh part1 OUTDIR   # GPU tests, batch-1 decode, offline throughput, overlap on/off
 #   bash benchmarks/gpu_suite.sh part2 OUTDIR   # static vs continuous, HTTP vs offline, prefix cache
+#   bash benchmarks/gpu_suite.sh part3 OUTDIR   # part2 without static vs continuous
 set -u
 part=$1 out=$2
 mkdir -p "$out"
@@ -21,6 +22,8 @@ fi
 if [ "$part" = part2 ]; then
   run timeout 200 python -m benchmarks.bench_static_vs_continuous --model-config $M --skip hf-continuous --num-requests 128 \
     --hf-timeout 120 --output-file "$out/static_vs_continuous_llama8b.json"
+fi
+if [ "$part" = part2 ] || [ "$part" = part3 ]; then
   run timeout 120 python -m benchmarks.bench_prefix_cache --model-config $M --load-format dummy --dtype bfloat16 \
     --num-questions 256 --system-len 1024 --output-file "$out/prefix_cache_llama8b.json"
   dir=$(mktemp -d) && python -c "import sys,shutil; sys.path[:0]=['benchmarks','tests']; from common import resolve_model_config as r; from tiny_models import make_tokenizer as t; shutil.copy(r('$M'), '$dir/config.json'); t(__import__('pathlib').Path('$dir'))"

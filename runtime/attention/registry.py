@@ -18,11 +18,13 @@ ATTENTION_BACKENDS = MappingProxyType({
 })
 
 
-def resolve_backend_name(name: str, device: torch.device) -> str:
+def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
     if name != "auto":
         return name
     if device.type != "cuda":
         return "torch_native"
+    if dtype == torch.float32:  # flashinfer kernels take fp16/bf16 only
+        return "triton"
     try:
         importlib.import_module("flashinfer")
         return "flashinfer"

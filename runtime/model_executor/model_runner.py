@@ -57,7 +57,7 @@ class ModelRunner:
         self.token_to_kv_pool = TokenToKVPool(self.max_total_tokens, self.model_config.num_hidden_layers,
                                               attn0.num_kv_heads, attn0.head_dim, self.model_config.dtype,
                                               self.device)
-        self.attn_backend_name = resolve_backend_name(args.attention_backend, self.device)
+        self.attn_backend_name = resolve_backend_name(args.attention_backend, self.device, self.model_config.dtype)
         self.attn_backend = create_attention_backend(self.attn_backend_name, self)
         self.logits_processor = LogitsProcessor(self.model.compute_logits)
         self.sampler = Sampler()
