@@ -3,12 +3,25 @@
 #   bash benchmarks/gpu_suite.sh part1 OUTDIR   # GPU tests, batch-1 decode, offline throughput, overlap on/off
 #   bash benchmarks/gpu_suite.sh part2 OUTDIR   # static vs continuous, HTTP vs offline, prefix cache
 #   bash benchmarks/gpu_suite.sh part3 OUTDIR   # part2 without static vs continuous
+#   bash benchmarks/gpu_suite.sh part4 OUTDIR   # offline reference + HTTP in-process + HTTP on Ray actors
 set -u
 part=$1 out=$2
 mkdir -p "$out"
 M=Llama-3.1-8B-Instruct
 OFF="python -m benchmarks.bench_offline --model-config $M"
 run() { echo "=== $*"; "$@" 2>&1 | grep -v "Loading\|it/s\]" | tail -${TAIL:-25}; }
+serve_bench() {  # NAME [extra shoal serve flags]: bench_serving 462/256 x 500 against a live server
+  local name=$1; shift
+  dir=$(mktemp -d) && python -c "import sys,shutil; sys.path[:0]=['benchmarks','tests']; from common import resolve_model_config as r; from tiny_models import make_tokenizer as t; shutil.copy(r('$M'), '$dir/config.json'); t(__import__('pathlib').Path('$dir'))"
+  python -m runtime serve --model-path "$dir" --load-format dummy --dtype bfloat16 --port 30000 \
+    --cuda-graph-max-bs 256 --max-running-requests 512 "$@" > "$out/server_$name.log" 2>&1 &
+  local pid=$!
+  for i in $(seq 180); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
+  run timeout 150 python -m benchmarks.bench_serving --base-url http://127.0.0.1:30000 --model-config $M \
+    --num-prompts 500 --random-input-len 462 --random-output-len 256 --random-range-ratio 1.0 \
+    --max-concurrency 500 --disable-tqdm --output-file "$out/serving_llama8b_462x256_$name.json"
+  kill -INT $pid; wait $pid
+}
 if [ "$part" = part1 ]; then
   TAIL=12 run timeout 240 python -m pytest tests/gpu -q -x --ignore=tests/gpu/test_ray_tp_gpu.py -p no:cacheprovider
   run timeout 100 $OFF --batch1-decode --output-file "$out/llama8b_batch1_overlap.json"
@@ -26,12 +39,13 @@ fi
 if [ "$part" = part2 ] || [ "$part" = part3 ]; then
   run timeout 120 python -m benchmarks.bench_prefix_cache --model-config $M --load-format dummy --dtype bfloat16 \
     --num-questions 256 --system-len 1024 --output-file "$out/prefix_cache_llama8b.json"
-  dir=$(mktemp -d) && python -c "import sys,shutil; sys.path[:0]=['benchmarks','tests']; from common import resolve_model_config as r; from tiny_models import make_tokenizer as t; shutil.copy(r('$M'), '$dir/config.json'); t(__import__('pathlib').Path('$dir'))"
-  python -m runtime serve --model-path "$dir" --load-format dummy --dtype bfloat16 --port 30000 \
-    --cuda-graph-max-bs 256 --max-running-requests 512 > "$out/server.log" 2>&1 &
-  for i in $(seq 120); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
-  run timeout 150 python -m benchmarks.bench_serving --base-url http://127.0.0.1:30000 --model-config $M \
-    --num-prompts 500 --random-input-len 462 --random-output-len 256 --random-range-ratio 1.0 \
-    --max-concurrency 500 --disable-tqdm --output-file "$out/serving_llama8b_462x256.json"
-  kill %1
+  serve_bench inproc
+fi
+if [ "$part" = part4 ]; then  # HTTP vs offline, the engine in the server process and on Ray actors
+  T="--num-prompts 500 --input-len 462 --output-len 256 --cuda-graph-max-bs 256 --max-running-requests 512"
+  run timeout 100 $OFF $T --output-file "$out/llama8b_462x256_offline_ref.json"
+  run timeout 100 $OFF $T --attention-backend triton --output-file "$out/llama8b_462x256_offline_triton.json"
+  run timeout 100 $OFF --batch1-decode --attention-backend triton --output-file "$out/llama8b_batch1_triton.json"
+  serve_bench inproc
+  serve_bench ray --use-ray
 fi

@@ -54,7 +54,9 @@ def build_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
 
 
 def _indptr(lens: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    # Pinned: flashinfer's plan copies it to the device, and a copy from pageable memory waits for the
+    # stream to drain — which would stall overlap scheduling behind the batch still running.
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32).pin_memory()
 
 
 class FlashInferAttnBackend(AttentionBackend):
@@ -95,7 +97,7 @@ class FlashInferAttnBackend(AttentionBackend):
         kv_indptr = kv_indptr_cpu.to(self.device, non_blocking=True)
         kv_indices = torch.empty(fb.seq_lens_sum, dtype=torch.int32, device=self.device)
         build_kv_indices(self.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr, kv_indices)
-        last_page_len = torch.ones(fb.batch_size, dtype=torch.int32)
+        last_page_len = torch.ones(fb.batch_size, dtype=torch.int32).pin_memory()
         if mode.is_decode():
             self._plan_decode(self.decode_wrapper, kv_indptr_cpu, kv_indices, last_page_len)
             self._wrapper = self.decode_wrapper

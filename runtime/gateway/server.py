@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -98,6 +100,10 @@ def _shutdown_client(client: Any) -> None:
 def run_server(args: ServerArgs) -> None:
     """Serves on args.host:args.port until SIGINT/SIGTERM; raises if the engine fails to load."""
     setup_logging(args.log_level)
+    if not args.uses_ray:
+        # The scheduler thread shares this process's GIL with the HTTP loop: hand it over faster than
+        # the 5 ms default so a step waiting for the GIL does not idle the GPU.
+        sys.setswitchinterval(float(os.environ.get("SHOAL_SWITCH_INTERVAL", "0.001")))
     loader = _EngineLoader(args)
     app = build_app(loader.provider, args)
     asyncio.run(_serve_until_stopped(app, args, loader))

@@ -17,6 +17,7 @@ class IncrementalDetokenizer:
         self.stopped = False
         self._prefix_offset = 0
         self._read_offset = 0
+        self._step = tokenizer.decode_stream(skip_special_tokens)  # fast path when exact
 
     def add(self, new_ids: list[int], finished: bool = False) -> str:
         """Adds tokens; returns the text that is now safe to show."""
@@ -41,6 +42,14 @@ class IncrementalDetokenizer:
         return delta
 
     def _advance(self) -> None:
+        if self._step is not None:
+            for i in range(self._read_offset, len(self.ids)):
+                chunk = self._step(self.ids[i])
+                if chunk:
+                    self.text += chunk
+                    self._prefix_offset = i + 1  # every id before this one is in the text
+            self._read_offset = len(self.ids)
+            return
         dec = self.tokenizer.decode
         prefix = dec(self.ids[self._prefix_offset:self._read_offset], self.skip_special_tokens)
         full = dec(self.ids[self._prefix_offset:], self.skip_special_tokens)
@@ -49,6 +58,13 @@ class IncrementalDetokenizer:
             self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
 
     def _flush(self) -> None:
+        if self._step is not None:
+            # Ids whose bytes never completed a character: show them as decode() would (U+FFFD).
+            if self._prefix_offset < len(self.ids):
+                full = self.tokenizer.decode(self.ids, self.skip_special_tokens)
+                if full.startswith(self.text):
+                    self.text = full
+            return
         prefix = self.tokenizer.decode(self.ids[self._prefix_offset:self._read_offset], self.skip_special_tokens)
         full = self.tokenizer.decode(self.ids[self._prefix_offset:], self.skip_special_tokens)
         if len(full) > len(prefix):

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from runtime.errors import InvalidRequestError
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21
+    DecodeStream = None
 
 
 class Tokenizer:
@@ -35,6 +41,15 @@ class Tokenizer:
         except Exception as e:  # jinja errors (bad roles, missing content) are the request's fault
             raise InvalidRequestError(f"cannot apply the chat template: {e}", param="messages") from None
         return self.encode(text, add_special_tokens=False)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], str | None] | None:
+        """A per-request incremental decoder in Rust (one call per token instead of two full decodes),
+        or None where it would not reproduce decode() exactly (no fast backend, or space clean-up)."""
+        backend = getattr(self.hf, "_tokenizer", None)
+        if backend is None or DecodeStream is None or getattr(self.hf, "clean_up_tokenization_spaces", False):
+            return None
+        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        return lambda token_id: stream.step(backend, token_id)
 
     def id_to_token_text(self, token_id: int) -> str:
         return self.hf.decode([token_id], skip_special_tokens=False)
