@@ -33,6 +33,15 @@ def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.
     return (((x >> 40) & ((1 << 24) - 1)).float() + 0.5) * (1.0 / (1 << 24))
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without a stream sync (a copy from pageable memory waits for
+    the stream to drain, which would stall overlap scheduling behind the batch in flight)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
 @dataclass(slots=True)
 class SampleOutput:
     next_token_ids: torch.Tensor  # [B]
@@ -49,7 +58,7 @@ class Sampler:
         logits = self._apply_penalties(logits, sb)
         for i, banned in enumerate(sb.blocked_token_ids):
             if banned:
-                logits[i, [t for t in banned if t < vocab]] = float("-inf")
+                logits[i, to_device([t for t in banned if t < vocab], torch.int64, logits.device)] = float("-inf")
         if sb.all_greedy:
             ids = logits.argmax(dim=-1)
         else:
@@ -71,7 +80,7 @@ class Sampler:
             return logits
         dev, vocab = logits.device, logits.shape[1]
         for i in rows:
-            toks = torch.tensor(sb.penalty_tokens[i], dtype=torch.int64, device=dev).clamp_(0, vocab - 1)
+            toks = to_device(sb.penalty_tokens[i], torch.int64, dev).clamp_(0, vocab - 1)
             rep = sb.repetition_penalties[i]
             if rep != 1.0:  # HF semantics: over prompt and output alike
                 seen = torch.unique(toks)
@@ -87,22 +96,22 @@ class Sampler:
     @staticmethod
     def _sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         dev = logits.device
-        temps = torch.tensor(sb.temperatures, dtype=torch.float32, device=dev)
+        temps = to_device(sb.temperatures, torch.float32, dev)
         greedy = temps == 0.0
         probs = torch.softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
         if any(k > 0 for k in sb.top_ks) or any(p < 1.0 for p in sb.top_ps):
             sorted_p, order = probs.sort(dim=-1, descending=True)
             ranks = torch.arange(probs.shape[1], device=dev)[None, :]
-            top_ks = torch.tensor([k if k > 0 else probs.shape[1] for k in sb.top_ks], device=dev)
-            top_ps = torch.tensor(sb.top_ps, dtype=torch.float32, device=dev)
+            top_ks = to_device([k if k > 0 else probs.shape[1] for k in sb.top_ks], torch.int64, dev)
+            top_ps = to_device(sb.top_ps, torch.float32, dev)
             drop = (ranks >= top_ks[:, None]) | ((sorted_p.cumsum(-1) - sorted_p) > top_ps[:, None])
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
         if any(m > 0.0 for m in sb.min_ps):
-            min_ps = torch.tensor(sb.min_ps, dtype=torch.float32, device=dev)
+            min_ps = to_device(sb.min_ps, torch.float32, dev)
             probs = probs.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * min_ps[:, None], 0.0)
-        seeds = torch.tensor(sb.seeds, dtype=torch.int64, device=dev)
-        steps = torch.tensor(sb.steps, dtype=torch.int64, device=dev)
+        seeds = to_device(sb.seeds, torch.int64, dev)
+        steps = to_device(sb.steps, torch.int64, dev)
         noise = -torch.log(hash_uniform(seeds, steps, probs.shape[1]))  # Exp(1): argmax p/E draws from p
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)

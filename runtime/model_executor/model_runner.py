@@ -15,7 +15,7 @@ import torch
 from runtime.attention.registry import create_attention_backend, resolve_backend_name
 from runtime.config import ServerArgs
 from runtime.layers.logits import LogitsOutput, LogitsProcessor
-from runtime.layers.sampler import SampleOutput, Sampler
+from runtime.layers.sampler import SampleOutput, Sampler, to_device
 from runtime.mem_cache.kv_pool import TokenToKVPool
 from runtime.mem_cache.req_to_token import ReqToTokenPool
 from runtime.messages import BatchResult, WorkerBatch
@@ -118,7 +118,7 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------------------------------------
     def apply_prefix_writes(self, batch: WorkerBatch) -> None:
         for w in batch.prefix_writes:
-            self.req_to_token_pool.write(w.req_pool_idx, w.start, torch.tensor(w.kv_indices, device=self.device))
+            self.req_to_token_pool.write(w.req_pool_idx, w.start, to_device(w.kv_indices, torch.int64, self.device))
 
     def build_forward_batch(self, batch: WorkerBatch) -> ForwardBatch:
         self.apply_prefix_writes(batch)
@@ -167,15 +167,32 @@ class ModelRunner:
         self.future_token_ids[fb.req_pool_indices] = sample.next_token_ids
         if events is not None:
             events[1].record()
-        return LaunchedBatch(batch.batch_id, t0, sample=sample, input_logprobs=out.input_logprobs, events=events)
+        launched = LaunchedBatch(batch.batch_id, t0, sample=sample, input_logprobs=out.input_logprobs, events=events)
+        if self.device.type == "cuda":
+            # Queue the device→host copy of the tokens now, right behind this batch's kernels. A plain
+            # .tolist() in finish_batch() would queue it behind the *next* batch, already launched by
+            # then, and collecting this batch would wait for that one too: no overlap at all.
+            launched.token_ids_host = torch.empty_like(sample.next_token_ids, device="cpu").pin_memory()
+            launched.token_ids_host.copy_(sample.next_token_ids, non_blocking=True)
+            if sample.logprobs is not None:
+                launched.logprobs_host = torch.empty_like(sample.logprobs, device="cpu").pin_memory()
+                launched.logprobs_host.copy_(sample.logprobs, non_blocking=True)
+            launched.copied = torch.cuda.Event()
+            launched.copied.record()
+        return launched
 
     def finish_batch(self, launched: LaunchedBatch) -> BatchResult:
         if launched.done is not None:
             return launched.done
         sample = launched.sample
+        ids, logprobs = sample.next_token_ids, sample.logprobs
+        if launched.copied is not None:
+            launched.copied.synchronize()
+            ids = launched.token_ids_host
+            logprobs = launched.logprobs_host if logprobs is not None else None
         return BatchResult(
-            batch_id=launched.batch_id, next_token_ids=sample.next_token_ids.tolist(),
-            logprobs=sample.logprobs.tolist() if sample.logprobs is not None else None,
+            batch_id=launched.batch_id, next_token_ids=ids.tolist(),
+            logprobs=logprobs.tolist() if logprobs is not None else None,
             top_logprobs=sample.top_logprobs, input_logprobs=launched.input_logprobs,
             forward_s=time.perf_counter() - launched.t0,
             device_s=launched.events[0].elapsed_time(launched.events[1]) / 1e3 if launched.events else 0.0)
@@ -189,3 +206,6 @@ class LaunchedBatch:
     input_logprobs: list[list[float]] | None = None
     done: BatchResult | None = None  # already complete (idle, nothing to sample)
     events: tuple | None = None  # CUDA start/end events around the batch's device work
+    token_ids_host: torch.Tensor | None = None  # pinned copies, filled asynchronously (CUDA)
+    logprobs_host: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None  # recorded after those copies
