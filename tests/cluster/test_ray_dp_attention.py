@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-from conftest import greedy, run_all
+from ray_helpers import greedy, run_all
 
 from runtime.cluster.routing import ReplicaLoad, RoutingPolicy
 from runtime.config import ServerArgs

@@ -8,7 +8,7 @@ import asyncio
 import time
 
 import pytest
-from conftest import collect, greedy, run_all
+from ray_helpers import collect, greedy, run_all
 
 from runtime.cluster.routing import create_routing_policy
 from runtime.config import ServerArgs
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.ray
 
 @pytest.fixture(scope="module")
 def dp_client(tiny_model_dirs, ray_session):
-    from conftest import start_local_ray
+    from ray_helpers import start_local_ray
 
     from runtime.cluster.launch import create_ray_engine_client
 

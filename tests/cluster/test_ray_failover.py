@@ -8,7 +8,7 @@ import asyncio
 import time
 
 import pytest
-from conftest import collect, greedy, run_all
+from ray_helpers import collect, greedy, run_all
 
 from runtime.cluster.routing import create_routing_policy
 from runtime.config import ServerArgs
@@ -45,8 +45,8 @@ def test_kill_tp_worker_mid_stream(ray_local, tiny_llama):
         assert last.finished and last.finish_reason.kind == "error", last
         assert "replica 0" in last.finish_reason.message and sum(len(o.new_token_ids) for o in outs) < 400
         assert took < 5.0
-        # While replica 0 relaunches, new work goes to replica 1 and succeeds.
-        assert not client.replicas[0].alive
+        # New work succeeds whether or not replica 0 is back yet (its relaunch can be quick on a warm
+        # cluster, so its liveness at this instant is not asserted; the restart count below is).
         ids, done = asyncio.run(collect(client, GenerateRequest(rid="during", input_ids=[9, 10, 11],
                                                                 sampling_params=greedy(6))))
         assert done.finish_reason.kind == "length" and len(ids) == 6

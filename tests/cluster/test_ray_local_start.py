@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from conftest import greedy, run_all
+from ray_helpers import greedy, run_all
 
 from runtime.config import ServerArgs
 from runtime.messages import GenerateRequest

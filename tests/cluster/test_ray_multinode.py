@@ -5,7 +5,7 @@ spans both nodes (gloo across nodes) — both with the single-process Engine's g
 from __future__ import annotations
 
 import pytest
-from conftest import greedy, run_all
+from ray_helpers import greedy, run_all
 
 from runtime.config import ServerArgs
 from runtime.messages import GenerateRequest

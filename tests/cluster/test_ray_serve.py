@@ -26,8 +26,8 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def serve_url(ray_session, tiny_llama):
-    from conftest import start_local_ray
     from ray import serve
+    from ray_helpers import start_local_ray
 
     from runtime.serve import build_app
 

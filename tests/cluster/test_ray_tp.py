@@ -5,7 +5,7 @@ dispatch paths (plain actor calls; a Ray compiled graph)."""
 from __future__ import annotations
 
 import pytest
-from conftest import greedy, run_all
+from ray_helpers import greedy, run_all
 
 from runtime.config import ServerArgs
 from runtime.errors import ContextLengthError, InvalidRequestError
