@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_suite.sh part2 OUTDIR   # static vs continuous, HTTP vs offline, prefix cache
 #   bash benchmarks/gpu_suite.sh part3 OUTDIR   # part2 without static vs continuous
 #   bash benchmarks/gpu_suite.sh part4 OUTDIR   # offline reference + HTTP in-process + HTTP on Ray actors
+#   bash benchmarks/gpu_suite.sh part5 OUTDIR   # overlap on/off again after the collect-copy fix
 set -u
 part=$1 out=$2
 mkdir -p "$out"
@@ -49,3 +50,15 @@ if [ "$part" = part4 ]; then  # HTTP vs offline, the engine in the server proces
   serve_bench inproc
   serve_bench ray --use-ray
 fi
+if [ "$part" = part5 ]; then  # overlap scheduling with the collect-side copy fixed
+  TAIL=6 run timeout 150 python -m pytest tests/gpu/test_gpu_engine.py -q -x -p no:cacheprovider \
+    -k "concurrent or on_off"
+  T="--num-prompts 500 --input-len 462 --output-len 256 --cuda-graph-max-bs 256 --max-running-requests 512"
+  run timeout 100 $OFF $T --output-file "$out/llama8b_462x256_overlap_v2.json"
+  run timeout 100 $OFF $T --disable-overlap-schedule --output-file "$out/llama8b_462x256_nooverlap_v2.json"
+  run timeout 100 $OFF $T --attention-backend triton --output-file "$out/llama8b_462x256_triton_overlap_v2.json"
+  run timeout 60 $OFF --batch1-decode --output-file "$out/llama8b_batch1_overlap_v2.json"
+  run timeout 60 $OFF --batch1-decode --attention-backend triton --output-file "$out/llama8b_batch1_triton_overlap_v2.json"
+  serve_bench inproc_v2
+fi
+
