@@ -85,10 +85,12 @@ class GatewayMetrics:
         if num_tokens <= 0:
             return
         self.generation_tokens.inc(num_tokens)
-        if since_last_s is not None:
-            per_token = since_last_s / num_tokens  # a delta may batch several tokens
-            for _ in range(num_tokens):
-                self.itl.observe(per_token)
+        # A delta may carry several tokens (the engine coalesces what piled up): spread its gap over
+        # them; tokens that came with the first one reached the client together with it (gap 0).
+        gaps = num_tokens - 1 if since_last_s is None else num_tokens
+        per_token = 0.0 if since_last_s is None else since_last_s / num_tokens
+        for _ in range(gaps):
+            self.itl.observe(per_token)
 
     def render(self, stats: SchedulerStats | None) -> bytes:
         """Prometheus text exposition; stats None (engine not ready) leaves the scheduler families empty."""

@@ -16,11 +16,11 @@ from collections.abc import Callable
 from typing import Protocol
 
 import msgspec
-import torch
 
 from runtime.config import ServerArgs
 from runtime.errors import ContextLengthError, InvalidRequestError
 from runtime.managers.policy import create_policy
+from runtime.managers.prefill import PrefillAdder
 from runtime.managers.req import Req, ReqState
 from runtime.managers.retract import Retractor
 from runtime.managers.schedule_batch import ScheduleBatch
@@ -56,8 +56,10 @@ class Scheduler:
         self.kv = KVCacheManager(max_total_tokens, max_reqs, context_len, enable_cache=args.radix_cache_enabled)
         self.policy = create_policy(args.schedule_policy, args.radix_cache_enabled)
         self.retractor = Retractor(args)
+        self.prefill = PrefillAdder(args, self.kv, self.policy, self.retractor)
         self.stats = ForwardModeStats(args.log_interval_s)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._early_aborts: dict[str, None] = {}  # aborts that arrived before their request (bounded)
         self.lock = threading.Lock()  # held for a whole step; readers of the state take it too
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -65,16 +67,13 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}
         self.rng = random.Random(args.random_seed)
         self.batch_id = 0
-        self.admit_counter = 0
         self.must_step = args.enable_dp_attention  # step (IDLE) even with no work of our own
         # Overlap scheduling: launch batch N+1 before collecting batch N, so the device never waits for
         # the CPU. Needs a worker with launch_batch/finish_batch; DP attention keeps ranks in lockstep.
         self.overlap = overlap and hasattr(worker, "launch_batch") and not self.must_step
         self.pending: tuple[ScheduleBatch, object] | None = None
         self.gen_throughput = 0.0
-        self.cache_hit_tokens = 0
         self.device_busy_s = 0.0
-        self.cache_query_tokens = 0
 
     # ---- requests in ----------------------------------------------------------------------------
     def validate(self, req: GenerateRequest) -> GenerateRequest:
@@ -126,11 +125,20 @@ class Scheduler:
         seed = p.seed if p.seed is not None else self.rng.getrandbits(62)
         req = Req(g.rid, g.input_ids, p, seed, self.eos_token_ids, g.return_input_logprob, g.arrival_time)
         self.reqs[g.rid] = req
+        if self._early_aborts.pop(g.rid, False) is None:
+            req.abort()
+            self._finish(req)
+            return
         self.waiting.append(req)
 
     def _abort(self, rid: str) -> None:
         req = self.reqs.get(rid)
         if req is None:
+            # The abort can overtake its own request (both travel through the inbox from different
+            # tasks): remember it briefly so the request is ended the moment it arrives.
+            self._early_aborts[rid] = None
+            while len(self._early_aborts) > 4096:
+                self._early_aborts.pop(next(iter(self._early_aborts)))
             return
         req.abort()
         if req in self.waiting:
@@ -208,7 +216,8 @@ class Scheduler:
         self.process_batch_result(batch, result)
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        prefill = self._get_new_batch_prefill()
+        prefill, self.chunked_req = self.prefill.build(self.waiting, self.running + self._inflight_new(),
+                                                       self.chunked_req, self.max_running)
         if prefill is not None:
             if self.args.enable_mixed_chunk and self.running:
                 decode = self._prepare_decode()
@@ -222,73 +231,6 @@ class Scheduler:
         if self.must_step:
             return ScheduleBatch(ForwardMode.IDLE)
         return None
-
-    def _get_new_batch_prefill(self) -> ScheduleBatch | None:
-        if not self.waiting and self.chunked_req is None:
-            return None
-        chunk = self.args.chunked_prefill_size if self.args.chunked_prefill_size > 0 else 1 << 62
-        budget = min(self.args.max_prefill_tokens, chunk)
-        batch = ScheduleBatch(ForwardMode.EXTEND)
-        active = self.running + self._inflight_new()
-        reserved = self.retractor.reserved_tokens(active)
-        if self.chunked_req is not None:
-            r = self.chunked_req
-            n = min(r.remaining_prefill, budget)
-            slots = self.kv.alloc(n)
-            if slots is None:
-                return None
-            self._extend(batch, r, slots)
-            budget -= n
-            reserved += r.max_new_remaining * self.retractor.ratio
-            if r.remaining_prefill > 0:
-                return batch
-            self.chunked_req = None
-        for r in list(self.policy.order(self.waiting, self.kv.prefix_len)):
-            if budget <= 0 or len(active) + len(batch.reqs) >= self.max_running:
-                break
-            if not self.kv.admit(r):
-                break
-            need = r.remaining_prefill
-            if self.kv.available() - reserved < need + r.max_new_remaining * self.retractor.ratio and (
-                    self.running or batch.reqs):
-                self.kv.release_retracted(r)  # not now: give back the row and the lock
-                break
-            n = need if (r.return_input_logprob or not batch.reqs and chunk >= need) else min(need, budget)
-            if r.return_input_logprob and batch.reqs and n > budget:
-                self.kv.release_retracted(r)
-                break
-            slots = self.kv.alloc(n)
-            if slots is None:
-                self.kv.release_retracted(r)
-                break
-            self.waiting.remove(r)
-            self.admit_counter += 1
-            r.admit_seq = self.admit_counter
-            if r.first_scheduled_time is None:
-                r.first_scheduled_time = time.monotonic()
-                r.prompt_cached_tokens = r.cached_len
-                self.cache_hit_tokens += r.cached_len
-                self.cache_query_tokens += len(r.origin_input_ids)
-            self._extend(batch, r, slots)
-            budget -= n
-            reserved += r.max_new_remaining * self.retractor.ratio
-            if r.remaining_prefill > 0:
-                self.chunked_req = r
-                break
-        if not batch.reqs:
-            return None
-        batch.num_extend = len(batch.reqs)
-        return batch
-
-    @staticmethod
-    def _extend(batch: ScheduleBatch, r: Req, slots: torch.Tensor) -> None:
-        r.append_kv(slots)
-        r.extend_len = slots.numel()
-        r.state = ReqState.PREFILLING
-        batch.reqs.append(r)
-        batch.out_cache_loc.append(slots)
-        batch.completes_prefill.append(r.remaining_prefill == 0)
-        batch.num_extend = len(batch.reqs)
 
     def _prepare_decode(self) -> ScheduleBatch | None:
         need = len(self.running)
@@ -421,6 +363,6 @@ class Scheduler:
             num_cached_tokens=self.kv.cache.evictable_size(), max_total_tokens=self.kv.size,
             gen_throughput=self.gen_throughput, forward_modes=self.stats.snapshot(),
             retractions=self.stats.retractions, evictions=self.kv.evictions,
-            cache_hit_tokens=self.cache_hit_tokens, cache_query_tokens=self.cache_query_tokens,
+            cache_hit_tokens=self.prefill.cache_hit_tokens, cache_query_tokens=self.prefill.cache_query_tokens,
             device_busy_s=self.device_busy_s,
             waiting_tokens=sum(r.remaining_prefill for r in self.waiting))
