@@ -97,3 +97,25 @@ def test_finished_request_frees_kv(make_engine, tiny_llama, pool_full):
     stats = cached.get_stats()
     assert stats.num_used_tokens == 0
     assert stats.num_cached_tokens == 37 + len(out["output_ids"]) - 1
+
+
+def test_abort_that_overtakes_its_request_ends_it_on_arrival(engine, pool_full):
+    # The gateway can abort a choice before the task that submits it has run: the scheduler must still
+    # end that request when it arrives instead of generating it to the end.
+    from runtime.messages import GenerateRequest
+    from runtime.sampling.params import SamplingParams
+
+    engine.scheduler.abort("early-1")
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4, "temperature": 0})
+    assert out["finish_reason"] == "length"  # unrelated requests are untouched
+
+    async def run():
+        outs = [o async for o in engine.stream(GenerateRequest(
+            rid="early-1", input_ids=[5, 6, 7], sampling_params=SamplingParams(max_new_tokens=200)))]
+        return outs[-1]
+
+    import asyncio
+
+    last = asyncio.run(run())
+    assert last.finished and last.finish_reason.kind == "abort" and last.completion_tokens == 0
+    pool_full(engine)
