@@ -46,7 +46,9 @@ class AttentionBackend(ABC):
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                 seq_lens: torch.Tensor, seq_lens_sum: int,
-                                                forward_mode: ForwardMode) -> None:
+                                                forward_mode: ForwardMode, seq_lens_cpu: list[int] | None = None
+                                                ) -> None:
+        """seq_lens_cpu: the same lengths on the host, so a backend can plan without a device sync."""
         raise NotImplementedError
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
