@@ -293,10 +293,10 @@ class Scheduler:
             outputs.append(self._delta(r))
         if outputs:
             self.sink(outputs)
-        tput = self.stats.maybe_log(batch.forward_mode, len(self.running), len(self.waiting),
-                                    self.kv.held_by(self._live()), self.kv.size, self.kv.cache.total_size())
-        if tput >= 0:
-            self.gen_throughput = tput
+        if self.stats.due():  # the numbers walk every live request: only when a line is due
+            self.gen_throughput = self.stats.log(batch.forward_mode, len(self.running), len(self.waiting),
+                                                 self.kv.held_by(self._live()), self.kv.size,
+                                                 self.kv.cache.total_size())
 
     def _tail_text(self, r: Req) -> str | None:
         if not r.params.stop or self.decode_text is None:

@@ -28,11 +28,12 @@ class ForwardModeStats:
     def snapshot(self) -> dict[str, ModeStats]:
         return {k: ModeStats(v.batches, v.tokens) for k, v in self.modes.items()}
 
-    def maybe_log(self, mode: ForwardMode, running: int, queued: int, used: int, total: int, cached: int) -> float:
-        """Logs a line every log_interval_s; returns the generation throughput it measured (tok/s)."""
+    def due(self) -> bool:
+        return time.monotonic() - self._last_log >= self.log_interval_s
+
+    def log(self, mode: ForwardMode, running: int, queued: int, used: int, total: int, cached: int) -> float:
+        """Logs the periodic line; returns the generation throughput since the last one (tok/s)."""
         now = time.monotonic()
-        if now - self._last_log < self.log_interval_s:
-            return -1.0
         tput = (self.generated_tokens - self._tokens_at_last_log) / (now - self._last_log)
         self._last_log, self._tokens_at_last_log = now, self.generated_tokens
         logger.info("%s batch. #running-req: %d, #queue-req: %d, #token: %d, token usage: %.2f, "
