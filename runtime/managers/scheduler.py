@@ -108,13 +108,17 @@ class Scheduler:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, item = self.inbox.get_nowait()
+                message = self.inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                self._add(item)
-            elif kind == "abort":
-                self._abort(item)
+            self._handle(message)
+
+    def _handle(self, message: tuple[str, object]) -> None:
+        kind, item = message
+        if kind == "add":
+            self._add(item)
+        elif kind == "abort":
+            self._abort(item)
 
     def _add(self, g: GenerateRequest) -> None:
         if g.rid in self.reqs:
@@ -155,9 +159,10 @@ class Scheduler:
                 if not self.step():
                     try:  # wait for work; DP ranks poll fast since their peers block on our collective
                         item = self.inbox.get(timeout=0.002 if self.must_step else 0.05)
-                        self.inbox.put(item)
                     except queue.Empty:
-                        pass
+                        continue
+                    with self.lock:  # handled at once, so messages keep their order
+                        self._handle(item)
             except Exception as e:  # never lose requests silently: fail what is in flight, keep serving
                 logger.exception("scheduler step failed")
                 with self.lock:
