@@ -87,7 +87,9 @@ class Engine(EngineClient):
                 yield out
         finally:
             if not done:  # the consumer went away (client disconnect): free the request's KV
-                self._consumers.pop(req.rid, None)
+                # Keep the rid taken until its final output arrives, so a retry with the same rid can
+                # neither receive this request's abort nor start while this one still runs.
+                self._consumers[req.rid] = _discard
                 self.scheduler.abort(req.rid)
 
     async def abort(self, rid: str) -> None:
@@ -225,6 +227,10 @@ class _AsyncConsumer:
 
     def __call__(self, o: RequestOutput) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, o)
+
+
+def _discard(o: RequestOutput) -> None:
+    """Consumer of a request nobody reads any more (it was aborted); its last output ends it."""
 
 
 def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

@@ -26,17 +26,20 @@ class PrefillAdder:
         self.cache_hit_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.cache_query_tokens = 0
 
-    def build(self, waiting: list[Req], active: list[Req], chunked: Req | None,
-              max_running: int) -> tuple[ScheduleBatch | None, Req | None]:
+    def build(self, waiting: list[Req], active: list[Req], chunked: Req | None, max_running: int,
+              keep_free: int = 0) -> tuple[ScheduleBatch | None, Req | None]:
         """Returns the batch (or None) and the request left mid chunked prefill (or None). Admitted
-        requests leave `waiting`; `active` are the requests that will decode (for the caps)."""
+        requests leave `waiting`; `active` are the requests that will decode (for the caps); `keep_free`
+        slots stay untouched (a MIXED step's decodes need one each)."""
         if not waiting and chunked is None:
             return None, None
         budget = self.budget
         batch = ScheduleBatch(ForwardMode.EXTEND)
-        reserved = self.retractor.reserved_tokens(active)
+        reserved = self.retractor.reserved_tokens(active) + keep_free
         if chunked is not None:
-            n = min(chunked.remaining_prefill, budget)
+            n = min(chunked.remaining_prefill, budget, self.kv.available() - keep_free)
+            if n <= 0:
+                return None, chunked
             slots = self.kv.alloc(n)
             if slots is None:
                 return None, chunked
@@ -46,6 +49,8 @@ class PrefillAdder:
             if chunked.remaining_prefill > 0:
                 return batch, chunked
             chunked = None
+        if budget <= 0 or len(active) + len(batch.reqs) >= max_running:
+            return (batch if batch.reqs else None), chunked  # skip ordering the queue (it matches prefixes)
         for r in list(self.policy.order(waiting, self.kv.prefix_len)):
             if budget <= 0 or len(active) + len(batch.reqs) >= max_running:
                 break
@@ -93,4 +98,5 @@ class PrefillAdder:
         batch.reqs.append(r)
         batch.out_cache_loc.append(slots)
         batch.completes_prefill.append(r.remaining_prefill == 0)
+        batch.kv_ends.append(r.kv_len)
         batch.num_extend = len(batch.reqs)

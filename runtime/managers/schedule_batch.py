@@ -19,6 +19,7 @@ class ScheduleBatch:
     num_extend: int = 0  # reqs[:num_extend] run extend; the rest decode
     out_cache_loc: list[torch.Tensor] = field(default_factory=list)  # new slots, one tensor per req
     completes_prefill: list[bool] = field(default_factory=list)  # per extend req: its last chunk?
+    kv_ends: list[int] = field(default_factory=list)  # per extend req: tokens with KV once this batch ran
 
     @property
     def extend_reqs(self) -> list[Req]:

@@ -60,6 +60,7 @@ class Scheduler:
         self.stats = ForwardModeStats(args.log_interval_s)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._early_aborts: dict[str, None] = {}  # aborts that arrived before their request (bounded)
+        self._recently_finished: dict[str, None] = {}  # rids that ended lately (bounded)
         self.lock = threading.Lock()  # held for a whole step; readers of the state take it too
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -129,6 +130,7 @@ class Scheduler:
         seed = p.seed if p.seed is not None else self.rng.getrandbits(62)
         req = Req(g.rid, g.input_ids, p, seed, self.eos_token_ids, g.return_input_logprob, g.arrival_time)
         self.reqs[g.rid] = req
+        self._recently_finished.pop(g.rid, None)
         if self._early_aborts.pop(g.rid, False) is None:
             req.abort()
             self._finish(req)
@@ -138,6 +140,8 @@ class Scheduler:
     def _abort(self, rid: str) -> None:
         req = self.reqs.get(rid)
         if req is None:
+            if rid in self._recently_finished:
+                return  # it ended already; a later request reusing the rid must not inherit this abort
             # The abort can overtake its own request (both travel through the inbox from different
             # tasks): remember it briefly so the request is ended the moment it arrives.
             self._early_aborts[rid] = None
@@ -221,11 +225,13 @@ class Scheduler:
         self.process_batch_result(batch, result)
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        mixed = self.args.enable_mixed_chunk and bool(self.running)
         prefill, self.chunked_req = self.prefill.build(self.waiting, self.running + self._inflight_new(),
-                                                       self.chunked_req, self.max_running)
+                                                       self.chunked_req, self.max_running,
+                                                       keep_free=len(self.running) if mixed else 0)
         if prefill is not None:
             if self.args.enable_mixed_chunk and self.running:
-                decode = self._prepare_decode()
+                decode = self._prepare_decode(in_batch=prefill.reqs)
                 if decode is not None and decode.reqs:
                     prefill.reqs += decode.reqs
                     prefill.out_cache_loc += decode.out_cache_loc
@@ -237,17 +243,26 @@ class Scheduler:
             return ScheduleBatch(ForwardMode.IDLE)
         return None
 
-    def _prepare_decode(self) -> ScheduleBatch | None:
+    def _prepare_decode(self, in_batch: list[Req] | None = None) -> ScheduleBatch | None:
+        """The running requests' next decode, retracting when the pool cannot hold it. `in_batch`: the
+        prefill part of a MIXED step being built (its requests must not be retracted)."""
         need = len(self.running)
+        if self.kv.available() < need and self.pending is not None:
+            self._collect_pending()  # retraction needs every running request's real tokens
+            need = len(self.running)
         if self.kv.available() < need:
             victims = self.retractor.pick_victims(self.running, need, self.kv.available())
             for v in victims:
                 self.running.remove(v)
-                self.kv.release_retracted(v)
-                v.reset_for_retract()
-                self.waiting.insert(0, v)
-                self.stats.retractions += 1
+                self._retract(v)
             self.retractor.after_retract(self.running)
+            ch = self.chunked_req
+            if self.kv.available() < len(self.running) and ch is not None:
+                if in_batch is not None and ch in in_batch:
+                    return None  # MIXED: this step runs the prefill chunk alone; the next decides
+                # The request mid chunked prefill holds the slots the decodes need: it waits instead.
+                self.chunked_req = None
+                self._retract(ch)
             if self.kv.available() < len(self.running):  # one request larger than the whole pool
                 for r in list(self.running):
                     r.finish_reason = FinishReason("error", message="out of KV memory for this request")
@@ -265,6 +280,13 @@ class Scheduler:
         self.retractor.on_decode_step()
         return batch if batch.reqs else None
 
+    def _retract(self, r: Req) -> None:
+        """Frees the request's own KV and puts it back at the head of the queue with its tokens."""
+        self.kv.release_retracted(r)
+        r.reset_for_retract()
+        self.waiting.insert(0, r)
+        self.stats.retractions += 1
+
     def _finishes_with_pending(self, r: Req) -> bool:
         return (len(r.output_ids) + r.pending_tokens >= r.params.max_new_tokens
                 or r.seq_len + r.pending_tokens >= self.context_len)
@@ -279,7 +301,7 @@ class Scheduler:
                 continue
             if i < batch.num_extend:
                 if not batch.completes_prefill[i]:
-                    self.kv.cache_unfinished(r)
+                    self.kv.cache_unfinished(r, batch.kv_ends[i])
                     continue
                 if r.return_input_logprob and r.input_logprobs is None and result.input_logprobs:
                     r.input_logprobs = [None, *result.input_logprobs[i]]
@@ -292,7 +314,7 @@ class Scheduler:
             r.check_finished(self.context_len, self._tail_text(r))
             if r.finished:
                 self._finish(r, emit=False)
-            elif r.state is not ReqState.DECODING:
+            elif r.state is ReqState.PREFILLING:
                 r.state = ReqState.DECODING
                 self.running.append(r)
             outputs.append(self._delta(r))
@@ -337,6 +359,9 @@ class Scheduler:
             self.kv.release_retracted(r)
         r.state = ReqState.FINISHED
         self.reqs.pop(r.rid, None)
+        self._recently_finished[r.rid] = None
+        if len(self._recently_finished) > 4096:
+            self._recently_finished.pop(next(iter(self._recently_finished)))
         if emit:
             self.sink([self._delta(r)])
 

@@ -69,20 +69,22 @@ class KVCacheManager:
             self.allocator.free(req.kv_indices[req.cached_len:])
         self._drop(req)
 
-    def cache_unfinished(self, req: Req) -> None:
-        """After a prefill chunk: share what is computed so far, and hold the cache's copy of it."""
-        if not self.enabled or req.return_input_logprob or not req.kv_len:
+    def cache_unfinished(self, req: Req, computed: int) -> None:
+        """After a prefill chunk: share the `computed` tokens whose KV now exists, and hold the cache's
+        copy of them. Slots past `computed` (a next chunk already scheduled) are left alone."""
+        if not self.enabled or req.return_input_logprob or not computed:
             return
-        ids = req.all_ids[:req.kv_len]
-        present = self.cache.insert(ids, req.kv_indices)
+        ids = req.all_ids[:computed]
+        kv = req.kv_indices
+        present = self.cache.insert(ids, kv[:computed])
         if present > req.cached_len:
-            self.allocator.free(req.kv_indices[req.cached_len:present])
+            self.allocator.free(kv[req.cached_len:present])
         m = self.cache.match_prefix(ids)
         self.cache.inc_lock_ref(m.last_node)
         if req.last_node is not None:
             self.cache.dec_lock_ref(req.last_node)
         n = m.kv_indices.numel()
-        req.kv_indices = torch.cat([m.kv_indices, req.kv_indices[n:]])
+        req.kv_indices = torch.cat([m.kv_indices, kv[n:]])
         req.cached_len, req.last_node = n, m.last_node
         req.pending_prefix_write = max(req.pending_prefix_write, present)
 

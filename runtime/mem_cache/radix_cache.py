@@ -181,10 +181,10 @@ class RadixCache:
             return 0
         heap = [(n.last_access, n.id, n) for n in self._evictable_leaves]
         heapq.heapify(heap)
-        freed = 0
+        freed, values = 0, []
         while freed < num_tokens and heap:
             _, _, leaf = heapq.heappop(heap)
-            self.allocator.free(leaf.value)
+            values.append(leaf.value)  # freed together below: one free-list update, not one per leaf
             freed += len(leaf.key)
             self._evictable_size -= len(leaf.key)
             parent = leaf.parent
@@ -195,6 +195,8 @@ class RadixCache:
             self._refresh_leaf_status(parent)
             if parent in self._evictable_leaves:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        if values:
+            self.allocator.free(torch.cat(values))
         return freed
 
     def reset(self) -> None:

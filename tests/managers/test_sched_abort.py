@@ -59,8 +59,11 @@ async def test_closing_stream_early_aborts(make_engine, tiny_llama, pool_full, d
     deltas = [await anext(gen) for _ in range(3)]
     assert not deltas[-1]["finished"]
     await gen.aclose()  # the client went away
-    # Closing must reach the engine at once, not whenever the garbage collector finalizes the inner stream.
-    assert call.req.rid not in engine._consumers
+    # Closing must reach the engine at once, not whenever the garbage collector finalizes the inner stream:
+    # the stream's consumer is gone (a discarding one holds the rid until the abort's last output).
+    from runtime.engine import _discard
+
+    assert engine._consumers.get(call.req.rid) in (None, _discard)
     done = await asyncio.wait_for(other, 10)  # the request beside it is untouched
     assert len(done["output_ids"]) == 40
     pool_full(engine)
@@ -118,4 +121,34 @@ def test_abort_that_overtakes_its_request_ends_it_on_arrival(engine, pool_full):
 
     last = asyncio.run(run())
     assert last.finished and last.finish_reason.kind == "abort" and last.completion_tokens == 0
+    pool_full(engine)
+
+
+def test_rid_of_a_disconnected_stream_is_not_reused_while_it_runs(engine, pool_full):
+    # A client that drops a stream and retries with the same rid must get a clear error, not the old
+    # request's abort or a request nobody reads.
+    import asyncio
+    import contextlib
+
+    from runtime.errors import InvalidRequestError
+
+    async def run():
+        g = engine.make_request(input_ids=[5, 6, 7, 8], sampling_params={"max_new_tokens": 200, "ignore_eos": True},
+                                rid="reused")
+        async with contextlib.aclosing(engine.stream(g)) as s:
+            async for _ in s:
+                break
+        g2 = engine.make_request(input_ids=[5, 6, 7, 8], sampling_params={"max_new_tokens": 5}, rid="reused")
+        with pytest.raises(InvalidRequestError, match="already in use"):
+            async for _ in engine.stream(g2):
+                pass
+        for _ in range(200):  # once the old one is gone, the rid is free again and works normally
+            if "reused" not in engine._consumers:
+                break
+            await asyncio.sleep(0.01)
+        outs = [o async for o in engine.stream(g2)]
+        return outs[-1]
+
+    last = asyncio.run(run())
+    assert last.finish_reason.kind == "length" and last.completion_tokens == 5
     pool_full(engine)
