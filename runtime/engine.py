@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import logging
 import queue
 import threading
 import uuid
@@ -20,7 +19,7 @@ from runtime.errors import EngineUnavailableError, InvalidRequestError
 from runtime.logging_setup import setup_logging
 from runtime.managers.detokenizer import IncrementalDetokenizer
 from runtime.managers.scheduler import Scheduler
-from runtime.managers.tokenizer import Tokenizer
+from runtime.managers.tokenizer import NullTokenizer, Tokenizer, load_tokenizer
 from runtime.managers.tp_worker import TpWorker
 from runtime.messages import FinishReason, GenerateRequest, RequestOutput, SchedulerStats
 from runtime.sampling.params import SamplingParams
@@ -43,13 +42,13 @@ class Engine(EngineClient):
         self.model_path = path
         self.worker = TpWorker(server_args, path)
         info = self.worker.info()
-        self._tokenizer = _load_tokenizer(server_args.tokenizer_path or path, tuple(info.eos_token_ids))
+        self._tokenizer = load_tokenizer(server_args.tokenizer_path or path, tuple(info.eos_token_ids))
         self.context_len = info.context_len
         self.scheduler = Scheduler(
             server_args, self.worker, max_total_tokens=info.max_total_tokens, max_reqs=info.max_reqs,
             context_len=info.context_len, vocab_size=info.vocab_size,
-            eos_token_ids=self._tokenizer.eos_token_ids if self._tokenizer else frozenset(info.eos_token_ids),
-            sink=self._on_outputs, decode_text=self._tokenizer.decode if self._tokenizer else None,
+            eos_token_ids=self._tokenizer.eos_token_ids,
+            sink=self._on_outputs, decode_text=None if self._tokenizer.is_null else self._tokenizer.decode,
             overlap=not server_args.disable_overlap_schedule and info.device.startswith("cuda"))
         self._consumers: dict[str, Callable[[RequestOutput], None]] = {}
         self._ids = itertools.count()
@@ -60,7 +59,7 @@ class Engine(EngineClient):
 
     # ---- EngineClient ---------------------------------------------------------------------------
     @property
-    def tokenizer(self) -> Tokenizer:
+    def tokenizer(self) -> Tokenizer | NullTokenizer:
         return self._tokenizer
 
     def is_ready(self) -> bool:
@@ -96,7 +95,7 @@ class Engine(EngineClient):
         self.scheduler.abort(rid)
 
     async def stats(self) -> SchedulerStats:
-        return self.get_stats()
+        return await asyncio.to_thread(self.get_stats)  # waits for the step in progress: not on the loop
 
     # ---- Python API -----------------------------------------------------------------------------
     def get_stats(self) -> SchedulerStats:
@@ -111,8 +110,6 @@ class Engine(EngineClient):
         if input_ids is None:
             if not isinstance(prompt, str):
                 raise InvalidRequestError("give a prompt string or input_ids", param="prompt")
-            if self._tokenizer is None:
-                raise InvalidRequestError("this model folder has no tokenizer: send input_ids", param="prompt")
             input_ids = self._tokenizer.encode(prompt)
         req = GenerateRequest(rid=rid or f"engine-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
                               input_ids=list(input_ids), sampling_params=params,
@@ -208,15 +205,6 @@ class Engine(EngineClient):
         self.shutdown()
 
 
-def _load_tokenizer(path: str, eos_token_ids: tuple[int, ...]) -> Tokenizer | None:
-    """Benchmarks run dummy weights from a bare config.json: no tokenizer there, token ids only."""
-    try:
-        return Tokenizer(path, eos_token_ids)
-    except (OSError, ValueError) as e:
-        logging.getLogger(__name__).warning("no tokenizer in %s (%s): only input_ids requests work", path, e)
-        return None
-
-
 class _AsyncConsumer:
     """Where one stream's deltas go: a queue read on the consumer's own event loop."""
 
@@ -241,17 +229,17 @@ def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
 class _Collector:
     """Accumulates a request's deltas into the result dict."""
 
-    def __init__(self, tokenizer: Tokenizer, req: GenerateRequest):
+    def __init__(self, tokenizer: Tokenizer | NullTokenizer, req: GenerateRequest):
         p = req.sampling_params
         self.rid = req.rid
-        self.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens, p.stop) if tokenizer else None
+        self.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens, p.stop)
         self.text, self.ids, self.logprobs, self.top = "", [], [], []
         self.last: RequestOutput | None = None
         self.input_logprobs = None
 
     def add(self, o: RequestOutput) -> bool:
         self.ids.extend(o.new_token_ids)
-        self.text += self.detok.add(o.new_token_ids, finished=o.finished) if self.detok else ""
+        self.text += self.detok.add(o.new_token_ids, finished=o.finished)
         if o.new_logprobs:
             self.logprobs.extend(o.new_logprobs)
         if o.new_top_logprobs:
@@ -299,7 +287,7 @@ class _AsyncCall:
         c = _Collector(self.engine.tokenizer, self.req)
         async with contextlib.aclosing(self.engine.stream(self.req)) as stream:
             async for o in stream:
-                delta = c.detok.add(o.new_token_ids, finished=o.finished) if c.detok else ""
+                delta = c.detok.add(o.new_token_ids, finished=o.finished)
                 yield {"text": delta, "output_ids": o.new_token_ids, "finished": o.finished,
                        "finish_reason": o.finish_reason.kind if o.finish_reason else None,
                        "usage": {"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,

@@ -46,7 +46,9 @@ class ShoalDeployment:
         import aiohttp
 
         if self._session is None or self._session.closed:  # made on the replica's own event loop
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+            # No pool cap: aiohttp's default of 100 connections would queue requests past that silently.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                                  timeout=aiohttp.ClientTimeout(total=None))
         return self._session
 
     async def __call__(self, request: Any) -> Any:

@@ -22,7 +22,7 @@ from runtime.cluster.replica_group import ReplicaGroup
 from runtime.cluster.routing import ReplicaLoad, create_routing_policy
 from runtime.config import ServerArgs
 from runtime.engine_client import EngineClient
-from runtime.errors import EngineUnavailableError
+from runtime.errors import EngineUnavailableError, InvalidRequestError
 from runtime.messages import FinishReason, GenerateRequest, ModeStats, RequestOutput, SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -104,6 +104,8 @@ class RayEngineClient(EngineClient):
     async def stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if self._closing:
             raise EngineUnavailableError("the engine is shut down")
+        if req.rid in self._streams:  # a second stream would take over the first one's outputs
+            raise InvalidRequestError(f"request id {req.rid!r} is already in use", param="rid")
         target = self.policy.pick(req, self.replicas)
         i = target.index
         group = self.groups[self._target_group[i]]
@@ -223,15 +225,18 @@ class RayEngineClient(EngineClient):
 
     async def _check_target(self, i: int, generation: int) -> None:
         gi = self._target_group[i]
-        try:
-            healthy, stats = await asyncio.wait_for(asyncio.gather(
-                self._actor(i).health.remote(), self._actor(i).stats.remote()), self.health_timeout_s)
+        try:  # liveness: the actor answers on its event loop even while a long step runs
+            healthy = await asyncio.wait_for(self._actor(i).health.remote(), self.health_timeout_s)
         except Exception as e:
             if not self._closing:
                 self._on_failure(gi, generation, self._failure_message(gi, e))
             return
         if not healthy:
             self._on_failure(gi, generation, f"replica {gi} failed its health check")
+            return
+        try:  # load: waits for the step in progress; a slow answer keeps the last known load
+            stats = await asyncio.wait_for(self._actor(i).stats.remote(), self.health_timeout_s)
+        except Exception:
             return
         self.replicas[i].load = stats.num_used_tokens + stats.waiting_tokens
 

@@ -29,7 +29,9 @@ _OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key needed: probes an
 def _authorized(request: web.Request, api_key: str) -> bool:
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+    # surrogateescape: a header with bytes that are not UTF-8 is simply a wrong key (401), not a 500.
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"),
+                                                               api_key.encode())
 
 
 def _middleware(api_key: str | None) -> Callable:

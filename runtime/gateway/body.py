@@ -21,3 +21,5 @@ async def read_body(request: web.Request, kind: type[T]) -> T:
         return msgspec.json.decode(raw, type=kind)
     except msgspec.DecodeError as e:
         raise from_decode_error(e) from None
+    except (UnicodeDecodeError, RecursionError) as e:  # not UTF-8, or nested past any sane depth
+        raise ApiError(400, f"the request body is not valid JSON: {type(e).__name__}", code="invalid_json") from None

@@ -149,7 +149,7 @@ async def health_generate(request: web.Request) -> web.Response:
     """Ready and able to generate: runs one greedy token."""
     state = request.app[STATE_KEY]
     client = state.client()
-    ids = client.tokenizer.encode("ping") or [0]
+    ids = [0] if getattr(client.tokenizer, "is_null", False) else client.tokenizer.encode("ping") or [0]
     req = GenerateRequest(rid=state.new_id("health"), input_ids=ids,
                           sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ except ImportError:  # tokenizers < 0.21
 
 
 class Tokenizer:
+    is_null = False
+
     def __init__(self, path: str | Path, eos_token_ids: tuple[int, ...] = ()):
         from transformers import AutoTokenizer
 
@@ -53,3 +56,39 @@ class Tokenizer:
 
     def id_to_token_text(self, token_id: int) -> str:
         return self.hf.decode([token_id], skip_special_tokens=False)
+
+
+class NullTokenizer:
+    """For a model folder with no tokenizer (benchmarks: a bare config.json and dummy weights): token-id
+    requests work, text in or out does not (a clear 400 instead of a crash)."""
+
+    is_null = True
+    has_chat_template = False
+
+    def __init__(self, eos_token_ids: tuple[int, ...], vocab_size: int = 0):
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise InvalidRequestError("this model folder has no tokenizer: send token ids, not text", param="prompt")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        raise InvalidRequestError("this model folder has no tokenizer: chat needs one; use /v1/completions "
+                                  "with token ids", param="messages")
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> None:
+        return None
+
+    def id_to_token_text(self, token_id: int) -> str:
+        return ""
+
+
+def load_tokenizer(path: str | Path, eos_token_ids: tuple[int, ...]) -> Tokenizer | NullTokenizer:
+    try:
+        return Tokenizer(path, eos_token_ids)
+    except (OSError, ValueError) as e:
+        logging.getLogger(__name__).warning("no tokenizer in %s (%s): only token-id requests work", path, e)
+        return NullTokenizer(eos_token_ids)

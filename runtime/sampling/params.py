@@ -92,6 +92,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise bad(name, f"{name} must be in [-2, 2], got {v}")
         if any(not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty")
+        if any(len(s) > 1024 for s in self.stop):
+            raise bad("stop", "stop strings must be at most 1024 characters")
         if len(self.stop) > 16:
             raise bad("stop", f"at most 16 stop strings, got {len(self.stop)}")
         if any(t < 0 for t in self.stop_token_ids):

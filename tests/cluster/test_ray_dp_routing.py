@@ -85,3 +85,19 @@ def test_prefix_hash_is_sticky(dp_client):
     run_all(dp_client, [req(f"pd{i}", [50 + 7 * i] * 33) for i in range(12)])
     delta = [a - b for a, b in zip(prompt_tokens_seen(dp_client), before)]
     assert sum(delta) == 12 * 33 and min(delta) > 0
+
+
+def test_duplicate_rid_is_refused_not_mixed(dp_client):
+    # A second stream with a rid in flight would take over the first one's outputs: refuse it.
+    from runtime.errors import InvalidRequestError
+
+    async def scenario():
+        first = dp_client.stream(dp_client.validate(req("dup", [7] * 8, 30)))
+        await first.__anext__()
+        with pytest.raises(InvalidRequestError, match="already in use"):
+            await dp_client.stream(dp_client.validate(req("dup", [7] * 8, 3))).__anext__()
+        outs = [o async for o in first]
+        return outs[-1]
+
+    last = asyncio.run(scenario())
+    assert last.finish_reason.kind == "length" and last.completion_tokens == 30

@@ -135,3 +135,15 @@ def test_no_input_makes_a_500(gw_url, gw_engine):
     assert err["message"]
     assert http(gw_url + "/health")[0] == 200  # still serving
     assert gw_engine.is_ready()
+
+
+def test_body_not_utf8_or_absurdly_nested_is_400(gw_url):
+    status, body = http(gw_url + "/v1/completions", "POST", b'{"prompt": "\xff\xfe"}')
+    assert status == 400 and body["error"]["code"] == "invalid_json", body
+    status, body = http(gw_url + "/v1/completions", "POST", b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}")
+    assert status == 400 and body["error"]["type"] == "invalid_request_error", body
+
+
+def test_huge_stop_string_is_400(gw_url):
+    status, body = http(gw_url + "/v1/completions", "POST", {"prompt": "hi", "stop": ["x" * 5000]})
+    assert status == 400 and body["error"]["param"] == "stop", body

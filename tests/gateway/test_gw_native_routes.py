@@ -132,6 +132,14 @@ def test_api_key(gw_engine):
             assert status == 401
         assert http(server.url + "/health")[0] == 200
         assert http(server.url + "/metrics")[0] == 200
+        # An Authorization header whose bytes are not UTF-8 is a wrong key, not a server error.
+        import socket
+
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n"
+                         b"Connection: close\r\n\r\n")
+            assert sock.recv(64).startswith(b"HTTP/1.1 401")
         bad = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
