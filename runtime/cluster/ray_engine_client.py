@@ -35,7 +35,10 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     def put(self, out: RequestOutput) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+        except RuntimeError:  # that consumer's event loop is closed: nobody reads this stream any more
+            pass
 
 
 @dataclass
