@@ -21,7 +21,7 @@ from runtime.mem_cache.req_to_token import ReqToTokenPool
 from runtime.messages import BatchResult, WorkerBatch
 from runtime.model_config import ModelConfig
 from runtime.model_executor.forward_batch import ForwardBatch
-from runtime.model_executor.weight_loader import init_dummy_weights, iterate_safetensors
+from runtime.model_executor.weight_loader import dummy_checkpoint, iterate_safetensors
 from runtime.models.parallel_context import ParallelContext
 from runtime.models.registry import get_model_class
 
@@ -70,7 +70,7 @@ class ModelRunner:
         with torch.device(self.device):
             model = get_model_class(cfg.architecture)(cfg, self.ctx)
         if self.args.load_format == "dummy":
-            init_dummy_weights(model, self.args.random_seed)
+            model.load_weights(dummy_checkpoint(cfg, self.args.random_seed, self.device))
         else:
             show = self.ctx.attn.rank == 0 and self.ctx.mlp.rank == 0
             model.load_weights(iterate_safetensors(model_path, show_progress=show))

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from runtime.errors import WeightLoadError
+from runtime.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -52,15 +53,31 @@ def iterate_safetensors(model_path: str | Path, show_progress: bool = True) -> I
     bar.close()
 
 
-def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights of the right shapes, small enough that activations stay finite in bf16. Drawn on
-    the parameters' own device (a 70B model's worth of CPU random numbers would take minutes)."""
-    gens: dict[torch.device, torch.Generator] = {}
-    for name, p in model.named_parameters():
+def dummy_checkpoint(cfg: ModelConfig, seed: int, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random weights in the HF checkpoint's names and full shapes, one tensor at a time, each drawn from
+    a generator seeded by (seed, name) on `device`. Loaded through load_weights like a real checkpoint,
+    so every TP layout of the same config and seed holds the same model (TP=1 and TP=N compare)."""
+    hd, heads, kv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (cfg.vocab_size, h))]
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes += [(p + "self_attn.q_proj.weight", (heads * hd, h)), (p + "self_attn.k_proj.weight", (kv * hd, h)),
+                   (p + "self_attn.v_proj.weight", (kv * hd, h)), (p + "self_attn.o_proj.weight", (h, heads * hd)),
+                   (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                   (p + "mlp.down_proj.weight", (h, inter)),
+                   (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
+        if cfg.attention_bias:
+            shapes += [(p + f"self_attn.{x}_proj.bias", (n * hd,)) for x, n in (("q", heads), ("k", kv), ("v", kv))]
+        if cfg.qk_norm:
+            shapes += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+    shapes.append(("model.norm.weight", (h,)))
+    if not cfg.tie_word_embeddings:
+        shapes.append(("lm_head.weight", (cfg.vocab_size, h)))
+    for name, shape in shapes:
         if "norm" in name:
-            p.data.fill_(1.0)
+            yield name, torch.ones(shape, dtype=cfg.dtype, device=device)
             continue
-        gen = gens.get(p.device)
-        if gen is None:
-            gen = gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
-        p.data.uniform_(-0.02, 0.02, generator=gen)
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        t = torch.empty(shape, dtype=cfg.dtype, device=device)
+        yield name, t.uniform_(-0.02, 0.02, generator=gen)

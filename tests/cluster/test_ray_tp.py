@@ -16,22 +16,25 @@ pytestmark = pytest.mark.ray
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [300, 12, 99]]
 
 
-@pytest.mark.parametrize(("arch", "dispatch"), [("llama", "actor"), ("qwen3", "actor"), ("llama", "compiled")])
-def test_tp2_matches_tp1(ray_local, tiny_model_dirs, arch, dispatch):
+@pytest.mark.parametrize(("arch", "dispatch", "load_format"), [
+    ("llama", "actor", "auto"), ("qwen3", "actor", "auto"), ("llama", "compiled", "auto"),
+    ("qwen2", "actor", "dummy"),  # dummy weights are the same model whatever the TP layout
+])
+def test_tp2_matches_tp1(ray_local, tiny_model_dirs, arch, dispatch, load_format):
     from runtime import Engine
     from runtime.cluster.launch import create_ray_engine_client
 
     path = str(tiny_model_dirs[arch])
-    with Engine(path, device="cpu", max_total_tokens=2048) as engine:
+    with Engine(path, device="cpu", max_total_tokens=2048, load_format=load_format) as engine:
         expected = [engine.generate(input_ids=p, sampling_params={"max_new_tokens": 12, "temperature": 0})["output_ids"]
                     for p in PROMPTS]
-    client = create_ray_engine_client(ServerArgs(model_path=path, tp_size=2, device="cpu", max_total_tokens=2048),
-                                      dispatch=dispatch)
+    client = create_ray_engine_client(ServerArgs(model_path=path, tp_size=2, device="cpu", max_total_tokens=2048,
+                                                 load_format=load_format), dispatch=dispatch)
     try:
         assert client.is_ready()
         # Both ranks really run: two workers on the replica, and each got the same batches.
         assert len(client.groups[0].workers) == 2
-        reqs = [GenerateRequest(rid=f"{arch}-{i}", input_ids=p, sampling_params=greedy(12)) for i, p in enumerate(PROMPTS)]
+        reqs = [GenerateRequest(rid=f"{arch}-{load_format}-{i}", input_ids=p, sampling_params=greedy(12)) for i, p in enumerate(PROMPTS)]
         results = run_all(client, reqs)
         assert [ids for ids, _ in results] == expected
         for _ids, last in results:
