@@ -15,7 +15,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from runtime.errors import InvalidRequestError, RequestAbortedError, ShoalError
+from runtime.errors import InvalidRequestError, ShoalError
 from runtime.gateway.body import read_body
 from runtime.gateway.choice_state import ChoiceState
 from runtime.gateway.errors import ApiError, bad_request, from_shoal_error
@@ -119,11 +119,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
                     await sse.send(encode(_result(choices[i], arrival, body.return_text_in_logprobs,
                                                   client.tokenizer)))
             return await sse.finish()
-        except RequestAbortedError:
-            return sse.response
         except (ApiError, ShoalError) as e:
-            await sse.send_error(encode((e if isinstance(e, ApiError) else from_shoal_error(e)).body()))
-            return sse.response
+            return await sse.end_on_error(e)
     finally:
         state.untrack(base, tracked)
 

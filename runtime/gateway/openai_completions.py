@@ -9,10 +9,10 @@ from aiohttp import web
 from msgspec import UNSET
 
 from runtime.engine_client import EngineClient
-from runtime.errors import RequestAbortedError, ShoalError
+from runtime.errors import ShoalError
 from runtime.gateway.body import read_body
 from runtime.gateway.choice_state import ChoiceState, usage_info
-from runtime.gateway.errors import ApiError, bad_request, from_shoal_error, not_supported
+from runtime.gateway.errors import ApiError, bad_request, not_supported
 from runtime.gateway.fan_in import OutputFanIn
 from runtime.gateway.protocol import (
     CompletionChoice,
@@ -170,10 +170,6 @@ async def _stream(request: web.Request, state: GatewayState, client: EngineClien
             await sse.send(encode(CompletionResponse(id=base, created=created, model=model, choices=[],
                                                      usage=usage_info(choices, n))))
         return await sse.finish()
-    except RequestAbortedError:
-        return sse.response  # the client is gone; leaving the fan-in aborted its requests
     except (ApiError, ShoalError) as e:
-        err = e if isinstance(e, ApiError) else from_shoal_error(e)
-        await sse.send_error(encode(err.body()))
-        return sse.response
+        return await sse.end_on_error(e)
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from runtime.errors import RequestAbortedError
+from runtime.errors import RequestAbortedError, ShoalError
+from runtime.gateway.errors import ApiError, from_shoal_error
+from runtime.gateway.protocol import encode
 
 
 def is_disconnected(request: web.Request) -> bool:
@@ -42,6 +44,14 @@ class SseWriter:
             await self.response.write_eof()
         except (ConnectionError, RuntimeError):
             pass  # the client already has [DONE]; nothing left to tell it
+        return self.response
+
+    async def end_on_error(self, e: ShoalError) -> web.StreamResponse:
+        """Ends a stream that failed after its 200 headers: a client that left gets nothing more (leaving
+        the fan-in already aborted its requests); any other error becomes the last event."""
+        if not isinstance(e, RequestAbortedError):
+            err = e if isinstance(e, ApiError) else from_shoal_error(e)
+            await self.send_error(encode(err.body()))
         return self.response
 
     async def send_error(self, error_body: bytes) -> None:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from runtime.layers.sampler import to_device
 from runtime.messages import SamplingBatch, WorkerBatch
 from runtime.model_executor.forward_mode import ForwardMode
 
@@ -60,10 +61,8 @@ class ForwardBatch:
 
         # One host→device copy for every index tensor of the step (eight small copies cost more).
         b, n = len(seq_lens), acc
-        flat = torch.tensor(batch.input_ids + positions + batch.out_cache_loc + batch.req_pool_indices
-                            + seq_lens + prefix_lens + extend_lens + starts, dtype=torch.int64)
-        if device.type == "cuda":
-            flat = flat.pin_memory().to(device, non_blocking=True)
+        flat = to_device(batch.input_ids + positions + batch.out_cache_loc + batch.req_pool_indices
+                         + seq_lens + prefix_lens + extend_lens + starts, torch.int64, device)
         ids, pos, loc, rpi, sl, pl, el, st = flat.split([n, n, n, b, b, b, b, b])
         return cls(
             forward_mode=mode, batch_size=b, input_ids=ids, positions=pos, out_cache_loc=loc,
