@@ -26,6 +26,7 @@ class TpWorkerActor:
         self.args, self.model_path = args, model_path
         self.rank, self.world_size, self.dp_attention = rank, world_size, dp_attention
         self.worker = None
+        self._cuda_index: int | None = None
         self._decoder = msgspec.msgpack.Decoder(WorkerBatch)
         self._encoder = msgspec.msgpack.Encoder()
 
@@ -71,13 +72,23 @@ class TpWorkerActor:
         import ray
         import torch
 
-        if self.args.device != "cpu" and ray.get_gpu_ids():
-            torch.cuda.set_device(0)  # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU
-            return torch.device("cuda", 0)
+        ids = ray.get_gpu_ids()
+        if self.args.device != "cpu" and ids:
+            # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU, unless RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES
+            # is set: then every GPU is visible and the assigned one is found by its id.
+            index = local_gpu_index(str(ids[0]), os.environ.get("CUDA_VISIBLE_DEVICES"))
+            torch.cuda.set_device(index)
+            self._cuda_index = index
+            return torch.device("cuda", index)
         return torch.device("cpu")
 
     def run_batch(self, data: bytes) -> bytes:
         """data: a msgpack WorkerBatch. Returns rank 0's msgpack BatchResult; other ranks return b""."""
+        if self._cuda_index is not None:
+            # The current CUDA device is per thread, and a Ray compiled graph calls from a thread of its own.
+            import torch
+
+            torch.cuda.set_device(self._cuda_index)
         result: BatchResult = self.worker.run_batch(self._decoder.decode(data))
         # DP attention: every rank serves its own scheduler, so every rank answers.
         return self._encoder.encode(result) if self.rank == 0 or self.dp_attention else b""
@@ -95,3 +106,13 @@ class TpWorkerActor:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def local_gpu_index(gpu_id: str, visible: str | None) -> int:
+    """This process's CUDA index of Ray's GPU id: its place in CUDA_VISIBLE_DEVICES, or the id itself."""
+    if not visible:
+        return int(gpu_id)
+    ids = [v.strip() for v in visible.split(",")]
+    if gpu_id not in ids:
+        raise RuntimeError(f"Ray assigned GPU {gpu_id}, which CUDA_VISIBLE_DEVICES={visible!r} does not list")
+    return ids.index(gpu_id)

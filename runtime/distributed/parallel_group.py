@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from runtime.distributed.symm_mem_all_reduce import SymmMemAllReduce
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,6 +16,7 @@ class ParallelGroup:
     rank: int = 0
     size: int = 1
     group: object | None = None  # torch ProcessGroup; None when size == 1
+    fast: SymmMemAllReduce | None = None  # small all-reduces inside CUDA graphs; NCCL does the rest
 
     @classmethod
     def single(cls) -> ParallelGroup:
@@ -22,8 +26,17 @@ class ParallelGroup:
     def is_trivial(self) -> bool:
         return self.size == 1
 
+    def with_fast_all_reduce(self, dtype: torch.dtype, device: torch.device, max_bytes: int) -> ParallelGroup:
+        """This group plus a symmetric-memory all-reduce when the machine allows (collective)."""
+        if self.size == 1 or self.fast is not None:
+            return self
+        return dataclasses.replace(self, fast=SymmMemAllReduce.create(self.group, dtype, device, max_bytes))
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sums x over the ranks. Use the return value: the fast path answers in a new tensor."""
         if self.size > 1:
+            if self.fast is not None and self.fast.can_run(x):
+                return self.fast(x)
             dist.all_reduce(x, group=self.group)
         return x
 

@@ -32,6 +32,17 @@ class ParallelContext:
     def tensor_parallel(cls, group: ParallelGroup) -> ParallelContext:
         return cls(attn=group, mlp=group)
 
+    def with_fast_all_reduce(self, dtype: torch.dtype, device: torch.device, max_tokens: int,
+                             hidden_size: int) -> ParallelContext:
+        """The same groups, each given a symmetric-memory all-reduce for [max_tokens, hidden] activations
+        (the MLP group of DP attention reduces every rank's tokens). Collective on every group."""
+        attn = self.attn.with_fast_all_reduce(dtype, device, max_tokens * hidden_size * dtype.itemsize)
+        if self.mlp is self.attn:
+            return ParallelContext(attn=attn, mlp=attn, dp_attention=self.dp_attention)
+        mlp_bytes = max_tokens * self.mlp.size * hidden_size * dtype.itemsize
+        return ParallelContext(attn=attn, mlp=self.mlp.with_fast_all_reduce(dtype, device, mlp_bytes),
+                               dp_attention=self.dp_attention)
+
     def run_mlp(self, mlp: nn.Module, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         if not self.dp_attention:
             return mlp(hidden)
