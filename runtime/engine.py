@@ -232,7 +232,7 @@ class _Collector:
     def __init__(self, tokenizer: Tokenizer | NullTokenizer, req: GenerateRequest):
         p = req.sampling_params
         self.rid = req.rid
-        self.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens, p.stop)
+        self.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens, p.stop, p.min_new_tokens)
         self.text, self.ids, self.logprobs, self.top = "", [], [], []
         self.last: RequestOutput | None = None
         self.input_logprobs = None

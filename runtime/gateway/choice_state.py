@@ -20,7 +20,7 @@ class ChoiceState:
         self.req = req
         self.metrics = metrics
         self.arrival = arrival
-        self.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens, p.stop)
+        self.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens, p.stop, p.min_new_tokens)
         self.text = ""
         self.ids: list[int] = []
         self.logprobs: list[float] = []

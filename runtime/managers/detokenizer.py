@@ -1,5 +1,8 @@
 """IncrementalDetokenizer: turns a growing list of token ids into text deltas that never split a UTF-8
-character or lose a leading space, and that stop before (and never show) a stop string."""
+character or lose a leading space, and that stop before (and never show) a stop string.
+
+With min_new_tokens = m, a stop string counts only if it ends in the text of token m or later (as in
+vLLM, and as the scheduler's own check): one already complete in the first m - 1 tokens is plain text."""
 
 from __future__ import annotations
 
@@ -7,10 +10,14 @@ from runtime.managers.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None,
+                 min_new_tokens: int = 0):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in (stop or []) if s]
+        self.min_new_tokens = min_new_tokens
+        # Text length of the first min_new_tokens - 1 tokens: a stop string must end beyond it.
+        self._stop_floor: int | None = 0 if min_new_tokens <= 1 else None
         self.ids: list[int] = []
         self.text = ""  # every complete character decoded so far
         self.emitted = 0  # characters of self.text already returned
@@ -23,13 +30,19 @@ class IncrementalDetokenizer:
         """Adds tokens; returns the text that is now safe to show."""
         if self.stopped:
             return ""
+        if self._stop_floor is None and len(self.ids) + len(new_ids) >= self.min_new_tokens - 1:
+            cut = self.min_new_tokens - 1 - len(self.ids)
+            self.ids.extend(new_ids[:cut])
+            self._advance()
+            self._stop_floor, new_ids = len(self.text), new_ids[cut:]
         self.ids.extend(new_ids)
         self._advance()
         end = len(self.text)
-        for s in self.stop:
-            at = self.text.find(s)
-            if at != -1:
-                self.stopped, end = True, min(end, at)
+        if self._stop_floor is not None and len(self.ids) >= self.min_new_tokens:
+            for s in self.stop:
+                at = self.text.find(s, max(0, self._stop_floor - len(s) + 1))
+                if at != -1:
+                    self.stopped, end = True, min(end, at)
         if self.stopped:
             self.text = self.text[:end]
         elif not finished:

@@ -114,7 +114,9 @@ class Req:
         return sorted(self.eos_token_ids | self.stop_token_ids)
 
     # ---- finishing ----------------------------------------------------------------------------------
-    def check_finished(self, context_len: int, tail_text: str | None = None) -> None:
+    def check_finished(self, context_len: int, tail: tuple[str, int] | None = None) -> None:
+        """tail: the text of the last few output tokens and where the newest token's text starts in it; a
+        stop string counts only if it ends in the newest token (so not one complete before min_new_tokens)."""
         if self.finished or not self.output_ids:
             return
         last = self.output_ids[-1]
@@ -123,7 +125,7 @@ class Req:
             self.finish_reason = FinishReason("stop", matched=last)
         elif min_ok and last in self.eos_token_ids:
             self.finish_reason = FinishReason("stop", matched=last)
-        elif min_ok and tail_text is not None and (hit := next((s for s in self.params.stop if s in tail_text), None)):
+        elif min_ok and tail is not None and (hit := _stop_ending_after(self.params.stop, *tail)):
             self.finish_reason = FinishReason("stop", matched=hit)
         elif len(self.output_ids) >= self.params.max_new_tokens or self.seq_len >= context_len:
             self.finish_reason = FinishReason("length")
@@ -138,3 +140,8 @@ class Req:
         self.last_node, self.pending_prefix_write, self.extend_len = None, 0, 0
         self.state = ReqState.WAITING
         self.retractions += 1
+
+
+def _stop_ending_after(stops: list[str], text: str, start: int) -> str | None:
+    """The first stop string found in text that ends after position start."""
+    return next((s for s in stops if text.find(s, max(0, start - len(s) + 1)) != -1), None)

@@ -325,11 +325,13 @@ class Scheduler:
                                                  self.kv.held_by(self._live()), self.kv.size,
                                                  self.kv.cache.total_size())
 
-    def _tail_text(self, r: Req) -> str | None:
+    def _tail_text(self, r: Req) -> tuple[str, int] | None:
         if not r.params.stop or self.decode_text is None:
             return None
-        window = max(len(s) for s in r.params.stop) + 4
-        return self.decode_text(r.output_ids[-window:])
+        window = r.output_ids[-(max(len(s) for s in r.params.stop) + 4):]
+        text, before = self.decode_text(window), self.decode_text(window[:-1])
+        # Where the newest token's text starts (a split UTF-8 character breaks the prefix: all counts as new).
+        return text, len(before) if text.startswith(before) else 0
 
     def _delta(self, r: Req) -> RequestOutput:
         start = r.sent_tokens

@@ -67,6 +67,27 @@ def test_stop_string_ends_and_is_not_shown(engine, pick):
     assert "".join(d["text"] for d in _stream(engine, prompt, {**GREEDY, "stop": stop})) == out["text"]
 
 
+def test_min_new_tokens_lets_an_earlier_stop_string_through(engine):
+    tok = engine.tokenizer
+    prompt, _, stop, k = find_case(engine, word_stop)
+    m = k + 2  # the stop string is complete at token k, before min_new_tokens
+    params = {**GREEDY, "min_new_tokens": m}
+    ref = engine.generate(prompt, params)["output_ids"]  # same bans (EOS until m), no stop string
+    floor = len(tok.decode(ref[:m - 1]))
+    later = next((j for j in range(m - 1, len(ref))
+                  if tok.decode(ref[:j + 1]).find(stop, max(0, floor - len(stop) + 1)) != -1), None)
+    out = engine.generate(prompt, {**params, "stop": [stop]})
+    assert stop in out["text"]  # the early occurrence is plain text
+    if later is None:
+        assert out["finish_reason"] == "length" and out["output_ids"] == ref
+        assert out["text"] == tok.decode(ref)
+    else:
+        full = tok.decode(ref[:later + 1])
+        assert out["finish_reason"] == "stop" and out["output_ids"] == ref[:later + 1]
+        assert out["text"] == full[:full.index(stop, max(0, floor - len(stop) + 1))]
+    assert "".join(d["text"] for d in _stream(engine, prompt, {**params, "stop": [stop]})) == out["text"]
+
+
 def _stream(engine: Engine, prompt: str, params: dict) -> list[dict]:
     import asyncio
 

@@ -121,6 +121,36 @@ def test_multibyte_stop_string(tok):
     assert not any("\ufffd" in d for d in deltas)
 
 
+def _token_completing(tok, ids: list[int], stop: str, after: int = 0) -> int:
+    """Index of the token whose text first completes an occurrence of stop ending beyond char `after`."""
+    return next(j for j in range(len(ids)) if tok.decode(ids[:j + 1]).find(stop, max(0, after - len(stop) + 1)) != -1)
+
+
+@pytest.mark.parametrize("sizes", [None, [3] * 40, [40]], ids=["one-by-one", "threes", "all-at-once"])
+def test_min_new_tokens_skips_a_stop_string_completed_before_it(tok, sizes):
+    text = "The cat sat. The dog ran. The cat ate."
+    ids = tok.encode(text)
+    first = _token_completing(tok, ids, "cat")
+    # min_new_tokens just past the first "cat": that one is plain text, the second one stops.
+    m = first + 2
+    detok = IncrementalDetokenizer(tok, stop=["cat"], min_new_tokens=m)
+    shown = "".join(feed(detok, ids, sizes))
+    assert detok.stopped
+    assert shown == "The cat sat. The dog ran. The "
+    # With min_new_tokens at the token that completes the first "cat", that one counts.
+    detok = IncrementalDetokenizer(tok, stop=["cat"], min_new_tokens=first + 1)
+    assert "".join(feed(detok, ids, sizes)) == "The "
+
+
+def test_min_new_tokens_counts_a_stop_string_spanning_the_boundary(tok):
+    ids = tok.encode("Hello world, hello")
+    k = _token_completing(tok, ids, "o w")  # "lo" | " w": starts in token k-1, ends in token k
+    detok = IncrementalDetokenizer(tok, stop=["o w"], min_new_tokens=k + 1)
+    assert "".join(feed(detok, ids)) == "Hell" and detok.stopped
+    detok = IncrementalDetokenizer(tok, stop=["o w"], min_new_tokens=k + 2)
+    assert "".join(feed(detok, ids)) == "Hello world, hello" and not detok.stopped
+
+
 def test_special_tokens_skipped_or_kept(tok):
     eos = next(iter(tok.eos_token_ids))
     ids = [*tok.encode("Hello"), eos]
