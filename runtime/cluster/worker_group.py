@@ -76,9 +76,12 @@ class WorkerGroup:
     def _fail(self, e: Exception) -> EngineUnavailableError:
         rank = self._dead_rank()
         who = f"TP worker rank {rank}" if rank is not None else "a TP worker"
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        self.failed = EngineUnavailableError(f"{who} of {self.name} failed: {type(e).__name__}: {reason}")
-        logger.error("%s", self.failed)
+        # A RayTaskError's first line only names the remote method; the worker's own exception is its cause.
+        cause = getattr(e, "cause", None) or e
+        text = str(cause).strip()
+        reason = f"{type(cause).__name__}: {text.splitlines()[0]}" if text else type(cause).__name__
+        self.failed = EngineUnavailableError(f"{who} of {self.name} failed: {reason}")
+        logger.error("%s\n%s", self.failed, e)  # the whole remote traceback, for whoever debugs it
         self.kill()
         if self.on_failure is not None:
             self.on_failure(self.failed)
