@@ -5,6 +5,7 @@ normalised partial output and its log-sum-exp; one program serves all query head
 each K/V row is read once per group instead of once per query head. Stage 2 merges the chunks with their
 log-sum-exps. Every size the launch depends on is known on the host without reading device memory, so the
 whole call can be captured in a CUDA graph and replayed with new `seq_lens`/`req_to_token` contents.
+With a sliding window W the query sees only the last W tokens; the splits then cover just those.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def _decode_stage1_kernel(
     BLOCKS_PER_GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MIN_BLOCK_KV: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     cur_batch = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -65,8 +67,11 @@ def _decode_stage1_kernel(
 
     seq_len = tl.load(Seq_Lens + cur_batch).to(tl.int32)
     req_row = tl.load(Req_Pool_Indices + cur_batch).to(tl.int64)
-    kv_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), MIN_BLOCK_KV) * MIN_BLOCK_KV
-    split_start = kv_per_split * split_id
+    kv_start = seq_len * 0
+    if WINDOW > 0:
+        kv_start = tl.maximum(seq_len - WINDOW, 0)
+    kv_per_split = tl.cdiv(tl.cdiv(seq_len - kv_start, NUM_SPLITS), MIN_BLOCK_KV) * MIN_BLOCK_KV
+    split_start = kv_start + kv_per_split * split_id
     split_end = tl.minimum(split_start + kv_per_split, seq_len)
 
     if split_end > split_start:
@@ -128,6 +133,7 @@ def _decode_stage2_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     MIN_BLOCK_KV: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     cur_batch = tl.program_id(0)
     cur_head = tl.program_id(1)
@@ -135,14 +141,17 @@ def _decode_stage2_kernel(
     mask_d = offs_d < HEAD_DIM
 
     seq_len = tl.load(Seq_Lens + cur_batch).to(tl.int32)
-    kv_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), MIN_BLOCK_KV) * MIN_BLOCK_KV
+    kv_start = seq_len * 0
+    if WINDOW > 0:
+        kv_start = tl.maximum(seq_len - WINDOW, 0)
+    kv_per_split = tl.cdiv(tl.cdiv(seq_len - kv_start, NUM_SPLITS), MIN_BLOCK_KV) * MIN_BLOCK_KV
 
     e_max = float("-inf")
     e_sum = 0.0
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     base = cur_batch * stride_mid_b + cur_head * stride_mid_h
     for split_id in range(0, NUM_SPLITS):
-        split_start = kv_per_split * split_id
+        split_start = kv_start + kv_per_split * split_id
         split_end = tl.minimum(split_start + kv_per_split, seq_len)
         # Splits past the end of a short sequence were never written by stage 1: skip them.
         if split_end > split_start:
@@ -178,10 +187,12 @@ def decode_attention_fwd(
     sm_scale: float,
     num_kv_splits: int = 8,
     attn_logits: torch.Tensor | None = None,
+    sliding_window: int = 0,
 ) -> None:
     """Writes into `o` [B, Hq, D] the attention of q [B, Hq, D] over each request's first seq_lens[b]
-    tokens. `attn_logits` is an optional [>=B, Hq, num_kv_splits, D+1] fp32 workspace (pass a fixed one
-    when capturing CUDA graphs to keep allocations out of the graph's pool)."""
+    tokens (only the last `sliding_window` of them when > 0). `attn_logits` is an optional
+    [>=B, Hq, num_kv_splits, D+1] fp32 workspace (pass a fixed one when capturing CUDA graphs to keep
+    allocations out of the graph's pool)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     if num_heads % num_kv_heads != 0:
@@ -219,6 +230,7 @@ def decode_attention_fwd(
         BLOCKS_PER_GROUP=blocks_per_group,
         BLOCK_N=32 if block_d > 128 else 64,
         MIN_BLOCK_KV=_MIN_BLOCK_KV,
+        WINDOW=max(sliding_window, 0),
         num_warps=4,
         num_stages=2,
     )
@@ -230,6 +242,7 @@ def decode_attention_fwd(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         MIN_BLOCK_KV=_MIN_BLOCK_KV,
+        WINDOW=max(sliding_window, 0),
         num_warps=4,
     )
 
@@ -242,8 +255,10 @@ def decode_attention_ref(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     sm_scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
-    """Plain per-request softmax attention in fp32; returns o [B, Hq, D] in q's dtype."""
+    """Plain per-request softmax attention in fp32 (over the last sliding_window tokens when > 0);
+    returns o [B, Hq, D] in q's dtype."""
     batch, num_heads, head_dim = q.shape
     kv_group = num_heads // k_buffer.shape[1]
     o = torch.zeros_like(q)
@@ -251,7 +266,8 @@ def decode_attention_ref(
         n = int(seq_lens[b])
         if n == 0:
             continue
-        slots = req_to_token[int(req_pool_indices[b]), :n].long()
+        first = max(0, n - sliding_window) if sliding_window > 0 else 0
+        slots = req_to_token[int(req_pool_indices[b]), first:n].long()
         k = k_buffer[slots].float().repeat_interleave(kv_group, dim=1)  # [n, Hq, D]
         v = v_buffer[slots].float().repeat_interleave(kv_group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * sm_scale

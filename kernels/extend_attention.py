@@ -3,7 +3,9 @@ new tokens themselves (causal), all requests packed back to back in one ragged b
 
 The prefix K/V is gathered from the paged buffers through req_to_token; the new K/V is read from the
 projection outputs directly (it is also already in the buffers, but reading it contiguously is cheaper
-than the indirect gather). Online softmax over both parts, fp32 accumulators.
+than the indirect gather). Online softmax over both parts, fp32 accumulators. With a sliding window W a
+token at position p sees keys at positions p - W + 1 .. p (as HF's sliding-window mask); blocks wholly
+before that are skipped.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     cur_batch = tl.program_id(0)
     cur_head = tl.program_id(1)
@@ -74,8 +77,11 @@ def _extend_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-        # Part 1: the cached prefix, visible in full to every new token.
-        for start_n in range(0, prefix_len, BLOCK_N):
+        # Part 1: the cached prefix, visible in full to every new token (within the window, if any).
+        lo = prefix_len * 0
+        if WINDOW > 0:
+            lo = tl.maximum(prefix_len + block_m * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        for start_n in range(lo, prefix_len, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             mask_n = offs_n < prefix_len
             kv_loc = tl.load(Req_To_Token + req_row * stride_req + offs_n, mask=mask_n, other=0).to(tl.int64)
@@ -85,7 +91,10 @@ def _extend_kernel(
                 other=0.0,
             )
             qk = tl.dot(q, k) * qk_scale
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            visible = mask_n[None, :]
+            if WINDOW > 0:
+                visible = visible & (offs_n[None, :] > (prefix_len + offs_m)[:, None] - WINDOW)
+            qk = tl.where(visible, qk, float("-inf"))
             v = tl.load(
                 V_Buffer + kv_loc[:, None] * stride_vbs + cur_kv_head * stride_vbh + offs_d[None, :],
                 mask=mask_n[:, None] & mask_d[None, :],
@@ -101,7 +110,10 @@ def _extend_kernel(
 
         # Part 2: the new tokens, causal; keys past this query block's last row are never visible.
         end_n = tl.minimum(extend_len, (block_m + 1) * BLOCK_M)
-        for start_n in range(0, end_n, BLOCK_N):
+        lo = extend_len * 0
+        if WINDOW > 0:
+            lo = tl.maximum(block_m * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        for start_n in range(lo, end_n, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             mask_n = offs_n < extend_len
             k = tl.load(
@@ -111,6 +123,8 @@ def _extend_kernel(
             )
             qk = tl.dot(q, k) * qk_scale
             visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
+            if WINDOW > 0:
+                visible = visible & (offs_n[None, :] > offs_m[:, None] - WINDOW)
             qk = tl.where(visible, qk, float("-inf"))
             v = tl.load(
                 V_Extend + (token_start + offs_n)[:, None] * stride_vt + cur_kv_head * stride_vh + offs_d[None, :],
@@ -147,6 +161,7 @@ def extend_attention_fwd(
     extend_start_loc: torch.Tensor,
     max_extend_len: int,
     sm_scale: float,
+    sliding_window: int = 0,
 ) -> None:
     """Writes into `o` [T, Hq, D]. q/k/v [T, H*, D] hold request b's new tokens at rows
     extend_start_loc[b] .. + seq_lens[b] - prefix_lens[b]; `max_extend_len` (a host int) sizes the grid."""
@@ -183,6 +198,7 @@ def extend_attention_fwd(
         BLOCK_D=block_d,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        WINDOW=max(sliding_window, 0),
         num_warps=num_warps,
         num_stages=1,
     )
@@ -200,9 +216,11 @@ def extend_attention_ref(
     prefix_lens: torch.Tensor,
     extend_start_loc: torch.Tensor,
     sm_scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """Per request: keys = cached prefix (from the buffers) + new tokens (from k/v), causal over the new
-    part, softmax in fp32. Returns o [T, Hq, D] in q's dtype."""
+    part (and within the last sliding_window positions when > 0), softmax in fp32. Returns o [T, Hq, D]
+    in q's dtype."""
     num_heads = q.shape[1]
     kv_group = num_heads // k.shape[1]
     o = torch.zeros_like(q)
@@ -216,7 +234,10 @@ def extend_attention_ref(
         vals = torch.cat([v_buffer[slots], v[start:start + n_new]]).float().repeat_interleave(kv_group, dim=1)
         scores = torch.einsum("mhd,nhd->hmn", q[start:start + n_new].float(), keys) * sm_scale
         # New token i sits at position prefix + i and sees keys 0 .. prefix + i.
-        visible = torch.arange(total)[None, :] <= (prefix + torch.arange(n_new))[:, None]
+        pos_q = (prefix + torch.arange(n_new))[:, None]
+        visible = torch.arange(total)[None, :] <= pos_q
+        if sliding_window > 0:
+            visible &= torch.arange(total)[None, :] > pos_q - sliding_window
         scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
         o[start:start + n_new] = torch.einsum("hmn,nhd->mhd", scores.softmax(dim=-1), vals).to(q.dtype)
     return o

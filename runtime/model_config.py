@@ -50,9 +50,15 @@ class ModelConfig:
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
     hidden_act: str = "silu"
-    # Sliding-window attention is not implemented: such models are served with the context capped at
-    # the window, where full attention and sliding-window attention agree.
-    sliding_window: int | None = None
+    # Per layer, how many of the latest tokens a query sees (0: all of them). Empty: no layer has a window.
+    sliding_windows: tuple[int, ...] = ()
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return any(self.sliding_windows)
+
+    def layer_sliding_window(self, layer_id: int) -> int:
+        return self.sliding_windows[layer_id] if self.sliding_windows else 0
 
     @classmethod
     def from_pretrained(cls, model_path: str | Path, dtype: str = "auto") -> ModelConfig:
@@ -111,7 +117,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type == "qwen3", dtype=_dtype(raw, dtype), eos_token_ids=eos_ids,
-            sliding_window=_sliding_window(raw, model_type),
+            sliding_windows=_sliding_windows(raw, model_type, need("num_hidden_layers")),
         )
 
 
@@ -134,13 +140,25 @@ def _rope(raw: dict[str, Any]) -> RopeConfig:
     )
 
 
-def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
+def _sliding_windows(raw: dict[str, Any], model_type: str, num_layers: int) -> tuple[int, ...]:
+    """Which layers attend within a window, as transformers decides: its `layer_types` when the config
+    lists them; else Qwen2/Qwen3 only with use_sliding_window, from layer max_window_layers on; else (Mistral)
+    every layer when sliding_window is set."""
     window = raw.get("sliding_window")
-    if not isinstance(window, int) or window <= 0:
-        return None
-    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
-        return None
-    return window
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return ()
+    types = raw.get("layer_types")
+    if isinstance(types, list) and len(types) == num_layers:
+        windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    elif model_type in ("qwen2", "qwen3"):
+        if not raw.get("use_sliding_window", False):
+            return ()
+        first = raw.get("max_window_layers", num_layers)
+        first = first if isinstance(first, int) else num_layers
+        windows = tuple(window if i >= first else 0 for i in range(num_layers))
+    else:
+        windows = (window,) * num_layers
+    return windows if any(windows) else ()
 
 
 def _dtype(raw: dict[str, Any], requested: str) -> torch.dtype:

@@ -63,6 +63,11 @@ class FlashInferAttnBackend(AttentionBackend):
     supports_cuda_graph = True
 
     def __init__(self, runner: object):
+        if runner.model_config.has_sliding_window:
+            from runtime.errors import ModelConfigError
+
+            raise ModelConfigError("this model uses sliding-window attention, which the flashinfer backend does "
+                                   "not plan yet; use --attention-backend triton (what auto picks for it)")
         import flashinfer
 
         self._fi = flashinfer

@@ -18,12 +18,15 @@ ATTENTION_BACKENDS = MappingProxyType({
 })
 
 
-def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                         sliding_window: bool = False) -> str:
     if name != "auto":
         return name
     if device.type != "cuda":
         return "torch_native"
     if dtype == torch.float32:  # flashinfer kernels take fp16/bf16 only
+        return "triton"
+    if sliding_window:  # our flashinfer wrapper plans full attention only
         return "triton"
     try:
         importlib.import_module("flashinfer")

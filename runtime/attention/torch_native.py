@@ -38,10 +38,14 @@ class TorchNativeAttnBackend(AttentionBackend):
             ki = k_buf[slots].transpose(0, 1).to(q.dtype)  # [Hkv, S, D]
             vi = v_buf[slots].transpose(0, 1).to(q.dtype)
             mask = None
-            if causal and new > 1:
-                # New token i sits at position seq_len-new+i and sees every key up to it.
+            window = layer.sliding_window
+            if (causal and new > 1) or (window and seq_len > window):
+                # New token i sits at position seq_len-new+i and sees every key up to it (within the window).
                 pos_q = torch.arange(seq_len - new, seq_len, device=q.device)[:, None]
-                mask = torch.arange(seq_len, device=q.device)[None, :] <= pos_q
+                pos_k = torch.arange(seq_len, device=q.device)[None, :]
+                mask = pos_k <= pos_q
+                if window:
+                    mask &= pos_k > pos_q - window
             out[start:start + new] = F.scaled_dot_product_attention(
                 qi, ki, vi, attn_mask=mask, scale=layer.scaling, enable_gqa=True).transpose(0, 1)
             start += new

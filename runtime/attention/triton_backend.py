@@ -64,7 +64,8 @@ class TritonAttnBackend(AttentionBackend):
         q3 = q.view(-1, layer.num_heads, layer.head_dim)
         o = torch.empty((q3.shape[0], layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
         extend_attention_fwd(q3, k3, v3, o, k_buf, v_buf, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
-                             fb.extend_prefix_lens, fb.extend_start_loc, self._max_extend_len, layer.scaling)
+                             fb.extend_prefix_lens, fb.extend_start_loc, self._max_extend_len, layer.scaling,
+                             sliding_window=layer.sliding_window)
         return o.view(-1, layer.num_heads * layer.head_dim)
 
     def forward_decode(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
@@ -73,7 +74,7 @@ class TritonAttnBackend(AttentionBackend):
         o = torch.empty((q3.shape[0], layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
         decode_attention_fwd(q3, k_buf, v_buf, o, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
                              layer.scaling, num_kv_splits=self.num_kv_splits,
-                             attn_logits=self._decode_workspace(q3.shape[0]))
+                             attn_logits=self._decode_workspace(q3.shape[0]), sliding_window=layer.sliding_window)
         return o.view(-1, layer.num_heads * layer.head_dim)
 
     # ---- CUDA graphs: the kernels read seq_lens/req_to_token on device, so replay needs no re-plan --------

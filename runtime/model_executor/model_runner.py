@@ -47,8 +47,6 @@ class ModelRunner:
             dtype = "float32"  # CPU bf16 matmuls are slow and drift from the HF fp32 reference
         self.model_config = ModelConfig.from_pretrained(model_path, dtype=dtype)
         self.context_len = args.context_length or self.model_config.max_position_embeddings
-        if self.model_config.sliding_window:
-            self.context_len = min(self.context_len, self.model_config.sliding_window)
         self.model = self._load_model(model_path)
         self.max_total_tokens = self._kv_pool_size()
         self.max_running_requests = args.max_running_requests + 4  # + requests mid chunked prefill
@@ -57,7 +55,8 @@ class ModelRunner:
         self.token_to_kv_pool = TokenToKVPool(self.max_total_tokens, self.model_config.num_hidden_layers,
                                               attn0.num_kv_heads, attn0.head_dim, self.model_config.dtype,
                                               self.device)
-        self.attn_backend_name = resolve_backend_name(args.attention_backend, self.device, self.model_config.dtype)
+        self.attn_backend_name = resolve_backend_name(args.attention_backend, self.device, self.model_config.dtype,
+                                                      self.model_config.has_sliding_window)
         self.attn_backend = create_attention_backend(self.attn_backend_name, self)
         self.logits_processor = LogitsProcessor(self.model.compute_logits)
         self.sampler = Sampler()

@@ -37,7 +37,8 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(hd, cfg.max_position_embeddings, cfg.rope)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
-        self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, hd, hd**-0.5)
+        self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, hd, hd**-0.5,
+                              cfg.layer_sliding_window(layer_id))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -60,3 +60,33 @@ def test_decode_rejects_mismatched_workspace(paged_batch) -> None:
         decode_attention_fwd(pb.q, pb.k_buffer, pb.v_buffer, torch.empty_like(pb.q), pb.req_to_token,
                              pb.req_pool_indices, pb.seq_lens, pb.sm_scale, num_kv_splits=4,
                              attn_logits=decode_attention_workspace(1, 4, 16, 2, "cpu"))
+
+
+@pytest.mark.parametrize("window", [1, 5, 33, 64, 500])
+@pytest.mark.parametrize("num_kv_splits", [1, 4])
+def test_decode_sliding_window_matches_reference(paged_batch, window: int, num_kv_splits: int) -> None:
+    pb = _decode_batch(paged_batch, [1, 37, 100, 64], 4, 2, 32)
+    o = torch.full_like(pb.q, float("nan"))
+    decode_attention_fwd(pb.q, pb.k_buffer, pb.v_buffer, o, pb.req_to_token, pb.req_pool_indices,
+                         pb.seq_lens, pb.sm_scale, num_kv_splits=num_kv_splits, sliding_window=window)
+    ref = decode_attention_ref(pb.q, pb.k_buffer, pb.v_buffer, pb.req_to_token, pb.req_pool_indices,
+                               pb.seq_lens, pb.sm_scale, sliding_window=window)
+    torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_sliding_window_reference_is_attention_over_the_last_tokens(paged_batch) -> None:
+    # The windowed reference equals the full reference over a table that holds only the last W tokens.
+    pb = _decode_batch(paged_batch, [1, 37, 100], 4, 2, 16)
+    window = 10
+    table = torch.zeros_like(pb.req_to_token)
+    lens = []
+    for b, n in enumerate(pb.seq_lens.tolist()):
+        row = int(pb.req_pool_indices[b])
+        first = max(0, n - window)
+        table[row, :n - first] = pb.req_to_token[row, first:n]
+        lens.append(n - first)
+    full = decode_attention_ref(pb.q, pb.k_buffer, pb.v_buffer, table, pb.req_pool_indices,
+                                torch.tensor(lens), pb.sm_scale)
+    windowed = decode_attention_ref(pb.q, pb.k_buffer, pb.v_buffer, pb.req_to_token, pb.req_pool_indices,
+                                    pb.seq_lens, pb.sm_scale, sliding_window=window)
+    torch.testing.assert_close(windowed, full)

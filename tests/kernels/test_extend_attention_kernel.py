@@ -55,3 +55,30 @@ def test_extend_prefix_changes_output(paged_batch) -> None:
     pb.k_buffer[pb.req_to_token[pb.req_pool_indices[0], :6].long()] *= -1
     assert not torch.allclose(_run(pb), with_prefix, atol=1e-3)
     torch.testing.assert_close(_run(pb), _ref(pb), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 7, 64, 100, 1000])
+def test_extend_sliding_window_matches_reference(paged_batch, window: int) -> None:
+    # Windows shorter than a block, equal to one, spanning the prefix/new boundary and longer than all.
+    pb = paged_batch([1, 6, 150, 67, 200], [0, 5, 70, 0, 130], 4, 2, 32)
+    o = torch.full_like(pb.q, float("nan"))
+    extend_attention_fwd(pb.q, pb.k, pb.v, o, pb.k_buffer, pb.v_buffer, pb.req_to_token, pb.req_pool_indices,
+                         pb.seq_lens, pb.prefix_lens, pb.extend_start_loc, pb.max_extend_len, pb.sm_scale,
+                         sliding_window=window)
+    ref = extend_attention_ref(pb.q, pb.k, pb.v, pb.k_buffer, pb.v_buffer, pb.req_to_token, pb.req_pool_indices,
+                               pb.seq_lens, pb.prefix_lens, pb.extend_start_loc, pb.sm_scale, sliding_window=window)
+    torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_extend_sliding_window_reference_matches_sdpa_band_mask(paged_batch) -> None:
+    pb = paged_batch([30], [0], 4, 2, 16)
+    window = 6
+    ref = extend_attention_ref(pb.q, pb.k, pb.v, pb.k_buffer, pb.v_buffer, pb.req_to_token, pb.req_pool_indices,
+                               pb.seq_lens, pb.prefix_lens, pb.extend_start_loc, pb.sm_scale, sliding_window=window)
+    i = torch.arange(30)
+    band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+    q = pb.q.transpose(0, 1)
+    k = pb.k.repeat_interleave(2, dim=1).transpose(0, 1)
+    v = pb.v.repeat_interleave(2, dim=1).transpose(0, 1)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=band, scale=pb.sm_scale)
+    torch.testing.assert_close(ref, expected.transpose(0, 1), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,39 @@
+"""Which backend `auto` resolves to, and the flashinfer backend refusing what it cannot plan (checked
+before flashinfer is imported, so this runs on CPU installs too)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from runtime.attention.registry import create_attention_backend, resolve_backend_name
+from runtime.errors import ModelConfigError
+
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize(("device", "dtype", "window", "expected"), [
+    (torch.device("cpu"), torch.bfloat16, False, "torch_native"),
+    (torch.device("cpu"), torch.float32, True, "torch_native"),
+    (CUDA, torch.float32, False, "triton"),      # flashinfer has no fp32 kernels
+    (CUDA, torch.bfloat16, True, "triton"),      # nor a sliding-window plan in our wrapper
+])
+def test_auto_resolution(device, dtype, window, expected):
+    assert resolve_backend_name("auto", device, dtype, window) == expected
+
+
+def test_explicit_names_are_kept():
+    assert resolve_backend_name("triton", torch.device("cpu")) == "triton"
+
+
+def test_flashinfer_refuses_sliding_window_models_with_a_clear_error():
+    runner = SimpleNamespace(model_config=SimpleNamespace(has_sliding_window=True))
+    with pytest.raises(ModelConfigError, match="sliding-window.*--attention-backend triton"):
+        create_attention_backend("flashinfer", runner)
+
+
+def test_unknown_backend_name():
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        create_attention_backend("nope", SimpleNamespace())
