@@ -121,6 +121,30 @@ def test_extend_attention_gpu(hq: int, hkv: int, d: int) -> None:
     torch.testing.assert_close(o, expected, **ATTN_TOL)
 
 
+@pytest.mark.parametrize("window", [1, 100, 4096])
+def test_sliding_window_attention_gpu(window: int) -> None:
+    """The windowed decode and extend kernels compiled for the GPU (the CPU tests run the interpreter)."""
+    hq, hkv, d = 32, 8, 128
+    seq_lens = [1, 100, 1024, 2048, 777, 3000, 64, 5000]
+    pb = _paged(seq_lens, [n - 1 for n in seq_lens], hq, hkv, d)
+    o = torch.full_like(pb["q"], float("nan"))
+    decode_attention_fwd(pb["q"], pb["k_buffer"], pb["v_buffer"], o, pb["req_to_token"], pb["req_pool_indices"],
+                         pb["seq_lens"], pb["sm_scale"], num_kv_splits=8, sliding_window=window)
+    expected = decode_attention_ref(pb["q"], pb["k_buffer"], pb["v_buffer"], pb["req_to_token"],
+                                    pb["req_pool_indices"], pb["seq_lens"], pb["sm_scale"], sliding_window=window)
+    torch.testing.assert_close(o, expected, **ATTN_TOL)
+    prefix_lens = [0, 99, 0, 1500, 700, 2000, 0, 4000]
+    pb = _paged(seq_lens, prefix_lens, hq, hkv, d)
+    o = torch.full_like(pb["q"], float("nan"))
+    extend_attention_fwd(pb["q"], pb["k"], pb["v"], o, pb["k_buffer"], pb["v_buffer"], pb["req_to_token"],
+                         pb["req_pool_indices"], pb["seq_lens"], pb["prefix_lens"], pb["extend_start_loc"],
+                         pb["max_extend_len"], pb["sm_scale"], sliding_window=window)
+    expected = extend_attention_ref(pb["q"], pb["k"], pb["v"], pb["k_buffer"], pb["v_buffer"], pb["req_to_token"],
+                                    pb["req_pool_indices"], pb["seq_lens"], pb["prefix_lens"],
+                                    pb["extend_start_loc"], pb["sm_scale"], sliding_window=window)
+    torch.testing.assert_close(o, expected, **ATTN_TOL)
+
+
 def test_store_kv_gpu() -> None:
     t, hq, hkv, d, slots = 4096, 32, 8, 128, 20000
     qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=DTYPE)
