@@ -141,23 +141,23 @@ def _rope(raw: dict[str, Any]) -> RopeConfig:
 
 
 def _sliding_windows(raw: dict[str, Any], model_type: str, num_layers: int) -> tuple[int, ...]:
-    """Which layers attend within a window, as transformers decides: its `layer_types` when the config
-    lists them; else Qwen2/Qwen3 only with use_sliding_window, from layer max_window_layers on; else (Mistral)
-    every layer when sliding_window is set."""
+    """Which layers attend within a window, as transformers decides: Mistral every layer when
+    sliding_window is set; Qwen2/Qwen3 only with use_sliding_window, the layers its `layer_types` marks
+    (else those from max_window_layers on, default 28); Llama never (its HF model ignores the field)."""
     window = raw.get("sliding_window")
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return ()
+    if model_type == "mistral":
+        return (window,) * num_layers
+    if model_type not in ("qwen2", "qwen3") or not raw.get("use_sliding_window", False):
         return ()
     types = raw.get("layer_types")
     if isinstance(types, list) and len(types) == num_layers:
         windows = tuple(window if t == "sliding_attention" else 0 for t in types)
-    elif model_type in ("qwen2", "qwen3"):
-        if not raw.get("use_sliding_window", False):
-            return ()
-        first = raw.get("max_window_layers", num_layers)
-        first = first if isinstance(first, int) else num_layers
-        windows = tuple(window if i >= first else 0 for i in range(num_layers))
     else:
-        windows = (window,) * num_layers
+        first = raw.get("max_window_layers", 28)
+        first = first if isinstance(first, int) and not isinstance(first, bool) else 28
+        windows = tuple(window if i >= first else 0 for i in range(num_layers))
     return windows if any(windows) else ()
 
 

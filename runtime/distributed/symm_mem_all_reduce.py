@@ -11,6 +11,7 @@ tests/gpu/test_symm_mem_all_reduce_gpu.py (exact sums, 64 calls per graph) use i
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -31,23 +32,31 @@ class SymmMemAllReduce:
     def create(cls, group: object, dtype: torch.dtype, device: torch.device,
                max_bytes: int) -> SymmMemAllReduce | None:
         """Collective over `group`: every rank gets one, or every rank gets None (then NCCL does it all).
-        None when this torch, device or topology cannot (no peer access, a rank seeing another's GPU...)."""
-        made: SymmMemAllReduce | None = None
+        None when this torch, device or topology cannot (no peer access, a rank seeing another's GPU...).
+        The ranks agree before the (collective) rendezvous, so one rank lacking the basics never leaves the
+        others waiting in it; a rendezvous that fails on one rank only can still stall the rest."""
+        buffer, name = None, ""
         if device.type == "cuda" and dtype in SUPPORTED_DTYPES and torch.cuda.get_device_capability(device)[0] >= 9:
             try:
                 import torch.distributed._symmetric_memory as symm_mem
 
                 name = group.group_name  # type: ignore[attr-defined]
-                if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.9, a no-op after
-                    symm_mem.enable_symm_mem_for_group(name)
+                if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.9, deprecated after
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", FutureWarning)
+                        symm_mem.enable_symm_mem_for_group(name)
                 buffer = symm_mem.empty(max(max_bytes // dtype.itemsize, 1), dtype=dtype, device=device)
-                symm_mem.rendezvous(buffer, name)
-                made = cls(name, buffer)
             except Exception as e:  # a capability this machine lacks: say why, fall back to NCCL
                 logger.warning("symmetric-memory all-reduce unavailable, using NCCL: %s", e)
-        ok = torch.tensor([1 if made is not None else 0], device=device)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # one rank without it: none use it
-        return made if int(ok.item()) == 1 else None
+        if not _all_agree(buffer is not None, group, device):
+            return None
+        try:
+            symm_mem.rendezvous(buffer, name)
+            made = cls(name, buffer)
+        except Exception as e:
+            logger.warning("symmetric-memory rendezvous failed, using NCCL: %s", e)
+            made = None
+        return made if _all_agree(made is not None, group, device) else None
 
     def can_run(self, x: torch.Tensor) -> bool:
         return (x.dtype == self.dtype and x.numel() <= self.max_numel and x.is_contiguous()
@@ -58,3 +67,9 @@ class SymmMemAllReduce:
         staged = self.buffer[:n]
         staged.copy_(x.view(-1))
         return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name).view(x.shape)
+
+
+def _all_agree(ok: bool, group: object, device: torch.device) -> bool:
+    flag = torch.tensor([1 if ok else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return int(flag.item()) == 1

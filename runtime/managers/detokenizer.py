@@ -6,6 +6,8 @@ vLLM, and as the scheduler's own check): one already complete in the first m - 1
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from runtime.managers.tokenizer import Tokenizer
 
 
@@ -93,3 +95,16 @@ class IncrementalDetokenizer:
                     best = n
                     break
         return best
+
+
+def stop_check_tail(decode: Callable[[list[int]], str], ids: list[int], max_stop_len: int) -> tuple[str, int]:
+    """The scheduler's stop-string check after each token: the text of the last few ids, and where the
+    newest token's text starts in it, counted as the detokenizer counts text: a token whose bytes end
+    mid-character shows nothing until the character completes, so its text starts with the newest."""
+    window = ids[-(max_stop_len + 4):]
+    text, k = decode(window), len(window) - 1
+    before = decode(window[:k])
+    while k > 0 and before.endswith("\ufffd"):
+        k -= 1
+        before = decode(window[:k])
+    return text, min(len(before), len(text))

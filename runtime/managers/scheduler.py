@@ -19,6 +19,7 @@ import msgspec
 
 from runtime.config import ServerArgs
 from runtime.errors import ContextLengthError, InvalidRequestError
+from runtime.managers.detokenizer import stop_check_tail
 from runtime.managers.policy import create_policy
 from runtime.managers.prefill import PrefillAdder
 from runtime.managers.req import Req, ReqState
@@ -328,10 +329,7 @@ class Scheduler:
     def _tail_text(self, r: Req) -> tuple[str, int] | None:
         if not r.params.stop or self.decode_text is None:
             return None
-        window = r.output_ids[-(max(len(s) for s in r.params.stop) + 4):]
-        text, before = self.decode_text(window), self.decode_text(window[:-1])
-        # Where the newest token's text starts (a split UTF-8 character breaks the prefix: all counts as new).
-        return text, len(before) if text.startswith(before) else 0
+        return stop_check_tail(self.decode_text, r.output_ids, max(len(s) for s in r.params.stop))
 
     def _delta(self, r: Req) -> RequestOutput:
         start = r.sent_tokens

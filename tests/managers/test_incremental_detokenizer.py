@@ -156,3 +156,34 @@ def test_special_tokens_skipped_or_kept(tok):
     ids = [*tok.encode("Hello"), eos]
     assert "".join(feed(IncrementalDetokenizer(tok), ids)) == "Hello"
     assert "".join(feed(IncrementalDetokenizer(tok, skip_special_tokens=False), ids)) == "Hello<|im_end|>"
+
+
+def _scheduler_stop(tok, ids: list[int], stop: list[str], m: int) -> int | None:
+    """Where the scheduler's per-token check (Req.check_finished on stop_check_tail) ends generation."""
+    from runtime.managers.detokenizer import stop_check_tail
+    from runtime.managers.req import Req
+    from runtime.sampling.params import SamplingParams
+
+    r = Req("r", [1], SamplingParams(stop=stop, min_new_tokens=m, max_new_tokens=1000, ignore_eos=True), 0,
+            frozenset())
+    for t in ids:
+        r.output_ids.append(t)
+        r.check_finished(10**6, stop_check_tail(tok.decode, r.output_ids, max(map(len, stop))))
+        if r.finished:
+            return len(r.output_ids)
+    return None
+
+
+@pytest.mark.parametrize(("text", "stop"), [
+    ("The cat🙂 ran, the cat ran", ["cat"]), ("The cat é ran", ["cat"]), ("The catécat", ["cat"]),
+    ("日本語 cat 日本語cat", ["本語"]), ("The cat🙂 ran", ["t🙂"]), ("Émile a mangé une crème", ["me", "è"]),
+])
+def test_scheduler_and_detokenizer_agree_on_stops_with_min_new_tokens(tok, text, stop):
+    ids = tok.encode(text)
+    for m in range(0, len(ids) + 1):
+        n = _scheduler_stop(tok, ids, stop, m)
+        detok = IncrementalDetokenizer(tok, stop=stop, min_new_tokens=m)
+        shown = "".join(detok.add([t], finished=j == (n or len(ids)) - 1) for j, t in enumerate(ids[:n]))
+        assert detok.stopped == (n is not None), (m, n, shown)
+        if n is None:
+            assert shown == text

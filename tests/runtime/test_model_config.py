@@ -123,3 +123,28 @@ def test_missing_or_broken_config_json(tmp_path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelConfigError, match="not valid JSON"):
         ModelConfig.from_pretrained(tmp_path)
+
+
+_BASE = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512)
+
+
+@pytest.mark.parametrize(("arch", "extra", "windows"), [
+    ("MistralForCausalLM", {"sliding_window": 8}, (8, 8, 8, 8)),
+    ("MistralForCausalLM", {"sliding_window": None}, ()),
+    # HF's Mistral ignores layer_types; its Llama ignores sliding_window altogether.
+    ("MistralForCausalLM", {"sliding_window": 8, "layer_types": ["full_attention"] * 4}, (8, 8, 8, 8)),
+    ("LlamaForCausalLM", {"sliding_window": 8}, ()),
+    # Qwen2: nothing without use_sliding_window, whatever else the config says.
+    ("Qwen2ForCausalLM", {"sliding_window": 8, "use_sliding_window": False,
+                          "layer_types": ["sliding_attention"] * 4}, ()),
+    ("Qwen2ForCausalLM", {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 2}, (0, 0, 8, 8)),
+    ("Qwen2ForCausalLM", {"sliding_window": 8, "use_sliding_window": True}, ()),  # max_window_layers defaults to 28
+    ("Qwen3ForCausalLM", {"sliding_window": 8, "use_sliding_window": True,
+                          "layer_types": ["sliding_attention", "full_attention"] * 2}, (8, 0, 8, 0)),
+])
+def test_sliding_windows_per_layer_as_transformers(arch, extra, windows) -> None:
+    cfg = ModelConfig.from_dict({**_BASE, "architectures": [arch], **extra})
+    assert cfg.sliding_windows == windows
+    assert cfg.has_sliding_window == bool(windows)
+    assert [cfg.layer_sliding_window(i) for i in range(4)] == list(windows or (0,) * 4)

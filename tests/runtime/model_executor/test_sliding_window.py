@@ -76,7 +76,8 @@ def test_prefill_and_greedy_decode_match_hf(windowed, backend):
     assert produced == gen
 
 
-def test_engine_chunked_prefill_and_prefix_hit_match_hf(windowed):
+@pytest.mark.parametrize("backend", ["torch_native", "triton"])
+def test_engine_chunked_prefill_and_prefix_hit_match_hf(windowed, backend):
     from runtime import Engine
 
     _, path, hf = windowed
@@ -85,7 +86,8 @@ def test_engine_chunked_prefill_and_prefix_hit_match_hf(windowed):
                           eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
     params = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
     # 3-token chunks: every chunk after the first attends over a cached prefix through the window.
-    with Engine(str(path), device="cpu", chunked_prefill_size=3, max_total_tokens=1024) as engine:
+    with Engine(str(path), device="cpu", chunked_prefill_size=3, max_total_tokens=1024,
+                attention_backend=backend) as engine:
         first = engine.generate(input_ids=PROMPT, sampling_params=params)
         again = engine.generate(input_ids=PROMPT, sampling_params=params)  # the prompt is now cached
     assert first["output_ids"] == gen
