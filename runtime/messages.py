@@ -78,6 +78,7 @@ class SamplingBatch(msgspec.Struct, kw_only=True):
     blocked_token_ids: list[list[int]]  # EOS/stop ids banned until min_new_tokens is reached
     top_logprobs_nums: list[int]
     return_logprob: bool = False
+    logit_biases: list[list[tuple[int, float]]] = []  # per request (token, bias); [] when no request has any
 
     @property
     def all_greedy(self) -> bool:

@@ -1,6 +1,6 @@
 """POST /v1/chat/completions: OpenAI chat — messages through the model's chat template, n choices,
 logprobs/top_logprobs, streaming (role chunk, content deltas, finish chunk, optional usage, [DONE]).
-OpenAI features Shoal lacks (tools, functions, JSON response formats, logit_bias) are a 400, never
+OpenAI features Shoal lacks (tools, functions, JSON response formats) are a 400, never
 silently ignored."""
 
 from __future__ import annotations
@@ -50,8 +50,6 @@ def check_unsupported(body: ChatCompletionRequest) -> None:
     if body.response_format is not None and body.response_format.get("type", "text") != "text":
         raise not_supported(f"response_format {body.response_format.get('type')!r} (only 'text')",
                             "response_format")
-    if body.logit_bias:
-        raise not_supported("logit_bias", "logit_bias")
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

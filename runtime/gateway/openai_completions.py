@@ -85,8 +85,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise not_supported("suffix", "suffix")
     if body.best_of is not None and body.best_of != n:
         raise not_supported("best_of other than n", "best_of")
-    if body.logit_bias:
-        raise not_supported("logit_bias", "logit_bias")
     prompts, texts = parse_prompt(body.prompt, client.tokenizer)
     max_new = body.max_tokens
     if max_new is None:

@@ -88,6 +88,12 @@ class GatewayState:
         stop = body.stop
         if stop is not None:
             kw["stop"] = [stop] if isinstance(stop, str) else list(stop)
+        if body.logit_bias:
+            try:  # OpenAI sends token ids as JSON object keys, so as strings
+                kw["logit_bias"] = {int(t): float(v) for t, v in body.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise bad_request("logit_bias keys must be token ids (integers as strings)",
+                                  param="logit_bias") from None
         names = {**_OPENAI_NAMES, "top_logprobs_num": logprob_param, "max_new_tokens": max_param}
         try:
             params = SamplingParams(max_new_tokens=max_new_tokens, return_logprob=return_logprob,

@@ -1,4 +1,4 @@
-"""Sampler: penalties, temperature, top-k / top-p / min-p, then a Gumbel-style draw whose noise is a
+"""Sampler: penalties, logit bias, temperature, top-k / top-p / min-p, then a Gumbel-style draw whose noise is a
 pure function of (request seed, output position, token id). So a seeded request samples the same
 tokens whatever else shares its batch, on any device, with no generator state to carry around."""
 
@@ -51,11 +51,18 @@ class SampleOutput:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
-        # Penalties and blocked ids edit rows in place: copy, so the caller's logits stay as computed.
-        logits = logits.to(torch.float32, copy=any(sb.penalty_tokens) or any(sb.blocked_token_ids))
+        # Penalties, biases and blocked ids edit rows in place: copy, so the caller's logits stay as computed.
+        edits = any(sb.penalty_tokens) or any(sb.blocked_token_ids) or any(sb.logit_biases)
+        logits = logits.to(torch.float32, copy=edits)
         bsz, vocab = logits.shape
         raw_logprobs = torch.log_softmax(logits, dim=-1) if sb.return_logprob else None
         logits = self._apply_penalties(logits, sb)
+        for i, bias in enumerate(sb.logit_biases):
+            kept = [(t, v) for t, v in bias if t < vocab]
+            if kept:
+                toks, vals = zip(*kept)
+                logits[i, to_device(list(toks), torch.int64, logits.device)] += to_device(
+                    list(vals), torch.float32, logits.device)
         for i, banned in enumerate(sb.blocked_token_ids):
             if banned:
                 logits[i, to_device([t for t in banned if t < vocab], torch.int64, logits.device)] = float("-inf")

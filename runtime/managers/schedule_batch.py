@@ -71,4 +71,5 @@ class ScheduleBatch:
             blocked_token_ids=[r.blocked_token_ids() for r in rs],
             top_logprobs_nums=[r.params.top_logprobs_num for r in rs],
             return_logprob=any(r.params.return_logprob for r in rs),
+            logit_biases=[list(r.params.logit_bias.items()) for r in rs] if any(r.params.logit_bias for r in rs) else [],
         )

@@ -87,10 +87,10 @@ class Scheduler:
         if n + 1 > self.kv.size:
             raise InvalidRequestError(f"the prompt has {n} tokens but the KV pool holds only {self.kv.size}",
                                       param="prompt")
-        bad = next((t for t in req.input_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
-                                      param="prompt")
+        for ids, param in ((req.input_ids, "prompt"), (req.sampling_params.logit_bias, "logit_bias")):
+            if (bad := next((t for t in ids if not 0 <= t < self.vocab_size), None)) is not None:
+                raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                                          param=param)
         room = self.context_len - n
         if req.sampling_params.max_new_tokens > room:
             params = msgspec.structs.replace(req.sampling_params, max_new_tokens=room,

@@ -26,6 +26,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = {}  # token id → added to its logit before sampling (OpenAI: [-100, 100])
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -102,3 +103,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise bad("top_logprobs_num", f"top_logprobs_num must be in [0, 20], got {self.top_logprobs_num}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise bad("seed", f"seed must be in [0, 2**63), got {self.seed}")
+        if len(self.logit_bias) > 300:
+            raise bad("logit_bias", f"logit_bias may name at most 300 tokens, got {len(self.logit_bias)}")
+        for t, v in self.logit_bias.items():
+            if t < 0 or not -100.0 <= v <= 100.0:
+                raise bad("logit_bias", f"logit_bias maps token ids >= 0 to values in [-100, 100], got {t}: {v}")

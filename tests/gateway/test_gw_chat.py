@@ -100,7 +100,6 @@ def test_chat_stop_string(oai):
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
 ])
 def test_unsupported_fields_are_400(oai, extra, needle):
     with pytest.raises(openai.BadRequestError) as e:
@@ -131,3 +130,19 @@ def test_smollm2_knows_paris():
             assert "Paris" in r.choices[0].message.content
     finally:
         engine.shutdown()
+
+
+def test_logit_bias_forces_and_bans_tokens(oai, gw_engine):
+    ids = gw_engine.tokenizer.apply_chat_template(MESSAGES)
+    greedy = gw_engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 4, "temperature": 0,
+                                                                "ignore_eos": True})["output_ids"]
+    forced = gw_engine.tokenizer.encode("hello", add_special_tokens=False)[0]
+    r = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0,
+                                    logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == gw_engine.tokenizer.decode([forced] * 4)
+    r = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, temperature=0, logprobs=True,
+                                    logit_bias={str(greedy[0]): -100}, extra_body={"ignore_eos": True})
+    banned = gw_engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0,
+                                                                "logit_bias": {greedy[0]: -100}})
+    assert banned["output_ids"][0] != greedy[0]
+    assert r.choices[0].message.content == gw_engine.tokenizer.decode(banned["output_ids"])

@@ -102,7 +102,11 @@ def test_bad_prompts_and_messages(gw_url):
         ("/v1/completions", {"prompt": []}, "prompt"),
         ("/v1/completions", {"prompt": [10**9]}, "prompt"),  # token id outside the vocabulary
         ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix"),
-        ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 2}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"one": 2}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 250}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"1000000": 5}}, "logit_bias"),  # outside the vocabulary
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"-3": 1}},
+         "logit_bias"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "hi"}]}, "messages"),

@@ -169,3 +169,28 @@ def test_logprobs_and_top_logprobs_are_raw_log_softmax() -> None:
 def test_no_logprobs_unless_asked() -> None:
     out = Sampler()(_logits(2), _batch(2))
     assert out.logprobs is None and out.top_logprobs is None
+
+
+def test_logit_bias_adds_to_its_row_only_and_keeps_raw_logprobs() -> None:
+    logits = _logits(3, seed=11)
+    raw = torch.log_softmax(logits, dim=-1)
+    first = logits[0].argmax().item()
+    low = logits[1].argmin().item()
+    sb = _batch(3, temperatures=[0.0] * 3, logit_biases=[[(first, -100.0)], [(low, 100.0), (VOCAB + 5, 3.0)], []],
+                return_logprob=True)
+    before = logits.clone()
+    out = Sampler()(logits, sb)
+    ids = out.next_token_ids.tolist()
+    assert ids[0] == logits[0].topk(2).indices[1].item()  # the greedy pick banned: the runner-up
+    assert ids[1] == low  # +100 forces the least likely token (an out-of-vocab id is ignored)
+    assert ids[2] == logits[2].argmax().item()
+    assert torch.equal(logits, before)  # the caller's logits are untouched
+    # Returned logprobs are those of the model's own distribution, as with penalties.
+    assert torch.allclose(out.logprobs, raw.gather(1, out.next_token_ids[:, None]).squeeze(1))
+
+
+def test_logit_bias_shifts_the_sampled_distribution() -> None:
+    row = torch.zeros(VOCAB)
+    draws = _draws(row, 400, logit_biases=[(7, 5.0)])  # e^5 / (e^5 + 299) ≈ 0.33 of the draws
+    share = (draws == 7).float().mean().item()
+    assert 0.25 < share < 0.42
