@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from runtime.errors import ServerArgsError
@@ -20,6 +21,7 @@ class ServerArgs:
     model_path: str | None = _opt(None, "HF model folder (config.json + safetensors); default: embedded SmolLM2-135M-Instruct")
     tokenizer_path: str | None = _opt(None, "tokenizer folder; default: the model folder")
     served_model_name: str | None = _opt(None, "model name reported by the API; default: the model folder name")
+    chat_template: str | None = _opt(None, "Jinja chat template (or a file holding one) used instead of the tokenizer's")
     dtype: str = _opt("auto", "weight and activation dtype", ("auto", "float32", "bfloat16", "float16"))
     load_format: str = _opt("auto", "auto/safetensors read the checkpoint; dummy makes random weights", ("auto", "safetensors", "dummy"))
     context_length: int | None = _opt(None, "max tokens of prompt + output; default: the model's max_position_embeddings")
@@ -81,6 +83,9 @@ class ServerArgs:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ServerArgsError(_flag(f.name), f"must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}")
+        if self.chat_template is not None and "{" not in self.chat_template:
+            if not Path(self.chat_template).is_file():
+                raise ServerArgsError("--chat-template", f"{self.chat_template!r} is neither a file nor a Jinja template")
         if self.enable_dp_attention and self.dp_size < 2:
             raise ServerArgsError("--enable-dp-attention", "needs --dp-size of 2 or more")
 

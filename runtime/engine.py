@@ -42,7 +42,8 @@ class Engine(EngineClient):
         self.model_path = path
         self.worker = TpWorker(server_args, path)
         info = self.worker.info()
-        self._tokenizer = load_tokenizer(server_args.tokenizer_path or path, tuple(info.eos_token_ids))
+        self._tokenizer = load_tokenizer(server_args.tokenizer_path or path, tuple(info.eos_token_ids),
+                                         server_args.chat_template)
         self.context_len = info.context_len
         self.scheduler = Scheduler(
             server_args, self.worker, max_total_tokens=info.max_total_tokens, max_reqs=info.max_reqs,

@@ -160,7 +160,8 @@ def create_ray_engine_client(args: ServerArgs, *, replica_resources: list[dict[s
     try:
         launcher = ReplicaLauncher(args, model_path, replica_resources, dispatch)
         groups = launcher.launch_all()
-        tokenizer = load_tokenizer(args.tokenizer_path or model_path, tuple(groups[0].info.eos_token_ids))
+        tokenizer = load_tokenizer(args.tokenizer_path or model_path, tuple(groups[0].info.eos_token_ids),
+                                   args.chat_template)
     except BaseException:
         if launcher is not None:
             launcher.shutdown()

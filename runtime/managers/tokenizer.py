@@ -18,10 +18,12 @@ except ImportError:  # tokenizers < 0.21
 class Tokenizer:
     is_null = False
 
-    def __init__(self, path: str | Path, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, path: str | Path, eos_token_ids: tuple[int, ...] = (), chat_template: str | None = None):
         from transformers import AutoTokenizer
 
         self.hf = AutoTokenizer.from_pretrained(str(path))
+        if chat_template is not None:
+            self.hf.chat_template = read_chat_template(chat_template)
         eos = set(eos_token_ids)
         if self.hf.eos_token_id is not None:
             eos.add(self.hf.eos_token_id)
@@ -86,9 +88,24 @@ class NullTokenizer:
         return ""
 
 
-def load_tokenizer(path: str | Path, eos_token_ids: tuple[int, ...]) -> Tokenizer | NullTokenizer:
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file's contents, else the template itself; a syntax error is a ServerArgsError."""
+    import jinja2
+
+    from runtime.errors import ServerArgsError
+
+    template = Path(value).read_text() if "{" not in value and Path(value).is_file() else value
     try:
-        return Tokenizer(path, eos_token_ids)
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ServerArgsError("--chat-template", f"not a valid Jinja template: {e}") from None
+    return template
+
+
+def load_tokenizer(path: str | Path, eos_token_ids: tuple[int, ...],
+                   chat_template: str | None = None) -> Tokenizer | NullTokenizer:
+    try:
+        return Tokenizer(path, eos_token_ids, chat_template)
     except (OSError, ValueError) as e:
         logging.getLogger(__name__).warning("no tokenizer in %s (%s): only token-id requests work", path, e)
         return NullTokenizer(eos_token_ids)
