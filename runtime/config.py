@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from runtime.chat_template import read_chat_template
 from runtime.errors import ServerArgsError
 
 
@@ -83,9 +83,8 @@ class ServerArgs:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ServerArgsError(_flag(f.name), f"must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}")
-        if self.chat_template is not None and "{" not in self.chat_template:
-            if not Path(self.chat_template).is_file():
-                raise ServerArgsError("--chat-template", f"{self.chat_template!r} is neither a file nor a Jinja template")
+        if self.chat_template is not None:
+            read_chat_template(self.chat_template)  # before any weights load: a bad one names the flag now
         if self.enable_dp_attention and self.dp_size < 2:
             raise ServerArgsError("--enable-dp-attention", "needs --dp-size of 2 or more")
 

@@ -52,6 +52,9 @@ class Engine(EngineClient):
             sink=self._on_outputs, decode_text=None if self._tokenizer.is_null else self._tokenizer.decode,
             overlap=not server_args.disable_overlap_schedule and info.device.startswith("cuda"))
         self._consumers: dict[str, Callable[[RequestOutput], None]] = {}
+        # The scheduler thread claims a consumer with a request's final output while a stream closing
+        # early on the loop swaps its own for _discard: one lock so the swap never outlives the claim.
+        self._consumers_lock = threading.Lock()
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self.scheduler.run_forever, args=(self._stop,),
@@ -74,7 +77,7 @@ class Engine(EngineClient):
             raise InvalidRequestError(f"request id {req.rid!r} is already in use", param="rid")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._consumers[req.rid] = _AsyncConsumer(loop, q)
+        consumer = self._consumers[req.rid] = _AsyncConsumer(loop, q)
         self._check_ready([req.rid])
         self.scheduler.submit(req)
         done = False
@@ -88,9 +91,14 @@ class Engine(EngineClient):
         finally:
             if not done:  # the consumer went away (client disconnect): free the request's KV
                 # Keep the rid taken until its final output arrives, so a retry with the same rid can
-                # neither receive this request's abort nor start while this one still runs.
-                self._consumers[req.rid] = _discard
-                self.scheduler.abort(req.rid)
+                # neither receive this request's abort nor start while this one still runs. If that final
+                # output was already claimed (it waits unread in q), the request is over: nothing to do.
+                with self._consumers_lock:
+                    running = self._consumers.get(req.rid) is consumer
+                    if running:
+                        self._consumers[req.rid] = _discard
+                if running:
+                    self.scheduler.abort(req.rid)
 
     async def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
@@ -163,8 +171,10 @@ class Engine(EngineClient):
         # One wake-up per event loop per step, not one per request: with hundreds of streams the
         # per-call cost of call_soon_threadsafe would show in the step time.
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
-        for o in outputs:
-            cb = self._consumers.pop(o.rid, None) if o.finished else self._consumers.get(o.rid)
+        with self._consumers_lock:
+            claimed = [(self._consumers.pop(o.rid, None) if o.finished else self._consumers.get(o.rid), o)
+                       for o in outputs]
+        for cb, o in claimed:
             if isinstance(cb, _AsyncConsumer):
                 by_loop.setdefault(cb.loop, []).append((cb.queue, o))
             elif cb is not None:

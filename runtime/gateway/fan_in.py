@@ -94,7 +94,9 @@ class OutputFanIn:
             except asyncio.CancelledError:
                 if not self._disconnected:
                     raise
-                asyncio.current_task().uncancel()  # our own interruption, not the server's shutdown
+                task = asyncio.current_task()
+                if hasattr(task, "uncancel"):  # Python 3.11+: our own interruption, not the server's shutdown
+                    task.uncancel()
                 raise RequestAbortedError("the client disconnected") from None
             finally:
                 self._waiting = False

@@ -4,6 +4,7 @@ provider that returns it once loaded), the metrics, and the rids of requests in 
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from runtime.sampling.params import SamplingParams
 
 ClientProvider = Callable[[], EngineClient | None]
 
+_TOKEN_ID = re.compile(r"-?[0-9]+")
 # Our SamplingParams names → the OpenAI request field a user wrote, for error messages.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs_num": "logprobs"}
 
@@ -88,12 +90,10 @@ class GatewayState:
         stop = body.stop
         if stop is not None:
             kw["stop"] = [stop] if isinstance(stop, str) else list(stop)
-        if body.logit_bias:
-            try:  # OpenAI sends token ids as JSON object keys, so as strings
-                kw["logit_bias"] = {int(t): float(v) for t, v in body.logit_bias.items()}
-            except (TypeError, ValueError):
-                raise bad_request("logit_bias keys must be token ids (integers as strings)",
-                                  param="logit_bias") from None
+        if body.logit_bias:  # OpenAI sends token ids as JSON object keys, so as strings
+            if not all(_TOKEN_ID.fullmatch(t) for t in body.logit_bias):
+                raise bad_request("logit_bias keys must be token ids (integers as strings)", param="logit_bias")
+            kw["logit_bias"] = {int(t): float(v) for t, v in body.logit_bias.items()}
         names = {**_OPENAI_NAMES, "top_logprobs_num": logprob_param, "max_new_tokens": max_param}
         try:
             params = SamplingParams(max_new_tokens=max_new_tokens, return_logprob=return_logprob,

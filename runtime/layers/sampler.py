@@ -56,13 +56,8 @@ class Sampler:
         logits = logits.to(torch.float32, copy=edits)
         bsz, vocab = logits.shape
         raw_logprobs = torch.log_softmax(logits, dim=-1) if sb.return_logprob else None
+        self._apply_logit_bias(logits, sb)  # before penalties, as vLLM
         logits = self._apply_penalties(logits, sb)
-        for i, bias in enumerate(sb.logit_biases):
-            kept = [(t, v) for t, v in bias if t < vocab]
-            if kept:
-                toks, vals = zip(*kept)
-                logits[i, to_device(list(toks), torch.int64, logits.device)] += to_device(
-                    list(vals), torch.float32, logits.device)
         for i, banned in enumerate(sb.blocked_token_ids):
             if banned:
                 logits[i, to_device([t for t in banned if t < vocab], torch.int64, logits.device)] = float("-inf")
@@ -79,6 +74,17 @@ class Sampler:
                 vals, idx = vals.tolist(), idx.tolist()
                 out.top_logprobs = [list(zip(idx[i][:n], vals[i][:n])) for i, n in enumerate(sb.top_logprobs_nums)]
         return out
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, sb: SamplingBatch) -> None:
+        """One index_put for the whole batch (a loop per row would cost a copy pair each)."""
+        vocab = logits.shape[1]
+        flat = [(i, t, v) for i, bias in enumerate(sb.logit_biases) for t, v in bias if t < vocab]
+        if flat:
+            rows, toks, vals = zip(*flat)
+            dev = logits.device
+            logits.index_put_((to_device(list(rows), torch.int64, dev), to_device(list(toks), torch.int64, dev)),
+                              to_device(list(vals), torch.float32, dev), accumulate=True)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:

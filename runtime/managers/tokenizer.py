@@ -7,7 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import InvalidRequestError
+from runtime.chat_template import read_chat_template
+from runtime.errors import InvalidRequestError, ServerArgsError
 
 try:
     from tokenizers.decoders import DecodeStream
@@ -88,24 +89,12 @@ class NullTokenizer:
         return ""
 
 
-def read_chat_template(value: str) -> str:
-    """--chat-template: a file's contents, else the template itself; a syntax error is a ServerArgsError."""
-    import jinja2
-
-    from runtime.errors import ServerArgsError
-
-    template = Path(value).read_text() if "{" not in value and Path(value).is_file() else value
-    try:
-        jinja2.Environment().parse(template)
-    except jinja2.TemplateSyntaxError as e:
-        raise ServerArgsError("--chat-template", f"not a valid Jinja template: {e}") from None
-    return template
-
-
 def load_tokenizer(path: str | Path, eos_token_ids: tuple[int, ...],
                    chat_template: str | None = None) -> Tokenizer | NullTokenizer:
     try:
         return Tokenizer(path, eos_token_ids, chat_template)
+    except ServerArgsError:  # a bad --chat-template is the operator's error, not a missing tokenizer
+        raise
     except (OSError, ValueError) as e:
         logging.getLogger(__name__).warning("no tokenizer in %s (%s): only token-id requests work", path, e)
         return NullTokenizer(eos_token_ids)

@@ -50,8 +50,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if "unknown field" in msg.lower():
                 param = msg.split("`")[1] if "`" in msg else None
                 msg = f"unknown sampling parameter {param!r}" if param else msg
-            elif "at `$." in msg:  # a wrong type: msgspec names the path, e.g. `$.stop[0]`
-                param = msg.split("at `$.", 1)[1].split("`")[0].split("[")[0].split(".")[0] or None
+            elif "`$." in msg:  # a wrong type: msgspec names the path, e.g. `$.stop[0]`, `key` in `$.logit_bias`
+                param = msg.split("`$.", 1)[1].split("`")[0].split("[")[0].split(".")[0] or None
             raise InvalidRequestError(msg, param=param) from None
         params.validate()
         return params

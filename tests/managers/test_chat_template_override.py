@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 
 from runtime import Engine
+from runtime.chat_template import read_chat_template
 from runtime.config import ServerArgs
 from runtime.errors import InvalidRequestError, ServerArgsError
-from runtime.managers.tokenizer import Tokenizer, read_chat_template
+from runtime.managers.tokenizer import Tokenizer, load_tokenizer
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
 MESSAGES = [{"role": "user", "content": "Hello world"}]
@@ -34,11 +35,26 @@ def test_engine_uses_the_override(tiny_llama):
         assert len(out["output_ids"]) == 3
 
 
-def test_bad_templates_fail_at_startup_naming_the_flag(tmp_path):
-    with pytest.raises(ServerArgsError, match="--chat-template.*neither a file nor a Jinja template"):
+def test_bad_templates_fail_at_startup_naming_the_flag(tiny_llama, tmp_path):
+    with pytest.raises(ServerArgsError, match="--chat-template.*neither a readable UTF-8 file"):
         ServerArgs(chat_template=str(tmp_path / "missing.jinja"))
+    latin1 = tmp_path / "latin1.jinja"
+    latin1.write_bytes("café".encode("latin-1"))
+    with pytest.raises(ServerArgsError, match="--chat-template.*UTF-8"):
+        ServerArgs(chat_template=str(latin1))
     with pytest.raises(ServerArgsError, match="--chat-template.*not a valid Jinja template"):
-        read_chat_template("{% for m in messages %}no end")
+        ServerArgs(chat_template="{% for m in messages %}no end")
+    # Never mistaken for a missing tokenizer (which would quietly serve token ids only).
+    with pytest.raises(ServerArgsError, match="--chat-template"):
+        load_tokenizer(tiny_llama, (), "{% for m in messages %}no end")
+
+
+def test_templates_transformers_accepts_are_accepted():
+    # Loop controls and {% generation %} are transformers' extensions, not plain Jinja.
+    template = ("{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}"
+                "{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}")
+    assert read_chat_template(template) == template
+    assert ServerArgs(chat_template=template).chat_template == template
 
 
 def test_a_template_failing_on_a_request_is_that_requests_error(tiny_llama):
