@@ -10,7 +10,8 @@ Out: it consumes the EngineClient's RequestOutput deltas, detokenizes them incre
 cut, never a broken UTF-8 character), and answers one JSON body or an SSE stream flushed per delta. A
 client that goes away closes the delta streams, which aborts its requests and frees their KV.
 
-Beside the data path: /health, /health_generate, /abort_request and Prometheus /metrics (metrics.py),
+Beside the data path: /health, /health_generate, /abort_request, /tokenize and /detokenize (vLLM's), and
+Prometheus /metrics (metrics.py),
 whose scheduler gauges and counters come from EngineClient.stats() at scrape time.
 
 Entry points: app.build_app (the aiohttp Application), server.run_server (blocking `shoal serve`),

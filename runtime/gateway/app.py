@@ -13,7 +13,7 @@ from aiohttp import web
 from runtime.config import ServerArgs
 from runtime.engine_client import EngineClient
 from runtime.errors import ShoalError
-from runtime.gateway import native_routes
+from runtime.gateway import native_routes, tokenize_routes
 from runtime.gateway.errors import ApiError, from_http_exception, from_shoal_error
 from runtime.gateway.openai_chat import chat_completions
 from runtime.gateway.openai_completions import completions
@@ -73,6 +73,8 @@ def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) 
     app.router.add_get("/health", native_routes.health)
     app.router.add_get("/health_generate", native_routes.health_generate)
     app.router.add_get("/metrics", native_routes.metrics)
+    app.router.add_post("/tokenize", tokenize_routes.tokenize)
+    app.router.add_post("/detokenize", tokenize_routes.detokenize)
     return app
 
 

@@ -258,5 +258,30 @@ class AbortRequestBody(Struct, forbid_unknown_fields=True):
     rid: str  # a response id (aborts all its choices) or one request's rid
 
 
+class TokenizeBody(Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(Struct, kw_only=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeBody(Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(Struct, kw_only=True):
+    prompt: str
+
+
 def encode(obj: Any) -> bytes:
     return msgspec.json.encode(obj)
