@@ -58,6 +58,7 @@ class ServerArgs:
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every route but /health and /metrics")
     max_request_bytes: int = _opt(8 * 1024 * 1024, "largest accepted request body")
     max_n: int = _opt(16, "largest n (choices per request)")
+    max_concurrent_requests: int | None = _opt(None, "most requests in flight (each choice counts); past it a new one gets 429")
     log_level: str = _opt("info", "log level", ("debug", "info", "warning", "error"))
     log_interval_s: float = _opt(10.0, "seconds between scheduler stats log lines")
 
@@ -67,7 +68,7 @@ class ServerArgs:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ServerArgsError(_flag(name), f"must be positive, got {getattr(self, name)}")
-        for name in ("max_total_tokens", "context_length"):
+        for name in ("max_total_tokens", "context_length", "max_concurrent_requests"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ServerArgsError(_flag(name), f"must be positive, got {v}")

@@ -16,18 +16,19 @@ from runtime.errors import (
 from runtime.gateway.protocol import ErrorInfo, ErrorResponse, encode
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable_error",
-          500: "internal_server_error"}
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          503: "service_unavailable_error", 500: "internal_server_error"}
 _CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
-          503: "service_unavailable", 500: "internal_error"}
+          429: "too_many_requests", 503: "service_unavailable", 500: "internal_error"}
 
 
 class ApiError(Exception):
     """An HTTP error answer, raised anywhere in a handler and turned into a response by the middleware."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param
@@ -39,7 +40,7 @@ class ApiError(Exception):
 
     def response(self, headers: dict[str, str] | None = None) -> web.Response:
         return web.Response(status=self.status, body=encode(self.body()), content_type="application/json",
-                            headers=headers)
+                            headers=headers if headers is not None else self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:

@@ -77,6 +77,8 @@ class GatewayMetrics:
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("shoal:prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("shoal:generation_tokens", "tokens generated", registry=r)
+        self.rejected = Counter("shoal:requests_rejected", "requests refused with 429 at --max-concurrent-requests",
+                                registry=r)
         self._stats = _SchedulerStatsCollector()
         r.register(self._stats)
 

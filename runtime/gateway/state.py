@@ -40,6 +40,7 @@ class GatewayState:
         self.created = int(time.time())
         self.shutting_down = False
         self.inflight: dict[str, list[str]] = {}  # response id → rids of its choices
+        self.active = 0  # choices in flight, against --max-concurrent-requests
 
     # ---- the engine -------------------------------------------------------------------------------
     def current_client(self) -> EngineClient | None:
@@ -134,11 +135,22 @@ class GatewayState:
             raise from_shoal_error(e) from None
 
     def track(self, base_id: str, reqs: list[GenerateRequest]) -> list[str]:
+        """Admits the request's choices (429 past --max-concurrent-requests); every track needs its untrack."""
+        limit = self.args.max_concurrent_requests
+        if limit is not None and self.active + len(reqs) > limit:
+            if len(reqs) > limit:
+                raise bad_request(f"this request has {len(reqs)} choices; the server runs at most {limit} at once",
+                                  param="n")
+            self.metrics.rejected.inc()
+            raise ApiError(429, f"the server is at its limit of {limit} concurrent requests; retry shortly",
+                           headers={"Retry-After": "1"})
+        self.active += len(reqs)
         rids = [r.rid for r in reqs]
         self.inflight.setdefault(base_id, rids)  # a duplicate user rid must not hide the first request
         return rids
 
     def untrack(self, base_id: str, rids: list[str]) -> None:
+        self.active -= len(rids)
         if self.inflight.get(base_id) is rids:
             del self.inflight[base_id]
 

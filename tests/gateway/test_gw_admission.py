@@ -1,0 +1,59 @@
+"""--max-concurrent-requests: past the limit (each choice counts) a new request gets 429 with Retry-After
+and is counted in /metrics; a request with more choices than the limit is a 400; once requests end, their
+places are free again."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+from gw_helpers import GATEWAY_ARGS, http, wait_kv_full
+
+from runtime.gateway.server import serve_in_thread
+
+
+def _slow_steps(engine, monkeypatch, seconds: float = 0.01) -> None:
+    run_batch = engine.worker.run_batch
+
+    def slow_run_batch(batch):
+        time.sleep(seconds)
+        return run_batch(batch)
+
+    monkeypatch.setattr(engine.worker, "run_batch", slow_run_batch)
+
+
+def test_requests_past_the_limit_get_429(gw_engine, monkeypatch):
+    _slow_steps(gw_engine, monkeypatch)
+    body = {"prompt": "Tell me a story", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    with serve_in_thread(gw_engine, GATEWAY_ARGS.replace(max_concurrent_requests=2), port=0) as server:
+        url = server.url
+
+        async def scenario() -> None:
+            async with aiohttp.ClientSession() as session:
+                running = [await session.post(url + "/v1/completions", json=body) for _ in range(2)]
+                for r in running:
+                    assert r.status == 200
+                    await r.content.readline()  # streaming: both hold their places
+                async with session.post(url + "/v1/completions", json={**body, "stream": False}) as r:
+                    assert r.status == 429 and r.headers["Retry-After"] == "1"
+                    err = (await r.json())["error"]
+                    assert err["code"] == "too_many_requests" and "2 concurrent" in err["message"]
+                async with session.post(url + "/v1/chat/completions", json={
+                        "messages": [{"role": "user", "content": "hi"}], "n": 3, "max_tokens": 2}) as r:
+                    assert r.status == 400 and (await r.json())["error"]["param"] == "n"
+                for r in running:
+                    r.close()  # the clients leave: their requests are aborted and untracked
+
+        asyncio.run(scenario())
+        deadline = time.monotonic() + 30
+        while True:
+            status, _ = http(url + "/v1/completions", "POST", {"prompt": "hi", "max_tokens": 2})
+            if status == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert status == 200
+        _, metrics = http(url + "/metrics")
+        [line] = [ln for ln in metrics.splitlines() if ln.startswith("shoal:requests_rejected_total ")]
+        assert float(line.split()[1]) >= 1  # the 429 above, and any while the aborted ones were ending
+    wait_kv_full(gw_engine)
