@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
-    ray.init(num_cpus=ns.num_cpus or max(os.cpu_count() or 1, ns.tp), include_dashboard=False,
+    ray.init(address="local", num_cpus=ns.num_cpus or max(os.cpu_count() or 1, ns.tp), include_dashboard=False,
              object_store_memory=256 << 20, log_to_driver=False)
     results: dict[str, dict] = {}
     remote_worker = ray.remote(num_cpus=1)(NoopWorker)

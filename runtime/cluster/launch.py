@@ -38,7 +38,9 @@ def init_ray(args: ServerArgs, num_bundles: int = 1) -> bool:
         return True
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # makes Ray bind 127.0.0.1 (NOTES.md)
     # Bundles are logical: a replica's CPU bundle is a scheduling slot, not a core it spins on.
-    kwargs = dict(num_cpus=max(os.cpu_count() or 1, num_bundles), include_dashboard=False,
+    # address="local": a cluster of our own even when another runs on this machine (a bare ray.init()
+    # would join that one, and then refuse num_cpus); joining is what --address auto is for.
+    kwargs = dict(address="local", num_cpus=max(os.cpu_count() or 1, num_bundles), include_dashboard=False,
                   object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=True)
     if threading.current_thread() is threading.main_thread():
         ray.init(**kwargs)

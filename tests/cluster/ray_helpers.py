@@ -20,7 +20,7 @@ def start_local_ray() -> None:
     if not ray.is_initialized():
         # Logical CPUs beyond the 2 cores: a replica's bundle is a slot, and a test's teardown may still be
         # releasing the previous one's while the next launches.
-        ray.init(num_cpus=8, include_dashboard=False, object_store_memory=256 << 20, log_to_driver=False,
+        ray.init(address="local", num_cpus=8, include_dashboard=False, object_store_memory=256 << 20, log_to_driver=False,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}})
 
 

@@ -49,7 +49,7 @@ def ray_gpus():
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.shutdown()
-    ray.init(num_cpus=8, num_gpus=2, include_dashboard=False, object_store_memory=512 << 20, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, num_gpus=2, include_dashboard=False, object_store_memory=512 << 20, log_to_driver=False)
     yield
     ray.shutdown()
 
