@@ -129,8 +129,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tracked = state.track(base, reqs)
     try:
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return await _stream(request, client, base, model, choices, want_lp, n, include_usage)
+            include_usage, continuous = body.stream_options.usage_modes() if body.stream_options else (False, False)
+            return await _stream(request, client, base, model, choices, want_lp, n, include_usage, continuous)
         return await _complete(request, client, base, model, choices, want_lp, n)
     finally:
         state.untrack(base, tracked)
@@ -154,14 +154,15 @@ async def _complete(request: web.Request, client: EngineClient, base: str, model
 
 
 async def _stream(request: web.Request, client: EngineClient, base: str, model: str, choices: list[ChoiceState],
-                  want_lp: bool, n: int, include_usage: bool) -> web.StreamResponse:
+                  want_lp: bool, n: int, include_usage: bool, continuous: bool = False) -> web.StreamResponse:
     sse = SseWriter(request)
     await sse.start()
     created = int(time.time())
     usage = None if include_usage else UNSET  # chunks carry usage: null only when it was asked for
 
     def chunk(choice: ChatStreamChoice) -> bytes:
-        return encode(ChatCompletionChunk(id=base, created=created, model=model, choices=[choice], usage=usage))
+        return encode(ChatCompletionChunk(id=base, created=created, model=model, choices=[choice],
+                                          usage=usage_info(choices, n) if continuous else usage))
 
     try:
         for c in choices:

@@ -99,8 +99,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     tracked = state.track(base, reqs)
     try:
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return await _stream(request, state, client, base, model, choices, echo, want_lp, n, include_usage)
+            include_usage, continuous = body.stream_options.usage_modes() if body.stream_options else (False, False)
+            return await _stream(request, state, client, base, model, choices, echo, want_lp, n, include_usage,
+                                 continuous)
         return await _complete(request, client, base, model, choices, echo, want_lp, n)
     finally:
         state.untrack(base, tracked)
@@ -135,7 +136,7 @@ def _tops(tops: list[list[tuple[int, float]]], n: int) -> list:
 
 async def _stream(request: web.Request, state: GatewayState, client: EngineClient, base: str, model: str,
                   choices: list[ChoiceState], echo: list[str], want_lp: bool, n: int,
-                  include_usage: bool) -> web.StreamResponse:
+                  include_usage: bool, continuous: bool = False) -> web.StreamResponse:
     sse = SseWriter(request)
     await sse.start()
     created = int(time.time())
@@ -160,7 +161,8 @@ async def _stream(request: web.Request, state: GatewayState, client: EngineClien
                                           list(tops) + _tops(out.new_top_logprobs or [], len(out.new_token_ids)))
                 if not text and lp is None and not c.finished:
                     continue  # tokens that are not yet text (a partial character, a held-back stop prefix)
-                chunk = CompletionResponse(id=base, created=created, model=model, usage=usage, choices=[
+                chunk = CompletionResponse(id=base, created=created, model=model,
+                                           usage=usage_info(choices, n) if continuous else usage, choices=[
                     CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=c.finish_reason,
                                      matched_stop=c.matched_stop)])
                 await sse.send(encode(chunk))

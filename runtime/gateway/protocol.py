@@ -15,6 +15,11 @@ from msgspec import UNSET, Struct, UnsetType
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the running usage
+
+    def usage_modes(self) -> tuple[bool, bool]:
+        """(a final usage chunk, usage in every chunk)."""
+        return self.include_usage, self.include_usage and self.continuous_usage_stats
 
 
 class PromptTokensDetails(Struct):

@@ -135,3 +135,25 @@ def test_optional_fields_accepted(gw_url, field):
                         {"model": MODEL, "prompt": "Hi", "max_tokens": 3, field: values[field]})
     assert status == 200, body
     assert body["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_carry_running_counts(gw_url, route):
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body |= {"prompt": [5, 6, 7, 8]} if route == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "Hello"}]}
+    status, raw = http(gw_url + route, "POST", body)
+    assert status == 200
+    events = [e for e in sse_events(raw) if e != "[DONE]"]
+    assert all(e.get("usage") is not None for e in events)  # every chunk, not only the last
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == 6  # running, never going back
+    assert all(e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + e["usage"]["completion_tokens"]
+               for e in events)
+    if route == "/v1/completions":
+        assert events[0]["usage"]["prompt_tokens"] == 4
+    # Without include_usage the option changes nothing: no usage anywhere.
+    body["stream_options"] = {"continuous_usage_stats": True}
+    _, raw = http(gw_url + route, "POST", body)
+    assert all("usage" not in e for e in sse_events(raw) if e != "[DONE]")
