@@ -8,7 +8,10 @@ NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}
 mkdir -p "$out"
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 SHOAL_RAY_DISPATCH=${SHOAL_RAY_DISPATCH:-actor}
 run() { echo "=== $*"; "$@" 2>&1 | grep -v "Loading\|it/s\]\|WARNING\|blocking ray.get\|^\s*$" | tail -${TAIL:-30}; }
-TAIL=8 run timeout 150 python -m pytest tests/gpu/test_ray_tp_gpu.py -q -p no:cacheprovider
+TAIL=12 run timeout 300 python -m pytest tests/gpu -q -p no:cacheprovider   # kernels (windowed too), symm mem, Ray TP
+run timeout 120 python benchmarks/bench_allreduce.py --out "$out/allreduce_2gpu.json"
+run timeout 400 python benchmarks/bench_tp_step.py --tp-sizes 1 2 --batch 1 32 --steps 60 --attention-backend triton \
+  --out "$out/tp_step_2gpu.json"
 run timeout 150 python benchmarks/bench_tp.py --dispatch actor compiled --output-len 64 --repeats 2 \
   --out "$out/tp_ray_2gpu.json"
 if [ "$NGPU" -ge 4 ]; then
