@@ -87,33 +87,10 @@ def time_decode(runner, bs: int, ns: argparse.Namespace) -> dict[str, float]:
 
 def time_allreduce(group, bs: int, hidden: int, device) -> dict[str, float]:
     import torch
+    from bench_allreduce import time_eager_and_graph
 
-    x = torch.randn(bs, hidden, dtype=torch.bfloat16, device=device)
-    for _ in range(20):
-        group.all_reduce(x)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(200):
-        group.all_reduce(x)
-    torch.cuda.synchronize()
-    eager = (time.perf_counter() - t0) / 200
-    g = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        group.all_reduce(x)  # NCCL's first call on a stream must happen outside capture
-        torch.cuda.synchronize()
-        with torch.cuda.graph(g, stream=stream):
-            for _ in range(64):
-                group.all_reduce(x)
-    torch.cuda.synchronize()
-    g.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        g.replay()
-    torch.cuda.synchronize()
-    return {"allreduce_eager_us": 1e6 * eager, "allreduce_graph_us": 1e6 * (time.perf_counter() - t0) / (20 * 64)}
+    t = time_eager_and_graph(group.all_reduce, torch.randn(bs, hidden, dtype=torch.bfloat16, device=device))
+    return {"allreduce_eager_us": t["eager_us"], "allreduce_graph_us": t["graph_us"]}
 
 
 def rank_main(rank: int, tp: int, variant: str, port: int, folder: str, ns: argparse.Namespace, out: Any) -> None:
