@@ -8,8 +8,10 @@ sampler is deterministic given the logits, so only rank 0 sends its BatchResult 
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import socket
+from collections.abc import Callable
 
 import msgspec
 
@@ -26,7 +28,7 @@ class TpWorkerActor:
         self.args, self.model_path = args, model_path
         self.rank, self.world_size, self.dp_attention = rank, world_size, dp_attention
         self.worker = None
-        self._cuda_index: int | None = None
+        self._set_device: Callable[[], None] | None = None  # re-selects this actor's GPU (per thread)
         self._decoder = msgspec.msgpack.Decoder(WorkerBatch)
         self._encoder = msgspec.msgpack.Encoder()
 
@@ -78,17 +80,14 @@ class TpWorkerActor:
             # is set: then every GPU is visible and the assigned one is found by its id.
             index = local_gpu_index(str(ids[0]), os.environ.get("CUDA_VISIBLE_DEVICES"))
             torch.cuda.set_device(index)
-            self._cuda_index = index
+            self._set_device = functools.partial(torch.cuda.set_device, index)
             return torch.device("cuda", index)
         return torch.device("cpu")
 
     def run_batch(self, data: bytes) -> bytes:
         """data: a msgpack WorkerBatch. Returns rank 0's msgpack BatchResult; other ranks return b""."""
-        if self._cuda_index is not None:
-            # The current CUDA device is per thread, and a Ray compiled graph calls from a thread of its own.
-            import torch
-
-            torch.cuda.set_device(self._cuda_index)
+        if self._set_device is not None:
+            self._set_device()  # the current CUDA device is per thread; a compiled graph calls from its own
         result: BatchResult = self.worker.run_batch(self._decoder.decode(data))
         # DP attention: every rank serves its own scheduler, so every rank answers.
         return self._encoder.encode(result) if self.rank == 0 or self.dp_attention else b""
