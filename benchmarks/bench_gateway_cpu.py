@@ -173,7 +173,7 @@ async def serve_and_measure(ns: argparse.Namespace, tokenizer: Any) -> dict[str,
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
-    from runtime.managers.tokenizer import Tokenizer
+    from runtime.text.tokenizer import Tokenizer
 
     if ns.tokenizer:
         path = Path(ns.tokenizer)

@@ -30,9 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = ServerArgs.from_cli(ns)
         if ns.command == "serve":
+            from runtime.entrypoints.engine_factory import create_engine_client, runs_in_process
             from runtime.gateway.server import run_server
 
-            run_server(args)
+            run_server(args, lambda: create_engine_client(args), in_process=runs_in_process(args))
             return 0
         from runtime.engine import Engine
 

@@ -7,8 +7,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.chat_template import read_chat_template
 from runtime.errors import ServerArgsError
+from runtime.text.chat_template import read_chat_template
 
 
 def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:

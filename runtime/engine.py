@@ -17,12 +17,12 @@ from runtime.config import ServerArgs
 from runtime.engine_client import EngineClient
 from runtime.errors import EngineUnavailableError, InvalidRequestError
 from runtime.logging_setup import setup_logging
-from runtime.managers.detokenizer import IncrementalDetokenizer
 from runtime.managers.scheduler import Scheduler
-from runtime.managers.tokenizer import NullTokenizer, Tokenizer, load_tokenizer
-from runtime.managers.tp_worker import TpWorker
 from runtime.messages import FinishReason, GenerateRequest, RequestOutput, SchedulerStats
+from runtime.model_executor.tp_worker import TpWorker
 from runtime.sampling.params import SamplingParams
+from runtime.text.output_accumulator import OutputAccumulator
+from runtime.text.tokenizer import NullTokenizer, Tokenizer, load_tokenizer
 
 
 class Engine(EngineClient):
@@ -140,8 +140,8 @@ class Engine(EngineClient):
         results = []
         for r in reqs:
             collector = _Collector(self._tokenizer, r)
-            while not collector.add(qs[r.rid].get()):
-                pass
+            while not collector.finished:
+                collector.add(qs[r.rid].get())
             results.append(collector.result())
         return results[0] if single else results
 
@@ -237,28 +237,14 @@ def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
         q.put_nowait(o)
 
 
-class _Collector:
-    """Accumulates a request's deltas into the result dict."""
+class _Collector(OutputAccumulator):
+    """A request's deltas folded into the Python API's result dict."""
+
+    __slots__ = ("rid",)
 
     def __init__(self, tokenizer: Tokenizer | NullTokenizer, req: GenerateRequest):
-        p = req.sampling_params
+        super().__init__(req, tokenizer)
         self.rid = req.rid
-        self.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens, p.stop, p.min_new_tokens)
-        self.text, self.ids, self.logprobs, self.top = "", [], [], []
-        self.last: RequestOutput | None = None
-        self.input_logprobs = None
-
-    def add(self, o: RequestOutput) -> bool:
-        self.ids.extend(o.new_token_ids)
-        self.text += self.detok.add(o.new_token_ids, finished=o.finished)
-        if o.new_logprobs:
-            self.logprobs.extend(o.new_logprobs)
-        if o.new_top_logprobs:
-            self.top.extend(o.new_top_logprobs)
-        if o.input_logprobs is not None:
-            self.input_logprobs = o.input_logprobs
-        self.last = o
-        return o.finished
 
     def result(self) -> dict:
         o = self.last
@@ -273,7 +259,7 @@ class _Collector:
             out["error"] = fr.message
         if self.logprobs:
             out["logprobs"] = self.logprobs
-            out["top_logprobs"] = self.top
+            out["top_logprobs"] = self.top_logprobs
         if self.input_logprobs is not None:
             out["input_logprobs"] = self.input_logprobs
         return out

@@ -15,7 +15,7 @@ class EngineClient(ABC):
 
     @property
     @abstractmethod
-    def tokenizer(self):  # runtime.managers.tokenizer.Tokenizer
+    def tokenizer(self):  # runtime.text.tokenizer.Tokenizer
         ...
 
     @abstractmethod

@@ -51,6 +51,11 @@ class AttentionBackend(ABC):
         """seq_lens_cpu: the same lengths on the host, so a backend can plan without a device sync."""
         raise NotImplementedError
 
+    def _check_graph_mode(self, forward_mode: ForwardMode) -> None:
+        """The backends here capture DECODE graphs only (TARGET_VERIFY would be next)."""
+        if not forward_mode.is_decode():
+            raise NotImplementedError(f"{type(self).__name__} captures DECODE only, not {forward_mode.name}")
+
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """seq_len given to padded rows of a replayed batch (they read slot 0)."""
         return 1

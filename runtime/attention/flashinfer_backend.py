@@ -16,6 +16,7 @@ import triton.language as tl
 
 from kernels.kv_store import store_kv
 from runtime.attention.base import AttentionBackend
+from runtime.attention.spec import AttentionSpec
 
 if TYPE_CHECKING:
     from runtime.layers.attention import Attention
@@ -62,8 +63,8 @@ def _indptr(lens: list[int]) -> torch.Tensor:
 class FlashInferAttnBackend(AttentionBackend):
     supports_cuda_graph = True
 
-    def __init__(self, runner: object):
-        if runner.model_config.has_sliding_window:
+    def __init__(self, spec: AttentionSpec):
+        if spec.has_sliding_window:
             from runtime.errors import ModelConfigError
 
             raise ModelConfigError("this model uses sliding-window attention, which the flashinfer backend does "
@@ -71,13 +72,12 @@ class FlashInferAttnBackend(AttentionBackend):
         import flashinfer
 
         self._fi = flashinfer
-        self.device: torch.device = runner.device
-        self.req_to_token: torch.Tensor = runner.req_to_token_pool.req_to_token
+        self.device: torch.device = spec.device
+        self.req_to_token: torch.Tensor = spec.req_to_token
         self.max_context_len = self.req_to_token.shape[1]
-        attn0 = runner.model.model.layers[0].self_attn.attn
-        self.num_heads, self.num_kv_heads = attn0.num_heads, attn0.num_kv_heads
-        self.head_dim, self.sm_scale = attn0.head_dim, attn0.scaling
-        self.dtype: torch.dtype = runner.model_config.dtype
+        self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
+        self.head_dim, self.sm_scale = spec.head_dim, spec.scaling
+        self.dtype: torch.dtype = spec.dtype
         # Tensor-core decode reads each KV row once per query-head group; it wins as soon as heads share KV.
         self.use_tensor_cores = self.num_heads // self.num_kv_heads > 1
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
@@ -171,11 +171,6 @@ class FlashInferAttnBackend(AttentionBackend):
         # plan copies indptr/indices into the wrapper's own (these same) buffers and schedules on the host.
         self._plan_decode(wrapper, kv_indptr_cpu, self._graph_kv_indices[:n], self._graph_last_page_len[:bs])
         self._wrapper = wrapper
-
-    @staticmethod
-    def _check_graph_mode(forward_mode: ForwardMode) -> None:
-        if not forward_mode.is_decode():
-            raise NotImplementedError(f"FlashInferAttnBackend captures DECODE only, not {forward_mode.name}")
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1

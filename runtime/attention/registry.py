@@ -10,6 +10,7 @@ import torch
 
 if TYPE_CHECKING:
     from runtime.attention.base import AttentionBackend
+    from runtime.attention.spec import AttentionSpec
 
 ATTENTION_BACKENDS = MappingProxyType({
     "torch_native": "runtime.attention.torch_native:TorchNativeAttnBackend",
@@ -35,9 +36,8 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = t
         return "triton"
 
 
-def create_attention_backend(name: str, runner: object) -> AttentionBackend:
-    """`runner` is the ModelRunner (pools, model config, device) the backend serves."""
+def create_attention_backend(name: str, spec: AttentionSpec) -> AttentionBackend:
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(ATTENTION_BACKENDS)}")
     module, cls = ATTENTION_BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)(runner)
+    return getattr(importlib.import_module(module), cls)(spec)

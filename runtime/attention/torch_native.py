@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.attention.base import AttentionBackend
+from runtime.attention.spec import AttentionSpec
 
 if TYPE_CHECKING:
     from runtime.layers.attention import Attention
@@ -15,8 +16,8 @@ if TYPE_CHECKING:
 
 
 class TorchNativeAttnBackend(AttentionBackend):
-    def __init__(self, runner: object):
-        self.device = getattr(runner, "device", torch.device("cpu"))
+    def __init__(self, spec: AttentionSpec):
+        self.device = spec.device
 
     def forward_extend(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
         return self._run(q, k, v, layer, fb, causal=True)

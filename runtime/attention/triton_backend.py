@@ -15,6 +15,7 @@ from kernels.decode_attention import decode_attention_fwd, decode_attention_work
 from kernels.extend_attention import extend_attention_fwd
 from kernels.kv_store import store_kv
 from runtime.attention.base import AttentionBackend
+from runtime.attention.spec import AttentionSpec
 
 if TYPE_CHECKING:
     from runtime.layers.attention import Attention
@@ -28,13 +29,12 @@ DEFAULT_NUM_KV_SPLITS = 8
 class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
 
-    def __init__(self, runner: object, num_kv_splits: int = DEFAULT_NUM_KV_SPLITS):
-        self.device: torch.device = runner.device
-        self.req_to_token: torch.Tensor = runner.req_to_token_pool.req_to_token
-        attn0 = runner.model.model.layers[0].self_attn.attn
-        self.num_heads, self.head_dim = attn0.num_heads, attn0.head_dim
+    def __init__(self, spec: AttentionSpec, num_kv_splits: int = DEFAULT_NUM_KV_SPLITS):
+        self.device: torch.device = spec.device
+        self.req_to_token: torch.Tensor = spec.req_to_token
+        self.num_heads, self.head_dim = spec.num_heads, spec.head_dim
         self.num_kv_splits = num_kv_splits
-        self.max_bs = int(getattr(runner, "max_running_requests", 1))
+        self.max_bs = spec.max_bs
         self._workspace: torch.Tensor | None = None
         self._max_extend_len = 0
 
@@ -91,11 +91,6 @@ class TritonAttnBackend(AttentionBackend):
                                                 forward_mode: ForwardMode, seq_lens_cpu: list[int] | None = None
                                                 ) -> None:
         self._check_graph_mode(forward_mode)
-
-    @staticmethod
-    def _check_graph_mode(forward_mode: ForwardMode) -> None:
-        if not forward_mode.is_decode():
-            raise NotImplementedError(f"TritonAttnBackend captures DECODE only, not {forward_mode.name}")
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1

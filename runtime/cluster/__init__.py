@@ -10,5 +10,5 @@
       TpWorkerActor (one per GPU / TP rank): torch.distributed group of the replica + TpWorker
 
 A replica's actors sit in one placement group (a bundle per TP rank). launch.create_ray_engine_client
-builds all of it; runtime.serve puts the gateway behind Ray Serve. Nothing here is imported by the layers
+builds all of it; runtime.entrypoints.ray_serve puts the gateway behind Ray Serve. Nothing here is imported by the layers
 below (scheduler, worker, model); they run unchanged inside the actors."""

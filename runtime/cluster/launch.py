@@ -153,7 +153,7 @@ def create_ray_engine_client(args: ServerArgs, *, replica_resources: list[dict[s
     replica_resources: extra custom resources per replica's bundles (pins replicas to nodes).
     dispatch: "actor" | "compiled" (default: $SHOAL_RAY_DISPATCH, else compiled on GPU, actor on CPU)."""
     from runtime.cluster.ray_engine_client import RayEngineClient
-    from runtime.managers.tokenizer import load_tokenizer
+    from runtime.text.tokenizer import load_tokenizer
 
     model_path, model_name = resolve_model(args)
     bundles = args.dp_size * (1 if args.enable_dp_attention else args.tp_size)

@@ -32,7 +32,7 @@ class SchedulerActor:
                  name: str = "replica 0", dispatch: str = "actor"):
         from runtime.cluster.worker_group import WorkerGroup
         from runtime.managers.scheduler import Scheduler
-        from runtime.managers.tokenizer import Tokenizer
+        from runtime.text.tokenizer import Tokenizer
 
         self.name = name
         self.tokenizer = Tokenizer(args.tokenizer_path or model_path, tuple(info.eos_token_ids))

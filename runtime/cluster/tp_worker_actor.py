@@ -46,7 +46,7 @@ class TpWorkerActor:
         import torch
 
         from runtime.distributed import ParallelGroup
-        from runtime.managers.tp_worker import TpWorker
+        from runtime.model_executor.tp_worker import TpWorker
         from runtime.models.parallel_context import ParallelContext
 
         device = self._device()

@@ -7,31 +7,25 @@ import time
 
 from runtime.gateway.metrics import GatewayMetrics
 from runtime.gateway.protocol import PromptTokensDetails, UsageInfo
-from runtime.managers.detokenizer import IncrementalDetokenizer
-from runtime.managers.tokenizer import Tokenizer
 from runtime.messages import GenerateRequest, RequestOutput
+from runtime.text.detokenizer import IncrementalDetokenizer
+from runtime.text.output_accumulator import OutputAccumulator
+from runtime.text.tokenizer import Tokenizer
 
 
 class ChoiceState:
     def __init__(self, index: int, req: GenerateRequest, tokenizer: Tokenizer, metrics: GatewayMetrics,
                  arrival: float):
-        p = req.sampling_params
         self.index = index
         self.req = req
         self.metrics = metrics
         self.arrival = arrival
-        self.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens, p.stop, p.min_new_tokens)
-        self.text = ""
-        self.ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.top_logprobs: list[list[tuple[int, float]]] = []
-        self.input_logprobs: list[float | None] | None = None
-        self.last: RequestOutput | None = None
+        self.out = OutputAccumulator(req, tokenizer)
         self._last_token_at: float | None = None
 
     @property
     def finished(self) -> bool:
-        return self.last is not None and self.last.finished
+        return self.out.finished
 
     def add(self, o: RequestOutput) -> str:
         """Takes one delta; returns the text it made safe to show."""
@@ -49,17 +43,36 @@ class ChoiceState:
         if o.finished:
             self.metrics.e2e.observe(now - self.arrival)
             self.metrics.prompt_tokens.inc(o.prompt_tokens)
-        self.last = o
-        self.ids.extend(o.new_token_ids)
-        if o.new_logprobs:
-            self.logprobs.extend(o.new_logprobs)
-        if o.new_top_logprobs:
-            self.top_logprobs.extend(o.new_top_logprobs)
-        if o.input_logprobs is not None:
-            self.input_logprobs = o.input_logprobs
-        delta = self.detok.add(o.new_token_ids, finished=o.finished)
-        self.text += delta
-        return delta
+        return self.out.add(o)
+
+    # The accumulated answer, read by the route handlers.
+    @property
+    def last(self) -> RequestOutput | None:
+        return self.out.last
+
+    @property
+    def text(self) -> str:
+        return self.out.text
+
+    @property
+    def ids(self) -> list[int]:
+        return self.out.ids
+
+    @property
+    def logprobs(self) -> list[float]:
+        return self.out.logprobs
+
+    @property
+    def top_logprobs(self) -> list[list[tuple[int, float]]]:
+        return self.out.top_logprobs
+
+    @property
+    def input_logprobs(self) -> list[float | None] | None:
+        return self.out.input_logprobs
+
+    @property
+    def detok(self) -> IncrementalDetokenizer:
+        return self.out.detok
 
     @property
     def finish_reason(self) -> str | None:

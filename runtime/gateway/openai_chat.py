@@ -33,7 +33,7 @@ from runtime.gateway.protocol import (
 )
 from runtime.gateway.sse import SseWriter, is_disconnected
 from runtime.gateway.state import STATE_KEY
-from runtime.managers.tokenizer import Tokenizer
+from runtime.text.tokenizer import Tokenizer
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 

@@ -23,7 +23,7 @@ from runtime.gateway.protocol import (
 )
 from runtime.gateway.sse import SseWriter, is_disconnected
 from runtime.gateway.state import STATE_KEY, GatewayState
-from runtime.managers.tokenizer import Tokenizer
+from runtime.text.tokenizer import Tokenizer
 
 
 def parse_prompt(prompt: object, tokenizer: Tokenizer) -> tuple[list[list[int]], list[str | None]]:

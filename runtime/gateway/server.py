@@ -47,6 +47,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -63,22 +64,15 @@ logger = logging.getLogger("shoal.gateway")
 class _EngineLoader:
     """Builds the EngineClient on a background thread so the HTTP port is open (and says 503) meanwhile."""
 
-    def __init__(self, args: ServerArgs):
-        self.args = args
+    def __init__(self, load: Callable[[], EngineClient]):
+        self._load = load
         self.client: EngineClient | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
 
     def load(self) -> None:
         try:
-            if self.args.uses_ray:
-                from runtime.cluster.launch import create_ray_engine_client
-
-                self.client = create_ray_engine_client(self.args)
-            else:
-                from runtime.engine import Engine
-
-                self.client = Engine(server_args=self.args)
+            self.client = self._load()
         except BaseException as e:  # reported by run_server, which then stops
             self.error = e
         finally:
@@ -97,14 +91,16 @@ def _shutdown_client(client: Any) -> None:
             logger.exception("error while shutting the engine down")
 
 
-def run_server(args: ServerArgs) -> None:
-    """Serves on args.host:args.port until SIGINT/SIGTERM; raises if the engine fails to load."""
+def run_server(args: ServerArgs, load_client: Callable[[], EngineClient], *, in_process: bool = False) -> None:
+    """Serves on args.host:args.port until SIGINT/SIGTERM; load_client builds the engine client on a
+    background thread (routes answer 503 until it returns); raises if it fails. in_process: the
+    scheduler thread shares this interpreter (runtime.engine.Engine)."""
     setup_logging(args.log_level)
-    if not args.uses_ray:
+    if in_process:
         # The scheduler thread shares this process's GIL with the HTTP loop: hand it over faster than
         # the 5 ms default so a step waiting for the GIL does not idle the GPU.
         sys.setswitchinterval(float(os.environ.get("SHOAL_SWITCH_INTERVAL", "0.001")))
-    loader = _EngineLoader(args)
+    loader = _EngineLoader(load_client)
     app = build_app(loader.provider, args)
     asyncio.run(_serve_until_stopped(app, args, loader))
     if loader.error is not None:

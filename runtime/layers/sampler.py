@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.host_to_device import to_device
 from runtime.messages import SamplingBatch
 
 _MASK64 = (1 << 64) - 1
@@ -32,14 +33,6 @@ def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.
     x = x ^ ((x >> 31) & ((1 << 33) - 1))
     return (((x >> 40) & ((1 << 24) - 1)).float() + 0.5) * (1.0 / (1 << 24))
 
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on the device without a stream sync (a copy from pageable memory waits for
-    the stream to drain, which would stall overlap scheduling behind the batch in flight)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
 
 
 @dataclass(slots=True)

@@ -9,11 +9,11 @@ import time
 import torch
 
 from runtime.config import ServerArgs
+from runtime.managers.kv_cache_manager import KVCacheManager
 from runtime.managers.policy import SchedulePolicy
 from runtime.managers.req import Req, ReqState
 from runtime.managers.retract import Retractor
 from runtime.managers.schedule_batch import ScheduleBatch
-from runtime.mem_cache.kv_cache_manager import KVCacheManager
 from runtime.model_executor.forward_mode import ForwardMode
 
 

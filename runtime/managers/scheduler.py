@@ -19,14 +19,13 @@ import msgspec
 
 from runtime.config import ServerArgs
 from runtime.errors import ContextLengthError, InvalidRequestError
-from runtime.managers.detokenizer import stop_check_tail
+from runtime.managers.kv_cache_manager import KVCacheManager
 from runtime.managers.policy import create_policy
 from runtime.managers.prefill import PrefillAdder
 from runtime.managers.req import Req, ReqState
 from runtime.managers.retract import Retractor
 from runtime.managers.schedule_batch import ScheduleBatch
 from runtime.managers.stats import ForwardModeStats
-from runtime.mem_cache.kv_cache_manager import KVCacheManager
 from runtime.messages import (
     BatchResult,
     FinishReason,
@@ -36,6 +35,7 @@ from runtime.messages import (
     WorkerBatch,
 )
 from runtime.model_executor.forward_mode import ForwardMode
+from runtime.text.detokenizer import stop_check_tail
 
 logger = logging.getLogger(__name__)
 

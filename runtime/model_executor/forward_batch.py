@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runtime.layers.sampler import to_device
+from runtime.host_to_device import to_device
 from runtime.messages import SamplingBatch, WorkerBatch
 from runtime.model_executor.forward_mode import ForwardMode
 

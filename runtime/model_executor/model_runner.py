@@ -13,9 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from runtime.attention.registry import create_attention_backend, resolve_backend_name
+from runtime.attention.spec import AttentionSpec
 from runtime.config import ServerArgs
+from runtime.host_to_device import to_device
 from runtime.layers.logits import LogitsOutput, LogitsProcessor
-from runtime.layers.sampler import SampleOutput, Sampler, to_device
+from runtime.layers.sampler import SampleOutput, Sampler
 from runtime.mem_cache.kv_pool import TokenToKVPool
 from runtime.mem_cache.req_to_token import ReqToTokenPool
 from runtime.messages import BatchResult, WorkerBatch
@@ -57,7 +59,12 @@ class ModelRunner:
                                               self.device)
         self.attn_backend_name = resolve_backend_name(args.attention_backend, self.device, self.model_config.dtype,
                                                       self.model_config.has_sliding_window)
-        self.attn_backend = create_attention_backend(self.attn_backend_name, self)
+        attn = self.model.model.layers[0].self_attn.attn
+        self.attn_backend = create_attention_backend(self.attn_backend_name, AttentionSpec(
+            num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            scaling=attn.scaling, dtype=self.model_config.dtype, device=self.device,
+            req_to_token=self.req_to_token_pool.req_to_token, max_bs=self.max_running_requests,
+            has_sliding_window=self.model_config.has_sliding_window))
         self.logits_processor = LogitsProcessor(self.model.compute_logits)
         self.sampler = Sampler()
         self.future_token_ids = torch.zeros(self.max_running_requests, dtype=torch.int64, device=self.device)

@@ -3,12 +3,11 @@ before flashinfer is imported, so this runs on CPU installs too)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from runtime.attention.registry import create_attention_backend, resolve_backend_name
+from runtime.attention.spec import AttentionSpec
 from runtime.errors import ModelConfigError
 
 CUDA = torch.device("cuda", 0)
@@ -29,11 +28,13 @@ def test_explicit_names_are_kept():
 
 
 def test_flashinfer_refuses_sliding_window_models_with_a_clear_error():
-    runner = SimpleNamespace(model_config=SimpleNamespace(has_sliding_window=True))
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, scaling=0.25, dtype=torch.bfloat16,
+                         device=torch.device("cpu"), req_to_token=torch.zeros(1, 1, dtype=torch.int32), max_bs=1,
+                         has_sliding_window=True)
     with pytest.raises(ModelConfigError, match="sliding-window.*--attention-backend triton"):
-        create_attention_backend("flashinfer", runner)
+        create_attention_backend("flashinfer", spec)
 
 
 def test_unknown_backend_name():
     with pytest.raises(ValueError, match="unknown attention backend"):
-        create_attention_backend("nope", SimpleNamespace())
+        create_attention_backend("nope", None)  # type: ignore[arg-type]

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from runtime.attention.spec import AttentionSpec
 from runtime.attention.torch_native import TorchNativeAttnBackend
 from runtime.attention.triton_backend import TritonAttnBackend
 from runtime.layers.attention import Attention
@@ -27,10 +28,10 @@ def _runner(seed: int) -> SimpleNamespace:
     kv = TokenToKVPool(SLOTS, 1, HKV, D, torch.float32, "cpu")
     kv.k_buffers[0].normal_()
     kv.v_buffers[0].normal_()
-    return SimpleNamespace(
-        device=torch.device("cpu"), req_to_token_pool=ReqToTokenPool(6, CTX, "cpu"), token_to_kv_pool=kv,
-        model=SimpleNamespace(model=SimpleNamespace(layers=[SimpleNamespace(self_attn=SimpleNamespace(attn=layer))])),
-        model_config=SimpleNamespace(dtype=torch.float32), max_running_requests=6, layer=layer)
+    pool = ReqToTokenPool(6, CTX, "cpu")
+    spec = AttentionSpec(num_heads=HQ, num_kv_heads=HKV, head_dim=D, scaling=D**-0.5, dtype=torch.float32,
+                         device=torch.device("cpu"), req_to_token=pool.req_to_token, max_bs=6)
+    return SimpleNamespace(device=torch.device("cpu"), req_to_token_pool=pool, token_to_kv_pool=kv, spec=spec, layer=layer)
 
 
 def _batch(runner: SimpleNamespace, mode: ForwardMode, seq_lens: list[int], prefix_lens: list[int]) -> WorkerBatch:
@@ -72,7 +73,7 @@ def test_triton_backend_matches_torch_native(case: str) -> None:
         wb = _batch(runner, mode, seq_lens, prefix_lens)
         new = len(wb.input_ids)
         qkv = (torch.randn(new, HQ * D), torch.randn(new, HKV * D), torch.randn(new, HKV * D))
-        results.append(_run(runner, cls(runner), wb, qkv))
+        results.append(_run(runner, cls(runner.spec), wb, qkv))
     (ref, k_ref, v_ref), (out, k_buf, v_buf) = results
     assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
@@ -80,7 +81,7 @@ def test_triton_backend_matches_torch_native(case: str) -> None:
 
 def test_triton_backend_graph_hooks_reject_extend() -> None:
     runner = _runner(seed=2)
-    backend = TritonAttnBackend(runner)
+    backend = TritonAttnBackend(runner.spec)
     backend.init_cuda_graph_state(4)
     with pytest.raises(NotImplementedError):
         backend.init_forward_metadata_capture_cuda_graph(2, torch.zeros(2, dtype=torch.int64),

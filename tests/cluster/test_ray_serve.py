@@ -29,7 +29,7 @@ def serve_url(ray_session, tiny_llama):
     from ray import serve
     from ray_helpers import start_local_ray
 
-    from runtime.serve import build_app
+    from runtime.entrypoints.ray_serve import build_app
 
     start_local_ray()
     port = free_port()
@@ -63,7 +63,7 @@ def test_serve_answers_openai_client(serve_url, tiny_llama):
 def _check_serve_config(doc: dict) -> None:
     from ray.serve.schema import ServeDeploySchema
 
-    from runtime.serve import ShoalDeployment, build_app
+    from runtime.entrypoints.ray_serve import ShoalDeployment, build_app
 
     schema = ServeDeploySchema.parse_obj(doc)
     for app in schema.applications:

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from runtime.attention.spec import AttentionSpec
 from runtime.attention.torch_native import TorchNativeAttnBackend
 from runtime.layers.attention import Attention
 from runtime.mem_cache.kv_pool import TokenToKVPool
@@ -33,7 +34,7 @@ BACKENDS = ["triton", pytest.param("flashinfer", marks=pytest.mark.skipif(
 def _backend(name: str, runner: SimpleNamespace):
     from runtime.attention.registry import create_attention_backend
 
-    return create_attention_backend(name, runner)
+    return create_attention_backend(name, runner.spec)
 
 
 def _runner(seed: int) -> SimpleNamespace:
@@ -42,10 +43,10 @@ def _runner(seed: int) -> SimpleNamespace:
     kv = TokenToKVPool(SLOTS, 1, HKV, D, DT, "cuda")
     kv.k_buffers[0].normal_()
     kv.v_buffers[0].normal_()
-    return SimpleNamespace(
-        device=torch.device("cuda"), req_to_token_pool=ReqToTokenPool(ROWS, CTX, "cuda"), token_to_kv_pool=kv,
-        model=SimpleNamespace(model=SimpleNamespace(layers=[SimpleNamespace(self_attn=SimpleNamespace(attn=layer))])),
-        model_config=SimpleNamespace(dtype=DT), max_running_requests=ROWS, layer=layer)
+    pool = ReqToTokenPool(ROWS, CTX, "cuda")
+    spec = AttentionSpec(num_heads=HQ, num_kv_heads=HKV, head_dim=D, scaling=D**-0.5, dtype=DT,
+                         device=torch.device("cuda"), req_to_token=pool.req_to_token, max_bs=ROWS)
+    return SimpleNamespace(device=torch.device("cuda"), req_to_token_pool=pool, token_to_kv_pool=kv, spec=spec, layer=layer)
 
 
 def _batch(runner, mode: ForwardMode, seq_lens: list[int], prefix_lens: list[int]) -> WorkerBatch:
@@ -137,7 +138,7 @@ def test_backend_decode_cuda_graph_replay(name: str) -> None:
         slot0 = runner.token_to_kv_pool.k_buffers[0][0].clone()
         graph.replay()
         torch.cuda.synchronize()
-        ref_backend = TorchNativeAttnBackend(runner)
+        ref_backend = TorchNativeAttnBackend(runner.spec)
         real.attn_backend = ref_backend
         ref = ref_backend.forward(new_q, new_k, new_v, runner.layer, real)
         torch.testing.assert_close(out[:3], ref, **TOL)

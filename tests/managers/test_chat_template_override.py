@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from runtime import Engine
-from runtime.chat_template import read_chat_template
 from runtime.config import ServerArgs
 from runtime.errors import InvalidRequestError, ServerArgsError
-from runtime.managers.tokenizer import Tokenizer, load_tokenizer
+from runtime.text.chat_template import read_chat_template
+from runtime.text.tokenizer import Tokenizer, load_tokenizer
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
 MESSAGES = [{"role": "user", "content": "Hello world"}]

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from runtime import Engine
-from runtime.managers.tokenizer import Tokenizer
+from runtime.text.tokenizer import Tokenizer
 
 EOS = 2  # <|im_end|> in the tiny tokenizer
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}

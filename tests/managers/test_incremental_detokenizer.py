@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from runtime.managers.detokenizer import IncrementalDetokenizer
-from runtime.managers.tokenizer import Tokenizer
+from runtime.text.detokenizer import IncrementalDetokenizer
+from runtime.text.tokenizer import Tokenizer
 
 MULTIBYTE = "Émile a mangé une crème brûlée à Zürich. 日本語のテキストも少し。 emoji: 🙂🚀 fin"
 
@@ -160,9 +160,9 @@ def test_special_tokens_skipped_or_kept(tok):
 
 def _scheduler_stop(tok, ids: list[int], stop: list[str], m: int) -> int | None:
     """Where the scheduler's per-token check (Req.check_finished on stop_check_tail) ends generation."""
-    from runtime.managers.detokenizer import stop_check_tail
     from runtime.managers.req import Req
     from runtime.sampling.params import SamplingParams
+    from runtime.text.detokenizer import stop_check_tail
 
     r = Req("r", [1], SamplingParams(stop=stop, min_new_tokens=m, max_new_tokens=1000, ignore_eos=True), 0,
             frozenset())

@@ -9,8 +9,8 @@ import pytest
 
 from runtime.config import ServerArgs
 from runtime.managers.scheduler import Scheduler
-from runtime.managers.tp_worker import TpWorker
 from runtime.messages import GenerateRequest, RequestOutput
+from runtime.model_executor.tp_worker import TpWorker
 from runtime.sampling.params import SamplingParams
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from runtime.managers.tokenizer import Tokenizer
+from runtime.text.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

@@ -1,6 +1,6 @@
 """Ray Serve: the same OpenAI API behind Serve's HTTP proxy, replicas and autoscaling.
 
-    serve run deploy/serve_config.yaml          # import_path: runtime.serve:build_app
+    serve run deploy/serve_config.yaml          # import_path: runtime.entrypoints.ray_serve:build_app
 
 Each Serve replica (ShoalDeployment) holds an EngineClient — an in-process Engine when tp = dp = 1 and
 use_ray is off (give the replica a GPU in ray_actor_options), else a RayEngineClient whose TP/DP actors
@@ -28,17 +28,11 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "conten
                   max_ongoing_requests=256)
 class ShoalDeployment:
     def __init__(self, server_args: dict[str, Any]):
+        from runtime.entrypoints.engine_factory import create_engine_client
         from runtime.gateway.server import serve_in_thread
 
         self.args = ServerArgs.from_kwargs(**server_args)
-        if self.args.uses_ray:
-            from runtime.cluster.launch import create_ray_engine_client
-
-            self.client = create_ray_engine_client(self.args)
-        else:
-            from runtime.engine import Engine
-
-            self.client = Engine(server_args=self.args)
+        self.client = create_engine_client(self.args)
         self.gateway = serve_in_thread(self.client, self.args, host="127.0.0.1", port=0)
         self._session: Any = None
 

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from runtime.chat_template import read_chat_template
 from runtime.errors import InvalidRequestError, ServerArgsError
+from runtime.text.chat_template import read_chat_template
 
 try:
     from tokenizers.decoders import DecodeStream

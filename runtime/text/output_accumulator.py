@@ -1,0 +1,41 @@
+"""OutputAccumulator: one request's RequestOutput deltas folded into what a caller returns — the
+detokenized text (stop strings cut), token ids, logprobs and the last delta's counters. The gateway's
+ChoiceState and the Engine's Python API both build their answers on it."""
+
+from __future__ import annotations
+
+from runtime.messages import GenerateRequest, RequestOutput
+from runtime.text.detokenizer import IncrementalDetokenizer
+from runtime.text.tokenizer import NullTokenizer, Tokenizer
+
+
+class OutputAccumulator:
+    __slots__ = ("detok", "text", "ids", "logprobs", "top_logprobs", "input_logprobs", "last")
+
+    def __init__(self, req: GenerateRequest, tokenizer: Tokenizer | NullTokenizer):
+        p = req.sampling_params
+        self.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens, p.stop, p.min_new_tokens)
+        self.text = ""
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.input_logprobs: list[float | None] | None = None
+        self.last: RequestOutput | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None and self.last.finished
+
+    def add(self, o: RequestOutput) -> str:
+        """Takes one delta; returns the text it made safe to show."""
+        self.last = o
+        self.ids.extend(o.new_token_ids)
+        if o.new_logprobs:
+            self.logprobs.extend(o.new_logprobs)
+        if o.new_top_logprobs:
+            self.top_logprobs.extend(o.new_top_logprobs)
+        if o.input_logprobs is not None:
+            self.input_logprobs = o.input_logprobs
+        delta = self.detok.add(o.new_token_ids, finished=o.finished)
+        self.text += delta
+        return delta
