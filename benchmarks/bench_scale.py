@@ -81,7 +81,7 @@ def make_client(base: dict[str, Any], **kw: Any):
     from runtime.cluster.launch import create_ray_engine_client
 
     t0 = time.perf_counter()
-    client = create_ray_engine_client(ServerArgs(**base, use_ray=True, **kw), dispatch=os.environ.get("SHOAL_RAY_DISPATCH", "actor"))
+    client = create_ray_engine_client(ServerArgs(**base, use_ray=True, **kw))
     return client, time.perf_counter() - t0
 
 

@@ -1,15 +1,16 @@
-"""TP=2 vs TP=1 on Ray, on a 2-GPU machine, with an 8B-shaped dummy model (random bf16 weights).
+"""The card's shape against the in-process Engine, on a 2-GPU machine, 8B-shaped dummy model (bf16).
 
-Runs, one after the other on the same GPUs:
-  inproc          the in-process Engine (TP=1, no Ray): the baseline step time
-  ray_tp1_<path>  one TP rank on Ray, per dispatch path (actor calls; compiled graph)
-  ray_tp2_<path>  two TP ranks (NCCL) on Ray, per dispatch path
-and reports for each the batch-1 decode step time (streamed token timestamps), the Ray dispatch
-overhead (ray_tp1 − inproc), the TP=2/TP=1 step ratio, and how many greedy tokens agree with inproc
-(bf16 TP sums in another order, so random-weight argmax near-ties may flip late tokens: reported, not
-asserted — tests/gpu/test_ray_tp_gpu.py asserts exact equality in fp32).
+Runs, one after the other on the same GPUs, with default flags:
+  inproc    the in-process Engine (TP=1, no Ray): the baseline
+  ray_tp1   one TP rank on Ray (the SchedulerActor holds the GPU)
+  ray_tp2   two TP ranks on Ray (rank 1 follows over the StepChannel; NCCL all-reduce)
+and reports for each the decode step time at each --batch size (streamed token timestamps: the median
+over requests of the gap between consecutive tokens, first token excluded), the Ray overhead
+(ray_tp1 - inproc), the TP=2 / in-process TP=1 ratios, how many greedy tokens agree with inproc, and —
+for inproc and ray_tp1 — offline throughput on --num-prompts prompts of --tput-input-len/--tput-output-len
+with the device idle fraction (1 - summed batch device time / wall time).
 
-    python benchmarks/bench_tp.py --out benchmarks/results/tp_ray_2xh100.json
+    python benchmarks/bench_tp.py --out benchmarks/results/tp_ray_2gpu.json
 """
 
 from __future__ import annotations
@@ -41,8 +42,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dispatch", nargs="+", default=["actor", "compiled"])
-    p.add_argument("--max-total-tokens", type=int, default=32768)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--num-prompts", type=int, default=500, help="throughput run; 0 skips it")
+    p.add_argument("--tput-input-len", type=int, default=462)
+    p.add_argument("--tput-output-len", type=int, default=256)
+    p.add_argument("--max-total-tokens", type=int, default=None, help="default: what memory allows")
     p.add_argument("--out", default="benchmarks/results/tp_ray_2gpu.json")
     return p.parse_args(argv)
 
@@ -59,16 +63,44 @@ async def timed_stream(client: Any, req: GenerateRequest) -> tuple[list[int], li
 
 def measure(client: Any, ns: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
     params = SamplingParams(max_new_tokens=ns.output_len, temperature=0.0, ignore_eos=True)
-    steps, tokens = [], None
-    for i in range(ns.repeats + 1):  # the first run warms up
-        ids, stamps = asyncio.run(timed_stream(client, GenerateRequest(rid=f"b{i}-{time.time_ns()}", input_ids=prompt,
-                                                                       sampling_params=params)))
-        if i == 0:
-            tokens = ids
-            continue
-        steps.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
-    step = sorted(steps)[len(steps) // 2]
-    return {"decode_step_ms": 1000 * step, "decode_step_ms_each": [1000 * s for s in steps], "tokens": tokens}
+    out: dict[str, Any] = {}
+
+    async def burst(tag: str, bs: int) -> list[tuple[list[int], list[float]]]:
+        return await asyncio.gather(*(timed_stream(client, GenerateRequest(
+            rid=f"{tag}-{j}-{time.time_ns()}", input_ids=prompt, sampling_params=params)) for j in range(bs)))
+
+    for bs in ns.batch:
+        steps = []
+        for i in range(ns.repeats + 1):  # the first run warms up (and captures graphs of this size)
+            runs = asyncio.run(burst(f"b{bs}-{i}", bs))
+            if i == 0:
+                out.setdefault("tokens", runs[0][0])
+                continue
+            gaps = sorted((st[-1] - st[1]) / (len(st) - 2) for _ids, st in runs)
+            steps.append(gaps[len(gaps) // 2])
+        step = sorted(steps)[len(steps) // 2]
+        out[f"decode_step_ms_bs{bs}"] = 1000 * step
+        out[f"decode_step_ms_bs{bs}_each"] = [1000 * s for s in steps]
+    return out
+
+
+def throughput(client: Any, ns: argparse.Namespace) -> dict[str, Any]:
+    """Offline request throughput with every prompt submitted at once (distinct prompts: no cache hits)."""
+    params = SamplingParams(max_new_tokens=ns.tput_output_len, temperature=0.0, ignore_eos=True)
+    reqs = [GenerateRequest(rid=f"t{i}-{time.time_ns()}", sampling_params=params,
+                            input_ids=[1000 + (i * 7919 + j * 37) % 30000 for j in range(ns.tput_input_len)])
+            for i in range(ns.num_prompts)]
+
+    async def run() -> tuple[float, float]:
+        before = await client.stats()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(timed_stream(client, r) for r in reqs))
+        wall = time.perf_counter() - t0
+        return wall, (await client.stats()).device_busy_s - before.device_busy_s
+
+    wall, busy = asyncio.run(run())
+    return {"requests_per_s": ns.num_prompts / wall, "output_tokens_per_s": ns.num_prompts * ns.tput_output_len / wall,
+            "wall_s": wall, "device_idle_fraction": max(0.0, 1.0 - busy / wall) if busy > 0 else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,43 +121,55 @@ def main(argv: list[str] | None = None) -> int:
         folder = make_model_folder(ns.model_config, Path(tmp) / "model")
         make_tokenizer(folder)  # ids come from the prompt below; the scheduler only needs EOS and decode
         base = dict(model_path=str(folder), load_format="dummy", dtype="bfloat16", device="cuda",
-                    max_total_tokens=ns.max_total_tokens, context_length=4096, cuda_graph_max_bs=8)
+                    max_total_tokens=ns.max_total_tokens, context_length=4096)
         prompt = [1000 + (i * 37) % 20000 for i in range(ns.input_len)]
 
         engine = Engine(server_args=ServerArgs(**base))
         try:
             results["inproc"] = measure(engine, ns, prompt)
+            if ns.num_prompts:
+                results["inproc"]["throughput"] = throughput(engine, ns)
         finally:
             engine.shutdown()
         del engine
         torch.cuda.empty_cache()
         for tp in (1, 2):
-            for path in ns.dispatch:
-                t0 = time.perf_counter()
-                client = create_ray_engine_client(ServerArgs(**base, tp_size=tp, use_ray=True), dispatch=path)
-                startup = time.perf_counter() - t0
-                try:
-                    results[f"ray_tp{tp}_{path}"] = measure(client, ns, prompt) | {"startup_s": startup}
-                finally:
-                    client.shutdown()
-                    import ray
+            t0 = time.perf_counter()
+            client = create_ray_engine_client(ServerArgs(**base, tp_size=tp, use_ray=True))
+            startup = time.perf_counter() - t0
+            try:
+                results[f"ray_tp{tp}"] = measure(client, ns, prompt) | {"startup_s": startup}
+                if tp == 1 and ns.num_prompts:
+                    results["ray_tp1"]["throughput"] = throughput(client, ns)
+            finally:
+                client.shutdown()
+                import ray
 
-                    ray.shutdown()
+                ray.shutdown()
 
     ref = results["inproc"]["tokens"]
     for r in results.values():
         toks = r.pop("tokens")
         r["tokens_equal_inproc"] = toks == ref
         r["tokens_agreeing_prefix"] = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), len(ref))
-    for path in ns.dispatch:
-        tp1, tp2 = results.get(f"ray_tp1_{path}"), results.get(f"ray_tp2_{path}")
-        if tp1 and tp2:
-            results[f"summary_{path}"] = {
-                "dispatch_overhead_ms": tp1["decode_step_ms"] - results["inproc"]["decode_step_ms"],
-                "tp2_over_tp1_step_ratio": tp2["decode_step_ms"] / tp1["decode_step_ms"]}
-    rows = [(k, v["decode_step_ms"]) for k, v in results.items() if "decode_step_ms" in v]
-    rows += [(f"{k} {m}", v[m]) for k, v in results.items() if k.startswith("summary") for m in v]
-    print_table("batch-1 decode step (ms) and TP/dispatch summary", rows)
+    inproc, tp1, tp2 = results["inproc"], results.get("ray_tp1"), results.get("ray_tp2")
+    summary: dict[str, Any] = {}
+    for bs in ns.batch:
+        key = f"decode_step_ms_bs{bs}"
+        if tp1:
+            summary[f"ray_tp1_overhead_ms_bs{bs}"] = tp1[key] - inproc[key]
+        if tp2:
+            summary[f"ray_tp2_over_inproc_tp1_bs{bs}"] = tp2[key] / inproc[key]
+    if tp1 and "throughput" in tp1:
+        summary["ray_tp1_over_inproc_throughput"] = (tp1["throughput"]["requests_per_s"]
+                                                     / inproc["throughput"]["requests_per_s"])
+        summary["ray_tp1_device_idle_fraction"] = tp1["throughput"]["device_idle_fraction"]
+        summary["inproc_device_idle_fraction"] = inproc["throughput"]["device_idle_fraction"]
+    results["summary"] = summary
+    rows = [(f"{k} {m}", v[m]) for k, v in results.items() for m in v
+            if m.startswith("decode_step_ms_bs") and not m.endswith("each")]
+    rows += [(f"summary {m}", v) for m, v in summary.items() if v is not None]
+    print_table("decode step (ms), throughput, and the Ray path against in-process", rows)
     out = write_result(ns.out, "tp_ray", results, vars(ns), argv)
     print(f"wrote {out}")
     return 0

@@ -232,3 +232,11 @@ def _finish_configs(out: Path, chat_template: str) -> None:
     # safetensors writes 0600; a cache shared between users (containers, CI) needs readable files.
     for path in out.iterdir():
         path.chmod(0o644)
+
+
+def resolve_model(model_path: str | None, served_model_name: str | None = None) -> tuple[str, str]:
+    """(model folder, served model name): the given folder, or the embedded default model (fetched and
+    converted on first use); the name defaults to the folder's last component."""
+    if model_path is None:
+        return str(ensure_default_model()), served_model_name or DEFAULT_MODEL_NAME
+    return model_path, served_model_name or model_path.rstrip("/").split("/")[-1]

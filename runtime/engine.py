@@ -14,10 +14,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from runtime.config import ServerArgs
+from runtime.default_model import resolve_model
 from runtime.engine_client import EngineClient
 from runtime.errors import EngineUnavailableError, InvalidRequestError
 from runtime.logging_setup import setup_logging
-from runtime.managers.scheduler import Scheduler
+from runtime.managers.scheduler_host import SchedulerHost
 from runtime.messages import FinishReason, GenerateRequest, RequestOutput, SchedulerStats
 from runtime.model_executor.tp_worker import TpWorker
 from runtime.sampling.params import SamplingParams
@@ -31,35 +32,21 @@ class Engine(EngineClient):
             server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         self.args = server_args
         setup_logging(server_args.log_level)
-        path = server_args.model_path
-        if path is None:
-            from runtime.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-
-            path = str(ensure_default_model())
-            self.model_name = server_args.served_model_name or DEFAULT_MODEL_NAME
-        else:
-            self.model_name = server_args.served_model_name or path.rstrip("/").split("/")[-1]
-        self.model_path = path
-        self.worker = TpWorker(server_args, path)
+        self.model_path, self.model_name = resolve_model(server_args.model_path, server_args.served_model_name)
+        self.worker = TpWorker(server_args, self.model_path)
         info = self.worker.info()
-        self._tokenizer = load_tokenizer(server_args.tokenizer_path or path, tuple(info.eos_token_ids),
+        self._tokenizer = load_tokenizer(server_args.tokenizer_path or self.model_path, tuple(info.eos_token_ids),
                                          server_args.chat_template)
         self.context_len = info.context_len
-        self.scheduler = Scheduler(
-            server_args, self.worker, max_total_tokens=info.max_total_tokens, max_reqs=info.max_reqs,
-            context_len=info.context_len, vocab_size=info.vocab_size,
-            eos_token_ids=self._tokenizer.eos_token_ids,
-            sink=self._on_outputs, decode_text=None if self._tokenizer.is_null else self._tokenizer.decode,
-            overlap=not server_args.disable_overlap_schedule and info.device.startswith("cuda"))
+        self.host = SchedulerHost(server_args, self.worker, info, self._tokenizer.eos_token_ids, self._on_outputs,
+                                  None if self._tokenizer.is_null else self._tokenizer.decode)
+        self.scheduler = self.host.scheduler
         self._consumers: dict[str, Callable[[RequestOutput], None]] = {}
         # The scheduler thread claims a consumer with a request's final output while a stream closing
         # early on the loop swaps its own for _discard: one lock so the swap never outlives the claim.
         self._consumers_lock = threading.Lock()
         self._ids = itertools.count()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self.scheduler.run_forever, args=(self._stop,),
-                                        name="shoal-scheduler", daemon=True)
-        self._thread.start()
+        self.host.start()
 
     # ---- EngineClient ---------------------------------------------------------------------------
     @property
@@ -67,10 +54,10 @@ class Engine(EngineClient):
         return self._tokenizer
 
     def is_ready(self) -> bool:
-        return self._thread.is_alive() and not self._stop.is_set()
+        return self.host.is_running()
 
     def validate(self, req: GenerateRequest) -> GenerateRequest:
-        return self.scheduler.validate(req)
+        return self.host.validate(req)
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if req.rid in self._consumers:  # a second consumer would steal the first one's outputs
@@ -79,7 +66,7 @@ class Engine(EngineClient):
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         consumer = self._consumers[req.rid] = _AsyncConsumer(loop, q)
         self._check_ready([req.rid])
-        self.scheduler.submit(req)
+        self.host.submit(req)
         done = False
         try:
             while not done:
@@ -98,18 +85,17 @@ class Engine(EngineClient):
                     if running:
                         self._consumers[req.rid] = _discard
                 if running:
-                    self.scheduler.abort(req.rid)
+                    self.host.abort(req.rid)
 
     async def abort(self, rid: str) -> None:
-        self.scheduler.abort(rid)
+        self.host.abort(rid)
 
     async def stats(self) -> SchedulerStats:
         return await asyncio.to_thread(self.get_stats)  # waits for the step in progress: not on the loop
 
     # ---- Python API -----------------------------------------------------------------------------
     def get_stats(self) -> SchedulerStats:
-        with self.scheduler.lock:
-            return self.scheduler.get_stats()
+        return self.host.stats()
 
     def make_request(self, prompt: str | None = None, input_ids: list[int] | None = None,
                      sampling_params: dict | SamplingParams | None = None, return_input_logprob: bool = False,
@@ -136,7 +122,7 @@ class Engine(EngineClient):
             self._consumers[r.rid] = qs[r.rid].put
         self._check_ready([r.rid for r in reqs])
         for r in reqs:
-            self.scheduler.submit(r)
+            self.host.submit(r)
         results = []
         for r in reqs:
             collector = _Collector(self._tokenizer, r)
@@ -194,8 +180,7 @@ class Engine(EngineClient):
             raise EngineUnavailableError("the engine is shut down")
 
     def shutdown(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
+        stopped = self.host.stop()
         # The scheduler is gone: whoever still waits on a request would wait forever.
         for rid in list(self._consumers):
             cb = self._consumers.pop(rid, None)
@@ -206,7 +191,7 @@ class Engine(EngineClient):
                                  finish_reason=FinishReason("abort", message="the engine shut down")))
             except RuntimeError:  # that stream's event loop is already closed: nobody is waiting
                 pass
-        if not self._thread.is_alive():
+        if stopped:
             self.worker.release()  # so a next Engine in this process gets the GPU memory
 
     def __enter__(self) -> Engine:

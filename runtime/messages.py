@@ -141,6 +141,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     cache_query_tokens: int = 0
     waiting_tokens: int = 0  # prompt tokens still to prefill; least_load routing uses it
     device_busy_s: float = 0.0  # summed device time of all batches: 1 - busy/wall is the idle fraction
+    overlap: bool = False  # overlap scheduling on (the worker runs asynchronously)
 
     @property
     def kv_usage_ratio(self) -> float:

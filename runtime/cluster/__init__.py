@@ -3,12 +3,13 @@
     gateway (aiohttp, in the driver, a GatewayActor, or a Ray Serve replica)
       └─ RayEngineClient          routes each request to a replica (RoutingPolicy), pumps its output
            │                      deltas back, health-checks replicas and relaunches dead ones
-           ▼  GenerateRequest / AbortRequest / OutputPoll (msgspec Structs)
-      SchedulerActor (one per DP replica, or per DP rank with DP attention)
-           │  hosts runtime.managers.scheduler.Scheduler on a thread; WorkerGroup is its WorkerClient
-           ▼  one msgpack-encoded WorkerBatch per step to every TP rank, BatchResult back from rank 0
-      TpWorkerActor (one per GPU / TP rank): torch.distributed group of the replica + TpWorker
+           ▼  GenerateRequest / abort / OutputPoll (msgspec Structs, Ray actor calls)
+      SchedulerActor = TP rank 0 (one per DP replica, or per DP rank with DP attention): a SchedulerHost
+           │  (the Engine's own scheduler thread) over rank 0's in-process TpWorker — no RPC per step
+           ▼  one msgpack WorkerBatch per step, broadcast over a gloo StepChannel (BroadcastWorker)
+      TpWorkerActor (TP ranks 1..N-1): follows each step; NCCL collectives keep the ranks' logits equal
 
-A replica's actors sit in one placement group (a bundle per TP rank). launch.create_ray_engine_client
-builds all of it; runtime.entrypoints.ray_serve puts the gateway behind Ray Serve. Nothing here is imported by the layers
-below (scheduler, worker, model); they run unchanged inside the actors."""
+A replica's actors sit in one placement group (a bundle per TP rank); each holds one GPU as far as
+Ray's scheduler is concerned. launch.create_ray_engine_client builds all of it; runtime.entrypoints
+puts the gateway in front (the CLI, a GatewayActor, or Ray Serve). Nothing here is imported by the
+layers below (scheduler, worker, model); they run unchanged inside the actors."""

@@ -1,10 +1,11 @@
 """Launching the Ray runtime: join or start a cluster, reserve a placement group per replica, start each
 replica's actors, and hand back a RayEngineClient (what `shoal serve` uses when args.uses_ray).
 
-Startup of one replica group: TP worker actors in the group's bundles → rank 0 picks the rendezvous
-address → every rank joins the torch.distributed group and loads its shard (concurrently) → scheduler
-actor(s) with the workers' WorkerInfo. Groups launch in parallel; a dead group is relaunched the same
-way into the same placement group."""
+Startup of one replica group: one actor per rank in the group's bundles — rank 0 a SchedulerActor, the
+others TpWorkerActors (with DP attention every rank is a SchedulerActor) → rank 0 picks the rendezvous
+address → every rank joins the torch.distributed group and loads its shard (concurrently) → the
+scheduler actors start, and with them the other ranks' follow loops. Groups launch in parallel; a dead
+group is relaunched the same way into the same placement group."""
 
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from runtime.errors import ServerArgsError
 logger = logging.getLogger(__name__)
 
 LOCAL_OBJECT_STORE_BYTES = 512 << 20  # only small messages travel: the 30%-of-RAM default is waste
-DISPATCH_ENV = "SHOAL_RAY_DISPATCH"  # overrides the dispatch path: "actor" or "compiled" (worker_group.py)
 
 
 def init_ray(args: ServerArgs, num_bundles: int = 1) -> bool:
@@ -71,8 +71,7 @@ class ReplicaLauncher:
     """Starts (and restarts) replica groups. Plain DP: dp_size groups of tp_size ranks. DP attention:
     one group of dp_size ranks, each with its own scheduler, the MLP split across all of them."""
 
-    def __init__(self, args: ServerArgs, model_path: str, replica_resources: list[dict[str, float]] | None = None,
-                 dispatch: str | None = None):
+    def __init__(self, args: ServerArgs, model_path: str, replica_resources: list[dict[str, float]] | None = None):
         import ray
 
         self.args, self.model_path = args, model_path
@@ -88,10 +87,6 @@ class ReplicaLauncher:
             self.use_gpu = ray.cluster_resources().get("GPU", 0) > 0
         else:
             self.use_gpu = args.device == "cuda"
-        # benchmarks/bench_dispatch.py: a compiled graph cuts ~1 ms of per-step overhead to ~0.13 ms but
-        # each idle worker busy-polls a core. GPU hosts have the cores and their steps are short enough
-        # for 1 ms to matter; on a CPU host the spinning would starve the forward itself.
-        self.dispatch = dispatch or os.environ.get(DISPATCH_ENV) or ("compiled" if self.use_gpu else "actor")
         self.pgs = [placement.create_placement_group(
             self.ranks, args.placement, self.use_gpu, name=f"shoal-replica-{g}-{os.getpid()}",
             extra=replica_resources[g] if replica_resources else None) for g in range(self.num_groups)]
@@ -105,62 +100,53 @@ class ReplicaLauncher:
         import ray
 
         from runtime.cluster.scheduler_actor import SchedulerActor
+        from runtime.cluster.tp_rank import RankSpec
         from runtime.cluster.tp_worker_actor import TpWorkerActor
 
         pg = self.pgs[g]
-        worker_cls = ray.remote(TpWorkerActor)
-        workers = [worker_cls.options(num_cpus=1, num_gpus=1 if self.use_gpu else 0, max_restarts=0,
-                                      scheduling_strategy=placement.bundle_strategy(pg, r)).remote(
-                       self.args, self.model_path, r, self.ranks, self.dp_attention) for r in range(self.ranks)]
-        schedulers: list[Any] = []
+        leads = [self.dp_attention or r == 0 for r in range(self.ranks)]  # ranks that run a scheduler
+        actors = []
+        for r, lead in enumerate(leads):
+            options: dict[str, Any] = dict(num_cpus=1, num_gpus=1 if self.use_gpu else 0, max_restarts=0,
+                                           scheduling_strategy=placement.bundle_strategy(pg, r))
+            if not lead:
+                options["max_concurrency"] = 2  # ping() answers while serve() runs
+            cls = ray.remote(SchedulerActor if lead else TpWorkerActor)
+            actors.append(cls.options(**options).remote(self.args, self.model_path,
+                                                        RankSpec(r, self.ranks, self.dp_attention)))
+        schedulers = [a for a, lead in zip(actors, leads) if lead]
         try:
-            addr, port = ray.get(workers[0].endpoint.remote())
-            infos = ray.get([w.init.remote(addr, port) for w in workers])
-            sched_cls = ray.remote(SchedulerActor)
-            if self.dp_attention:
-                plan = [([workers[r]], infos[r], f"dp rank {r}", r) for r in range(self.ranks)]
-            else:
-                plan = [(workers, infos[0], f"replica {g}", 0)]
-            for ws, info, name, bundle in plan:
-                schedulers.append(sched_cls.options(
-                    num_cpus=0, max_restarts=0, scheduling_strategy=placement.bundle_strategy(pg, bundle),
-                ).remote(self.args, self.model_path, ws, info, name, self.dispatch))
-            ray.get([s.ready.remote() for s in schedulers])
+            addr, port = ray.get(actors[0].endpoint.remote())
+            infos = ray.get([a.init.remote(addr, port) for a in actors])
+            followers = [a for a, lead in zip(actors, leads) if not lead]
+            names = [f"dp rank {r}" for r in range(self.ranks)] if self.dp_attention else [f"replica {g}"]
+            ray.get([s.start.remote(name, followers) for s, name in zip(schedulers, names)])
         except BaseException:
-            ReplicaGroup(g, workers, schedulers, None, generation).kill()  # type: ignore[arg-type]
+            ReplicaGroup(g, actors, schedulers, None, generation).kill()  # type: ignore[arg-type]
             raise
-        logger.info("replica group %d up: %d rank(s), %s, KV pool %d tokens, dispatch %s", g, self.ranks,
-                    "GPU" if self.use_gpu else "CPU", infos[0].max_total_tokens, self.dispatch)
-        return ReplicaGroup(g, workers, schedulers, infos[0], generation)
+        logger.info("replica group %d up: %d rank(s), %s, KV pool %d tokens", g, self.ranks,
+                    "GPU" if self.use_gpu else "CPU", infos[0].max_total_tokens)
+        return ReplicaGroup(g, actors, schedulers, infos[0], generation)
 
     def shutdown(self) -> None:
         for pg in self.pgs:
             placement.remove(pg)
 
 
-def resolve_model(args: ServerArgs) -> tuple[str, str]:
-    """(model folder, served model name), fetching the embedded default model when none is given."""
-    if args.model_path is None:
-        from runtime.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-
-        return str(ensure_default_model()), args.served_model_name or DEFAULT_MODEL_NAME
-    return args.model_path, args.served_model_name or args.model_path.rstrip("/").split("/")[-1]
-
-
 def create_ray_engine_client(args: ServerArgs, *, replica_resources: list[dict[str, float]] | None = None,
-                             dispatch: str | None = None) -> EngineClient:
+                             ) -> EngineClient:
     """Starts every replica on Ray and returns the client the gateway serves through.
-    replica_resources: extra custom resources per replica's bundles (pins replicas to nodes).
-    dispatch: "actor" | "compiled" (default: $SHOAL_RAY_DISPATCH, else compiled on GPU, actor on CPU)."""
+    replica_resources: extra custom resources per replica's bundles (pins replicas to nodes)."""
     from runtime.cluster.ray_engine_client import RayEngineClient
+    from runtime.default_model import resolve_model
     from runtime.text.tokenizer import load_tokenizer
 
-    model_path, model_name = resolve_model(args)
+    model_path, model_name = resolve_model(args.model_path, args.served_model_name)
     bundles = args.dp_size * (1 if args.enable_dp_attention else args.tp_size)
     owns_ray = init_ray(args, bundles)
     launcher = None
     try:
-        launcher = ReplicaLauncher(args, model_path, replica_resources, dispatch)
+        launcher = ReplicaLauncher(args, model_path, replica_resources)
         groups = launcher.launch_all()
         tokenizer = load_tokenizer(args.tokenizer_path or model_path, tuple(groups[0].info.eos_token_ids),
                                    args.chat_template)

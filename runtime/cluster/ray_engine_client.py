@@ -23,6 +23,7 @@ from runtime.cluster.routing import ReplicaLoad, create_routing_policy
 from runtime.config import ServerArgs
 from runtime.engine_client import EngineClient
 from runtime.errors import EngineUnavailableError, InvalidRequestError
+from runtime.managers.request_validation import RequestLimits, validate_request
 from runtime.messages import FinishReason, GenerateRequest, ModeStats, RequestOutput, SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -41,21 +42,6 @@ class _Stream:
             pass
 
 
-@dataclass
-class _KvLimits:
-    size: int
-
-
-@dataclass
-class _Limits:
-    """The replica limits Scheduler.validate reads (context_len, vocab_size, kv.size): validating here
-    with the scheduler's own checks means a bad request never crosses an actor boundary."""
-
-    context_len: int
-    vocab_size: int
-    kv: _KvLimits
-
-
 def _error_output(rid: str, message: str) -> RequestOutput:
     return RequestOutput(rid=rid, new_token_ids=[], finished=True, finish_reason=FinishReason("error", message=message))
 
@@ -69,7 +55,7 @@ class RayEngineClient(EngineClient):
         self._tokenizer = tokenizer
         info = groups[0].info
         self.context_len = info.context_len
-        self._limits = _Limits(info.context_len, info.vocab_size, _KvLimits(min(g.info.max_total_tokens for g in groups)))
+        self._limits = RequestLimits(info.context_len, info.vocab_size, min(g.info.max_total_tokens for g in groups))
         self.policy = create_routing_policy(args.routing_policy)
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
         self.owns_ray = owns_ray
@@ -100,9 +86,7 @@ class RayEngineClient(EngineClient):
         return not self._closing and self._thread.is_alive() and any(r.alive for r in self.replicas)
 
     def validate(self, req: GenerateRequest) -> GenerateRequest:
-        from runtime.managers.scheduler import Scheduler
-
-        return Scheduler.validate(self._limits, req)  # type: ignore[arg-type]
+        return validate_request(self._limits, req)
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if self._closing:

@@ -15,15 +15,15 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ReplicaGroup:
     index: int
-    workers: list[Any]  # TpWorkerActor handles, by rank
-    schedulers: list[Any]  # SchedulerActor handles: one per routing target
+    workers: list[Any]  # one actor per rank: rank 0 (and with DP attention every rank) a SchedulerActor
+    schedulers: list[Any]  # the SchedulerActors among them: one per routing target
     info: WorkerInfo
     generation: int = 0  # bumped on every relaunch
 
     def kill(self) -> None:
         import ray
 
-        for actor in [*self.schedulers, *self.workers]:
+        for actor in self.workers:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # already dead

@@ -1,22 +1,29 @@
-"""SchedulerActor: one replica's (or DP rank's) Scheduler as an async Ray actor.
+"""SchedulerActor: one replica's scheduler — or one DP-attention rank's — as an async Ray actor that is
+also TP rank 0: it holds that rank's GPU and TpWorker in its own process, so a step is a local call,
+overlap scheduling works as in the in-process Engine (the same SchedulerHost), and the other ranks
+(TpWorkerActors) follow each step over a StepChannel (BroadcastWorker).
 
-The Scheduler runs unchanged on a background thread with a WorkerGroup over the replica's TP actors as
-its WorkerClient. Outputs reach clients through a pump rather than a call per token: each client
-(consumer) long-polls `poll()`, which returns every delta produced for that consumer's requests since
-its last poll — one actor call per step for the whole batch however many requests stream. When the
-worker group fails, in-flight requests end with an error delta and every later poll says unhealthy."""
+Outputs reach clients through a pump rather than a call per token: each client (consumer) long-polls
+`poll()`, which returns every delta produced for that consumer's requests since its last poll — one
+actor call per step for the whole batch however many requests stream. A watcher thread awaits the
+other ranks' follow loops: a rank that dies or fails ends the replica's requests with an error naming
+it, and every later poll says unhealthy (the client then relaunches the replica)."""
 
 from __future__ import annotations
 
 import asyncio
-import queue
+import logging
 import threading
 from typing import Any
 
 import msgspec
 
+from runtime.cluster.tp_rank import RankSpec, TpRank, endpoint
 from runtime.config import ServerArgs
+from runtime.errors import EngineUnavailableError
 from runtime.messages import FinishReason, GenerateRequest, RequestOutput, SchedulerStats, WorkerInfo
+
+logger = logging.getLogger(__name__)
 
 
 class OutputPoll(msgspec.Struct, kw_only=True):
@@ -28,29 +35,48 @@ class OutputPoll(msgspec.Struct, kw_only=True):
 
 
 class SchedulerActor:
-    def __init__(self, args: ServerArgs, model_path: str, workers: list[Any], info: WorkerInfo,
-                 name: str = "replica 0", dispatch: str = "actor"):
-        from runtime.cluster.worker_group import WorkerGroup
-        from runtime.managers.scheduler import Scheduler
-        from runtime.text.tokenizer import Tokenizer
-
-        self.name = name
-        self.tokenizer = Tokenizer(args.tokenizer_path or model_path, tuple(info.eos_token_ids))
-        self._stop = threading.Event()
-        self.group = WorkerGroup(workers, dispatch, name, on_failure=lambda _e: self._stop.set())
-        self.scheduler = Scheduler(
-            args, self.group, max_total_tokens=info.max_total_tokens, max_reqs=info.max_reqs,
-            context_len=info.context_len, vocab_size=info.vocab_size,
-            eos_token_ids=self.tokenizer.eos_token_ids, sink=self._sink,
-            decode_text=lambda ids: self.tokenizer.decode(ids))
+    def __init__(self, args: ServerArgs, model_path: str, spec: RankSpec):
+        self.args, self.model_path, self.spec = args, model_path, spec
+        self.name = f"rank {spec.rank}"
+        self.rank: TpRank | None = None
+        self.host: Any = None  # SchedulerHost, once started
+        self.group: Any = None  # BroadcastWorker when other ranks follow this one
+        self.failed: EngineUnavailableError | None = None
+        self._followers: list[Any] = []
         self._lock = threading.Lock()
         self._owner: dict[str, str] = {}  # rid → consumer that submitted it
         self._pending: dict[str, list[RequestOutput]] = {}  # consumer → deltas not yet polled
         self._wakeups: dict[str, asyncio.Event] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=self.scheduler.run_forever, args=(self._stop,),
-                                        name=f"shoal-scheduler-{name}", daemon=True)
-        self._thread.start()
+
+    # ---- start-up (called by the launcher, in this order) -----------------------------------------
+    def endpoint(self) -> tuple[str, int]:
+        return endpoint()
+
+    def init(self, master_addr: str, master_port: int) -> WorkerInfo:
+        self.rank = TpRank.join(self.args, self.model_path, self.spec, master_addr, master_port)
+        return self.rank.worker.info()
+
+    async def start(self, name: str, followers: list[Any]) -> str:
+        """Starts the scheduler (and the followers' loops): the replica serves from here on."""
+        from runtime.cluster.broadcast_worker import BroadcastWorker
+        from runtime.managers.scheduler_host import SchedulerHost
+        from runtime.text.tokenizer import Tokenizer
+
+        self.name, self._followers = name, list(followers)
+        self._loop = asyncio.get_running_loop()
+        worker = self.rank.worker
+        info = worker.info()
+        tokenizer = Tokenizer(self.args.tokenizer_path or self.model_path, tuple(info.eos_token_ids))
+        if self.rank.channel is not None:
+            self.group = worker = BroadcastWorker(worker, self.rank.channel, name, self._on_group_failure)
+        self.host = SchedulerHost(self.args, worker, info, tokenizer.eos_token_ids, self._sink,
+                                  lambda ids: tokenizer.decode(ids), name=f"shoal-scheduler-{name}")
+        if self._followers:
+            refs = [f.serve.remote() for f in self._followers]
+            threading.Thread(target=self._watch, args=(refs,), name=f"shoal-watch-{name}", daemon=True).start()
+        self.host.start()
+        return name
 
     # ---- scheduler thread → consumers -----------------------------------------------------------
     def _sink(self, outputs: list[RequestOutput]) -> None:
@@ -77,24 +103,22 @@ class SchedulerActor:
         return self.name
 
     def healthy(self) -> bool:
-        return self.group.failed is None and self._thread.is_alive()
+        return self.failed is None and self.host is not None and self.host.is_running()
 
     async def submit(self, req: GenerateRequest, consumer: str) -> None:
         """The request must have passed validation (RayEngineClient.validate)."""
-        self._loop = asyncio.get_running_loop()
         if not self.healthy():
             self._error_out([req.rid], consumer)
             return
         with self._lock:
             self._owner[req.rid] = consumer
-        self.scheduler.submit(req)
+        self.host.submit(req)
 
     async def abort(self, rid: str) -> None:
-        self.scheduler.abort(rid)
+        self.host.abort(rid)
 
     async def poll(self, consumer: str, timeout_s: float = 1.0) -> OutputPoll:
         """Deltas for `consumer`'s requests; waits up to timeout_s for the first one."""
-        self._loop = asyncio.get_running_loop()
         event = self._wakeups.setdefault(consumer, asyncio.Event())
         outputs = self._take(consumer)
         if not outputs and self.healthy():
@@ -106,40 +130,65 @@ class SchedulerActor:
                 except asyncio.TimeoutError:
                     pass
                 outputs = self._take(consumer)
-        if not self.healthy():
+        healthy = self.healthy()
+        if not healthy:
             self._fail_unstarted()
             outputs += self._take(consumer)
-        failed = self.group.failed
-        return OutputPoll(outputs=outputs, healthy=self.healthy(),
-                          error=str(failed) if failed else None if self.healthy() else "scheduler stopped")
+        error = None if healthy else str(self.failed) if self.failed else "scheduler stopped"
+        return OutputPoll(outputs=outputs, healthy=healthy, error=error)
 
     async def stats(self) -> SchedulerStats:
-        return await asyncio.to_thread(self._stats)
-
-    def _stats(self) -> SchedulerStats:
-        with self.scheduler.lock:  # held for a whole step: read off the event loop
-            return self.scheduler.get_stats()
+        return await asyncio.to_thread(self.host.stats)  # waits for the step in progress: off the loop
 
     async def health(self) -> bool:
         return self.healthy()
 
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def ping(self) -> bool:
+        return self.rank is not None
+
     async def shutdown(self) -> None:
-        self._stop.set()
-        await asyncio.to_thread(self._thread.join, 10)
+        if self.host is not None:
+            await asyncio.to_thread(self.host.stop)
+        if self.group is not None:
+            self.group.stop_peers()
 
     # ---- failure --------------------------------------------------------------------------------
+    def _watch(self, refs: list[Any]) -> None:
+        """Waits for any follower's loop to end; outside a clean shutdown that is a failed replica."""
+        import ray
+
+        from runtime.cluster.broadcast_worker import describe_exception
+
+        ready, _ = ray.wait(refs, num_returns=1)
+        rank = refs.index(ready[0]) + 1
+        try:
+            ray.get(ready[0])
+            reason = "its step loop ended"
+        except Exception as e:
+            reason = describe_exception(e)
+        if self.host is not None and self.host.is_running():
+            self.group.fail(f"TP worker rank {rank} of {self.name} failed: {reason}")
+
+    def _on_group_failure(self, error: EngineUnavailableError) -> None:
+        """Any thread: stop the scheduler, and kill the peers so none stays blocked in a collective."""
+        import ray
+
+        self.failed = error
+        self.host.request_stop()
+        for f in self._followers:
+            try:
+                ray.kill(f, no_restart=True)
+            except Exception:
+                logger.debug("ray.kill failed", exc_info=True)
+
     def _fail_unstarted(self) -> None:
         """After the scheduler thread stopped, requests still in its inbox would never be answered."""
-        if self._thread.is_alive():
-            return
-        rids = []
-        while True:
-            try:
-                kind, item = self.scheduler.inbox.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "add":
-                rids.append(item.rid)
+        rids = self.host.unstarted_rids() if self.host is not None else []
         with self._lock:
             owners = {rid: self._owner.pop(rid, None) for rid in rids}
         for rid, consumer in owners.items():
@@ -147,7 +196,7 @@ class SchedulerActor:
                 self._error_out([rid], consumer)
 
     def _error_out(self, rids: list[str], consumer: str) -> None:
-        message = str(self.group.failed) if self.group.failed else f"{self.name} is not serving"
+        message = str(self.failed) if self.failed else f"{self.name} is not serving"
         with self._lock:
             self._pending.setdefault(consumer, []).extend(
                 RequestOutput(rid=rid, new_token_ids=[], finished=True,

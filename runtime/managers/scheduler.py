@@ -13,37 +13,28 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
-
-import msgspec
 
 from runtime.config import ServerArgs
-from runtime.errors import ContextLengthError, InvalidRequestError
 from runtime.managers.kv_cache_manager import KVCacheManager
 from runtime.managers.policy import create_policy
 from runtime.managers.prefill import PrefillAdder
 from runtime.managers.req import Req, ReqState
+from runtime.managers.request_validation import RequestLimits, validate_request
 from runtime.managers.retract import Retractor
 from runtime.managers.schedule_batch import ScheduleBatch
 from runtime.managers.stats import ForwardModeStats
+from runtime.managers.worker_client import WorkerClient
 from runtime.messages import (
     BatchResult,
     FinishReason,
     GenerateRequest,
     RequestOutput,
     SchedulerStats,
-    WorkerBatch,
 )
 from runtime.model_executor.forward_mode import ForwardMode
 from runtime.text.detokenizer import stop_check_tail
 
 logger = logging.getLogger(__name__)
-
-
-class WorkerClient(Protocol):
-    """What the scheduler needs from its TP workers (one in-process TpWorker, or a group of actors)."""
-
-    def run_batch(self, batch: WorkerBatch) -> BatchResult: ...
 
 
 class Scheduler:
@@ -55,6 +46,7 @@ class Scheduler:
         self.context_len, self.vocab_size, self.eos_token_ids = context_len, vocab_size, eos_token_ids
         self.max_running = min(args.max_running_requests, max_reqs - 1)
         self.kv = KVCacheManager(max_total_tokens, max_reqs, context_len, enable_cache=args.radix_cache_enabled)
+        self.limits = RequestLimits(context_len, vocab_size, self.kv.size)
         self.policy = create_policy(args.schedule_policy, args.radix_cache_enabled)
         self.retractor = Retractor(args)
         self.prefill = PrefillAdder(args, self.kv, self.policy, self.retractor)
@@ -71,33 +63,15 @@ class Scheduler:
         self.batch_id = 0
         self.must_step = args.enable_dp_attention  # step (IDLE) even with no work of our own
         # Overlap scheduling: launch batch N+1 before collecting batch N, so the device never waits for
-        # the CPU. Needs a worker with launch_batch/finish_batch; DP attention keeps ranks in lockstep.
-        self.overlap = overlap and hasattr(worker, "launch_batch") and not self.must_step
+        # the CPU. Only where the worker runs asynchronously; DP attention keeps ranks in lockstep.
+        self.overlap = overlap and worker.can_overlap and not self.must_step
         self.pending: tuple[ScheduleBatch, object] | None = None
         self.gen_throughput = 0.0
         self.device_busy_s = 0.0
 
     # ---- requests in ----------------------------------------------------------------------------
     def validate(self, req: GenerateRequest) -> GenerateRequest:
-        n = len(req.input_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if n >= self.context_len:
-            raise ContextLengthError(n, req.sampling_params.max_new_tokens, self.context_len)
-        if n + 1 > self.kv.size:
-            raise InvalidRequestError(f"the prompt has {n} tokens but the KV pool holds only {self.kv.size}",
-                                      param="prompt")
-        for ids, param in ((req.input_ids, "prompt"), (req.sampling_params.logit_bias, "logit_bias")):
-            if (bad := next((t for t in ids if not 0 <= t < self.vocab_size), None)) is not None:
-                raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
-                                          param=param)
-        room = self.context_len - n
-        if req.sampling_params.max_new_tokens > room:
-            params = msgspec.structs.replace(req.sampling_params, max_new_tokens=room,
-                                             min_new_tokens=min(req.sampling_params.min_new_tokens, room))
-            req = GenerateRequest(rid=req.rid, input_ids=req.input_ids, sampling_params=params,
-                                  return_input_logprob=req.return_input_logprob, arrival_time=req.arrival_time)
-        return req
+        return validate_request(self.limits, req)
 
     def submit(self, req: GenerateRequest) -> None:
         """Thread-safe. The request must have passed validate()."""
@@ -394,5 +368,5 @@ class Scheduler:
             gen_throughput=self.gen_throughput, forward_modes=self.stats.snapshot(),
             retractions=self.stats.retractions, evictions=self.kv.evictions,
             cache_hit_tokens=self.prefill.cache_hit_tokens, cache_query_tokens=self.prefill.cache_query_tokens,
-            device_busy_s=self.device_busy_s,
+            device_busy_s=self.device_busy_s, overlap=self.overlap,
             waiting_tokens=sum(r.remaining_prefill for r in self.waiting))

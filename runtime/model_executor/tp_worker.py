@@ -12,9 +12,18 @@ from runtime.models.parallel_context import ParallelContext
 
 
 class TpWorker:
+    """A WorkerClient (runtime.managers.worker_client) for the rank it lives on."""
+
+    # launch_batch/finish_batch split every batch; on CUDA the launch returns before the device is done.
+    can_overlap = True
+
     def __init__(self, args: ServerArgs, model_path: str, ctx: ParallelContext | None = None,
                  device: torch.device | None = None):
         self.runner = ModelRunner(args, model_path, ctx, device)
+
+    def bind_thread(self) -> None:
+        if self.runner.device.type == "cuda":  # the current device is per thread
+            torch.cuda.set_device(self.runner.device)
 
     def info(self) -> WorkerInfo:
         r = self.runner

@@ -1,6 +1,7 @@
-"""TP=2 over two TpWorker actors (gloo) gives the same greedy tokens as the in-process TP=1 Engine
-(tiny llama, and qwen3 with its q/k norms: 4 heads / 2 KV heads split over the 2 ranks), through both
-dispatch paths (plain actor calls; a Ray compiled graph)."""
+"""TP=2 on Ray (rank 0 in the SchedulerActor, rank 1 a TpWorkerActor following each step over the
+gloo StepChannel) gives the same greedy tokens as the in-process TP=1 Engine (tiny llama, and qwen3 with
+its q/k norms: 4 heads / 2 KV heads split over the 2 ranks); with a chunked prefill long enough that its
+batch takes the channel's second broadcast."""
 
 from __future__ import annotations
 
@@ -13,14 +14,16 @@ from runtime.messages import GenerateRequest
 
 pytestmark = pytest.mark.ray
 
-PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [300, 12, 99]]
+# The two long prompts prefill in one batch that encodes to more than the StepChannel's one broadcast.
+PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [300, 12, 99],
+           [(7 * i) % 390 + 3 for i in range(450)], [(11 * i) % 390 + 5 for i in range(450)]]
 
 
-@pytest.mark.parametrize(("arch", "dispatch", "load_format"), [
-    ("llama", "actor", "auto"), ("qwen3", "actor", "auto"), ("llama", "compiled", "auto"),
-    ("qwen2", "actor", "dummy"),  # dummy weights are the same model whatever the TP layout
+@pytest.mark.parametrize(("arch", "load_format"), [
+    ("llama", "auto"), ("qwen3", "auto"),
+    ("qwen2", "dummy"),  # dummy weights are the same model whatever the TP layout
 ])
-def test_tp2_matches_tp1(ray_local, tiny_model_dirs, arch, dispatch, load_format):
+def test_tp2_matches_tp1(ray_local, tiny_model_dirs, arch, load_format):
     from runtime import Engine
     from runtime.cluster.launch import create_ray_engine_client
 
@@ -29,7 +32,7 @@ def test_tp2_matches_tp1(ray_local, tiny_model_dirs, arch, dispatch, load_format
         expected = [engine.generate(input_ids=p, sampling_params={"max_new_tokens": 12, "temperature": 0})["output_ids"]
                     for p in PROMPTS]
     client = create_ray_engine_client(ServerArgs(model_path=path, tp_size=2, device="cpu", max_total_tokens=2048,
-                                                 load_format=load_format), dispatch=dispatch)
+                                                 load_format=load_format))
     try:
         assert client.is_ready()
         # Both ranks really run: two workers on the replica, and each got the same batches.
@@ -41,9 +44,9 @@ def test_tp2_matches_tp1(ray_local, tiny_model_dirs, arch, dispatch, load_format
             assert last.finished and last.finish_reason.kind == "length" and last.completion_tokens == 12
         stats = client.replica_stats_sync()[0]
         assert stats.forward_modes["DECODE"].batches > 0 and stats.num_running_reqs == 0
-        if dispatch == "actor" and arch == "llama":  # the client validates with the scheduler's own checks, before any actor call
+        if arch == "llama":  # the client validates with the scheduler's own checks, before any actor call
             with pytest.raises(ContextLengthError):
-                client.validate(GenerateRequest(rid="long", input_ids=[5] * 600, sampling_params=greedy(4)))
+                client.validate(GenerateRequest(rid="long", input_ids=[5] * 1100, sampling_params=greedy(4)))
             with pytest.raises(InvalidRequestError):
                 client.validate(GenerateRequest(rid="oov", input_ids=[10**6], sampling_params=greedy(4)))
     finally:

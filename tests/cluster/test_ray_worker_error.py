@@ -1,45 +1,45 @@
-"""A TP rank whose step raises: the step fails at once with an EngineUnavailableError that names the
-worker's own exception and message (not only Ray's wrapper line), through both dispatch paths, and the
-group stays failed."""
+"""A TP rank whose step raises: the replica's requests end at once with an error that names the rank
+and its own exception (not only Ray's wrapper line), the replica reports unhealthy, and the client
+relaunches it; the relaunched replica serves."""
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+import time
 
-from runtime.cluster.worker_group import WorkerGroup
-from runtime.errors import EngineUnavailableError
-from runtime.messages import WorkerBatch
-from runtime.model_executor.forward_mode import ForwardMode
+import pytest
+from ray_helpers import collect, greedy
+
+from runtime.config import ServerArgs
+from runtime.messages import GenerateRequest
 
 pytestmark = pytest.mark.ray
 
 
-def failing_worker_class() -> type:
-    """Defined in a function so Ray ships it by value (the workers cannot import this test module)."""
+def test_follower_exception_is_named_and_the_replica_recovers(ray_local, tiny_llama):
+    from runtime.cluster.launch import create_ray_engine_client
 
-    class FailingWorker:
-        def run_batch(self, data: bytes) -> bytes:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered\nsecond line of detail")
+    client = create_ray_engine_client(ServerArgs(model_path=str(tiny_llama), tp_size=2, device="cpu",
+                                                 max_total_tokens=2048))
+    try:
+        import ray
 
-        def ping(self) -> bool:
-            return True
-
-    return FailingWorker
-
-
-@pytest.mark.parametrize("dispatch", ["actor", "compiled"])
-def test_worker_exception_is_named_in_the_error(ray_local, dispatch):
-    import ray
-
-    workers = [ray.remote(failing_worker_class()).options(num_cpus=0).remote() for _ in range(2)]
-    group = WorkerGroup(workers, dispatch=dispatch, name="replica 7")
-    batch = WorkerBatch(batch_id=1, forward_mode=int(ForwardMode.IDLE), input_ids=[], req_pool_indices=[],
-                        seq_lens=[], prefix_lens=[], out_cache_loc=[])
-    with pytest.raises(EngineUnavailableError) as info:
-        group.run_batch(batch)
-    msg = str(info.value)
-    assert "of replica 7 failed" in msg
-    assert "RuntimeError: CUDA error: an illegal memory access was encountered" in msg
-    assert "second line" not in msg
-    with pytest.raises(EngineUnavailableError):  # stays failed, without another call to the ranks
-        group.run_batch(batch)
+        follower = client.groups[0].workers[1]
+        ray.get(follower.inject_fault.remote(2, "CUDA error: an illegal memory access was encountered\nsecond line"))
+        ids, last = asyncio.run(collect(client, GenerateRequest(rid="doomed", input_ids=[5, 6, 7],
+                                                                 sampling_params=greedy(50, ignore_eos=True))))
+        assert last.finished and last.finish_reason.kind == "error", last
+        msg = last.finish_reason.message
+        assert "TP worker rank 1 of replica 0 failed" in msg, msg
+        assert "RuntimeError: CUDA error: an illegal memory access was encountered" in msg
+        assert "second line" not in msg and len(ids) < 50
+        deadline = time.monotonic() + 90  # the client notices at its next poll, then relaunches
+        while client.restarts == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert client.restarts == 1
+        client.wait_until_healthy(timeout_s=90)
+        ids, last = asyncio.run(collect(client, GenerateRequest(rid="after", input_ids=[5, 6, 7],
+                                                                 sampling_params=greedy(6))))
+        assert last.finish_reason.kind == "length" and len(ids) == 6
+    finally:
+        client.shutdown()

@@ -1,5 +1,6 @@
-"""TP=2 over two GPUs (NCCL between two TpWorker actors) gives the in-process TP=1 Engine's greedy tokens,
-through both dispatch paths.
+"""TP=2 over two GPUs (rank 0 in the SchedulerActor, rank 1 a TpWorkerActor following over the
+StepChannel; NCCL between them) gives the in-process TP=1 Engine's greedy tokens, with overlap
+scheduling on (the replica reports it).
 
 fp32: exactly equal (the two summation orders cannot flip an argmax of a random model).
 bf16: TP=2 sums the row-parallel partials in another order, so on random weights an argmax whose top two
@@ -93,20 +94,20 @@ def test_ray_tp2_nccl_matches_tp1(gpu_model, ray_gpus):
         expected = [engine.generate(input_ids=p, sampling_params={"max_new_tokens": 16, "temperature": 0})["output_ids"]
                     for p in PROMPTS]
     torch.cuda.empty_cache()
-    for dispatch in ("actor", "compiled"):
-        client = create_ray_engine_client(ServerArgs(**base, tp_size=2), dispatch=dispatch)
-        try:
-            assert client.groups[0].info.device.startswith("cuda")
-            reqs = [GenerateRequest(rid=f"{dispatch}-{i}", input_ids=p,
-                                    sampling_params=SamplingParams(max_new_tokens=16, temperature=0.0))
-                    for i, p in enumerate(PROMPTS)]
+    client = create_ray_engine_client(ServerArgs(**base, tp_size=2))
+    try:
+        assert client.groups[0].info.device.startswith("cuda")
+        reqs = [GenerateRequest(rid=f"tp2-{i}", input_ids=p,
+                                sampling_params=SamplingParams(max_new_tokens=16, temperature=0.0))
+                for i, p in enumerate(PROMPTS)]
 
-            async def run_all(reqs=reqs, client=client):
-                return await asyncio.gather(*(_collect(client, r) for r in reqs))
+        async def run_all():
+            return await asyncio.gather(*(_collect(client, r) for r in reqs))
 
-            assert asyncio.run(run_all()) == expected, dispatch
-        finally:
-            client.shutdown()
+        assert asyncio.run(run_all()) == expected
+        assert client.replica_stats_sync()[0].overlap  # the Ray replica overlaps like the Engine
+    finally:
+        client.shutdown()
 
 
 def test_ray_tp2_nccl_bf16_departs_only_at_near_ties(gpu_model, ray_gpus):
@@ -130,7 +131,7 @@ def test_ray_tp2_nccl_bf16_departs_only_at_near_ties(gpu_model, ray_gpus):
     with Engine(server_args=ServerArgs(**base)) as engine:
         expected = asyncio.run(run_all(engine, reqs("tp1")))
     torch.cuda.empty_cache()
-    client = create_ray_engine_client(ServerArgs(**base, tp_size=2), dispatch="compiled")
+    client = create_ray_engine_client(ServerArgs(**base, tp_size=2))
     try:
         got = asyncio.run(run_all(client, reqs("tp2")))
     finally:

@@ -11,7 +11,7 @@ import socket
 import pytest
 import torch
 
-from runtime.cluster.tp_worker_actor import local_gpu_index
+from runtime.cluster.tp_rank import local_gpu_index
 from runtime.distributed import ParallelGroup
 from runtime.models.parallel_context import ParallelContext
 

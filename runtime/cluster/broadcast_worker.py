@@ -1,0 +1,78 @@
+"""BroadcastWorker: rank 0's WorkerClient when its TP group has other ranks. Every batch is encoded
+once and broadcast over the StepChannel before rank 0 launches its own share, so all ranks start the
+step together with no RPC. Any failure — of rank 0's own step, or reported for a peer by fail() — leaves
+the group failed for good: its ranks may be out of step, so only a relaunch can recover it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import msgspec
+
+from runtime.distributed.step_channel import StepChannel
+from runtime.errors import EngineUnavailableError
+from runtime.messages import BatchResult, WorkerBatch
+from runtime.model_executor.tp_worker import TpWorker
+
+logger = logging.getLogger(__name__)
+
+
+class BroadcastWorker:
+    def __init__(self, worker: TpWorker, channel: StepChannel, name: str,
+                 on_failure: Callable[[EngineUnavailableError], None]):
+        self.worker, self.channel, self.name, self.on_failure = worker, channel, name, on_failure
+        self.can_overlap = worker.can_overlap
+        self.failed: EngineUnavailableError | None = None
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def bind_thread(self) -> None:
+        self.worker.bind_thread()
+
+    def launch_batch(self, batch: WorkerBatch) -> object:
+        self._check()
+        try:
+            self.channel.send(self._encoder.encode(batch))
+            return self.worker.launch_batch(batch)
+        except Exception as e:
+            raise self._failure(e) from None
+
+    def finish_batch(self, launched: object) -> BatchResult:
+        self._check()
+        try:
+            return self.worker.finish_batch(launched)
+        except Exception as e:
+            raise self._failure(e) from None
+
+    def run_batch(self, batch: WorkerBatch) -> BatchResult:
+        return self.finish_batch(self.launch_batch(batch))
+
+    def fail(self, message: str) -> EngineUnavailableError:
+        """Marks the group failed (idempotent: the first reason wins) and tells the owner once."""
+        if self.failed is None:
+            self.failed = EngineUnavailableError(message)
+            logger.error("%s", message)
+            self.on_failure(self.failed)
+        return self.failed
+
+    def stop_peers(self) -> None:
+        """A clean shutdown: the other ranks' follow loops return."""
+        if self.failed is None:
+            self.channel.send_stop()
+
+    def _check(self) -> None:
+        if self.failed is not None:
+            raise self.failed
+
+    def _failure(self, e: Exception) -> EngineUnavailableError:
+        if self.failed is not None:  # a peer's death broke this step: report the peer, not the symptom
+            return self.failed
+        return self.fail(f"TP worker rank 0 of {self.name} failed: {describe_exception(e)}")
+
+
+def describe_exception(e: BaseException) -> str:
+    """'Type: first line' of an exception; a RayTaskError's own first line only names the remote method,
+    the worker's exception is its cause."""
+    cause = getattr(e, "cause", None) or e
+    text = str(cause).strip()
+    return f"{type(cause).__name__}: {text.splitlines()[0]}" if text else type(cause).__name__

@@ -1,0 +1,88 @@
+"""SchedulerHost: one Scheduler running on its own thread over a WorkerClient — what the in-process
+Engine and the Ray SchedulerActor both are around the scheduler. It builds the Scheduler from the
+worker's WorkerInfo, decides overlap scheduling, starts and stops the thread, reads stats under the
+scheduler's lock, and hands every step's output deltas to the owner's sink (on the scheduler thread)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+from runtime.config import ServerArgs
+from runtime.managers.request_validation import RequestLimits, validate_request
+from runtime.managers.scheduler import Scheduler
+from runtime.managers.worker_client import WorkerClient
+from runtime.messages import GenerateRequest, RequestOutput, SchedulerStats, WorkerInfo
+
+logger = logging.getLogger(__name__)
+
+
+def overlap_wanted(args: ServerArgs, worker: WorkerClient, info: WorkerInfo) -> bool:
+    """Overlap pays only where launching returns before the device is done (CUDA); on a CPU the
+    forward runs inside launch, so it would only delay each step's stop checks by one step."""
+    return not args.disable_overlap_schedule and worker.can_overlap and info.device.startswith("cuda")
+
+
+class SchedulerHost:
+    def __init__(self, args: ServerArgs, worker: WorkerClient, info: WorkerInfo, eos_token_ids: frozenset[int],
+                 sink: Callable[[list[RequestOutput]], None], decode_text: Callable[[list[int]], str] | None,
+                 name: str = "shoal-scheduler"):
+        self.worker = worker
+        self.limits = RequestLimits.of(info)
+        self.scheduler = Scheduler(
+            args, worker, max_total_tokens=info.max_total_tokens, max_reqs=info.max_reqs,
+            context_len=info.context_len, vocab_size=info.vocab_size, eos_token_ids=eos_token_ids, sink=sink,
+            decode_text=decode_text, overlap=overlap_wanted(args, worker, info))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        self.worker.bind_thread()
+        self.scheduler.run_forever(self._stop)
+
+    # ---- any thread -----------------------------------------------------------------------------
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def validate(self, req: GenerateRequest) -> GenerateRequest:
+        return validate_request(self.limits, req)
+
+    def submit(self, req: GenerateRequest) -> None:
+        self.scheduler.submit(req)
+
+    def abort(self, rid: str) -> None:
+        self.scheduler.abort(rid)
+
+    def stats(self) -> SchedulerStats:
+        """Waits for the step in progress (the lock is held for a whole step): call off event loops."""
+        with self.scheduler.lock:
+            return self.scheduler.get_stats()
+
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Stops the loop after its current step; True when the thread has ended."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def request_stop(self) -> None:
+        """Stops the loop without waiting (from a failure callback that may run on the loop itself)."""
+        self._stop.set()
+
+    def unstarted_rids(self) -> list[str]:
+        """Once the loop has ended: rids still in its inbox, which nobody will ever answer."""
+        if self._thread.is_alive():
+            return []
+        rids = []
+        while True:
+            try:
+                kind, item = self.scheduler.inbox.get_nowait()
+            except queue.Empty:
+                return rids
+            if kind == "add":
+                rids.append(item.rid)
