@@ -48,7 +48,11 @@ class ServerArgs:
     tp_size: int = _opt(1, "tensor-parallel ranks per replica")
     dp_size: int = _opt(1, "data-parallel replicas")
     enable_dp_attention: bool = _opt(False, "attention data-parallel, MLP tensor-parallel across all DP ranks")
-    use_ray: bool = _opt(False, "run on Ray actors even for tp=dp=1")
+    disable_custom_all_reduce: bool = _opt(False, "NCCL for every TP all-reduce (no symmetric-memory one-shot "
+                                                  "for the small ones inside CUDA graphs)")
+    use_ray: bool = _opt(False, "run on Ray actors even for tp=dp=1 (the default for `shoal serve` on a GPU)")
+    in_process: bool = _opt(False, "tp=dp=1: scheduler and worker in the server's own process, also on a GPU "
+                                   "(the default on CPU)")
     address: str | None = _opt(None, "Ray cluster address ('auto' joins a running one); default: start a local one")
     placement: str = _opt("pack", "placement of a replica's TP ranks across nodes", ("pack", "spread"))
     routing_policy: str = _opt("round_robin", "gateway routing across replicas", ("round_robin", "least_load", "prefix_hash"))
@@ -86,6 +90,9 @@ class ServerArgs:
                 raise ServerArgsError(_flag(f.name), f"must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}")
         if self.chat_template is not None:
             read_chat_template(self.chat_template)  # before any weights load: a bad one names the flag now
+        if self.in_process and self.uses_ray:
+            raise ServerArgsError("--in-process", "runs one replica of one rank without Ray: drop --tp-size, "
+                                                  "--dp-size, --address and --use-ray, or this flag")
         if self.enable_dp_attention and self.dp_size < 2:
             raise ServerArgsError("--enable-dp-attention", "needs --dp-size of 2 or more")
 

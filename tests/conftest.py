@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-# Torch on 2 shared cores collapses with 2 threads (NOTES.md); Triton kernels run in the interpreter on CPU.
+# Torch on 2 shared cores collapses with 2 threads (measured: 200-900 ms/token vs 60-72 ms with 1); Triton kernels run in the interpreter on CPU.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 if not torch.cuda.is_available():

@@ -36,7 +36,7 @@ def init_ray(args: ServerArgs, num_bundles: int = 1) -> bool:
     if args.address is not None:
         ray.init(address=args.address, log_to_driver=True)
         return True
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # makes Ray bind 127.0.0.1 (NOTES.md)
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # without it Ray binds the machine's own interface address, not loopback
     # Bundles are logical: a replica's CPU bundle is a scheduling slot, not a core it spins on.
     # address="local": a cluster of our own even when another runs on this machine (a bare ray.init()
     # would join that one, and then refuse num_cpus); joining is what --address auto is for.
@@ -111,6 +111,10 @@ class ReplicaLauncher:
                                            scheduling_strategy=placement.bundle_strategy(pg, r))
             if not lead:
                 options["max_concurrency"] = 2  # ping() answers while serve() runs
+            if self.use_gpu and self.ranks > 1 and not self.args.disable_custom_all_reduce:
+                # Symmetric memory maps every peer's buffer, so each rank must see every GPU of its node;
+                # Ray still gives each rank one GPU, which it finds by id (tp_rank.local_gpu_index).
+                options["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
             cls = ray.remote(SchedulerActor if lead else TpWorkerActor)
             actors.append(cls.options(**options).remote(self.args, self.model_path,
                                                         RankSpec(r, self.ranks, self.dp_attention)))

@@ -4,9 +4,9 @@ NVLink, and one kernel sums all peers' copies. On 2x H200 it takes 7.5 µs per c
 NCCL takes 18 µs (benchmarks/results/allreduce_2gpu.json), and a 32-layer decode step makes 64 calls.
 Eagerly it is slower than NCCL (its barrier costs more than a launch), so it only runs under capture.
 
-No serving path turns it on yet: given to Ray TP actors (made to see every GPU, which rendezvous needs)
-its first run on 2x H200 failed every request, cause not found. benchmarks/bench_tp_step.py and
-tests/gpu/test_symm_mem_all_reduce_gpu.py (exact sums, 64 calls per graph) use it directly."""
+The ModelRunner turns it on for TP on CUDA with graphs (--disable-custom-all-reduce turns it off); Ray
+TP ranks are made to see every GPU of their node, which the rendezvous needs. Two ranks' one-shot sum is
+a + b as NCCL's is (tests/gpu/test_symm_mem_all_reduce_gpu.py checks exact equality)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""create_engine_client: the one place that chooses between the in-process Engine and the Ray actors."""
+"""create_engine_client: the one place that chooses between the in-process Engine and the Ray actors.
+
+`shoal serve` runs the card's shape — scheduler and TP workers as Ray actors, the gateway in front — on a
+GPU machine, and everything in one process on a CPU (where Ray's processes would only compete for the
+few cores). --use-ray / --in-process override; TP, DP and --address always mean Ray."""
 
 from __future__ import annotations
 
@@ -8,7 +12,17 @@ from runtime.engine_client import EngineClient
 
 def runs_in_process(args: ServerArgs) -> bool:
     """True when the scheduler and the worker share this process (runtime.engine.Engine)."""
-    return not args.uses_ray
+    if args.uses_ray:
+        return False
+    return args.in_process or not _gpu_wanted(args.device)
+
+
+def _gpu_wanted(device: str) -> bool:
+    if device != "auto":
+        return device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def create_engine_client(args: ServerArgs) -> EngineClient:

@@ -48,6 +48,11 @@ class ModelRunner:
         if dtype == "auto" and self.device.type == "cpu":
             dtype = "float32"  # CPU bf16 matmuls are slow and drift from the HF fp32 reference
         self.model_config = ModelConfig.from_pretrained(model_path, dtype=dtype)
+        if self.device.type == "cuda" and not (args.disable_custom_all_reduce or args.disable_cuda_graph):
+            # Collective over the ranks: each gets a one-shot all-reduce for graph-sized activations,
+            # or all fall back to NCCL together (e.g. ranks on different nodes).
+            self.ctx = self.ctx.with_fast_all_reduce(self.model_config.dtype, self.device, args.cuda_graph_max_bs,
+                                                     self.model_config.hidden_size)
         self.context_len = args.context_length or self.model_config.max_position_embeddings
         self.model = self._load_model(model_path)
         self.max_total_tokens = self._kv_pool_size()

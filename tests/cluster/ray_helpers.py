@@ -9,7 +9,7 @@ import os
 from runtime.messages import GenerateRequest, RequestOutput
 from runtime.sampling.params import SamplingParams
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # bind 127.0.0.1 (NOTES.md)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray binds loopback only with this set
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
