@@ -22,8 +22,9 @@ class TpWorker:
         self.runner = ModelRunner(args, model_path, ctx, device)
 
     def bind_thread(self) -> None:
-        if self.runner.device.type == "cuda":  # the current device is per thread
-            torch.cuda.set_device(self.runner.device)
+        device = self.runner.device
+        if device.type == "cuda":  # the current device is per thread; "cuda" alone means the current one
+            torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())
 
     def info(self) -> WorkerInfo:
         r = self.runner
