@@ -22,6 +22,7 @@ from runtime.managers.scheduler_host import SchedulerHost
 from runtime.messages import FinishReason, GenerateRequest, RequestOutput, SchedulerStats
 from runtime.model_executor.tp_worker import TpWorker
 from runtime.sampling.params import SamplingParams
+from runtime.stream_delivery import deliver, next_output
 from runtime.text.output_accumulator import OutputAccumulator
 from runtime.text.tokenizer import NullTokenizer, Tokenizer, load_tokenizer
 
@@ -70,9 +71,7 @@ class Engine(EngineClient):
         done = False
         try:
             while not done:
-                out = await q.get()
-                while not out.finished and not q.empty():  # coalesce what piled up while we were busy
-                    out = out.merge(q.get_nowait())
+                out = await next_output(q)
                 done = out.finished
                 yield out
         finally:
@@ -154,22 +153,16 @@ class Engine(EngineClient):
         return reqs, single
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
-        # One wake-up per event loop per step, not one per request: with hundreds of streams the
-        # per-call cost of call_soon_threadsafe would show in the step time.
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         with self._consumers_lock:
             claimed = [(self._consumers.pop(o.rid, None) if o.finished else self._consumers.get(o.rid), o)
                        for o in outputs]
+        to_streams = []
         for cb, o in claimed:
             if isinstance(cb, _AsyncConsumer):
-                by_loop.setdefault(cb.loop, []).append((cb.queue, o))
+                to_streams.append((cb.loop, cb.queue, o))
             elif cb is not None:
                 cb(o)
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # that loop is closed: its consumers are gone
-                pass
+        deliver(to_streams)
 
     def _check_ready(self, rids: list[str]) -> None:
         """Called after registering consumers: shutdown sets _stop before ending registered consumers, so a
@@ -215,11 +208,6 @@ class _AsyncConsumer:
 
 def _discard(o: RequestOutput) -> None:
     """Consumer of a request nobody reads any more (it was aborted); its last output ends it."""
-
-
-def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for q, o in items:
-        q.put_nowait(o)
 
 
 class _Collector(OutputAccumulator):

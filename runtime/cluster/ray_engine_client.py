@@ -25,6 +25,7 @@ from runtime.engine_client import EngineClient
 from runtime.errors import EngineUnavailableError, InvalidRequestError
 from runtime.managers.request_validation import RequestLimits, validate_request
 from runtime.messages import FinishReason, GenerateRequest, ModeStats, RequestOutput, SchedulerStats
+from runtime.stream_delivery import deliver, next_output
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class RayEngineClient(EngineClient):
                 yield _error_output(req.rid, message)
                 return
             while not done:
-                out = await st.queue.get()
+                out = await next_output(st.queue)
                 done = out.finished
                 yield out
         finally:
@@ -193,10 +194,8 @@ class RayEngineClient(EngineClient):
                 if not self._closing:
                     self._on_failure(gi, generation, self._failure_message(gi, e))
                 return
-            for out in poll.outputs:
-                st = self._streams.get(out.rid)
-                if st is not None:
-                    st.put(out)
+            deliver((st.loop, st.queue, out) for out in poll.outputs
+                    if (st := self._streams.get(out.rid)) is not None)
             if not poll.healthy:
                 self._on_failure(gi, generation, f"replica {gi} failed: {poll.error}")
                 return
@@ -315,8 +314,9 @@ def sum_stats(parts: list[SchedulerStats]) -> SchedulerStats:
     for s in parts:
         for name in ("num_running_reqs", "num_queue_reqs", "num_used_tokens", "num_cached_tokens",
                      "max_total_tokens", "gen_throughput", "retractions", "evictions", "cache_hit_tokens",
-                     "cache_query_tokens", "waiting_tokens"):
+                     "cache_query_tokens", "waiting_tokens", "device_busy_s"):
             setattr(total, name, getattr(total, name) + getattr(s, name))
+        total.overlap = total.overlap or s.overlap
         for mode, m in s.forward_modes.items():
             acc = modes.setdefault(mode, ModeStats())
             acc.batches += m.batches

@@ -1,0 +1,35 @@
+"""Handing RequestOutput deltas from the thread that produced them (a scheduler thread, a Ray client's
+pump) to streams read on other event loops — the same for the in-process Engine and the Ray client."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+from runtime.messages import RequestOutput
+
+
+def deliver(items: Iterable[tuple[asyncio.AbstractEventLoop, asyncio.Queue, RequestOutput]]) -> None:
+    """One wake-up per event loop per batch of outputs, not one per output: with hundreds of streams the
+    per-call cost of call_soon_threadsafe (a self-pipe write each) would show in every step."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+    for loop, q, o in items:
+        by_loop.setdefault(loop, []).append((q, o))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # that loop is closed: its streams are gone
+            pass
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, o in batch:
+        q.put_nowait(o)
+
+
+async def next_output(q: asyncio.Queue) -> RequestOutput:
+    """The next delta, merged with any that piled up behind it while the reader was busy."""
+    out = await q.get()
+    while not out.finished and not q.empty():
+        out = out.merge(q.get_nowait())
+    return out
