@@ -79,6 +79,8 @@ class GatewayMetrics:
         self.generation_tokens = Counter("shoal:generation_tokens", "tokens generated", registry=r)
         self.rejected = Counter("shoal:requests_rejected", "requests refused with 429 at --max-concurrent-requests",
                                 registry=r)
+        self.ignored_fields = Counter("shoal:ignored_request_fields", "request fields accepted and ignored, by path",
+                                      ["field"], registry=r)
         self._stats = _SchedulerStatsCollector()
         r.register(self._stats)
 

@@ -67,6 +67,16 @@ def _inputs(body: GenerateBody, encode_text: Any) -> tuple[list[list[int]], bool
                       param="input_ids")
 
 
+def _check_int64(sampling: dict[str, Any] | None) -> None:
+    """sampling_params is free-form (SamplingParams.from_dict reads it), so protocol.Int64 cannot bound
+    it: an integer no int64 tensor can hold is a 400 naming its key here, not a failed batch later."""
+    for key, value in (sampling or {}).items():
+        for v in value if isinstance(value, list) else (value,):
+            if isinstance(v, int) and not -(2**63) <= v < 2**63:
+                raise bad_request(f"sampling_params.{key} is out of range: {v} does not fit in 64 bits",
+                                  param=f"sampling_params.{key}")
+
+
 def _result(c: ChoiceState, arrival: float, with_text: bool, tokenizer: Any) -> GenerateResponse:
     fr = c.last.finish_reason if c.finished and c.last is not None else None
     meta = GenerateMetaInfo(
@@ -90,6 +100,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     prompts, batch = _inputs(body, client.tokenizer.encode)
     if batch and body.stream:
         raise bad_request("streaming a batch is not supported; send one request per prompt", param="stream")
+    _check_int64(body.sampling_params)
     try:
         params = SamplingParams.from_dict(body.sampling_params)
         if body.return_logprob:

@@ -1,7 +1,7 @@
 """POST /v1/chat/completions: OpenAI chat — messages through the model's chat template, n choices,
 logprobs/top_logprobs, streaming (role chunk, content deltas, finish chunk, optional usage, [DONE]).
-OpenAI features Shoal lacks (tools, functions, JSON response formats) are a 400, never
-silently ignored."""
+OpenAI features Shoal lacks (tools, functions, JSON response formats, audio output) are a 400, never
+silently ignored; fields Shoal does not know at all are ignored (protocol.py)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,10 @@ def check_unsupported(body: ChatCompletionRequest) -> None:
     if body.response_format is not None and body.response_format.get("type", "text") != "text":
         raise not_supported(f"response_format {body.response_format.get('type')!r} (only 'text')",
                             "response_format")
+    if body.modalities is not None and set(body.modalities) - {"text"}:
+        raise not_supported(f"output modalities {body.modalities} (only ['text'])", "modalities")
+    if body.audio is not None:
+        raise not_supported("audio output (audio)", "audio")
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -126,10 +130,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     base = state.new_id("chatcmpl")
     reqs = state.choice_requests(client, base, [ids], params, n)
     choices = [ChoiceState(i, r, client.tokenizer, state.metrics, arrival) for i, r in enumerate(reqs)]
+    include_usage, continuous = state.usage_modes(body)
     tracked = state.track(base, reqs)
     try:
         if body.stream:
-            include_usage, continuous = body.stream_options.usage_modes() if body.stream_options else (False, False)
             return await _stream(request, client, base, model, choices, want_lp, n, include_usage, continuous)
         return await _complete(request, client, base, model, choices, want_lp, n)
     finally:

@@ -96,10 +96,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     echo = [(texts[i // n] if texts[i // n] is not None else client.tokenizer.decode(r.input_ids))
             if body.echo else "" for i, r in enumerate(reqs)]
     choices = [ChoiceState(i, r, client.tokenizer, state.metrics, arrival) for i, r in enumerate(reqs)]
+    include_usage, continuous = state.usage_modes(body)
     tracked = state.track(base, reqs)
     try:
         if body.stream:
-            include_usage, continuous = body.stream_options.usage_modes() if body.stream_options else (False, False)
             return await _stream(request, state, client, base, model, choices, echo, want_lp, n, include_usage,
                                  continuous)
         return await _complete(request, client, base, model, choices, echo, want_lp, n)

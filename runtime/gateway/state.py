@@ -17,6 +17,7 @@ from runtime.config import ServerArgs
 from runtime.engine_client import EngineClient
 from runtime.errors import InvalidRequestError, ShoalError
 from runtime.gateway.errors import ApiError, bad_request, from_shoal_error
+from runtime.gateway.ignored_fields import IgnoredFields
 from runtime.gateway.metrics import GatewayMetrics
 from runtime.messages import GenerateRequest
 from runtime.sampling.params import SamplingParams
@@ -37,6 +38,7 @@ class GatewayState:
             self.provider = client_provider
         self.args = args
         self.metrics = GatewayMetrics()
+        self.ignored_fields = IgnoredFields(self.metrics.ignored_fields)
         self.created = int(time.time())
         self.shutting_down = False
         self.inflight: dict[str, list[str]] = {}  # response id → rids of its choices
@@ -75,6 +77,16 @@ class GatewayState:
         if not 1 <= n <= self.args.max_n:
             raise bad_request(f"n must be in [1, {self.args.max_n}] on this server, got {n}", param="n")
         return n
+
+    @staticmethod
+    def usage_modes(body: Any) -> tuple[bool, bool]:
+        """(a final usage chunk, usage in every chunk) from stream_options, which, as in OpenAI's API and
+        vLLM's, only a streaming request may send."""
+        if body.stream_options is None:
+            return False, False
+        if not body.stream:
+            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        return body.stream_options.usage_modes()
 
     # ---- building requests ------------------------------------------------------------------------
     @staticmethod
