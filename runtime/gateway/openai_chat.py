@@ -9,14 +9,13 @@ import time
 from typing import Any
 
 from aiohttp import web
-from msgspec import UNSET
+from msgspec import UnsetType
 
-from runtime.engine_client import EngineClient
 from runtime.errors import ShoalError
-from runtime.gateway.body import read_body
-from runtime.gateway.choice_state import ChoiceState, usage_info
-from runtime.gateway.errors import ApiError, bad_request, from_shoal_error, not_supported
-from runtime.gateway.fan_in import OutputFanIn
+from runtime.gateway.choice_state import ChoiceState
+from runtime.gateway.errors import bad_request, from_shoal_error, not_supported
+from runtime.gateway.generation import Generation
+from runtime.gateway.openai_responder import OpenAIResponder
 from runtime.gateway.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -29,10 +28,9 @@ from runtime.gateway.protocol import (
     ChatTokenLogprob,
     ChatTopLogprob,
     DeltaMessage,
-    encode,
+    UsageInfo,
 )
-from runtime.gateway.sse import SseWriter, is_disconnected
-from runtime.gateway.state import STATE_KEY
+from runtime.messages import RequestOutput
 from runtime.text.tokenizer import Tokenizer
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -107,10 +105,8 @@ def chat_logprobs(tokenizer: Tokenizer, ids: list[int], logprobs: list[float],
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    arrival = time.monotonic()
-    state = request.app[STATE_KEY]
-    body = await read_body(request, ChatCompletionRequest)
-    client = state.client()
+    gen = await Generation.read(request, ChatCompletionRequest)
+    body, client, state = gen.body, gen.client, gen.state
     model = state.check_model(client, body.model)
     n = state.check_n(body.n)
     check_unsupported(body)
@@ -128,68 +124,41 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = state.sampling_params(body, max_new, return_logprob=want_lp, top_logprobs_num=body.top_logprobs or 0,
                                    logprob_param="top_logprobs", max_param=max_param)
     base = state.new_id("chatcmpl")
-    reqs = state.choice_requests(client, base, [ids], params, n)
-    choices = [ChoiceState(i, r, client.tokenizer, state.metrics, arrival) for i, r in enumerate(reqs)]
-    include_usage, continuous = state.usage_modes(body)
-    tracked = state.track(base, reqs)
-    try:
-        if body.stream:
-            return await _stream(request, client, base, model, choices, want_lp, n, include_usage, continuous)
-        return await _complete(request, client, base, model, choices, want_lp, n)
-    finally:
-        state.untrack(base, tracked)
+    gen.set_choices(base, state.choice_requests(client, base, [ids], params, n))
+    return await gen.respond(bool(body.stream), _ChatResponder(gen, model, n, want_lp))
 
 
-async def _complete(request: web.Request, client: EngineClient, base: str, model: str,
-                    choices: list[ChoiceState], want_lp: bool, n: int) -> web.Response:
-    async with OutputFanIn(client, [c.req for c in choices], lambda: is_disconnected(request)) as fan:
-        async for i, out in fan:
-            choices[i].add(out)
-    out = []
-    for c in choices:
-        if c.error:
-            raise ApiError(500, f"generation failed: {c.error}", code="engine_error")
-        lp = chat_logprobs(client.tokenizer, c.ids, c.logprobs, c.top_logprobs) if want_lp else None
-        out.append(ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=lp,
-                                        finish_reason=c.finish_reason, matched_stop=c.matched_stop))
-    resp = ChatCompletionResponse(id=base, created=int(time.time()), model=model, choices=out,
-                                  usage=usage_info(choices, n))
-    return web.Response(body=encode(resp), content_type="application/json")
+class _ChatResponder(OpenAIResponder):
+    def __init__(self, gen: Generation, model: str, n: int, want_lp: bool):
+        super().__init__(gen, model, n)
+        self.want_lp = want_lp
 
+    def chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None | UnsetType) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.base, created=self.created, model=self.model, choices=choices, usage=usage)
 
-async def _stream(request: web.Request, client: EngineClient, base: str, model: str, choices: list[ChoiceState],
-                  want_lp: bool, n: int, include_usage: bool, continuous: bool = False) -> web.StreamResponse:
-    sse = SseWriter(request)
-    await sse.start()
-    created = int(time.time())
-    usage = None if include_usage else UNSET  # chunks carry usage: null only when it was asked for
+    def body(self) -> ChatCompletionResponse:
+        out = []
+        for c in self.choices:
+            lp = chat_logprobs(self.tokenizer, c.ids, c.logprobs, c.top_logprobs) if self.want_lp else None
+            out.append(ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=lp,
+                                            finish_reason=c.finish_reason, matched_stop=c.matched_stop))
+        return ChatCompletionResponse(id=self.base, created=int(time.time()), model=self.model, choices=out,
+                                      usage=self.usage())
 
-    def chunk(choice: ChatStreamChoice) -> bytes:
-        return encode(ChatCompletionChunk(id=base, created=created, model=model, choices=[choice],
-                                          usage=usage_info(choices, n) if continuous else usage))
+    def first_events(self) -> list[ChatCompletionChunk]:
+        return [self.chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))],
+                           self.chunk_usage()) for c in self.choices]
 
-    try:
-        for c in choices:
-            await sse.send(chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))))
-        async with OutputFanIn(client, [c.req for c in choices], lambda: is_disconnected(request)) as fan:
-            async for i, out in fan:
-                c = choices[i]
-                text = c.add(out)
-                if c.error:
-                    raise ApiError(500, f"generation failed: {c.error}", code="engine_error")
-                lp = None
-                if want_lp and out.new_token_ids:
-                    lp = chat_logprobs(client.tokenizer, out.new_token_ids, out.new_logprobs or [],
-                                       out.new_top_logprobs)
-                if text or lp is not None:
-                    await sse.send(chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=text), logprobs=lp)))
-                if c.finished:
-                    await sse.send(chunk(ChatStreamChoice(index=i, delta=DeltaMessage(),
-                                                          finish_reason=c.finish_reason,
-                                                          matched_stop=c.matched_stop)))
-        if include_usage:
-            await sse.send(encode(ChatCompletionChunk(id=base, created=created, model=model, choices=[],
-                                                      usage=usage_info(choices, n))))
-        return await sse.finish()
-    except (ApiError, ShoalError) as e:
-        return await sse.end_on_error(e)
+    def events(self, c: ChoiceState, out: RequestOutput, text: str) -> list[ChatCompletionChunk]:
+        events = []
+        lp = None
+        if self.want_lp and out.new_token_ids:
+            lp = chat_logprobs(self.tokenizer, out.new_token_ids, out.new_logprobs or [], out.new_top_logprobs)
+        if text or lp is not None:
+            events.append(self.chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text), logprobs=lp)],
+                                     self.chunk_usage()))
+        if c.finished:
+            events.append(self.chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(),
+                                                       finish_reason=c.finish_reason, matched_stop=c.matched_stop)],
+                                     self.chunk_usage()))
+        return events
