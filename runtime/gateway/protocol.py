@@ -64,35 +64,40 @@ class ModelList(Struct):
     object: str = "list"
 
 
-# ---- /v1/completions -----------------------------------------------------------------------------
+class OpenAISamplingFields(Struct, kw_only=True):
+    """The fields /v1/completions and /v1/chat/completions share (GatewayState.sampling_params reads them)."""
 
-
-class CompletionRequest(Struct, kw_only=True):
-    prompt: str | list[Any]  # str | list[str] | list[int] | list[list[int]], checked by the handler
     model: str | None = None
-    max_tokens: Int64 | None = 16  # OpenAI's default; an explicit null means "as many as the context allows"
     temperature: float | None = None
     top_p: float | None = None
     top_k: Int64 | None = None
     min_p: float | None = None
     n: Int64 | None = None
-    best_of: Int64 | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Int64] | None = None
     seed: Int64 | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logprobs: Int64 | None = None
-    echo: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
     min_tokens: Int64 | None = None
     skip_special_tokens: bool | None = None
     user: str | None = None
-    suffix: str | None = None
     logit_bias: dict[str, float] | None = None
+
+
+# ---- /v1/completions -----------------------------------------------------------------------------
+
+
+class CompletionRequest(OpenAISamplingFields, kw_only=True):
+    prompt: str | list[Any]  # str | list[str] | list[int] | list[list[int]], checked by the handler
+    max_tokens: Int64 | None = 16  # OpenAI's default; an explicit null means "as many as the context allows"
+    best_of: Int64 | None = None
+    logprobs: Int64 | None = None
+    echo: bool | None = None
+    suffix: str | None = None
 
 
 class CompletionLogprobs(Struct):
@@ -132,30 +137,12 @@ class ChatMessage(Struct, kw_only=True):
     refusal: str | None = None
 
 
-class ChatCompletionRequest(Struct, kw_only=True):
+class ChatCompletionRequest(OpenAISamplingFields, kw_only=True):
     messages: list[ChatMessage]
-    model: str | None = None
     max_tokens: Int64 | None = None
     max_completion_tokens: Int64 | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: Int64 | None = None
-    min_p: float | None = None
-    n: Int64 | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[Int64] | None = None
-    seed: Int64 | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
     logprobs: bool | None = None
     top_logprobs: Int64 | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool | None = None
-    min_tokens: Int64 | None = None
-    skip_special_tokens: bool | None = None
-    user: str | None = None
     # Known OpenAI fields Shoal honours only in part: a value it cannot honour is a 400 that says so.
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -165,7 +152,6 @@ class ChatCompletionRequest(Struct, kw_only=True):
     response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None  # only ["text"]
     audio: dict[str, Any] | None = None  # audio output parameters: never
-    logit_bias: dict[str, float] | None = None
 
 
 class ChatTopLogprob(Struct):

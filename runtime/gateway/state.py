@@ -19,6 +19,7 @@ from runtime.errors import InvalidRequestError, ShoalError
 from runtime.gateway.errors import ApiError, bad_request, from_shoal_error
 from runtime.gateway.ignored_fields import IgnoredFields
 from runtime.gateway.metrics import GatewayMetrics
+from runtime.gateway.protocol import OpenAISamplingFields
 from runtime.messages import GenerateRequest
 from runtime.sampling.params import SamplingParams
 
@@ -79,7 +80,7 @@ class GatewayState:
         return n
 
     @staticmethod
-    def usage_modes(body: Any) -> tuple[bool, bool]:
+    def usage_modes(body: OpenAISamplingFields) -> tuple[bool, bool]:
         """(a final usage chunk, usage in every chunk) from stream_options, which, as in OpenAI's API and
         vLLM's, only a streaming request may send."""
         if body.stream_options is None:
@@ -90,7 +91,7 @@ class GatewayState:
 
     # ---- building requests ------------------------------------------------------------------------
     @staticmethod
-    def sampling_params(body: Any, max_new_tokens: int, return_logprob: bool = False, top_logprobs_num: int = 0,
+    def sampling_params(body: OpenAISamplingFields, max_new_tokens: int, return_logprob: bool = False, top_logprobs_num: int = 0,
                         logprob_param: str = "logprobs", max_param: str = "max_tokens") -> SamplingParams:
         """SamplingParams from the OpenAI fields of a completions or chat body (None = our default)."""
         fields = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
