@@ -1,7 +1,13 @@
 """Generation: the spine every generating route shares. Generation.read takes the request's arrival time,
 its body and the ready client; the route turns the body into validated GenerateRequests (one per
 choice) and a Responder; Generation admits the choices (track/untrack, 429 past the limit), fans their
-deltas in, and answers one JSON body or an SSE stream, as the Responder writes them."""
+deltas in, ends a choice as soon as its text reached a stop string, and answers one JSON body or an SSE
+stream, as the Responder writes them.
+
+A choice can be over for the client before the engine knows (ChoiceState.done: a stop string made of
+special-token text the scheduler decodes away): the Responder sees its finish at once and its engine
+request is aborted rather than left running to max_tokens; the engine's final delta then only settles
+the counts."""
 
 from __future__ import annotations
 
@@ -35,10 +41,6 @@ class Responder(ABC):
     def body(self) -> Any:
         """The non-streaming answer, once every choice has finished."""
 
-    def first_events(self) -> Iterable[Any]:
-        """Events before the first delta."""
-        return ()
-
     @abstractmethod
     def events(self, c: ChoiceState, out: RequestOutput, text: str) -> Iterable[Any]:
         """The stream events for one delta of choice c (text: what it made safe to show)."""
@@ -65,10 +67,10 @@ class Generation(Generic[B]):
         body = await read_body(request, kind)
         return cls(request, arrival, state, body, state.client())
 
-    def set_choices(self, base_id: str, reqs: list[GenerateRequest]) -> list[ChoiceState]:
+    def set_choices(self, base_id: str, reqs: list[GenerateRequest], hide_output: bool = False) -> list[ChoiceState]:
         """One choice per validated request, indexed in order; base_id names them all (/abort_request)."""
         self.base_id = base_id
-        self.choices = [ChoiceState(i, r, self.client.tokenizer, self.state.metrics, self.arrival)
+        self.choices = [ChoiceState(i, r, self.client.tokenizer, self.state.metrics, self.arrival, hide_output)
                         for i, r in enumerate(reqs)]
         return self.choices
 
@@ -86,8 +88,6 @@ class Generation(Generic[B]):
         sse = SseWriter(self.request)
         await sse.start()
         try:
-            for event in responder.first_events():
-                await sse.send(encode(event))
             await self._run(responder, sse.send)
             for event in responder.last_events():
                 await sse.send(encode(event))
@@ -100,9 +100,14 @@ class Generation(Generic[B]):
                                lambda: is_disconnected(self.request)) as fan:
             async for i, out in fan:
                 c = self.choices[i]
+                ended = c.done
                 text = c.add(out)
+                if ended:
+                    continue
                 if responder.fail_on_engine_error and c.error:
                     raise ApiError(500, f"generation failed: {c.error}", code="engine_error")
+                if c.done and not c.finished:
+                    await self.client.abort(c.req.rid)
                 if send is not None:
                     for event in responder.events(c, out, text):
                         await send(encode(event))

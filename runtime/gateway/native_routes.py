@@ -56,10 +56,12 @@ def _check_int64(sampling: dict[str, Any] | None) -> None:
 
 def _result(c: ChoiceState, arrival: float, with_text: bool, tokenizer: Any) -> GenerateResponse:
     fr = c.last.finish_reason if c.finished and c.last is not None else None
+    finish = GenerateFinishReason(type=fr.kind, matched=fr.matched, message=fr.message) if fr else None
+    if c.detok.stopped and (fr is None or fr.kind != "stop"):  # a stop string only the detokenizer saw
+        finish = GenerateFinishReason(type="stop")
     meta = GenerateMetaInfo(
         id=c.req.rid, prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
-        cached_tokens=c.cached_tokens, e2e_latency=time.monotonic() - arrival,
-        finish_reason=GenerateFinishReason(type=fr.kind, matched=fr.matched, message=fr.message) if fr else None)
+        cached_tokens=c.cached_tokens, e2e_latency=time.monotonic() - arrival, finish_reason=finish)
     if c.req.sampling_params.return_logprob:
         tok = tokenizer.id_to_token_text
         meta.output_token_logprobs = [[lp, t, tok(t)] if with_text else [lp, t] for lp, t in zip(c.logprobs, c.ids)]

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: OpenAI chat — messages through the model's chat template, n choices,
-logprobs/top_logprobs, streaming (role chunk, content deltas, finish chunk, optional usage, [DONE]).
+logprobs/top_logprobs, streaming (the role with the first content delta, content deltas, finish chunk,
+optional usage, [DONE]).
 OpenAI features Shoal lacks (tools, functions, JSON response formats, audio output) are a 400, never
 silently ignored; fields Shoal does not know at all are ignored (protocol.py)."""
 
@@ -9,7 +10,7 @@ import time
 from typing import Any
 
 from aiohttp import web
-from msgspec import UnsetType
+from msgspec import UNSET
 
 from runtime.errors import ShoalError
 from runtime.gateway.choice_state import ChoiceState
@@ -28,7 +29,6 @@ from runtime.gateway.protocol import (
     ChatTokenLogprob,
     ChatTopLogprob,
     DeltaMessage,
-    UsageInfo,
 )
 from runtime.messages import RequestOutput
 from runtime.text.tokenizer import Tokenizer
@@ -129,12 +129,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 class _ChatResponder(OpenAIResponder):
+    chunk_type = ChatCompletionChunk
+
     def __init__(self, gen: Generation, model: str, n: int, want_lp: bool):
         super().__init__(gen, model, n)
         self.want_lp = want_lp
-
-    def chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None | UnsetType) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.base, created=self.created, model=self.model, choices=choices, usage=usage)
 
     def body(self) -> ChatCompletionResponse:
         out = []
@@ -143,21 +142,27 @@ class _ChatResponder(OpenAIResponder):
             out.append(ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=lp,
                                             finish_reason=c.finish_reason, matched_stop=c.matched_stop))
         return ChatCompletionResponse(id=self.base, created=int(time.time()), model=self.model, choices=out,
-                                      usage=self.usage())
-
-    def first_events(self) -> list[ChatCompletionChunk]:
-        return [self.chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))],
-                           self.chunk_usage()) for c in self.choices]
+                                      usage=self.usage(), system_fingerprint=self.fingerprint)
 
     def events(self, c: ChoiceState, out: RequestOutput, text: str) -> list[ChatCompletionChunk]:
-        events = []
+        # The role goes with the first delta, which comes after prefill with the first token: a client
+        # timing the first chunk measures the real time to first token.
+        first = self.first_delta(c)
         lp = None
         if self.want_lp and out.new_token_ids:
             lp = chat_logprobs(self.tokenizer, out.new_token_ids, out.new_logprobs or [], out.new_top_logprobs)
-        if text or lp is not None:
-            events.append(self.chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text), logprobs=lp)],
-                                     self.chunk_usage()))
-        if c.finished:
+        # The text before a stop string is final: its chunk carries the finish_reason. Other ends keep
+        # OpenAI's separate empty-delta finish chunk.
+        stop_end = c.done and c.detok.stopped
+        events = []
+        if first or text or lp is not None:
+            events.append(self.chunk([ChatStreamChoice(
+                index=c.index, delta=DeltaMessage(role="assistant" if first else UNSET, content=text), logprobs=lp,
+                finish_reason=c.finish_reason if stop_end else None,
+                matched_stop=c.matched_stop if stop_end else None)], self.chunk_usage()))
+            if stop_end:
+                return events
+        if c.done:
             events.append(self.chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(),
                                                        finish_reason=c.finish_reason, matched_stop=c.matched_stop)],
                                      self.chunk_usage()))

@@ -1,12 +1,16 @@
 """POST /v1/completions: OpenAI text completions — prompts as text or token ids (one or a batch), n
-choices each, logprobs with text offsets, echo (with prompt logprobs), streaming with optional usage."""
+choices each, logprobs with text offsets, echo (with prompt logprobs), streaming with optional usage.
+
+logprobs follow vLLM's shape: each position's top_logprobs holds the top N and the chosen token even
+when it is not among them (so logprobs: 0 names the chosen token); an echoed prompt position holds its
+own token (the engine does not return a prompt position's top N yet), the first one null. echo with
+max_tokens 0 scores the prompt: its text and logprobs, no completion (ChoiceState.hide_output)."""
 
 from __future__ import annotations
 
 import time
 
 from aiohttp import web
-from msgspec import UnsetType
 
 from runtime.gateway.choice_state import ChoiceState
 from runtime.gateway.errors import not_supported
@@ -18,10 +22,11 @@ from runtime.gateway.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    UsageInfo,
 )
 from runtime.messages import RequestOutput
 from runtime.text.tokenizer import Tokenizer
+
+Tops = list[tuple[int, float]]  # one position's top logprobs: (token id, logprob), best first
 
 
 class _Offsets:
@@ -31,25 +36,34 @@ class _Offsets:
         self.tokenizer = tokenizer
         self.offset = 0
 
-    def build(self, ids: list[int], logprobs: list[float | None],
-              tops: list[list[tuple[int, float]] | None]) -> CompletionLogprobs:
+    def build(self, ids: list[int], logprobs: list[float | None], tops: list[Tops]) -> CompletionLogprobs:
         tok = self.tokenizer.id_to_token_text
         texts = [tok(t) for t in ids]
         offsets = []
         for t in texts:
             offsets.append(self.offset)
             self.offset += len(t)
-        top = [None if tl is None else {tok(t): lp for t, lp in tl} for tl in tops]
+        top = [None if lp is None else self._entry(t, lp, tl) for t, lp, tl in zip(ids, logprobs, tops)]
         return CompletionLogprobs(tokens=texts, token_logprobs=list(logprobs), top_logprobs=top,
                                   text_offset=offsets)
 
+    def _entry(self, token: int, logprob: float, tops: Tops) -> dict[str, float]:
+        tok = self.tokenizer.id_to_token_text
+        entry = {tok(t): lp for t, lp in tops}
+        if all(t != token for t, _ in tops):
+            entry.setdefault(tok(token), logprob)
+        return entry
 
-def _prompt_part(c: ChoiceState) -> tuple[list[int], list[float | None], list[dict | None]]:
-    """Echoed prompt tokens with their logprobs; the first token has none, the others only their own."""
-    ids = c.req.input_ids
-    lps = c.input_logprobs or [None] * len(ids)
-    tops: list = [None if lp is None else [(t, lp)] for t, lp in zip(ids, lps)]
-    return ids, lps, tops
+
+def _prompt_part(c: ChoiceState) -> tuple[list[int], list[float | None], list[Tops]]:
+    """Echoed prompt tokens with their logprobs (the first token has none)."""
+    ids = list(c.req.input_ids)
+    lps = list(c.input_logprobs or [None] * len(ids))
+    return ids, lps, [[] for _ in ids]
+
+
+def _tops(tops: list[Tops] | None, n: int) -> list[Tops]:
+    return list(tops) if tops else [[] for _ in range(n)]
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -62,7 +76,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if body.best_of is not None and body.best_of != n:
         raise not_supported("best_of other than n", "best_of")
     prompts = PromptInput.parse(body.prompt, client.tokenizer.encode)
-    max_new = body.max_tokens
+    scoring = bool(body.echo) and body.max_tokens == 0  # the engine makes one token; nobody sees it
+    max_new = 1 if scoring else body.max_tokens
     if max_new is None:
         max_new = max(1, client.context_len - min(len(p) for p in prompts.ids))
     want_lp = body.logprobs is not None
@@ -72,54 +87,41 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                  return_input_logprob=want_lp and bool(body.echo))
     echo = [(prompts.texts[i // n] if prompts.texts[i // n] is not None else client.tokenizer.decode(r.input_ids))
             if body.echo else "" for i, r in enumerate(reqs)]
-    gen.set_choices(base, reqs)
+    gen.set_choices(base, reqs, hide_output=scoring)
     return await gen.respond(bool(body.stream), _CompletionsResponder(gen, model, n, echo, want_lp))
 
 
-def _tops(tops: list[list[tuple[int, float]]], n: int) -> list:
-    return list(tops) if tops else [[] for _ in range(n)]
-
-
 class _CompletionsResponder(OpenAIResponder):
+    chunk_type = CompletionResponse
+
     def __init__(self, gen: Generation, model: str, n: int, echo: list[str], want_lp: bool):
         super().__init__(gen, model, n)
         self.echo, self.want_lp = echo, want_lp
         self.offsets = [_Offsets(self.tokenizer) for _ in self.choices]
-        self.started: set[int] = set()  # choices whose first delta came
-
-    def chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None | UnsetType) -> CompletionResponse:
-        return CompletionResponse(id=self.base, created=self.created, model=self.model, choices=choices, usage=usage)
 
     def body(self) -> CompletionResponse:
         out_choices = []
-        for c, e in zip(self.choices, self.echo):
+        for c, echo in zip(self.choices, self.echo):
             lp = None
             if self.want_lp:
-                b = _Offsets(self.tokenizer)
-                ids, lps, tops = [], [], []
-                if e:
-                    ids, lps, tops = _prompt_part(c)
-                lp = b.build(list(ids) + c.ids, list(lps) + c.logprobs,
-                             list(tops) + _tops(c.top_logprobs, len(c.ids)))
-            out_choices.append(CompletionChoice(index=c.index, text=e + c.text, logprobs=lp,
+                ids, lps, tops = _prompt_part(c) if echo else ([], [], [])
+                lp = _Offsets(self.tokenizer).build(ids + c.ids, lps + c.logprobs,
+                                                    tops + _tops(c.top_logprobs, len(c.ids)))
+            out_choices.append(CompletionChoice(index=c.index, text=echo + c.text, logprobs=lp,
                                                 finish_reason=c.finish_reason, matched_stop=c.matched_stop))
         return CompletionResponse(id=self.base, created=int(time.time()), model=self.model, choices=out_choices,
-                                  usage=self.usage())
+                                  system_fingerprint=self.fingerprint, usage=self.usage())
 
     def events(self, c: ChoiceState, out: RequestOutput, text: str) -> list[CompletionResponse]:
         i = c.index
-        first = i not in self.started
-        self.started.add(i)
+        echo = self.echo[i] if self.first_delta(c) else ""  # the prompt goes with the first delta
         lp = None
-        if first and self.echo[i]:
-            text = self.echo[i] + text
         if self.want_lp:
-            ids, lps, tops = ([], [], [])
-            if first and self.echo[i]:
-                ids, lps, tops = _prompt_part(c)
-            lp = self.offsets[i].build(list(ids) + out.new_token_ids, list(lps) + (out.new_logprobs or []),
-                                       list(tops) + _tops(out.new_top_logprobs or [], len(out.new_token_ids)))
-        if not text and lp is None and not c.finished:
+            ids, lps, tops = _prompt_part(c) if echo else ([], [], [])
+            new_ids, new_lps, new_tops = c.new_tokens(out)
+            lp = self.offsets[i].build(ids + new_ids, lps + new_lps, tops + _tops(new_tops, len(new_ids)))
+        text = echo + text
+        if not text and not (lp and lp.tokens) and not c.done:
             return []  # tokens that are not yet text (a partial character, a held-back stop prefix)
         return [self.chunk([CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=c.finish_reason,
                                              matched_stop=c.matched_stop)], self.chunk_usage())]

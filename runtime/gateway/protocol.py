@@ -121,7 +121,8 @@ class CompletionResponse(Struct, kw_only=True):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo | None | UnsetType = UNSET  # streaming chunks carry it only with include_usage
+    system_fingerprint: str | None = None
+    usage: UsageInfo | UnsetType = UNSET  # streaming chunks carry it only with include_usage
 
 
 # ---- /v1/chat/completions ------------------------------------------------------------------------
@@ -174,6 +175,7 @@ class ChatChoiceLogprobs(Struct):
 class ChatResponseMessage(Struct):
     content: str | None
     role: str = "assistant"
+    refusal: str | None = None  # OpenAI's shape: always present, null (Shoal never refuses by policy)
 
 
 class ChatCompletionChoice(Struct):
@@ -191,6 +193,7 @@ class ChatCompletionResponse(Struct, kw_only=True):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    system_fingerprint: str | None = None
 
 
 class DeltaMessage(Struct, omit_defaults=True):
@@ -212,7 +215,8 @@ class ChatCompletionChunk(Struct, kw_only=True):
     created: int
     model: str
     choices: list[ChatStreamChoice]
-    usage: UsageInfo | None | UnsetType = UNSET
+    system_fingerprint: str | None = None
+    usage: UsageInfo | UnsetType = UNSET
 
 
 # ---- native /generate (SGLang style) -------------------------------------------------------------

@@ -4,6 +4,9 @@ provider that returns it once loaded), the metrics, and the rids of requests in 
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.metadata
 import re
 import time
 import uuid
@@ -28,6 +31,14 @@ ClientProvider = Callable[[], EngineClient | None]
 _TOKEN_ID = re.compile(r"-?[0-9]+")
 # Our SamplingParams names → the OpenAI request field a user wrote, for error messages.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs_num": "logprobs"}
+
+
+@functools.cache
+def _version() -> str:
+    try:
+        return importlib.metadata.version("shoal")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "0+checkout"
 
 
 class GatewayState:
@@ -65,6 +76,12 @@ class GatewayState:
 
     def served_model(self, client: EngineClient) -> str:
         return self.args.served_model_name or client.model_name
+
+    def system_fingerprint(self, client: EngineClient) -> str:
+        """OpenAI's system_fingerprint: names the serving configuration (Shoal's version, the model and
+        its context), so a client sees when answers to the same request may change."""
+        key = f"shoal {_version()} {client.model_name} {client.context_len}"
+        return "fp_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
     def check_model(self, client: EngineClient, model: str | None) -> str:
         names = {client.model_name, self.served_model(client)}
