@@ -93,6 +93,7 @@ class Generation(Generic[B]):
                 await sse.send(encode(event))
             return await sse.finish()
         except (ApiError, ShoalError) as e:
+            self.state.errors.record(self.request.method, self.request.path, e)
             return await sse.end_on_error(e)
 
     async def _run(self, responder: Responder, send: Callable[[bytes], Awaitable[None]] | None) -> None:

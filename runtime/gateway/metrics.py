@@ -96,6 +96,12 @@ class GatewayMetrics:
         for _ in range(gaps):
             self.itl.observe(per_token)
 
+    def totals(self) -> tuple[float, float, float]:
+        """(choices finished, prompt tokens of finished choices, tokens generated) since the app started."""
+        get = self.registry.get_sample_value
+        return (get("shoal:e2e_request_latency_seconds_count") or 0.0, get("shoal:prompt_tokens_total") or 0.0,
+                get("shoal:generation_tokens_total") or 0.0)
+
     def render(self, stats: SchedulerStats | None) -> bytes:
         """Prometheus text exposition; stats None (engine not ready) leaves the scheduler families empty."""
         self._stats.stats = stats

@@ -19,6 +19,8 @@ from aiohttp import web
 from runtime.config import ServerArgs
 from runtime.engine_client import EngineClient
 from runtime.errors import InvalidRequestError, ShoalError
+from runtime.gateway.dashboard import Dashboard
+from runtime.gateway.error_log import ErrorLog
 from runtime.gateway.errors import ApiError, bad_request, from_shoal_error
 from runtime.gateway.ignored_fields import IgnoredFields
 from runtime.gateway.metrics import GatewayMetrics
@@ -51,6 +53,8 @@ class GatewayState:
         self.args = args
         self.metrics = GatewayMetrics()
         self.ignored_fields = IgnoredFields(self.metrics.ignored_fields)
+        self.errors = ErrorLog()
+        self.dashboard = Dashboard(self.metrics, self.errors)
         self.created = int(time.time())
         self.shutting_down = False
         self.inflight: dict[str, list[str]] = {}  # response id → rids of its choices
