@@ -67,7 +67,8 @@ class Generation(Generic[B]):
         body = await read_body(request, kind)
         return cls(request, arrival, state, body, state.client())
 
-    def set_choices(self, base_id: str, reqs: list[GenerateRequest], hide_output: bool = False) -> list[ChoiceState]:
+    def set_choices(self, base_id: str, reqs: list[GenerateRequest],
+                    hide_output: bool = False) -> list[ChoiceState]:
         """One choice per validated request, indexed in order; base_id names them all (/abort_request)."""
         self.base_id = base_id
         self.choices = [ChoiceState(i, r, self.client.tokenizer, self.state.metrics, self.arrival, hide_output)
@@ -103,7 +104,7 @@ class Generation(Generic[B]):
                 c = self.choices[i]
                 ended = c.done
                 text = c.add(out)
-                if ended:
+                if ended:  # the engine's last delta of a choice already over: it only settles the counts
                     continue
                 if responder.fail_on_engine_error and c.error:
                     raise ApiError(500, f"generation failed: {c.error}", code="engine_error")
