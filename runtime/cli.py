@@ -13,8 +13,8 @@ from runtime.errors import ShoalError
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shoal", description="Shoal LLM serving runtime")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # No ArgumentDefaultsHelpFormatter: ServerArgs.add_cli_args writes each flag's default into its help.
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     ServerArgs.add_cli_args(serve)
     gen = sub.add_parser("generate", help="generate a completion for one prompt and print it")
     ServerArgs.add_cli_args(gen)

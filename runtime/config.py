@@ -123,8 +123,9 @@ class ServerArgs:
                 parser.add_argument(flag, action="store_true", default=f.default, help=helptext)
                 continue
             kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
-            parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"),
-                                help=f"{helptext} (default: {f.default})")
+            if f.default is not None:  # a None default is described in words by the help text itself
+                helptext = f"{helptext} (default: {f.default})"
+            parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"), help=helptext)
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> ServerArgs:

@@ -10,9 +10,12 @@ Out: it consumes the EngineClient's RequestOutput deltas, detokenizes them incre
 cut, never a broken UTF-8 character), and answers one JSON body or an SSE stream flushed per delta. A
 client that goes away closes the delta streams, which aborts its requests and frees their KV.
 
-Beside the data path: /health, /health_generate, /abort_request, /tokenize and /detokenize (vLLM's), and
-Prometheus /metrics (metrics.py),
-whose scheduler gauges and counters come from EngineClient.stats() at scrape time.
+Beside the data path: /health, /health_generate, /abort_request, /tokenize and /detokenize (vLLM's),
+Prometheus /metrics (metrics.py), whose scheduler gauges and counters come from EngineClient.stats() at
+scrape time, and the live status page /dashboard (dashboard.py), polling /dashboard/data every second.
+
+Every generating route runs on one spine (generation.py): read the body, build and validate one
+GenerateRequest per choice, admit them, fan their deltas in, answer as the route's Responder writes.
 
 Entry points: app.build_app (the aiohttp Application), server.run_server (blocking `shoal serve`),
 server.serve_in_thread (tests, Ray actors)."""

@@ -13,7 +13,7 @@ from aiohttp import web
 from runtime.config import ServerArgs
 from runtime.engine_client import EngineClient
 from runtime.errors import ShoalError
-from runtime.gateway import native_routes, tokenize_routes
+from runtime.gateway import dashboard_routes, native_routes, tokenize_routes
 from runtime.gateway.errors import ApiError, from_http_exception, from_shoal_error
 from runtime.gateway.openai_chat import chat_completions
 from runtime.gateway.openai_completions import completions
@@ -23,7 +23,9 @@ logger = logging.getLogger("shoal.gateway")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-_OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key needed: probes and scrapers
+# No API key needed: probes, scrapers, and the dashboard's page (it holds no data; its script sends the
+# key it finds in the page's #key=... fragment to /dashboard/data, which needs it like any route).
+_OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard"})
 
 
 def _authorized(request: web.Request, api_key: str) -> bool:
@@ -37,25 +39,27 @@ def _authorized(request: web.Request, api_key: str) -> bool:
 def _middleware(api_key: str | None) -> Callable:
     @web.middleware
     async def gateway_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        headers = None
         try:
             if api_key and request.path not in _OPEN_PATHS and not _authorized(request, api_key):
                 raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                                code="invalid_api_key")
             return await handler(request)
         except ApiError as e:
-            return e.response()
+            err = e
         except web.HTTPException as e:
             if e.status < 400:
                 raise
             err, headers = from_http_exception(e, request.path)
-            return err.response(headers)
         except ShoalError as e:
-            return from_shoal_error(e).response()
+            err = from_shoal_error(e)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the last resort: a bug of ours must not take the server down
             logger.exception("unhandled error on %s %s", request.method, request.path)
-            return ApiError(500, f"internal error: {type(e).__name__}: {e}").response()
+            err = ApiError(500, f"internal error: {type(e).__name__}: {e}")
+        request.app[STATE_KEY].errors.record(request.method, request.path, err)
+        return err.response(headers)
 
     return gateway_middleware
 
@@ -75,6 +79,8 @@ def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) 
     app.router.add_get("/metrics", native_routes.metrics)
     app.router.add_post("/tokenize", tokenize_routes.tokenize)
     app.router.add_post("/detokenize", tokenize_routes.detokenize)
+    app.router.add_get("/dashboard", dashboard_routes.page)
+    app.router.add_get("/dashboard/data", dashboard_routes.data)
     return app
 
 

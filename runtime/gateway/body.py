@@ -1,5 +1,6 @@
 """Reading a request body into its protocol Struct: size limit (413, enforced by aiohttp's
-client_max_size), JSON syntax and types (400), all as OpenAI-style errors."""
+client_max_size), JSON syntax, types and integer ranges (400), all as OpenAI-style errors; keys the
+Struct does not declare are accepted, logged and counted (IgnoredFields)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import msgspec
 from aiohttp import web
 
 from runtime.gateway.errors import ApiError, from_decode_error
+from runtime.gateway.state import STATE_KEY
 
 T = TypeVar("T")
 
@@ -18,8 +20,10 @@ async def read_body(request: web.Request, kind: type[T]) -> T:
     if not raw.strip():
         raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
     try:
-        return msgspec.json.decode(raw, type=kind)
+        body = msgspec.json.decode(raw, type=kind)
     except msgspec.DecodeError as e:
         raise from_decode_error(e) from None
     except (UnicodeDecodeError, RecursionError) as e:  # not UTF-8, or nested past any sane depth
         raise ApiError(400, f"the request body is not valid JSON: {type(e).__name__}", code="invalid_json") from None
+    request.app[STATE_KEY].ignored_fields.note(raw, kind, request.path)
+    return body

@@ -1,5 +1,9 @@
 """ChoiceState: one choice (one GenerateRequest) as its RequestOutput deltas arrive — the detokenized
-text so far, token ids, logprobs, the finish reason — and the latency metrics it produces on the way."""
+text so far, token ids, logprobs, the finish reason — and the latency metrics it produces on the way.
+
+hide_output: prompt scoring (/v1/completions with echo and max_tokens 0). The engine generates at least
+one token, so the request asks for one; the choice then shows none of it and counts no completion
+tokens, as vLLM answers the same request."""
 
 from __future__ import annotations
 
@@ -15,9 +19,10 @@ from runtime.text.tokenizer import Tokenizer
 
 class ChoiceState:
     def __init__(self, index: int, req: GenerateRequest, tokenizer: Tokenizer, metrics: GatewayMetrics,
-                 arrival: float):
+                 arrival: float, hide_output: bool = False):
         self.index = index
         self.req = req
+        self.hide_output = hide_output
         self.metrics = metrics
         self.arrival = arrival
         self.out = OutputAccumulator(req, tokenizer)
@@ -26,6 +31,13 @@ class ChoiceState:
     @property
     def finished(self) -> bool:
         return self.out.finished
+
+    @property
+    def done(self) -> bool:
+        """Over for the client: finished, or its text reached a stop string the engine has not seen (the
+        scheduler's check decodes special tokens away; the detokenizer may keep them): then the gateway
+        aborts the request instead of letting it run on unseen."""
+        return self.out.finished or self.out.detok.stopped
 
     def add(self, o: RequestOutput) -> str:
         """Takes one delta; returns the text it made safe to show."""
@@ -43,7 +55,8 @@ class ChoiceState:
         if o.finished:
             self.metrics.e2e.observe(now - self.arrival)
             self.metrics.prompt_tokens.inc(o.prompt_tokens)
-        return self.out.add(o)
+        text = self.out.add(o)
+        return "" if self.hide_output else text
 
     # The accumulated answer, read by the route handlers.
     @property
@@ -52,19 +65,25 @@ class ChoiceState:
 
     @property
     def text(self) -> str:
-        return self.out.text
+        return "" if self.hide_output else self.out.text
 
     @property
     def ids(self) -> list[int]:
-        return self.out.ids
+        return [] if self.hide_output else self.out.ids
 
     @property
     def logprobs(self) -> list[float]:
-        return self.out.logprobs
+        return [] if self.hide_output else self.out.logprobs
 
     @property
     def top_logprobs(self) -> list[list[tuple[int, float]]]:
-        return self.out.top_logprobs
+        return [] if self.hide_output else self.out.top_logprobs
+
+    def new_tokens(self, o: RequestOutput) -> tuple[list[int], list[float], list[list[tuple[int, float]]] | None]:
+        """The token ids, logprobs and top logprobs a delta shows (none for prompt scoring)."""
+        if self.hide_output:
+            return [], [], None
+        return o.new_token_ids, o.new_logprobs or [], o.new_top_logprobs
 
     @property
     def input_logprobs(self) -> list[float | None] | None:
@@ -77,10 +96,10 @@ class ChoiceState:
     @property
     def finish_reason(self) -> str | None:
         """OpenAI's finish_reason: stop, length, abort or error; None while running."""
+        if self.detok.stopped:  # our detokenizer saw the stop string, whether or not the engine did
+            return "stop"
         if not self.finished or self.last.finish_reason is None:
             return None
-        if self.detok.stopped:  # our detokenizer saw the stop string even if the engine ran on
-            return "stop"
         return self.last.finish_reason.openai_reason()
 
     @property
@@ -102,7 +121,7 @@ class ChoiceState:
 
     @property
     def completion_tokens(self) -> int:
-        return self.last.completion_tokens if self.last is not None else 0
+        return self.last.completion_tokens if self.last is not None and not self.hide_output else 0
 
     @property
     def cached_tokens(self) -> int:

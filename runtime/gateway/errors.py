@@ -72,10 +72,8 @@ def from_decode_error(e: msgspec.DecodeError) -> ApiError:
     param = None
     if "at `$." in msg:
         param = msg.split("at `$.", 1)[1].split("`")[0].split("[")[0].split(".")[0] or None
-    if "unknown field" in msg.lower() and "`" in msg:
-        field = msg.split("`")[1]
-        return ApiError(400, f"Unrecognized request argument supplied: {field}", param=field,
-                        code="unknown_parameter")
+    if "out of range" in msg or "` <= " in msg or "` >= " in msg:
+        return ApiError(400, f"{param or 'a number'} is out of range: {msg}", param=param, code="invalid_value")
     return ApiError(400, f"invalid request: {msg}", param=param, code="invalid_type")
 
 

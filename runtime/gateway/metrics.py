@@ -79,6 +79,8 @@ class GatewayMetrics:
         self.generation_tokens = Counter("shoal:generation_tokens", "tokens generated", registry=r)
         self.rejected = Counter("shoal:requests_rejected", "requests refused with 429 at --max-concurrent-requests",
                                 registry=r)
+        self.ignored_fields = Counter("shoal:ignored_request_fields", "request fields accepted and ignored, by path",
+                                      ["field"], registry=r)
         self._stats = _SchedulerStatsCollector()
         r.register(self._stats)
 
@@ -93,6 +95,12 @@ class GatewayMetrics:
         per_token = 0.0 if since_last_s is None else since_last_s / num_tokens
         for _ in range(gaps):
             self.itl.observe(per_token)
+
+    def totals(self) -> tuple[float, float, float]:
+        """(choices finished, prompt tokens of finished choices, tokens generated) since the app started."""
+        get = self.registry.get_sample_value
+        return (get("shoal:e2e_request_latency_seconds_count") or 0.0, get("shoal:prompt_tokens_total") or 0.0,
+                get("shoal:generation_tokens_total") or 0.0)
 
     def render(self, stats: SchedulerStats | None) -> bytes:
         """Prometheus text exposition; stats None (engine not ready) leaves the scheduler families empty."""

@@ -19,7 +19,8 @@ from runtime.errors import InvalidRequestError, ShoalError
 from runtime.gateway.body import read_body
 from runtime.gateway.choice_state import ChoiceState
 from runtime.gateway.errors import ApiError, bad_request, from_shoal_error
-from runtime.gateway.fan_in import OutputFanIn
+from runtime.gateway.generation import Generation, Responder
+from runtime.gateway.prompt_input import PromptInput
 from runtime.gateway.protocol import (
     AbortRequestBody,
     GenerateBody,
@@ -30,9 +31,8 @@ from runtime.gateway.protocol import (
     ModelList,
     encode,
 )
-from runtime.gateway.sse import SseWriter, is_disconnected
 from runtime.gateway.state import STATE_KEY
-from runtime.messages import GenerateRequest
+from runtime.messages import GenerateRequest, RequestOutput
 from runtime.sampling.params import SamplingParams
 
 logger = logging.getLogger("shoal.gateway")
@@ -44,35 +44,24 @@ def _json(obj: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=encode(obj), content_type="application/json")
 
 
-def _inputs(body: GenerateBody, encode_text: Any) -> tuple[list[list[int]], bool]:
-    """(token ids per prompt, whether the body was a batch)."""
-    if (body.text is None) == (body.input_ids is None):
-        raise bad_request("give exactly one of text or input_ids", param="text")
-    if isinstance(body.text, str):
-        return [encode_text(body.text)], False
-    if body.text is not None:
-        if not body.text:
-            raise bad_request("text must not be an empty list", param="text")
-        return [encode_text(t) for t in body.text], True
-    ids = body.input_ids
-
-    def is_int(x: object) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool)
-
-    if ids and all(is_int(t) for t in ids):
-        return [list(ids)], False
-    if ids and all(isinstance(p, list) and p and all(is_int(t) for t in p) for p in ids):
-        return [list(p) for p in ids], True
-    raise bad_request("input_ids must be a non-empty list of token ids or of non-empty token-id lists",
-                      param="input_ids")
+def _check_int64(sampling: dict[str, Any] | None) -> None:
+    """sampling_params is free-form (SamplingParams.from_dict reads it), so protocol.Int64 cannot bound
+    it: an integer no int64 tensor can hold is a 400 naming its key here, not a failed batch later."""
+    for key, value in (sampling or {}).items():
+        for v in value if isinstance(value, list) else (value,):
+            if isinstance(v, int) and not -(2**63) <= v < 2**63:
+                raise bad_request(f"sampling_params.{key} is out of range: {v} does not fit in 64 bits",
+                                  param=f"sampling_params.{key}")
 
 
 def _result(c: ChoiceState, arrival: float, with_text: bool, tokenizer: Any) -> GenerateResponse:
     fr = c.last.finish_reason if c.finished and c.last is not None else None
+    finish = GenerateFinishReason(type=fr.kind, matched=fr.matched, message=fr.message) if fr else None
+    if c.detok.stopped and (fr is None or fr.kind != "stop"):  # a stop string only the detokenizer saw
+        finish = GenerateFinishReason(type="stop")
     meta = GenerateMetaInfo(
         id=c.req.rid, prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
-        cached_tokens=c.cached_tokens, e2e_latency=time.monotonic() - arrival,
-        finish_reason=GenerateFinishReason(type=fr.kind, matched=fr.matched, message=fr.message) if fr else None)
+        cached_tokens=c.cached_tokens, e2e_latency=time.monotonic() - arrival, finish_reason=finish)
     if c.req.sampling_params.return_logprob:
         tok = tokenizer.id_to_token_text
         meta.output_token_logprobs = [[lp, t, tok(t)] if with_text else [lp, t] for lp, t in zip(c.logprobs, c.ids)]
@@ -83,13 +72,17 @@ def _result(c: ChoiceState, arrival: float, with_text: bool, tokenizer: Any) -> 
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    arrival = time.monotonic()
-    state = request.app[STATE_KEY]
-    body = await read_body(request, GenerateBody)
-    client = state.client()
-    prompts, batch = _inputs(body, client.tokenizer.encode)
-    if batch and body.stream:
+    gen = await Generation.read(request, GenerateBody)
+    body, client, state = gen.body, gen.client, gen.state
+    if (body.text is None) == (body.input_ids is None):
+        raise bad_request("give exactly one of text or input_ids", param="text")
+    if body.text is not None:
+        prompts = PromptInput.parse(body.text, client.tokenizer.encode, param="text")
+    else:
+        prompts = PromptInput.parse(body.input_ids, client.tokenizer.encode, param="input_ids", allow_text=False)
+    if prompts.batch and body.stream:
         raise bad_request("streaming a batch is not supported; send one request per prompt", param="stream")
+    _check_int64(body.sampling_params)
     try:
         params = SamplingParams.from_dict(body.sampling_params)
         if body.return_logprob:
@@ -98,31 +91,27 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except InvalidRequestError as e:
         raise from_shoal_error(e) from None
     base = body.rid or state.new_id("gen")
-    reqs = [state.validate(client, GenerateRequest(rid=f"{base}-{k}" if batch else base, input_ids=ids,
-                                                   sampling_params=params)) for k, ids in enumerate(prompts)]
-    choices = [ChoiceState(i, r, client.tokenizer, state.metrics, arrival) for i, r in enumerate(reqs)]
-    tracked = state.track(base, reqs)
-    try:
-        fan = OutputFanIn(client, reqs, lambda: is_disconnected(request))
-        if not body.stream:
-            async with fan:
-                async for i, out in fan:
-                    choices[i].add(out)
-            results = [_result(c, arrival, body.return_text_in_logprobs, client.tokenizer) for c in choices]
-            return _json(results if batch else results[0])
-        sse = SseWriter(request)
-        await sse.start()
-        try:
-            async with fan:
-                async for i, out in fan:
-                    choices[i].add(out)
-                    await sse.send(encode(_result(choices[i], arrival, body.return_text_in_logprobs,
-                                                  client.tokenizer)))
-            return await sse.finish()
-        except (ApiError, ShoalError) as e:
-            return await sse.end_on_error(e)
-    finally:
-        state.untrack(base, tracked)
+    reqs = [state.validate(client, GenerateRequest(rid=f"{base}-{k}" if prompts.batch else base, input_ids=ids,
+                                                   sampling_params=params)) for k, ids in enumerate(prompts.ids)]
+    gen.set_choices(base, reqs)
+    return await gen.respond(body.stream, _GenerateResponder(gen, body.return_text_in_logprobs, prompts.batch))
+
+
+class _GenerateResponder(Responder):
+    """SGLang's shape: each stream event is the whole answer so far, not a delta."""
+
+    fail_on_engine_error = False  # meta_info.finish_reason says "error" with its message
+
+    def __init__(self, gen: Generation, with_text: bool, batch: bool):
+        self.choices, self.arrival, self.tokenizer = gen.choices, gen.arrival, gen.client.tokenizer
+        self.with_text, self.batch = with_text, batch
+
+    def body(self) -> GenerateResponse | list[GenerateResponse]:
+        results = [_result(c, self.arrival, self.with_text, self.tokenizer) for c in self.choices]
+        return results if self.batch else results[0]
+
+    def events(self, c: ChoiceState, out: RequestOutput, text: str) -> list[GenerateResponse]:
+        return [_result(c, self.arrival, self.with_text, self.tokenizer)]
 
 
 async def abort_request(request: web.Request) -> web.Response:

@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: OpenAI chat — messages through the model's chat template, n choices,
-logprobs/top_logprobs, streaming (role chunk, content deltas, finish chunk, optional usage, [DONE]).
-OpenAI features Shoal lacks (tools, functions, JSON response formats) are a 400, never
-silently ignored."""
+logprobs/top_logprobs, streaming (the role with the first content delta, content deltas, finish chunk,
+optional usage, [DONE]).
+OpenAI features Shoal lacks (tools, functions, JSON response formats, audio output) are a 400, never
+silently ignored; fields Shoal does not know at all are ignored (protocol.py)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,11 @@ from typing import Any
 from aiohttp import web
 from msgspec import UNSET
 
-from runtime.engine_client import EngineClient
 from runtime.errors import ShoalError
-from runtime.gateway.body import read_body
-from runtime.gateway.choice_state import ChoiceState, usage_info
-from runtime.gateway.errors import ApiError, bad_request, from_shoal_error, not_supported
-from runtime.gateway.fan_in import OutputFanIn
+from runtime.gateway.choice_state import ChoiceState
+from runtime.gateway.errors import bad_request, from_shoal_error, not_supported
+from runtime.gateway.generation import Generation
+from runtime.gateway.openai_responder import OpenAIResponder
 from runtime.gateway.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -29,10 +29,8 @@ from runtime.gateway.protocol import (
     ChatTokenLogprob,
     ChatTopLogprob,
     DeltaMessage,
-    encode,
 )
-from runtime.gateway.sse import SseWriter, is_disconnected
-from runtime.gateway.state import STATE_KEY
+from runtime.messages import RequestOutput
 from runtime.text.tokenizer import Tokenizer
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -50,6 +48,10 @@ def check_unsupported(body: ChatCompletionRequest) -> None:
     if body.response_format is not None and body.response_format.get("type", "text") != "text":
         raise not_supported(f"response_format {body.response_format.get('type')!r} (only 'text')",
                             "response_format")
+    if body.modalities is not None and set(body.modalities) - {"text"}:
+        raise not_supported(f"output modalities {body.modalities} (only ['text'])", "modalities")
+    if body.audio is not None:
+        raise not_supported("audio output (audio)", "audio")
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -103,10 +105,8 @@ def chat_logprobs(tokenizer: Tokenizer, ids: list[int], logprobs: list[float],
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    arrival = time.monotonic()
-    state = request.app[STATE_KEY]
-    body = await read_body(request, ChatCompletionRequest)
-    client = state.client()
+    gen = await Generation.read(request, ChatCompletionRequest)
+    body, client, state = gen.body, gen.client, gen.state
     model = state.check_model(client, body.model)
     n = state.check_n(body.n)
     check_unsupported(body)
@@ -124,68 +124,46 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = state.sampling_params(body, max_new, return_logprob=want_lp, top_logprobs_num=body.top_logprobs or 0,
                                    logprob_param="top_logprobs", max_param=max_param)
     base = state.new_id("chatcmpl")
-    reqs = state.choice_requests(client, base, [ids], params, n)
-    choices = [ChoiceState(i, r, client.tokenizer, state.metrics, arrival) for i, r in enumerate(reqs)]
-    tracked = state.track(base, reqs)
-    try:
-        if body.stream:
-            include_usage, continuous = body.stream_options.usage_modes() if body.stream_options else (False, False)
-            return await _stream(request, client, base, model, choices, want_lp, n, include_usage, continuous)
-        return await _complete(request, client, base, model, choices, want_lp, n)
-    finally:
-        state.untrack(base, tracked)
+    gen.set_choices(base, state.choice_requests(client, base, [ids], params, n))
+    return await gen.respond(bool(body.stream), _ChatResponder(gen, model, n, want_lp))
 
 
-async def _complete(request: web.Request, client: EngineClient, base: str, model: str,
-                    choices: list[ChoiceState], want_lp: bool, n: int) -> web.Response:
-    async with OutputFanIn(client, [c.req for c in choices], lambda: is_disconnected(request)) as fan:
-        async for i, out in fan:
-            choices[i].add(out)
-    out = []
-    for c in choices:
-        if c.error:
-            raise ApiError(500, f"generation failed: {c.error}", code="engine_error")
-        lp = chat_logprobs(client.tokenizer, c.ids, c.logprobs, c.top_logprobs) if want_lp else None
-        out.append(ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=lp,
-                                        finish_reason=c.finish_reason, matched_stop=c.matched_stop))
-    resp = ChatCompletionResponse(id=base, created=int(time.time()), model=model, choices=out,
-                                  usage=usage_info(choices, n))
-    return web.Response(body=encode(resp), content_type="application/json")
+class _ChatResponder(OpenAIResponder):
+    chunk_type = ChatCompletionChunk
 
+    def __init__(self, gen: Generation, model: str, n: int, want_lp: bool):
+        super().__init__(gen, model, n)
+        self.want_lp = want_lp
 
-async def _stream(request: web.Request, client: EngineClient, base: str, model: str, choices: list[ChoiceState],
-                  want_lp: bool, n: int, include_usage: bool, continuous: bool = False) -> web.StreamResponse:
-    sse = SseWriter(request)
-    await sse.start()
-    created = int(time.time())
-    usage = None if include_usage else UNSET  # chunks carry usage: null only when it was asked for
+    def body(self) -> ChatCompletionResponse:
+        out = []
+        for c in self.choices:
+            lp = chat_logprobs(self.tokenizer, c.ids, c.logprobs, c.top_logprobs) if self.want_lp else None
+            out.append(ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=lp,
+                                            finish_reason=c.finish_reason, matched_stop=c.matched_stop))
+        return ChatCompletionResponse(id=self.base, created=int(time.time()), model=self.model, choices=out,
+                                      usage=self.usage(), system_fingerprint=self.fingerprint)
 
-    def chunk(choice: ChatStreamChoice) -> bytes:
-        return encode(ChatCompletionChunk(id=base, created=created, model=model, choices=[choice],
-                                          usage=usage_info(choices, n) if continuous else usage))
-
-    try:
-        for c in choices:
-            await sse.send(chunk(ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))))
-        async with OutputFanIn(client, [c.req for c in choices], lambda: is_disconnected(request)) as fan:
-            async for i, out in fan:
-                c = choices[i]
-                text = c.add(out)
-                if c.error:
-                    raise ApiError(500, f"generation failed: {c.error}", code="engine_error")
-                lp = None
-                if want_lp and out.new_token_ids:
-                    lp = chat_logprobs(client.tokenizer, out.new_token_ids, out.new_logprobs or [],
-                                       out.new_top_logprobs)
-                if text or lp is not None:
-                    await sse.send(chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=text), logprobs=lp)))
-                if c.finished:
-                    await sse.send(chunk(ChatStreamChoice(index=i, delta=DeltaMessage(),
-                                                          finish_reason=c.finish_reason,
-                                                          matched_stop=c.matched_stop)))
-        if include_usage:
-            await sse.send(encode(ChatCompletionChunk(id=base, created=created, model=model, choices=[],
-                                                      usage=usage_info(choices, n))))
-        return await sse.finish()
-    except (ApiError, ShoalError) as e:
-        return await sse.end_on_error(e)
+    def events(self, c: ChoiceState, out: RequestOutput, text: str) -> list[ChatCompletionChunk]:
+        # The role goes with the first delta, which comes after prefill with the first token: a client
+        # timing the first chunk measures the real time to first token.
+        first = self.first_delta(c)
+        lp = None
+        if self.want_lp and out.new_token_ids:
+            lp = chat_logprobs(self.tokenizer, out.new_token_ids, out.new_logprobs or [], out.new_top_logprobs)
+        # The text before a stop string is final: its chunk carries the finish_reason. Other ends keep
+        # OpenAI's separate empty-delta finish chunk.
+        stop_end = c.done and c.detok.stopped
+        events = []
+        if first or text or lp is not None:
+            events.append(self.chunk([ChatStreamChoice(
+                index=c.index, delta=DeltaMessage(role="assistant" if first else UNSET, content=text), logprobs=lp,
+                finish_reason=c.finish_reason if stop_end else None,
+                matched_stop=c.matched_stop if stop_end else None)], self.chunk_usage()))
+            if stop_end:
+                return events
+        if c.done:
+            events.append(self.chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(),
+                                                       finish_reason=c.finish_reason, matched_stop=c.matched_stop)],
+                                     self.chunk_usage()))
+        return events

@@ -1,19 +1,25 @@
 """The HTTP bodies the gateway reads and writes, as msgspec Structs: OpenAI completions, chat completions
-and models, SGLang-style /generate, and the error body. Requests forbid unknown fields (OpenAI rejects
-them too), so a misspelt parameter is a 400 rather than silently ignored. Numeric knobs accept null
-(some clients send it) and mean "the default" then."""
+and models, SGLang-style /generate, and the error body. Requests accept fields they do not declare, at
+any depth, as vLLM and SGLang do: the official clients send newer OpenAI fields (store, metadata,
+stream_options.include_obfuscation, ...) that change nothing here. body.read_body logs and counts them
+(IgnoredFields). A declared field whose value Shoal cannot honour is a 400 that says so. Numeric knobs
+accept null (some clients send it) and mean "the default" then. Every integer is bounded to int64 at
+decoding (Int64), so an absurd value is a 400 naming its field before it can reach a tensor."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
-from msgspec import UNSET, Struct, UnsetType
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+# What the engine's int64 tensors can hold; narrower semantic ranges are SamplingParams.validate's.
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 
 # ---- shared --------------------------------------------------------------------------------------
 
 
-class StreamOptions(Struct, forbid_unknown_fields=True):
+class StreamOptions(Struct):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the running usage
 
@@ -58,35 +64,40 @@ class ModelList(Struct):
     object: str = "list"
 
 
-# ---- /v1/completions -----------------------------------------------------------------------------
+class OpenAISamplingFields(Struct, kw_only=True):
+    """The fields /v1/completions and /v1/chat/completions share (GatewayState.sampling_params reads them)."""
 
-
-class CompletionRequest(Struct, kw_only=True, forbid_unknown_fields=True):
-    prompt: str | list[Any]  # str | list[str] | list[int] | list[list[int]], checked by the handler
     model: str | None = None
-    max_tokens: int | None = 16  # OpenAI's default; an explicit null means "as many as the context allows"
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
-    n: int | None = None
-    best_of: int | None = None
+    n: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop_token_ids: list[Int64] | None = None
+    seed: Int64 | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logprobs: int | None = None
-    echo: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
-    min_tokens: int | None = None
+    min_tokens: Int64 | None = None
     skip_special_tokens: bool | None = None
     user: str | None = None
-    suffix: str | None = None
     logit_bias: dict[str, float] | None = None
+
+
+# ---- /v1/completions -----------------------------------------------------------------------------
+
+
+class CompletionRequest(OpenAISamplingFields, kw_only=True):
+    prompt: str | list[Any]  # str | list[str] | list[int] | list[list[int]], checked by the handler
+    max_tokens: Int64 | None = 16  # OpenAI's default; an explicit null means "as many as the context allows"
+    best_of: Int64 | None = None
+    logprobs: Int64 | None = None
+    echo: bool | None = None
+    suffix: str | None = None
 
 
 class CompletionLogprobs(Struct):
@@ -110,13 +121,14 @@ class CompletionResponse(Struct, kw_only=True):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo | None | UnsetType = UNSET  # streaming chunks carry it only with include_usage
+    system_fingerprint: str | None = None
+    usage: UsageInfo | UnsetType = UNSET  # streaming chunks carry it only with include_usage
 
 
 # ---- /v1/chat/completions ------------------------------------------------------------------------
 
 
-class ChatMessage(Struct, kw_only=True, forbid_unknown_fields=True):
+class ChatMessage(Struct, kw_only=True):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -126,38 +138,21 @@ class ChatMessage(Struct, kw_only=True, forbid_unknown_fields=True):
     refusal: str | None = None
 
 
-class ChatCompletionRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+class ChatCompletionRequest(OpenAISamplingFields, kw_only=True):
     messages: list[ChatMessage]
-    model: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    n: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool | None = None
-    min_tokens: int | None = None
-    skip_special_tokens: bool | None = None
-    user: str | None = None
-    # Known OpenAI fields Shoal does not implement: accepted by the decoder only to answer a clear 400.
+    top_logprobs: Int64 | None = None
+    # Known OpenAI fields Shoal honours only in part: a value it cannot honour is a 400 that says so.
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
-    logit_bias: dict[str, float] | None = None
+    modalities: list[str] | None = None  # only ["text"]
+    audio: dict[str, Any] | None = None  # audio output parameters: never
 
 
 class ChatTopLogprob(Struct):
@@ -180,6 +175,7 @@ class ChatChoiceLogprobs(Struct):
 class ChatResponseMessage(Struct):
     content: str | None
     role: str = "assistant"
+    refusal: str | None = None  # OpenAI's shape: always present, null (Shoal never refuses by policy)
 
 
 class ChatCompletionChoice(Struct):
@@ -197,6 +193,7 @@ class ChatCompletionResponse(Struct, kw_only=True):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    system_fingerprint: str | None = None
 
 
 class DeltaMessage(Struct, omit_defaults=True):
@@ -218,19 +215,20 @@ class ChatCompletionChunk(Struct, kw_only=True):
     created: int
     model: str
     choices: list[ChatStreamChoice]
-    usage: UsageInfo | None | UnsetType = UNSET
+    system_fingerprint: str | None = None
+    usage: UsageInfo | UnsetType = UNSET
 
 
 # ---- native /generate (SGLang style) -------------------------------------------------------------
 
 
-class GenerateBody(Struct, kw_only=True, forbid_unknown_fields=True):
+class GenerateBody(Struct, kw_only=True):
     text: str | list[str] | None = None
     input_ids: list[Any] | None = None  # list[int] or list[list[int]], checked by the handler
     sampling_params: dict[str, Any] | None = None
     stream: bool = False
     return_logprob: bool = False
-    top_logprobs_num: int = 0
+    top_logprobs_num: Int64 = 0
     return_text_in_logprobs: bool = False
     rid: str | None = None
 
@@ -259,11 +257,11 @@ class GenerateResponse(Struct, kw_only=True):
     meta_info: GenerateMetaInfo
 
 
-class AbortRequestBody(Struct, forbid_unknown_fields=True):
+class AbortRequestBody(Struct):
     rid: str  # a response id (aborts all its choices) or one request's rid
 
 
-class TokenizeBody(Struct, kw_only=True, forbid_unknown_fields=True):
+class TokenizeBody(Struct, kw_only=True):
     """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
 
     model: str | None = None
@@ -279,9 +277,9 @@ class TokenizeResponse(Struct, kw_only=True):
     tokens: list[int]
 
 
-class DetokenizeBody(Struct, kw_only=True, forbid_unknown_fields=True):
+class DetokenizeBody(Struct, kw_only=True):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int64]
 
 
 class DetokenizeResponse(Struct, kw_only=True):

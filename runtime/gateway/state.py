@@ -4,6 +4,9 @@ provider that returns it once loaded), the metrics, and the rids of requests in 
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.metadata
 import re
 import time
 import uuid
@@ -16,8 +19,12 @@ from aiohttp import web
 from runtime.config import ServerArgs
 from runtime.engine_client import EngineClient
 from runtime.errors import InvalidRequestError, ShoalError
+from runtime.gateway.dashboard import Dashboard
+from runtime.gateway.error_log import ErrorLog
 from runtime.gateway.errors import ApiError, bad_request, from_shoal_error
+from runtime.gateway.ignored_fields import IgnoredFields
 from runtime.gateway.metrics import GatewayMetrics
+from runtime.gateway.protocol import OpenAISamplingFields
 from runtime.messages import GenerateRequest
 from runtime.sampling.params import SamplingParams
 
@@ -26,6 +33,14 @@ ClientProvider = Callable[[], EngineClient | None]
 _TOKEN_ID = re.compile(r"-?[0-9]+")
 # Our SamplingParams names → the OpenAI request field a user wrote, for error messages.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs_num": "logprobs"}
+
+
+@functools.cache
+def _version() -> str:
+    try:
+        return importlib.metadata.version("shoal")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "0+checkout"
 
 
 class GatewayState:
@@ -37,6 +52,9 @@ class GatewayState:
             self.provider = client_provider
         self.args = args
         self.metrics = GatewayMetrics()
+        self.ignored_fields = IgnoredFields(self.metrics.ignored_fields)
+        self.errors = ErrorLog()
+        self.dashboard = Dashboard(self.metrics, self.errors)
         self.created = int(time.time())
         self.shutting_down = False
         self.inflight: dict[str, list[str]] = {}  # response id → rids of its choices
@@ -63,6 +81,12 @@ class GatewayState:
     def served_model(self, client: EngineClient) -> str:
         return self.args.served_model_name or client.model_name
 
+    def system_fingerprint(self, client: EngineClient) -> str:
+        """OpenAI's system_fingerprint: names the serving configuration (Shoal's version, the model and
+        its context), so a client sees when answers to the same request may change."""
+        key = f"shoal {_version()} {client.model_name} {client.context_len}"
+        return "fp_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
     def check_model(self, client: EngineClient, model: str | None) -> str:
         names = {client.model_name, self.served_model(client)}
         if model is not None and model not in names:
@@ -76,9 +100,19 @@ class GatewayState:
             raise bad_request(f"n must be in [1, {self.args.max_n}] on this server, got {n}", param="n")
         return n
 
+    @staticmethod
+    def usage_modes(body: OpenAISamplingFields) -> tuple[bool, bool]:
+        """(a final usage chunk, usage in every chunk) from stream_options, which, as in OpenAI's API and
+        vLLM's, only a streaming request may send."""
+        if body.stream_options is None:
+            return False, False
+        if not body.stream:
+            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        return body.stream_options.usage_modes()
+
     # ---- building requests ------------------------------------------------------------------------
     @staticmethod
-    def sampling_params(body: Any, max_new_tokens: int, return_logprob: bool = False, top_logprobs_num: int = 0,
+    def sampling_params(body: OpenAISamplingFields, max_new_tokens: int, return_logprob: bool = False, top_logprobs_num: int = 0,
                         logprob_param: str = "logprobs", max_param: str = "max_tokens") -> SamplingParams:
         """SamplingParams from the OpenAI fields of a completions or chat body (None = our default)."""
         fields = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",

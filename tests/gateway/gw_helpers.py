@@ -1,4 +1,5 @@
-"""HTTP helpers of the gateway tests: raw requests, SSE parsing, and the wait for a full KV pool."""
+"""HTTP helpers of the gateway tests: raw requests, SSE parsing, the wait for a full KV pool, slower
+engine steps."""
 
 from __future__ import annotations
 
@@ -53,3 +54,15 @@ def wait_kv_full(engine: Engine, timeout_s: float = 5.0) -> None:
             return
         assert time.monotonic() < deadline, "the KV pool did not return to full"
         time.sleep(0.05)
+
+
+def slow_steps(engine: Engine, monkeypatch: Any, seconds: float) -> None:
+    """Makes each engine step take `seconds` longer, so requests reliably outlive client actions (or a
+    prefill takes measurably long)."""
+    run_batch = engine.worker.run_batch
+
+    def slow_run_batch(batch: Any) -> Any:
+        time.sleep(seconds)
+        return run_batch(batch)
+
+    monkeypatch.setattr(engine.worker, "run_batch", slow_run_batch)

@@ -8,23 +8,13 @@ import asyncio
 import time
 
 import aiohttp
-from gw_helpers import GATEWAY_ARGS, http, wait_kv_full
+from gw_helpers import GATEWAY_ARGS, http, slow_steps, wait_kv_full
 
 from runtime.gateway.server import serve_in_thread
 
 
-def _slow_steps(engine, monkeypatch, seconds: float = 0.01) -> None:
-    run_batch = engine.worker.run_batch
-
-    def slow_run_batch(batch):
-        time.sleep(seconds)
-        return run_batch(batch)
-
-    monkeypatch.setattr(engine.worker, "run_batch", slow_run_batch)
-
-
 def test_requests_past_the_limit_get_429(gw_engine, monkeypatch):
-    _slow_steps(gw_engine, monkeypatch)
+    slow_steps(gw_engine, monkeypatch, 0.01)
     body = {"prompt": "Tell me a story", "max_tokens": 300, "ignore_eos": True, "stream": True}
     with serve_in_thread(gw_engine, GATEWAY_ARGS.replace(max_concurrent_requests=2), port=0) as server:
         url = server.url

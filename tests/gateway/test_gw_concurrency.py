@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import aiohttp
 import pytest
-from gw_helpers import wait_kv_full
+from gw_helpers import slow_steps, wait_kv_full
 
 
 async def _stream_text(session: aiohttp.ClientSession, url: str, i: int) -> tuple[str, int]:
@@ -69,19 +68,9 @@ async def test_stream_disconnect_frees_kv(gw_url, gw_engine, n):
     assert _decode_tokens(gw_engine) - before < n * 449  # aborted, not run to the end
 
 
-def _slow_steps(engine, monkeypatch, seconds: float = 0.003) -> None:
-    """Makes each engine step take a little longer, so long requests reliably outlive client actions."""
-    run_batch = engine.worker.run_batch
-
-    def slow_run_batch(batch):
-        time.sleep(seconds)
-        return run_batch(batch)
-
-    monkeypatch.setattr(engine.worker, "run_batch", slow_run_batch)
-
 
 async def test_non_stream_disconnect_frees_kv(gw_url, gw_engine, monkeypatch):
-    _slow_steps(gw_engine, monkeypatch)
+    slow_steps(gw_engine, monkeypatch, 0.003)
     before = _decode_tokens(gw_engine)
     body = {"prompt": "Tell me a long story", "max_tokens": 480, "ignore_eos": True}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.4)) as session:
@@ -96,7 +85,7 @@ async def test_non_stream_disconnect_frees_kv(gw_url, gw_engine, monkeypatch):
 
 
 async def test_abort_request_by_response_id_aborts_every_choice(gw_url, gw_engine, monkeypatch):
-    _slow_steps(gw_engine, monkeypatch)  # 450 tokens must not all be generated before the abort lands
+    slow_steps(gw_engine, monkeypatch, 0.003)  # 450 tokens must not all be generated before the abort lands
     body = {"messages": [{"role": "user", "content": "Count"}], "max_tokens": 450, "n": 2, "stream": True,
             "ignore_eos": True}
     reasons: dict[int, str] = {}

@@ -1,0 +1,115 @@
+"""Generation: the spine every generating route shares. Generation.read takes the request's arrival time,
+its body and the ready client; the route turns the body into validated GenerateRequests (one per
+choice) and a Responder; Generation admits the choices (track/untrack, 429 past the limit), fans their
+deltas in, ends a choice as soon as its text reached a stop string, and answers one JSON body or an SSE
+stream, as the Responder writes them.
+
+A choice can be over for the client before the engine knows (ChoiceState.done: a stop string made of
+special-token text the scheduler decodes away): the Responder sees its finish at once and its engine
+request is aborted rather than left running to max_tokens; the engine's final delta then only settles
+the counts."""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Generic, TypeVar
+
+from aiohttp import web
+
+from runtime.engine_client import EngineClient
+from runtime.errors import ShoalError
+from runtime.gateway.body import read_body
+from runtime.gateway.choice_state import ChoiceState
+from runtime.gateway.errors import ApiError
+from runtime.gateway.fan_in import OutputFanIn
+from runtime.gateway.protocol import encode
+from runtime.gateway.sse import SseWriter, is_disconnected
+from runtime.gateway.state import STATE_KEY, GatewayState
+from runtime.messages import GenerateRequest, RequestOutput
+
+B = TypeVar("B")
+
+
+class Responder(ABC):
+    """What a route makes of its choices: the whole answer, or the SSE events of each delta."""
+
+    fail_on_engine_error = True  # OpenAI routes answer a failed choice with an error; /generate reports it
+
+    @abstractmethod
+    def body(self) -> Any:
+        """The non-streaming answer, once every choice has finished."""
+
+    @abstractmethod
+    def events(self, c: ChoiceState, out: RequestOutput, text: str) -> Iterable[Any]:
+        """The stream events for one delta of choice c (text: what it made safe to show)."""
+
+    def last_events(self) -> Iterable[Any]:
+        """Events after every choice finished, before [DONE]."""
+        return ()
+
+
+class Generation(Generic[B]):
+    def __init__(self, request: web.Request, arrival: float, state: GatewayState, body: B, client: EngineClient):
+        self.request = request
+        self.arrival = arrival
+        self.state = state
+        self.body = body
+        self.client = client
+        self.base_id = ""
+        self.choices: list[ChoiceState] = []
+
+    @classmethod
+    async def read(cls, request: web.Request, kind: type[B]) -> Generation[B]:
+        arrival = time.monotonic()
+        state = request.app[STATE_KEY]
+        body = await read_body(request, kind)
+        return cls(request, arrival, state, body, state.client())
+
+    def set_choices(self, base_id: str, reqs: list[GenerateRequest],
+                    hide_output: bool = False) -> list[ChoiceState]:
+        """One choice per validated request, indexed in order; base_id names them all (/abort_request)."""
+        self.base_id = base_id
+        self.choices = [ChoiceState(i, r, self.client.tokenizer, self.state.metrics, self.arrival, hide_output)
+                        for i, r in enumerate(reqs)]
+        return self.choices
+
+    async def respond(self, stream: bool, responder: Responder) -> web.StreamResponse:
+        tracked = self.state.track(self.base_id, [c.req for c in self.choices])
+        try:
+            if stream:
+                return await self._stream(responder)
+            await self._run(responder, None)
+            return web.Response(body=encode(responder.body()), content_type="application/json")
+        finally:
+            self.state.untrack(self.base_id, tracked)
+
+    async def _stream(self, responder: Responder) -> web.StreamResponse:
+        sse = SseWriter(self.request)
+        await sse.start()
+        try:
+            await self._run(responder, sse.send)
+            for event in responder.last_events():
+                await sse.send(encode(event))
+            return await sse.finish()
+        except (ApiError, ShoalError) as e:
+            self.state.errors.record(self.request.method, self.request.path, e)
+            return await sse.end_on_error(e)
+
+    async def _run(self, responder: Responder, send: Callable[[bytes], Awaitable[None]] | None) -> None:
+        async with OutputFanIn(self.client, [c.req for c in self.choices],
+                               lambda: is_disconnected(self.request)) as fan:
+            async for i, out in fan:
+                c = self.choices[i]
+                ended = c.done
+                text = c.add(out)
+                if ended:  # the engine's last delta of a choice already over: it only settles the counts
+                    continue
+                if responder.fail_on_engine_error and c.error:
+                    raise ApiError(500, f"generation failed: {c.error}", code="engine_error")
+                if c.done and not c.finished:
+                    await self.client.abort(c.req.rid)
+                if send is not None:
+                    for event in responder.events(c, out, text):
+                        await send(encode(event))

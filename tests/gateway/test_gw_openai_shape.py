@@ -1,0 +1,129 @@
+"""The shape of OpenAI answers as clients meet it (issue 19, items 4 and 5): the role arrives with the
+first token (so a client timing the first chunk measures TTFT), system_fingerprint, message.refusal,
+no "usage": null in chunks, and the finish_reason of a stop-string end on its last content chunk."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+from gw_helpers import http, slow_steps, sse_events, wait_kv_full
+
+MESSAGES = [{"role": "user", "content": "Hello world!"}]
+_CHAT = {"messages": MESSAGES, "temperature": 0, "ignore_eos": True}
+
+
+async def _first_event_after(url: str, body: dict) -> tuple[float, dict, float]:
+    """(seconds to the first SSE event, that event, seconds to the response headers)."""
+    async with aiohttp.ClientSession() as session:
+        t0 = time.monotonic()
+        async with session.post(url, json=body) as resp:
+            headers_at = time.monotonic() - t0
+            async for line in resp.content:
+                if line.startswith(b"data: "):
+                    return time.monotonic() - t0, json.loads(line[6:]), headers_at
+    raise AssertionError("no event")
+
+
+def test_chat_role_comes_with_the_first_token(gw_url, gw_engine, monkeypatch):
+    slow_steps(gw_engine, monkeypatch, 0.5)  # prefill takes >= 0.5 s
+    first_at, event, headers_at = asyncio.run(_first_event_after(
+        gw_url + "/v1/chat/completions", {**_CHAT, "max_tokens": 2, "stream": True, "logprobs": True}))
+    [choice] = event["choices"]
+    assert choice["delta"]["role"] == "assistant"
+    assert len(choice["logprobs"]["content"]) >= 1  # the first token is in the same chunk as the role
+    assert first_at >= 0.5 > headers_at  # the 200 went out at once; the first chunk waited for prefill
+    wait_kv_full(gw_engine)
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 3, "temperature": 0}),
+    ("/v1/chat/completions", {**_CHAT, "max_tokens": 3}),
+])
+def test_fingerprint_refusal_and_no_null_usage(gw_url, route, body):
+    status, full = http(gw_url + route, "POST", body)
+    assert status == 200 and full["system_fingerprint"].startswith("fp_")
+    if route == "/v1/chat/completions":
+        message = full["choices"][0]["message"]
+        assert "refusal" in message and message["refusal"] is None
+    for options in (None, {"include_usage": True}):
+        stream = {**body, "stream": True} | ({"stream_options": options} if options else {})
+        _, raw = http(gw_url + route, "POST", stream)
+        events = [e for e in sse_events(raw) if e != "[DONE]"]
+        assert {e["system_fingerprint"] for e in events} == {full["system_fingerprint"]}
+        with_usage = [e for e in events if "usage" in e]
+        if options:  # only the last chunk, of its own, has usage
+            assert with_usage == events[-1:] and events[-1]["choices"] == []
+            assert events[-1]["usage"]["completion_tokens"] == 3
+        else:
+            assert with_usage == []
+
+
+def _stream_chat(url: str, body: dict) -> list[dict]:
+    status, raw = http(url + "/v1/chat/completions", "POST", {**body, "stream": True})
+    assert status == 200, raw
+    return [e for e in sse_events(raw) if e != "[DONE]"]
+
+
+def _stop_inside_a_token(pieces: list[str]) -> str | None:
+    """A one-character stop string that ends a token's text past its first character and appears nowhere
+    before: the text before it in that token is the last content, and the engine stops on that token."""
+    return next((p[-1] for k, p in enumerate(pieces)
+                 if k and len(p) >= 2 and p[-1] not in "".join(pieces[:k]) + p[:-1]), None)
+
+
+def test_stop_string_finish_is_on_the_last_content_chunk(gw_url):
+    for prompt in ("Tell me a story about a cat", "Hello world!", "Why is the sky blue?"):
+        body = {**_CHAT, "messages": [{"role": "user", "content": prompt}], "max_tokens": 20}
+        pieces = [e["choices"][0]["delta"].get("content", "") for e in _stream_chat(gw_url, body) if e["choices"]]
+        stop = _stop_inside_a_token(pieces)
+        if stop is not None:
+            break
+    assert stop is not None, pieces
+    text = "".join(pieces)
+    events = _stream_chat(gw_url, {**body, "stop": [stop]})
+    with_content = [e for e in events if e["choices"] and e["choices"][0]["delta"].get("content")]
+    last = with_content[-1]["choices"][0]
+    assert last["finish_reason"] == "stop" and last["matched_stop"] == stop
+    assert events[-1] is with_content[-1]  # no empty finish chunk after it
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == text[:text.index(stop)]
+    # Other ends keep OpenAI's separate finish chunk with an empty delta.
+    plain = _stream_chat(gw_url, {**body, "max_tokens": 3})
+    assert plain[-1]["choices"][0]["delta"] == {} and plain[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def _special_token(engine) -> tuple[int, str]:
+    """A token whose text only shows with skip_special_tokens false (the scheduler's stop check skips it)."""
+    tok = engine.tokenizer
+    return next((t, tok.decode([t], skip_special_tokens=False)) for t in range(64)
+                if tok.decode([t], skip_special_tokens=False) and not tok.decode([t]))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_only_the_detokenizer_sees_ends_the_request(gw_url, gw_engine, stream):
+    token, text = _special_token(gw_engine)
+    body = {"prompt": "Hello", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stop": [text],
+            "skip_special_tokens": False, "logit_bias": {str(token): 100}, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    t0 = time.monotonic()
+    status, got = http(gw_url + "/v1/completions", "POST", body)
+    assert status == 200, got
+    if stream:
+        events = [e for e in sse_events(got) if e != "[DONE]"]
+        finishes = [e["choices"][0]["finish_reason"] for e in events if e["choices"]]
+        assert finishes == ["stop"] and events[0]["choices"][0]["text"] == ""
+        usage = events[-1]["usage"]
+    else:
+        assert got["choices"][0]["finish_reason"] == "stop" and got["choices"][0]["text"] == ""
+        usage = got["usage"]
+    assert usage["completion_tokens"] < 200  # aborted at the stop string, not run to max_tokens
+    assert time.monotonic() - t0 < 30
+    wait_kv_full(gw_engine)
+    status, native = http(gw_url + "/generate", "POST", {"text": "Hello", "sampling_params": {
+        "max_new_tokens": 200, "ignore_eos": True, "stop": [text], "skip_special_tokens": False,
+        "logit_bias": {str(token): 100}}})
+    assert native["meta_info"]["finish_reason"]["type"] == "stop" and native["meta_info"]["completion_tokens"] < 200
