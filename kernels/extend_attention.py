@@ -18,6 +18,19 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _online_softmax_step(qk, v, acc, l_i, m_i):
+    """Folds one key block (scores qk in log2 units, values v) into the running softmax: rows that have
+    seen no visible key yet (max -inf) keep a zero accumulator instead of NaN."""
+    new_m = tl.maximum(m_i, tl.max(qk, 1))
+    safe_m = tl.where(new_m == float("-inf"), 0.0, new_m)
+    rescale = tl.exp2(m_i - safe_m)
+    p = tl.exp2(qk - safe_m[:, None])
+    acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+    l_i = l_i * rescale + tl.sum(p, 1)
+    return acc, l_i, new_m
+
+
+@triton.jit
 def _extend_kernel(
     Q,
     K_Extend,
@@ -100,13 +113,7 @@ def _extend_kernel(
                 mask=mask_n[:, None] & mask_d[None, :],
                 other=0.0,
             )
-            new_m = tl.maximum(m_i, tl.max(qk, 1))
-            safe_m = tl.where(new_m == float("-inf"), 0.0, new_m)
-            rescale = tl.exp2(m_i - safe_m)
-            p = tl.exp2(qk - safe_m[:, None])
-            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
-            l_i = l_i * rescale + tl.sum(p, 1)
-            m_i = new_m
+            acc, l_i, m_i = _online_softmax_step(qk, v, acc, l_i, m_i)
 
         # Part 2: the new tokens, causal; keys past this query block's last row are never visible.
         end_n = tl.minimum(extend_len, (block_m + 1) * BLOCK_M)
@@ -131,13 +138,7 @@ def _extend_kernel(
                 mask=mask_n[:, None] & mask_d[None, :],
                 other=0.0,
             )
-            new_m = tl.maximum(m_i, tl.max(qk, 1))
-            safe_m = tl.where(new_m == float("-inf"), 0.0, new_m)
-            rescale = tl.exp2(m_i - safe_m)
-            p = tl.exp2(qk - safe_m[:, None])
-            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
-            l_i = l_i * rescale + tl.sum(p, 1)
-            m_i = new_m
+            acc, l_i, m_i = _online_softmax_step(qk, v, acc, l_i, m_i)
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(

@@ -5,18 +5,21 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from runtime.errors import ModelConfigError
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+# The one list of architectures: config.json `architectures` name → (model_type, the class that runs it,
+# as "module:Class" so this foundation module imports nothing of runtime.models; models/registry.py reads it).
+SUPPORTED_ARCHITECTURES = MappingProxyType({
+    "LlamaForCausalLM": ("llama", "runtime.models.llama:LlamaForCausalLM"),
+    "MistralForCausalLM": ("mistral", "runtime.models.llama:MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "runtime.models.qwen2:Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "runtime.models.qwen3:Qwen3ForCausalLM"),
+})
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -80,7 +83,7 @@ class ModelConfig:
                 f"unsupported architecture {archs or 'missing'} (config field 'architectures'); "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        model_type = SUPPORTED_ARCHITECTURES[arch]
+        model_type = SUPPORTED_ARCHITECTURES[arch][0]
 
         def need(name: str, kind: type = int) -> Any:
             if name not in raw or raw[name] is None:

@@ -8,13 +8,9 @@ from types import MappingProxyType
 from torch import nn
 
 from runtime.errors import ModelConfigError
+from runtime.model_config import SUPPORTED_ARCHITECTURES
 
-MODEL_REGISTRY = MappingProxyType({
-    "LlamaForCausalLM": "runtime.models.llama:LlamaForCausalLM",
-    "MistralForCausalLM": "runtime.models.llama:MistralForCausalLM",
-    "Qwen2ForCausalLM": "runtime.models.qwen2:Qwen2ForCausalLM",
-    "Qwen3ForCausalLM": "runtime.models.qwen3:Qwen3ForCausalLM",
-})
+MODEL_REGISTRY = MappingProxyType({name: path for name, (_type, path) in SUPPORTED_ARCHITECTURES.items()})
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
