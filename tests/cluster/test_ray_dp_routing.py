@@ -62,13 +62,13 @@ def test_least_load_prefers_emptier_replica(dp_client):
 
     async def scenario():
         big = asyncio.ensure_future(collect(dp_client, GenerateRequest(
-            rid="big", input_ids=list(range(20, 220)), sampling_params=greedy(64, ignore_eos=True))))
+            rid="big", input_ids=list(range(20, 220)), sampling_params=greedy(300, ignore_eos=True))))  # outlives the small ones
         await asyncio.sleep(0.3)  # the big one is running on the replica it was routed to
         small = [await collect(dp_client, req(f"small{i}", [30 + i] * 10)) for i in range(3)]
         return await big, small
 
     big, small = asyncio.run(scenario())
-    assert big[1].completion_tokens == 64 and all(s[1].finish_reason.kind == "length" for s in small)
+    assert big[1].completion_tokens == 300 and all(s[1].finish_reason.kind == "length" for s in small)
     delta = [a - b for a, b in zip(prompt_tokens_seen(dp_client), before)]
     assert sorted(delta) == [30, 200]  # all three small prompts went to the replica without the big one
 
