@@ -2,6 +2,7 @@
 # Issue 13's measurements on a 2-GPU machine, in two device-call-sized parts:
 #   bash benchmarks/ray_shape_suite.sh part1 OUTDIR  # Ray TP GPU tests; bench_tp: steps at batch 1/32 and
 #                                                    # Ray TP=1 throughput + idle fraction vs in-process
+#   bash benchmarks/ray_shape_suite.sh part3 OUTDIR  # GPU kernel tests, StepChannel latency, bench_tp
 #   bash benchmarks/ray_shape_suite.sh part2 OUTDIR  # HTTP: `shoal serve` default (Ray on GPU) and
 #                                                    # --in-process, against the offline Engine
 set -u
@@ -37,4 +38,10 @@ if [ "$part" = part2 ]; then
     --output-file "$out/offline_ttft.json"
   serve_bench ray
   serve_bench inproc --in-process
+fi
+if [ "$part" = part3 ]; then  # after changes: GPU kernels, the channel's latency, bench_tp again
+  TAIL=6 run timeout 150 python -m pytest -q -x tests/gpu/test_kernels_gpu.py -p no:cacheprovider
+  run timeout 60 python benchmarks/bench_step_channel.py
+  python benchmarks/bench_tp.py --output-len 64 --repeats 2 --out "$out/tp_ray_2gpu.json" > "$out/bench_tp.log" 2>&1
+  grep -i "all-reduce inside\|decode step\|_bs\|summary\|wrote" "$out/bench_tp.log" | tail -30
 fi

@@ -53,6 +53,9 @@ class ModelRunner:
             # or all fall back to NCCL together (e.g. ranks on different nodes).
             self.ctx = self.ctx.with_fast_all_reduce(self.model_config.dtype, self.device, args.cuda_graph_max_bs,
                                                      self.model_config.hidden_size)
+            if self.ctx.mlp.size > 1:
+                logger.info("TP all-reduce inside CUDA graphs: %s",
+                            "symmetric-memory one-shot" if self.ctx.mlp.fast is not None else "NCCL")
         self.context_len = args.context_length or self.model_config.max_position_embeddings
         self.model = self._load_model(model_path)
         self.max_total_tokens = self._kv_pool_size()
