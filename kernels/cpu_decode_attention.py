@@ -53,7 +53,50 @@ static inline float exp_nonpos(float x) {
     return p * s.f;
 }
 
-#define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                              \
+/* One (request, KV head) task. Inlined with D a constant (64, 128) so the d-loops have fixed trip counts
+   and vectorize without remainders; the generic copy takes any D <= MAX_D. */
+#define DEFINE_TASK(NAME, T, LOAD, STORE)                                                                \
+static inline __attribute__((always_inline)) void NAME(                                                  \
+        const T* q, const T* kbuf, const T* vbuf, const int32_t* slots, int64_t n, int64_t Hq,          \
+        int64_t Hkv, const int64_t D, int64_t G, int64_t b, int64_t h, float scale, T* out, float* s) {  \
+    float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], kf[MAX_D], mx[MAX_G], inv[MAX_G];                        \
+    for (int64_t g = 0; g < G; g++) {                                                                    \
+        const T* qp = q + (b * Hq + h * G + g) * D;                                                      \
+        for (int64_t d = 0; d < D; d++) { qf[g][d] = LOAD(qp[d]) * scale; acc[g][d] = 0.0f; }            \
+        mx[g] = -3.0e38f;                                                                                \
+    }                                                                                                    \
+    for (int64_t l = 0; l < n; l++) {                                                                    \
+        const T* kp = kbuf + ((int64_t)slots[l] * Hkv + h) * D;                                          \
+        for (int64_t d = 0; d < D; d++) kf[d] = LOAD(kp[d]);                                             \
+        for (int64_t g = 0; g < G; g++) {                                                                \
+            float dot = 0.0f;                                                                            \
+            for (int64_t d = 0; d < D; d++) dot += qf[g][d] * kf[d];                                     \
+            s[g * n + l] = dot;                                                                          \
+            mx[g] = dot > mx[g] ? dot : mx[g];                                                           \
+        }                                                                                                \
+    }                                                                                                    \
+    for (int64_t g = 0; g < G; g++) {                                                                    \
+        float* sg = s + g * n;                                                                           \
+        const float m = mx[g];                                                                           \
+        float sum = 0.0f;                                                                                \
+        for (int64_t l = 0; l < n; l++) { sg[l] = exp_nonpos(sg[l] - m); sum += sg[l]; }                 \
+        inv[g] = sum > 0.0f ? 1.0f / sum : 0.0f;                                                         \
+    }                                                                                                    \
+    for (int64_t l = 0; l < n; l++) {                                                                    \
+        const T* vp = vbuf + ((int64_t)slots[l] * Hkv + h) * D;                                          \
+        for (int64_t d = 0; d < D; d++) kf[d] = LOAD(vp[d]);                                             \
+        for (int64_t g = 0; g < G; g++) {                                                                \
+            const float p = s[g * n + l];                                                                \
+            for (int64_t d = 0; d < D; d++) acc[g][d] += p * kf[d];                                      \
+        }                                                                                                \
+    }                                                                                                    \
+    for (int64_t g = 0; g < G; g++) {                                                                    \
+        T* op = out + (b * Hq + h * G + g) * D;                                                          \
+        for (int64_t d = 0; d < D; d++) op[d] = STORE(acc[g][d] * inv[g]);                               \
+    }                                                                                                    \
+}
+
+#define DEFINE_DECODE(NAME, TASK, T)                                                                     \
 void NAME(const T* q, const T* kbuf, const T* vbuf, const int32_t* table, int64_t table_stride,          \
           const int64_t* rows, const int64_t* seq_lens, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,   \
           float scale, int64_t window, T* out, int nthreads) {                                           \
@@ -65,48 +108,18 @@ void NAME(const T* q, const T* kbuf, const T* vbuf, const int32_t* table, int64_
         const int64_t start = (window > 0 && len > window) ? len - window : 0;                           \
         const int64_t n = len - start;                                                                   \
         const int32_t* slots = table + rows[b] * table_stride + start;                                   \
-        float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], kf[MAX_D], mx[MAX_G], inv[MAX_G];                     \
         float* s = (float*)malloc(sizeof(float) * (size_t)(G * (n > 0 ? n : 1)));                        \
-        for (int64_t g = 0; g < G; g++) {                                                                \
-            const T* qp = q + (b * Hq + h * G + g) * D;                                                  \
-            for (int64_t d = 0; d < D; d++) { qf[g][d] = LOAD(qp[d]) * scale; acc[g][d] = 0.0f; }        \
-            mx[g] = -3.0e38f;                                                                            \
-        }                                                                                                \
-        for (int64_t l = 0; l < n; l++) {                                                                \
-            const T* kp = kbuf + ((int64_t)slots[l] * Hkv + h) * D;                                      \
-            for (int64_t d = 0; d < D; d++) kf[d] = LOAD(kp[d]);                                         \
-            for (int64_t g = 0; g < G; g++) {                                                            \
-                float dot = 0.0f;                                                                        \
-                for (int64_t d = 0; d < D; d++) dot += qf[g][d] * kf[d];                                 \
-                s[g * n + l] = dot;                                                                      \
-                mx[g] = dot > mx[g] ? dot : mx[g];                                                       \
-            }                                                                                            \
-        }                                                                                                \
-        for (int64_t g = 0; g < G; g++) {                                                                \
-            float* sg = s + g * n;                                                                       \
-            const float m = mx[g];                                                                       \
-            float sum = 0.0f;                                                                            \
-            for (int64_t l = 0; l < n; l++) { sg[l] = exp_nonpos(sg[l] - m); sum += sg[l]; }             \
-            inv[g] = sum > 0.0f ? 1.0f / sum : 0.0f;                                                     \
-        }                                                                                                \
-        for (int64_t l = 0; l < n; l++) {                                                                \
-            const T* vp = vbuf + ((int64_t)slots[l] * Hkv + h) * D;                                      \
-            for (int64_t d = 0; d < D; d++) kf[d] = LOAD(vp[d]);                                         \
-            for (int64_t g = 0; g < G; g++) {                                                            \
-                const float p = s[g * n + l];                                                            \
-                for (int64_t d = 0; d < D; d++) acc[g][d] += p * kf[d];                                  \
-            }                                                                                            \
-        }                                                                                                \
-        for (int64_t g = 0; g < G; g++) {                                                                \
-            T* op = out + (b * Hq + h * G + g) * D;                                                      \
-            for (int64_t d = 0; d < D; d++) op[d] = STORE(acc[g][d] * inv[g]);                           \
-        }                                                                                                \
+        if (D == 64) TASK(q, kbuf, vbuf, slots, n, Hq, Hkv, 64, G, b, h, scale, out, s);                 \
+        else if (D == 128) TASK(q, kbuf, vbuf, slots, n, Hq, Hkv, 128, G, b, h, scale, out, s);          \
+        else TASK(q, kbuf, vbuf, slots, n, Hq, Hkv, D, G, b, h, scale, out, s);                          \
         free(s);                                                                                         \
     }                                                                                                    \
 }
 
-DEFINE_DECODE(decode_attention_f32, float, f32_load, f32_store)
-DEFINE_DECODE(decode_attention_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_TASK(task_f32, float, f32_load, f32_store)
+DEFINE_TASK(task_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_DECODE(decode_attention_f32, task_f32, float)
+DEFINE_DECODE(decode_attention_bf16, task_bf16, uint16_t)
 """
 
 _ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 4 + [
