@@ -110,7 +110,9 @@ def configure(requested_dtype: str, checkpoint_dtype: torch.dtype) -> str:
 
 
 def prepare_model(model: torch.nn.Module) -> None:
-    """CPU-only speedups applied once after the weights are loaded."""
+    """CPU-only speedups applied once after the weights are loaded (both leave fp32 models alone)."""
+    from runtime.model_executor.cpu_fused_layers import fuse_cpu_layers
     from runtime.model_executor.cpu_linear import pack_linear_weights
 
     pack_linear_weights(model)
+    fuse_cpu_layers(model)
