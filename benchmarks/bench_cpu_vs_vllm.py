@@ -41,6 +41,28 @@ def _loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def _busy_fraction(interval_s: float = 2.0) -> float:
+    """Share of all cores' time spent busy over the next interval (from /proc/stat)."""
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+
+    t0, i0 = sample()
+    time.sleep(interval_s)
+    t1, i1 = sample()
+    return 1.0 - (i1 - i0) / max(1, t1 - t0)
+
+
+def _wait_for_quiet(max_busy: float, timeout_s: float) -> dict[str, Any]:
+    """Waits until the machine has been nearly idle for three samples in a row (other users' jobs share
+    these cores), at most timeout_s; returns how long it waited and the last busy fraction seen."""
+    t0, quiet, busy = time.monotonic(), 0, 1.0
+    while time.monotonic() - t0 < timeout_s and quiet < 3:
+        busy = _busy_fraction()
+        quiet = quiet + 1 if busy <= max_busy else 0
+    return {"waited_s": round(time.monotonic() - t0, 1), "busy_before": round(busy, 3), "quiet": quiet >= 3}
+
+
 def _cpu_facts() -> dict[str, Any]:
     from runtime.model_executor import cpu_config
 
@@ -105,6 +127,7 @@ def _client(a: argparse.Namespace, server: Server, in_len: int, out_len: int, pr
            "--ignore-eos", "--temperature", "0", "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
            "--seed", str(seed), "--disable-tqdm", "--save-result",
            "--result-dir", str(workdir), "--result-filename", out.name]
+    gate = _wait_for_quiet(a.max_busy, a.quiet_timeout) if tag != "warmup" else {}
     load_before = _loadavg()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
                           check=False)
@@ -114,7 +137,7 @@ def _client(a: argparse.Namespace, server: Server, in_len: int, out_len: int, pr
     keep = ("completed", "failed", "duration", "output_throughput", "total_token_throughput", "mean_ttft_ms",
             "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms",
             "median_itl_ms")
-    return {**{k: r.get(k) for k in keep}, "load_before": load_before, "load_after": _loadavg(),
+    return {**{k: r.get(k) for k in keep}, **gate, "load_before": load_before, "load_after": _loadavg(),
             "input_len": in_len, "output_len": out_len, "num_prompts": prompts, "max_concurrency": concurrency}
 
 
@@ -193,11 +216,13 @@ def _run_offline(a: argparse.Namespace) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": str(_cores_count(a.cores)), "PYTHONPATH": str(ROOT)}
     cmd = _pinned([sys.executable, "-m", "benchmarks.bench_cpu_vs_vllm", "--offline-probe",
                    "--model-path", str(a.model_path), "--dtype", a.dtype], a.cores)
+    gate = _wait_for_quiet(a.max_busy, a.quiet_timeout)
     load_before = _loadavg()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"offline probe failed:\n{proc.stderr[-3000:]}")
-    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "load_before": load_before, "load_after": _loadavg()}
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), **gate, "load_before": load_before,
+            "load_after": _loadavg()}
 
 
 def _median_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -250,6 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shoal-threads", type=int, default=0, help="Shoal's OMP_NUM_THREADS (default: the cores)")
     ap.add_argument("--shoal-env", nargs="*", default=[], help="extra KEY=VALUE for the Shoal server")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of both servers (order alternates); medians reported")
+    ap.add_argument("--max-busy", type=float, default=0.1, help="start a run when the cores are this idle")
+    ap.add_argument("--quiet-timeout", type=float, default=300.0, help="longest wait for that, per run")
     ap.add_argument("--no-offline", action="store_true", help="skip the offline Engine probe")
     ap.add_argument("--prompts-16", type=int, default=64)
     ap.add_argument("--prompts-1", type=int, default=8)
