@@ -81,7 +81,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             elif n > 1:
                 extend.append(_ExtendRow(int(rows[i]), start, n, pre))
         idx = torch.tensor(one, dtype=torch.int64)
-        tokens = torch.tensor([fb.extend_start_loc_cpu[i] for i in one], dtype=torch.int64)
+        # Indexes q and the output, so it lives on their device (this backend is the GPU tests' reference too).
+        tokens = torch.tensor([fb.extend_start_loc_cpu[i] for i in one], dtype=torch.int64, device=fb.input_ids.device)
         lens = torch.tensor([fb.seq_lens_cpu[i] for i in one], dtype=torch.int64)
         return BatchPlan(tokens, rows.index_select(0, idx), lens, extend)
 

@@ -183,3 +183,14 @@ def test_c_kernel_matches_reference_for_head_layouts(dtype, hq, hkv, d):
             ref = reference(q[b:b + 1], k_buf[slots], v_buf[slots], n - 1, 0.1, window)
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             assert (out[b].double() - ref[0]).abs().max().item() < tol
+
+
+def test_masked_path_over_a_cached_prefix_matches_reference():
+    """The path other devices take for a cached prefix (CPU uses the log-sum-exp merge instead)."""
+    gen = torch.Generator().manual_seed(3)
+    k_buf, v_buf = torch.randn(300, HKV, D, generator=gen), torch.randn(300, HKV, D, generator=gen)
+    slots = torch.randperm(299, generator=gen)[:90] + 1
+    q = torch.randn(30, HQ, D, generator=gen)
+    for window in (0, 7):
+        out = paged_sdpa._masked(q, k_buf, v_buf, slots, 60, D ** -0.5, window)
+        _close(out, reference(q, k_buf[slots], v_buf[slots], 60, D ** -0.5, window), 1e-5)
