@@ -22,6 +22,7 @@ from runtime.mem_cache.kv_pool import TokenToKVPool
 from runtime.mem_cache.req_to_token import ReqToTokenPool
 from runtime.messages import BatchResult, WorkerBatch
 from runtime.model_config import ModelConfig
+from runtime.model_executor import cpu_config
 from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.model_executor.weight_loader import dummy_checkpoint, iterate_safetensors
 from runtime.models.parallel_context import ParallelContext
@@ -45,8 +46,8 @@ class ModelRunner:
         self.ctx = ctx or ParallelContext()
         self.device = device or resolve_device(args.device)
         dtype = args.dtype
-        if dtype == "auto" and self.device.type == "cpu":
-            dtype = "float32"  # CPU bf16 matmuls are slow and drift from the HF fp32 reference
+        if self.device.type == "cpu":  # threads from the cores given; "auto" → bf16 where the CPU has bf16 math
+            dtype = cpu_config.configure(dtype, ModelConfig.from_pretrained(model_path).dtype)
         self.model_config = ModelConfig.from_pretrained(model_path, dtype=dtype)
         if self.device.type == "cuda" and not (args.disable_custom_all_reduce or args.disable_cuda_graph):
             # Collective over the ranks: each gets a one-shot all-reduce for graph-sized activations,
@@ -58,6 +59,8 @@ class ModelRunner:
                             "symmetric-memory one-shot" if self.ctx.mlp.fast is not None else "NCCL")
         self.context_len = args.context_length or self.model_config.max_position_embeddings
         self.model = self._load_model(model_path)
+        if self.device.type == "cpu":
+            cpu_config.prepare_model(self.model)
         self.max_total_tokens = self._kv_pool_size()
         self.max_running_requests = args.max_running_requests + 4  # + requests mid chunked prefill
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len + 1, self.device)

@@ -22,6 +22,7 @@ def greedy_sampling(n: int, return_logprob: bool = False, **overrides) -> Sampli
 
 class RunnerDriver:
     def __init__(self, model_path, **args):
+        args.setdefault("dtype", "float32")  # the HF comparisons are exact in fp32, whatever "auto" picks
         self.runner = ModelRunner(ServerArgs(model_path=str(model_path), device="cpu",
                                              max_total_tokens=args.pop("max_total_tokens", 4096), **args),
                                   str(model_path))

@@ -86,7 +86,7 @@ def test_engine_chunked_prefill_and_prefix_hit_match_hf(windowed, backend):
                           eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
     params = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
     # 3-token chunks: every chunk after the first attends over a cached prefix through the window.
-    with Engine(str(path), device="cpu", chunked_prefill_size=3, max_total_tokens=1024,
+    with Engine(str(path), device="cpu", dtype="float32", chunked_prefill_size=3, max_total_tokens=1024,
                 attention_backend=backend) as engine:
         first = engine.generate(input_ids=PROMPT, sampling_params=params)
         again = engine.generate(input_ids=PROMPT, sampling_params=params)  # the prompt is now cached
