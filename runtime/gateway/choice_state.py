@@ -90,6 +90,10 @@ class ChoiceState:
         return self.out.input_logprobs
 
     @property
+    def input_top_logprobs(self) -> list[list[tuple[int, float]] | None] | None:
+        return self.out.input_top_logprobs
+
+    @property
     def detok(self) -> IncrementalDetokenizer:
         return self.out.detok
 

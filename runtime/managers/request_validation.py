@@ -36,6 +36,9 @@ def validate_request(limits: RequestLimits, req: GenerateRequest) -> GenerateReq
         if (bad := next((t for t in ids if not 0 <= t < limits.vocab_size), None)) is not None:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})",
                                       param=param)
+    if not 0 <= req.input_top_logprobs_num <= 20:  # as top_logprobs_num: OpenAI allows at most 20
+        raise InvalidRequestError(f"input_top_logprobs_num must be in [0, 20], got {req.input_top_logprobs_num}",
+                                  param="input_top_logprobs_num")
     room = limits.context_len - n
     if req.sampling_params.max_new_tokens > room:
         params = msgspec.structs.replace(req.sampling_params, max_new_tokens=room,

@@ -103,7 +103,8 @@ class Scheduler:
             return
         p = g.sampling_params
         seed = p.seed if p.seed is not None else self.rng.getrandbits(62)
-        req = Req(g.rid, g.input_ids, p, seed, self.eos_token_ids, g.return_input_logprob, g.arrival_time)
+        req = Req(g.rid, g.input_ids, p, seed, self.eos_token_ids, g.return_input_logprob, g.arrival_time,
+                  input_top_logprobs_num=g.input_top_logprobs_num)
         self.reqs[g.rid] = req
         self._recently_finished.pop(g.rid, None)
         if self._early_aborts.pop(g.rid, False) is None:
@@ -280,6 +281,8 @@ class Scheduler:
                     continue
                 if r.return_input_logprob and r.input_logprobs is None and result.input_logprobs:
                     r.input_logprobs = [None, *result.input_logprobs[i]]
+                    if r.input_top_logprobs_num and result.input_top_logprobs:
+                        r.input_top_logprobs = [None, *result.input_top_logprobs[i]]
             r.output_ids.append(result.next_token_ids[i])
             if result.logprobs is not None and r.params.return_logprob:
                 r.output_logprobs.append(result.logprobs[i])
@@ -318,6 +321,7 @@ class Scheduler:
             out.new_top_logprobs = r.output_top_logprobs[start:] if r.params.top_logprobs_num else None
         if start == 0 and r.input_logprobs is not None:
             out.input_logprobs = r.input_logprobs
+            out.input_top_logprobs = r.input_top_logprobs
         return out
 
     def _finish(self, r: Req, emit: bool = True, cache: bool = True) -> None:
