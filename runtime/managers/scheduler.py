@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from runtime.config import ServerArgs
+from runtime.errors import InvalidRequestError
 from runtime.managers.kv_cache_manager import KVCacheManager
 from runtime.managers.policy import create_policy
 from runtime.managers.prefill import PrefillAdder
@@ -100,6 +101,13 @@ class Scheduler:
         if g.rid in self.reqs:
             self.sink([RequestOutput(rid=g.rid, new_token_ids=[], finished=True, finish_reason=FinishReason(
                 "error", message=f"duplicate request id {g.rid!r}"))])
+            return
+        try:  # again: a caller that skipped validate() must fail alone, not the batch it would join
+            g = validate_request(self.limits, g)
+        except InvalidRequestError as e:
+            self._early_aborts.pop(g.rid, None)
+            self.sink([RequestOutput(rid=g.rid, new_token_ids=[], finished=True, finish_reason=FinishReason(
+                "error", message=f"invalid request ({e.param}): {e.message}"))])
             return
         p = g.sampling_params
         seed = p.seed if p.seed is not None else self.rng.getrandbits(62)
