@@ -34,9 +34,9 @@ class ChoiceState:
 
     @property
     def done(self) -> bool:
-        """Over for the client: finished, or its text reached a stop string the engine has not seen (the
-        scheduler's check decodes special tokens away; the detokenizer may keep them): then the gateway
-        aborts the request instead of letting it run on unseen."""
+        """Over for the client: finished, or its text reached a stop string the engine has not seen: then
+        the gateway aborts the request instead of letting it run on unseen. A safety net only: the
+        scheduler's check decodes as the detokenizer does (special tokens skipped or kept alike)."""
         return self.out.finished or self.out.detok.stopped
 
     def add(self, o: RequestOutput) -> str:

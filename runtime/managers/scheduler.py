@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, args: ServerArgs, worker: WorkerClient, *, max_total_tokens: int, max_reqs: int,
                  context_len: int, vocab_size: int, eos_token_ids: frozenset[int],
-                 sink: Callable[[list[RequestOutput]], None], decode_text: Callable[[list[int]], str] | None = None,
+                 sink: Callable[[list[RequestOutput]], None],
+                 decode_text: Callable[[list[int], bool], str] | None = None,
                  overlap: bool = False):
         self.args, self.worker, self.sink, self.decode_text = args, worker, sink, decode_text
         self.context_len, self.vocab_size, self.eos_token_ids = context_len, vocab_size, eos_token_ids
@@ -314,7 +315,8 @@ class Scheduler:
     def _tail_text(self, r: Req) -> tuple[str, int] | None:
         if not r.params.stop or self.decode_text is None:
             return None
-        return stop_check_tail(self.decode_text, r.output_ids, max(len(s) for s in r.params.stop))
+        return stop_check_tail(self.decode_text, r.output_ids, max(len(s) for s in r.params.stop),
+                               r.params.skip_special_tokens)
 
     def _delta(self, r: Req) -> RequestOutput:
         start = r.sent_tokens
