@@ -98,8 +98,10 @@ class Engine(EngineClient):
 
     def make_request(self, prompt: str | None = None, input_ids: list[int] | None = None,
                      sampling_params: dict | SamplingParams | None = None, return_input_logprob: bool = False,
-                     rid: str | None = None) -> GenerateRequest:
-        """Tokenizes and validates one request (InvalidRequestError on anything wrong)."""
+                     rid: str | None = None, input_top_logprobs_num: int = 0) -> GenerateRequest:
+        """Tokenizes and validates one request (InvalidRequestError on anything wrong).
+        input_top_logprobs_num N > 0: each prompt position after the first also lists its top N tokens
+        (and return_input_logprob is implied)."""
         params = SamplingParams.from_dict(sampling_params)
         if input_ids is None:
             if not isinstance(prompt, str):
@@ -107,14 +109,16 @@ class Engine(EngineClient):
             input_ids = self._tokenizer.encode(prompt)
         req = GenerateRequest(rid=rid or f"engine-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
                               input_ids=list(input_ids), sampling_params=params,
-                              return_input_logprob=return_input_logprob)
+                              return_input_logprob=return_input_logprob,
+                              input_top_logprobs_num=input_top_logprobs_num)
         return self.validate(req)
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_input_logprob: bool = False,
-                 ) -> dict | list[dict]:
+                 input_top_logprobs_num: int = 0) -> dict | list[dict]:
         """Blocking generation for one prompt or a list (returned in the same order)."""
-        reqs, single = self._make_requests(prompt, sampling_params, input_ids, return_input_logprob)
+        reqs, single = self._make_requests(prompt, sampling_params, input_ids, return_input_logprob,
+                                           input_top_logprobs_num)
         qs: dict[str, queue.SimpleQueue] = {}
         for r in reqs:
             qs[r.rid] = queue.SimpleQueue()
@@ -132,13 +136,14 @@ class Engine(EngineClient):
 
     def async_generate(self, prompt: str | None = None, sampling_params: dict | None = None,
                        input_ids: list[int] | None = None, stream: bool = False,
-                       return_input_logprob: bool = False) -> _AsyncCall:
+                       return_input_logprob: bool = False, input_top_logprobs_num: int = 0) -> _AsyncCall:
         """`await engine.async_generate(...)` gives the result dict; with stream=True,
         `async for delta in engine.async_generate(..., stream=True)` gives text deltas as they come."""
-        req = self.make_request(prompt, input_ids, sampling_params, return_input_logprob)
+        req = self.make_request(prompt, input_ids, sampling_params, return_input_logprob,
+                                input_top_logprobs_num=input_top_logprobs_num)
         return _AsyncCall(self, req)
 
-    def _make_requests(self, prompt, sampling_params, input_ids, return_input_logprob):
+    def _make_requests(self, prompt, sampling_params, input_ids, return_input_logprob, input_top_logprobs_num=0):
         single = isinstance(prompt, str) or (input_ids is not None and input_ids and isinstance(input_ids[0], int))
         prompts = [prompt] if isinstance(prompt, str) else prompt
         ids = [input_ids] if single and input_ids is not None else input_ids
@@ -149,7 +154,8 @@ class Engine(EngineClient):
         if len(params) != n:
             raise InvalidRequestError(f"{len(params)} sampling_params for {n} prompts", param="sampling_params")
         reqs = [self.make_request(prompts[i] if prompts is not None else None, ids[i] if ids is not None else None,
-                                  params[i], return_input_logprob) for i in range(n)]
+                                  params[i], return_input_logprob, input_top_logprobs_num=input_top_logprobs_num)
+                for i in range(n)]
         return reqs, single
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -235,6 +241,8 @@ class _Collector(OutputAccumulator):
             out["top_logprobs"] = self.top_logprobs
         if self.input_logprobs is not None:
             out["input_logprobs"] = self.input_logprobs
+        if self.input_top_logprobs is not None:
+            out["input_top_logprobs"] = self.input_top_logprobs
         return out
 
 

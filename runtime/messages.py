@@ -14,6 +14,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     input_ids: list[int]
     sampling_params: SamplingParams
     return_input_logprob: bool = False
+    # Top N of each prompt position after the first (0 = none); implies return_input_logprob, since the
+    # prompt is scored the same way (whole, never from the prefix cache) and OpenAI lists both.
+    input_top_logprobs_num: int = 0
     arrival_time: float = 0.0
 
 
@@ -34,6 +37,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     new_logprobs: list[float] | None = None
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
     input_logprobs: list[float | None] | None = None  # only in the first delta, when asked
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None  # likewise; position 0 is None
     finished: bool = False
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
@@ -52,6 +56,8 @@ class RequestOutput(msgspec.Struct, kw_only=True):
             new_logprobs=cat(self.new_logprobs, later.new_logprobs),
             new_top_logprobs=cat(self.new_top_logprobs, later.new_top_logprobs),
             input_logprobs=self.input_logprobs if self.input_logprobs is not None else later.input_logprobs,
+            input_top_logprobs=(self.input_top_logprobs if self.input_top_logprobs is not None
+                                else later.input_top_logprobs),
             finished=later.finished, finish_reason=later.finish_reason, prompt_tokens=later.prompt_tokens,
             completion_tokens=later.completion_tokens, cached_tokens=later.cached_tokens,
             queue_time_s=self.queue_time_s)
@@ -107,6 +113,7 @@ class WorkerBatch(msgspec.Struct, kw_only=True):
     prefix_writes: list[PrefixWrite] = []
     sampling: SamplingBatch | None = None
     return_input_logprob: list[bool] = []
+    input_top_logprobs_nums: list[int] = []  # per request where any asks (else []): top N of each input position
     # DP attention: every rank's token count this step, so the MLP gather is sized alike everywhere.
     global_num_tokens: list[int] | None = None
 
@@ -117,6 +124,9 @@ class BatchResult(msgspec.Struct, kw_only=True):
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     input_logprobs: list[list[float]] | None = None  # per request that asked, logprob of each input token after the first
+    # Per request where any asked top N (else None): for each input token after the first, the top N
+    # (id, logprob) of the distribution it was drawn from, best first; [] for a request that asked none.
+    input_top_logprobs: list[list[list[tuple[int, float]]]] | None = None
     forward_s: float = 0.0
     all_idle: bool = False  # DP attention: every rank was idle, so nothing ran
     device_s: float = 0.0  # device time of the batch (CUDA events); 0 on CPU

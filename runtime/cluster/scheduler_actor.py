@@ -71,7 +71,7 @@ class SchedulerActor:
         if self.rank.channel is not None:
             self.group = worker = BroadcastWorker(worker, self.rank.channel, name, self._on_group_failure)
         self.host = SchedulerHost(self.args, worker, info, tokenizer.eos_token_ids, self._sink,
-                                  lambda ids: tokenizer.decode(ids), name=f"shoal-scheduler-{name}")
+                                  tokenizer.decode, name=f"shoal-scheduler-{name}")
         if self._followers:
             refs = [f.serve.remote() for f in self._followers]
             threading.Thread(target=self._watch, args=(refs,), name=f"shoal-watch-{name}", daemon=True).start()

@@ -34,9 +34,9 @@ class ChoiceState:
 
     @property
     def done(self) -> bool:
-        """Over for the client: finished, or its text reached a stop string the engine has not seen (the
-        scheduler's check decodes special tokens away; the detokenizer may keep them): then the gateway
-        aborts the request instead of letting it run on unseen."""
+        """Over for the client: finished, or its text reached a stop string the engine has not seen: then
+        the gateway aborts the request instead of letting it run on unseen. A safety net only: the
+        scheduler's check decodes as the detokenizer does (special tokens skipped or kept alike)."""
         return self.out.finished or self.out.detok.stopped
 
     def add(self, o: RequestOutput) -> str:
@@ -88,6 +88,10 @@ class ChoiceState:
     @property
     def input_logprobs(self) -> list[float | None] | None:
         return self.out.input_logprobs
+
+    @property
+    def input_top_logprobs(self) -> list[list[tuple[int, float]] | None] | None:
+        return self.out.input_top_logprobs
 
     @property
     def detok(self) -> IncrementalDetokenizer:

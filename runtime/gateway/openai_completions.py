@@ -3,7 +3,7 @@ choices each, logprobs with text offsets, echo (with prompt logprobs), streaming
 
 logprobs follow vLLM's shape: each position's top_logprobs holds the top N and the chosen token even
 when it is not among them (so logprobs: 0 names the chosen token); an echoed prompt position holds its
-own token (the engine does not return a prompt position's top N yet), the first one null. echo with
+top N and its own token likewise, the first one null. echo with
 max_tokens 0 scores the prompt: its text and logprobs, no completion (ChoiceState.hide_output)."""
 
 from __future__ import annotations
@@ -56,10 +56,11 @@ class _Offsets:
 
 
 def _prompt_part(c: ChoiceState) -> tuple[list[int], list[float | None], list[Tops]]:
-    """Echoed prompt tokens with their logprobs (the first token has none)."""
+    """Echoed prompt tokens with their logprobs and top N (the first token has none)."""
     ids = list(c.req.input_ids)
     lps = list(c.input_logprobs or [None] * len(ids))
-    return ids, lps, [[] for _ in ids]
+    tops = c.input_top_logprobs
+    return ids, lps, [t or [] for t in tops] if tops else [[] for _ in ids]
 
 
 def _tops(tops: list[Tops] | None, n: int) -> list[Tops]:
@@ -83,8 +84,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     want_lp = body.logprobs is not None
     params = state.sampling_params(body, max_new, return_logprob=want_lp, top_logprobs_num=body.logprobs or 0)
     base = state.new_id("cmpl")
-    reqs = state.choice_requests(client, base, prompts.ids, params, n,
-                                 return_input_logprob=want_lp and bool(body.echo))
+    echo_lp = want_lp and bool(body.echo)
+    reqs = state.choice_requests(client, base, prompts.ids, params, n, return_input_logprob=echo_lp,
+                                 input_top_logprobs_num=(body.logprobs or 0) if echo_lp else 0)
     echo = [(prompts.texts[i // n] if prompts.texts[i // n] is not None else client.tokenizer.decode(r.input_ids))
             if body.echo else "" for i, r in enumerate(reqs)]
     gen.set_choices(base, reqs, hide_output=scoring)

@@ -147,7 +147,7 @@ class GatewayState:
 
     def choice_requests(self, client: EngineClient, base_id: str, prompts: list[list[int]],
                         params: SamplingParams, n: int, return_input_logprob: bool = False,
-                        ) -> list[GenerateRequest]:
+                        input_top_logprobs_num: int = 0) -> list[GenerateRequest]:
         """n requests per prompt (choice index = prompt * n + i), each validated before any is sent so
         a bad one leaves nothing running. A given seed becomes seed + i: choices differ, reproducibly."""
         reqs = []
@@ -157,7 +157,8 @@ class GatewayState:
                 if params.seed is not None and i:
                     pi = msgspec.structs.replace(params, seed=(params.seed + i) % 2**63)
                 req = GenerateRequest(rid=f"{base_id}-{p * n + i}", input_ids=ids, sampling_params=pi,
-                                      return_input_logprob=return_input_logprob)
+                                      return_input_logprob=return_input_logprob,
+                                      input_top_logprobs_num=input_top_logprobs_num)
                 reqs.append(self.validate(client, req))
         return reqs
 

@@ -11,11 +11,14 @@ import torch
 if TYPE_CHECKING:
     from runtime.model_executor.forward_batch import ForwardBatch
 
+Tops = list[tuple[int, float]]  # one position's top logprobs: (token id, logprob), best first
+
 
 @dataclass(slots=True)
 class LogitsOutput:
     next_token_logits: torch.Tensor  # [B, V] float32
     input_logprobs: list[list[float]] | None = None  # per request that asked; logprob of each new input token after the first
+    input_top_logprobs: list[list[Tops]] | None = None  # per request where any asked top N: each such position's top N
 
 
 class LogitsProcessor:
@@ -27,15 +30,23 @@ class LogitsProcessor:
             return LogitsOutput(hidden.new_empty((0, 0), dtype=torch.float32))
         last = fb.extend_start_loc + fb.extend_seq_lens - 1
         logits = self.compute_logits(hidden[last]).float()
-        input_logprobs = None
-        if any(fb.return_input_logprob):
-            input_logprobs = []
-            for i, want in enumerate(fb.return_input_logprob):
-                if not want:
-                    input_logprobs.append([])
-                    continue
-                s, n = fb.extend_start_loc_cpu[i], fb.extend_seq_lens_cpu[i]
-                lp = torch.log_softmax(self.compute_logits(hidden[s:s + n - 1]).float(), dim=-1)
-                targets = input_ids[s + 1:s + n]
-                input_logprobs.append(lp.gather(1, targets[:, None]).squeeze(1).tolist())
-        return LogitsOutput(logits, input_logprobs)
+        if not any(fb.return_input_logprob):
+            return LogitsOutput(logits)
+        tops_nums = fb.input_top_logprobs_nums or [0] * fb.batch_size
+        input_logprobs: list[list[float]] = []
+        input_tops: list[list[Tops]] | None = [] if any(tops_nums) else None
+        for i, want in enumerate(fb.return_input_logprob):
+            k = tops_nums[i] if want else 0
+            if input_tops is not None:
+                input_tops.append([])
+            if not want:
+                input_logprobs.append([])
+                continue
+            s, n = fb.extend_start_loc_cpu[i], fb.extend_seq_lens_cpu[i]
+            lp = torch.log_softmax(self.compute_logits(hidden[s:s + n - 1]).float(), dim=-1)
+            targets = input_ids[s + 1:s + n]
+            input_logprobs.append(lp.gather(1, targets[:, None]).squeeze(1).tolist())
+            if k > 0:
+                vals, idx = lp.topk(min(k, lp.shape[-1]), dim=-1)
+                input_tops[i] = [list(zip(ids, vs)) for ids, vs in zip(idx.tolist(), vals.tolist())]
+        return LogitsOutput(logits, input_logprobs, input_tops)

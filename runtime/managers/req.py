@@ -24,20 +24,25 @@ class ReqState(Enum):
 
 class Req:
     def __init__(self, rid: str, input_ids: list[int], params: SamplingParams, seed: int,
-                 eos_token_ids: frozenset[int], return_input_logprob: bool = False, arrival_time: float = 0.0):
+                 eos_token_ids: frozenset[int], return_input_logprob: bool = False, arrival_time: float = 0.0,
+                 input_top_logprobs_num: int = 0):
         self.rid = rid
         self.origin_input_ids = list(input_ids)
         self.params = params
         self.seed = seed
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(params.stop_token_ids)
-        self.return_input_logprob = return_input_logprob
+        # Prompt logprobs (and their top N) need logits at every prompt position: such a request is
+        # prefilled whole and never takes its prefix from the cache (see PrefillAdder, KVCacheManager).
+        self.return_input_logprob = return_input_logprob or input_top_logprobs_num > 0
+        self.input_top_logprobs_num = input_top_logprobs_num
         self.arrival_time = arrival_time or time.monotonic()
         self.first_scheduled_time: float | None = None
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
         self.input_logprobs: list[float | None] | None = None
+        self.input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
         self.state = ReqState.WAITING
         self.finish_reason: FinishReason | None = None
         # KV state, owned by the scheduler's memory manager

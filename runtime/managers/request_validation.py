@@ -23,7 +23,9 @@ class RequestLimits:
 
 
 def validate_request(limits: RequestLimits, req: GenerateRequest) -> GenerateRequest:
-    """Returns the request, with max_new_tokens clipped to the context; InvalidRequestError otherwise."""
+    """Returns the request, with max_new_tokens clipped to the context; InvalidRequestError otherwise.
+    Checks the sampling parameters too: a client may build them directly, skipping from_dict's check."""
+    req.sampling_params.validate()
     n = len(req.input_ids)
     if n == 0:
         raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -33,12 +35,28 @@ def validate_request(limits: RequestLimits, req: GenerateRequest) -> GenerateReq
         raise InvalidRequestError(f"the prompt has {n} tokens but the KV pool holds only {limits.kv_size}",
                                   param="prompt")
     for ids, param in ((req.input_ids, "prompt"), (req.sampling_params.logit_bias, "logit_bias")):
-        if (bad := next((t for t in ids if not 0 <= t < limits.vocab_size), None)) is not None:
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})",
-                                      param=param)
+        _check_token_ids(list(ids), limits.vocab_size, param)
+    k = req.input_top_logprobs_num
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20:  # as top_logprobs_num (OpenAI's limit)
+        raise InvalidRequestError(f"input_top_logprobs_num must be in [0, 20], got {req.input_top_logprobs_num}",
+                                  param="input_top_logprobs_num")
     room = limits.context_len - n
     if req.sampling_params.max_new_tokens > room:
         params = msgspec.structs.replace(req.sampling_params, max_new_tokens=room,
                                          min_new_tokens=min(req.sampling_params.min_new_tokens, room))
         req = msgspec.structs.replace(req, sampling_params=params)
     return req
+
+
+def _check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    # min/max run in C: a long prompt costs well under a millisecond (the scheduler checks every request).
+    try:
+        in_range = not ids or (min(ids) >= 0 and max(ids) < vocab_size)
+    except TypeError:
+        in_range = False
+    if in_range:
+        return
+    bad = next(t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size)
+    if not isinstance(bad, int) or isinstance(bad, bool):
+        raise InvalidRequestError(f"token ids must be integers, got {bad!r}", param=param)
+    raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab_size})", param=param)

@@ -53,6 +53,8 @@ class ScheduleBatch:
             out_cache_loc=locs, prefix_writes=writes, sampling=self._sampling() if self.reqs else None,
             return_input_logprob=[r.return_input_logprob and r.output_ids == [] for r in self.reqs]
             if any(r.return_input_logprob for r in self.reqs) else [],
+            input_top_logprobs_nums=[r.input_top_logprobs_num for r in self.reqs]
+            if any(r.input_top_logprobs_num for r in self.reqs) else [],
             global_num_tokens=global_num_tokens,
         )
 

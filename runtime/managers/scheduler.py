@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from runtime.config import ServerArgs
+from runtime.errors import InvalidRequestError
 from runtime.managers.kv_cache_manager import KVCacheManager
 from runtime.managers.policy import create_policy
 from runtime.managers.prefill import PrefillAdder
@@ -40,7 +41,8 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, args: ServerArgs, worker: WorkerClient, *, max_total_tokens: int, max_reqs: int,
                  context_len: int, vocab_size: int, eos_token_ids: frozenset[int],
-                 sink: Callable[[list[RequestOutput]], None], decode_text: Callable[[list[int]], str] | None = None,
+                 sink: Callable[[list[RequestOutput]], None],
+                 decode_text: Callable[[list[int], bool], str] | None = None,
                  overlap: bool = False):
         self.args, self.worker, self.sink, self.decode_text = args, worker, sink, decode_text
         self.context_len, self.vocab_size, self.eos_token_ids = context_len, vocab_size, eos_token_ids
@@ -101,9 +103,17 @@ class Scheduler:
             self.sink([RequestOutput(rid=g.rid, new_token_ids=[], finished=True, finish_reason=FinishReason(
                 "error", message=f"duplicate request id {g.rid!r}"))])
             return
+        try:  # again: a caller that skipped validate() must fail alone, not the batch it would join
+            g = validate_request(self.limits, g)
+        except InvalidRequestError as e:
+            self._early_aborts.pop(g.rid, None)
+            self.sink([RequestOutput(rid=g.rid, new_token_ids=[], finished=True, finish_reason=FinishReason(
+                "error", message=f"invalid request ({e.param}): {e.message}"))])
+            return
         p = g.sampling_params
         seed = p.seed if p.seed is not None else self.rng.getrandbits(62)
-        req = Req(g.rid, g.input_ids, p, seed, self.eos_token_ids, g.return_input_logprob, g.arrival_time)
+        req = Req(g.rid, g.input_ids, p, seed, self.eos_token_ids, g.return_input_logprob, g.arrival_time,
+                  input_top_logprobs_num=g.input_top_logprobs_num)
         self.reqs[g.rid] = req
         self._recently_finished.pop(g.rid, None)
         if self._early_aborts.pop(g.rid, False) is None:
@@ -280,6 +290,8 @@ class Scheduler:
                     continue
                 if r.return_input_logprob and r.input_logprobs is None and result.input_logprobs:
                     r.input_logprobs = [None, *result.input_logprobs[i]]
+                    if r.input_top_logprobs_num and result.input_top_logprobs:
+                        r.input_top_logprobs = [None, *result.input_top_logprobs[i]]
             r.output_ids.append(result.next_token_ids[i])
             if result.logprobs is not None and r.params.return_logprob:
                 r.output_logprobs.append(result.logprobs[i])
@@ -303,7 +315,8 @@ class Scheduler:
     def _tail_text(self, r: Req) -> tuple[str, int] | None:
         if not r.params.stop or self.decode_text is None:
             return None
-        return stop_check_tail(self.decode_text, r.output_ids, max(len(s) for s in r.params.stop))
+        return stop_check_tail(self.decode_text, r.output_ids, max(len(s) for s in r.params.stop),
+                               r.params.skip_special_tokens)
 
     def _delta(self, r: Req) -> RequestOutput:
         start = r.sent_tokens
@@ -318,6 +331,7 @@ class Scheduler:
             out.new_top_logprobs = r.output_top_logprobs[start:] if r.params.top_logprobs_num else None
         if start == 0 and r.input_logprobs is not None:
             out.input_logprobs = r.input_logprobs
+            out.input_top_logprobs = r.input_top_logprobs
         return out
 
     def _finish(self, r: Req, emit: bool = True, cache: bool = True) -> None:

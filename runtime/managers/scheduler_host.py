@@ -27,7 +27,8 @@ def overlap_wanted(args: ServerArgs, worker: WorkerClient, info: WorkerInfo) -> 
 
 class SchedulerHost:
     def __init__(self, args: ServerArgs, worker: WorkerClient, info: WorkerInfo, eos_token_ids: frozenset[int],
-                 sink: Callable[[list[RequestOutput]], None], decode_text: Callable[[list[int]], str] | None,
+                 sink: Callable[[list[RequestOutput]], None],
+                 decode_text: Callable[[list[int], bool], str] | None,
                  name: str = "shoal-scheduler"):
         self.worker = worker
         self.limits = RequestLimits.of(info)

@@ -40,6 +40,7 @@ class ForwardBatch:
     attn_backend: AttentionBackend
     sampling: SamplingBatch | None = None
     return_input_logprob: list[bool] = field(default_factory=list)
+    input_top_logprobs_nums: list[int] = field(default_factory=list)
     global_num_tokens: list[int] | None = None
 
     @classmethod
@@ -72,6 +73,7 @@ class ForwardBatch:
             extend_num_tokens=n,
             req_to_token_pool=req_to_token_pool, token_to_kv_pool=token_to_kv_pool, attn_backend=attn_backend,
             sampling=batch.sampling, return_input_logprob=list(batch.return_input_logprob),
+            input_top_logprobs_nums=list(batch.input_top_logprobs_nums),
             global_num_tokens=batch.global_num_tokens,
         )
 

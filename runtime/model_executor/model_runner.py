@@ -184,7 +184,8 @@ class ModelRunner:
         self.future_token_ids[fb.req_pool_indices] = sample.next_token_ids
         if events is not None:
             events[1].record()
-        launched = LaunchedBatch(batch.batch_id, t0, sample=sample, input_logprobs=out.input_logprobs, events=events)
+        launched = LaunchedBatch(batch.batch_id, t0, sample=sample, input_logprobs=out.input_logprobs,
+                                 input_top_logprobs=out.input_top_logprobs, events=events)
         if self.device.type == "cuda":
             # Queue the device→host copy of the tokens now, right behind this batch's kernels. A plain
             # .tolist() in finish_batch() would queue it behind the *next* batch, already launched by
@@ -211,6 +212,7 @@ class ModelRunner:
             batch_id=launched.batch_id, next_token_ids=ids.tolist(),
             logprobs=logprobs.tolist() if logprobs is not None else None,
             top_logprobs=sample.top_logprobs, input_logprobs=launched.input_logprobs,
+            input_top_logprobs=launched.input_top_logprobs,
             forward_s=time.perf_counter() - launched.t0,
             device_s=launched.events[0].elapsed_time(launched.events[1]) / 1e3 if launched.events else 0.0)
 
@@ -221,6 +223,7 @@ class LaunchedBatch:
     t0: float
     sample: SampleOutput | None = None
     input_logprobs: list[list[float]] | None = None
+    input_top_logprobs: list[list[list[tuple[int, float]]]] | None = None
     done: BatchResult | None = None  # already complete (idle, nothing to sample)
     events: tuple | None = None  # CUDA start/end events around the batch's device work
     token_ids_host: torch.Tensor | None = None  # pinned copies, filled asynchronously (CUDA)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
 
 from runtime.errors import InvalidRequestError
+
+# Integers reach the sampler as int64 tensors (and cross the Ray wire as msgpack, which stops at 2**64):
+# anything larger would fail a whole batch, so it is refused here, naming its field.
+INT64_MAX = 2**63 - 1
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -67,22 +72,35 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         )
 
     def validate(self) -> None:
+        """InvalidRequestError naming the first bad field. Also for a SamplingParams built directly (its
+        constructor checks no types): a value of the wrong type is refused, never a TypeError."""
+        try:
+            self._validate()
+        except TypeError as e:
+            raise InvalidRequestError(f"a sampling parameter has the wrong type: {e}", param="sampling_params") from None
+
+    def _validate(self) -> None:
         def bad(param: str, msg: str) -> InvalidRequestError:
             return InvalidRequestError(msg, param=param)
 
-        if self.max_new_tokens < 1:
-            raise bad("max_new_tokens", f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        def integer(param: str, v: object, lo: int, hi: int, why: str = "", what: str = "") -> None:
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise bad(param, f"{what or param} must be an integer in [{lo}, {_name(hi)}]{why}, got {v!r}")
+
+        integer("max_new_tokens", self.max_new_tokens, 1, INT64_MAX, " (it is clipped to the context length)")
+        integer("min_new_tokens", self.min_new_tokens, 0, INT64_MAX)
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise bad(
                 "min_new_tokens",
                 f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}",
             )
-        if not self.temperature >= 0.0:
-            raise bad("temperature", f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature < math.inf:
+            raise bad("temperature", f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise bad("top_k", f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if self.top_k != -1:
+            integer("top_k", self.top_k, 1, INT64_MAX,
+                    " or -1 (disabled); a top_k at or past the vocabulary size keeps every token")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if not self.repetition_penalty > 0.0:
@@ -97,14 +115,19 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise bad("stop", "stop strings must be at most 1024 characters")
         if len(self.stop) > 16:
             raise bad("stop", f"at most 16 stop strings, got {len(self.stop)}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "stop_token_ids must be non-negative")
-        if not 0 <= self.top_logprobs_num <= 20:
-            raise bad("top_logprobs_num", f"top_logprobs_num must be in [0, 20], got {self.top_logprobs_num}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise bad("seed", f"seed must be in [0, 2**63), got {self.seed}")
+        for t in self.stop_token_ids:  # one outside the vocabulary never matches: allowed, as in vLLM
+            integer("stop_token_ids", t, 0, INT64_MAX, what="each of stop_token_ids")
+        integer("top_logprobs_num", self.top_logprobs_num, 0, 20, " (OpenAI's limit)")
+        if self.seed is not None:
+            integer("seed", self.seed, 0, INT64_MAX)
         if len(self.logit_bias) > 300:
             raise bad("logit_bias", f"logit_bias may name at most 300 tokens, got {len(self.logit_bias)}")
         for t, v in self.logit_bias.items():
-            if t < 0 or not -100.0 <= v <= 100.0:
+            integer("logit_bias", t, 0, INT64_MAX, what="each logit_bias key (a token id)")
+            if not -100.0 <= v <= 100.0:
                 raise bad("logit_bias", f"logit_bias maps token ids >= 0 to values in [-100, 100], got {t}: {v}")
+
+
+def _name(n: int) -> str:
+    """2**63 - 1 reads better in a message than 9223372036854775807."""
+    return "2**63 - 1" if n == INT64_MAX else str(n)

@@ -97,14 +97,17 @@ class IncrementalDetokenizer:
         return best
 
 
-def stop_check_tail(decode: Callable[[list[int]], str], ids: list[int], max_stop_len: int) -> tuple[str, int]:
+def stop_check_tail(decode: Callable[[list[int], bool], str], ids: list[int], max_stop_len: int,
+                    skip_special_tokens: bool = True) -> tuple[str, int]:
     """The scheduler's stop-string check after each token: the text of the last few ids, and where the
     newest token's text starts in it, counted as the detokenizer counts text: a token whose bytes end
-    mid-character shows nothing until the character completes, so its text starts with the newest."""
+    mid-character shows nothing until the character completes, so its text starts with the newest.
+    Special tokens are skipped or kept as the request's IncrementalDetokenizer does, so a stop string
+    made of their text ends the request here exactly when the client's text reaches it."""
     window = ids[-(max_stop_len + 4):]
-    text, k = decode(window), len(window) - 1
-    before = decode(window[:k])
+    text, k = decode(window, skip_special_tokens), len(window) - 1
+    before = decode(window[:k], skip_special_tokens)
     while k > 0 and before.endswith("\ufffd"):
         k -= 1
-        before = decode(window[:k])
+        before = decode(window[:k], skip_special_tokens)
     return text, min(len(before), len(text))

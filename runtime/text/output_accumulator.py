@@ -10,7 +10,8 @@ from runtime.text.tokenizer import NullTokenizer, Tokenizer
 
 
 class OutputAccumulator:
-    __slots__ = ("detok", "text", "ids", "logprobs", "top_logprobs", "input_logprobs", "last")
+    __slots__ = ("detok", "text", "ids", "logprobs", "top_logprobs", "input_logprobs", "input_top_logprobs",
+                 "last")
 
     def __init__(self, req: GenerateRequest, tokenizer: Tokenizer | NullTokenizer):
         p = req.sampling_params
@@ -20,6 +21,7 @@ class OutputAccumulator:
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.input_logprobs: list[float | None] | None = None
+        self.input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
         self.last: RequestOutput | None = None
 
     @property
@@ -36,6 +38,8 @@ class OutputAccumulator:
             self.top_logprobs.extend(o.new_top_logprobs)
         if o.input_logprobs is not None:
             self.input_logprobs = o.input_logprobs
+        if o.input_top_logprobs is not None:
+            self.input_top_logprobs = o.input_top_logprobs
         delta = self.detok.add(o.new_token_ids, finished=o.finished)
         self.text += delta
         return delta

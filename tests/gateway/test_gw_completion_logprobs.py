@@ -87,3 +87,42 @@ def test_max_tokens_zero_without_echo_is_still_400(oai):
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, logprobs=1)
     assert e.value.body["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("max_tokens", [0, 4])
+def test_echo_prompt_positions_list_their_top_n(oai, gw_engine, max_tokens):
+    """echo + logprobs N: each prompt position after the first holds its top N (the engine's, which
+    tests/managers checks against HF) plus its own token when that is not among them."""
+    tok = gw_engine.tokenizer
+    ids = tok.encode(PROMPT)
+    ref = gw_engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 1},
+                             input_top_logprobs_num=3)
+    r = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0, echo=True,
+                               logprobs=3, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + max_tokens and lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):
+        expected = {tok.id_to_token_text(t): v for t, v in ref["input_top_logprobs"][i]}
+        expected.setdefault(tok.id_to_token_text(ids[i]), ref["input_logprobs"][i])
+        top = lp.top_logprobs[i]
+        assert top.keys() == expected.keys(), (i, top, expected)  # byte tokens share the key U+FFFD
+        assert all(math.isclose(top[k], expected[k], abs_tol=1e-5) for k in top)
+    _check_top_names_chosen(lp, start=1)
+    assert all(1 <= len(top) <= 4 for top in lp.top_logprobs[len(ids):])
+    wait_kv_full(gw_engine)
+
+
+def test_streamed_echo_sends_prompt_top_n_first(gw_url, gw_engine):
+    ids = gw_engine.tokenizer.encode(PROMPT)
+    status, raw = http(gw_url + "/v1/completions", "POST", {
+        "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2, "stream": True,
+        "ignore_eos": True})
+    assert status == 200
+    chunks = [e["choices"][0] for e in sse_events(raw) if e != "[DONE]" and e["choices"]]
+    first = chunks[0]["logprobs"]
+    assert first["top_logprobs"][0] is None
+    assert all(1 <= len(top) <= 3 for top in first["top_logprobs"][1:len(ids)])
+    assert max(len(top) for top in first["top_logprobs"][1:len(ids)]) >= 2  # the top 2, not only the chosen
+    tops = [t for c in chunks for t in c["logprobs"]["top_logprobs"]]
+    assert len(tops) == len(ids) + 3
+    wait_kv_full(gw_engine)

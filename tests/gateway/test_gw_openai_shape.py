@@ -96,34 +96,44 @@ def test_stop_string_finish_is_on_the_last_content_chunk(gw_url):
 
 
 def _special_token(engine) -> tuple[int, str]:
-    """A token whose text only shows with skip_special_tokens false (the scheduler's stop check skips it)."""
+    """A token whose text only shows with skip_special_tokens false."""
     tok = engine.tokenizer
     return next((t, tok.decode([t], skip_special_tokens=False)) for t in range(64)
                 if tok.decode([t], skip_special_tokens=False) and not tok.decode([t]))
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_stop_string_only_the_detokenizer_sees_ends_the_request(gw_url, gw_engine, stream):
+def test_a_stop_string_of_special_token_text_ends_the_request_in_the_engine(gw_url, gw_engine, stream):
+    """With skip_special_tokens false the scheduler's stop check sees special tokens as the detokenizer
+    does: the engine itself ends the request on the first such token (finish stop, the string matched),
+    not the gateway aborting it later."""
     token, text = _special_token(gw_engine)
     body = {"prompt": "Hello", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stop": [text],
             "skip_special_tokens": False, "logit_bias": {str(token): 100}, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
-    t0 = time.monotonic()
     status, got = http(gw_url + "/v1/completions", "POST", body)
     assert status == 200, got
     if stream:
         events = [e for e in sse_events(got) if e != "[DONE]"]
-        finishes = [e["choices"][0]["finish_reason"] for e in events if e["choices"]]
-        assert finishes == ["stop"] and events[0]["choices"][0]["text"] == ""
+        choices = [e["choices"][0] for e in events if e["choices"]]
+        assert [c["finish_reason"] for c in choices] == ["stop"] and choices[0]["text"] == ""
+        assert choices[-1]["matched_stop"] == text
         usage = events[-1]["usage"]
     else:
-        assert got["choices"][0]["finish_reason"] == "stop" and got["choices"][0]["text"] == ""
+        choice = got["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice["text"] == "" and choice["matched_stop"] == text
         usage = got["usage"]
-    assert usage["completion_tokens"] < 200  # aborted at the stop string, not run to max_tokens
-    assert time.monotonic() - t0 < 30
+    assert usage["completion_tokens"] == 1  # the engine stopped on the very token
     wait_kv_full(gw_engine)
     status, native = http(gw_url + "/generate", "POST", {"text": "Hello", "sampling_params": {
         "max_new_tokens": 200, "ignore_eos": True, "stop": [text], "skip_special_tokens": False,
         "logit_bias": {str(token): 100}}})
-    assert native["meta_info"]["finish_reason"]["type"] == "stop" and native["meta_info"]["completion_tokens"] < 200
+    meta = native["meta_info"]
+    assert meta["finish_reason"]["type"] == "stop" and meta["finish_reason"]["matched"] == text, meta
+    assert meta["completion_tokens"] == 1
+    # skip_special_tokens true (the default): that text never appears, so the request runs to its end.
+    body = {**body, "stream": False, "max_tokens": 5, "skip_special_tokens": True}
+    body.pop("stream_options", None)
+    status, plain = http(gw_url + "/v1/completions", "POST", body)
+    assert plain["choices"][0]["finish_reason"] == "length" and plain["usage"]["completion_tokens"] == 5

@@ -61,13 +61,15 @@ def test_prompt_plus_output_over_context_is_clipped(engine):
     ({"input_ids": [5, 6, 400]}, "prompt"),  # vocab is 400: ids 0..399
     ({"input_ids": [5, -1, 6]}, "prompt"),
     ({"input_ids": [5, 10**9]}, "prompt"),
+    ({"input_ids": [5, 2**64]}, "prompt"),
+    ({"input_ids": [5, "6"]}, "prompt"),
 ])
 def test_bad_prompts(engine, kwargs: dict, param: str):
     with pytest.raises(InvalidRequestError) as ei:
         engine.generate(sampling_params=OK, **kwargs)
     assert ei.value.param == param
     if "input_ids" in kwargs and kwargs["input_ids"]:
-        bad = next(t for t in kwargs["input_ids"] if not 0 <= t < 400)
+        bad = next(t for t in kwargs["input_ids"] if not isinstance(t, int) or not 0 <= t < 400)
         assert str(bad) in str(ei.value)
     assert_still_serving(engine)
 
@@ -99,3 +101,64 @@ async def test_duplicate_rid_is_rejected_not_a_hang(engine):
 
 async def _drain(stream) -> list:
     return [o async for o in stream]
+
+
+# Integers past what the sampler holds (int64 tensors, msgpack on the Ray wire) used to pass validation
+# and fail the whole batch in the scheduler step: every request in it ended with an internal error.
+_HUGE_INTS = [
+    ({"top_k": 2**63}, "top_k"),
+    ({"top_k": 10**30}, "top_k"),
+    ({"max_new_tokens": 2**64}, "max_new_tokens"),
+    ({"min_new_tokens": 2**63, "max_new_tokens": 4}, "min_new_tokens"),
+    ({"stop_token_ids": [3, 2**63]}, "stop_token_ids"),
+    ({"seed": 2**64}, "seed"),
+    ({"logit_bias": {2**64: 1.0}}, "logit_bias"),
+    ({"top_logprobs_num": 2**63, "return_logprob": True}, "top_logprobs_num"),
+]
+
+
+@pytest.mark.parametrize(("params", "param"), _HUGE_INTS)
+def test_out_of_range_integers_are_refused_while_others_run(engine, params: dict, param: str):
+    import threading
+
+    from runtime.sampling.params import SamplingParams
+
+    good: dict = {}
+    running = threading.Thread(target=lambda: good.update(engine.generate(
+        "The quick brown fox", {**OK, "max_new_tokens": 40})))
+    running.start()
+    with pytest.raises(InvalidRequestError) as ei:
+        engine.generate("Hello world", params)
+    assert ei.value.param == param and param in ei.value.message
+    # A SamplingParams built directly skips from_dict's check; the request's validation still refuses it.
+    built = SamplingParams(**params)
+    with pytest.raises(InvalidRequestError) as ei:
+        engine.generate("Hello world", built)
+    assert ei.value.param == param
+    running.join(30)
+    assert good["finish_reason"] == "length" and len(good["output_ids"]) == 40
+
+
+def test_largest_int64_values_are_served(engine):
+    edge = 2**63 - 1
+    out = engine.generate("Hello", {"top_k": edge, "max_new_tokens": edge, "min_new_tokens": 2, "seed": edge,
+                                    "stop_token_ids": [edge], "temperature": 0.7})
+    assert out["finish_reason"] in ("length", "stop") and len(out["output_ids"]) >= 2
+
+
+async def test_unvalidated_request_fails_alone_in_the_scheduler(engine):
+    """stream() expects a validated request; one that skipped validate() ends with an error of its own
+    and the request sharing its batch finishes normally."""
+    import asyncio
+
+    from runtime.messages import GenerateRequest
+    from runtime.sampling.params import SamplingParams
+
+    good = engine.make_request(input_ids=[5, 6, 7], sampling_params={**OK, "max_new_tokens": 30})
+    bad = GenerateRequest(rid="skipped-validation", input_ids=[5, 6, 7],
+                          sampling_params=SamplingParams(top_k=2**63, max_new_tokens=4))
+    good_out, bad_out = await asyncio.wait_for(asyncio.gather(_drain(engine.stream(good)), _drain(engine.stream(bad))),
+                                               30)
+    assert good_out[-1].finish_reason.kind == "length" and good_out[-1].completion_tokens == 30
+    [only] = bad_out
+    assert only.finished and only.finish_reason.kind == "error" and "top_k" in only.finish_reason.message

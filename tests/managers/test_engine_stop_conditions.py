@@ -203,3 +203,24 @@ def test_input_logprobs_match_hf(make_engine, tiny_llama, hf_llama, chunk: int):
     for i in range(1, len(prompt)):
         assert got[i] == pytest.approx(float(ref[i - 1, prompt[i]]), abs=1e-4)
     assert out["usage"]["cached_tokens"] == 0
+
+
+IM_START = 1  # <|im_start|>: a special token that is not EOS
+
+
+@pytest.mark.parametrize(("stop", "min_new", "n_out", "text"), [
+    ("<|im_start|>", 2, 2, "<|im_start|>"),  # the first one is before min_new_tokens: plain text
+    ("|><|", 0, 2, "<|im_start"),
+], ids=["whole-token", "across-two-special-tokens"])
+def test_stop_string_of_special_token_text_honours_skip_special_tokens(engine, stop, min_new, n_out, text):
+    """The scheduler's stop check decodes as the request asks: with skip_special_tokens false a stop string
+    made of special-token text ends the request in the engine; with it true that text does not exist."""
+    params = {"temperature": 0, "max_new_tokens": 12, "logit_bias": {IM_START: 100.0}, "stop": [stop],
+              "min_new_tokens": min_new}
+    kept = engine.generate("Hello", {**params, "skip_special_tokens": False})
+    assert kept["output_ids"] == [IM_START] * n_out
+    assert kept["finish_reason"] == "stop" and kept["matched_stop"] == stop
+    assert kept["text"] == text
+    skipped = engine.generate("Hello", {**params, "skip_special_tokens": True})
+    assert skipped["output_ids"] == [IM_START] * 12
+    assert skipped["finish_reason"] == "length" and skipped["text"] == ""

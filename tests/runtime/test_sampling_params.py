@@ -52,6 +52,15 @@ def test_greedy_and_penalty_predicates() -> None:
     ({"stop_token_ids": [1, -1]}, "stop_token_ids"),
     ({"top_logprobs_num": 21}, "top_logprobs_num"),
     ({"seed": -1}, "seed"),
+    ({"temperature": float("inf")}, "temperature"),
+    # Past int64, where the sampler's tensors (and the Ray wire's msgpack) end.
+    ({"top_k": 2**63}, "top_k"),
+    ({"max_new_tokens": 2**63}, "max_new_tokens"),
+    ({"min_new_tokens": 2**64, "max_new_tokens": 5}, "min_new_tokens"),
+    ({"stop_token_ids": [2**63]}, "stop_token_ids"),
+    ({"seed": 2**63}, "seed"),
+    ({"logit_bias": {2**63: 1.0}}, "logit_bias"),
+    ({"top_logprobs_num": 2**63}, "top_logprobs_num"),
 ])
 def test_invalid_values_name_their_param(overrides: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequestError) as e:
@@ -81,3 +90,30 @@ def test_wrong_type_is_invalid_request() -> None:
 def test_numeric_strings_are_converted() -> None:
     # strict=False: clients that send "0.5" still get a valid request, checked like any other.
     assert SamplingParams.from_dict({"temperature": "0.5"}).temperature == 0.5
+
+
+def test_int64_edge_is_accepted_and_messages_give_the_limit() -> None:
+    edge = 2**63 - 1
+    p = SamplingParams.from_dict({"top_k": edge, "max_new_tokens": edge, "min_new_tokens": edge,
+                                  "stop_token_ids": [edge], "seed": edge, "logit_bias": {edge: 1.0}})
+    assert p.top_k == edge
+    with pytest.raises(InvalidRequestError, match=r"top_k must be an integer in \[1, 2\*\*63 - 1\] or -1") as e:
+        SamplingParams.from_dict({"top_k": 2**63})
+    assert "vocabulary" in e.value.message  # says why a huge top_k is pointless rather than wrong
+    with pytest.raises(InvalidRequestError, match="clipped to the context length"):
+        SamplingParams.from_dict({"max_new_tokens": 2**64})
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"top_k": 2**63}, "top_k"),
+    ({"top_k": 2.5}, "top_k"),
+    ({"max_new_tokens": True}, "max_new_tokens"),
+    ({"stop_token_ids": ["7"]}, "stop_token_ids"),
+    ({"seed": 1.0}, "seed"),
+    ({"temperature": "hot"}, "sampling_params"),
+])
+def test_directly_built_params_are_checked_too(fields: dict[str, Any], param: str) -> None:
+    """The Struct constructor checks no types; validate() refuses wrong ones without a TypeError."""
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**fields).validate()
+    assert e.value.param == param
