@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def _worker(rank: int, port: int, sizes: list[int], iters: int, out: dict) -> None:
+    import torch
     import torch.distributed as dist
 
     from runtime.distributed.step_channel import StepChannel
@@ -25,17 +26,17 @@ def _worker(rank: int, port: int, sizes: list[int], iters: int, out: dict) -> No
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     dist.init_process_group("gloo", rank=rank, world_size=2)
     forward = StepChannel.create(rank)
-    back = StepChannel(dist.new_group([1, 0], backend="gloo"), rank)  # rank 1 is this group's sender
+    reply = torch.zeros(1, dtype=torch.int64)
     for size in sizes:
         msg = b"x" * size
         t0 = time.perf_counter()
         for _ in range(iters):
             if rank == 0:
                 forward.send(msg)
-                back.recv()
+                dist.recv(reply, src=1)
             else:
                 forward.recv()
-                back.send(b"k")
+                dist.send(reply, dst=0)
         if rank == 0:
             out[size] = 1e6 * (time.perf_counter() - t0) / iters / 2
     dist.destroy_process_group()

@@ -15,7 +15,8 @@ from runtime import Engine
 
 # Engines the tests build share these unless a test overrides them: a pool big enough that only the
 # retraction tests ever run short, and the slow-but-exact fp32 path of the tiny models.
-BASE_ENGINE_KWARGS: dict[str, Any] = {"device": "cpu", "max_total_tokens": 4096, "log_level": "warning"}
+BASE_ENGINE_KWARGS: dict[str, Any] = {"device": "cpu", "dtype": "float32", "max_total_tokens": 4096,
+                                      "log_level": "warning"}  # HF parity is checked in fp32
 
 
 def wait_idle(engine: Engine, timeout_s: float = 10.0) -> None:

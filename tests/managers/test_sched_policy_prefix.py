@@ -38,7 +38,7 @@ async def run_behind_blocker(engine, shared: list[int]) -> list[str]:
     """With one running slot: warm the cache with `shared`, occupy the slot, queue an unrelated request
     then one sharing the cached prefix; returns the order in which those two finished."""
     await engine.async_generate(input_ids=shared + ids(1, 5), sampling_params=GREEDY)
-    blocker = engine.make_request(input_ids=ids(2, 8), sampling_params={**GREEDY, "max_new_tokens": 300},
+    blocker = engine.make_request(input_ids=ids(2, 8), sampling_params={**GREEDY, "max_new_tokens": 480, "ignore_eos": True},
                                   rid="blocker")
     stream = engine.stream(blocker)
     await anext(stream)  # it is running: everything after it waits
