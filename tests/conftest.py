@@ -9,7 +9,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# tests/ holds helpers (tiny_models); the repo root goes first so tests/runtime never shadows runtime/.
+# tests/ holds helpers (tiny_models); the repo root goes first so no test folder named like a runtime package (tests/runtime, tests/text, ...) shadows it.
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 

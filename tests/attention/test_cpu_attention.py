@@ -21,7 +21,7 @@ from runtime.messages import WorkerBatch
 from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.model_executor.forward_mode import ForwardMode
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "runtime" / "model_executor"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "model_executor"))
 from runner_driver import RunnerDriver  # noqa: E402
 
 HQ, HKV, D = 6, 2, 32
