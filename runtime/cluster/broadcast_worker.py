@@ -55,11 +55,6 @@ class BroadcastWorker:
             self.on_failure(self.failed)
         return self.failed
 
-    def stop_peers(self) -> None:
-        """A clean shutdown: the other ranks' follow loops return."""
-        if self.failed is None:
-            self.channel.send_stop()
-
     def _check(self) -> None:
         if self.failed is not None:
             raise self.failed

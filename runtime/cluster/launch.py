@@ -110,7 +110,7 @@ class ReplicaLauncher:
             options: dict[str, Any] = dict(num_cpus=1, num_gpus=1 if self.use_gpu else 0, max_restarts=0,
                                            scheduling_strategy=placement.bundle_strategy(pg, r))
             if not lead:
-                options["max_concurrency"] = 2  # ping() answers while serve() runs
+                options["max_concurrency"] = 2  # node_id() and inject_fault() answer while serve() runs
             if self.use_gpu and self.ranks > 1 and not self.args.disable_custom_all_reduce:
                 # Symmetric memory maps every peer's buffer, so each rank must see every GPU of its node;
                 # Ray still gives each rank one GPU, which it finds by id (tp_rank.local_gpu_index).

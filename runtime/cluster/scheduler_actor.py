@@ -148,14 +148,6 @@ class SchedulerActor:
 
         return ray.get_runtime_context().get_node_id()
 
-    def ping(self) -> bool:
-        return self.rank is not None
-
-    async def shutdown(self) -> None:
-        if self.host is not None:
-            await asyncio.to_thread(self.host.stop)
-        if self.group is not None:
-            self.group.stop_peers()
 
     # ---- failure --------------------------------------------------------------------------------
     def _watch(self, refs: list[Any]) -> None:

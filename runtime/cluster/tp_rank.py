@@ -68,12 +68,6 @@ class TpRank:
             ctx = ParallelContext.tensor_parallel(group)
         return cls(spec, TpWorker(args, model_path, ctx, device), channel)
 
-    def shutdown(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
 
 def endpoint() -> tuple[str, int]:
     """A rendezvous address on this node: its IP and a port free on it right now."""

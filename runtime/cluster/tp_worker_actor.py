@@ -4,9 +4,9 @@ once, the previous step collected behind it, exactly as rank 0's scheduler launc
 the ranks' device queues stay full and the TP collectives meet. No result travels back: the
 collectives make every rank's logits, and so its sampled tokens, the same as rank 0's.
 
-serve() runs the follow loop until rank 0 says stop; it ends with the rank's own exception if a step
-fails, which is how rank 0's SchedulerActor (which awaits it) learns why. The actor is threaded, so
-ping() and node_id() answer while serve() runs."""
+serve() runs the follow loop for the replica's life (the group is killed as a whole); it ends with the
+rank's own exception if a step fails, which is how rank 0's SchedulerActor (which awaits it) learns why. The actor is threaded, so
+node_id() and inject_fault() answer while serve() runs."""
 
 from __future__ import annotations
 
@@ -31,12 +31,13 @@ class TpWorkerActor:
         return self.rank.worker.info()
 
     def serve(self) -> None:
-        """Follows rank 0 until it says stop (returns) or a step fails (raises)."""
+        """Follows rank 0 until a step fails (raises) or the actor is killed."""
         worker, channel = self.rank.worker, self.rank.channel
         worker.bind_thread()
         decoder = msgspec.msgpack.Decoder(WorkerBatch)
         pending = None
-        while (data := channel.recv()) is not None:
+        while True:
+            data = channel.recv()
             self._maybe_fault()
             launched = worker.launch_batch(decoder.decode(data))
             if pending is not None:
@@ -58,6 +59,3 @@ class TpWorkerActor:
         import ray
 
         return ray.get_runtime_context().get_node_id()
-
-    def ping(self) -> bool:
-        return self.rank is not None

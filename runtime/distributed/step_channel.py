@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 HEADER_BYTES = 4096
-_STOP = -1
 _IDLE_TIMEOUT = datetime.timedelta(days=365)
 
 
@@ -40,16 +39,10 @@ class StepChannel:
         if n > head:
             dist.broadcast(torch.frombuffer(bytearray(data[head:]), dtype=torch.uint8), group_src=0, group=self.group)
 
-    def send_stop(self) -> None:
-        self._len[0] = _STOP
-        dist.broadcast(self._buf, group_src=0, group=self.group)
-
-    def recv(self) -> bytes | None:
-        """Other ranks: the next message, or None once rank 0 has said stop."""
+    def recv(self) -> bytes:
+        """Other ranks: the next message."""
         dist.broadcast(self._buf, group_src=0, group=self.group)
         n = int(self._len[0])
-        if n == _STOP:
-            return None
         head = min(n, HEADER_BYTES - 8)
         data = self._buf[8:8 + head].numpy().tobytes()
         if n > head:
