@@ -44,6 +44,13 @@ class ServerArgs:
     disable_cuda_graph: bool = _opt(False, "never capture CUDA graphs")
     cuda_graph_max_bs: int = _opt(160, "largest decode batch captured in a CUDA graph")
     disable_overlap_schedule: bool = _opt(False, "prepare the next batch only after the current one finishes")
+    # Speculative decoding (runtime/speculative): drafts checked by one TARGET_VERIFY forward per step
+    speculative_algorithm: str | None = _opt(None, "NGRAM: drafts from the request's own prompt and output; "
+                                                   "STANDALONE: a small draft model", (None, "NGRAM", "STANDALONE"))
+    speculative_draft_model_path: str | None = _opt(None, "draft model folder for STANDALONE (same vocabulary)")
+    speculative_num_draft_tokens: int = _opt(4, "draft tokens checked per request per step (K)")
+    speculative_ngram_min_match_window_size: int = _opt(1, "NGRAM: shortest suffix matched in the request's tokens")
+    speculative_ngram_max_match_window_size: int = _opt(4, "NGRAM: longest suffix matched (tried first)")
     # Parallelism and Ray
     tp_size: int = _opt(1, "tensor-parallel ranks per replica")
     dp_size: int = _opt(1, "data-parallel replicas")
@@ -87,7 +94,8 @@ class ServerArgs:
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
-                raise ServerArgsError(_flag(f.name), f"must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}")
+                raise ServerArgsError(_flag(f.name), f"must be one of {', '.join(str(c) for c in choices if c)}, "
+                                                    f"got {getattr(self, f.name)!r}")
         if self.chat_template is not None:
             read_chat_template(self.chat_template)  # before any weights load: a bad one names the flag now
         if self.in_process and self.uses_ray:
@@ -95,6 +103,23 @@ class ServerArgs:
                                                   "--dp-size, --address and --use-ray, or this flag")
         if self.enable_dp_attention and self.dp_size < 2:
             raise ServerArgsError("--enable-dp-attention", "needs --dp-size of 2 or more")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        if self.speculative_num_draft_tokens < 1:
+            raise ServerArgsError("--speculative-num-draft-tokens", f"must be positive, got {self.speculative_num_draft_tokens}")
+        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if not 1 <= lo <= hi:
+            raise ServerArgsError("--speculative-ngram-min-match-window-size", f"need 1 <= min <= max, got {lo}, {hi}")
+        if algo == "STANDALONE" and not self.speculative_draft_model_path:
+            raise ServerArgsError("--speculative-draft-model-path", "STANDALONE needs a draft model folder")
+        if self.speculative_draft_model_path and algo != "STANDALONE":
+            raise ServerArgsError("--speculative-draft-model-path", "is used only with --speculative-algorithm STANDALONE")
+        if algo == "STANDALONE" and self.enable_dp_attention:
+            # Every draft forward is a collective across DP ranks; IDLE ranks would have to mirror them all.
+            raise ServerArgsError("--speculative-algorithm", "STANDALONE does not run with --enable-dp-attention "
+                                                             "yet; use NGRAM")
 
     @property
     def uses_ray(self) -> bool:

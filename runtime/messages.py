@@ -99,6 +99,19 @@ class PrefixWrite(msgspec.Struct, array_like=True):
     kv_indices: list[int]
 
 
+class SpecInfo(msgspec.Struct, kw_only=True):
+    """A TARGET_VERIFY step's speculative part, per request in batch order. Request i's new tokens are its
+    last token then num_drafts[i] drafts (zeros when the worker's draft model fills them in)."""
+
+    num_drafts: list[int]
+    draft_on_worker: bool = False  # STANDALONE: the worker's draft model proposes the drafts
+    # STANDALONE: tokens before the last whose draft-model KV is missing (a fully accepted step leaves its
+    # final draft so), with their KV slots: the draft re-reads them in its DRAFT_EXTEND.
+    lag_ids: list[list[int]] = []
+    lag_slots: list[list[int]] = []
+    min_new_left: list[int] = []  # outputs still below min_new_tokens: EOS/stop stay blocked that many rows
+
+
 class WorkerBatch(msgspec.Struct, kw_only=True):
     """One step's work for every TP rank. Requests are ordered extend-first (MIXED: then decodes);
     each has prefix_len cached tokens and seq_len - prefix_len new ones (a decode has exactly one)."""
@@ -116,6 +129,7 @@ class WorkerBatch(msgspec.Struct, kw_only=True):
     input_top_logprobs_nums: list[int] = []  # per request where any asks (else []): top N of each input position
     # DP attention: every rank's token count this step, so the MLP gather is sized alike everywhere.
     global_num_tokens: list[int] | None = None
+    spec: SpecInfo | None = None  # TARGET_VERIFY only
 
 
 class BatchResult(msgspec.Struct, kw_only=True):
@@ -130,6 +144,9 @@ class BatchResult(msgspec.Struct, kw_only=True):
     forward_s: float = 0.0
     all_idle: bool = False  # DP attention: every rank was idle, so nothing ran
     device_s: float = 0.0  # device time of the batch (CUDA events); 0 on CPU
+    # TARGET_VERIFY: tokens each request emits (accepted drafts + one); next_token_ids, logprobs and
+    # top_logprobs then hold those tokens of all requests back to back.
+    spec_counts: list[int] | None = None
 
 
 class ModeStats(msgspec.Struct):
@@ -152,6 +169,18 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     waiting_tokens: int = 0  # prompt tokens still to prefill; least_load routing uses it
     device_busy_s: float = 0.0  # summed device time of all batches: 1 - busy/wall is the idle fraction
     overlap: bool = False  # overlap scheduling on (the worker runs asynchronously)
+    spec_verify_reqs: int = 0  # request-steps of TARGET_VERIFY batches
+    spec_draft_tokens: int = 0  # drafts proposed in them
+    spec_accepted_tokens: int = 0  # drafts accepted
+
+    @property
+    def spec_accept_length(self) -> float:
+        """Mean tokens a request emits per verify step (accepted drafts + the target's own one)."""
+        return (self.spec_accepted_tokens + self.spec_verify_reqs) / max(self.spec_verify_reqs, 1)
+
+    @property
+    def spec_accept_rate(self) -> float:
+        return self.spec_accepted_tokens / max(self.spec_draft_tokens, 1)
 
     @property
     def kv_usage_ratio(self) -> float:

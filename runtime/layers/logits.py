@@ -1,5 +1,5 @@
 """LogitsProcessor: hidden states → logits of the rows that need them (the last new token of each
-request; every new token of requests that asked for input logprobs)."""
+request; every new token of requests that asked for input logprobs; every token of a TARGET_VERIFY)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ class LogitsProcessor:
     def __call__(self, hidden: torch.Tensor, input_ids: torch.Tensor, fb: ForwardBatch) -> LogitsOutput:
         if fb.batch_size == 0:
             return LogitsOutput(hidden.new_empty((0, 0), dtype=torch.float32))
+        if fb.forward_mode.is_target_verify():  # every position scores the draft after it
+            return LogitsOutput(self.compute_logits(hidden).float())
         last = fb.extend_start_loc + fb.extend_seq_lens - 1
         logits = self.compute_logits(hidden[last]).float()
         if not any(fb.return_input_logprob):

@@ -95,6 +95,14 @@ class KVCacheManager:
         self.allocator.free(req.kv_indices[req.cached_len:])
         self._drop(req)
 
+    def truncate(self, req: Req, keep: int) -> None:
+        """Frees the request's own slots past its first `keep` tokens (speculative drafts it rejected)."""
+        if keep < req.cached_len:
+            raise ValueError(f"cannot truncate below the cached prefix ({keep} < {req.cached_len})")
+        kv = req.kv_indices
+        self.allocator.free(kv[keep:])
+        req.kv_indices = kv[:keep]
+
     def _drop(self, req: Req) -> None:
         if req.last_node is not None:
             self.cache.dec_lock_ref(req.last_node)

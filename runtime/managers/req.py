@@ -60,6 +60,7 @@ class Req:
         self.retractions = 0
         self.pending_tokens = 0  # overlap scheduling: tokens sampled on the device, not yet seen here
         self.admit_seq = 0  # order of (re)admission: retraction takes the latest first
+        self.draft_lag = 0  # STANDALONE: tokens before the last whose draft-model KV is missing
 
     # ---- token views ------------------------------------------------------------------------------
     @property
@@ -143,6 +144,7 @@ class Req:
         """Back to waiting with its generated tokens; KV is re-prefilled later."""
         self.req_pool_idx, self.kv_indices, self.cached_len = None, _EMPTY, 0
         self.last_node, self.pending_prefix_write, self.extend_len = None, 0, 0
+        self.draft_lag = 0  # the re-prefill runs the draft model too
         self.state = ReqState.WAITING
         self.retractions += 1
 

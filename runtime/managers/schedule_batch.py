@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.managers.req import Req
-from runtime.messages import PrefixWrite, SamplingBatch, WorkerBatch
+from runtime.messages import PrefixWrite, SamplingBatch, SpecInfo, WorkerBatch
 from runtime.model_executor.forward_mode import ForwardMode
 
 
@@ -20,6 +20,8 @@ class ScheduleBatch:
     out_cache_loc: list[torch.Tensor] = field(default_factory=list)  # new slots, one tensor per req
     completes_prefill: list[bool] = field(default_factory=list)  # per extend req: its last chunk?
     kv_ends: list[int] = field(default_factory=list)  # per extend req: tokens with KV once this batch ran
+    drafts: list[list[int]] = field(default_factory=list)  # TARGET_VERIFY: each request's drafts (after its last token)
+    spec: SpecInfo | None = None  # TARGET_VERIFY: what the workers need beyond the tokens
 
     @property
     def extend_reqs(self) -> list[Req]:
@@ -35,10 +37,13 @@ class ScheduleBatch:
     def to_worker_batch(self, batch_id: int, global_num_tokens: list[int] | None = None) -> WorkerBatch:
         input_ids: list[int] = []
         seq_lens, prefix_lens, writes = [], [], []
-        for r in self.reqs:
+        for i, r in enumerate(self.reqs):
             prefix = r.kv_len - r.extend_len  # kv_indices already include this step's slots
             if r.pending_tokens:  # its input is the token the previous batch is still sampling
                 input_ids.append(-(r.req_pool_idx + 1))
+            elif self.drafts:  # TARGET_VERIFY: the last token, then the drafts (not in the request's tokens)
+                input_ids.extend(r.token_slice(prefix, prefix + r.extend_len - len(self.drafts[i])))
+                input_ids.extend(self.drafts[i])
             else:
                 input_ids.extend(r.token_slice(prefix, prefix + r.extend_len))
             prefix_lens.append(prefix)
@@ -55,7 +60,7 @@ class ScheduleBatch:
             if any(r.return_input_logprob for r in self.reqs) else [],
             input_top_logprobs_nums=[r.input_top_logprobs_num for r in self.reqs]
             if any(r.input_top_logprobs_num for r in self.reqs) else [],
-            global_num_tokens=global_num_tokens,
+            global_num_tokens=global_num_tokens, spec=self.spec,
         )
 
     def _sampling(self) -> SamplingBatch:

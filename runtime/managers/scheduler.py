@@ -23,6 +23,7 @@ from runtime.managers.req import Req, ReqState
 from runtime.managers.request_validation import RequestLimits, validate_request
 from runtime.managers.retract import Retractor
 from runtime.managers.schedule_batch import ScheduleBatch
+from runtime.managers.spec_decoding import SpecDecoding
 from runtime.managers.stats import ForwardModeStats
 from runtime.managers.worker_client import WorkerClient
 from runtime.messages import (
@@ -53,6 +54,7 @@ class Scheduler:
         self.retractor = Retractor(args)
         self.prefill = PrefillAdder(args, self.kv, self.policy, self.retractor)
         self.stats = ForwardModeStats(args.log_interval_s)
+        self.spec = SpecDecoding(args, self.kv, self.stats, context_len) if args.speculative_algorithm else None
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._early_aborts: dict[str, None] = {}  # aborts that arrived before their request (bounded)
         self._recently_finished: dict[str, None] = {}  # rids that ended lately (bounded)
@@ -66,7 +68,8 @@ class Scheduler:
         self.must_step = args.enable_dp_attention  # step (IDLE) even with no work of our own
         # Overlap scheduling: launch batch N+1 before collecting batch N, so the device never waits for
         # the CPU. Only where the worker runs asynchronously; DP attention keeps ranks in lockstep.
-        self.overlap = overlap and worker.can_overlap and not self.must_step
+        # Speculative steps need the accepted tokens before drafting the next: no overlap with them.
+        self.overlap = overlap and worker.can_overlap and not self.must_step and self.spec is None
         self.pending: tuple[ScheduleBatch, object] | None = None
         self.gen_throughput = 0.0
         self.device_busy_s = 0.0
@@ -223,7 +226,10 @@ class Scheduler:
                     prefill.forward_mode = ForwardMode.MIXED
             return prefill
         if self.running:
-            return self._prepare_decode()
+            batch = self._prepare_decode()
+            if batch is not None and self.spec is not None:
+                self.spec.upgrade(batch)  # TARGET_VERIFY where drafts and KV allow
+            return batch
         if self.must_step:
             return ScheduleBatch(ForwardMode.IDLE)
         return None
@@ -280,25 +286,12 @@ class Scheduler:
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
         self.stats.record(batch.forward_mode, batch.num_tokens())
         self.device_busy_s += result.device_s
+        if batch.forward_mode.is_target_verify():
+            stepped = self.spec.apply(batch, result, lambda r, i: self._append_token(r, result, i))
+        else:
+            stepped = self._take_tokens(batch, result)
         outputs: list[RequestOutput] = []
-        for i, r in enumerate(batch.reqs):
-            if r.finished:
-                continue
-            if i < batch.num_extend:
-                if not batch.completes_prefill[i]:
-                    self.kv.cache_unfinished(r, batch.kv_ends[i])
-                    continue
-                if r.return_input_logprob and r.input_logprobs is None and result.input_logprobs:
-                    r.input_logprobs = [None, *result.input_logprobs[i]]
-                    if r.input_top_logprobs_num and result.input_top_logprobs:
-                        r.input_top_logprobs = [None, *result.input_top_logprobs[i]]
-            r.output_ids.append(result.next_token_ids[i])
-            if result.logprobs is not None and r.params.return_logprob:
-                r.output_logprobs.append(result.logprobs[i])
-                if result.top_logprobs is not None:
-                    r.output_top_logprobs.append(result.top_logprobs[i])
-            self.stats.generated_tokens += 1
-            r.check_finished(self.context_len, self._tail_text(r))
+        for r in stepped:
             if r.finished:
                 self._finish(r, emit=False)
             elif r.state is ReqState.PREFILLING:
@@ -311,6 +304,33 @@ class Scheduler:
             self.gen_throughput = self.stats.log(batch.forward_mode, len(self.running), len(self.waiting),
                                                  self.kv.held_by(self._live()), self.kv.size,
                                                  self.kv.cache.total_size())
+
+    def _take_tokens(self, batch: ScheduleBatch, result: BatchResult) -> list[Req]:
+        """One sampled token per request that completed its prefill or decoded; returns those requests."""
+        stepped = []
+        for i, r in enumerate(batch.reqs):
+            if r.finished:
+                continue
+            if i < batch.num_extend:
+                if not batch.completes_prefill[i]:
+                    self.kv.cache_unfinished(r, batch.kv_ends[i])
+                    continue
+                if r.return_input_logprob and r.input_logprobs is None and result.input_logprobs:
+                    r.input_logprobs = [None, *result.input_logprobs[i]]
+                    if r.input_top_logprobs_num and result.input_top_logprobs:
+                        r.input_top_logprobs = [None, *result.input_top_logprobs[i]]
+            self._append_token(r, result, i)
+            stepped.append(r)
+        return stepped
+
+    def _append_token(self, r: Req, result: BatchResult, i: int) -> None:
+        r.output_ids.append(result.next_token_ids[i])
+        if result.logprobs is not None and r.params.return_logprob:
+            r.output_logprobs.append(result.logprobs[i])
+            if result.top_logprobs is not None:
+                r.output_top_logprobs.append(result.top_logprobs[i])
+        self.stats.generated_tokens += 1
+        r.check_finished(self.context_len, self._tail_text(r))
 
     def _tail_text(self, r: Req) -> tuple[str, int] | None:
         if not r.params.stop or self.decode_text is None:
@@ -383,4 +403,5 @@ class Scheduler:
             retractions=self.stats.retractions, evictions=self.kv.evictions,
             cache_hit_tokens=self.prefill.cache_hit_tokens, cache_query_tokens=self.prefill.cache_query_tokens,
             device_busy_s=self.device_busy_s, overlap=self.overlap,
-            waiting_tokens=sum(r.remaining_prefill for r in self.waiting))
+            waiting_tokens=sum(r.remaining_prefill for r in self.waiting),
+            **(self.spec.counters() if self.spec is not None else {}))

@@ -52,5 +52,6 @@ class ForwardMode(IntEnum):
         return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
 
     def is_executable(self) -> bool:
-        """Modes the ModelRunner runs today; the rest wait for speculative/diffusion decoding."""
-        return self in (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE)
+        """Modes the ModelRunner runs today; the rest wait for diffusion decoding / PD-multiplexing."""
+        return self in (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE,
+                        ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)

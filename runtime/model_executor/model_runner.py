@@ -27,6 +27,7 @@ from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.model_executor.weight_loader import dummy_checkpoint, iterate_safetensors
 from runtime.models.parallel_context import ParallelContext
 from runtime.models.registry import get_model_class
+from runtime.speculative.draft_footprint import DraftFootprint
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,12 @@ def resolve_device(name: str) -> torch.device:
 
 class ModelRunner:
     def __init__(self, args: ServerArgs, model_path: str, ctx: ParallelContext | None = None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, *, req_to_token_pool: ReqToTokenPool | None = None,
+                 kv_pool_size: int | None = None):
+        """req_to_token_pool / kv_pool_size: a speculative draft model shares the target's token table and
+        has as many KV slots, so one slot index holds a token's KV in both pools."""
         self.args = args
+        self.spec = None  # SpecDecodeRunner (set by the TpWorker) when speculative decoding is on
         self.ctx = ctx or ParallelContext()
         self.device = device or resolve_device(args.device)
         dtype = args.dtype
@@ -61,9 +66,10 @@ class ModelRunner:
         self.model = self._load_model(model_path)
         if self.device.type == "cpu":
             cpu_config.prepare_model(self.model)
-        self.max_total_tokens = self._kv_pool_size()
+        self.max_total_tokens = kv_pool_size or self._kv_pool_size()
         self.max_running_requests = args.max_running_requests + 4  # + requests mid chunked prefill
-        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len + 1, self.device)
+        self.req_to_token_pool = req_to_token_pool or ReqToTokenPool(self.max_running_requests,
+                                                                     self.context_len + 1, self.device)
         attn0 = self.model.model.layers[0].self_attn
         self.token_to_kv_pool = TokenToKVPool(self.max_total_tokens, self.model_config.num_hidden_layers,
                                               attn0.num_kv_heads, attn0.head_dim, self.model_config.dtype,
@@ -104,8 +110,9 @@ class ModelRunner:
             return args.max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = total * args.mem_fraction_static - (total - free)
-        size = int(budget // per_token)
+        draft = DraftFootprint.of(args, self.ctx.attn.size)  # a STANDALONE draft model still to load
+        budget = total * args.mem_fraction_static - (total - free) - draft.weight_bytes
+        size = int(budget // (per_token + draft.kv_bytes_per_token))
         if self.ctx.attn.size > 1 or self.ctx.mlp.size > 1:  # every rank must agree on the pool size
             t = torch.tensor([size], device=self.device)
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.ctx.mlp.group)
@@ -125,6 +132,8 @@ class ModelRunner:
 
     def release(self) -> None:
         """Drops weights, KV pool and graphs and returns the device memory (the runner is unusable after)."""
+        if self.spec is not None and self.spec.draft is not None:
+            self.spec.draft.release()
         if self.device.type != "cuda":
             return
         self.cuda_graph_runner = None
@@ -177,7 +186,11 @@ class ModelRunner:
         # has not seen yet (overlap scheduling): take it from the device-side buffer.
         ids = fb.input_ids
         fb.input_ids = torch.where(ids < 0, self.future_token_ids[(-ids - 1).clamp_(min=0)], ids)
+        if fb.forward_mode.is_target_verify():  # drafts, one forward over them, acceptance: synchronous
+            return self.spec.verify(batch, fb, t0)
         out = self.forward(fb)
+        if self.spec is not None:
+            self.spec.mirror(batch)  # the draft model keeps its KV in step with the target's
         if fb.batch_size == 0 or batch.sampling is None:
             return LaunchedBatch(batch.batch_id, t0, done=BatchResult(batch_id=batch.batch_id, next_token_ids=[]))
         sample = self.sampler(out.next_token_logits, batch.sampling)

@@ -8,6 +8,7 @@ import torch
 from runtime.config import ServerArgs
 from runtime.messages import BatchResult, WorkerBatch, WorkerInfo
 from runtime.model_executor.model_runner import LaunchedBatch, ModelRunner
+from runtime.model_executor.spec_decode_runner import SpecDecodeRunner
 from runtime.models.parallel_context import ParallelContext
 
 
@@ -20,6 +21,7 @@ class TpWorker:
     def __init__(self, args: ServerArgs, model_path: str, ctx: ParallelContext | None = None,
                  device: torch.device | None = None):
         self.runner = ModelRunner(args, model_path, ctx, device)
+        self.runner.spec = SpecDecodeRunner.create(args, self.runner)
 
     def bind_thread(self) -> None:
         device = self.runner.device
