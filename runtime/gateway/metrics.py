@@ -42,6 +42,10 @@ class _SchedulerStatsCollector(Collector):
                                      lambda: s.kv_cache_ratio),
             "shoal:cache_hit_ratio": ("prompt tokens found in the prefix cache / prompt tokens looked up",
                                       lambda: s.cache_hit_tokens / max(s.cache_query_tokens, 1)),
+            "shoal:spec_accept_length": ("speculative decoding: mean tokens a request emits per verify step",
+                                         lambda: s.spec_accept_length),
+            "shoal:spec_accept_rate": ("speculative decoding: accepted drafts / proposed drafts",
+                                       lambda: s.spec_accept_rate),
         }
         for name, (doc, value) in gauges.items():
             g = GaugeMetricFamily(name, doc)

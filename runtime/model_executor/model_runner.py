@@ -187,6 +187,8 @@ class ModelRunner:
         ids = fb.input_ids
         fb.input_ids = torch.where(ids < 0, self.future_token_ids[(-ids - 1).clamp_(min=0)], ids)
         if fb.forward_mode.is_target_verify():  # drafts, one forward over them, acceptance: synchronous
+            if self.spec is None:
+                raise ValueError("a TARGET_VERIFY batch needs a worker started with --speculative-algorithm")
             return self.spec.verify(batch, fb, t0)
         out = self.forward(fb)
         if self.spec is not None:

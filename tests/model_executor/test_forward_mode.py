@@ -15,7 +15,7 @@ from runtime.model_executor.model_runner import ModelRunner
 
 M = ForwardMode
 ALL = {"EXTEND", "DECODE", "MIXED", "IDLE", "TARGET_VERIFY", "DRAFT_EXTEND", "DLLM_EXTEND", "SPLIT_PREFILL"}
-NOT_EXECUTABLE = [M.TARGET_VERIFY, M.DRAFT_EXTEND, M.DLLM_EXTEND, M.SPLIT_PREFILL]
+NOT_EXECUTABLE = [M.DLLM_EXTEND, M.SPLIT_PREFILL]
 
 
 def _holders(predicate: str) -> set[ForwardMode]:
@@ -41,7 +41,7 @@ def test_predicates() -> None:
     assert _holders("is_split_prefill") == {M.SPLIT_PREFILL}
     assert _holders("is_cuda_graph") == {M.DECODE, M.TARGET_VERIFY}
     assert _holders("is_decode_or_idle") == {M.DECODE, M.IDLE}
-    assert _holders("is_executable") == {M.EXTEND, M.DECODE, M.MIXED, M.IDLE}
+    assert _holders("is_executable") == {M.EXTEND, M.DECODE, M.MIXED, M.IDLE, M.TARGET_VERIFY, M.DRAFT_EXTEND}
 
 
 def _batch(mode: ForwardMode) -> WorkerBatch:
@@ -64,3 +64,9 @@ def test_run_batch_refuses_modes_not_executed_yet(tiny_llama) -> None:
             runner.run_batch(_batch(mode))
     assert all((a == b).all() for a, b in zip(kv_before, runner.token_to_kv_pool.k_buffers))
     assert runner.run_batch(_batch(M.EXTEND)).next_token_ids == []  # same batch, executable mode: runs
+
+
+def test_verify_batch_needs_speculative_worker(tiny_llama) -> None:
+    runner = ModelRunner(ServerArgs(device="cpu", max_total_tokens=64), str(tiny_llama))
+    with pytest.raises(ValueError, match="speculative"):
+        runner.run_batch(_batch(M.TARGET_VERIFY))

@@ -1,0 +1,105 @@
+"""Speculative decoding on CPU: the embedded SmolLM2-135M-Instruct with NGRAM (prompt lookup) on a
+copy-heavy workload — edit, proofread or reformat a given text, where most of the answer repeats the
+prompt — one request at a time (1 concurrent), greedy. Reports output tok/s with and without
+speculation, the speedup, the mean accepted length and acceptance rate, and checks that every output
+is identical to the non-speculative one.
+
+    OMP_NUM_THREADS=2 python -m benchmarks.bench_spec_cpu --output-file benchmarks/results/spec_cpu_smollm2_ngram.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks.common import print_table, write_result
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. It was a sunny day in the park, and the children were "
+    "playing football near the old oak tree. Their parents sat on the benches, talking about the weather "
+    "and the upcoming holidays. A small dog ran after the ball, barking happily.",
+    "Shoal is a serving runtime for large language models. It batches requests continuously, keeps a "
+    "prefix cache of attention keys and values in a radix tree, and splits long prompts into chunks so "
+    "that short requests are never stuck behind long ones. It runs on a CPU or on GPUs.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+    "def main():\n    for i in range(10):\n        print(i, fibonacci(i))\n\nif __name__ == '__main__':\n    main()\n",
+    "Dear team, the meeting on Monday is moved to Tuesday at 10 am in room 4. Please bring your reports "
+    "for the third quarter and the plans for the next one. Lunch will be served after the meeting. "
+    "Best regards, Anna.",
+]
+TASKS = [
+    "Copy the following text exactly, then stop:\n\n{text}",
+    "Fix any mistakes in the following text and write out the corrected full text:\n\n{text}",
+]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=1, help="passes over the workload per engine")
+    p.add_argument("--output-file", default=None)
+    return p.parse_args(argv)
+
+
+def run_engine(args: argparse.Namespace, prompts: list[list[int]], spec: bool) -> dict[str, Any]:
+    from runtime import Engine
+
+    extra = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": args.num_draft_tokens} if spec else {}
+    params = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
+    with Engine(args.model_path, dtype=args.dtype, device="cpu", log_level="warning", **extra) as e:
+        e.generate(input_ids=prompts[0], sampling_params={**params, "max_new_tokens": 8})  # warm-up
+        outputs, tokens, seconds = [], 0, 0.0
+        for _ in range(args.repeats):
+            for ids in prompts:  # one request at a time
+                t0 = time.perf_counter()
+                o = e.generate(input_ids=ids, sampling_params=params)
+                seconds += time.perf_counter() - t0
+                tokens += len(o["output_ids"])
+                outputs.append(o["output_ids"])
+        s = e.get_stats()
+        return {"outputs": outputs, "output_tokens": tokens, "seconds": seconds,
+                "output_tok_s": tokens / seconds, "accept_length": s.spec_accept_length,
+                "accept_rate": s.spec_accept_rate,
+                "forward_modes": {k: [v.batches, v.tokens] for k, v in s.forward_modes.items() if v.batches}}
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    from runtime.default_model import resolve_model
+    from runtime.text.tokenizer import load_tokenizer
+
+    args.model_path, _ = resolve_model(args.model_path, None)
+    tok = load_tokenizer(args.model_path, ())
+    prompts = [tok.apply_chat_template([{"role": "user", "content": task.format(text=text)}])
+               for task in TASKS for text in TEXTS]
+    base = run_engine(args, prompts, spec=False)
+    spec = run_engine(args, prompts, spec=True)
+    identical = [a == b for a, b in zip(base["outputs"], spec["outputs"])]
+    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                  for a, b, same in zip(base["outputs"], spec["outputs"], identical) if not same]
+    results = {
+        "baseline_output_tok_s": base["output_tok_s"], "spec_output_tok_s": spec["output_tok_s"],
+        "speedup": spec["output_tok_s"] / base["output_tok_s"], "accept_length": spec["accept_length"],
+        "accept_rate": spec["accept_rate"], "outputs_identical": all(identical),
+        "identical_requests": f"{sum(identical)}/{len(identical)}", "first_divergence": first_diff,
+        "output_tokens": base["output_tokens"], "prompt_tokens": [len(p) for p in prompts],
+        "baseline_forward_modes": base["forward_modes"], "spec_forward_modes": spec["forward_modes"],
+        "sample_output": tok.decode(spec["outputs"][0])[:400],
+    }
+    print_table("speculative decoding, CPU, NGRAM", [(k, v) for k, v in results.items()
+                                                      if k not in ("sample_output", "prompt_tokens")])
+    config = {"model": args.model_path, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+              "num_draft_tokens": args.num_draft_tokens, "concurrency": 1, "requests": len(prompts) * args.repeats,
+              "workload": "copy / proofread 4 texts (chat template), greedy"}
+    if args.output_file:
+        write_result(args.output_file, "bench_spec_cpu", results, config, argv)
+    return results
+
+
+if __name__ == "__main__":
+    main()
