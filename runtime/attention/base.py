@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 class AttentionBackend(ABC):
     supports_cuda_graph: bool = False
+    supports_verify_cuda_graph: bool = False  # TARGET_VERIFY (K + 1 tokens per request) captured too
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Once per batch, before the layers run (plan kernels, build index tensors)."""
@@ -41,7 +42,8 @@ class AttentionBackend(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode) -> None:
+                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode,
+                                                 tokens_per_req: int = 1) -> None:
         raise NotImplementedError
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
@@ -52,9 +54,9 @@ class AttentionBackend(ABC):
         raise NotImplementedError
 
     def _check_graph_mode(self, forward_mode: ForwardMode) -> None:
-        """The backends here capture DECODE graphs only (TARGET_VERIFY would be next)."""
-        if not forward_mode.is_decode():
-            raise NotImplementedError(f"{type(self).__name__} captures DECODE only, not {forward_mode.name}")
+        if forward_mode.is_decode() or (forward_mode.is_target_verify() and self.supports_verify_cuda_graph):
+            return
+        raise NotImplementedError(f"{type(self).__name__} does not capture {forward_mode.name} in CUDA graphs")
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """seq_len given to padded rows of a replayed batch (they read slot 0)."""

@@ -144,7 +144,8 @@ class FlashInferAttnBackend(AttentionBackend):
         self._graph_kv_indices = torch.zeros(max_bs * self.max_context_len, dtype=torch.int32, device=self.device)
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode) -> None:
+                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode,
+                                                 tokens_per_req: int = 1) -> None:
         self._check_graph_mode(forward_mode)
         wrapper = self._decode_wrapper(paged_kv_indptr_buffer=self._graph_kv_indptr[:bs + 1],
                                        paged_kv_indices_buffer=self._graph_kv_indices,

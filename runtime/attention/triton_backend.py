@@ -28,6 +28,8 @@ DEFAULT_NUM_KV_SPLITS = 8
 
 class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
+    # TARGET_VERIFY runs the extend kernel, which reads lengths and offsets on device: it captures as is.
+    supports_verify_cuda_graph = True
 
     def __init__(self, spec: AttentionSpec, num_kv_splits: int = DEFAULT_NUM_KV_SPLITS):
         self.device: torch.device = spec.device
@@ -82,9 +84,11 @@ class TritonAttnBackend(AttentionBackend):
         self._decode_workspace(max_bs)
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
-                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode) -> None:
+                                                 seq_lens: torch.Tensor, forward_mode: ForwardMode,
+                                                 tokens_per_req: int = 1) -> None:
         self._check_graph_mode(forward_mode)
         self._decode_workspace(bs)
+        self._max_extend_len = tokens_per_req  # the grid of a captured TARGET_VERIFY
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                 seq_lens: torch.Tensor, seq_lens_sum: int,

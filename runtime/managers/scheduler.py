@@ -44,7 +44,7 @@ class Scheduler:
                  context_len: int, vocab_size: int, eos_token_ids: frozenset[int],
                  sink: Callable[[list[RequestOutput]], None],
                  decode_text: Callable[[list[int], bool], str] | None = None,
-                 overlap: bool = False):
+                 overlap: bool = False, pad_drafts: bool = False):
         self.args, self.worker, self.sink, self.decode_text = args, worker, sink, decode_text
         self.context_len, self.vocab_size, self.eos_token_ids = context_len, vocab_size, eos_token_ids
         self.max_running = min(args.max_running_requests, max_reqs - 1)
@@ -54,7 +54,8 @@ class Scheduler:
         self.retractor = Retractor(args)
         self.prefill = PrefillAdder(args, self.kv, self.policy, self.retractor)
         self.stats = ForwardModeStats(args.log_interval_s)
-        self.spec = SpecDecoding(args, self.kv, self.stats, context_len) if args.speculative_algorithm else None
+        self.spec = (SpecDecoding(args, self.kv, self.stats, context_len, pad_drafts)
+                     if args.speculative_algorithm else None)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._early_aborts: dict[str, None] = {}  # aborts that arrived before their request (bounded)
         self._recently_finished: dict[str, None] = {}  # rids that ended lately (bounded)

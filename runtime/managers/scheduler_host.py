@@ -35,7 +35,8 @@ class SchedulerHost:
         self.scheduler = Scheduler(
             args, worker, max_total_tokens=info.max_total_tokens, max_reqs=info.max_reqs,
             context_len=info.context_len, vocab_size=info.vocab_size, eos_token_ids=eos_token_ids, sink=sink,
-            decode_text=decode_text, overlap=overlap_wanted(args, worker, info))
+            decode_text=decode_text, overlap=overlap_wanted(args, worker, info),
+            pad_drafts=info.device.startswith("cuda") and not args.disable_cuda_graph)  # graph-shaped verify steps
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 

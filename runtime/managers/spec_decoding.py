@@ -25,11 +25,15 @@ from runtime.speculative.drafter import create_drafter
 
 
 class SpecDecoding:
-    def __init__(self, args: ServerArgs, kv: KVCacheManager, stats: ForwardModeStats, context_len: int):
+    def __init__(self, args: ServerArgs, kv: KVCacheManager, stats: ForwardModeStats, context_len: int,
+                 pad_drafts: bool = False):
+        """pad_drafts: give every request of a verify step K drafts (filler where the drafter has fewer),
+        so the step has the shape of a captured CUDA graph; the filler is verified like any draft."""
         drafter = create_drafter(args)
         assert drafter is not None
         self.drafter, self.kv, self.stats, self.context_len = drafter, kv, stats, context_len
         self.k = args.speculative_num_draft_tokens
+        self.pad_drafts = pad_drafts
         self.verify_reqs = 0  # request-steps verified
         self.draft_tokens = 0  # drafts proposed
         self.accepted_tokens = 0  # drafts accepted
@@ -43,6 +47,13 @@ class SpecDecoding:
             d = self.drafter.propose(r.all_ids, room) if room > 0 else []
             budget -= len(d)
             drafts.append(d)
+        if self.pad_drafts and any(drafts):
+            for r, d in zip(batch.reqs, drafts):
+                room = min(self.k - len(d), r.max_new_remaining - 1 - len(d),
+                           self.context_len - r.seq_len - 1 - len(d), budget)
+                if room > 0:
+                    d += [d[-1] if d else r.output_ids[-1]] * room
+                    budget -= room
         need = sum(len(d) for d in drafts)
         slots = self.kv.alloc(need) if need else None
         if slots is None:  # nothing to verify: a plain decode (the draft model mirrors it)

@@ -1,4 +1,6 @@
-"""CudaGraphRunner: captures the DECODE forward (model + logits) once per batch size and replays it.
+"""CudaGraphRunner: captures the DECODE forward (model + logits) once per batch size and replays it; with
+speculative decoding on and a backend that can, also the TARGET_VERIFY forward with K + 1 tokens per
+request (the last token and K drafts; logits of every token).
 
 All captured sizes share one memory pool and one set of static input buffers, captured largest first so
 the smaller graphs reuse the largest one's memory. A batch is padded up to the next captured size; padded
@@ -40,16 +42,23 @@ class CudaGraphRunner:
         self.max_bs = min(runner.args.cuda_graph_max_bs, runner.max_running_requests)
         self.batch_sizes = capture_batch_sizes(self.max_bs)
         self.fill_seq_len = self.backend.get_cuda_graph_seq_len_fill_value()
+        # Tokens per request of each captured mode: TARGET_VERIFY has the last token + K drafts.
+        self.modes = {ForwardMode.DECODE: 1}
+        if runner.args.speculative_algorithm and self.backend.supports_verify_cuda_graph:
+            self.modes[ForwardMode.TARGET_VERIFY] = runner.args.speculative_num_draft_tokens + 1
+        n = self.max_bs * max(self.modes.values())
         dev = runner.device
-        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
-        self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)  # slot 0: scratch
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)  # slot 0: scratch
         self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.seq_lens = torch.full((self.max_bs,), self.fill_seq_len, dtype=torch.int64, device=dev)
-        self.start_loc = torch.arange(self.max_bs, dtype=torch.int64, device=dev)
-        self.ones = torch.ones(self.max_bs, dtype=torch.int64, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.prefix_lens = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        # Per mode, persistent (graphs read them at replay): new tokens per request and where each starts.
+        self.extend_lens = {m: torch.full((self.max_bs,), k, dtype=torch.int64, device=dev) for m, k in self.modes.items()}
+        self.start_locs = {m: torch.arange(self.max_bs, dtype=torch.int64, device=dev) * k for m, k in self.modes.items()}
+        self.graphs: dict[tuple[ForwardMode, int], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[ForwardMode, int], torch.Tensor] = {}
         self.pool = None
         if self.enabled:
             self.backend.init_cuda_graph_state(self.max_bs)
@@ -57,15 +66,17 @@ class CudaGraphRunner:
 
     # ---- capture --------------------------------------------------------------------------------------
     def _static_batch(self, bs: int, mode: ForwardMode) -> ForwardBatch:
-        r = self.runner
+        r, n = self.runner, self.modes[mode]
         seq_lens = self.seq_lens[:bs]
+        fill = max(self.fill_seq_len, n)  # capture-time lengths only; replays copy the real ones in
         return ForwardBatch(
-            forward_mode=mode, batch_size=bs, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
-            out_cache_loc=self.out_cache_loc[:bs], req_pool_indices=self.req_pool_indices[:bs], seq_lens=seq_lens,
-            extend_prefix_lens=seq_lens - 1, extend_seq_lens=self.ones[:bs], extend_start_loc=self.start_loc[:bs],
-            seq_lens_cpu=[self.fill_seq_len] * bs, extend_prefix_lens_cpu=[self.fill_seq_len - 1] * bs,
-            extend_seq_lens_cpu=[1] * bs, extend_start_loc_cpu=list(range(bs)),
-            seq_lens_sum=self.fill_seq_len * bs, extend_num_tokens=bs,
+            forward_mode=mode, batch_size=bs, input_ids=self.input_ids[:bs * n], positions=self.positions[:bs * n],
+            out_cache_loc=self.out_cache_loc[:bs * n], req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=seq_lens, extend_prefix_lens=self.prefix_lens[:bs],
+            extend_seq_lens=self.extend_lens[mode][:bs], extend_start_loc=self.start_locs[mode][:bs],
+            seq_lens_cpu=[fill] * bs, extend_prefix_lens_cpu=[fill - n] * bs,
+            extend_seq_lens_cpu=[n] * bs, extend_start_loc_cpu=list(range(0, bs * n, n)),
+            seq_lens_sum=fill * bs, extend_num_tokens=bs * n,
             req_to_token_pool=r.req_to_token_pool, token_to_kv_pool=r.token_to_kv_pool, attn_backend=self.backend,
         )
 
@@ -77,10 +88,14 @@ class CudaGraphRunner:
     def _capture_all(self) -> None:
         t0 = time.perf_counter()
         self.pool = torch.cuda.graph_pool_handle()
-        mode = ForwardMode.DECODE
-        for bs in reversed(self.batch_sizes):
+        for mode, bs in sorted(((m, b) for m in self.modes for b in self.batch_sizes),
+                               key=lambda mb: -mb[1] * self.modes[mb[0]]):  # largest first: the rest reuse its memory
+            n = self.modes[mode]
+            self.seq_lens[:bs] = max(self.fill_seq_len, n)
+            self.prefix_lens[:bs] = self.seq_lens[:bs] - n
             fb = self._static_batch(bs, mode)
-            self.backend.init_forward_metadata_capture_cuda_graph(bs, fb.req_pool_indices, fb.seq_lens, mode)
+            self.backend.init_forward_metadata_capture_cuda_graph(bs, fb.req_pool_indices, fb.seq_lens, mode,
+                                                                  tokens_per_req=n)
             # Warm-up outside the capture: compiles kernels and lets libraries pick their algorithms.
             stream = torch.cuda.Stream(self.runner.device)
             stream.wait_stream(torch.cuda.current_stream(self.runner.device))
@@ -90,34 +105,41 @@ class CudaGraphRunner:
             torch.cuda.current_stream(self.runner.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[bs] = self._forward(fb)
-            self.graphs[bs] = graph
+                self.logits[mode, bs] = self._forward(fb)
+            self.graphs[mode, bs] = graph
+        self.seq_lens.fill_(self.fill_seq_len)
         torch.cuda.synchronize(self.runner.device)
-        logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s", len(self.graphs),
-                    self.batch_sizes[0], self.batch_sizes[-1], time.perf_counter() - t0)
+        logger.info("captured %d CUDA graphs (%s; batch sizes %d..%d) in %.1f s", len(self.graphs),
+                    ", ".join(m.name for m in self.modes), self.batch_sizes[0], self.batch_sizes[-1],
+                    time.perf_counter() - t0)
 
     # ---- replay ---------------------------------------------------------------------------------------
     def can_run(self, fb: ForwardBatch) -> bool:
-        return (self.enabled and fb.forward_mode.is_decode() and 0 < fb.batch_size <= self.max_bs
-                and fb.global_num_tokens is None)
+        n = self.modes.get(fb.forward_mode)
+        return (self.enabled and n is not None and 0 < fb.batch_size <= self.max_bs
+                and fb.extend_num_tokens == fb.batch_size * n and fb.global_num_tokens is None)
 
     def replay(self, fb: ForwardBatch) -> LogitsOutput:
-        bs = fb.batch_size
+        bs, mode = fb.batch_size, fb.forward_mode
+        n = self.modes[mode]
         padded = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
+        fill = max(self.fill_seq_len, n)
         if padded != bs:
             # A larger earlier batch left real slots here: padded rows must write only the scratch slot.
-            self.out_cache_loc[bs:padded].zero_()
+            self.out_cache_loc[bs * n:padded * n].zero_()
             self.req_pool_indices[bs:padded].zero_()
-            self.seq_lens[bs:padded].fill_(self.fill_seq_len)
-        self.input_ids[:bs].copy_(fb.input_ids)
-        self.positions[:bs].copy_(fb.positions)
-        self.out_cache_loc[:bs].copy_(fb.out_cache_loc)
+            self.seq_lens[bs:padded].fill_(fill)
+            self.prefix_lens[bs:padded].fill_(fill - n)
+        self.input_ids[:bs * n].copy_(fb.input_ids)
+        self.positions[:bs * n].copy_(fb.positions)
+        self.out_cache_loc[:bs * n].copy_(fb.out_cache_loc)
         self.req_pool_indices[:bs].copy_(fb.req_pool_indices)
         self.seq_lens[:bs].copy_(fb.seq_lens)
-        seq_lens_cpu = fb.seq_lens_cpu + [self.fill_seq_len] * (padded - bs)
+        self.prefix_lens[:bs].copy_(fb.extend_prefix_lens)
+        seq_lens_cpu = fb.seq_lens_cpu + [fill] * (padded - bs)
         self.backend.init_forward_metadata_replay_cuda_graph(
             padded, self.req_pool_indices[:padded], self.seq_lens[:padded],
-            fb.seq_lens_sum + self.fill_seq_len * (padded - bs), fb.forward_mode, seq_lens_cpu=seq_lens_cpu)
-        self.graphs[padded].replay()
+            fb.seq_lens_sum + fill * (padded - bs), mode, seq_lens_cpu=seq_lens_cpu)
+        self.graphs[mode, padded].replay()
         input_logprobs = [[] for _ in fb.return_input_logprob] if any(fb.return_input_logprob) else None
-        return LogitsOutput(self.logits[padded][:bs], input_logprobs)
+        return LogitsOutput(self.logits[mode, padded][:bs * n], input_logprobs)

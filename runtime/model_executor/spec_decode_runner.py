@@ -42,8 +42,9 @@ class SpecDecodeRunner:
         if args.speculative_algorithm == "STANDALONE":
             from runtime.model_executor.model_runner import ModelRunner
 
+            # The draft is a plain runner (no verify graphs of its own) over the target's context length.
             draft_args = args.replace(model_path=args.speculative_draft_model_path, context_length=target.context_len,
-                                      load_format="auto" if args.load_format == "dummy" else args.load_format)
+                                      speculative_algorithm=None, speculative_draft_model_path=None)
             draft = ModelRunner(draft_args, args.speculative_draft_model_path, target.ctx, target.device,
                                 req_to_token_pool=target.req_to_token_pool, kv_pool_size=target.max_total_tokens)
             if draft.model_config.vocab_size != target.model_config.vocab_size:
@@ -66,7 +67,8 @@ class SpecDecodeRunner:
         out = self.target.forward(fb)
         if fb.batch_size == 0 or batch.sampling is None:
             return LaunchedBatch(batch.batch_id, t0, done=BatchResult(batch_id=batch.batch_id, next_token_ids=[]))
-        ids = fb.input_ids.tolist()
+        # Scheduler drafts are on the host already; the draft model's are read back (after the forward).
+        ids = fb.input_ids.tolist() if spec.draft_on_worker else batch.input_ids
         drafts = [ids[s + 1:s + 1 + k] for s, k in zip(fb.extend_start_loc_cpu, spec.num_drafts)]
         sample = self.target.sampler(out.next_token_logits, VerifySampling.expand(batch.sampling, spec, drafts))
         targets = sample.next_token_ids.tolist()

@@ -77,6 +77,24 @@ def test_greedy_identical_to_plain_and_hf(make_engine, tiny_model_dirs, referenc
     assert (s.forward_modes["DRAFT_EXTEND"].batches > 0) == algo.startswith("standalone")
 
 
+def test_padded_drafts_give_the_same_tokens(make_engine, tiny_model_dirs, reference):
+    """On CUDA with graphs, NGRAM pads every request of a verify step to K drafts (the captured shape)."""
+    engine = make_engine(tiny_model_dirs["mistral"], **spec_kwargs("ngram", "mistral", tiny_model_dirs))
+    engine.scheduler.spec.pad_drafts = True
+    sizes: list[tuple[int, int]] = []
+    run_batch = engine.worker.run_batch
+
+    def spy(batch):
+        if batch.spec is not None:
+            sizes.append((len(batch.input_ids), len(batch.req_pool_indices)))
+        return run_batch(batch)
+
+    engine.worker.run_batch = spy
+    outs = engine.generate(input_ids=workload(), sampling_params=params())
+    assert [o["output_ids"] for o in outs] == reference["mistral"]
+    assert any(n == 5 * b for n, b in sizes)  # K + 1 tokens for every request
+
+
 @pytest.mark.parametrize("algo", ["ngram", "standalone_other"])
 def test_chunked_prefill_mixed_and_prefix_hits(make_engine, tiny_model_dirs, reference, algo):
     """Prompts chunked 8 tokens at a time, MIXED with the running requests' decodes, then the same
