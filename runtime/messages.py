@@ -169,7 +169,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     waiting_tokens: int = 0  # prompt tokens still to prefill; least_load routing uses it
     device_busy_s: float = 0.0  # summed device time of all batches: 1 - busy/wall is the idle fraction
     overlap: bool = False  # overlap scheduling on (the worker runs asynchronously)
-    spec_verify_reqs: int = 0  # request-steps of TARGET_VERIFY batches
+    spec_verify_reqs: int = 0  # request-steps of TARGET_VERIFY batches with at least one draft
     spec_draft_tokens: int = 0  # drafts proposed in them
     spec_accepted_tokens: int = 0  # drafts accepted
 

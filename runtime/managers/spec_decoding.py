@@ -34,7 +34,7 @@ class SpecDecoding:
         self.drafter, self.kv, self.stats, self.context_len = drafter, kv, stats, context_len
         self.k = args.speculative_num_draft_tokens
         self.pad_drafts = pad_drafts
-        self.verify_reqs = 0  # request-steps verified
+        self.verify_reqs = 0  # request-steps verified with at least one draft
         self.draft_tokens = 0  # drafts proposed
         self.accepted_tokens = 0  # drafts accepted
 
@@ -107,7 +107,7 @@ class SpecDecoding:
 
     def _settle(self, r: Req, k: int, accepted: int, emitted: int) -> None:
         """Keeps the KV of the last input token and of the accepted drafts that were emitted; frees the rest."""
-        self.verify_reqs += 1
+        self.verify_reqs += k > 0  # a request without drafts in the step is a plain decode
         self.draft_tokens += k
         self.accepted_tokens += accepted
         kept = min(accepted, emitted) + 1
