@@ -45,8 +45,9 @@ def test_tp2_speculative_matches_plain(ray_local, tiny_model_dirs, algo):
 
 
 def test_dp_attention_idle_rank_steps_with_verify(ray_local, tiny_model_dirs):
-    from runtime.cluster.launch import create_ray_engine_client
     from test_ray_dp_attention import RankZero
+
+    from runtime.cluster.launch import create_ray_engine_client
 
     path = str(tiny_model_dirs["llama"])
     expected = _expected(path)
