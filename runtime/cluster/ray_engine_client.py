@@ -56,7 +56,8 @@ class RayEngineClient(EngineClient):
         self._tokenizer = tokenizer
         info = groups[0].info
         self.context_len = info.context_len
-        self._limits = RequestLimits(info.context_len, info.vocab_size, min(g.info.max_total_tokens for g in groups))
+        self._limits = RequestLimits(info.context_len, info.vocab_size, min(g.info.max_total_tokens for g in groups),
+                                     args.speculative_algorithm is not None)
         self.policy = create_routing_policy(args.routing_policy)
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
         self.owns_ray = owns_ray

@@ -16,10 +16,11 @@ class RequestLimits:
     context_len: int
     vocab_size: int
     kv_size: int  # KV pool slots: a prompt must fit with one token to spare
+    speculative: bool = False  # --speculative-algorithm is on: grammar-constrained requests are refused
 
     @classmethod
-    def of(cls, info: WorkerInfo) -> RequestLimits:
-        return cls(info.context_len, info.vocab_size, info.max_total_tokens)
+    def of(cls, info: WorkerInfo, speculative: bool = False) -> RequestLimits:
+        return cls(info.context_len, info.vocab_size, info.max_total_tokens, speculative)
 
 
 def validate_request(limits: RequestLimits, req: GenerateRequest) -> GenerateRequest:
@@ -40,6 +41,11 @@ def validate_request(limits: RequestLimits, req: GenerateRequest) -> GenerateReq
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20:  # as top_logprobs_num (OpenAI's limit)
         raise InvalidRequestError(f"input_top_logprobs_num must be in [0, 20], got {req.input_top_logprobs_num}",
                                   param="input_top_logprobs_num")
+    # Verifying K drafts against a grammar (a mask per draft position) is not built: refuse, don't ignore.
+    grammar = getattr(req.sampling_params, "grammar", None)  # structured output's (kind, text), where present
+    if limits.speculative and grammar is not None:
+        raise InvalidRequestError(f"structured output ({grammar[0]}) cannot be combined with speculative decoding, "
+                                  "which this server runs (--speculative-algorithm)", param=grammar[0])
     room = limits.context_len - n
     if req.sampling_params.max_new_tokens > room:
         params = msgspec.structs.replace(req.sampling_params, max_new_tokens=room,

@@ -49,7 +49,7 @@ class Scheduler:
         self.context_len, self.vocab_size, self.eos_token_ids = context_len, vocab_size, eos_token_ids
         self.max_running = min(args.max_running_requests, max_reqs - 1)
         self.kv = KVCacheManager(max_total_tokens, max_reqs, context_len, enable_cache=args.radix_cache_enabled)
-        self.limits = RequestLimits(context_len, vocab_size, self.kv.size)
+        self.limits = RequestLimits(context_len, vocab_size, self.kv.size, args.speculative_algorithm is not None)
         self.policy = create_policy(args.schedule_policy, args.radix_cache_enabled)
         self.retractor = Retractor(args)
         self.prefill = PrefillAdder(args, self.kv, self.policy, self.retractor)

@@ -31,7 +31,7 @@ class SchedulerHost:
                  decode_text: Callable[[list[int], bool], str] | None,
                  name: str = "shoal-scheduler"):
         self.worker = worker
-        self.limits = RequestLimits.of(info)
+        self.limits = RequestLimits.of(info, speculative=args.speculative_algorithm is not None)
         self.scheduler = Scheduler(
             args, worker, max_total_tokens=info.max_total_tokens, max_reqs=info.max_reqs,
             context_len=info.context_len, vocab_size=info.vocab_size, eos_token_ids=eos_token_ids, sink=sink,

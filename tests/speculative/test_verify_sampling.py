@@ -53,3 +53,4 @@ def test_rows_sample_what_the_normal_sampler_samples():
         one = batch(1, steps=[5 + j], penalty_tokens=[[1, 2, 3] + drafts[0][:j]], repetition_penalties=[1.3],
                     presence_penalties=[0.4], top_ks=[20])
         assert Sampler()(logits[j:j + 1], one).next_token_ids.tolist() == [joint[j]]
+
