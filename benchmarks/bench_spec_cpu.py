@@ -4,7 +4,7 @@ prompt — one request at a time (1 concurrent), greedy. Reports output tok/s wi
 speculation, the speedup, the mean accepted length and acceptance rate, and checks that every output
 is identical to the non-speculative one.
 
-    OMP_NUM_THREADS=2 python -m benchmarks.bench_spec_cpu --output-file benchmarks/results/spec_cpu_smollm2_ngram.json
+    OMP_NUM_THREADS=1 python -m benchmarks.bench_spec_cpu --output-file benchmarks/results/spec_cpu_smollm2_ngram.json
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ TASKS = [
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="float32", help="fp32: outputs comparable token for token (bf16 rounding "
+                                                      "differs between the verify and decode paths)")
     p.add_argument("--max-new-tokens", type=int, default=160)
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--repeats", type=int, default=1, help="passes over the workload per engine")
@@ -46,26 +47,40 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_engine(args: argparse.Namespace, prompts: list[list[int]], spec: bool) -> dict[str, Any]:
+def run_both(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, dict[str, Any]]:
+    """Both engines loaded side by side; each request runs on one, then on the other (order alternating),
+    so load from other processes on a shared machine falls on both alike."""
     from runtime import Engine
 
-    extra = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": args.num_draft_tokens} if spec else {}
+    spec = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": args.num_draft_tokens}
     params = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
-    with Engine(args.model_path, dtype=args.dtype, device="cpu", log_level="warning", **extra) as e:
-        e.generate(input_ids=prompts[0], sampling_params={**params, "max_new_tokens": 8})  # warm-up
-        outputs, tokens, seconds = [], 0, 0.0
+    common = {"dtype": args.dtype, "device": "cpu", "log_level": "warning", "disable_radix_cache": True}
+    engines = {"baseline": Engine(args.model_path, **common), "spec": Engine(args.model_path, **common, **spec)}
+    runs: dict[str, dict[str, Any]] = {k: {"outputs": [], "output_tokens": 0, "seconds": 0.0} for k in engines}
+    try:
+        for e in engines.values():
+            e.generate(input_ids=prompts[0], sampling_params={**params, "max_new_tokens": 8})  # warm-up
+        i = 0
         for _ in range(args.repeats):
             for ids in prompts:  # one request at a time
-                t0 = time.perf_counter()
-                o = e.generate(input_ids=ids, sampling_params=params)
-                seconds += time.perf_counter() - t0
-                tokens += len(o["output_ids"])
-                outputs.append(o["output_ids"])
-        s = e.get_stats()
-        return {"outputs": outputs, "output_tokens": tokens, "seconds": seconds,
-                "output_tok_s": tokens / seconds, "accept_length": s.spec_accept_length,
-                "accept_rate": s.spec_accept_rate,
-                "forward_modes": {k: [v.batches, v.tokens] for k, v in s.forward_modes.items() if v.batches}}
+                order = list(engines) if i % 2 == 0 else list(reversed(engines))
+                i += 1
+                for name in order:
+                    t0 = time.perf_counter()
+                    o = engines[name].generate(input_ids=ids, sampling_params=params)
+                    runs[name]["seconds"] += time.perf_counter() - t0
+                    runs[name]["output_tokens"] += len(o["output_ids"])
+                    runs[name]["outputs"].append(o["output_ids"])
+        for name, e in engines.items():
+            s = e.get_stats()
+            r = runs[name]
+            r.update(output_tok_s=r["output_tokens"] / r["seconds"], accept_length=s.spec_accept_length,
+                     accept_rate=s.spec_accept_rate,
+                     forward_modes={k: [v.batches, v.tokens] for k, v in s.forward_modes.items() if v.batches})
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    return runs
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -77,8 +92,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     tok = load_tokenizer(args.model_path, ())
     prompts = [tok.apply_chat_template([{"role": "user", "content": task.format(text=text)}])
                for task in TASKS for text in TEXTS]
-    base = run_engine(args, prompts, spec=False)
-    spec = run_engine(args, prompts, spec=True)
+    runs = run_both(args, prompts)
+    base, spec = runs["baseline"], runs["spec"]
     identical = [a == b for a, b in zip(base["outputs"], spec["outputs"])]
     first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                   for a, b, same in zip(base["outputs"], spec["outputs"], identical) if not same]
@@ -95,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                                       if k not in ("sample_output", "prompt_tokens")])
     config = {"model": args.model_path, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
               "num_draft_tokens": args.num_draft_tokens, "concurrency": 1, "requests": len(prompts) * args.repeats,
-              "workload": "copy / proofread 4 texts (chat template), greedy"}
+              "workload": "copy / proofread 4 texts (chat template), greedy",
+              "order": "each request on both engines back to back, alternating which goes first"}
     if args.output_file:
         write_result(args.output_file, "bench_spec_cpu", results, config, argv)
     return results

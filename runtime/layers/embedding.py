@@ -40,7 +40,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     """logits = h W^T over this rank's vocab slice, gathered to the full vocabulary on every rank."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        if hidden.device.type == "cpu" and hidden.dim() == 2 and 1 < hidden.shape[0] <= 64 \
+                and self.weight.dtype == torch.float32:
+            # MKL's sgemm for a few rows against the ~50k-row weight is 2-4x slower than the weight-major
+            # product (measured, SmolLM2's LM head, 5 rows: 38 → 17 ms); a speculative verify step has 5.
+            logits = torch.mm(self.weight, hidden.t()).t()
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.group.size > 1:
             logits = self.group.all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]
