@@ -25,15 +25,16 @@ _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
 class _SchedulerStatsCollector(Collector):
     def __init__(self) -> None:
         self.stats: SchedulerStats | None = None
+        self.replicas: list[SchedulerStats | None] = []
 
     def describe(self) -> Iterable[Metric]:
-        return list(self._families(None))
+        return list(self._families(None, []))
 
     def collect(self) -> Iterable[Metric]:
-        return list(self._families(self.stats))
+        return list(self._families(self.stats, self.replicas))
 
     @staticmethod
-    def _families(s: SchedulerStats | None) -> Iterable[Metric]:
+    def _families(s: SchedulerStats | None, replicas: list[SchedulerStats | None]) -> Iterable[Metric]:
         gauges = {
             "shoal:num_running_reqs": ("requests decoding now", lambda: s.num_running_reqs),
             "shoal:num_queue_reqs": ("requests waiting to be scheduled", lambda: s.num_queue_reqs),
@@ -42,10 +43,6 @@ class _SchedulerStatsCollector(Collector):
                                      lambda: s.kv_cache_ratio),
             "shoal:cache_hit_ratio": ("prompt tokens found in the prefix cache / prompt tokens looked up",
                                       lambda: s.cache_hit_tokens / max(s.cache_query_tokens, 1)),
-            "shoal:spec_accept_length": ("speculative decoding: mean tokens a request emits per verify step",
-                                         lambda: s.spec_accept_length),
-            "shoal:spec_accept_rate": ("speculative decoding: accepted drafts / proposed drafts",
-                                       lambda: s.spec_accept_rate),
         }
         for name, (doc, value) in gauges.items():
             g = GaugeMetricFamily(name, doc)
@@ -65,6 +62,16 @@ class _SchedulerStatsCollector(Collector):
             retractions.add_metric([], s.retractions)
             evictions.add_metric([], s.evictions)
         yield from (batches, tokens, retractions, evictions)
+        # Speculative decoding, per replica (or DP rank) and over all of them ("all").
+        length = GaugeMetricFamily("shoal:spec_accept_length", "speculative decoding: mean tokens a request "
+                                   "emits per verify step (accepted drafts + 1)", labels=["replica"])
+        rate = GaugeMetricFamily("shoal:spec_accept_rate", "speculative decoding: accepted / proposed drafts",
+                                 labels=["replica"])
+        if s is not None:
+            for name, r in [("all", s), *((str(i), r) for i, r in enumerate(replicas) if r is not None)]:
+                length.add_metric([name], r.spec_accept_length)
+                rate.add_metric([name], r.spec_accept_rate)
+        yield from (length, rate)
 
 
 class GatewayMetrics:
@@ -106,7 +113,8 @@ class GatewayMetrics:
         return (get("shoal:e2e_request_latency_seconds_count") or 0.0, get("shoal:prompt_tokens_total") or 0.0,
                 get("shoal:generation_tokens_total") or 0.0)
 
-    def render(self, stats: SchedulerStats | None) -> bytes:
-        """Prometheus text exposition; stats None (engine not ready) leaves the scheduler families empty."""
-        self._stats.stats = stats
+    def render(self, stats: SchedulerStats | None, replicas: list[SchedulerStats | None] | None = None) -> bytes:
+        """Prometheus text exposition; stats None (engine not ready) leaves the scheduler families empty.
+        replicas: each replica's (or DP rank's) own stats, for the per-replica families."""
+        self._stats.stats, self._stats.replicas = stats, replicas or []
         return generate_latest(self.registry)

@@ -160,13 +160,15 @@ async def health_generate(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     client = state.current_client()
-    stats = None
+    stats, replicas = None, None
     if client is not None:
         try:
             stats = await client.stats()
+            per_replica = getattr(client, "replica_stats", None)  # the Ray client's, one per replica / DP rank
+            replicas = list(await per_replica()) if callable(per_replica) else [stats]
         except Exception:  # a scrape must not fail because one replica is slow to answer
             logger.warning("could not read scheduler stats for /metrics", exc_info=True)
-    return web.Response(body=state.metrics.render(stats), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return web.Response(body=state.metrics.render(stats, replicas), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def models(request: web.Request) -> web.Response:
