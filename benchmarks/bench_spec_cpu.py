@@ -19,28 +19,32 @@ from benchmarks.common import print_table, write_result
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. It was a sunny day in the park, and the children were "
     "playing football near the old oak tree. Their parents sat on the benches, talking about the weather "
-    "and the upcoming holidays. A small dog ran after the ball, barking happily.",
+    "and the upcoming holidays. A small dog ran after the ball, barking happily. Later that afternoon the "
+    "clouds came in from the west, and everyone packed their things and walked home before the rain.",
     "Shoal is a serving runtime for large language models. It batches requests continuously, keeps a "
     "prefix cache of attention keys and values in a radix tree, and splits long prompts into chunks so "
-    "that short requests are never stuck behind long ones. It runs on a CPU or on GPUs.",
+    "that short requests are never stuck behind long ones. It runs on a CPU or on GPUs, where it captures "
+    "CUDA graphs for the decode steps and spreads large models over several devices with tensor parallelism.",
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
-    "def main():\n    for i in range(10):\n        print(i, fibonacci(i))\n\nif __name__ == '__main__':\n    main()\n",
+    "def factorial(n):\n    result = 1\n    for i in range(2, n + 1):\n        result *= i\n    return result\n\n"
+    "def main():\n    for i in range(10):\n        print(i, fibonacci(i), factorial(i))\n\n"
+    "if __name__ == '__main__':\n    main()\n",
     "Dear team, the meeting on Monday is moved to Tuesday at 10 am in room 4. Please bring your reports "
-    "for the third quarter and the plans for the next one. Lunch will be served after the meeting. "
-    "Best regards, Anna.",
+    "for the third quarter and the plans for the next one. Lunch will be served after the meeting, and "
+    "the afternoon is free for the planning workshops. If you cannot come, send your report to Maria by "
+    "Friday so that she can present it for you. Best regards, Anna.",
 ]
 TASKS = [
     "Copy the following text exactly, then stop:\n\n{text}",
     "Fix any mistakes in the following text and write out the corrected full text:\n\n{text}",
 ]
 
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="float32", help="fp32: outputs comparable token for token (bf16 rounding "
                                                       "differs between the verify and decode paths)")
-    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--repeats", type=int, default=1, help="passes over the workload per engine")
     p.add_argument("--output-file", default=None)
