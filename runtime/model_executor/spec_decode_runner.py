@@ -89,8 +89,10 @@ class SpecDecodeRunner:
         lag_ids = spec.lag_ids or [[] for _ in range(b)]
         lag_slots = spec.lag_slots or [[] for _ in range(b)]
         # DRAFT_EXTEND: the tokens the draft's KV lacks (the last one, maybe one before it) → first draft.
+        # With one token per request it has a decode's shape: run as DECODE, it replays the draft's graph.
+        mode = ForwardMode.DRAFT_EXTEND if any(lag_ids) else ForwardMode.DECODE
         ext = WorkerBatch(
-            batch_id=batch.batch_id, forward_mode=int(ForwardMode.DRAFT_EXTEND),
+            batch_id=batch.batch_id, forward_mode=int(mode),
             input_ids=[t for i in range(b) for t in (*lag_ids[i], batch.input_ids[starts[i]])],
             req_pool_indices=batch.req_pool_indices, seq_lens=[p + 1 for p in prefix],
             prefix_lens=[p - len(lag) for p, lag in zip(prefix, lag_ids)],
