@@ -9,6 +9,7 @@ import gc
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from runtime.models.parallel_context import ParallelContext
 from runtime.models.registry import get_model_class
 from runtime.speculative.draft_footprint import DraftFootprint
 
+if TYPE_CHECKING:
+    from runtime.model_executor.spec_decode_runner import SpecDecodeRunner
+
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
@@ -47,7 +51,7 @@ class ModelRunner:
         """req_to_token_pool / kv_pool_size: a speculative draft model shares the target's token table and
         has as many KV slots, so one slot index holds a token's KV in both pools."""
         self.args = args
-        self.spec = None  # SpecDecodeRunner (set by the TpWorker) when speculative decoding is on
+        self.spec: SpecDecodeRunner | None = None  # set by the TpWorker when speculative decoding is on
         self.ctx = ctx or ParallelContext()
         self.device = device or resolve_device(args.device)
         dtype = args.dtype

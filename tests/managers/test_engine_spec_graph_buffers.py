@@ -1,0 +1,73 @@
+"""CudaGraphRunner's static-buffer bookkeeping for DECODE and TARGET_VERIFY (K + 1 tokens per request),
+checked without CUDA: each captured "graph" here re-runs the forward over the runner's static buffers
+(what a CUDA graph replays), with the triton backend's kernels in the interpreter. Padding, per-mode
+lengths and offsets and the logits slicing must give the eager engine's tokens; the STANDALONE draft
+model's own DECODE graphs replay next to the target's TARGET_VERIFY ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.model_executor import cuda_graph_runner
+from runtime.model_executor.cuda_graph_runner import CudaGraphRunner
+from runtime.model_executor.model_runner import ModelRunner
+
+PROMPTS = [[23, 57, 91, 140, 7, 23, 57, 91], [5, 6, 7, 5, 6, 7, 5]]
+
+
+class _Replay:
+    """Stands for a captured CUDA graph: replay() recomputes into the captured output tensor."""
+
+    def __init__(self, runner: CudaGraphRunner, fb, out: torch.Tensor):
+        self.runner, self.fb, self.out = runner, fb, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.runner._forward(self.fb))
+
+
+def _capture_without_cuda(self: CudaGraphRunner) -> None:
+    for mode in self.modes:
+        for bs in self.batch_sizes:
+            n = self.modes[mode]
+            self.seq_lens[:bs] = max(self.fill_seq_len, n)
+            self.prefix_lens[:bs] = self.seq_lens[:bs] - n
+            fb = self._static_batch(bs, mode)
+            self.backend.init_forward_metadata_capture_cuda_graph(bs, fb.req_pool_indices, fb.seq_lens, mode,
+                                                                  tokens_per_req=n)
+            self.logits[mode, bs] = self._forward(fb).clone()
+            self.graphs[mode, bs] = _Replay(self, fb, self.logits[mode, bs])
+    self.seq_lens.fill_(self.fill_seq_len)
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    replays: list[str] = []
+    monkeypatch.setattr(CudaGraphRunner, "_capture_all", _capture_without_cuda)
+    monkeypatch.setattr(ModelRunner, "_init_cuda_graphs",
+                        lambda self: None if self.args.disable_cuda_graph else CudaGraphRunner(self))
+    replay = CudaGraphRunner.replay
+
+    def counted(self, fb):
+        replays.append(fb.forward_mode.name)
+        return replay(self, fb)
+
+    monkeypatch.setattr(CudaGraphRunner, "replay", counted)
+    assert cuda_graph_runner.capture_batch_sizes(2) == [1, 2]
+    return replays
+
+
+@pytest.mark.slow  # the triton interpreter: about a minute
+def test_decode_and_verify_replays_match_eager(make_engine, tiny_llama, fake_graphs):
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    eager = make_engine(tiny_llama, disable_cuda_graph=True)  # torch_native: the GPU backends' reference
+    expected = [o["output_ids"] for o in eager.generate(input_ids=PROMPTS, sampling_params=params)]
+    assert not fake_graphs
+    engine = make_engine(tiny_llama, attention_backend="triton", cuda_graph_max_bs=2, max_running_requests=2,
+                         speculative_algorithm="STANDALONE", speculative_draft_model_path=str(tiny_llama),
+                         speculative_num_draft_tokens=2)  # the target as its own draft: K drafts every step
+    graphs = engine.worker.runner.cuda_graph_runner
+    assert {m.name: n for m, n in graphs.modes.items()} == {"DECODE": 1, "TARGET_VERIFY": 3}
+    outs = [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=params)]
+    assert outs == expected
+    assert "TARGET_VERIFY" in fake_graphs and "DECODE" in fake_graphs  # the draft model's steps replay too
