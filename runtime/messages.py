@@ -172,3 +172,4 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     eos_token_ids: list[int]
     attention_backend: str
     device: str
+    all_reduce: str = "none"  # the TP all-reduce in use (ParallelGroup.all_reduce_kind)
