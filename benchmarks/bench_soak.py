@@ -18,6 +18,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -48,6 +49,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=30123)
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the server")
     p.add_argument("--sample-every-s", type=float, default=10.0)
+    p.add_argument("--request-timeout-s", type=float, default=1800.0,
+                   help="a client gives up after this (it counts as a disconnect, not a server error)")
     p.add_argument("--server-args", default="", help="extra `shoal serve` arguments")
     p.add_argument("--out", default="benchmarks/results/soak_cpu.json")
     return p.parse_args(argv)
@@ -103,7 +106,7 @@ def request_body(route: str, rng: random.Random, args: argparse.Namespace) -> di
 async def client(cid: int, base: str, deadline: float, args: argparse.Namespace, tally: Counter,
                  errors: list[str]) -> None:
     rng = random.Random(cid)
-    timeout = aiohttp.ClientTimeout(total=600)
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         while time.monotonic() < deadline:
             route = rng.choice(list(ROUTES))
@@ -174,14 +177,19 @@ async def soak(args: argparse.Namespace, base: str, pid: int) -> dict[str, Any]:
         async with session.post(base + "/v1/completions", json={"model": args.model_name, "prompt": "Hello",
                                                                 "max_tokens": 4}) as resp:
             healthy_after = resp.status == 200
-    after = [s for s in samples if s["t_s"] >= args.warmup_s]
-    base_rss = after[0]["rss_mib"] if after else samples[0]["rss_mib"]
+    # RSS swings by a sample or two's worth of batch tensors: compare the median of the minute after the
+    # warm-up with the median of the load's last minute (the maximum is reported beside them).
+    after = [s for s in samples if args.warmup_s <= s["t_s"] <= load_s]
+    base_rss = statistics.median([s["rss_mib"] for s in after if s["t_s"] <= args.warmup_s + 60] or
+                                 [samples[0]["rss_mib"]])
+    end_rss = statistics.median([s["rss_mib"] for s in after if s["t_s"] >= load_s - 60] or
+                                [samples[-1]["rss_mib"]])
     return {
         "load_s": round(load_s, 1), "tally": dict(tally), "errors_first_20": errors[:20],
         "num_errors": len(errors), "five_xx": tally["http_5xx"],
-        "rss_mib_at_warmup": base_rss, "rss_mib_end": samples[-1]["rss_mib"],
+        "rss_mib_at_warmup": base_rss, "rss_mib_end": end_rss,
         "rss_mib_max_after_warmup": max((s["rss_mib"] for s in after), default=base_rss),
-        "rss_growth_after_warmup": (samples[-1]["rss_mib"] - base_rss) / base_rss,
+        "rss_growth_after_warmup": (end_rss - base_rss) / base_rss,
         "end_metrics": {k: end_metrics.get(k) for k in ("shoal:num_running_reqs", "shoal:num_queue_reqs",
                                                          "shoal:kv_usage_ratio", "shoal:kv_cache_ratio")},
         "kv_pool_full_at_end": end_metrics.get("shoal:kv_usage_ratio") == 0

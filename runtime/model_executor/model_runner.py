@@ -23,6 +23,7 @@ from runtime.mem_cache.req_to_token import ReqToTokenPool
 from runtime.messages import BatchResult, WorkerBatch
 from runtime.model_config import ModelConfig
 from runtime.model_executor import cpu_config
+from runtime.model_executor.cpu_memory import CpuMemoryTrimmer
 from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.model_executor.weight_loader import dummy_checkpoint, iterate_safetensors
 from runtime.models.parallel_context import ParallelContext
@@ -46,6 +47,8 @@ class ModelRunner:
         self.ctx = ctx or ParallelContext()
         self.device = device or resolve_device(args.device)
         dtype = args.dtype
+        # CPU: glibc arenas capped and trimmed, so resident memory stays what is live (cpu_memory.py)
+        self.memory_trimmer = CpuMemoryTrimmer().start() if self.device.type == "cpu" else None
         if self.device.type == "cpu":  # threads from the cores given; "auto" → bf16 where the CPU has bf16 math
             dtype = cpu_config.configure(dtype, ModelConfig.from_pretrained(model_path).dtype)
         self.model_config = ModelConfig.from_pretrained(model_path, dtype=dtype)
@@ -125,6 +128,8 @@ class ModelRunner:
 
     def release(self) -> None:
         """Drops weights, KV pool and graphs and returns the device memory (the runner is unusable after)."""
+        if self.memory_trimmer is not None:
+            self.memory_trimmer.stop()
         if self.device.type != "cuda":
             return
         self.cuda_graph_runner = None
