@@ -28,7 +28,7 @@ class ServerArgs:
     device: str = _opt("auto", "auto picks cuda when available", ("auto", "cpu", "cuda"))
     random_seed: int = _opt(0, "seed for dummy weights and for requests without a seed")
     quantization: str | None = _opt(None, "fp8: quantize a bf16/fp16 checkpoint's linear weights to FP8 at load "
-                                          "(per-channel); FP8 checkpoints are detected from config.json", (None, "fp8"))
+                                          "(per-channel); FP8 checkpoints are detected from config.json", ("fp8",))
     # Memory and batching
     kv_cache_dtype: str = _opt("auto", "KV cache storage: auto = the model dtype; fp8_e4m3 halves the bytes per token",
                                ("auto", "fp8_e4m3"))
@@ -91,7 +91,7 @@ class ServerArgs:
             raise ServerArgsError("--min-new-token-ratio", "need 0 <= min ratio <= init ratio <= 1")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
+            if choices and getattr(self, f.name) not in (*choices, f.default):  # None: an optional flag left out
                 raise ServerArgsError(_flag(f.name), f"must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}")
         if self.chat_template is not None:
             read_chat_template(self.chat_template)  # before any weights load: a bad one names the flag now

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from runtime.mem_cache.kv_quant import dequantize_kv, is_fp8
+from runtime.mem_cache.kv_quant import dequantize_kv, gather_rows, is_fp8
 
 # Query rows per masked extend call: bounds the mask and the keys gathered per call.
 MASK_CHUNK = 512
@@ -43,8 +43,8 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         return o[0].transpose(0, 1)
     o_new, lse_new = _flash(qh, k_new, v_new, 0.0, True, scale=scale)
     pre = slots[:prefix_len]
-    k_pre = _heads_first(dequantize_kv(k_buf.index_select(0, pre), k_scale, q.dtype))
-    v_pre = _heads_first(dequantize_kv(v_buf.index_select(0, pre), v_scale, q.dtype))
+    k_pre = _heads_first(dequantize_kv(gather_rows(k_buf, pre), k_scale, q.dtype))
+    v_pre = _heads_first(dequantize_kv(gather_rows(v_buf, pre), v_scale, q.dtype))
     o_pre, lse_pre = _flash(qh, k_pre, v_pre, 0.0, False, scale=scale)
     # Each half is softmax-normalized over its own keys; reweight by each half's share of the total mass.
     m = torch.maximum(lse_pre, lse_new)
@@ -70,8 +70,8 @@ def _masked(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: to
         if window:
             mask &= pos_k > pos_q - window
         o = F.scaled_dot_product_attention(
-            _heads_first(q[s:e]), _heads_first(dequantize_kv(k_buf.index_select(0, sel), k_scale, q.dtype)),
-            _heads_first(dequantize_kv(v_buf.index_select(0, sel), v_scale, q.dtype)), attn_mask=mask, scale=scale,
+            _heads_first(q[s:e]), _heads_first(dequantize_kv(gather_rows(k_buf, sel), k_scale, q.dtype)),
+            _heads_first(dequantize_kv(gather_rows(v_buf, sel), v_scale, q.dtype)), attn_mask=mask, scale=scale,
             enable_gqa=True)
         out[s:e] = o[0].transpose(0, 1)
     return out
@@ -101,8 +101,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     hkv, length = k_buf.shape[1], slots.shape[1]
     g = hq // hkv
     flat = slots.view(-1)
-    k = k_buf.index_select(0, flat).view(b, length, hkv, d).transpose(1, 2).reshape(b * hkv, length, d)
-    v = v_buf.index_select(0, flat).view(b, length, hkv, d).transpose(1, 2).reshape(b * hkv, length, d)
+    k = gather_rows(k_buf, flat).view(b, length, hkv, d).transpose(1, 2).reshape(b * hkv, length, d)
+    v = gather_rows(v_buf, flat).view(b, length, hkv, d).transpose(1, 2).reshape(b * hkv, length, d)
     if is_fp8(k_buf.dtype):  # widen once; the K scale joins the softmax scale
         k, v, scale = k.to(q.dtype), dequantize_kv(v, v_scale, q.dtype), scale * k_scale
     scores = torch.baddbmm(bias.expand(b, hkv, g, length).reshape(b * hkv, g, length),

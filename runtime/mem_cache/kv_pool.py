@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.mem_cache.kv_quant import dequantize_kv, is_fp8, quantize_kv, store_rows
+from runtime.mem_cache.kv_quant import is_fp8, quantize_kv, store_rows
 
 
 class TokenToKVPool:
@@ -32,9 +32,3 @@ class TokenToKVPool:
         kb, vb = self.k_buffers[layer_id], self.v_buffers[layer_id]
         store_rows(kb, loc, quantize_kv(k.view(-1, kb.shape[1], kb.shape[2]), self.k_scale, kb.dtype))
         store_rows(vb, loc, quantize_kv(v.view(-1, vb.shape[1], vb.shape[2]), self.v_scale, vb.dtype))
-
-    def get_kv_dequantized(self, layer_id: int, loc: torch.Tensor, dtype: torch.dtype
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K/V rows at loc, in dtype (dequantized when stored in fp8)."""
-        kb, vb = self.get_kv(layer_id)
-        return dequantize_kv(kb[loc], self.k_scale, dtype), dequantize_kv(vb[loc], self.v_scale, dtype)

@@ -42,6 +42,13 @@ def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Te
     return y if scale == 1.0 else y.mul_(scale)
 
 
+def gather_rows(buf: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """buf.index_select(0, idx); fp8 rows are gathered as their bytes (not every torch build indexes fp8)."""
+    if is_fp8(buf.dtype):
+        return buf.view(torch.uint8).index_select(0, idx).view(buf.dtype)
+    return buf.index_select(0, idx)
+
+
 def store_rows(buf: torch.Tensor, loc: torch.Tensor, rows: torch.Tensor) -> None:
     """buf[loc] = rows (already in buf's dtype) as a plain scatter. CPU torch has no index_copy_ for
     fp8, so 1-byte rows are copied as their bytes."""
