@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,7 +116,10 @@ def _check_ignored(method: str, names: list[str]) -> None:
                                            f"{', '.join(other[:4])} are not fp8")
 
 
-def _fp8_only(loader):
+Loader = Callable[[nn.Parameter, torch.Tensor, object], None]
+
+
+def _fp8_only(loader: Loader) -> Loader:
     def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         if loaded.dtype != FP8:
             raise WeightLoadError(f"tensor {getattr(param, 'hf_name', '?')}: an fp8 checkpoint tensor is "
@@ -136,7 +140,7 @@ def _full_rows(m: nn.Module, shard_id: object) -> int:
     return m.out_per_rank * tp
 
 
-def _scale_loader(m: nn.Module):
+def _scale_loader(m: nn.Module) -> Loader:
     """Loads weight_scale like the weight's rows: [out, 1], [out] and per-tensor [] / [1] all accepted."""
     def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         t = loaded.to(torch.float32).reshape(-1, 1)
