@@ -10,7 +10,7 @@ compared the same way, as the floor set by bf16 rounding itself. Decode steps re
 from the (FP8) KV pool, so FP8 KV is exercised on every generated position.
 
     python -m benchmarks.bench_fp8_accuracy --output-file benchmarks/results/fp8_accuracy_cpu.json
-    python -m benchmarks.bench_fp8_accuracy --device cuda --output-file benchmarks/results/fp8_accuracy_h100.json
+    python -m benchmarks.bench_fp8_accuracy --device cuda --tiny-only --attention-backend triton --output-file benchmarks/results/fp8_accuracy_tiny_h100.json
 
 Models: the embedded SmolLM2-135M-Instruct (default) and, with --tiny, random tiny llama/qwen3
 checkpoints with their compressed-tensors and fbgemm_fp8 copies (random weights have near-ties, so their
@@ -50,9 +50,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--ref-dtype", default="bfloat16", help="the reference model's dtype (and the FP8 runs' "
                    "activation dtype); a float32 run of the same weights is reported beside as the noise floor")
+    p.add_argument("--attention-backend", default="auto", help="e.g. triton for the tiny models' head_dim 16 on a GPU")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--gen-len", type=int, default=64)
     p.add_argument("--tiny", action="store_true", help="also run tiny random llama/qwen3 and their FP8 checkpoints")
+    p.add_argument("--tiny-only", action="store_true",
+                   help="only the tiny checkpoints (a GPU machine that cannot fetch or carry SmolLM2's 260 MB)")
     p.add_argument("--skip-checkpoint", action="store_true", help="skip the compressed-tensors per-tensor copy")
     p.add_argument("--output-file", default=None)
     return p.parse_args(argv)
@@ -135,7 +138,7 @@ def evaluate(name: str, model_path: str, args: argparse.Namespace, modes: dict[s
     prompts = build_prompts(model_path, args.num_prompts)
     kv_tokens = sum(len(p) + args.gen_len for p in prompts) + 16
     t0 = time.perf_counter()
-    dec = ForcedDecoder(model_path, args.device, ref_dtype, kv_tokens)
+    dec = ForcedDecoder(model_path, args.device, ref_dtype, kv_tokens, attention_backend=args.attention_backend)
     ref_tokens, ref_lp = dec.run(prompts, args.gen_len, None)
     ref_margin = dec.margins
     dec.close()
@@ -146,7 +149,8 @@ def evaluate(name: str, model_path: str, args: argparse.Namespace, modes: dict[s
     for label, (path, extra) in modes.items():
         t0 = time.perf_counter()
         extra = dict(extra)
-        dec = ForcedDecoder(path, args.device, extra.pop("dtype", ref_dtype), kv_tokens, **extra)
+        dec = ForcedDecoder(path, args.device, extra.pop("dtype", ref_dtype), kv_tokens,
+                            attention_backend=args.attention_backend, **extra)
         top, lp = dec.run(prompts, args.gen_len, ref_tokens)
         dec.close()
         agree = (top == ref_tokens).float()
@@ -169,6 +173,22 @@ def evaluate(name: str, model_path: str, args: argparse.Namespace, modes: dict[s
     return out
 
 
+def evaluate_main_model(args: argparse.Namespace, tmp: Path, write_fp8_checkpoint: Any) -> dict[str, Any]:
+    if args.model_path:
+        model = Path(args.model_path)
+    else:
+        from runtime.default_model import ensure_default_model
+
+        model = ensure_default_model()
+    modes = {k: (str(model), v) for k, v in MODES.items()}
+    if args.ref_dtype != "float32":  # how far plain fp32 is from the reference: the noise floor
+        modes["float32_no_fp8"] = (str(model), {"dtype": "float32"})
+    if not args.skip_checkpoint:
+        ckpt = write_fp8_checkpoint(model, tmp / "ct_tensor", "compressed-tensors", strategy="tensor")
+        modes["fp8_weights@compressed-tensors-per-tensor"] = (str(ckpt), {})
+    return {model.name: evaluate(model.name, str(model), args, modes)}
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.device == "cpu":
@@ -178,20 +198,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="shoal-fp8-acc-") as tmp:
-        if args.model_path:
-            model = Path(args.model_path)
-        else:
-            from runtime.default_model import ensure_default_model
-
-            model = ensure_default_model()
-        modes = {k: (str(model), v) for k, v in MODES.items()}
-        if args.ref_dtype != "float32":  # how far plain fp32 is from the reference: the noise floor
-            modes["float32_no_fp8"] = (str(model), {"dtype": "float32"})
-        if not args.skip_checkpoint:
-            ckpt = write_fp8_checkpoint(model, Path(tmp) / "ct_tensor", "compressed-tensors", strategy="tensor")
-            modes["fp8_weights@compressed-tensors-per-tensor"] = (str(ckpt), {})
-        results[model.name] = evaluate(model.name, str(model), args, modes)
-        if args.tiny:
+        if not args.tiny_only:
+            results.update(evaluate_main_model(args, Path(tmp), write_fp8_checkpoint))
+        if args.tiny or args.tiny_only:
             from tiny_models import make_tiny_model
 
             for arch in ("llama", "qwen3"):
