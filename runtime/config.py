@@ -27,7 +27,12 @@ class ServerArgs:
     context_length: int | None = _opt(None, "max tokens of prompt + output; default: the model's max_position_embeddings")
     device: str = _opt("auto", "auto picks cuda when available", ("auto", "cpu", "cuda"))
     random_seed: int = _opt(0, "seed for dummy weights and for requests without a seed")
+    quantization: str | None = _opt(None, "fp8: quantize a bf16/fp16 checkpoint's linear weights to FP8 at load "
+                                          "(per-channel); FP8 checkpoints are detected from config.json", ("fp8",))
     # Memory and batching
+    kv_cache_dtype: str = _opt("auto", "KV cache storage: auto = the model dtype; fp8_e4m3 halves the bytes per token",
+                               ("auto", "fp8_e4m3"))
+    kv_cache_scale: float = _opt(1.0, "fp8_e4m3 KV cache: one static scale for every layer's K and V (stored = x / scale)")
     max_total_tokens: int | None = _opt(None, "KV pool size in tokens (CPU default 16384; GPU: from --mem-fraction-static)")
     mem_fraction_static: float = _opt(0.85, "fraction of GPU memory for weights + KV pool")
     max_running_requests: int = _opt(256, "most requests decoding at once")
@@ -67,7 +72,7 @@ class ServerArgs:
     log_interval_s: float = _opt(10.0, "seconds between scheduler stats log lines")
 
     def __post_init__(self) -> None:
-        positive = ("mem_fraction_static", "max_running_requests", "max_prefill_tokens", "tp_size", "dp_size",
+        positive = ("kv_cache_scale", "mem_fraction_static", "max_running_requests", "max_prefill_tokens", "tp_size", "dp_size",
                     "cuda_graph_max_bs", "max_request_bytes", "max_n", "init_new_token_ratio")
         for name in positive:
             if not getattr(self, name) > 0:
@@ -86,7 +91,7 @@ class ServerArgs:
             raise ServerArgsError("--min-new-token-ratio", "need 0 <= min ratio <= init ratio <= 1")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
+            if choices and getattr(self, f.name) not in (*choices, f.default):  # None: an optional flag left out
                 raise ServerArgsError(_flag(f.name), f"must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}")
         if self.chat_template is not None:
             read_chat_template(self.chat_template)  # before any weights load: a bad one names the flag now

@@ -2,7 +2,8 @@
 
 EXTEND and MIXED batches run extend_attention_fwd (a decode request inside a MIXED batch is an extend
 request with one new token); DECODE runs the split-KV decode_attention_fwd. K/V are stored with
-store_kv before attention. The decode scratch buffer is allocated once, for the largest batch the
+store_kv before attention (quantized when the pool stores FP8; the kernels read it back with the pool's
+scales). The decode scratch buffer is allocated once, for the largest batch the
 runner can hold, so eager steps allocate nothing and a captured CUDA graph always sees the same buffer."""
 
 from __future__ import annotations
@@ -53,10 +54,11 @@ class TritonAttnBackend(AttentionBackend):
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        k_buf, v_buf = fb.token_to_kv_pool.get_kv(layer.layer_id)
+        pool = fb.token_to_kv_pool
+        k_buf, v_buf = pool.get_kv(layer.layer_id)
         k3 = k.view(-1, layer.num_kv_heads, layer.head_dim)
         v3 = v.view(-1, layer.num_kv_heads, layer.head_dim)
-        store_kv(k_buf, v_buf, fb.out_cache_loc, k3, v3)
+        store_kv(k_buf, v_buf, fb.out_cache_loc, k3, v3, pool.k_scale, pool.v_scale)
         return k3, v3, k_buf, v_buf
 
     def forward_extend(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
@@ -65,7 +67,8 @@ class TritonAttnBackend(AttentionBackend):
         o = torch.empty((q3.shape[0], layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
         extend_attention_fwd(q3, k3, v3, o, k_buf, v_buf, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
                              fb.extend_prefix_lens, fb.extend_start_loc, self._max_extend_len, layer.scaling,
-                             sliding_window=layer.sliding_window)
+                             sliding_window=layer.sliding_window, k_scale=fb.token_to_kv_pool.k_scale,
+                             v_scale=fb.token_to_kv_pool.v_scale)
         return o.view(-1, layer.num_heads * layer.head_dim)
 
     def forward_decode(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
@@ -74,7 +77,8 @@ class TritonAttnBackend(AttentionBackend):
         o = torch.empty((q3.shape[0], layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
         decode_attention_fwd(q3, k_buf, v_buf, o, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
                              layer.scaling, num_kv_splits=self.num_kv_splits,
-                             attn_logits=self._decode_workspace(q3.shape[0]), sliding_window=layer.sliding_window)
+                             attn_logits=self._decode_workspace(q3.shape[0]), sliding_window=layer.sliding_window,
+                             k_scale=fb.token_to_kv_pool.k_scale, v_scale=fb.token_to_kv_pool.v_scale)
         return o.view(-1, layer.num_heads * layer.head_dim)
 
     # ---- CUDA graphs: the kernels read seq_lens/req_to_token on device, so replay needs no re-plan --------
