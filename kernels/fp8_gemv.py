@@ -59,30 +59,47 @@ def _fp8_gemv_kernel(X, W, S, B, Out, Part, M, N, K, stride_xm, stride_wn, strid
     k_span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_span
     k_hi = tl.minimum(k_lo + k_span, K)
+    # M == 1 without tl.dot is the plain GEMV: x is a 1-D row broadcast over a 2-D weight tile, so both
+    # take the weight load's layout (a [1, BLOCK_K] x tile would be re-laid out through shared memory).
+    GEMV1: tl.constexpr = (not USE_DOT) and BLOCK_M == 1
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
-    x_ptrs = X + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
-    if USE_DOT:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GEMV1:
+        x_ptrs = X + k_lo + offs_k
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
-        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        x_ptrs = X + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+        if USE_DOT:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        else:
+            acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
-            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+            if GEMV1:
+                x = tl.load(x_ptrs)
+            else:
+                x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
             if EVEN_N:
                 w = tl.load(w_ptrs)
             else:
                 w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
         else:
             mask_k = (k + offs_k) < k_hi
-            x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            if GEMV1:
+                x = tl.load(x_ptrs, mask=mask_k, other=0.0)
+            else:
+                x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        if USE_DOT:
+        if GEMV1:
+            acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        elif USE_DOT:
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
         else:
             acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if not USE_DOT:
+    if GEMV1:
+        acc = tl.sum(acc2, axis=1)[None, :]
+    elif not USE_DOT:
         acc = tl.sum(acc3, axis=2)
     out_mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
@@ -196,8 +213,9 @@ def small_m_max() -> int:
 
 
 def use_small_m(x2: torch.Tensor, w8: torch.Tensor, max_m: int | None = None) -> bool:
-    """Whether the fp8 linear should take the GEMV: CUDA, 1 <= M <= max_m, an fp8 weight and 16-bit or
-    fp32 activations. CPU (and everything else) keeps the existing path."""
+    """Whether the fp8 linear should take the GEMV: CUDA sm89+, 1 <= M <= max_m, an fp8 weight and 16-bit
+    or fp32 activations. CPU (and everything else) keeps the existing path."""
     limit = small_m_max() if max_m is None else max_m
     return (x2.is_cuda and w8.is_cuda and 1 <= x2.shape[0] <= limit and w8.dtype in FP8_DTYPES
-            and x2.dtype in (torch.bfloat16, torch.float16, torch.float32))
+            and x2.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and torch.cuda.get_device_capability(w8.device) >= (8, 9))  # Triton's e4m3 needs sm89+
