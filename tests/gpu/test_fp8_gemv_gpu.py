@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from kernels.fp8_gemv import GemvConfig, fp8_linear_small_m, fp8_linear_small_m_ref, pick_config
-from runtime.layers.fp8_linear import fp8_linear, quantize_per_channel, scaled_mm_supported
+from runtime.layers.fp8_linear import (
+    fp8_linear,
+    quantize_per_channel,
+    quantize_per_token,
+    scaled_mm_supported,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -93,17 +98,21 @@ def test_cuda_graph_replay(m: int, split: bool) -> None:
 
 
 def test_fp8_linear_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """M <= 16 takes the GEMV (w8a16, so not the per-token-quantized result); M = 17 and a disabled
-    threshold take the existing torch._scaled_mm path; 3-D inputs keep their leading shape."""
+    """M <= 16 takes the GEMV (w8a16); M = 17 and a disabled threshold take the existing per-token
+    quantize + torch._scaled_mm path; 3-D inputs keep their leading shape."""
     if not scaled_mm_supported(torch.device("cuda"), BF16):
         pytest.skip("torch._scaled_mm with row-wise scales needs sm89+")
     x, _, w8, scale, b = _operands(17, 4096, 4096, bias=True)
+
+    def w8a8(xm: torch.Tensor) -> torch.Tensor:
+        xq, xs = quantize_per_token(xm)
+        return torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=BF16) + b
+
     for m in (1, 16):
         assert torch.equal(fp8_linear(x[:m], w8, scale, b), fp8_linear_small_m(x[:m], w8, scale, b))
-    y17 = fp8_linear(x, w8, scale, b)
-    assert not torch.equal(y17[:16], fp8_linear_small_m(x[:16], w8, scale, b))
+    assert torch.equal(fp8_linear(x, w8, scale, b), w8a8(x))
     monkeypatch.setenv("SHOAL_FP8_GEMV_MAX_M", "0")
-    assert torch.equal(fp8_linear(x[:16], w8, scale, b), y17[:16])
+    assert torch.equal(fp8_linear(x[:16], w8, scale, b), w8a8(x[:16]))
     monkeypatch.delenv("SHOAL_FP8_GEMV_MAX_M")
     y3 = fp8_linear(x[:8].view(2, 4, 4096), w8, scale, b)
     assert y3.shape == (2, 4, 4096)
