@@ -17,6 +17,7 @@ from types import MethodType
 import torch
 from torch import nn
 
+from kernels.fp8_gemv import fp8_linear_small_m, use_small_m  # fp8gemv hook (issue 16)
 from runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 FP8 = torch.float8_e4m3fn
@@ -49,6 +50,8 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: t
     """x [..., K] (bf16/fp16/fp32) @ (w8 [N, K] fp8 * w_scale [N, 1])^T + bias → [..., N] in x's dtype."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
+    if use_small_m(x2, w8):  # fp8gemv hook (issue 16): decode-sized M on CUDA -> the w8a16 Triton GEMV
+        return fp8_linear_small_m(x2, w8, w_scale, bias).view(*shape[:-1], w8.shape[0])
     if use_scaled_mm is None:
         use_scaled_mm = scaled_mm_supported(x.device, x.dtype)
     if x2.shape[0] == 0:
