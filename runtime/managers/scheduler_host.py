@@ -14,6 +14,7 @@ from runtime.config import ServerArgs
 from runtime.managers.request_validation import RequestLimits, validate_request
 from runtime.managers.scheduler import Scheduler
 from runtime.managers.worker_client import WorkerClient
+from runtime.mem_cache.cache_event_log import CacheEventLog
 from runtime.messages import GenerateRequest, RequestOutput, SchedulerStats, WorkerInfo
 
 logger = logging.getLogger(__name__)
@@ -29,13 +30,13 @@ class SchedulerHost:
     def __init__(self, args: ServerArgs, worker: WorkerClient, info: WorkerInfo, eos_token_ids: frozenset[int],
                  sink: Callable[[list[RequestOutput]], None],
                  decode_text: Callable[[list[int], bool], str] | None,
-                 name: str = "shoal-scheduler"):
+                 name: str = "shoal-scheduler", cache_events: CacheEventLog | None = None):
         self.worker = worker
         self.limits = RequestLimits.of(info)
         self.scheduler = Scheduler(
             args, worker, max_total_tokens=info.max_total_tokens, max_reqs=info.max_reqs,
             context_len=info.context_len, vocab_size=info.vocab_size, eos_token_ids=eos_token_ids, sink=sink,
-            decode_text=decode_text, overlap=overlap_wanted(args, worker, info))
+            decode_text=decode_text, overlap=overlap_wanted(args, worker, info), cache_events=cache_events)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
