@@ -376,12 +376,17 @@ def sum_stats(parts: list[SchedulerStats]) -> SchedulerStats:
     for s in parts:
         for name in ("num_running_reqs", "num_queue_reqs", "num_used_tokens", "num_cached_tokens",
                      "max_total_tokens", "gen_throughput", "retractions", "evictions", "cache_hit_tokens",
-                     "cache_query_tokens", "waiting_tokens", "device_busy_s"):
+                     "cache_query_tokens", "waiting_tokens", "device_busy_s", "max_running_reqs",
+                     "remaining_decode_tokens"):
             setattr(total, name, getattr(total, name) + getattr(s, name))
         total.overlap = total.overlap or s.overlap
         for mode, m in s.forward_modes.items():
             acc = modes.setdefault(mode, ModeStats())
             acc.batches += m.batches
             acc.tokens += m.tokens
+            acc.time_s += m.time_s
+    # Replicas run side by side: a mode's time is their mean, so tokens / time is the cluster's rate.
+    for m in modes.values():
+        m.time_s /= max(len(parts), 1)
     total.forward_modes = modes
     return total

@@ -76,6 +76,7 @@ class Generation(Generic[B]):
         return self.choices
 
     async def respond(self, stream: bool, responder: Responder) -> web.StreamResponse:
+        await self.state.admit(self.client, [c.req for c in self.choices])
         tracked = self.state.track(self.base_id, [c.req for c in self.choices])
         try:
             if stream:

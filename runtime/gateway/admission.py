@@ -1,0 +1,102 @@
+"""AdmissionController: refuses a request up front (429 with Retry-After) when the engine could not
+start it soon, so a flood never builds a queue that accepted requests would time out in, and every
+request it lets in completes.
+
+It reads the engine's real state (EngineClient.stats(): the summed replicas on Ray, the scheduler
+in-process), refreshed at most every `refresh_s` and shared by every request meanwhile, plus what it
+admitted since that snapshot (not in the engine's numbers yet). A request is refused when
+  - more than --max-waiting-requests would wait ahead of it, or
+  - its estimated wait (WaitEstimator) exceeds --max-queue-wait-s.
+Retry-After is when the estimate says it would be admitted, had nothing else arrived: the estimated
+wait past the limit (or, for the count, the share of the queue that must start first). HTTP wants
+whole seconds (at least 1); `retry-after-ms` (which OpenAI's clients read first) gives it exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from runtime.engine_client import EngineClient
+from runtime.gateway.wait_estimator import WaitEstimate, WaitEstimator
+from runtime.messages import SchedulerStats
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    reason: str  # "queue_wait" | "waiting_requests"
+    retry_after_s: float
+    message: str
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s))),
+                "retry-after-ms": str(max(1, round(self.retry_after_s * 1000)))}
+
+
+class AdmissionController:
+    def __init__(self, max_queue_wait_s: float, max_waiting_requests: int, refresh_s: float = 0.2,
+                 min_retry_s: float = 0.1):
+        self.max_queue_wait_s, self.max_waiting_requests = max_queue_wait_s, max_waiting_requests
+        self.refresh_s, self.min_retry_s = refresh_s, min_retry_s
+        self.estimator = WaitEstimator()
+        self.stats: SchedulerStats | None = None
+        self.stats_t = -math.inf  # when the snapshot's stats() call began
+        self.last_estimate: WaitEstimate | None = None
+        self._admitted: deque[tuple[float, int]] = deque()  # (time, prompt tokens) since the snapshot
+        self._refreshing: asyncio.Future | None = None
+
+    # ---- the engine's state ---------------------------------------------------------------------
+    async def refresh(self, client: EngineClient) -> None:
+        """One stats() call at a time; concurrent callers share it."""
+        if self._refreshing is not None and not self._refreshing.done():
+            await asyncio.shield(self._refreshing)
+            return
+        self._refreshing = asyncio.ensure_future(self._refresh(client))
+        await asyncio.shield(self._refreshing)
+
+    async def _refresh(self, client: EngineClient) -> None:
+        started = time.monotonic()
+        try:
+            stats = await client.stats()
+        except Exception:  # no fresh numbers: decide on the last ones
+            return
+        self.observe(started, stats)
+
+    def observe(self, started: float, stats: SchedulerStats) -> None:
+        self.stats, self.stats_t = stats, started
+        self.estimator.observe(started, stats)
+        while self._admitted and self._admitted[0][0] < started:
+            self._admitted.popleft()
+
+    # ---- decisions --------------------------------------------------------------------------------
+    async def check(self, client: EngineClient, prompt_lens: list[int]) -> Refusal | None:
+        """None: admitted (and counted until the next snapshot shows it); else why not."""
+        if time.monotonic() - self.stats_t > self.refresh_s:
+            await self.refresh(client)
+        return self.decide(prompt_lens, time.monotonic())
+
+    def decide(self, prompt_lens: list[int], now: float) -> Refusal | None:
+        stats = self.stats
+        if stats is None:
+            return None
+        extra_tokens = sum(n for _, n in self._admitted)
+        extra_reqs = len(self._admitted)
+        est = self.estimator.estimate(stats, sum(prompt_lens), extra_tokens, extra_reqs)
+        self.last_estimate = est
+        ahead = stats.num_queue_reqs + extra_reqs
+        if ahead + len(prompt_lens) > self.max_waiting_requests:
+            excess = ahead + len(prompt_lens) - self.max_waiting_requests
+            retry = max(est.wait_s * excess / max(ahead, 1), self.min_retry_s)
+            return Refusal("waiting_requests", retry,
+                           f"the server's queue is full ({ahead} requests waiting, at most "
+                           f"{self.max_waiting_requests}); retry after {retry:.1f} s")
+        if est.wait_s > self.max_queue_wait_s:
+            retry = max(est.wait_s - self.max_queue_wait_s, self.min_retry_s)
+            return Refusal("queue_wait", retry,
+                           f"the server is overloaded: this request would wait about {est.wait_s:.1f} s in the "
+                           f"queue (at most {self.max_queue_wait_s:g} s); retry after {retry:.1f} s")
+        for n in prompt_lens:
+            self._admitted.append((now, n))
+        return None
