@@ -159,6 +159,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     overlap: bool = False  # overlap scheduling on (the worker runs asynchronously)
     max_running_reqs: int = 0  # the running-batch cap (admission estimates a full batch's wait)
     remaining_decode_tokens: int = 0  # running requests' max_new_tokens still to go (an upper bound)
+    waiting_decode_tokens: int = 0  # the same for waiting requests
 
     @property
     def kv_usage_ratio(self) -> float:

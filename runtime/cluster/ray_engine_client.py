@@ -377,7 +377,7 @@ def sum_stats(parts: list[SchedulerStats]) -> SchedulerStats:
         for name in ("num_running_reqs", "num_queue_reqs", "num_used_tokens", "num_cached_tokens",
                      "max_total_tokens", "gen_throughput", "retractions", "evictions", "cache_hit_tokens",
                      "cache_query_tokens", "waiting_tokens", "device_busy_s", "max_running_reqs",
-                     "remaining_decode_tokens"):
+                     "remaining_decode_tokens", "waiting_decode_tokens"):
             setattr(total, name, getattr(total, name) + getattr(s, name))
         total.overlap = total.overlap or s.overlap
         for mode, m in s.forward_modes.items():

@@ -3,25 +3,29 @@ start it soon, so a flood never builds a queue that accepted requests would time
 request it lets in completes.
 
 It reads the engine's real state (EngineClient.stats(): the summed replicas on Ray, the scheduler
-in-process), refreshed at most every `refresh_s` and shared by every request meanwhile, plus what it
-admitted since that snapshot (not in the engine's numbers yet). A request is refused when
+in-process), refreshed at most every `refresh_s`, for what runs (requests, KV held, decode left) and the
+recent rates; the queue itself it knows better than any snapshot: every request it admitted waits
+until its first delta comes back (or it ends), so those are counted the moment they are admitted —
+a burst cannot slip in between two snapshots. A request is refused when
   - more than --max-waiting-requests would wait ahead of it, or
   - its estimated wait (WaitEstimator) exceeds --max-queue-wait-s.
 Retry-After is when the estimate says it would be admitted, had nothing else arrived: the estimated
-wait past the limit (or, for the count, the share of the queue that must start first). HTTP wants
-whole seconds (at least 1); `retry-after-ms` (which OpenAI's clients read first) gives it exactly."""
+wait past the limit (or, for the count, the share of the queue that must start first), at least
+`min_retry_s` (1 s: sooner, a retry mostly meets the same full queue and only adds to the flood). HTTP
+wants whole seconds; `retry-after-ms` (which OpenAI's clients read first) gives it to the millisecond."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import time
-from collections import deque
 from dataclasses import dataclass
+
+import msgspec
 
 from runtime.engine_client import EngineClient
 from runtime.gateway.wait_estimator import WaitEstimate, WaitEstimator
-from runtime.messages import SchedulerStats
+from runtime.messages import GenerateRequest, SchedulerStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,14 +41,14 @@ class Refusal:
 
 class AdmissionController:
     def __init__(self, max_queue_wait_s: float, max_waiting_requests: int, refresh_s: float = 0.2,
-                 min_retry_s: float = 0.1):
+                 min_retry_s: float = 1.0):
         self.max_queue_wait_s, self.max_waiting_requests = max_queue_wait_s, max_waiting_requests
         self.refresh_s, self.min_retry_s = refresh_s, min_retry_s
         self.estimator = WaitEstimator()
         self.stats: SchedulerStats | None = None
         self.stats_t = -math.inf  # when the snapshot's stats() call began
         self.last_estimate: WaitEstimate | None = None
-        self._admitted: deque[tuple[float, int]] = deque()  # (time, prompt tokens) since the snapshot
+        self._waiting: dict[str, tuple[int, int]] = {}  # rid → (prompt tokens, max new tokens): admitted, not started
         self._refreshing: asyncio.Future | None = None
 
     # ---- the engine's state ---------------------------------------------------------------------
@@ -67,27 +71,33 @@ class AdmissionController:
     def observe(self, started: float, stats: SchedulerStats) -> None:
         self.stats, self.stats_t = stats, started
         self.estimator.observe(started, stats)
-        while self._admitted and self._admitted[0][0] < started:
-            self._admitted.popleft()
+
+    def started(self, rid: str) -> None:
+        """The request's first delta came back (or it ended): it no longer waits. Idempotent."""
+        self._waiting.pop(rid, None)
 
     # ---- decisions --------------------------------------------------------------------------------
-    async def check(self, client: EngineClient, prompt_lens: list[int]) -> Refusal | None:
-        """None: admitted (and counted until the next snapshot shows it); else why not."""
+    async def check(self, client: EngineClient, reqs: list[GenerateRequest]) -> Refusal | None:
+        """None: admitted (and counted as waiting until `started`); else why not."""
         if time.monotonic() - self.stats_t > self.refresh_s:
             await self.refresh(client)
-        return self.decide(prompt_lens, time.monotonic())
+        return self.decide(reqs)
 
-    def decide(self, prompt_lens: list[int], now: float) -> Refusal | None:
+    def decide(self, reqs: list[GenerateRequest]) -> Refusal | None:
         stats = self.stats
         if stats is None:
             return None
-        extra_tokens = sum(n for _, n in self._admitted)
-        extra_reqs = len(self._admitted)
-        est = self.estimator.estimate(stats, sum(prompt_lens), extra_tokens, extra_reqs)
+        # The engine's queue as this gateway knows it (exact and current) or as the snapshot says, if more
+        # (another client may share the engine).
+        ahead = max(stats.num_queue_reqs, len(self._waiting))
+        view = msgspec.structs.replace(
+            stats, num_queue_reqs=ahead,
+            waiting_tokens=max(stats.waiting_tokens, sum(p for p, _ in self._waiting.values())),
+            waiting_decode_tokens=max(stats.waiting_decode_tokens, sum(d for _, d in self._waiting.values())))
+        est = self.estimator.estimate(view, sum(len(r.input_ids) for r in reqs))
         self.last_estimate = est
-        ahead = stats.num_queue_reqs + extra_reqs
-        if ahead + len(prompt_lens) > self.max_waiting_requests:
-            excess = ahead + len(prompt_lens) - self.max_waiting_requests
+        if ahead + len(reqs) > self.max_waiting_requests:
+            excess = ahead + len(reqs) - self.max_waiting_requests
             retry = max(est.wait_s * excess / max(ahead, 1), self.min_retry_s)
             return Refusal("waiting_requests", retry,
                            f"the server's queue is full ({ahead} requests waiting, at most "
@@ -97,6 +107,6 @@ class AdmissionController:
             return Refusal("queue_wait", retry,
                            f"the server is overloaded: this request would wait about {est.wait_s:.1f} s in the "
                            f"queue (at most {self.max_queue_wait_s:g} s); retry after {retry:.1f} s")
-        for n in prompt_lens:
-            self._admitted.append((now, n))
+        for r in reqs:
+            self._waiting[r.rid] = (len(r.input_ids), r.sampling_params.max_new_tokens)
         return None

@@ -103,6 +103,7 @@ class Generation(Generic[B]):
                                lambda: is_disconnected(self.request)) as fan:
             async for i, out in fan:
                 c = self.choices[i]
+                self.state.admission.started(c.req.rid)
                 ended = c.done
                 text = c.add(out)
                 if ended:  # the engine's last delta of a choice already over: it only settles the counts

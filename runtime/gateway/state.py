@@ -188,12 +188,14 @@ class GatewayState:
 
     async def admit(self, client: EngineClient, reqs: list[GenerateRequest]) -> None:
         """429 with Retry-After when the engine's queue could not start these soon (AdmissionController)."""
-        refusal = await self.admission.check(client, [len(r.input_ids) for r in reqs])
+        refusal = await self.admission.check(client, reqs)
         if refusal is not None:
             self.metrics.refused(refusal.reason)
             raise ApiError(429, refusal.message, code="server_overloaded", headers=refusal.headers())
 
     def untrack(self, base_id: str, rids: list[str]) -> None:
+        for rid in rids:
+            self.admission.started(rid)  # one that never got a delta (an error, a disconnect) waits no more
         self.active -= len(rids)
         if self.inflight.get(base_id) is rids:
             del self.inflight[base_id]

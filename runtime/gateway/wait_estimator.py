@@ -3,17 +3,19 @@ from the engine's real state (SchedulerStats: waiting tokens and requests, KV he
 and their remaining output) and its recent rates (prefill and decode tokens per second of busy time,
 from the per-ForwardMode token and time counters over a sliding window).
 
-Three things can hold a request back, and it waits for the slowest (they proceed in parallel):
-  prefill   the prompt tokens queued ahead of it must be prefilled: waiting_tokens / prefill rate
-  KV        what the queue ahead and this prompt need beyond the free KV must be freed by running
-            requests finishing; the running set drains in remaining_decode_tokens / decode rate and
-            frees what it holds as it goes, so a shortfall of S of its U tokens takes about S/U of that
-  slots     likewise when the running batch is at --max-running-requests: the requests ahead beyond
-            the free slots wait for that share of the running set to finish
+The engine runs one batch at a time, so a new request waits for the prompt tokens queued ahead of it to
+be prefilled (waiting_tokens / prefill rate) plus, when it cannot start at once, for enough requests
+to finish to make room — a free slot (the batch is at --max-running-requests) or free KV (what the
+queue and its prompt need beyond the free pool). Requests finish as the batch decodes: the first
+`k <= running` of them within k/running of the running set's remaining decode (remaining tokens /
+decode rate), each one past that a whole queued request's decode later. Prefill and decode rates are
+tokens per second of wall time while busy, measured over a sliding window, so they include what the
+host costs (scheduling, the gateway's own load on an in-process engine).
 Until a rate has been measured the estimate is 0 (nothing to go on: admit)."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -34,7 +36,7 @@ class WaitEstimate:
 
 
 class WaitEstimator:
-    def __init__(self, window_s: float = 10.0):
+    def __init__(self, window_s: float = 2.0):
         self.window_s = window_s
         self._samples: deque[tuple[float, float, float, float, float]] = deque()  # (t, pf tok, pf s, dec tok, dec s)
         self.prefill_tok_s = 0.0
@@ -76,14 +78,26 @@ class WaitEstimator:
         """The wait of one more request of prompt_tokens; extra_*: admitted since `stats` was taken."""
         waiting_tokens = stats.waiting_tokens + extra_waiting_tokens
         ahead = stats.num_queue_reqs + extra_waiting_reqs
+        running = stats.num_running_reqs
         prefill_s = waiting_tokens / self.prefill_tok_s if self.prefill_tok_s else 0.0
-        drain_s = stats.remaining_decode_tokens / self.decode_tok_s if self.decode_tok_s else 0.0
+        # Slots: this request is number ahead + 1 in line for a free one.
+        free_slots = max(stats.max_running_reqs - running, 0) if stats.max_running_reqs else ahead + 1
+        slots_s = self._finish_time(stats, ahead + 1 - free_slots)
+        # KV: what the queue and this prompt need beyond the free pool (evictable cache counts as free:
+        # it is given back on demand), freed by finishing requests that each hold used / running.
         used = max(stats.num_used_tokens, 0)
-        free = stats.max_total_tokens - used  # evictable cache counts as free: it is given back on demand
-        shortfall = waiting_tokens + prompt_tokens - free
-        kv_s = drain_s * shortfall / max(used, 1) if shortfall > 0 and used else 0.0
-        free_slots = max(stats.max_running_reqs - stats.num_running_reqs, 0) if stats.max_running_reqs else ahead + 1
-        over = ahead + 1 - free_slots
-        slots_s = drain_s * over / max(stats.num_running_reqs, 1) if over > 0 else 0.0
-        return WaitEstimate(max(prefill_s, kv_s, slots_s), prefill_s, kv_s, slots_s, self.prefill_tok_s,
+        shortfall = waiting_tokens + prompt_tokens - (stats.max_total_tokens - used)
+        kv_s = self._finish_time(stats, math.ceil(shortfall * running / used)) if shortfall > 0 and used else 0.0
+        return WaitEstimate(prefill_s + max(kv_s, slots_s), prefill_s, kv_s, slots_s, self.prefill_tok_s,
                             self.decode_tok_s)
+
+    def _finish_time(self, stats: SchedulerStats, k: int) -> float:
+        """How long until k more requests have finished decoding."""
+        if k <= 0 or not self.decode_tok_s:
+            return 0.0
+        running = stats.num_running_reqs
+        per_queued = (stats.waiting_decode_tokens / stats.num_queue_reqs if stats.num_queue_reqs
+                      else 2 * stats.remaining_decode_tokens / running if running else 0.0)
+        first = min(k, running)
+        drain_s = stats.remaining_decode_tokens / self.decode_tok_s
+        return drain_s * first / max(running, 1) + (k - first) * per_queued / self.decode_tok_s

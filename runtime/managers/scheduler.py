@@ -100,6 +100,8 @@ class Scheduler:
             self._add(item)
         elif kind == "abort":
             self._abort(item)
+        elif kind == "stats":  # answered between steps: a busy loop never starves the asker (see SchedulerHost)
+            item.set_result(self.get_stats())
 
     def _add(self, g: GenerateRequest) -> None:
         if g.rid in self.reqs:
@@ -397,4 +399,5 @@ class Scheduler:
             cache_hit_tokens=self.prefill.cache_hit_tokens, cache_query_tokens=self.prefill.cache_query_tokens,
             device_busy_s=self.device_busy_s, overlap=self.overlap,
             waiting_tokens=sum(r.remaining_prefill for r in self.waiting), max_running_reqs=self.max_running,
-            remaining_decode_tokens=sum(r.max_new_remaining for r in self.running))
+            remaining_decode_tokens=sum(r.max_new_remaining for r in self.running),
+            waiting_decode_tokens=sum(r.max_new_remaining for r in self.waiting))

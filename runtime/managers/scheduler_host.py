@@ -9,6 +9,8 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from runtime.config import ServerArgs
 from runtime.managers.request_validation import RequestLimits, validate_request
@@ -60,8 +62,17 @@ class SchedulerHost:
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
 
-    def stats(self) -> SchedulerStats:
-        """Waits for the step in progress (the lock is held for a whole step): call off event loops."""
+    def stats(self, timeout_s: float = 10.0) -> SchedulerStats:
+        """Waits for the step in progress: call off event loops. A running loop answers through its inbox
+        between two steps — waiting for its lock instead would starve while it steps back to back (a
+        Lock is not fair: the loop takes it again before a waiter wakes)."""
+        if self.is_running():
+            answer: Future[SchedulerStats] = Future()
+            self.scheduler.inbox.put(("stats", answer))
+            try:
+                return answer.result(timeout_s)
+            except FutureTimeout:
+                logger.warning("the scheduler did not answer a stats request in %.0f s", timeout_s)
         with self.scheduler.lock:
             return self.scheduler.get_stats()
 

@@ -9,7 +9,8 @@ import math
 
 from runtime.gateway.admission import AdmissionController
 from runtime.gateway.wait_estimator import WaitEstimator
-from runtime.messages import ModeStats, SchedulerStats
+from runtime.messages import GenerateRequest, ModeStats, SchedulerStats
+from runtime.sampling.params import SamplingParams
 
 
 def stats(*, prefill=(0, 0.0), decode=(0, 0.0), waiting_tokens=0, queue=0, running=0, used=0, total=10000,
@@ -32,43 +33,57 @@ def test_rates_come_from_the_window_of_busy_time():
     assert (est.prefill_tok_s, est.decode_tok_s) == (1000, 100)
 
 
-def test_wait_is_the_slowest_of_prefill_kv_and_slots():
+def test_wait_is_prefill_ahead_plus_room_to_start():
     est = WaitEstimator()
     est.observe(0.0, stats(prefill=(2000, 1.0), decode=(500, 1.0)))
     w = est.estimate(stats(waiting_tokens=4000), prompt_tokens=100)
     assert math.isclose(w.wait_s, 2.0) and w.kv_s == 0 and w.slots_s == 0  # 4000 tokens at 2000/s
-    # KV: 9000 of 10000 held by running requests with 1000 output tokens to go (2 s at 500/s): the queue
-    # and this prompt need 2000, 1000 more than free, i.e. 1/9 of what the running set frees in 2 s.
+    # KV: 9000 of 10000 held by 8 running requests with 1000 output tokens to go (2 s at 500/s); the queue
+    # and this prompt need 1000 more than is free: one request (1125 tokens each) must finish, 1/8 of 2 s.
     w = est.estimate(stats(waiting_tokens=1900, used=9000, running=8, remaining=1000), prompt_tokens=100)
-    assert math.isclose(w.kv_s, 2.0 / 9) and math.isclose(w.wait_s, max(0.95, 2.0 / 9))
-    # Slots: the batch is full (8 of 8) and 3 wait ahead: this one is the 4th to get a slot, half of 8.
-    w = est.estimate(stats(queue=3, running=8, max_running=8, remaining=1000), prompt_tokens=10)
-    assert math.isclose(w.slots_s, 2.0 * 4 / 8) and math.isclose(w.wait_s, 1.0)
+    assert math.isclose(w.kv_s, 0.25) and math.isclose(w.wait_s, 0.95 + 0.25)
+    # Slots: the batch is full (8 of 8) and 3 wait ahead: 4 must finish, half the running set's 2 s.
+    s3 = stats(queue=3, running=8, max_running=8, remaining=1000)
+    s3.waiting_decode_tokens = 300
+    w = est.estimate(s3, prompt_tokens=10)
+    assert math.isclose(w.slots_s, 1.0) and math.isclose(w.wait_s, 1.0)
+    # 10 ahead: all 8 running finish (2 s), then 3 queued ones of 100 tokens each (0.2 s apiece).
+    s10 = stats(queue=10, running=8, max_running=8, remaining=1000)
+    s10.waiting_decode_tokens = 1000
+    assert math.isclose(est.estimate(s10, prompt_tokens=10).slots_s, 2.6)
 
 
-def test_controller_refuses_with_retry_after_and_counts_admissions():
-    ctl = AdmissionController(max_queue_wait_s=2.0, max_waiting_requests=100)
-    assert ctl.decide([500], now=0.0) is None  # nothing known yet: admit
+def req(rid: str, n: int, max_new: int = 128) -> GenerateRequest:
+    return GenerateRequest(rid=rid, input_ids=[1] * n, sampling_params=SamplingParams(max_new_tokens=max_new))
+
+
+def test_controller_refuses_with_retry_after_and_counts_its_own_queue():
+    ctl = AdmissionController(max_queue_wait_s=2.0, max_waiting_requests=100, min_retry_s=0.1)
+    assert ctl.decide([req("x", 500)]) is None  # nothing known yet: admit
+    ctl.started("x")
     ctl.observe(0.0, stats(prefill=(1000, 1.0), decode=(100, 1.0)))
-    ctl._admitted.clear()
-    assert ctl.decide([1500], now=0.1) is None  # 0 s ahead
-    assert ctl.decide([400], now=0.2) is None  # 1.5 s ahead (the first, admitted since the snapshot)
-    assert ctl.decide([100], now=0.3) is None  # 1.9 s ahead
-    r = ctl.decide([100], now=0.4)  # 2.0 s ahead: not past the limit
-    assert r is None
-    r = ctl.decide([100], now=0.4)  # 2.1 s
+    assert ctl.decide([req("a", 1500)]) is None  # nothing ahead
+    assert ctl.decide([req("b", 400)]) is None  # 1.5 s ahead: a is counted the moment it is admitted
+    assert ctl.decide([req("c", 100)]) is None  # 1.9 s
+    assert ctl.decide([req("d", 100)]) is None  # 2.0 s: not past the limit
+    r = ctl.decide([req("e", 100)])  # 2.1 s
     assert r is not None and r.reason == "queue_wait" and math.isclose(r.retry_after_s, 0.1)
     assert r.headers() == {"Retry-After": "1", "retry-after-ms": "100"}
     assert "at most 2 s" in r.message and "wait about 2.1 s" in r.message
+    assert math.isclose(ctl.last_estimate.wait_s, 2.1)
+    ctl.started("a")  # its first delta came back: it waits no more
+    assert ctl.decide([req("e", 100)]) is None
+    # A snapshot that says more is queued than this gateway sent (another client) wins.
     ctl.observe(0.5, stats(prefill=(1000, 1.0), decode=(100, 1.0), waiting_tokens=6000, queue=3))
-    r = ctl.decide([10], now=0.6)  # the snapshot now holds them (admitted before it began: dropped)
+    r = ctl.decide([req("f", 10)])
     assert r is not None and math.isclose(r.retry_after_s, 4.0) and r.headers()["Retry-After"] == "4"
+    assert AdmissionController(2.0, 100).decide([req("g", 1)]) is None  # default floor is 1 s, when refusing
 
 
 def test_controller_refuses_past_the_waiting_count():
-    ctl = AdmissionController(max_queue_wait_s=100.0, max_waiting_requests=4)
+    ctl = AdmissionController(max_queue_wait_s=100.0, max_waiting_requests=4, min_retry_s=0.1)
     ctl.observe(0.0, stats(prefill=(1000, 1.0), decode=(100, 1.0), queue=3, waiting_tokens=3000))
-    assert ctl.decide([10], now=0.1) is None  # 4th
-    r = ctl.decide([10, 10], now=0.2)  # an n=2 request: 6 > 4
-    assert r is not None and r.reason == "waiting_requests" and "4 requests waiting" in r.message
-    assert math.isclose(r.retry_after_s, 3.01 * 2 / 4)  # 2 of the 4 ahead must start: half the 3.01 s backlog
+    assert ctl.decide([req("a", 10)]) is None  # 4th
+    r = ctl.decide([req("b", 10), req("c", 10)])  # an n=2 request: 3 ahead + 2 > 4
+    assert r is not None and r.reason == "waiting_requests" and "3 requests waiting" in r.message
+    assert math.isclose(r.retry_after_s, 3.0 / 3)  # 1 of the 3 ahead must start: a third of the 3 s backlog
