@@ -39,8 +39,7 @@ class FirstRanks(RoutingPolicy):
     def __init__(self, busy: int):
         self.busy, self.i = busy, 0
 
-    def choose(self, req: GenerateRequest, live: Sequence[ReplicaLoad], num_replicas: int,
-               hashes: Sequence[int] = ()) -> ReplicaLoad:
+    def choose(self, req: GenerateRequest, live: Sequence[ReplicaLoad], num_replicas: int) -> ReplicaLoad:
         self.i += 1
         return live[self.i % min(self.busy, len(live))]
 

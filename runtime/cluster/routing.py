@@ -46,7 +46,9 @@ class RoutingPolicy(ABC):
         live = [r for r in replicas if r.alive]
         if not live:
             raise EngineUnavailableError("no live replica to serve the request (all are down or restarting)")
-        return self.choose(req, live, len(replicas), hashes)
+        if self.wants_page_hashes:
+            return self.choose(req, live, len(replicas), hashes)
+        return self.choose(req, live, len(replicas))  # a policy written before hashes existed takes three
 
     @abstractmethod
     def choose(self, req: GenerateRequest, live: Sequence[ReplicaLoad], num_replicas: int,
