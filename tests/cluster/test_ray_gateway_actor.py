@@ -61,7 +61,7 @@ def test_cli_serves_through_a_gateway_actor(ray_local, tiny_llama):
                 pass
             assert time.monotonic() < deadline, "the gateway actor never answered"
             time.sleep(0.5)
-        body = {"prompt": "Hello there, how are you", "max_tokens": 4, "temperature": 0}
+        body = {"prompt": "Hello there, how are you? " * 6, "max_tokens": 4, "temperature": 0}  # a few pages
         for _ in range(2):
             r = requests.post(url + "/v1/completions", json=body, timeout=60)
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
