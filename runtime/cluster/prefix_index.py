@@ -44,6 +44,10 @@ class PrefixIndex:
             if self._routed[h] <= 0:
                 del self._routed[h]
 
+    def size(self) -> int:
+        """Pages held or about to be: how much this replica's cache carries."""
+        return len(self.held) + len(self._routed)
+
     def matched_pages(self, hashes: Sequence[int]) -> int:
         """Leading pages of a prompt (its chained page hashes) this replica holds or is about to."""
         n = 0

@@ -105,28 +105,34 @@ class PrefixHash(RoutingPolicy):
 
 
 class CacheAware(RoutingPolicy):
-    """Longest really-cached prefix wins (ties: the less loaded); where it is no longer than the least
-    loaded replica's, or past the imbalance thresholds (in requests in flight, as SGLang's router's
-    balance_abs/rel), the least loaded wins instead."""
+    """Longest really-cached prefix wins (ties: the less loaded). Where the cache does not tell the
+    replicas apart (a new prefix, or one every replica holds) the replica with the smallest cache takes
+    it, as SGLang's router does, so new prefixes spread and each replica's share fits its pool. Either
+    way, past the imbalance thresholds (in requests in flight, as the router's balance_abs/rel) the
+    least loaded replica wins instead."""
 
     wants_page_hashes = True
 
     def __init__(self, balance_abs_threshold: int = 32, balance_rel_threshold: float = 1.5):
         self.abs_threshold, self.rel_threshold = balance_abs_threshold, balance_rel_threshold
-        self.cache_routed = 0  # decisions made by the cache (some prefix matched somewhere)
-        self.load_routed = 0  # decisions made by load (nothing matched, or too imbalanced)
+        self.cache_routed = 0  # decisions made by the prefix cache
+        self.load_routed = 0  # decisions made by cache size or load
 
     def choose(self, req: GenerateRequest, live: Sequence[ReplicaLoad], num_replicas: int,
                hashes: Sequence[int] = ()) -> ReplicaLoad:
         least = min(live, key=_load_key)
         matched = {r.index: r.prefixes.matched_pages(hashes) for r in live} if hashes else {}
         best = max(live, key=lambda r: (matched.get(r.index, 0), -r.inflight, -r.load, -r.index))
-        # The cache decides only where it tells the replicas apart: a prefix every replica holds (a chat
-        # template's header) says nothing, and load picks among them.
-        if matched.get(best.index, 0) <= matched.get(least.index, 0) or self.imbalanced(best, least):
+        # A prefix every replica holds (a chat template's header) says nothing: only a longer one decides.
+        by_cache = matched.get(best.index, 0) > min(matched.get(r.index, 0) for r in live)
+        if not by_cache:
+            best = min(live, key=lambda r: (r.prefixes.size(), r.inflight, r.index))
+        if self.imbalanced(best, least):
+            best, by_cache = least, False
+        if by_cache:
+            self.cache_routed += 1
+        else:
             self.load_routed += 1
-            return least
-        self.cache_routed += 1
         return best
 
     def imbalanced(self, busy: ReplicaLoad, least: ReplicaLoad) -> bool:

@@ -81,7 +81,7 @@ class SchedulerActor:
         tokenizer = Tokenizer(self.args.tokenizer_path or self.model_path, tuple(info.eos_token_ids))
         if self.rank.channel is not None:
             self.group = worker = BroadcastWorker(worker, self.rank.channel, name, self._on_group_failure)
-        if self.args.routing_policy == "cache_aware" and self.args.radix_cache_enabled:
+        if self.args.routing_policy == "cache_aware" and self.args.radix_cache_enabled and self.args.dp_size > 1:
             self.cache_events = CacheEventLog()
         self.host = SchedulerHost(self.args, worker, info, tokenizer.eos_token_ids, self._sink,
                                   tokenizer.decode, name=f"shoal-scheduler-{name}", cache_events=self.cache_events)

@@ -17,6 +17,7 @@ wants whole seconds; `retry-after-ms` (which OpenAI's clients read first) gives 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -26,6 +27,9 @@ import msgspec
 from runtime.engine_client import EngineClient
 from runtime.gateway.wait_estimator import WaitEstimate, WaitEstimator
 from runtime.messages import GenerateRequest, SchedulerStats
+
+CORRECTION_SAMPLES = 64  # the moving averages' horizon, in admitted requests
+MIN_SAMPLE_WAIT_S = 0.05  # shorter estimates say little about the model's error (timer noise dominates)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +52,14 @@ class AdmissionController:
         self.stats: SchedulerStats | None = None
         self.stats_t = -math.inf  # when the snapshot's stats() call began
         self.last_estimate: WaitEstimate | None = None
-        self._waiting: dict[str, tuple[int, int]] = {}  # rid → (prompt tokens, max new tokens): admitted, not started
+        # rid → (prompt tokens, max new tokens, admitted at, the model's wait estimate): admitted, not started
+        self._waiting: dict[str, tuple[int, int, float, float]] = {}
+        # What the model cannot see (other tenants of the machine, the gateway's own load, queue order)
+        # shows as a steady gap between the waits it estimated and those requests then saw: estimates are
+        # scaled by the ratio of their moving averages (after a few samples; clipped to [0.5, 10]).
+        self.correction = 1.0
+        self._seen_wait = self._est_wait = 0.0
+        self._samples = 0
         self._refreshing: asyncio.Future | None = None
 
     # ---- the engine's state ---------------------------------------------------------------------
@@ -72,9 +83,21 @@ class AdmissionController:
         self.stats, self.stats_t = stats, started
         self.estimator.observe(started, stats)
 
-    def started(self, rid: str) -> None:
+    def started(self, rid: str, now: float | None = None) -> None:
         """The request's first delta came back (or it ended): it no longer waits. Idempotent."""
-        self._waiting.pop(rid, None)
+        entry = self._waiting.pop(rid, None)
+        if entry is None or entry[3] < MIN_SAMPLE_WAIT_S:
+            return
+        seen = (time.monotonic() if now is None else now) - entry[2]
+        a = 1.0 / min(self._samples + 1, CORRECTION_SAMPLES)
+        self._seen_wait += a * (seen - self._seen_wait)
+        self._est_wait += a * (entry[3] - self._est_wait)
+        self._samples += 1
+        if self._samples >= 5:
+            self.correction = min(max(self._seen_wait / self._est_wait, 0.5), 10.0)
+
+    def scaled(self, est: WaitEstimate) -> WaitEstimate:
+        return dataclasses.replace(est, wait_s=est.wait_s * self.correction, correction=self.correction)
 
     # ---- decisions --------------------------------------------------------------------------------
     async def check(self, client: EngineClient, reqs: list[GenerateRequest]) -> Refusal | None:
@@ -92,9 +115,9 @@ class AdmissionController:
         ahead = max(stats.num_queue_reqs, len(self._waiting))
         view = msgspec.structs.replace(
             stats, num_queue_reqs=ahead,
-            waiting_tokens=max(stats.waiting_tokens, sum(p for p, _ in self._waiting.values())),
-            waiting_decode_tokens=max(stats.waiting_decode_tokens, sum(d for _, d in self._waiting.values())))
-        est = self.estimator.estimate(view, sum(len(r.input_ids) for r in reqs))
+            waiting_tokens=max(stats.waiting_tokens, sum(w[0] for w in self._waiting.values())),
+            waiting_decode_tokens=max(stats.waiting_decode_tokens, sum(w[1] for w in self._waiting.values())))
+        est = self.scaled(self.estimator.estimate(view, sum(len(r.input_ids) for r in reqs)))
         self.last_estimate = est
         if ahead + len(reqs) > self.max_waiting_requests:
             excess = ahead + len(reqs) - self.max_waiting_requests
@@ -107,6 +130,8 @@ class AdmissionController:
             return Refusal("queue_wait", retry,
                            f"the server is overloaded: this request would wait about {est.wait_s:.1f} s in the "
                            f"queue (at most {self.max_queue_wait_s:g} s); retry after {retry:.1f} s")
+        now = time.monotonic()
         for r in reqs:
-            self._waiting[r.rid] = (len(r.input_ids), r.sampling_params.max_new_tokens)
+            self._waiting[r.rid] = (len(r.input_ids), r.sampling_params.max_new_tokens, now,
+                                    est.wait_s / est.correction)
         return None

@@ -82,7 +82,9 @@ class _AdmissionRoutingCollector(Collector):
                     ("shoal:prefill_rate_tokens_per_second", "admission: recent prefill rate (busy time)",
                      e.prefill_tok_s),
                     ("shoal:decode_rate_tokens_per_second", "admission: recent decode rate (busy time)",
-                     e.decode_tok_s)):
+                     e.decode_tok_s),
+                    ("shoal:queue_wait_correction", "admission: waits requests saw / waits estimated",
+                     e.correction)):
                 g = GaugeMetricFamily(name, doc)
                 g.add_metric([], v)
                 yield g

@@ -169,7 +169,7 @@ async def metrics(request: web.Request) -> web.Response:
     estimate = routing = None
     if stats is not None:
         state.admission.observe(time.monotonic(), stats)
-        estimate = state.admission.estimator.estimate(stats, 0)
+        estimate = state.admission.scaled(state.admission.estimator.estimate(stats, 0))
         routing = client.routing_stats()
     return web.Response(body=state.metrics.render(stats, estimate, routing),
                         headers={"Content-Type": CONTENT_TYPE_LATEST})

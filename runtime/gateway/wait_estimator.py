@@ -33,6 +33,7 @@ class WaitEstimate:
     slots_s: float
     prefill_tok_s: float  # the rates it used (0: not measured yet)
     decode_tok_s: float
+    correction: float = 1.0  # wait_s is the model's times this (AdmissionController's learned scale)
 
 
 class WaitEstimator:

@@ -1,6 +1,6 @@
 """Routing policies without Ray: cache_aware follows the prefixes each replica reports holding (and
-those just routed to it), lets load decide where the cache does not tell replicas apart or the
-imbalance passes the thresholds, and forgets a relaunched replica's cache; the registry builds every
+those just routed to it), sends a prefix no replica holds more of to the smallest cache, lets load
+decide past the imbalance thresholds, and forgets a relaunched replica's cache; the registry builds every
 policy; a dead replica is never picked; with none alive the error says so."""
 
 from __future__ import annotations
@@ -53,6 +53,15 @@ def test_no_distinguishing_prefix_goes_to_least_loaded():
     prompt = header + SYSTEM_B
     assert policy.pick(req(prompt), rs, page_hashes(prompt)).index == 1
     assert policy.load_routed == 2 and policy.cache_routed == 0
+
+
+def test_a_new_prefix_goes_to_the_smaller_cache():
+    policy, rs = CacheAware(), replicas()
+    holds(rs[0], SYSTEM_A)
+    rs[0].inflight, rs[1].inflight = 0, 3  # fewer in flight, but a bigger cache
+    prompt = SYSTEM_B + [1]
+    assert policy.pick(req(prompt), rs, page_hashes(prompt)).index == 1
+    assert policy.load_routed == 1
 
 
 def test_imbalance_past_both_thresholds_routes_by_load():

@@ -87,3 +87,20 @@ def test_controller_refuses_past_the_waiting_count():
     r = ctl.decide([req("b", 10), req("c", 10)])  # an n=2 request: 3 ahead + 2 > 4
     assert r is not None and r.reason == "waiting_requests" and "3 requests waiting" in r.message
     assert math.isclose(r.retry_after_s, 3.0 / 3)  # 1 of the 3 ahead must start: a third of the 3 s backlog
+
+
+def test_estimates_learn_the_gap_to_the_waits_requests_saw():
+    ctl = AdmissionController(max_queue_wait_s=2.0, max_waiting_requests=100, min_retry_s=0.1)
+    ctl.observe(0.0, stats(prefill=(1000, 1.0), decode=(100, 1.0)))
+    for i in range(8):  # each admitted 0.5 s of prefill behind the last, and each really waited 3x that
+        ctl._waiting.clear()
+        assert ctl.decide([req(f"w{i}", 500)]) is None and ctl.decide([req(f"x{i}", 10)]) is None
+        admitted_at = ctl._waiting[f"x{i}"][2]
+        ctl.started(f"w{i}", now=admitted_at)
+        ctl.started(f"x{i}", now=admitted_at + 1.5)
+    assert math.isclose(ctl.correction, 3.0)
+    ctl._waiting.clear()
+    r = ctl.decide([req("y", 1000)])  # 1.0 s by the model, 3.0 s as it learned
+    assert r is None
+    r = ctl.decide([req("z", 10)])
+    assert r is not None and math.isclose(r.retry_after_s, 1.0) and ctl.last_estimate.correction == 3.0
