@@ -106,10 +106,11 @@ class PrefixHash(RoutingPolicy):
 
 class CacheAware(RoutingPolicy):
     """Longest really-cached prefix wins (ties: the less loaded). Where the cache does not tell the
-    replicas apart (a new prefix, or one every replica holds) the replica with the smallest cache takes
-    it, as SGLang's router does, so new prefixes spread and each replica's share fits its pool. Either
-    way, past the imbalance thresholds (in requests in flight, as the router's balance_abs/rel) the
-    least loaded replica wins instead."""
+    replicas apart (a new prefix, or one every replica holds) the replica with the smallest cache among
+    those about as idle as the least loaded takes it (SGLang's router takes the smallest tree), so new
+    prefixes spread and each replica's share fits its pool without piling a burst on one replica.
+    Either way, past the imbalance thresholds (in requests in flight, as the router's balance_abs/rel)
+    the least loaded replica wins instead."""
 
     wants_page_hashes = True
 
@@ -125,8 +126,10 @@ class CacheAware(RoutingPolicy):
         best = max(live, key=lambda r: (matched.get(r.index, 0), -r.inflight, -r.load, -r.index))
         # A prefix every replica holds (a chat template's header) says nothing: only a longer one decides.
         by_cache = matched.get(best.index, 0) > min(matched.get(r.index, 0) for r in live)
-        if not by_cache:
-            best = min(live, key=lambda r: (r.prefixes.size(), r.inflight, r.index))
+        if not by_cache:  # the smallest cache among the replicas about as idle as the least loaded
+            slack = 2 + least.inflight // 4
+            near = [r for r in live if r.inflight <= least.inflight + slack]
+            best = min(near, key=lambda r: (r.prefixes.size(), r.inflight, r.index))
         if self.imbalanced(best, least):
             best, by_cache = least, False
         if by_cache:

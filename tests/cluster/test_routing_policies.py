@@ -58,10 +58,12 @@ def test_no_distinguishing_prefix_goes_to_least_loaded():
 def test_a_new_prefix_goes_to_the_smaller_cache():
     policy, rs = CacheAware(), replicas()
     holds(rs[0], SYSTEM_A)
-    rs[0].inflight, rs[1].inflight = 0, 3  # fewer in flight, but a bigger cache
+    rs[0].inflight, rs[1].inflight = 0, 2  # fewer in flight, but a bigger cache
     prompt = SYSTEM_B + [1]
     assert policy.pick(req(prompt), rs, page_hashes(prompt)).index == 1
-    assert policy.load_routed == 1
+    rs[1].inflight = 3  # no longer about as idle: load decides
+    assert policy.pick(req(prompt), rs, page_hashes(prompt)).index == 0
+    assert policy.load_routed == 2
 
 
 def test_imbalance_past_both_thresholds_routes_by_load():
