@@ -166,7 +166,6 @@ class Scheduler:
 
     def step(self) -> bool:
         with self.lock:
-            started = time.perf_counter()
             self._drain_inbox()
             if self.pending is not None and self._must_flush():
                 self._collect_pending()
@@ -178,8 +177,7 @@ class Scheduler:
                 self.retractor.on_idle()
                 self._busy_since = None
                 return False
-            if self._busy_since is None:
-                self._busy_since = started
+            self._busy_since = self._busy_since or time.perf_counter()
             self.batch_id += 1
             wb = batch.to_worker_batch(self.batch_id)
             if not self.overlap:
@@ -289,9 +287,7 @@ class Scheduler:
 
     # ---- results --------------------------------------------------------------------------------
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
-        # Wall time since the previous result (scheduling included): admission's rates are what a queued
-        # request really gets, not the bare forward's.
-        now = time.perf_counter()
+        now = time.perf_counter()  # wall time since the last result, scheduling included (admission's rates)
         self.stats.record(batch.forward_mode, batch.num_tokens(), now - (self._busy_since or now))
         self._busy_since = now
         self.device_busy_s += result.device_s
