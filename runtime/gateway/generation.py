@@ -76,9 +76,9 @@ class Generation(Generic[B]):
         return self.choices
 
     async def respond(self, stream: bool, responder: Responder) -> web.StreamResponse:
-        await self.state.admit(self.client, [c.req for c in self.choices])
         tracked = self.state.track(self.base_id, [c.req for c in self.choices])
-        try:
+        try:  # untrack also forgets an admitted request that never started (admission counts it waiting)
+            await self.state.admit(self.client, [c.req for c in self.choices])
             if stream:
                 return await self._stream(responder)
             await self._run(responder, None)
