@@ -203,3 +203,21 @@ class RoutingStats(msgspec.Struct, kw_only=True):
     cache_routed: int = 0  # cache_aware decisions the prefix cache made
     load_routed: int = 0  # cache_aware decisions load made (no better prefix, or too imbalanced)
     inflight: list[int] = []  # per routing target, this client's requests on it now
+
+
+class OutputPoll(msgspec.Struct, kw_only=True):
+    """One poll's answer: the consumer's new deltas, and whether the replica can still serve. It crosses
+    the actor boundary as msgpack bytes (encode/decode): Ray would pickle the Structs one by one, and at
+    a few hundred deltas a step that pickling held the scheduler actor's GIL for milliseconds."""
+
+    outputs: list[RequestOutput] = []
+    healthy: bool = True
+    error: str | None = None
+    cache: CacheEvents | None = None  # prefix-cache changes since the consumer's last seen seq, when asked
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @staticmethod
+    def decode(raw: bytes) -> OutputPoll:
+        return msgspec.msgpack.decode(raw, type=OutputPoll)

@@ -30,7 +30,14 @@ from runtime.engine_client import EngineClient
 from runtime.errors import EngineUnavailableError, InvalidRequestError
 from runtime.managers.request_validation import RequestLimits, validate_request
 from runtime.mem_cache.block_hash import page_hashes
-from runtime.messages import GenerateRequest, ModeStats, RequestOutput, RoutingStats, SchedulerStats
+from runtime.messages import (
+    GenerateRequest,
+    ModeStats,
+    OutputPoll,
+    RequestOutput,
+    RoutingStats,
+    SchedulerStats,
+)
 from runtime.stream_delivery import deliver, next_output
 
 logger = logging.getLogger(__name__)
@@ -207,7 +214,8 @@ class RayEngineClient(EngineClient):
         wants_cache = self.policy.wants_page_hashes
         while not self._closing and self.groups[gi].generation == generation:
             try:
-                poll = await actor.poll.remote(self._consumer, 1.0, prefixes.seq if wants_cache else None)
+                poll = OutputPoll.decode(await actor.poll.remote(self._consumer, 1.0,
+                                                                  prefixes.seq if wants_cache else None))
             except Exception as e:
                 if not self._closing:
                     self._on_failure(gi, generation, self._failure_message(gi, e))

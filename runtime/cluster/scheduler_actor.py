@@ -17,30 +17,19 @@ import os
 import threading
 from typing import Any
 
-import msgspec
-
 from runtime.cluster.tp_rank import RankSpec, TpRank, endpoint
 from runtime.config import ServerArgs
 from runtime.errors import EngineUnavailableError
 from runtime.messages import (
-    CacheEvents,
     FinishReason,
     GenerateRequest,
+    OutputPoll,
     RequestOutput,
     SchedulerStats,
     WorkerInfo,
 )
 
 logger = logging.getLogger(__name__)
-
-
-class OutputPoll(msgspec.Struct, kw_only=True):
-    """One poll's answer: the consumer's new deltas, and whether the replica can still serve."""
-
-    outputs: list[RequestOutput] = []
-    healthy: bool = True
-    error: str | None = None
-    cache: CacheEvents | None = None  # prefix-cache changes since the consumer's last seen seq, when asked
 
 
 class SchedulerActor:
@@ -130,9 +119,9 @@ class SchedulerActor:
     async def abort(self, rid: str) -> None:
         self.host.abort(rid)
 
-    async def poll(self, consumer: str, timeout_s: float = 1.0, cache_seq: int | None = None) -> OutputPoll:
+    async def poll(self, consumer: str, timeout_s: float = 1.0, cache_seq: int | None = None) -> bytes:
         """Deltas for `consumer`'s requests; waits up to timeout_s for the first one. cache_seq: also the
-        prefix cache's changes since that log position (-1: a snapshot)."""
+        prefix cache's changes since that log position (-1: a snapshot). An encoded OutputPoll."""
         event = self._wakeups.setdefault(consumer, asyncio.Event())
         outputs = self._take(consumer)
         if not outputs and self.healthy():
@@ -151,7 +140,7 @@ class SchedulerActor:
         error = None if healthy else str(self.failed) if self.failed else "scheduler stopped"
         # Read after the outputs: a finished request's prefix is in the log before its last delta.
         cache = self.cache_events.since(cache_seq) if cache_seq is not None and self.cache_events else None
-        return OutputPoll(outputs=outputs, healthy=healthy, error=error, cache=cache)
+        return OutputPoll(outputs=outputs, healthy=healthy, error=error, cache=cache).encode()
 
     async def stats(self) -> SchedulerStats:
         return await asyncio.to_thread(self.host.stats)  # waits for the step in progress: off the loop

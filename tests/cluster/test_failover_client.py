@@ -13,9 +13,15 @@ from dataclasses import dataclass, field
 
 from runtime.cluster.ray_engine_client import RayEngineClient
 from runtime.cluster.routing import create_routing_policy
-from runtime.cluster.scheduler_actor import OutputPoll
 from runtime.config import ServerArgs
-from runtime.messages import FinishReason, GenerateRequest, RequestOutput, SchedulerStats, WorkerInfo
+from runtime.messages import (
+    FinishReason,
+    GenerateRequest,
+    OutputPoll,
+    RequestOutput,
+    SchedulerStats,
+    WorkerInfo,
+)
 from runtime.sampling.params import SamplingParams
 
 INFO = WorkerInfo(max_total_tokens=10000, max_reqs=64, context_len=1000, vocab_size=1000, eos_token_ids=[0],
@@ -52,7 +58,7 @@ class FakeScheduler:
         self.submitted.append(req)
         self.reqs[req.rid] = (req, list(req.resumed_output_ids))
 
-    async def _poll(self, consumer: str, timeout_s: float, cache_seq) -> OutputPoll:
+    async def _poll(self, consumer: str, timeout_s: float, cache_seq) -> bytes:
         await asyncio.sleep(0.01)
         self._check()
         outs = []
@@ -64,7 +70,7 @@ class FakeScheduler:
                                       completion_tokens=len(ids)))
             if done:
                 del self.reqs[rid]
-        return OutputPoll(outputs=outs)
+        return OutputPoll(outputs=outs).encode()
 
     async def _abort(self, rid: str) -> None:
         self.reqs.pop(rid, None)
