@@ -7,7 +7,8 @@ than the indirect gather). Online softmax over both parts, fp32 accumulators. Wi
 token at position p sees keys at positions p - W + 1 .. p (as HF's sliding-window mask); blocks wholly
 before that are skipped. FP8 KV buffers (float8_e4m3fn, one static scale each for K and V) are widened
 to q's dtype as the prefix is read: the K scale joins the softmax scale of the prefix part, V tiles are
-scaled as they load. The new tokens come from the projections and are never quantized here.
+scaled as they load. The new tokens' k/v are used as given (an FP8 caller passes them dequantized
+from the pool, so they match what every later read of the pool returns).
 """
 
 from __future__ import annotations

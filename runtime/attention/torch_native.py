@@ -7,9 +7,11 @@ decode rows or one-token chunks inside EXTEND/MIXED batches) and multi-token ext
   matmul in paged_sdpa.decode_attention);
 - extend rows: torch's CPU flash kernel per request (causal, prefix merged by log-sum-exp, sliding
   windows in bounded chunks: runtime/attention/paged_sdpa.py).
-K/V of the new tokens are stored first, with index_copy_ (a plain scatter, no index_put bookkeeping);
-an FP8 pool stores them quantized (kv_quant) and every read of the pool dequantizes, while a request's
-own new tokens are used unquantized within their extend, as the Triton extend kernel does."""
+K/V of the new tokens are stored first, with index_copy_ (a plain scatter, no index_put bookkeeping).
+An FP8 pool stores them quantized (kv_quant) and attention sees every key and value as the pool holds it
+(stored * scale), a request's own new tokens included: so an output does not depend on whether a token
+was computed in this extend, an earlier chunk, a cached prefix or a decode step, and all backends agree
+(FlashInfer's paged prefill reads the new tokens from the pool; the Triton backend passes them so)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from kernels import cpu_decode_attention
 from runtime.attention import paged_sdpa
 from runtime.attention.base import AttentionBackend
 from runtime.attention.spec import AttentionSpec
-from runtime.mem_cache.kv_quant import quantize_kv, store_rows
+from runtime.mem_cache.kv_quant import dequantize_kv, quantize_kv, store_rows
 
 if TYPE_CHECKING:
     from runtime.layers.attention import Attention
@@ -104,9 +106,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         pool = fb.token_to_kv_pool
         k_buf, v_buf = pool.get_kv(layer.layer_id)
         if pool.is_fp8:
-            k3, v3 = k.reshape(-1, hkv, d).to(q.dtype), v.reshape(-1, hkv, d).to(q.dtype)
-            store_rows(k_buf, fb.out_cache_loc, quantize_kv(k3, pool.k_scale, k_buf.dtype))
-            store_rows(v_buf, fb.out_cache_loc, quantize_kv(v3, pool.v_scale, v_buf.dtype))
+            k8 = quantize_kv(k.reshape(-1, hkv, d).to(q.dtype), pool.k_scale, k_buf.dtype)
+            v8 = quantize_kv(v.reshape(-1, hkv, d).to(q.dtype), pool.v_scale, v_buf.dtype)
+            store_rows(k_buf, fb.out_cache_loc, k8)
+            store_rows(v_buf, fb.out_cache_loc, v8)
+            # The new tokens attend to their own K/V as stored, like every later read (module docstring).
+            k3, v3 = dequantize_kv(k8, pool.k_scale, q.dtype), dequantize_kv(v8, pool.v_scale, q.dtype)
         else:
             k3 = k.reshape(-1, hkv, d).to(k_buf.dtype)
             v3 = v.reshape(-1, hkv, d).to(v_buf.dtype)

@@ -3,7 +3,8 @@
 EXTEND and MIXED batches run extend_attention_fwd (a decode request inside a MIXED batch is an extend
 request with one new token); DECODE runs the split-KV decode_attention_fwd. K/V are stored with
 store_kv before attention (quantized when the pool stores FP8; the kernels read it back with the pool's
-scales). The decode scratch buffer is allocated once, for the largest batch the
+scales). With FP8 the extend kernel gets the new tokens' K/V read back from the pool too (one small
+gather + dequantize per layer), so they attend to themselves exactly as any later step will see them. The decode scratch buffer is allocated once, for the largest batch the
 runner can hold, so eager steps allocate nothing and a captured CUDA graph always sees the same buffer."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from kernels.extend_attention import extend_attention_fwd
 from kernels.kv_store import store_kv
 from runtime.attention.base import AttentionBackend
 from runtime.attention.spec import AttentionSpec
+from runtime.mem_cache.kv_quant import dequantize_kv, gather_rows
 
 if TYPE_CHECKING:
     from runtime.layers.attention import Attention
@@ -63,6 +65,10 @@ class TritonAttnBackend(AttentionBackend):
 
     def forward_extend(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
         k3, v3, k_buf, v_buf = self._store(k, v, layer, fb)
+        pool = fb.token_to_kv_pool
+        if pool.is_fp8:  # the new tokens as the pool holds them, as every later read (and torch_native) sees them
+            k3 = dequantize_kv(gather_rows(k_buf, fb.out_cache_loc), pool.k_scale, q.dtype)
+            v3 = dequantize_kv(gather_rows(v_buf, fb.out_cache_loc), pool.v_scale, q.dtype)
         q3 = q.view(-1, layer.num_heads, layer.head_dim)
         o = torch.empty((q3.shape[0], layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
         extend_attention_fwd(q3, k3, v3, o, k_buf, v_buf, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
