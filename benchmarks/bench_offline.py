@@ -128,6 +128,7 @@ def run_throughput(engine: Any, args: argparse.Namespace, config: dict[str, Any]
         "forward_modes": modes,
         # Share of the run the device sat idle between batches (CUDA events; None on CPU).
         "device_idle_fraction": max(0.0, 1.0 - busy / duration) if busy > 0 else None,
+        "max_total_tokens": getattr(engine.get_stats(), "max_total_tokens", None),  # KV pool size in tokens
     }
 
 

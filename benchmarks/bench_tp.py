@@ -70,17 +70,25 @@ def measure(client: Any, ns: argparse.Namespace, prompt: list[int]) -> dict[str,
             rid=f"{tag}-{j}-{time.time_ns()}", input_ids=prompt, sampling_params=params)) for j in range(bs)))
 
     for bs in ns.batch:
-        steps = []
+        steps, idle = [], []
         for i in range(ns.repeats + 1):  # the first run warms up (and captures graphs of this size)
+            before = asyncio.run(client.stats()).device_busy_s
+            t0 = time.perf_counter()
             runs = asyncio.run(burst(f"b{bs}-{i}", bs))
+            wall = time.perf_counter() - t0
+            busy = asyncio.run(client.stats()).device_busy_s - before
             if i == 0:
                 out.setdefault("tokens", runs[0][0])
                 continue
             gaps = sorted((st[-1] - st[1]) / (len(st) - 2) for _ids, st in runs)
             steps.append(gaps[len(gaps) // 2])
+            idle.append(max(0.0, 1.0 - busy / wall) if busy > 0 else None)
         step = sorted(steps)[len(steps) // 2]
         out[f"decode_step_ms_bs{bs}"] = 1000 * step
         out[f"decode_step_ms_bs{bs}_each"] = [1000 * s for s in steps]
+        # Rank 0's device idle share over the burst (prefill included): a follower that lags shows here
+        # as rank 0's all-reduces waiting, i.e. as busy time, not idle; host-side gaps show as idle.
+        out[f"device_idle_fraction_bs{bs}"] = idle
     return out
 
 
@@ -138,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             client = create_ray_engine_client(ServerArgs(**base, tp_size=tp, use_ray=True))
             startup = time.perf_counter() - t0
             try:
-                results[f"ray_tp{tp}"] = measure(client, ns, prompt) | {"startup_s": startup}
+                results[f"ray_tp{tp}"] = measure(client, ns, prompt) | {"startup_s": startup,
+                                                                        "all_reduce": client.groups[0].info.all_reduce}
                 if tp == 1 and ns.num_prompts:
                     results["ray_tp1"]["throughput"] = throughput(client, ns)
             finally:

@@ -91,6 +91,29 @@ def make_model_folder(name_or_path: str, folder: Path) -> Path:
     return folder
 
 
+def make_vocab_tokenizer(folder: Path, vocab_size: int, config: dict[str, Any] | None = None) -> Path:
+    """Saves a word-level tokenizer in which every id of a `vocab_size` model decodes to a short word
+    (" w123"), with the config's BOS/EOS ids as special tokens and a ChatML template. A dummy-weight
+    model samples ids across its whole vocab: with a small test tokenizer most of them decode to nothing,
+    streams then carry no content until the end, and TTFT/ITL read at the client mean nothing."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = {i: f"<|special_{i}|>" for i in special_token_ids(config or {})}
+    vocab = {specials.get(i, f"\u2581w{i}"): i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=specials.get(0, "\u2581w0")))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    eos = (config or {}).get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) else eos
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=specials.get(eos) if eos is not None else None)
+    fast.add_special_tokens({"additional_special_tokens": list(specials.values())})
+    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast.save_pretrained(folder)
+    return folder
+
+
 def load_model_config(name_or_path: str) -> dict[str, Any]:
     return json.loads(resolve_model_config(name_or_path).read_text())
 

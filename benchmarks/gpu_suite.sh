@@ -11,18 +11,7 @@ mkdir -p "$out"
 M=Llama-3.1-8B-Instruct
 OFF="python -m benchmarks.bench_offline --model-config $M"
 run() { echo "=== $*"; "$@" 2>&1 | grep -v "Loading\|it/s\]" | tail -${TAIL:-25}; }
-serve_bench() {  # NAME [extra shoal serve flags]: bench_serving 462/256 x 500 against a live server
-  local name=$1; shift
-  dir=$(mktemp -d) && python -c "import sys,shutil; sys.path[:0]=['benchmarks','tests']; from common import resolve_model_config as r; from tiny_models import make_tokenizer as t; shutil.copy(r('$M'), '$dir/config.json'); t(__import__('pathlib').Path('$dir'))"
-  python -m runtime serve --model-path "$dir" --load-format dummy --dtype bfloat16 --port 30000 \
-    --cuda-graph-max-bs 256 --max-running-requests 512 "$@" > "$out/server_$name.log" 2>&1 &
-  local pid=$!
-  for i in $(seq 180); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
-  run timeout 150 python -m benchmarks.bench_serving --base-url http://127.0.0.1:30000 --model-config $M \
-    --num-prompts 500 --random-input-len 462 --random-output-len 256 --random-range-ratio 1.0 \
-    --max-concurrency 500 --disable-tqdm --output-file "$out/serving_llama8b_462x256_$name.json"
-  kill -INT $pid; wait $pid
-}
+. benchmarks/serve_bench.sh
 if [ "$part" = part1 ]; then
   TAIL=12 run timeout 240 python -m pytest tests/gpu -q -x --ignore=tests/gpu/test_ray_tp_gpu.py -p no:cacheprovider
   run timeout 100 $OFF --batch1-decode --output-file "$out/llama8b_batch1_overlap.json"

@@ -11,20 +11,7 @@ mkdir -p "$out"
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 M=Llama-3.1-8B-Instruct
 run() { echo "=== $*"; "$@" 2>&1 | grep -v "Loading\|it/s\]\|WARNING\|blocking ray.get\|^\s*$" | tail -${TAIL:-30}; }
-serve_bench() {  # NAME [extra shoal serve flags]: 462/256 x 500 at once, then TTFT at concurrency 1
-  local name=$1; shift
-  dir=$(mktemp -d) && python -c "import sys,shutil; sys.path[:0]=['benchmarks','tests']; from common import resolve_model_config as r; from tiny_models import make_tokenizer as t; shutil.copy(r('$M'), '$dir/config.json'); t(__import__('pathlib').Path('$dir'))"
-  python -m runtime serve --model-path "$dir" --load-format dummy --dtype bfloat16 --port 30000 \
-    --cuda-graph-max-bs 256 --max-running-requests 512 "$@" > "$out/server_$name.log" 2>&1 &
-  local pid=$!
-  for i in $(seq 240); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
-  B="python -m benchmarks.bench_serving --base-url http://127.0.0.1:30000 --model-config $M --disable-tqdm"
-  TAIL=14 run timeout 150 $B --num-prompts 500 --random-input-len 462 --random-output-len 256 \
-    --random-range-ratio 1.0 --max-concurrency 500 --output-file "$out/serving_462x256_$name.json"
-  TAIL=14 run timeout 60 $B --num-prompts 24 --random-input-len 462 --random-output-len 4 --random-range-ratio 1.0 \
-    --max-concurrency 1 --output-file "$out/serving_ttft_c1_$name.json"
-  kill -INT $pid; wait $pid
-}
+. benchmarks/serve_bench.sh
 if [ "$part" = part1 ]; then
   TAIL=15 run timeout 240 python -m pytest -q -x tests/gpu/test_ray_tp_gpu.py tests/gpu/test_symm_mem_all_reduce_gpu.py \
     -p no:cacheprovider

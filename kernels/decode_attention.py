@@ -6,6 +6,8 @@ each K/V row is read once per group instead of once per query head. Stage 2 merg
 log-sum-exps. Every size the launch depends on is known on the host without reading device memory, so the
 whole call can be captured in a CUDA graph and replayed with new `seq_lens`/`req_to_token` contents.
 With a sliding window W the query sees only the last W tokens; the splits then cover just those.
+FP8 KV buffers (float8_e4m3fn, one static scale each for K and V) are widened to q's dtype tile by
+tile; the K scale is folded into the softmax scale and the V scale into each split's output.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def _decode_stage1_kernel(
     Seq_Lens,
     Mid,
     qk_scale,
+    v_scale,
     stride_qb,
     stride_qh,
     stride_kbs,
@@ -51,6 +54,7 @@ def _decode_stage1_kernel(
     BLOCK_N: tl.constexpr,
     MIN_BLOCK_KV: tl.constexpr,
     WINDOW: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     cur_batch = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -92,6 +96,8 @@ def _decode_stage1_kernel(
                 mask=mask_n[None, :] & mask_d[:, None],
                 other=0.0,
             )
+            if KV_FP8:
+                k = k.to(q.dtype)
             # Scores are kept in the log2 domain (scale includes log2(e)) so exp2 can be used throughout.
             qk = tl.dot(q, k) * qk_scale
             qk = tl.where(mask_h[:, None] & mask_n[None, :], qk, float("-inf"))
@@ -100,6 +106,8 @@ def _decode_stage1_kernel(
                 mask=mask_n[:, None] & mask_d[None, :],
                 other=0.0,
             )
+            if KV_FP8:
+                v = v.to(q.dtype)
             new_max = tl.maximum(tl.max(qk, 1), e_max)
             # Padded head rows stay at -inf; subtracting a finite stand-in keeps them at 0 instead of NaN.
             safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -113,7 +121,7 @@ def _decode_stage1_kernel(
         mid_offs = cur_batch * stride_mid_b + offs_h * stride_mid_h + split_id * stride_mid_s
         tl.store(
             Mid + mid_offs[:, None] + offs_d[None, :],
-            acc / safe_sum[:, None],
+            acc / safe_sum[:, None] * v_scale,
             mask=mask_h[:, None] & mask_d[None, :],
         )
         tl.store(Mid + mid_offs + HEAD_DIM, e_max + tl.log2(safe_sum), mask=mask_h)
@@ -188,9 +196,11 @@ def decode_attention_fwd(
     num_kv_splits: int = 8,
     attn_logits: torch.Tensor | None = None,
     sliding_window: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Writes into `o` [B, Hq, D] the attention of q [B, Hq, D] over each request's first seq_lens[b]
-    tokens (only the last `sliding_window` of them when > 0). `attn_logits` is an optional
+    tokens (only the last `sliding_window` of them when > 0). FP8 buffers are read as stored * scale. `attn_logits` is an optional
     [>=B, Hq, num_kv_splits, D+1] fp32 workspace (pass a fixed one when capturing CUDA graphs to keep
     allocations out of the graph's pool)."""
     batch, num_heads, head_dim = q.shape
@@ -209,13 +219,15 @@ def decode_attention_fwd(
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
 
+    kv_fp8 = k_buffer.element_size() == 1
     block_h = max(_MIN_BLOCK_H, triton.next_power_of_2(min(kv_group, _MIN_BLOCK_H)))
     blocks_per_group = triton.cdiv(kv_group, block_h)
     block_d = triton.next_power_of_2(head_dim)
     grid1 = (batch, num_kv_heads * blocks_per_group, num_kv_splits)
     _decode_stage1_kernel[grid1](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits,
-        sm_scale * _LOG2E,
+        sm_scale * _LOG2E * (k_scale if kv_fp8 else 1.0),
+        v_scale if kv_fp8 else 1.0,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
@@ -231,6 +243,7 @@ def decode_attention_fwd(
         BLOCK_N=32 if block_d > 128 else 64,
         MIN_BLOCK_KV=_MIN_BLOCK_KV,
         WINDOW=max(sliding_window, 0),
+        KV_FP8=kv_fp8,
         num_warps=4,
         num_stages=2,
     )
@@ -256,9 +269,11 @@ def decode_attention_ref(
     seq_lens: torch.Tensor,
     sm_scale: float,
     sliding_window: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Plain per-request softmax attention in fp32 (over the last sliding_window tokens when > 0);
-    returns o [B, Hq, D] in q's dtype."""
+    returns o [B, Hq, D] in q's dtype. FP8 buffers are read as stored * scale."""
     batch, num_heads, head_dim = q.shape
     kv_group = num_heads // k_buffer.shape[1]
     o = torch.zeros_like(q)
@@ -268,8 +283,9 @@ def decode_attention_ref(
             continue
         first = max(0, n - sliding_window) if sliding_window > 0 else 0
         slots = req_to_token[int(req_pool_indices[b]), first:n].long()
-        k = k_buffer[slots].float().repeat_interleave(kv_group, dim=1)  # [n, Hq, D]
-        v = v_buffer[slots].float().repeat_interleave(kv_group, dim=1)
+        fp8 = k_buffer.element_size() == 1
+        k = (k_buffer[slots].float() * (k_scale if fp8 else 1.0)).repeat_interleave(kv_group, dim=1)  # [n, Hq, D]
+        v = (v_buffer[slots].float() * (v_scale if fp8 else 1.0)).repeat_interleave(kv_group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * sm_scale
         o[b] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), v).to(q.dtype)
     return o

@@ -5,7 +5,10 @@ The prefix K/V is gathered from the paged buffers through req_to_token; the new 
 projection outputs directly (it is also already in the buffers, but reading it contiguously is cheaper
 than the indirect gather). Online softmax over both parts, fp32 accumulators. With a sliding window W a
 token at position p sees keys at positions p - W + 1 .. p (as HF's sliding-window mask); blocks wholly
-before that are skipped.
+before that are skipped. FP8 KV buffers (float8_e4m3fn, one static scale each for K and V) are widened
+to q's dtype as the prefix is read: the K scale joins the softmax scale of the prefix part, V tiles are
+scaled as they load. The new tokens' k/v are used as given (an FP8 caller passes them dequantized
+from the pool, so they match what every later read of the pool returns).
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ def _extend_kernel(
     Prefix_Lens,
     Extend_Start_Loc,
     qk_scale,
+    prefix_qk_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -63,6 +68,7 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     cur_batch = tl.program_id(0)
     cur_head = tl.program_id(1)
@@ -103,7 +109,9 @@ def _extend_kernel(
                 mask=mask_n[None, :] & mask_d[:, None],
                 other=0.0,
             )
-            qk = tl.dot(q, k) * qk_scale
+            if KV_FP8:
+                k = k.to(q.dtype)
+            qk = tl.dot(q, k) * prefix_qk_scale
             visible = mask_n[None, :]
             if WINDOW > 0:
                 visible = visible & (offs_n[None, :] > (prefix_len + offs_m)[:, None] - WINDOW)
@@ -113,6 +121,8 @@ def _extend_kernel(
                 mask=mask_n[:, None] & mask_d[None, :],
                 other=0.0,
             )
+            if KV_FP8:
+                v = (v.to(tl.float32) * v_scale).to(q.dtype)
             acc, l_i, m_i = _online_softmax_step(qk, v, acc, l_i, m_i)
 
         # Part 2: the new tokens, causal; keys past this query block's last row are never visible.
@@ -163,8 +173,10 @@ def extend_attention_fwd(
     max_extend_len: int,
     sm_scale: float,
     sliding_window: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Writes into `o` [T, Hq, D]. q/k/v [T, H*, D] hold request b's new tokens at rows
+    """Writes into `o` [T, Hq, D]. FP8 buffers are read as stored * scale. q/k/v [T, H*, D] hold request b's new tokens at rows
     extend_start_loc[b] .. + seq_lens[b] - prefix_lens[b]; `max_extend_len` (a host int) sizes the grid."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -177,6 +189,7 @@ def extend_attention_fwd(
     if num_tokens == 0 or batch == 0 or max_extend_len <= 0:
         return
 
+    kv_fp8 = k_buffer.element_size() == 1
     block_d = triton.next_power_of_2(head_dim)
     if block_d <= 128:
         block_m, block_n, num_warps = 64, 64, 4
@@ -187,6 +200,8 @@ def extend_attention_fwd(
         q, k, v, o, k_buffer, v_buffer,
         req_to_token, req_pool_indices, seq_lens, prefix_lens, extend_start_loc,
         sm_scale * _LOG2E,
+        sm_scale * _LOG2E * (k_scale if kv_fp8 else 1.0),
+        v_scale,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1),
         v.stride(0), v.stride(1),
@@ -200,6 +215,7 @@ def extend_attention_fwd(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         WINDOW=max(sliding_window, 0),
+        KV_FP8=kv_fp8,
         num_warps=num_warps,
         num_stages=1,
     )
@@ -218,8 +234,10 @@ def extend_attention_ref(
     extend_start_loc: torch.Tensor,
     sm_scale: float,
     sliding_window: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Per request: keys = cached prefix (from the buffers) + new tokens (from k/v), causal over the new
+    """FP8 buffers are read as stored * scale. Per request: keys = cached prefix (from the buffers) + new tokens (from k/v), causal over the new
     part (and within the last sliding_window positions when > 0), softmax in fp32. Returns o [T, Hq, D]
     in q's dtype."""
     num_heads = q.shape[1]
@@ -231,8 +249,11 @@ def extend_attention_ref(
         if n_new <= 0:
             continue
         slots = req_to_token[int(req_pool_indices[b]), :prefix].long()
-        keys = torch.cat([k_buffer[slots], k[start:start + n_new]]).float().repeat_interleave(kv_group, dim=1)
-        vals = torch.cat([v_buffer[slots], v[start:start + n_new]]).float().repeat_interleave(kv_group, dim=1)
+        fp8 = k_buffer.element_size() == 1
+        k_pre = k_buffer[slots].float() * (k_scale if fp8 else 1.0)
+        v_pre = v_buffer[slots].float() * (v_scale if fp8 else 1.0)
+        keys = torch.cat([k_pre, k[start:start + n_new].float()]).repeat_interleave(kv_group, dim=1)
+        vals = torch.cat([v_pre, v[start:start + n_new].float()]).repeat_interleave(kv_group, dim=1)
         scores = torch.einsum("mhd,nhd->hmn", q[start:start + n_new].float(), keys) * sm_scale
         # New token i sits at position prefix + i and sees keys 0 .. prefix + i.
         pos_q = (prefix + torch.arange(n_new))[:, None]

@@ -33,7 +33,12 @@ def main(argv: list[str] | None = None) -> int:
             from runtime.entrypoints.engine_factory import create_engine_client, runs_in_process
             from runtime.gateway.server import run_server
 
-            run_server(args, lambda: create_engine_client(args), in_process=runs_in_process(args))
+            if runs_in_process(args):
+                run_server(args, lambda: create_engine_client(args), in_process=True)
+            else:  # on Ray the gateway is an actor too (routing, admission and failover live with it)
+                from runtime.entrypoints.gateway_launcher import serve_gateway_actor
+
+                serve_gateway_actor(args)
             return 0
         from runtime.engine import Engine
 

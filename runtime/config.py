@@ -27,7 +27,12 @@ class ServerArgs:
     context_length: int | None = _opt(None, "max tokens of prompt + output; default: the model's max_position_embeddings")
     device: str = _opt("auto", "auto picks cuda when available", ("auto", "cpu", "cuda"))
     random_seed: int = _opt(0, "seed for dummy weights and for requests without a seed")
+    quantization: str | None = _opt(None, "fp8: quantize a bf16/fp16 checkpoint's linear weights to FP8 at load "
+                                          "(per-channel); FP8 checkpoints are detected from config.json", ("fp8",))
     # Memory and batching
+    kv_cache_dtype: str = _opt("auto", "KV cache storage: auto = the model dtype; fp8_e4m3 halves the bytes per token",
+                               ("auto", "fp8_e4m3"))
+    kv_cache_scale: float = _opt(1.0, "fp8_e4m3 KV cache: one static scale for every layer's K and V (stored = x / scale)")
     max_total_tokens: int | None = _opt(None, "KV pool size in tokens (CPU default 16384; GPU: from --mem-fraction-static)")
     mem_fraction_static: float = _opt(0.85, "fraction of GPU memory for weights + KV pool")
     max_running_requests: int = _opt(256, "most requests decoding at once")
@@ -46,7 +51,7 @@ class ServerArgs:
     disable_overlap_schedule: bool = _opt(False, "prepare the next batch only after the current one finishes")
     # Speculative decoding (runtime/speculative): drafts checked by one TARGET_VERIFY forward per step
     speculative_algorithm: str | None = _opt(None, "NGRAM: drafts from the request's own prompt and output; "
-                                                   "STANDALONE: a small draft model", (None, "NGRAM", "STANDALONE"))
+                                                   "STANDALONE: a small draft model", ("NGRAM", "STANDALONE"))
     speculative_draft_model_path: str | None = _opt(None, "draft model folder for STANDALONE (same vocabulary)")
     speculative_num_draft_tokens: int = _opt(4, "draft tokens checked per request per step (K)")
     speculative_ngram_min_match_window_size: int = _opt(1, "NGRAM: shortest suffix matched in the request's tokens")
@@ -62,7 +67,12 @@ class ServerArgs:
                                    "(the default on CPU)")
     address: str | None = _opt(None, "Ray cluster address ('auto' joins a running one); default: start a local one")
     placement: str = _opt("pack", "placement of a replica's TP ranks across nodes", ("pack", "spread"))
-    routing_policy: str = _opt("round_robin", "gateway routing across replicas", ("round_robin", "least_load", "prefix_hash"))
+    routing_policy: str = _opt("cache_aware", "gateway routing across replicas (cache_aware: where the longest "
+                                              "prefix is cached, per the replicas' own radix caches)",
+                               ("cache_aware", "round_robin", "least_load", "prefix_hash"))
+    balance_abs_threshold: int = _opt(32, "cache_aware: past this many more requests in flight than the least "
+                                          "loaded replica (and --balance-rel-threshold times as many), route by load")
+    balance_rel_threshold: float = _opt(1.5, "cache_aware: the relative half of that imbalance test")
     # HTTP
     host: str = _opt("127.0.0.1", "HTTP host")
     port: int = _opt(30000, "HTTP port")
@@ -70,12 +80,17 @@ class ServerArgs:
     max_request_bytes: int = _opt(8 * 1024 * 1024, "largest accepted request body")
     max_n: int = _opt(16, "largest n (choices per request)")
     max_concurrent_requests: int | None = _opt(None, "most requests in flight (each choice counts); past it a new one gets 429")
+    max_queue_wait_s: float = _opt(30.0, "refuse a request (429 + Retry-After) when its estimated wait in the "
+                                         "queue (from waiting tokens, free KV and recent rates) exceeds this")
+    max_waiting_requests: int = _opt(4096, "refuse a request (429 + Retry-After) when more requests than this "
+                                           "already wait to be scheduled")
     log_level: str = _opt("info", "log level", ("debug", "info", "warning", "error"))
     log_interval_s: float = _opt(10.0, "seconds between scheduler stats log lines")
 
     def __post_init__(self) -> None:
-        positive = ("mem_fraction_static", "max_running_requests", "max_prefill_tokens", "tp_size", "dp_size",
-                    "cuda_graph_max_bs", "max_request_bytes", "max_n", "init_new_token_ratio")
+        positive = ("kv_cache_scale", "mem_fraction_static", "max_running_requests", "max_prefill_tokens", "tp_size",
+                    "dp_size", "cuda_graph_max_bs", "max_request_bytes", "max_n", "init_new_token_ratio",
+                    "max_queue_wait_s", "max_waiting_requests", "balance_rel_threshold")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ServerArgsError(_flag(name), f"must be positive, got {getattr(self, name)}")
@@ -87,15 +102,16 @@ class ServerArgs:
             raise ServerArgsError("--mem-fraction-static", f"must be in (0, 1], got {self.mem_fraction_static}")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ServerArgsError("--chunked-prefill-size", f"must be -1 (off) or positive, got {self.chunked_prefill_size}")
+        if self.balance_abs_threshold < 0:
+            raise ServerArgsError("--balance-abs-threshold", f"must be >= 0, got {self.balance_abs_threshold}")
         if not 0 < self.port < 65536:
             raise ServerArgsError("--port", f"must be in 1..65535, got {self.port}")
         if not 0.0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0:
             raise ServerArgsError("--min-new-token-ratio", "need 0 <= min ratio <= init ratio <= 1")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
-                raise ServerArgsError(_flag(f.name), f"must be one of {', '.join(str(c) for c in choices if c)}, "
-                                                    f"got {getattr(self, f.name)!r}")
+            if choices and getattr(self, f.name) not in (*choices, f.default):  # None: an optional flag left out
+                raise ServerArgsError(_flag(f.name), f"must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}")
         if self.chat_template is not None:
             read_chat_template(self.chat_template)  # before any weights load: a bad one names the flag now
         if self.in_process and self.uses_ray:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
-from runtime.messages import GenerateRequest, RequestOutput, SchedulerStats
+from runtime.messages import GenerateRequest, RequestOutput, RoutingStats, SchedulerStats
 
 
 class EngineClient(ABC):
@@ -37,3 +37,7 @@ class EngineClient(ABC):
     @abstractmethod
     async def stats(self) -> SchedulerStats:
         """Summed over replicas."""
+
+    def routing_stats(self) -> RoutingStats | None:
+        """Routing and failover counters of a client over several replicas; None for one engine."""
+        return None

@@ -44,6 +44,17 @@ class WeightLoadError(ShoalError, RuntimeError):
     """A checkpoint file or tensor is missing or has the wrong shape."""
 
 
+class UnsupportedQuantizationError(WeightLoadError):
+    """A checkpoint's quantization layout (config.json quantization_config) that Shoal cannot load."""
+
+    def __init__(self, layout: str, detail: str = ""):
+        self.layout = layout
+        super().__init__(f"unsupported quantization layout {layout!r}" + (f": {detail}" if detail else "")
+                         + "; Shoal loads fp8 checkpoints in the compressed-tensors (float-quantized, channel or "
+                           "tensor weight scales) and fbgemm_fp8 layouts, or quantizes bf16/fp16 ones with "
+                           "--quantization fp8")
+
+
 class DoubleFreeError(ShoalError, RuntimeError):
     """A KV or request slot was freed twice: an accounting bug, never a user error."""
 

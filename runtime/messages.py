@@ -18,6 +18,10 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     # prompt is scored the same way (whole, never from the prefix cache) and OpenAI lists both.
     input_top_logprobs_num: int = 0
     arrival_time: float = 0.0
+    # Failover: output tokens this request already produced (and streamed) on a replica that died. The
+    # scheduler starts it as if retracted with them (sampling positions, penalties, stop checks and
+    # max_new_tokens all count them) and streams only what comes after.
+    resumed_output_ids: list[int] = []
 
 
 class FinishReason(msgspec.Struct, frozen=True):
@@ -152,6 +156,7 @@ class BatchResult(msgspec.Struct, kw_only=True):
 class ModeStats(msgspec.Struct):
     batches: int = 0
     tokens: int = 0
+    time_s: float = 0.0  # forward time of those batches: tokens / time_s is the mode's recent rate
 
 
 class SchedulerStats(msgspec.Struct, kw_only=True):
@@ -169,6 +174,9 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     waiting_tokens: int = 0  # prompt tokens still to prefill; least_load routing uses it
     device_busy_s: float = 0.0  # summed device time of all batches: 1 - busy/wall is the idle fraction
     overlap: bool = False  # overlap scheduling on (the worker runs asynchronously)
+    max_running_reqs: int = 0  # the running-batch cap (admission estimates a full batch's wait)
+    remaining_decode_tokens: int = 0  # running requests' max_new_tokens still to go (an upper bound)
+    waiting_decode_tokens: int = 0  # the same for waiting requests
     spec_verify_reqs: int = 0  # request-steps of TARGET_VERIFY batches with at least one draft
     spec_draft_tokens: int = 0  # drafts proposed in them
     spec_accepted_tokens: int = 0  # drafts accepted
@@ -201,3 +209,44 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     eos_token_ids: list[int]
     attention_backend: str
     device: str
+    all_reduce: str = "none"  # the TP all-reduce in use (ParallelGroup.all_reduce_kind)
+
+
+class CacheEvents(msgspec.Struct, kw_only=True):
+    """What a replica's prefix cache stored and dropped since sequence number `since`, as chained hashes
+    of full token pages (runtime.mem_cache.block_hash): a gateway keeps the set and routes on it.
+    snapshot=True: `stored` is the whole current set (the consumer was too far behind, or new)."""
+
+    seq: int  # the log position this brings the consumer to
+    stored: list[int] = []
+    removed: list[int] = []
+    snapshot: bool = False
+
+
+class RoutingStats(msgspec.Struct, kw_only=True):
+    """A multi-replica client's routing and failover counters (the gateway's /metrics shows them)."""
+
+    failovers: int = 0  # in-flight requests moved to another replica when theirs died
+    failover_errors: int = 0  # in-flight requests that could not move (no healthy replica)
+    restarts: int = 0  # replica relaunches
+    cache_routed: int = 0  # cache_aware decisions the prefix cache made
+    load_routed: int = 0  # cache_aware decisions load made (no better prefix, or too imbalanced)
+    inflight: list[int] = []  # per routing target, this client's requests on it now
+
+
+class OutputPoll(msgspec.Struct, kw_only=True):
+    """One poll's answer: the consumer's new deltas, and whether the replica can still serve. It crosses
+    the actor boundary as msgpack bytes (encode/decode): Ray would pickle the Structs one by one, and at
+    a few hundred deltas a step that pickling held the scheduler actor's GIL for milliseconds."""
+
+    outputs: list[RequestOutput] = []
+    healthy: bool = True
+    error: str | None = None
+    cache: CacheEvents | None = None  # prefix-cache changes since the consumer's last seen seq, when asked
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @staticmethod
+    def decode(raw: bytes) -> OutputPoll:
+        return msgspec.msgpack.decode(raw, type=OutputPoll)

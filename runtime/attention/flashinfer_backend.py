@@ -3,6 +3,8 @@
 Each KV slot is one page (page size 1): the [slots, Hkv, D] buffers are viewed as [slots, 1, Hkv, D]
 NHD pages, and a request's page list is its req_to_token row, copied into a flat kv_indices array by a
 small Triton kernel. Wrappers are planned once per batch (init_forward_metadata), never per layer.
+An FP8 pool (spec.kv_dtype float8_e4m3fn) is planned with that kv_data_type and run with the pool's
+static k_scale/v_scale, which flashinfer applies as it reads.
 flashinfer is imported lazily here only: CPU installs do not have it."""
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
         self.head_dim, self.sm_scale = spec.head_dim, spec.scaling
         self.dtype: torch.dtype = spec.dtype
+        self.kv_dtype: torch.dtype = spec.kv_dtype or spec.dtype
         # Tensor-core decode reads each KV row once per query-head group; it wins as soon as heads share KV.
         self.use_tensor_cores = self.num_heads // self.num_kv_heads > 1
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
@@ -111,23 +114,25 @@ class FlashInferAttnBackend(AttentionBackend):
         self.prefill_wrapper.plan(
             _indptr(fb.extend_seq_lens_cpu), kv_indptr_cpu, kv_indices, last_page_len,
             self.num_heads, self.num_kv_heads, self.head_dim, 1, causal=True, sm_scale=self.sm_scale,
-            q_data_type=self.dtype, kv_data_type=self.dtype)
+            q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         self._wrapper = self.prefill_wrapper
 
     def _plan_decode(self, wrapper: Any, kv_indptr_cpu: torch.Tensor, kv_indices: torch.Tensor,
                      last_page_len: torch.Tensor) -> None:
         wrapper.plan(kv_indptr_cpu, kv_indices, last_page_len, self.num_heads, self.num_kv_heads,
                      self.head_dim, 1, pos_encoding_mode="NONE", sm_scale=self.sm_scale,
-                     q_data_type=self.dtype, kv_data_type=self.dtype)
+                     q_data_type=self.dtype, kv_data_type=self.kv_dtype)
 
     def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
              fb: ForwardBatch) -> torch.Tensor:
-        k_buf, v_buf = fb.token_to_kv_pool.get_kv(layer.layer_id)
+        pool = fb.token_to_kv_pool
+        k_buf, v_buf = pool.get_kv(layer.layer_id)
         store_kv(k_buf, v_buf, fb.out_cache_loc, k.view(-1, layer.num_kv_heads, layer.head_dim),
-                 v.view(-1, layer.num_kv_heads, layer.head_dim))
+                 v.view(-1, layer.num_kv_heads, layer.head_dim), pool.k_scale, pool.v_scale)
         q3 = q.reshape(-1, layer.num_heads, layer.head_dim)
         o = torch.empty_like(q3, memory_format=torch.contiguous_format)
-        self._wrapper.run(q3, (k_buf.unsqueeze(1), v_buf.unsqueeze(1)), out=o)
+        scales = {"k_scale": pool.k_scale, "v_scale": pool.v_scale} if pool.is_fp8 else {}
+        self._wrapper.run(q3, (k_buf.unsqueeze(1), v_buf.unsqueeze(1)), out=o, **scales)
         return o.view(-1, layer.num_heads * layer.head_dim)
 
     def forward_extend(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:

@@ -7,12 +7,15 @@ it runs two calls whose softmaxes are merged by their log-sum-exp: new queries o
 visible, no mask) and over the new keys (causal and aligned at the top-left, which is exactly what
 torch's is_causal means). A sliding window needs a real mask: queries go in chunks, each against only
 the keys its window can reach, so the mask stays [chunk, window + chunk] however long the prompt. On
-other devices (the backend is the GPU backends' reference too) a cached prefix takes the mask path."""
+other devices (the backend is the GPU backends' reference too) a cached prefix takes the mask path.
+K/V read from the pool go through kv_quant.dequantize_kv (FP8 pools: stored * scale)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from runtime.mem_cache.kv_quant import dequantize_kv, gather_rows, is_fp8
 
 # Query rows per masked extend call: bounds the mask and the keys gathered per call.
 MASK_CHUNK = 512
@@ -27,12 +30,12 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
 
 def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_buf: torch.Tensor,
                      v_buf: torch.Tensor, slots: torch.Tensor, prefix_len: int, scale: float,
-                     window: int = 0) -> torch.Tensor:
+                     window: int = 0, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """One request's n new tokens: q [n, Hq, D], k_new/v_new [n, Hkv, D] (already stored in the pool),
     slots [prefix_len + n] int64, the request's KV slots. Returns o [n, Hq, D]."""
     n = q.shape[0]
     if (window and prefix_len + n > window) or (prefix_len and q.device.type != "cpu"):
-        return _masked(q, k_buf, v_buf, slots, prefix_len, scale, window)
+        return _masked(q, k_buf, v_buf, slots, prefix_len, scale, window, k_scale, v_scale)
     qh = _heads_first(q)
     k_new, v_new = _heads_first(k_new).to(q.dtype), _heads_first(v_new).to(q.dtype)
     if prefix_len == 0:
@@ -40,8 +43,8 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         return o[0].transpose(0, 1)
     o_new, lse_new = _flash(qh, k_new, v_new, 0.0, True, scale=scale)
     pre = slots[:prefix_len]
-    k_pre = _heads_first(k_buf.index_select(0, pre)).to(q.dtype)
-    v_pre = _heads_first(v_buf.index_select(0, pre)).to(q.dtype)
+    k_pre = _heads_first(dequantize_kv(gather_rows(k_buf, pre), k_scale, q.dtype))
+    v_pre = _heads_first(dequantize_kv(gather_rows(v_buf, pre), v_scale, q.dtype))
     o_pre, lse_pre = _flash(qh, k_pre, v_pre, 0.0, False, scale=scale)
     # Each half is softmax-normalized over its own keys; reweight by each half's share of the total mass.
     m = torch.maximum(lse_pre, lse_new)
@@ -52,7 +55,7 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
 
 
 def _masked(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor, prefix_len: int,
-            scale: float, window: int) -> torch.Tensor:
+            scale: float, window: int, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal (and windowed, when window > 0) attention with an explicit mask, in query chunks."""
     n = q.shape[0]
     out = torch.empty_like(q)
@@ -67,8 +70,9 @@ def _masked(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: to
         if window:
             mask &= pos_k > pos_q - window
         o = F.scaled_dot_product_attention(
-            _heads_first(q[s:e]), _heads_first(k_buf.index_select(0, sel)).to(q.dtype),
-            _heads_first(v_buf.index_select(0, sel)).to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True)
+            _heads_first(q[s:e]), _heads_first(dequantize_kv(gather_rows(k_buf, sel), k_scale, q.dtype)),
+            _heads_first(dequantize_kv(gather_rows(v_buf, sel), v_scale, q.dtype)), attn_mask=mask, scale=scale,
+            enable_gqa=True)
         out[s:e] = o[0].transpose(0, 1)
     return out
 
@@ -89,7 +93,7 @@ def decode_slots(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
-                     bias: torch.Tensor, scale: float) -> torch.Tensor:
+                     bias: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Every one-token request at once: q [B, Hq, D], slots/bias from decode_slots → o [B, Hq, D].
     One gather of all requests' K/V (index_select, ~6x faster than advanced indexing on CPU), then the
     query heads of each KV head as a [G, D] @ [D, L] matmul per (request, KV head)."""
@@ -97,8 +101,10 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     hkv, length = k_buf.shape[1], slots.shape[1]
     g = hq // hkv
     flat = slots.view(-1)
-    k = k_buf.index_select(0, flat).view(b, length, hkv, d).transpose(1, 2).reshape(b * hkv, length, d)
-    v = v_buf.index_select(0, flat).view(b, length, hkv, d).transpose(1, 2).reshape(b * hkv, length, d)
+    k = gather_rows(k_buf, flat).view(b, length, hkv, d).transpose(1, 2).reshape(b * hkv, length, d)
+    v = gather_rows(v_buf, flat).view(b, length, hkv, d).transpose(1, 2).reshape(b * hkv, length, d)
+    if is_fp8(k_buf.dtype):  # widen once; the K scale joins the softmax scale
+        k, v, scale = k.to(q.dtype), dequantize_kv(v, v_scale, q.dtype), scale * k_scale
     scores = torch.baddbmm(bias.expand(b, hkv, g, length).reshape(b * hkv, g, length),
                            q.reshape(b * hkv, g, d).float(), k.transpose(1, 2).float(), alpha=scale)
     probs = scores.softmax(-1).to(v.dtype)

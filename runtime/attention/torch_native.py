@@ -7,7 +7,11 @@ decode rows or one-token chunks inside EXTEND/MIXED batches) and multi-token ext
   matmul in paged_sdpa.decode_attention);
 - extend rows: torch's CPU flash kernel per request (causal, prefix merged by log-sum-exp, sliding
   windows in bounded chunks: runtime/attention/paged_sdpa.py).
-K/V of the new tokens are stored first, with index_copy_ (a plain scatter, no index_put bookkeeping)."""
+K/V of the new tokens are stored first, with index_copy_ (a plain scatter, no index_put bookkeeping).
+An FP8 pool stores them quantized (kv_quant) and attention sees every key and value as the pool holds it
+(stored * scale), a request's own new tokens included: so an output does not depend on whether a token
+was computed in this extend, an earlier chunk, a cached prefix or a decode step, and all backends agree
+(FlashInfer's paged prefill reads the new tokens from the pool; the Triton backend passes them so)."""
 
 from __future__ import annotations
 
@@ -20,9 +24,11 @@ from kernels import cpu_decode_attention
 from runtime.attention import paged_sdpa
 from runtime.attention.base import AttentionBackend
 from runtime.attention.spec import AttentionSpec
+from runtime.mem_cache.kv_quant import dequantize_kv, quantize_kv, store_rows
 
 if TYPE_CHECKING:
     from runtime.layers.attention import Attention
+    from runtime.mem_cache.kv_pool import TokenToKVPool
     from runtime.model_executor.forward_batch import ForwardBatch
 
 
@@ -97,27 +103,37 @@ class TorchNativeAttnBackend(AttentionBackend):
              ) -> torch.Tensor:
         plan = self._plan_of(fb)
         hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
-        k_buf, v_buf = fb.token_to_kv_pool.get_kv(layer.layer_id)
-        k3 = k.reshape(-1, hkv, d).to(k_buf.dtype)
-        v3 = v.reshape(-1, hkv, d).to(v_buf.dtype)
-        k_buf.index_copy_(0, fb.out_cache_loc, k3)
-        v_buf.index_copy_(0, fb.out_cache_loc, v3)
+        pool = fb.token_to_kv_pool
+        k_buf, v_buf = pool.get_kv(layer.layer_id)
+        if pool.is_fp8:
+            k8 = quantize_kv(k.reshape(-1, hkv, d).to(q.dtype), pool.k_scale, k_buf.dtype)
+            v8 = quantize_kv(v.reshape(-1, hkv, d).to(q.dtype), pool.v_scale, v_buf.dtype)
+            store_rows(k_buf, fb.out_cache_loc, k8)
+            store_rows(v_buf, fb.out_cache_loc, v8)
+            # The new tokens attend to their own K/V as stored, like every later read (module docstring).
+            k3, v3 = dequantize_kv(k8, pool.k_scale, q.dtype), dequantize_kv(v8, pool.v_scale, q.dtype)
+        else:
+            k3 = k.reshape(-1, hkv, d).to(k_buf.dtype)
+            v3 = v.reshape(-1, hkv, d).to(v_buf.dtype)
+            k_buf.index_copy_(0, fb.out_cache_loc, k3)
+            v_buf.index_copy_(0, fb.out_cache_loc, v3)
         q3 = q.reshape(-1, hq, d)
         if plan.decode_tokens is None:  # pure DECODE: the whole batch is one call, in token order
-            return self._decode(q3, k_buf, v_buf, layer, plan).view(-1, hq * d)
+            return self._decode(q3, k_buf, v_buf, layer, plan, pool).view(-1, hq * d)
         out = torch.empty_like(q3)
         if plan.num_decode:
-            out[plan.decode_tokens] = self._decode(q3.index_select(0, plan.decode_tokens), k_buf, v_buf, layer, plan)
+            out[plan.decode_tokens] = self._decode(q3.index_select(0, plan.decode_tokens), k_buf, v_buf, layer, plan,
+                                                   pool)
         table = self.req_to_token
         for r in plan.extend:
             s, e = r.start, r.start + r.n
             slots = table[r.row, :r.prefix_len + r.n].to(torch.int64)
             out[s:e] = paged_sdpa.extend_attention(q3[s:e], k3[s:e], v3[s:e], k_buf, v_buf, slots, r.prefix_len,
-                                                   layer.scaling, layer.sliding_window)
+                                                   layer.scaling, layer.sliding_window, pool.k_scale, pool.v_scale)
         return out.view(-1, hq * d)
 
     def _decode(self, q3: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: Attention,
-                plan: BatchPlan) -> torch.Tensor:
+                plan: BatchPlan, pool: TokenToKVPool) -> torch.Tensor:
         """All one-token rows of the batch in one call: q3 [Bd, Hq, D] → [Bd, Hq, D]."""
         window = layer.sliding_window
         if self.use_c_kernel and q3.dtype == k_buf.dtype:
@@ -129,4 +145,4 @@ class TorchNativeAttnBackend(AttentionBackend):
                                                                plan.decode_lens, window)
         slots, bias = plan.torch_slots[window]
         return paged_sdpa.decode_attention(q3, k_buf, v_buf, slots.to(k_buf.device), bias.to(k_buf.device),
-                                           layer.scaling)
+                                           layer.scaling, pool.k_scale, pool.v_scale)

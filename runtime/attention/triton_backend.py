@@ -2,7 +2,9 @@
 
 EXTEND and MIXED batches run extend_attention_fwd (a decode request inside a MIXED batch is an extend
 request with one new token); DECODE runs the split-KV decode_attention_fwd. K/V are stored with
-store_kv before attention. The decode scratch buffer is allocated once, for the largest batch the
+store_kv before attention (quantized when the pool stores FP8; the kernels read it back with the pool's
+scales). With FP8 the extend kernel gets the new tokens' K/V read back from the pool too (one small
+gather + dequantize per layer), so they attend to themselves exactly as any later step will see them. The decode scratch buffer is allocated once, for the largest batch the
 runner can hold, so eager steps allocate nothing and a captured CUDA graph always sees the same buffer."""
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from kernels.extend_attention import extend_attention_fwd
 from kernels.kv_store import store_kv
 from runtime.attention.base import AttentionBackend
 from runtime.attention.spec import AttentionSpec
+from runtime.mem_cache.kv_quant import dequantize_kv, gather_rows
 
 if TYPE_CHECKING:
     from runtime.layers.attention import Attention
@@ -55,19 +58,25 @@ class TritonAttnBackend(AttentionBackend):
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        k_buf, v_buf = fb.token_to_kv_pool.get_kv(layer.layer_id)
+        pool = fb.token_to_kv_pool
+        k_buf, v_buf = pool.get_kv(layer.layer_id)
         k3 = k.view(-1, layer.num_kv_heads, layer.head_dim)
         v3 = v.view(-1, layer.num_kv_heads, layer.head_dim)
-        store_kv(k_buf, v_buf, fb.out_cache_loc, k3, v3)
+        store_kv(k_buf, v_buf, fb.out_cache_loc, k3, v3, pool.k_scale, pool.v_scale)
         return k3, v3, k_buf, v_buf
 
     def forward_extend(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
         k3, v3, k_buf, v_buf = self._store(k, v, layer, fb)
+        pool = fb.token_to_kv_pool
+        if pool.is_fp8:  # the new tokens as the pool holds them, as every later read (and torch_native) sees them
+            k3 = dequantize_kv(gather_rows(k_buf, fb.out_cache_loc), pool.k_scale, q.dtype)
+            v3 = dequantize_kv(gather_rows(v_buf, fb.out_cache_loc), pool.v_scale, q.dtype)
         q3 = q.view(-1, layer.num_heads, layer.head_dim)
         o = torch.empty((q3.shape[0], layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
         extend_attention_fwd(q3, k3, v3, o, k_buf, v_buf, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
                              fb.extend_prefix_lens, fb.extend_start_loc, self._max_extend_len, layer.scaling,
-                             sliding_window=layer.sliding_window)
+                             sliding_window=layer.sliding_window, k_scale=fb.token_to_kv_pool.k_scale,
+                             v_scale=fb.token_to_kv_pool.v_scale)
         return o.view(-1, layer.num_heads * layer.head_dim)
 
     def forward_decode(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
@@ -76,7 +85,8 @@ class TritonAttnBackend(AttentionBackend):
         o = torch.empty((q3.shape[0], layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
         decode_attention_fwd(q3, k_buf, v_buf, o, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
                              layer.scaling, num_kv_splits=self.num_kv_splits,
-                             attn_logits=self._decode_workspace(q3.shape[0]), sliding_window=layer.sliding_window)
+                             attn_logits=self._decode_workspace(q3.shape[0]), sliding_window=layer.sliding_window,
+                             k_scale=fb.token_to_kv_pool.k_scale, v_scale=fb.token_to_kv_pool.v_scale)
         return o.view(-1, layer.num_heads * layer.head_dim)
 
     # ---- CUDA graphs: the kernels read seq_lens/req_to_token on device, so replay needs no re-plan --------

@@ -1,8 +1,9 @@
 """The Ray runtime: the same gateway → scheduler → worker flow, spread over actors.
 
     gateway (aiohttp, in the driver, a GatewayActor, or a Ray Serve replica)
-      └─ RayEngineClient          routes each request to a replica (RoutingPolicy), pumps its output
-           │                      deltas back, health-checks replicas and relaunches dead ones
+      └─ RayEngineClient          routes each request to a replica (RoutingPolicy; cache_aware reads the
+           │                      replicas' prefix-cache events), pumps its output deltas back, health-
+           │                      checks replicas, relaunches dead ones and moves their live streams
            ▼  GenerateRequest / abort / OutputPoll (msgspec Structs, Ray actor calls)
       SchedulerActor = TP rank 0 (one per DP replica, or per DP rank with DP attention): a SchedulerHost
            │  (the Engine's own scheduler thread) over rank 0's in-process TpWorker — no RPC per step

@@ -166,9 +166,10 @@ def create_ray_engine_client(args: ServerArgs, *, replica_resources: list[dict[s
 
 
 def launch_gateway_actor(args: ServerArgs, *, port: int | None = None, name: str | None = None,
-                         detached: bool = False) -> Any:
+                         detached: bool = False, on_this_node: bool = False) -> Any:
     """Starts a GatewayActor (the HTTP server plus its replicas) and waits until it serves; returns the
-    handle (`ray.get(handle.url.remote())` gives the address). detached: it outlives this driver."""
+    handle (`ray.get(handle.url.remote())` gives the address). detached: it outlives this driver.
+    on_this_node: pinned to the caller's node, so args.host:port is an address of this machine."""
     import ray
 
     from runtime.cluster.gateway_actor import GatewayActor
@@ -176,6 +177,11 @@ def launch_gateway_actor(args: ServerArgs, *, port: int | None = None, name: str
     bundles = args.dp_size * (1 if args.enable_dp_attention else args.tp_size)
     init_ray(args, bundles)
     options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
+    if on_this_node:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                        soft=False)
     if name is not None:
         options["name"] = name
     if detached:

@@ -1,50 +1,46 @@
 """RayEngineClient: the gateway's EngineClient over scheduler replicas running as Ray actors.
 
-It routes each request to a live replica (RoutingPolicy), submits it, and receives its deltas through a
-per-replica output pump (one long-poll per replica, see SchedulerActor.poll) running on the client's own
-event loop thread; deltas are handed to each stream's own loop. A health loop pings every replica and
-refreshes the loads least_load routes by. When a replica fails (an actor died, a step failed, a health
-check timed out) its in-flight requests end at once with an error delta, routing skips it, and the
-whole replica group is relaunched in the background; new requests go to the live replicas meanwhile."""
+It routes each request to a live replica (RoutingPolicy; cache_aware reads each replica's prefix-cache
+events, which ride on the output polls), submits it, and receives its deltas through a per-replica
+output pump (one long-poll per replica, see SchedulerActor.poll) running on the client's own event loop
+thread; deltas are handed to each stream's own loop. A health loop pings every replica and refreshes
+the loads least_load routes by.
+
+When a replica fails (an actor died, a step failed, a health check timed out) routing skips it, the
+whole replica group is relaunched in the background, and each of its in-flight requests moves to a
+live replica with the tokens it already streamed (LiveStream): the client's stream goes on where it
+stopped. Only when no replica is live does a request end, with an error saying so."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.cluster.live_stream import LiveStream, pin_seed
 from runtime.cluster.replica_group import ReplicaGroup
-from runtime.cluster.routing import ReplicaLoad, create_routing_policy
+from runtime.cluster.routing import CacheAware, ReplicaLoad, create_routing_policy
 from runtime.config import ServerArgs
 from runtime.engine_client import EngineClient
 from runtime.errors import EngineUnavailableError, InvalidRequestError
 from runtime.managers.request_validation import RequestLimits, validate_request
-from runtime.messages import FinishReason, GenerateRequest, ModeStats, RequestOutput, SchedulerStats
+from runtime.mem_cache.block_hash import page_hashes
+from runtime.messages import (
+    GenerateRequest,
+    ModeStats,
+    OutputPoll,
+    RequestOutput,
+    RoutingStats,
+    SchedulerStats,
+)
 from runtime.stream_delivery import deliver, next_output
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    target: int
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-
-    def put(self, out: RequestOutput) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
-        except RuntimeError:  # that consumer's event loop is closed: nobody reads this stream any more
-            pass
-
-
-def _error_output(rid: str, message: str) -> RequestOutput:
-    return RequestOutput(rid=rid, new_token_ids=[], finished=True, finish_reason=FinishReason("error", message=message))
 
 
 class RayEngineClient(EngineClient):
@@ -58,7 +54,7 @@ class RayEngineClient(EngineClient):
         self.context_len = info.context_len
         self._limits = RequestLimits(info.context_len, info.vocab_size, min(g.info.max_total_tokens for g in groups),
                                      args.speculative_algorithm is not None)
-        self.policy = create_routing_policy(args.routing_policy)
+        self.policy = create_routing_policy(args.routing_policy, args)
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
         self.owns_ray = owns_ray
         # Routing targets: a replica's scheduler, or each DP-attention rank's.
@@ -68,11 +64,15 @@ class RayEngineClient(EngineClient):
             for _ in g.schedulers:
                 self.replicas.append(ReplicaLoad(index=len(self.replicas)))
                 self._target_group.append(g.index)
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, LiveStream] = {}
+        self._route_lock = threading.Lock()  # routing state is touched from consumer loops and the client loop
+        self._rng = random.Random()
         self._restarting: set[int] = set()
         self._consumer = f"client-{uuid.uuid4().hex[:12]}"
         self._closing = False
         self.restarts = 0
+        self.failovers = 0
+        self.failover_errors = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="shoal-ray-client", daemon=True)
         self._thread.start()
@@ -95,32 +95,33 @@ class RayEngineClient(EngineClient):
             raise EngineUnavailableError("the engine is shut down")
         if req.rid in self._streams:  # a second stream would take over the first one's outputs
             raise InvalidRequestError(f"request id {req.rid!r} is already in use", param="rid")
-        target = self.policy.pick(req, self.replicas)
-        i = target.index
-        group = self.groups[self._target_group[i]]
-        actor, generation = self._actor(i), group.generation
-        st = _Stream(asyncio.get_running_loop(), i)
-        self._streams[req.rid] = st
-        target.load += len(req.input_ids)
+        req = pin_seed(req, self._rng)
+        hashes = page_hashes(req.input_ids) if self.policy.wants_page_hashes else []
+        with self._route_lock:
+            target = self.policy.pick(req, self.replicas, hashes)
+            i = target.index
+            st = LiveStream(req, asyncio.get_running_loop(), i, self.groups[self._target_group[i]].generation, hashes)
+            self._streams[req.rid] = st
+            self._assign(st, target)
         done = False
         try:
             try:
-                await actor.submit.remote(req, self._consumer)
-            except Exception as e:  # the actor died between the routing and the call
-                message = self._failure_message(group.index, e)
-                self._loop.call_soon_threadsafe(self._on_failure, group.index, generation, message)
-                done = True
-                yield _error_output(req.rid, message)
-                return
+                await self._actor(i).submit.remote(req, self._consumer)
+            except Exception as e:  # the actor died between the routing and the call: fail over
+                gi = self._target_group[i]
+                self._loop.call_soon_threadsafe(self._on_failure, gi, st.generation, self._failure_message(gi, e))
             while not done:
                 out = await next_output(st.queue)
                 done = out.finished
                 yield out
         finally:
-            self._streams.pop(req.rid, None)
-            if not done:  # the consumer went away: free the request's KV on its replica
+            with self._route_lock:
+                self._streams.pop(req.rid, None)
+                st.finished = True  # closed: nothing moves it any more
+                self._release(st)
+            if not done:  # the consumer went away: free the request's KV on the replica it runs on now
                 try:
-                    actor.abort.remote(req.rid)
+                    self._actor(st.target).abort.remote(req.rid)
                 except Exception:
                     logger.debug("abort of %s failed", req.rid, exc_info=True)
 
@@ -135,6 +136,28 @@ class RayEngineClient(EngineClient):
 
     async def stats(self) -> SchedulerStats:
         return sum_stats([s for s in await self.replica_stats() if s is not None])
+
+    def routing_stats(self) -> RoutingStats:
+        policy = self.policy if isinstance(self.policy, CacheAware) else None
+        return RoutingStats(failovers=self.failovers, failover_errors=self.failover_errors, restarts=self.restarts,
+                            cache_routed=policy.cache_routed if policy else 0,
+                            load_routed=policy.load_routed if policy else 0,
+                            inflight=[r.inflight for r in self.replicas])
+
+    # ---- routing bookkeeping (under _route_lock) ------------------------------------------------
+    def _assign(self, st: LiveStream, target: ReplicaLoad) -> None:
+        target.inflight += 1
+        target.load += len(st.req.input_ids) + len(st.delivered)
+        target.prefixes.route(st.hashes)
+        st.assigned = True
+
+    def _release(self, st: LiveStream) -> None:
+        if not st.assigned:
+            return
+        st.assigned = False
+        r = self.replicas[st.target]
+        r.inflight = max(r.inflight - 1, 0)
+        r.prefixes.unroute(st.hashes)
 
     # ---- introspection --------------------------------------------------------------------------
     async def replica_stats(self) -> list[SchedulerStats | None]:
@@ -188,15 +211,30 @@ class RayEngineClient(EngineClient):
     async def _pump(self, i: int, generation: int) -> None:
         gi = self._target_group[i]
         actor = self._actor(i)
+        prefixes = self.replicas[i].prefixes
+        wants_cache = self.policy.wants_page_hashes
         while not self._closing and self.groups[gi].generation == generation:
             try:
-                poll = await actor.poll.remote(self._consumer, 1.0)
+                poll = OutputPoll.decode(await actor.poll.remote(self._consumer, 1.0,
+                                                                  prefixes.seq if wants_cache else None))
             except Exception as e:
                 if not self._closing:
                     self._on_failure(gi, generation, self._failure_message(gi, e))
                 return
-            deliver((st.loop, st.queue, out) for out in poll.outputs
-                    if (st := self._streams.get(out.rid)) is not None)
+            if self.groups[gi].generation != generation:
+                return
+            if poll.cache is not None:  # before the outputs: a finished request's prefix is in it
+                prefixes.apply(poll.cache)
+            batch = []
+            for out in poll.outputs:
+                st = self._streams.get(out.rid)
+                if st is None or st.target != i or st.generation != generation or st.finished:
+                    continue  # gone, or moved elsewhere: what the old replica still says is stale
+                if not poll.healthy and out.finished and out.finish_reason and out.finish_reason.kind == "error":
+                    continue  # the replica's failure, not the request's: it fails over below
+                st.record(out)
+                batch.append((st.loop, st.queue, out))
+            deliver(batch)
             if not poll.healthy:
                 self._on_failure(gi, generation, f"replica {gi} failed: {poll.error}")
                 return
@@ -233,21 +271,52 @@ class RayEngineClient(EngineClient):
         return f"replica {gi} is down: {type(e).__name__}" + (f": {first}" if first else "")
 
     def _on_failure(self, gi: int, generation: int, message: str) -> None:
-        """On the client loop: fail the group's in-flight requests now, relaunch it in the background."""
-        group = self.groups[gi]
-        if group.generation != generation or gi in self._restarting or self._closing:
+        """On the client loop: route around the group, relaunch it in the background, and move each of
+        its in-flight requests (of that generation) to a live replica."""
+        if self._closing:
             return
-        logger.error("%s; relaunching it", message)
-        self._restarting.add(gi)
+        group = self.groups[gi]
         targets = set(self._targets_of(gi))
-        for i in targets:
-            self.replicas[i].alive = False
-            self.replicas[i].load = 0.0
-        text = f"{message}; the request was lost and the replica is being restarted"
-        for rid, st in list(self._streams.items()):
-            if st.target in targets:
-                st.put(_error_output(rid, text))
-        self._spawn(self._relaunch(gi))
+        if group.generation == generation and gi not in self._restarting:
+            logger.error("%s; relaunching it", message)
+            self._restarting.add(gi)
+            for i in targets:
+                self.replicas[i].alive = False
+                self.replicas[i].load = 0.0
+            self._spawn(self._relaunch(gi))
+        for st in list(self._streams.values()):
+            if st.target in targets and st.generation == generation:
+                self._fail_over(st, message)
+
+    def _fail_over(self, st: LiveStream, message: str) -> None:
+        """On the client loop: resubmit st elsewhere with what it already streamed, or end it."""
+        with self._route_lock:
+            if st.finished or self._streams.get(st.req.rid) is not st:
+                return
+            self._release(st)
+            try:
+                target = self.policy.pick(st.req, self.replicas, st.hashes)
+            except EngineUnavailableError:
+                st.finished = True
+                self.failover_errors += 1
+                st.fail(f"{message}; no healthy replica is left to continue the request on")
+                return
+            st.target, st.generation = target.index, self.groups[self._target_group[target.index]].generation
+            st.moves += 1
+            self._assign(st, target)
+            self.failovers += 1
+            resumed = st.resumed_request()
+        logger.warning("request %s moves to replica target %d after %d streamed tokens (%s)",
+                       st.req.rid, st.target, len(resumed.resumed_output_ids), message)
+        self._spawn(self._resubmit(st, resumed))
+
+    async def _resubmit(self, st: LiveStream, resumed: GenerateRequest) -> None:
+        i, generation = st.target, st.generation
+        try:
+            await self._actor(i).submit.remote(resumed, self._consumer)
+        except Exception as e:  # that one died too: its failure moves st on again
+            gi = self._target_group[i]
+            self._on_failure(gi, generation, self._failure_message(gi, e))
 
     async def _relaunch(self, gi: int) -> None:
         old = self.groups[gi]
@@ -270,6 +339,7 @@ class RayEngineClient(EngineClient):
         self._restarting.discard(gi)
         self.restarts += 1
         for i in self._targets_of(gi):
+            self.replicas[i].prefixes.reset()  # a fresh cache, and a fresh event log to read from -1
             self.replicas[i].alive = True
         self._start_pumps(new)
         logger.info("replica %d is back (generation %d)", gi, new.generation)
@@ -279,8 +349,8 @@ class RayEngineClient(EngineClient):
         if self._closing:
             return
         self._closing = True
-        for rid, st in list(self._streams.items()):
-            st.put(_error_output(rid, "the engine is shutting down"))
+        for st in list(self._streams.values()):
+            st.fail("the engine is shutting down")
 
         async def stop() -> None:
             for t in list(self._tasks):
@@ -315,13 +385,18 @@ def sum_stats(parts: list[SchedulerStats]) -> SchedulerStats:
     for s in parts:
         for name in ("num_running_reqs", "num_queue_reqs", "num_used_tokens", "num_cached_tokens",
                      "max_total_tokens", "gen_throughput", "retractions", "evictions", "cache_hit_tokens",
-                     "cache_query_tokens", "waiting_tokens", "device_busy_s", "spec_verify_reqs",
-                     "spec_draft_tokens", "spec_accepted_tokens"):
+                     "cache_query_tokens", "waiting_tokens", "device_busy_s", "max_running_reqs",
+                     "remaining_decode_tokens", "waiting_decode_tokens", "spec_verify_reqs", "spec_draft_tokens",
+                     "spec_accepted_tokens"):
             setattr(total, name, getattr(total, name) + getattr(s, name))
         total.overlap = total.overlap or s.overlap
         for mode, m in s.forward_modes.items():
             acc = modes.setdefault(mode, ModeStats())
             acc.batches += m.batches
             acc.tokens += m.tokens
+            acc.time_s += m.time_s
+    # Replicas run side by side: a mode's time is their mean, so tokens / time is the cluster's rate.
+    for m in modes.values():
+        m.time_s /= max(len(parts), 1)
     total.forward_modes = modes
     return total

@@ -13,25 +13,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from typing import Any
-
-import msgspec
 
 from runtime.cluster.tp_rank import RankSpec, TpRank, endpoint
 from runtime.config import ServerArgs
 from runtime.errors import EngineUnavailableError
-from runtime.messages import FinishReason, GenerateRequest, RequestOutput, SchedulerStats, WorkerInfo
+from runtime.messages import (
+    FinishReason,
+    GenerateRequest,
+    OutputPoll,
+    RequestOutput,
+    SchedulerStats,
+    WorkerInfo,
+)
 
 logger = logging.getLogger(__name__)
-
-
-class OutputPoll(msgspec.Struct, kw_only=True):
-    """One poll's answer: the consumer's new deltas, and whether the replica can still serve."""
-
-    outputs: list[RequestOutput] = []
-    healthy: bool = True
-    error: str | None = None
 
 
 class SchedulerActor:
@@ -48,6 +46,7 @@ class SchedulerActor:
         self._pending: dict[str, list[RequestOutput]] = {}  # consumer → deltas not yet polled
         self._wakeups: dict[str, asyncio.Event] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.cache_events: Any = None  # CacheEventLog: what the prefix cache holds, for cache-aware routing
 
     # ---- start-up (called by the launcher, in this order) -----------------------------------------
     def endpoint(self) -> tuple[str, int]:
@@ -61,6 +60,7 @@ class SchedulerActor:
         """Starts the scheduler (and the followers' loops): the replica serves from here on."""
         from runtime.cluster.broadcast_worker import BroadcastWorker
         from runtime.managers.scheduler_host import SchedulerHost
+        from runtime.mem_cache.cache_event_log import CacheEventLog
         from runtime.text.tokenizer import Tokenizer
 
         self.name, self._followers = name, list(followers)
@@ -70,8 +70,10 @@ class SchedulerActor:
         tokenizer = Tokenizer(self.args.tokenizer_path or self.model_path, tuple(info.eos_token_ids))
         if self.rank.channel is not None:
             self.group = worker = BroadcastWorker(worker, self.rank.channel, name, self._on_group_failure)
+        if self.args.routing_policy == "cache_aware" and self.args.radix_cache_enabled and self.args.dp_size > 1:
+            self.cache_events = CacheEventLog()
         self.host = SchedulerHost(self.args, worker, info, tokenizer.eos_token_ids, self._sink,
-                                  tokenizer.decode, name=f"shoal-scheduler-{name}")
+                                  tokenizer.decode, name=f"shoal-scheduler-{name}", cache_events=self.cache_events)
         if self._followers:
             refs = [f.serve.remote() for f in self._followers]
             threading.Thread(target=self._watch, args=(refs,), name=f"shoal-watch-{name}", daemon=True).start()
@@ -117,8 +119,9 @@ class SchedulerActor:
     async def abort(self, rid: str) -> None:
         self.host.abort(rid)
 
-    async def poll(self, consumer: str, timeout_s: float = 1.0) -> OutputPoll:
-        """Deltas for `consumer`'s requests; waits up to timeout_s for the first one."""
+    async def poll(self, consumer: str, timeout_s: float = 1.0, cache_seq: int | None = None) -> bytes:
+        """Deltas for `consumer`'s requests; waits up to timeout_s for the first one. cache_seq: also the
+        prefix cache's changes since that log position (-1: a snapshot). An encoded OutputPoll."""
         event = self._wakeups.setdefault(consumer, asyncio.Event())
         outputs = self._take(consumer)
         if not outputs and self.healthy():
@@ -135,7 +138,9 @@ class SchedulerActor:
             self._fail_unstarted()
             outputs += self._take(consumer)
         error = None if healthy else str(self.failed) if self.failed else "scheduler stopped"
-        return OutputPoll(outputs=outputs, healthy=healthy, error=error)
+        # Read after the outputs: a finished request's prefix is in the log before its last delta.
+        cache = self.cache_events.since(cache_seq) if cache_seq is not None and self.cache_events else None
+        return OutputPoll(outputs=outputs, healthy=healthy, error=error, cache=cache).encode()
 
     async def stats(self) -> SchedulerStats:
         return await asyncio.to_thread(self.host.stats)  # waits for the step in progress: off the loop
@@ -148,6 +153,9 @@ class SchedulerActor:
 
         return ray.get_runtime_context().get_node_id()
 
+    def pid(self) -> int:
+        """This actor's OS process (chaos tests SIGKILL it)."""
+        return os.getpid()
 
     # ---- failure --------------------------------------------------------------------------------
     def _watch(self, refs: list[Any]) -> None:

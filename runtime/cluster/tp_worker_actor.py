@@ -10,6 +10,8 @@ node_id() and inject_fault() answer while serve() runs."""
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 
 from runtime.cluster.tp_rank import RankSpec, TpRank, endpoint
@@ -59,3 +61,7 @@ class TpWorkerActor:
         import ray
 
         return ray.get_runtime_context().get_node_id()
+
+    def pid(self) -> int:
+        """This actor's OS process (chaos tests SIGKILL it)."""
+        return os.getpid()

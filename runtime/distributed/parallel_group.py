@@ -26,6 +26,15 @@ class ParallelGroup:
     def is_trivial(self) -> bool:
         return self.size == 1
 
+    @property
+    def all_reduce_kind(self) -> str:
+        """What sums activations across the ranks: "none" (one rank), "symm_mem+<backend>" (the one-shot
+        kernel inside CUDA graphs, the backend elsewhere) or the process group's backend alone."""
+        if self.size == 1:
+            return "none"
+        backend = str(dist.get_backend(self.group))
+        return f"symm_mem+{backend}" if self.fast is not None else backend
+
     def with_fast_all_reduce(self, dtype: torch.dtype, device: torch.device, max_bytes: int) -> ParallelGroup:
         """This group plus a symmetric-memory all-reduce when the machine allows (collective)."""
         if self.size == 1 or self.fast is not None:

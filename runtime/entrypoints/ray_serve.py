@@ -6,7 +6,9 @@ Each Serve replica (ShoalDeployment) holds an EngineClient — an in-process Eng
 use_ray is off (give the replica a GPU in ray_actor_options), else a RayEngineClient whose TP/DP actors
 the replica owns — and runs the regular aiohttp gateway (runtime.gateway) on a loopback port beside it.
 `__call__` relays each proxied request to that gateway and streams the answer back, so routes, errors,
-SSE and metrics are exactly those of `shoal serve`. Serve's health check calls the gateway's /health."""
+SSE and metrics are exactly those of `shoal serve` — and so are admission (the gateway's), cache-aware
+routing and mid-stream failover across the replica's DP ranks (its RayEngineClient's): one code path.
+Serve's health check calls the gateway's /health."""
 
 from __future__ import annotations
 

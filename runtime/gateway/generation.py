@@ -77,7 +77,8 @@ class Generation(Generic[B]):
 
     async def respond(self, stream: bool, responder: Responder) -> web.StreamResponse:
         tracked = self.state.track(self.base_id, [c.req for c in self.choices])
-        try:
+        try:  # untrack also forgets an admitted request that never started (admission counts it waiting)
+            await self.state.admit(self.client, [c.req for c in self.choices])
             if stream:
                 return await self._stream(responder)
             await self._run(responder, None)
@@ -102,6 +103,7 @@ class Generation(Generic[B]):
                                lambda: is_disconnected(self.request)) as fan:
             async for i, out in fan:
                 c = self.choices[i]
+                self.state.admission.started(c.req.rid)
                 ended = c.done
                 text = c.add(out)
                 if ended:  # the engine's last delta of a choice already over: it only settles the counts

@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from runtime.messages import SchedulerStats
+from runtime.gateway.wait_estimator import WaitEstimate
+from runtime.messages import RoutingStats, SchedulerStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0)
@@ -74,6 +75,51 @@ class _SchedulerStatsCollector(Collector):
         yield from (length, rate)
 
 
+class _AdmissionRoutingCollector(Collector):
+    """The admission estimate (as of the last scrape) and a multi-replica client's failover counters."""
+
+    def __init__(self) -> None:
+        self.estimate: WaitEstimate | None = None
+        self.routing: RoutingStats | None = None
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # values appear only once known; nothing to pre-register
+
+    def collect(self) -> Iterable[Metric]:
+        e, r = self.estimate, self.routing
+        if e is not None:
+            for name, doc, v in (
+                    ("shoal:estimated_queue_wait_seconds", "admission: estimated wait of a new request", e.wait_s),
+                    ("shoal:prefill_rate_tokens_per_second", "admission: recent prefill rate (busy time)",
+                     e.prefill_tok_s),
+                    ("shoal:decode_rate_tokens_per_second", "admission: recent decode rate (busy time)",
+                     e.decode_tok_s),
+                    ("shoal:queue_wait_correction", "admission: waits requests saw / waits estimated",
+                     e.correction)):
+                g = GaugeMetricFamily(name, doc)
+                g.add_metric([], v)
+                yield g
+        if r is not None:
+            for name, doc, v in (
+                    ("shoal:failovers", "in-flight requests moved to a live replica when theirs died", r.failovers),
+                    ("shoal:failover_errors", "in-flight requests ended because no replica was left", r.failover_errors),
+                    ("shoal:replica_restarts", "replica relaunches", r.restarts),
+                    ("shoal:cache_aware_routed", "cache_aware routing decisions, by what decided", None)):
+                if v is None:
+                    c = CounterMetricFamily(name, doc, labels=["by"])
+                    c.add_metric(["cache"], r.cache_routed)
+                    c.add_metric(["load"], r.load_routed)
+                else:
+                    c = CounterMetricFamily(name, doc)
+                    c.add_metric([], v)
+                yield c
+            g = GaugeMetricFamily("shoal:replica_inflight_requests", "requests in flight per replica",
+                                  labels=["replica"])
+            for i, n in enumerate(r.inflight):
+                g.add_metric([str(i)], n)
+            yield g
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -88,12 +134,15 @@ class GatewayMetrics:
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("shoal:prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("shoal:generation_tokens", "tokens generated", registry=r)
-        self.rejected = Counter("shoal:requests_rejected", "requests refused with 429 at --max-concurrent-requests",
-                                registry=r)
+        self.rejected = Counter("shoal:requests_rejected", "requests refused with 429 (any reason)", registry=r)
+        self.refusals = Counter("shoal:admission_refusals", "requests refused with 429, by reason "
+                                "(queue_wait, waiting_requests, concurrent_requests)", ["reason"], registry=r)
         self.ignored_fields = Counter("shoal:ignored_request_fields", "request fields accepted and ignored, by path",
                                       ["field"], registry=r)
         self._stats = _SchedulerStatsCollector()
         r.register(self._stats)
+        self._admission = _AdmissionRoutingCollector()
+        r.register(self._admission)
 
     def observe_tokens(self, num_tokens: int, since_last_s: float | None) -> None:
         """A delta of num_tokens arrived since_last_s after the previous one (None: the first delta)."""
@@ -113,8 +162,14 @@ class GatewayMetrics:
         return (get("shoal:e2e_request_latency_seconds_count") or 0.0, get("shoal:prompt_tokens_total") or 0.0,
                 get("shoal:generation_tokens_total") or 0.0)
 
-    def render(self, stats: SchedulerStats | None, replicas: list[SchedulerStats | None] | None = None) -> bytes:
+    def refused(self, reason: str) -> None:
+        self.rejected.inc()
+        self.refusals.labels(reason).inc()
+
+    def render(self, stats: SchedulerStats | None, estimate: WaitEstimate | None = None,
+               routing: RoutingStats | None = None, replicas: list[SchedulerStats | None] | None = None) -> bytes:
         """Prometheus text exposition; stats None (engine not ready) leaves the scheduler families empty.
         replicas: each replica's (or DP rank's) own stats, for the per-replica families."""
         self._stats.stats, self._stats.replicas = stats, replicas or []
+        self._admission.estimate, self._admission.routing = estimate, routing
         return generate_latest(self.registry)

@@ -168,7 +168,13 @@ async def metrics(request: web.Request) -> web.Response:
             replicas = list(await per_replica()) if callable(per_replica) else [stats]
         except Exception:  # a scrape must not fail because one replica is slow to answer
             logger.warning("could not read scheduler stats for /metrics", exc_info=True)
-    return web.Response(body=state.metrics.render(stats, replicas), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    estimate = routing = None
+    if stats is not None:
+        state.admission.observe(time.monotonic(), stats)
+        estimate = state.admission.scaled(state.admission.estimator.estimate(stats, 0))
+        routing = client.routing_stats()
+    return web.Response(body=state.metrics.render(stats, estimate, routing, replicas),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def models(request: web.Request) -> web.Response:

@@ -19,6 +19,7 @@ from aiohttp import web
 from runtime.config import ServerArgs
 from runtime.engine_client import EngineClient
 from runtime.errors import InvalidRequestError, ShoalError
+from runtime.gateway.admission import AdmissionController
 from runtime.gateway.dashboard import Dashboard
 from runtime.gateway.error_log import ErrorLog
 from runtime.gateway.errors import ApiError, bad_request, from_shoal_error
@@ -52,6 +53,7 @@ class GatewayState:
             self.provider = client_provider
         self.args = args
         self.metrics = GatewayMetrics()
+        self.admission = AdmissionController(args.max_queue_wait_s, args.max_waiting_requests)
         self.ignored_fields = IgnoredFields(self.metrics.ignored_fields)
         self.errors = ErrorLog()
         self.dashboard = Dashboard(self.metrics, self.errors)
@@ -176,7 +178,7 @@ class GatewayState:
             if len(reqs) > limit:
                 raise bad_request(f"this request has {len(reqs)} choices; the server runs at most {limit} at once",
                                   param="n")
-            self.metrics.rejected.inc()
+            self.metrics.refused("concurrent_requests")
             raise ApiError(429, f"the server is at its limit of {limit} concurrent requests; retry shortly",
                            headers={"Retry-After": "1"})
         self.active += len(reqs)
@@ -184,7 +186,16 @@ class GatewayState:
         self.inflight.setdefault(base_id, rids)  # a duplicate user rid must not hide the first request
         return rids
 
+    async def admit(self, client: EngineClient, reqs: list[GenerateRequest]) -> None:
+        """429 with Retry-After when the engine's queue could not start these soon (AdmissionController)."""
+        refusal = await self.admission.check(client, reqs)
+        if refusal is not None:
+            self.metrics.refused(refusal.reason)
+            raise ApiError(429, refusal.message, code="server_overloaded", headers=refusal.headers())
+
     def untrack(self, base_id: str, rids: list[str]) -> None:
+        for rid in rids:
+            self.admission.started(rid)  # one that never got a delta (an error, a disconnect) waits no more
         self.active -= len(rids)
         if self.inflight.get(base_id) is rids:
             del self.inflight[base_id]

@@ -7,15 +7,17 @@ import torch
 
 from runtime.managers.req import Req
 from runtime.mem_cache.allocator import KVAllocator
+from runtime.mem_cache.cache_event_log import CacheEventLog
 from runtime.mem_cache.radix_cache import RadixCache
 from runtime.mem_cache.req_to_token import ReqToTokenPool
 
 
 class KVCacheManager:
-    def __init__(self, max_total_tokens: int, max_reqs: int, context_len: int, enable_cache: bool):
+    def __init__(self, max_total_tokens: int, max_reqs: int, context_len: int, enable_cache: bool,
+                 cache_events: CacheEventLog | None = None):
         self.allocator = KVAllocator(max_total_tokens)
         self.req_slots = ReqToTokenPool(max_reqs, 1, "cpu")  # only hands out rows; workers hold the table
-        self.cache = RadixCache(self.allocator, disable=not enable_cache)
+        self.cache = RadixCache(self.allocator, disable=not enable_cache, events=cache_events)
         self.enabled = enable_cache
         self.evictions = 0  # tokens evicted from the cache, ever
 

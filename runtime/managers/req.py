@@ -136,6 +136,16 @@ class Req:
         elif len(self.output_ids) >= self.params.max_new_tokens or self.seq_len >= context_len:
             self.finish_reason = FinishReason("length")
 
+    def resume(self, output_ids: list[int]) -> None:
+        """Failover: continue a request another replica started, as if it had been retracted here after
+        producing output_ids (already streamed, so never sent again). Logprobs of those tokens went with
+        them; placeholders keep the per-token lists aligned."""
+        self.output_ids = list(output_ids)
+        self.sent_tokens = len(self.output_ids)
+        if self.params.return_logprob:
+            self.output_logprobs = [0.0] * len(self.output_ids)
+            self.output_top_logprobs = [[] for _ in self.output_ids]
+
     def abort(self, message: str = "aborted") -> None:
         if not self.finished:
             self.finish_reason = FinishReason("abort", message=message)

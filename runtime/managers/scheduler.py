@@ -26,6 +26,7 @@ from runtime.managers.schedule_batch import ScheduleBatch
 from runtime.managers.spec_decoding import SpecDecoding
 from runtime.managers.stats import ForwardModeStats
 from runtime.managers.worker_client import WorkerClient
+from runtime.mem_cache.cache_event_log import CacheEventLog
 from runtime.messages import (
     BatchResult,
     FinishReason,
@@ -44,11 +45,12 @@ class Scheduler:
                  context_len: int, vocab_size: int, eos_token_ids: frozenset[int],
                  sink: Callable[[list[RequestOutput]], None],
                  decode_text: Callable[[list[int], bool], str] | None = None,
-                 overlap: bool = False, pad_drafts: bool = False):
+                 overlap: bool = False, cache_events: CacheEventLog | None = None, pad_drafts: bool = False):
         self.args, self.worker, self.sink, self.decode_text = args, worker, sink, decode_text
         self.context_len, self.vocab_size, self.eos_token_ids = context_len, vocab_size, eos_token_ids
         self.max_running = min(args.max_running_requests, max_reqs - 1)
-        self.kv = KVCacheManager(max_total_tokens, max_reqs, context_len, enable_cache=args.radix_cache_enabled)
+        self.kv = KVCacheManager(max_total_tokens, max_reqs, context_len, enable_cache=args.radix_cache_enabled,
+                                 cache_events=cache_events)
         self.limits = RequestLimits(context_len, vocab_size, self.kv.size, args.speculative_algorithm is not None)
         self.policy = create_policy(args.schedule_policy, args.radix_cache_enabled)
         self.retractor = Retractor(args)
@@ -74,6 +76,7 @@ class Scheduler:
         self.pending: tuple[ScheduleBatch, object] | None = None
         self.gen_throughput = 0.0
         self.device_busy_s = 0.0
+        self._busy_since: float | None = None  # wall clock of the last result while steps run back to back
 
     # ---- requests in ----------------------------------------------------------------------------
     def validate(self, req: GenerateRequest) -> GenerateRequest:
@@ -101,6 +104,8 @@ class Scheduler:
             self._add(item)
         elif kind == "abort":
             self._abort(item)
+        elif kind == "stats":  # answered between steps: a busy loop never starves the asker (see SchedulerHost)
+            item.set_result(self.get_stats())
 
     def _add(self, g: GenerateRequest) -> None:
         if g.rid in self.reqs:
@@ -118,6 +123,8 @@ class Scheduler:
         seed = p.seed if p.seed is not None else self.rng.getrandbits(62)
         req = Req(g.rid, g.input_ids, p, seed, self.eos_token_ids, g.return_input_logprob, g.arrival_time,
                   input_top_logprobs_num=g.input_top_logprobs_num)
+        if g.resumed_output_ids:
+            req.resume(g.resumed_output_ids)
         self.reqs[g.rid] = req
         self._recently_finished.pop(g.rid, None)
         if self._early_aborts.pop(g.rid, False) is None:
@@ -172,7 +179,9 @@ class Scheduler:
                     self._collect_pending()
                     return True
                 self.retractor.on_idle()
+                self._busy_since = None
                 return False
+            self._busy_since = self._busy_since or time.perf_counter()
             self.batch_id += 1
             wb = batch.to_worker_batch(self.batch_id)
             if not self.overlap:
@@ -285,7 +294,9 @@ class Scheduler:
 
     # ---- results --------------------------------------------------------------------------------
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
-        self.stats.record(batch.forward_mode, batch.num_tokens())
+        now = time.perf_counter()  # wall time since the last result, scheduling included (admission's rates)
+        self.stats.record(batch.forward_mode, batch.num_tokens(), now - (self._busy_since or now))
+        self._busy_since = now
         self.device_busy_s += result.device_s
         if batch.forward_mode.is_target_verify():
             stepped = self.spec.apply(batch, result, lambda r, i: self._append_token(r, result, i))
@@ -404,5 +415,7 @@ class Scheduler:
             retractions=self.stats.retractions, evictions=self.kv.evictions,
             cache_hit_tokens=self.prefill.cache_hit_tokens, cache_query_tokens=self.prefill.cache_query_tokens,
             device_busy_s=self.device_busy_s, overlap=self.overlap,
-            waiting_tokens=sum(r.remaining_prefill for r in self.waiting),
+            waiting_tokens=sum(r.remaining_prefill for r in self.waiting), max_running_reqs=self.max_running,
+            remaining_decode_tokens=sum(r.max_new_remaining for r in self.running),
+            waiting_decode_tokens=sum(r.max_new_remaining for r in self.waiting),
             **(self.spec.counters() if self.spec is not None else {}))

@@ -9,11 +9,14 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from runtime.config import ServerArgs
 from runtime.managers.request_validation import RequestLimits, validate_request
 from runtime.managers.scheduler import Scheduler
 from runtime.managers.worker_client import WorkerClient
+from runtime.mem_cache.cache_event_log import CacheEventLog
 from runtime.messages import GenerateRequest, RequestOutput, SchedulerStats, WorkerInfo
 
 logger = logging.getLogger(__name__)
@@ -29,13 +32,13 @@ class SchedulerHost:
     def __init__(self, args: ServerArgs, worker: WorkerClient, info: WorkerInfo, eos_token_ids: frozenset[int],
                  sink: Callable[[list[RequestOutput]], None],
                  decode_text: Callable[[list[int], bool], str] | None,
-                 name: str = "shoal-scheduler"):
+                 name: str = "shoal-scheduler", cache_events: CacheEventLog | None = None):
         self.worker = worker
         self.limits = RequestLimits.of(info, speculative=args.speculative_algorithm is not None)
         self.scheduler = Scheduler(
             args, worker, max_total_tokens=info.max_total_tokens, max_reqs=info.max_reqs,
             context_len=info.context_len, vocab_size=info.vocab_size, eos_token_ids=eos_token_ids, sink=sink,
-            decode_text=decode_text, overlap=overlap_wanted(args, worker, info),
+            decode_text=decode_text, overlap=overlap_wanted(args, worker, info), cache_events=cache_events,
             pad_drafts=info.device.startswith("cuda") and not args.disable_cuda_graph)  # graph-shaped verify steps
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -60,8 +63,17 @@ class SchedulerHost:
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
 
-    def stats(self) -> SchedulerStats:
-        """Waits for the step in progress (the lock is held for a whole step): call off event loops."""
+    def stats(self, timeout_s: float = 10.0) -> SchedulerStats:
+        """Waits for the step in progress: call off event loops. A running loop answers through its inbox
+        between two steps — waiting for its lock instead would starve while it steps back to back (a
+        Lock is not fair: the loop takes it again before a waiter wakes)."""
+        if self.is_running():
+            answer: Future[SchedulerStats] = Future()
+            self.scheduler.inbox.put(("stats", answer))
+            try:
+                return answer.result(timeout_s)
+            except FutureTimeout:
+                logger.warning("the scheduler did not answer a stats request in %.0f s", timeout_s)
         with self.scheduler.lock:
             return self.scheduler.get_stats()
 

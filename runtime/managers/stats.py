@@ -20,13 +20,14 @@ class ForwardModeStats:
         self._last_log = time.monotonic()
         self._tokens_at_last_log = 0
 
-    def record(self, mode: ForwardMode, num_tokens: int) -> None:
+    def record(self, mode: ForwardMode, num_tokens: int, forward_s: float = 0.0) -> None:
         s = self.modes[mode.name]
         s.batches += 1
         s.tokens += num_tokens
+        s.time_s += forward_s
 
     def snapshot(self) -> dict[str, ModeStats]:
-        return {k: ModeStats(v.batches, v.tokens) for k, v in self.modes.items()}
+        return {k: ModeStats(v.batches, v.tokens, v.time_s) for k, v in self.modes.items()}
 
     def due(self) -> bool:
         return time.monotonic() - self._last_log >= self.log_interval_s

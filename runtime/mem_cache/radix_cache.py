@@ -17,6 +17,7 @@ import torch
 
 from runtime.errors import DoubleFreeError
 from runtime.mem_cache.allocator import KVAllocator
+from runtime.mem_cache.cache_event_log import CacheEventLog
 
 
 class TreeNode:
@@ -54,9 +55,10 @@ def _common_prefix_len(a: list[int], a_start: int, b: list[int]) -> int:
 
 
 class RadixCache:
-    def __init__(self, allocator: KVAllocator, disable: bool = False):
+    def __init__(self, allocator: KVAllocator, disable: bool = False, events: CacheEventLog | None = None):
         self.allocator = allocator
         self.disable = disable
+        self.events = events  # told of every stored and evicted prefix (cache-aware routing reads it)
         # A logical clock instead of wall time: LRU order must not depend on timer resolution.
         self._clock = 0
         self._next_id = 0
@@ -136,6 +138,8 @@ class RadixCache:
                 self._evictable_size += len(leaf.key)
                 self._refresh_leaf_status(leaf)
                 self._refresh_leaf_status(node)
+                if self.events is not None:
+                    self.events.stored(token_ids, pos)
                 break
             n = _common_prefix_len(token_ids, pos, child.key)
             if n < len(child.key):
@@ -189,6 +193,9 @@ class RadixCache:
             self._evictable_size -= len(leaf.key)
             parent = leaf.parent
             assert parent is not None
+            if self.events is not None:
+                path = self._path_tokens(leaf)
+                self.events.removed(path, len(path) - len(leaf.key))
             del parent.children[leaf.key[0]]
             self._evictable_leaves.discard(leaf)
             leaf.parent = None
@@ -214,6 +221,8 @@ class RadixCache:
         self._evictable_leaves.clear()
         self._evictable_size = 0
         self._protected_size = 0
+        if self.events is not None:
+            self.events.cleared()
 
     # ---------------------------------------------------------------- debug
 
@@ -262,6 +271,14 @@ class RadixCache:
         child.parent = upper
         upper.children[child.key[0]] = child
         return upper
+
+    def _path_tokens(self, node: TreeNode) -> list[int]:
+        """Every token from the root down to the end of node's edge."""
+        keys: list[list[int]] = []
+        while node is not self.root:
+            keys.append(node.key)
+            node = node.parent  # type: ignore[assignment]
+        return [t for key in reversed(keys) for t in key]
 
     def _refresh_leaf_status(self, node: TreeNode) -> None:
         if node is not self.root and not node.children and node.lock_ref == 0:

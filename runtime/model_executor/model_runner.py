@@ -20,11 +20,14 @@ from runtime.host_to_device import to_device
 from runtime.layers.logits import LogitsOutput, LogitsProcessor
 from runtime.layers.sampler import SampleOutput, Sampler
 from runtime.mem_cache.kv_pool import TokenToKVPool
+from runtime.mem_cache.kv_quant import kv_storage_dtype
 from runtime.mem_cache.req_to_token import ReqToTokenPool
 from runtime.messages import BatchResult, WorkerBatch
 from runtime.model_config import ModelConfig
 from runtime.model_executor import cpu_config
+from runtime.model_executor.cpu_memory import CpuMemoryTrimmer
 from runtime.model_executor.forward_batch import ForwardBatch
+from runtime.model_executor.fp8_weights import Fp8Weights
 from runtime.model_executor.weight_loader import dummy_checkpoint, iterate_safetensors
 from runtime.models.parallel_context import ParallelContext
 from runtime.models.registry import get_model_class
@@ -55,6 +58,8 @@ class ModelRunner:
         self.ctx = ctx or ParallelContext()
         self.device = device or resolve_device(args.device)
         dtype = args.dtype
+        # CPU: glibc arenas capped and trimmed, so resident memory stays what is live (cpu_memory.py)
+        self.memory_trimmer = CpuMemoryTrimmer().start() if self.device.type == "cpu" else None
         if self.device.type == "cpu":  # threads from the cores given; "auto" → bf16 where the CPU has bf16 math
             dtype = cpu_config.configure(dtype, ModelConfig.from_pretrained(model_path).dtype)
         self.model_config = ModelConfig.from_pretrained(model_path, dtype=dtype)
@@ -70,14 +75,15 @@ class ModelRunner:
         self.model = self._load_model(model_path)
         if self.device.type == "cpu":
             cpu_config.prepare_model(self.model)
+        self.kv_dtype = kv_storage_dtype(args.kv_cache_dtype, self.model_config.dtype)
         self.max_total_tokens = kv_pool_size or self._kv_pool_size()
         self.max_running_requests = args.max_running_requests + 4  # + requests mid chunked prefill
         self.req_to_token_pool = req_to_token_pool or ReqToTokenPool(self.max_running_requests,
                                                                      self.context_len + 1, self.device)
         attn0 = self.model.model.layers[0].self_attn
         self.token_to_kv_pool = TokenToKVPool(self.max_total_tokens, self.model_config.num_hidden_layers,
-                                              attn0.num_kv_heads, attn0.head_dim, self.model_config.dtype,
-                                              self.device)
+                                              attn0.num_kv_heads, attn0.head_dim, self.kv_dtype,
+                                              self.device, args.kv_cache_scale)
         self.attn_backend_name = resolve_backend_name(args.attention_backend, self.device, self.model_config.dtype,
                                                       self.model_config.has_sliding_window)
         attn = self.model.model.layers[0].self_attn.attn
@@ -85,7 +91,7 @@ class ModelRunner:
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             scaling=attn.scaling, dtype=self.model_config.dtype, device=self.device,
             req_to_token=self.req_to_token_pool.req_to_token, max_bs=self.max_running_requests,
-            has_sliding_window=self.model_config.has_sliding_window))
+            has_sliding_window=self.model_config.has_sliding_window, kv_dtype=self.kv_dtype))
         self.logits_processor = LogitsProcessor(self.model.compute_logits)
         self.sampler = Sampler()
         self.future_token_ids = torch.zeros(self.max_running_requests, dtype=torch.int64, device=self.device)
@@ -96,11 +102,16 @@ class ModelRunner:
         t0 = time.perf_counter()
         with torch.device(self.device):
             model = get_model_class(cfg.architecture)(cfg, self.ctx)
+        fp8 = Fp8Weights.resolve(self.args.quantization, None if self.args.load_format == "dummy" else model_path)
+        if fp8 is not None:
+            fp8.prepare(model)
         if self.args.load_format == "dummy":
             model.load_weights(dummy_checkpoint(cfg, self.args.random_seed, self.device))
         else:
             show = self.ctx.attn.rank == 0 and self.ctx.mlp.rank == 0
             model.load_weights(iterate_safetensors(model_path, show_progress=show))
+        if fp8 is not None:
+            fp8.finish(model, cfg.dtype)
         model.eval()
         logger.info("loaded %s (%s, %s) in %.1f s", cfg.architecture, cfg.dtype, self.args.load_format,
                     time.perf_counter() - t0)
@@ -109,7 +120,8 @@ class ModelRunner:
     def _kv_pool_size(self) -> int:
         cfg, args = self.model_config, self.args
         attn0 = self.model.model.layers[0].self_attn
-        per_token = TokenToKVPool.bytes_per_token(cfg.num_hidden_layers, attn0.num_kv_heads, attn0.head_dim, cfg.dtype)
+        per_token = TokenToKVPool.bytes_per_token(cfg.num_hidden_layers, attn0.num_kv_heads, attn0.head_dim,
+                                                  self.kv_dtype)
         if self.device.type != "cuda":
             return args.max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS
         torch.cuda.synchronize(self.device)
@@ -138,6 +150,8 @@ class ModelRunner:
         """Drops weights, KV pool and graphs and returns the device memory (the runner is unusable after)."""
         if self.spec is not None and self.spec.draft is not None:
             self.spec.draft.release()
+        if self.memory_trimmer is not None:
+            self.memory_trimmer.stop()
         if self.device.type != "cuda":
             return
         self.cuda_graph_runner = None

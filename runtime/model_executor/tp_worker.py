@@ -33,7 +33,7 @@ class TpWorker:
         return WorkerInfo(max_total_tokens=r.max_total_tokens, max_reqs=r.max_running_requests,
                           context_len=r.context_len, vocab_size=r.model_config.vocab_size,
                           eos_token_ids=list(r.model_config.eos_token_ids), attention_backend=r.attn_backend_name,
-                          device=str(r.device))
+                          device=str(r.device), all_reduce=r.ctx.mlp.all_reduce_kind)
 
     def run_batch(self, batch: WorkerBatch) -> BatchResult:
         return self.runner.run_batch(batch)

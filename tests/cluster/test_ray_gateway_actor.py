@@ -30,3 +30,45 @@ def test_gateway_actor_serves(ray_local, tiny_llama):
     finally:
         ray.get(gateway.shutdown.remote())
         ray.kill(gateway)
+
+
+def test_cli_serves_through_a_gateway_actor(ray_local, tiny_llama):
+    """`shoal serve` on Ray (serve_gateway_actor): the gateway actor, pinned to this node, answers at
+    --host:--port with cache-aware routing over DP=2 and admission on; stopping the CLI takes it down."""
+    import socket
+    import threading
+    import time
+
+    import requests
+
+    from runtime.entrypoints.gateway_launcher import serve_gateway_actor
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ServerArgs(model_path=str(tiny_llama), dp_size=2, device="cpu", max_total_tokens=1024, port=port)
+    stop = threading.Event()
+    runner = threading.Thread(target=serve_gateway_actor, args=(args, stop), daemon=True)
+    runner.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if requests.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, "the gateway actor never answered"
+            time.sleep(0.5)
+        body = {"prompt": "Hello there, how are you? " * 6, "max_tokens": 4, "temperature": 0}  # a few pages
+        for _ in range(2):
+            r = requests.post(url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        metrics = requests.get(url + "/metrics", timeout=10).text
+        assert 'shoal:cache_aware_routed_total{by="cache"} 1.0' in metrics  # the 2nd found the 1st's prefix
+        assert "shoal:replica_inflight_requests" in metrics
+    finally:
+        stop.set()
+        runner.join(timeout=90)
+    assert not runner.is_alive()

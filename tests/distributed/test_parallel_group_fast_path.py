@@ -23,6 +23,7 @@ def test_single_rank_keeps_the_plain_group():
     assert ctx.attn.fast is None and ctx.mlp.fast is None
     x = torch.ones(3)
     assert g.all_reduce(x) is x
+    assert g.all_reduce_kind == "none"
 
 
 def _free_port() -> int:
@@ -40,7 +41,8 @@ def _cpu_rank(rank: int, port: int, results) -> None:
     g = ParallelGroup(rank, 2, dist.group.WORLD)
     ctx = ParallelContext.tensor_parallel(g).with_fast_all_reduce(torch.float32, torch.device("cpu"), 8, 16)
     x = torch.full((4,), float(rank + 1))
-    results.put((rank, ctx.mlp.fast is None, ctx.attn is ctx.mlp, ctx.mlp.all_reduce(x).tolist()))
+    results.put((rank, ctx.mlp.fast is None, ctx.attn is ctx.mlp, ctx.mlp.all_reduce(x).tolist(),
+                 ctx.mlp.all_reduce_kind))
     dist.destroy_process_group()
 
 
@@ -56,7 +58,7 @@ def test_cpu_ranks_agree_on_no_fast_path_and_still_reduce():
     got = sorted(q.get(timeout=60) for _ in procs)
     for p in procs:
         p.join(timeout=30)
-    assert got == [(0, True, True, [3.0] * 4), (1, True, True, [3.0] * 4)]
+    assert got == [(0, True, True, [3.0] * 4, "gloo"), (1, True, True, [3.0] * 4, "gloo")]
 
 
 @pytest.mark.parametrize(("gpu_id", "visible", "index"), [

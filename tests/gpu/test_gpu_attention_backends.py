@@ -81,7 +81,7 @@ CASES = {
 def test_backend_matches_torch_native_gpu(name: str, case: str) -> None:
     mode, seq_lens, prefix_lens = CASES[case]
     results = []
-    for make in (TorchNativeAttnBackend, lambda r: _backend(name, r)):
+    for make in (lambda r: TorchNativeAttnBackend(r.spec), lambda r: _backend(name, r)):
         runner = _runner(seed=3)
         wb = _batch(runner, mode, seq_lens, prefix_lens)
         new = len(wb.input_ids)

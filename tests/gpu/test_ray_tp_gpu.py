@@ -97,6 +97,9 @@ def test_ray_tp2_nccl_matches_tp1(gpu_model, ray_gpus):
     client = create_ray_engine_client(ServerArgs(**base, tp_size=2))
     try:
         assert client.groups[0].info.device.startswith("cuda")
+        if torch.cuda.get_device_capability(0)[0] >= 9 and torch.cuda.can_device_access_peer(0, 1):
+            # Ray ranks see every GPU of the node, so the one-shot kernel is used inside graphs
+            assert client.groups[0].info.all_reduce == "symm_mem+nccl"
         reqs = [GenerateRequest(rid=f"tp2-{i}", input_ids=p,
                                 sampling_params=SamplingParams(max_new_tokens=16, temperature=0.0))
                 for i, p in enumerate(PROMPTS)]

@@ -186,7 +186,7 @@ def test_stats_and_metrics(make_engine, tiny_model_dirs):
     # The target as its own draft accepts everything: 1 token from the prefill, then 4 + 1 per verify step.
     assert s.spec_verify_reqs == 4 and s.spec_accepted_tokens == 16 and s.spec_accept_length == 5.0
     assert s.spec_accept_rate == 1.0
-    text = GatewayMetrics().render(s, [s]).decode()
+    text = GatewayMetrics().render(s, replicas=[s]).decode()
     assert 'shoal:spec_accept_length{replica="all"} 5.0' in text and 'shoal:spec_accept_length{replica="0"} 5.0' in text
     assert 'shoal:spec_accept_rate{replica="0"} 1.0' in text
     assert 'shoal:forward_batches_total{mode="target_verify"} 4.0' in text

@@ -1,0 +1,221 @@
+"""Fp8Gemv: weight-only FP8 (w8a16) GEMV / skinny GEMM for decode-sized M.
+
+y[M, N] = x[M, K] @ (w8[N, K].float() * w_scale[N, None]).T (+ bias), fp32 accumulation, output in x's
+dtype. The fp8 weight is read once, K-contiguous (16-byte vector loads), widened in registers (e4m3 is
+exact in bf16/fp16/fp32) and the per-channel scale is applied once per output after the K loop. The
+activations stay in their own dtype: no per-token quantize kernel, and better accuracy than w8a8.
+
+Why: at M = 1..16, cuBLASLt's fp8 GEMM plus the activation-quantize kernel are latency-bound (the 8B
+decode step was slower in fp8 than in bf16); a GEMV that streams the weight bytes at HBM speed halves the
+bf16 step's GEMM time.
+
+Two inner formulations, picked per config: multiply + sum over a [BLOCK_M, BLOCK_N, BLOCK_K] register
+tile (no tl.dot: best for M <= 4, and exact in the Triton interpreter), or tl.dot with M padded to 16
+(tensor cores, for M up to 16). SPLIT_K > 1 writes fp32 partials and a second small kernel sums them,
+scales, adds the bias and casts; it is used only where N alone gives too few blocks to fill the SMs.
+Configs are picked by shape (no autotuning: nothing to benchmark at CUDA-graph capture or startup);
+benchmarks/bench_fp8_gemv.py sweeps the alternatives on a GPU.
+
+The Triton interpreter (TRITON_INTERPRET=1) loads float8_e4m3fn tensors and widens them exactly; only its
+tl.dot on bf16 is wrong, so CPU tests use fp32/fp16 activations."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+SMALL_M_MAX = 16  # the default M bound of the dispatch; SHOAL_FP8_GEMV_MAX_M overrides it (0 turns it off)
+_SM_COUNT_DEFAULT = 132  # H100 SXM; used when the device cannot be asked (interpreter)
+
+
+@dataclass(frozen=True, slots=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    use_dot: bool = False
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _fp8_gemv_kernel(X, W, S, B, Out, Part, M, N, K, stride_xm, stride_wn, stride_om,
+                     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    # Each split owns a whole number of BLOCK_K tiles; EVEN_K says K == SPLIT_K * tiles * BLOCK_K exactly.
+    k_span = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_span
+    k_hi = tl.minimum(k_lo + k_span, K)
+    # M == 1 without tl.dot is the plain GEMV: x is a 1-D row broadcast over a 2-D weight tile, so both
+    # take the weight load's layout (a [1, BLOCK_K] x tile would be re-laid out through shared memory).
+    GEMV1: tl.constexpr = (not USE_DOT) and BLOCK_M == 1
+    w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + (k_lo + offs_k)[None, :]
+    if GEMV1:
+        x_ptrs = X + k_lo + offs_k
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        x_ptrs = X + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+        if USE_DOT:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        else:
+            acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            if GEMV1:
+                x = tl.load(x_ptrs)
+            else:
+                x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+        else:
+            mask_k = (k + offs_k) < k_hi
+            if GEMV1:
+                x = tl.load(x_ptrs, mask=mask_k, other=0.0)
+            else:
+                x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        if GEMV1:
+            acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        elif USE_DOT:
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
+        else:
+            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if GEMV1:
+        acc = tl.sum(acc2, axis=1)[None, :]
+    elif not USE_DOT:
+        acc = tl.sum(acc3, axis=2)
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        y = acc * tl.load(S + offs_n, mask=mask_n, other=0.0)[None, :]
+        if HAS_BIAS:
+            y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(Out + offs_m[:, None] * stride_om + offs_n[None, :], y.to(Out.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(Part + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(Part, S, B, Out, M, N, stride_om, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    m = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(Part + (s * M + m) * N + offs, mask=mask, other=0.0)
+    y = acc * tl.load(S + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + m * stride_om + offs, y.to(Out.dtype.element_ty), mask=mask)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT_DEFAULT
+
+
+def pick_config(m: int, n: int, k: int, sm_count: int = _SM_COUNT_DEFAULT) -> GemvConfig:
+    """The config for one shape. HBM latency needs ~16-32 KB of loads in flight per SM, so the weight tile
+    stays ~4-8 KB and N is cut into >= 3 blocks per SM (narrower blocks before split-K, whose second
+    kernel costs a launch); multiply + sum for M <= 4, tl.dot (M padded to 16, pipelined) above."""
+    if m <= 4:
+        block_n = 16 if triton.cdiv(n, 16) >= 3 * sm_count else 8
+        block_k = (8192 // block_n) // triton.next_power_of_2(m)  # a [BLOCK_M, BLOCK_N, BLOCK_K] fp32 tile
+        use_dot, stages = False, 2
+    else:
+        block_n, block_k, use_dot, stages = 16, 256, True, 4
+    block_k = max(16, min(block_k, triton.next_power_of_2(k)))
+    split_k = 1
+    while (triton.cdiv(n, block_n) * split_k < 2 * sm_count and split_k < 8
+           and k % (2 * split_k * block_k) == 0):
+        split_k *= 2
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, use_dot=use_dot, num_warps=4,
+                      num_stages=stages)
+
+
+def fp8_linear_small_m(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+                       bias: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32) @ (w8 [N, K] fp8 * w_scale [N])^T + bias → [M, N] in x's dtype."""
+    if x.dim() != 2 or w8.dim() != 2 or x.shape[1] != w8.shape[1]:
+        raise ValueError(f"fp8_linear_small_m: x {tuple(x.shape)} and w8 {tuple(w8.shape)} do not multiply")
+    if w8.dtype not in FP8_DTYPES:
+        raise TypeError(f"fp8_linear_small_m: w8 must be float8_e4m3fn, got {w8.dtype}")
+    m, k = x.shape
+    n = w8.shape[0]
+    scale = w_scale.reshape(-1).float()
+    if scale.numel() == 1:
+        scale = scale.expand(n)
+    if scale.numel() != n:
+        raise ValueError(f"fp8_linear_small_m: w_scale has {w_scale.numel()} values for {n} output channels")
+    scale = scale.contiguous()
+    if bias is not None and bias.numel() != n:
+        raise ValueError(f"fp8_linear_small_m: bias has {bias.numel()} values for {n} output channels")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if w8.stride(1) != 1:
+        w8 = w8.contiguous()
+    cfg = config or pick_config(m, n, k, _sm_count(x.device))
+    block_m = 16 if cfg.use_dot else triton.next_power_of_2(m)
+    part = (torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device) if cfg.split_k > 1
+            else out)
+    b = bias.contiguous() if bias is not None else scale  # a placeholder pointer when there is no bias
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    _fp8_gemv_kernel[grid](
+        x, w8, scale, b, out, part, m, n, k, x.stride(0), w8.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, USE_DOT=cfg.use_dot,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        EVEN_N=n % cfg.block_n == 0, EVEN_K=k % (cfg.split_k * cfg.block_k) == 0,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if cfg.split_k > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _split_k_reduce_kernel[(triton.cdiv(n, block), m)](
+            part, scale, b, out, m, n, out.stride(0), HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
+            BLOCK=block)
+    return out
+
+
+def fp8_linear_small_m_ref(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch reference: dequantize the weight to fp32, one fp32 matmul, then the bias, cast once."""
+    w = w8.float() * w_scale.reshape(-1, 1).float()
+    y = x.float() @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def small_m_max() -> int:
+    """The largest M the dispatch sends to the GEMV (SHOAL_FP8_GEMV_MAX_M, default 16)."""
+    return int(os.environ.get("SHOAL_FP8_GEMV_MAX_M", SMALL_M_MAX))
+
+
+def use_small_m(x2: torch.Tensor, w8: torch.Tensor, max_m: int | None = None) -> bool:
+    """Whether the fp8 linear should take the GEMV: CUDA sm89+, 1 <= M <= max_m, an fp8 weight and 16-bit
+    or fp32 activations. CPU (and everything else) keeps the existing path."""
+    limit = small_m_max() if max_m is None else max_m
+    return (x2.is_cuda and w8.is_cuda and 1 <= x2.shape[0] <= limit and w8.dtype in FP8_DTYPES
+            and x2.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and torch.cuda.get_device_capability(w8.device) >= (8, 9))  # Triton's e4m3 needs sm89+

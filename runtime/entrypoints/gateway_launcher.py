@@ -1,0 +1,45 @@
+"""serve_gateway_actor: `shoal serve` on Ray — the HTTP gateway runs as a GatewayActor (which owns the
+replicas' RayEngineClient: routing, admission, failover), pinned to this machine so HOST:PORT is where
+the user expects it; the CLI process only starts it, waits for Ctrl-C or SIGTERM, and takes it down.
+The same actor can be started detached (launch.launch_gateway_actor(..., detached=True)) to outlive
+the CLI; this function is the foreground form."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+from runtime.config import ServerArgs
+from runtime.logging_setup import setup_logging
+
+logger = logging.getLogger("shoal.gateway")
+
+
+def serve_gateway_actor(args: ServerArgs, stop: threading.Event | None = None) -> None:
+    """Blocks until `stop` is set (default: SIGINT/SIGTERM), then shuts the gateway and its replicas down."""
+    import ray
+
+    from runtime.cluster.launch import launch_gateway_actor
+
+    setup_logging(args.log_level)
+    if stop is None:
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+    owned = not ray.is_initialized()
+    logger.info("starting the gateway actor and its replicas on Ray (the port opens once they are loaded)")
+    handle = launch_gateway_actor(args, port=args.port, on_this_node=True)
+    try:
+        url = ray.get(handle.url.remote())
+        logger.info("Shoal is ready: the gateway actor serves at %s (OpenAI API: %s/v1)", url, url)
+        stop.wait()
+        logger.info("shutting down")
+    finally:
+        try:
+            ray.get(handle.shutdown.remote(), timeout=60)
+        except Exception:
+            logger.warning("the gateway actor did not shut down cleanly", exc_info=True)
+        ray.kill(handle)
+        if owned:
+            ray.shutdown()

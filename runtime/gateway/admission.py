@@ -1,0 +1,137 @@
+"""AdmissionController: refuses a request up front (429 with Retry-After) when the engine could not
+start it soon, so a flood never builds a queue that accepted requests would time out in, and every
+request it lets in completes.
+
+It reads the engine's real state (EngineClient.stats(): the summed replicas on Ray, the scheduler
+in-process), refreshed at most every `refresh_s`, for what runs (requests, KV held, decode left) and the
+recent rates; the queue itself it knows better than any snapshot: every request it admitted waits
+until its first delta comes back (or it ends), so those are counted the moment they are admitted —
+a burst cannot slip in between two snapshots. A request is refused when
+  - more than --max-waiting-requests would wait ahead of it, or
+  - its estimated wait (WaitEstimator) exceeds --max-queue-wait-s.
+Retry-After is when the estimate says it would be admitted, had nothing else arrived: the estimated
+wait past the limit (or, for the count, the share of the queue that must start first), at least
+`min_retry_s` (1 s: sooner, a retry mostly meets the same full queue and only adds to the flood). HTTP
+wants whole seconds; `retry-after-ms` (which OpenAI's clients read first) gives it to the millisecond."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+
+import msgspec
+
+from runtime.engine_client import EngineClient
+from runtime.gateway.wait_estimator import WaitEstimate, WaitEstimator
+from runtime.messages import GenerateRequest, SchedulerStats
+
+CORRECTION_SAMPLES = 64  # the moving averages' horizon, in admitted requests
+MIN_SAMPLE_WAIT_S = 0.05  # shorter estimates say little about the model's error (timer noise dominates)
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    reason: str  # "queue_wait" | "waiting_requests"
+    retry_after_s: float
+    message: str
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s))),
+                "retry-after-ms": str(max(1, round(self.retry_after_s * 1000)))}
+
+
+class AdmissionController:
+    def __init__(self, max_queue_wait_s: float, max_waiting_requests: int, refresh_s: float = 0.2,
+                 min_retry_s: float = 1.0):
+        self.max_queue_wait_s, self.max_waiting_requests = max_queue_wait_s, max_waiting_requests
+        self.refresh_s, self.min_retry_s = refresh_s, min_retry_s
+        self.estimator = WaitEstimator()
+        self.stats: SchedulerStats | None = None
+        self.stats_t = -math.inf  # when the snapshot's stats() call began
+        self.last_estimate: WaitEstimate | None = None
+        # rid → (prompt tokens, max new tokens, admitted at, the model's wait estimate): admitted, not started
+        self._waiting: dict[str, tuple[int, int, float, float]] = {}
+        # What the model cannot see (other tenants of the machine, the gateway's own load, queue order)
+        # shows as a steady gap between the waits it estimated and those requests then saw: estimates are
+        # scaled by the ratio of their moving averages (after a few samples; clipped to [0.5, 10]).
+        self.correction = 1.0
+        self._seen_wait = self._est_wait = 0.0
+        self._samples = 0
+        self._refreshing: asyncio.Future | None = None
+
+    # ---- the engine's state ---------------------------------------------------------------------
+    async def refresh(self, client: EngineClient) -> None:
+        """One stats() call at a time; concurrent callers share it."""
+        if self._refreshing is not None and not self._refreshing.done():
+            await asyncio.shield(self._refreshing)
+            return
+        self._refreshing = asyncio.ensure_future(self._refresh(client))
+        await asyncio.shield(self._refreshing)
+
+    async def _refresh(self, client: EngineClient) -> None:
+        started = time.monotonic()
+        try:
+            stats = await client.stats()
+        except Exception:  # no fresh numbers: decide on the last ones
+            return
+        self.observe(started, stats)
+
+    def observe(self, started: float, stats: SchedulerStats) -> None:
+        self.stats, self.stats_t = stats, started
+        self.estimator.observe(started, stats)
+
+    def started(self, rid: str, now: float | None = None) -> None:
+        """The request's first delta came back (or it ended): it no longer waits. Idempotent."""
+        entry = self._waiting.pop(rid, None)
+        if entry is None or entry[3] < MIN_SAMPLE_WAIT_S:
+            return
+        seen = (time.monotonic() if now is None else now) - entry[2]
+        a = 1.0 / min(self._samples + 1, CORRECTION_SAMPLES)
+        self._seen_wait += a * (seen - self._seen_wait)
+        self._est_wait += a * (entry[3] - self._est_wait)
+        self._samples += 1
+        if self._samples >= 5:
+            self.correction = min(max(self._seen_wait / self._est_wait, 0.5), 10.0)
+
+    def scaled(self, est: WaitEstimate) -> WaitEstimate:
+        return dataclasses.replace(est, wait_s=est.wait_s * self.correction, correction=self.correction)
+
+    # ---- decisions --------------------------------------------------------------------------------
+    async def check(self, client: EngineClient, reqs: list[GenerateRequest]) -> Refusal | None:
+        """None: admitted (and counted as waiting until `started`); else why not."""
+        if time.monotonic() - self.stats_t > self.refresh_s:
+            await self.refresh(client)
+        return self.decide(reqs)
+
+    def decide(self, reqs: list[GenerateRequest]) -> Refusal | None:
+        stats = self.stats
+        if stats is None:
+            return None
+        # The engine's queue as this gateway knows it (exact and current) or as the snapshot says, if more
+        # (another client may share the engine).
+        ahead = max(stats.num_queue_reqs, len(self._waiting))
+        view = msgspec.structs.replace(
+            stats, num_queue_reqs=ahead,
+            waiting_tokens=max(stats.waiting_tokens, sum(w[0] for w in self._waiting.values())),
+            waiting_decode_tokens=max(stats.waiting_decode_tokens, sum(w[1] for w in self._waiting.values())))
+        est = self.scaled(self.estimator.estimate(view, sum(len(r.input_ids) for r in reqs)))
+        self.last_estimate = est
+        if ahead + len(reqs) > self.max_waiting_requests:
+            excess = ahead + len(reqs) - self.max_waiting_requests
+            retry = max(est.wait_s * excess / max(ahead, 1), self.min_retry_s)
+            return Refusal("waiting_requests", retry,
+                           f"the server's queue is full ({ahead} requests waiting, at most "
+                           f"{self.max_waiting_requests}); retry after {retry:.1f} s")
+        if est.wait_s > self.max_queue_wait_s:
+            retry = max(est.wait_s - self.max_queue_wait_s, self.min_retry_s)
+            return Refusal("queue_wait", retry,
+                           f"the server is overloaded: this request would wait about {est.wait_s:.1f} s in the "
+                           f"queue (at most {self.max_queue_wait_s:g} s); retry after {retry:.1f} s")
+        now = time.monotonic()
+        for r in reqs:
+            self._waiting[r.rid] = (len(r.input_ids), r.sampling_params.max_new_tokens, now,
+                                    est.wait_s / est.correction)
+        return None

@@ -1,0 +1,100 @@
+"""FP8 (float8_e4m3fn) linear layers: per-output-channel weight scales, dynamic per-token activation scales.
+
+y = (x8 * sx) @ (w8 * sw)^T, with x8 = saturate(x / sx), sx = amax(|x| over the row) / 448 per token and
+sw per output channel (from the checkpoint, or amax / 448 when a bf16 checkpoint is quantized at load).
+The GEMM is torch._scaled_mm where it takes row-wise scales (CUDA sm89+ with bf16 outputs, and torch's
+CPU build); elsewhere the same arithmetic is emulated (dequantize both operands to the activation dtype,
+then matmul), so every device computes the same quantized model.
+
+Both forwards replace the instance's forward after load, like cpu_linear's packed weights; the parameters
+keep their names (weight, now fp8; weight_scale [out, 1] fp32), so TP sharding is unchanged: column
+layers shard the scales with their rows, row layers keep every output channel and its scale."""
+
+from __future__ import annotations
+
+from types import MethodType
+
+import torch
+from torch import nn
+
+from kernels.fp8_gemv import fp8_linear_small_m, use_small_m  # fp8gemv hook (issue 16)
+from runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+_MIN_AMAX = 1e-12  # an all-zero row keeps a finite scale
+
+
+def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] → (fp8 [N, K], fp32 scale [N, 1]) with w ≈ w8 * scale."""
+    scale = w.float().abs().amax(dim=1, keepdim=True).clamp_(min=_MIN_AMAX) / FP8_MAX
+    return (w.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] → (fp8 [M, K], fp32 scale [M, 1]): one scale per row (token)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp_(min=_MIN_AMAX) / FP8_MAX
+    return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def scaled_mm_supported(device: torch.device, out_dtype: torch.dtype) -> bool:
+    """Whether torch._scaled_mm takes row-wise scales here: CUDA needs sm89+ and a bf16 output."""
+    if device.type == "cuda":
+        return out_dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cpu"
+
+
+def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+               use_scaled_mm: bool | None = None) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32) @ (w8 [N, K] fp8 * w_scale [N, 1])^T + bias → [..., N] in x's dtype."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if use_small_m(x2, w8):  # fp8gemv hook (issue 16): decode-sized M on CUDA -> the w8a16 Triton GEMV
+        return fp8_linear_small_m(x2, w8, w_scale, bias).view(*shape[:-1], w8.shape[0])
+    if use_scaled_mm is None:
+        use_scaled_mm = scaled_mm_supported(x.device, x.dtype)
+    if x2.shape[0] == 0:
+        y = x2.new_empty((0, w8.shape[0]))
+    else:
+        xq, xs = quantize_per_token(x2)
+        if use_scaled_mm:
+            y = torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=w_scale.view(1, -1), out_dtype=x.dtype)
+        else:
+            y = fp8_linear_reference(xq, xs, w8, w_scale, x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*shape[:-1], w8.shape[0])
+
+
+def fp8_linear_reference(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """The emulated GEMM: both operands dequantized to `dtype`, one matmul (fp32 accumulate inside)."""
+    return (xq.to(dtype) * xs.to(dtype)) @ (w8.to(dtype) * w_scale.to(dtype)).t()
+
+
+def _column_forward(self: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
+    y = fp8_linear(x, self.weight, self.weight_scale, self.bias, self.use_scaled_mm)
+    return self.group.all_gather(y, dim=-1) if self.gather_output else y
+
+
+def _row_forward(self: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
+    y = fp8_linear(x, self.weight, self.weight_scale, None, self.use_scaled_mm)
+    if self.reduce_results:
+        y = self.group.all_reduce(y)
+    if self.bias is not None:
+        y = y + self.bias
+    return y
+
+
+def fp8_linear_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The tensor-parallel linear layers FP8 applies to (attention and MLP projections; never the
+    embedding or the LM head)."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+
+
+def use_fp8_forward(module: nn.Module, act_dtype: torch.dtype) -> None:
+    """Swaps in the FP8 forward once the module holds an fp8 `weight` and its `weight_scale`."""
+    module.use_scaled_mm = scaled_mm_supported(module.weight.device, act_dtype)
+    forward = _row_forward if isinstance(module, RowParallelLinear) else _column_forward
+    module.forward = MethodType(forward, module)

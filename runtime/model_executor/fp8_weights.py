@@ -1,0 +1,158 @@
+"""Fp8Weights: the `--quantization fp8` path and the FP8 checkpoint layouts, applied around load_weights.
+
+Three ways in, one result (every attention/MLP projection holds an fp8 `weight` and an fp32 per-output-
+channel `weight_scale`, and runs runtime/layers/fp8_linear's forward):
+- a bf16/fp16 checkpoint with --quantization fp8: loaded as usual, then each weight is quantized per
+  output channel (after TP sharding, so a row-parallel rank's scales come from its own columns);
+- compressed-tensors (config.json quantization_config.quant_method "compressed-tensors", format
+  float-quantized/naive-quantized, 8-bit float weights with "channel" or "tensor" strategy): fp8 weights
+  and their weight_scale load straight into fp8 parameters; a per-tensor scale is broadcast over its
+  rows (so fused q/k/v or gate/up keep each part's own scale);
+- fbgemm_fp8 (Meta's FP8 Llama layout): fp8 weights with per-channel weight_scale [out, 1].
+Activations are always quantized dynamically per token; static input_scale tensors of a checkpoint are
+not used. Anything else in quantization_config raises UnsupportedQuantizationError naming the layout."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from runtime.errors import UnsupportedQuantizationError, WeightLoadError
+from runtime.layers.fp8_linear import FP8, fp8_linear_modules, quantize_per_channel, use_fp8_forward
+from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+logger = logging.getLogger(__name__)
+
+_IGNORABLE = ("lm_head",)  # modules an FP8 checkpoint may leave unquantized that we never quantize anyway
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Weights:
+    checkpoint_fp8: bool  # the checkpoint stores fp8 weights + weight_scale (else: quantize at load)
+    layout: str  # "quantize-at-load" | "compressed-tensors" | "fbgemm_fp8"
+
+    @classmethod
+    def resolve(cls, quantization: str | None, model_path: str | None) -> Fp8Weights | None:
+        """What the checkpoint's config.json says, else what --quantization asks; None: plain weights."""
+        qcfg = _read_quant_config(model_path)
+        if qcfg is not None:
+            return cls(checkpoint_fp8=True, layout=_check_layout(qcfg))
+        if quantization == "fp8":
+            return cls(checkpoint_fp8=False, layout="quantize-at-load")
+        return None
+
+    def prepare(self, model: nn.Module) -> None:
+        """Before load_weights: fp8 checkpoints get fp8 weight and fp32 weight_scale parameters."""
+        if not self.checkpoint_fp8:
+            return
+        for _, m in fp8_linear_modules(model):
+            old = m.weight
+            m.weight = nn.Parameter(torch.empty(old.shape, dtype=FP8, device=old.device), requires_grad=False)
+            m.weight.weight_loader = _fp8_only(m.weight_loader)
+            m.weight_scale = nn.Parameter(torch.empty(old.shape[0], 1, dtype=torch.float32, device=old.device),
+                                          requires_grad=False)
+            m.weight_scale.weight_loader = _scale_loader(m)
+
+    def finish(self, model: nn.Module, act_dtype: torch.dtype) -> None:
+        """After load_weights: quantize bf16 weights (quantize-at-load) and switch every forward."""
+        modules = fp8_linear_modules(model)
+        for _, m in modules:
+            if not self.checkpoint_fp8:
+                w8, scale = quantize_per_channel(m.weight.data)
+                m.weight = nn.Parameter(w8, requires_grad=False)
+                m.weight_scale = nn.Parameter(scale, requires_grad=False)
+            use_fp8_forward(m, act_dtype)
+        if modules and modules[0][1].weight.device.type == "cuda":
+            torch.cuda.empty_cache()  # the bf16 copies' memory goes back before the KV pool is sized
+        logger.info("FP8 weights (%s): %d linear layers", self.layout, len(modules))
+
+
+def _read_quant_config(model_path: str | None) -> dict[str, Any] | None:
+    if model_path is None:
+        return None
+    path = Path(model_path) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # ModelConfig reports a missing or broken config.json
+    q = raw.get("quantization_config")
+    return q if isinstance(q, dict) else None
+
+
+def _check_layout(q: dict[str, Any]) -> str:
+    method = str(q.get("quant_method", "<none>"))
+    if method == "fbgemm_fp8":
+        _check_ignored(method, q.get("modules_to_not_convert") or [])
+        return method
+    if method != "compressed-tensors":
+        raise UnsupportedQuantizationError(method)
+    fmt = q.get("format", "float-quantized")
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise UnsupportedQuantizationError(f"compressed-tensors/{fmt}")
+    groups = q.get("config_groups") or {}
+    if not groups:
+        raise UnsupportedQuantizationError("compressed-tensors", "no config_groups")
+    for name, g in groups.items():
+        w = g.get("weights") or {}
+        kind = f"{w.get('type')}{w.get('num_bits')}/{w.get('strategy')}"
+        if w.get("type") != "float" or w.get("num_bits") != 8 or w.get("strategy") not in ("channel", "tensor"):
+            raise UnsupportedQuantizationError(f"compressed-tensors/{kind}", f"config group {name!r} weights")
+    _check_ignored(method, q.get("ignore") or [])
+    return method
+
+
+def _check_ignored(method: str, names: list[str]) -> None:
+    """Layers a checkpoint left in bf16: only the LM head is fine (ours is never quantized)."""
+    other = [n for n in names if not any(n.endswith(i) for i in _IGNORABLE)]
+    if other:
+        raise UnsupportedQuantizationError(f"{method} with unquantized linear layers",
+                                           f"{', '.join(other[:4])} are not fp8")
+
+
+Loader = Callable[[nn.Parameter, torch.Tensor, object], None]
+
+
+def _fp8_only(loader: Loader) -> Loader:
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if loaded.dtype != FP8:
+            raise WeightLoadError(f"tensor {getattr(param, 'hf_name', '?')}: an fp8 checkpoint tensor is "
+                                  f"{loaded.dtype}, expected float8_e4m3fn")
+        loader(param, loaded, shard_id)
+    return load
+
+
+def _full_rows(m: nn.Module, shard_id: object) -> int:
+    """Rows of the full (unsharded) checkpoint tensor that the module's loader expects for shard_id."""
+    tp = m.group.size
+    if isinstance(m, QKVParallelLinear):
+        if shard_id == "q":
+            return m.num_heads * m.head_dim * tp
+        return m.num_kv_heads * m.head_dim * (tp // m.kv_replicas)
+    if isinstance(m, MergedColumnParallelLinear):
+        return m.out_sizes[int(shard_id)] * tp  # type: ignore[arg-type]
+    return m.out_per_rank * tp
+
+
+def _scale_loader(m: nn.Module) -> Loader:
+    """Loads weight_scale like the weight's rows: [out, 1], [out] and per-tensor [] / [1] all accepted."""
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        t = loaded.to(torch.float32).reshape(-1, 1)
+        if isinstance(m, RowParallelLinear):  # every rank keeps all output channels
+            if t.numel() == 1:
+                t = t.expand(param.shape[0], 1)
+            if t.shape != param.shape:
+                raise WeightLoadError(f"tensor {getattr(param, 'hf_name', '?')}: checkpoint shape "
+                                      f"{tuple(loaded.shape)} does not fit {tuple(param.shape)}")
+            param.data.copy_(t)
+            return
+        if t.numel() == 1:
+            t = t.expand(_full_rows(m, shard_id), 1)
+        m.weight_loader(param, t, shard_id)
+    return load

@@ -1,0 +1,253 @@
+"""FP8 on the GPU: the fp8_e4m3 KV pool through the Triton and FlashInfer backends against torch_native
+(same pool, Llama-8B head shapes, EXTEND over cached prefixes / MIXED / DECODE, and DECODE replayed from a
+CUDA graph); the FP8 GEMM (torch._scaled_mm, row-wise scales) against its dequantize-then-matmul
+reference; and the Engine end to end with FP8 KV and FP8 weights, CUDA graphs on."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from runtime.attention.spec import AttentionSpec
+from runtime.attention.torch_native import TorchNativeAttnBackend
+from runtime.layers.attention import Attention
+from runtime.mem_cache.kv_pool import TokenToKVPool
+from runtime.mem_cache.req_to_token import ReqToTokenPool
+from runtime.messages import WorkerBatch
+from runtime.model_executor.forward_batch import ForwardBatch
+from runtime.model_executor.forward_mode import ForwardMode
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)"),
+]
+
+HQ, HKV, D, SLOTS, CTX, ROWS = 32, 8, 128, 40_000, 4096, 16
+DT, F8 = torch.bfloat16, torch.float8_e4m3fn
+KV_SCALE = 0.5
+TOL = {"atol": 3e-2, "rtol": 3e-2}
+BACKENDS = ["triton", pytest.param("flashinfer", marks=pytest.mark.skipif(
+    importlib.util.find_spec("flashinfer") is None, reason="flashinfer not installed"))]
+CASES = {
+    "extend": (ForwardMode.EXTEND, [1000, 300, 1, 2048], [600, 0, 0, 1]),
+    "mixed": (ForwardMode.MIXED, [700, 129, 1500, 40, 3000], [0, 64, 1499, 39, 2999]),
+    "decode": (ForwardMode.DECODE, [1, 2, 33, 1000, 4000, 517], [0, 1, 32, 999, 3999, 516]),
+}
+
+
+def _runner(seed: int) -> SimpleNamespace:
+    torch.manual_seed(seed)
+    layer = Attention(0, HQ, HKV, D, D**-0.5)
+    kv = TokenToKVPool(SLOTS, 1, HKV, D, F8, "cuda", kv_scale=KV_SCALE)
+    kv.k_buffers[0].copy_(torch.randn(SLOTS + 1, HKV, D, device="cuda").to(F8))
+    kv.v_buffers[0].copy_(torch.randn(SLOTS + 1, HKV, D, device="cuda").to(F8))
+    pool = ReqToTokenPool(ROWS, CTX, "cuda")
+    spec = AttentionSpec(num_heads=HQ, num_kv_heads=HKV, head_dim=D, scaling=D**-0.5, dtype=DT,
+                         device=torch.device("cuda"), req_to_token=pool.req_to_token, max_bs=ROWS, kv_dtype=F8)
+    return SimpleNamespace(device=torch.device("cuda"), req_to_token_pool=pool, token_to_kv_pool=kv, spec=spec,
+                           layer=layer)
+
+
+def _batch(runner, mode: ForwardMode, seq_lens: list[int], prefix_lens: list[int]) -> WorkerBatch:
+    slots = (torch.randperm(SLOTS) + 1)[:sum(seq_lens)].tolist()
+    rows = [ROWS - 1 - i for i in range(len(seq_lens))]
+    out_cache_loc, off = [], 0
+    for row, n, p in zip(rows, seq_lens, prefix_lens, strict=True):
+        mine = slots[off:off + n]
+        off += n
+        runner.req_to_token_pool.write(row, 0, torch.tensor(mine[:p], device="cuda"))
+        out_cache_loc += mine[p:]
+    new = sum(seq_lens) - sum(prefix_lens)
+    return WorkerBatch(batch_id=0, forward_mode=int(mode), input_ids=[0] * new, req_pool_indices=rows,
+                       seq_lens=seq_lens, prefix_lens=prefix_lens, out_cache_loc=out_cache_loc)
+
+
+def _fb(runner, backend, wb: WorkerBatch) -> ForwardBatch:
+    fb = ForwardBatch.init_new(wb, runner.req_to_token_pool, runner.token_to_kv_pool, backend, runner.device)
+    fb.write_req_to_token()
+    return fb
+
+
+def _backend(name: str, runner):
+    from runtime.attention.registry import create_attention_backend
+
+    return create_attention_backend(name, runner.spec)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("case", CASES)
+def test_fp8_kv_backend_matches_torch_native(name: str, case: str) -> None:
+    mode, seq_lens, prefix_lens = CASES[case]
+    results = []
+    for make in (lambda r: TorchNativeAttnBackend(r.spec), lambda r: _backend(name, r)):
+        runner = _runner(seed=3)
+        wb = _batch(runner, mode, seq_lens, prefix_lens)
+        new = len(wb.input_ids)
+        qkv = (torch.randn(new, HQ * D, device="cuda", dtype=DT), torch.randn(new, HKV * D, device="cuda", dtype=DT),
+               torch.randn(new, HKV * D, device="cuda", dtype=DT))
+        backend = make(runner)
+        fb = _fb(runner, backend, wb)
+        backend.init_forward_metadata(fb)
+        out = backend.forward(*qkv, runner.layer, fb)
+        pool = runner.token_to_kv_pool
+        results.append((out, pool.k_buffers[0].view(torch.uint8), pool.v_buffers[0].view(torch.uint8)))
+    (ref, k_ref, v_ref), (out, k_buf, v_buf) = results
+    # The Triton store and the torch quantize round the same fp32 values the same way.
+    assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
+    # Both read every key/value (the new tokens' own included) as the pool holds it: an fp32 attention
+    # over the pool says which side is off if they disagree.
+    exact = _pool_attention(runner, wb, qkv[0].view(-1, HQ, D))
+    for name_, got in (("torch_native", ref), (name, out)):
+        assert torch.allclose(got.float().view(-1, HQ, D), exact, **TOL), \
+            f"{name_} vs fp32 over the pool: " + _mismatch(got.view(-1, HQ, D), exact, wb)
+    assert torch.allclose(out.float(), ref.float(), **TOL), f"{name} vs torch_native: " + _mismatch(
+        out.view(-1, HQ, D), ref.view(-1, HQ, D), wb)
+
+
+def _pool_attention(runner, wb: WorkerBatch, q: torch.Tensor) -> torch.Tensor:
+    """Causal attention in fp32 of each request's new tokens over all its keys as the FP8 pool holds them."""
+    table, (k_buf, v_buf) = runner.req_to_token_pool.req_to_token, runner.token_to_kv_pool.get_kv(0)
+    outs, start = [], 0
+    for row, n, p in zip(wb.req_pool_indices, wb.seq_lens, wb.prefix_lens, strict=True):
+        slots = table[row, :n].long()
+        k = (k_buf.view(torch.uint8)[slots].view(F8).float() * KV_SCALE).repeat_interleave(HQ // HKV, dim=1)
+        v = (v_buf.view(torch.uint8)[slots].view(F8).float() * KV_SCALE).repeat_interleave(HQ // HKV, dim=1)
+        scores = torch.einsum("mhd,nhd->hmn", q[start:start + n - p].float(), k) * D**-0.5
+        start += n - p
+        hidden = torch.arange(n, device=q.device)[None, :] > torch.arange(p, n, device=q.device)[:, None]
+        outs.append(torch.einsum("hmn,nhd->mhd", scores.masked_fill_(hidden, float("-inf")).softmax(-1), v))
+    return torch.cat(outs)
+
+
+def _mismatch(out: torch.Tensor, ref: torch.Tensor, wb: WorkerBatch, limit: int = 12) -> str:
+    """Which (token, head) pairs of [T, H, D] outputs differ beyond TOL, worst first, each with its request,
+    the token's position in it, and how many of the ref's values there are exactly 0."""
+    diff, ref = (out.float() - ref.float()).abs(), ref.float()
+    bad = (diff > TOL["atol"] + TOL["rtol"] * ref.abs()).any(-1)
+    err = diff.amax(-1)
+    starts = torch.tensor([0, *torch.tensor(wb.seq_lens).sub(torch.tensor(wb.prefix_lens)).cumsum(0).tolist()])
+    pairs = sorted(bad.nonzero().tolist(), key=lambda th: -float(err[th[0], th[1]]))
+    lines = []
+    for t, h in pairs[:limit]:
+        req = int((starts <= t).sum()) - 1
+        lines.append(f"token {t} (request {req}, position {wb.prefix_lens[req] + t - int(starts[req])} of "
+                     f"{wb.seq_lens[req]}) head {h}: max |diff| {float(err[t, h]):.4g}, ref max "
+                     f"{float(ref[t, h].abs().max()):.4g}, ref zeros {int((ref[t, h] == 0).sum())}")
+    reqs = sorted({int((starts <= t).sum()) - 1 for t, _ in pairs})
+    return f"{len(pairs)} (token, head) pairs differ, in requests {reqs}\n" + "\n".join(lines)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_fp8_kv_decode_cuda_graph_replay(name: str) -> None:
+    runner = _runner(seed=4)
+    backend = _backend(name, runner)
+    bs = 4
+    backend.init_cuda_graph_state(8)
+    fill = backend.get_cuda_graph_seq_len_fill_value()
+    q = torch.zeros(bs, HQ * D, device="cuda", dtype=DT)
+    k, v = torch.zeros(bs, HKV * D, device="cuda", dtype=DT), torch.zeros(bs, HKV * D, device="cuda", dtype=DT)
+    static = ForwardBatch.init_new(
+        WorkerBatch(batch_id=0, forward_mode=int(ForwardMode.DECODE), input_ids=[0] * bs, req_pool_indices=[0] * bs,
+                    seq_lens=[fill] * bs, prefix_lens=[fill - 1] * bs, out_cache_loc=[0] * bs),
+        runner.req_to_token_pool, runner.token_to_kv_pool, backend, runner.device)
+    backend.init_forward_metadata_capture_cuda_graph(bs, static.req_pool_indices, static.seq_lens, ForwardMode.DECODE)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.forward(q, k, v, runner.layer, static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(q, k, v, runner.layer, static)
+    for lens in ([5, 3000, 77], [1, 129, 4000]):
+        wb = _batch(runner, ForwardMode.DECODE, lens, [n - 1 for n in lens])
+        real = _fb(runner, backend, wb)
+        new = [torch.randn(3, n * D, device="cuda", dtype=DT) for n in (HQ, HKV, HKV)]
+        for dst, src in zip((q, k, v), new, strict=True):
+            dst[:3].copy_(src)
+        static.out_cache_loc[:3].copy_(real.out_cache_loc)
+        static.req_pool_indices[:3].copy_(real.req_pool_indices)
+        static.seq_lens[:3].copy_(real.seq_lens)
+        backend.init_forward_metadata_replay_cuda_graph(bs, static.req_pool_indices, static.seq_lens,
+                                                        sum(lens) + fill, ForwardMode.DECODE,
+                                                        seq_lens_cpu=[*lens, fill])
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_backend = TorchNativeAttnBackend(runner.spec)
+        real.attn_backend = ref_backend
+        ref = ref_backend.forward(*new, runner.layer, real)
+        torch.testing.assert_close(out[:3], ref, **TOL)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 6144, 4096), (37, 4096, 4096), (256, 28672, 4096), (512, 4096, 14336)])
+def test_fp8_gemm_matches_dequantized_reference(m: int, n: int, k: int, monkeypatch) -> None:
+    monkeypatch.setenv("SHOAL_FP8_GEMV_MAX_M", "0")  # the _scaled_mm path (small M has its own kernel test)
+    from runtime.layers.fp8_linear import (
+        fp8_linear,
+        fp8_linear_reference,
+        quantize_per_channel,
+        quantize_per_token,
+        scaled_mm_supported,
+    )
+
+    if not scaled_mm_supported(torch.device("cuda"), DT):
+        pytest.skip("torch._scaled_mm with row-wise scales needs sm89+")
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device="cuda", dtype=DT)
+    w = torch.randn(n, k, device="cuda", dtype=DT) * 0.02
+    w8, ws = quantize_per_channel(w)
+    got = fp8_linear(x, w8, ws)
+    xq, xs = quantize_per_token(x)
+    ref = fp8_linear_reference(xq, xs, w8, ws, torch.float32)
+    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+    exact = x.float() @ w.float().t()
+    assert float((got.float() - exact).norm() / exact.norm()) < 0.05  # FP8 error itself stays small
+
+
+MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
+             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def gpu_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("gpu_fp8_llama")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(LlamaConfig(**MODEL)).to(torch.bfloat16)
+    model.save_pretrained(path)
+    del model
+    torch.cuda.empty_cache()
+    return path
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_engine_fp8_kv_and_weights_greedy(gpu_llama: Path, backend: str) -> None:
+    """Greedy runs with CUDA graphs: FP8 KV, FP8 weights and both, against bf16 on the same prompts. Every
+    request completes, the KV pool is whole again, and first tokens mostly agree (random weights make
+    near-ties, so this is a smoke check; benchmarks/bench_fp8_accuracy.py measures agreement)."""
+    from runtime import Engine
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 32000) for _ in range(rng.randrange(16, 300))] for _ in range(16)]
+    params = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    runs = {}
+    for mode, extra in {"bf16": {}, "fp8_kv": {"kv_cache_dtype": "fp8_e4m3"}, "fp8_w": {"quantization": "fp8"},
+                        "fp8_both": {"kv_cache_dtype": "fp8_e4m3", "quantization": "fp8"}}.items():
+        with Engine(model_path=str(gpu_llama), dtype="bfloat16", attention_backend=backend, max_total_tokens=32768,
+                    cuda_graph_max_bs=32, context_length=1024, **extra) as engine:
+            outs = engine.generate(input_ids=prompts, sampling_params=params)
+            stats = engine.get_stats()
+            assert stats.num_used_tokens == 0
+        assert all(len(o["output_ids"]) == 24 for o in outs)
+        runs[mode] = [o["output_ids"] for o in outs]
+    for mode in ("fp8_kv", "fp8_w", "fp8_both"):
+        agree = sum(a[0] == b[0] for a, b in zip(runs["bf16"], runs[mode], strict=True))
+        assert agree >= 12, (mode, agree)

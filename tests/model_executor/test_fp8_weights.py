@@ -1,0 +1,155 @@
+"""FP8 weights on CPU (torch._scaled_mm runs there too): the GEMM against its dequantize-then-matmul
+reference; --quantization fp8 on a checkpoint; compressed-tensors and fbgemm_fp8 checkpoints (which load to
+exactly the model quantize-at-load makes, for per-channel scales); per-tensor scales on fused layers; TP
+sharding of weights and scales; and typed errors for layouts Shoal cannot load."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from runner_driver import RunnerDriver
+
+from runtime.errors import UnsupportedQuantizationError, WeightLoadError
+from runtime.layers.fp8_linear import (
+    FP8,
+    fp8_linear,
+    fp8_linear_reference,
+    quantize_per_channel,
+    quantize_per_token,
+)
+from runtime.model_executor.forward_mode import ForwardMode
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from fp8_checkpoints import quant_config, write_fp8_checkpoint  # noqa: E402
+
+PROMPT = [7, 19, 23, 150, 151, 9, 88, 301, 42, 5, 66, 67]
+
+
+def test_fp8_gemm_matches_dequantized_reference() -> None:
+    torch.manual_seed(0)
+    x, w, b = torch.randn(5, 96), torch.randn(40, 96) * 0.05, torch.randn(40)
+    w8, ws = quantize_per_channel(w)
+    assert w8.dtype == FP8 and ws.shape == (40, 1)
+    xq, xs = quantize_per_token(x)
+    assert xs.shape == (5, 1) and float(xq.float().abs().amax(1).min()) == 448.0  # each row uses the full range
+    ref = fp8_linear_reference(xq, xs, w8, ws, torch.float32) + b
+    for use_scaled_mm in (True, False):
+        torch.testing.assert_close(fp8_linear(x, w8, ws, b, use_scaled_mm), ref, atol=1e-5, rtol=1e-5)
+    exact = x @ w.t() + b
+    assert float((ref - exact).norm() / exact.norm()) < 0.05
+    assert fp8_linear(x[:0], w8, ws, b).shape == (0, 40)  # an idle rank's empty batch
+
+
+def _logits(path: Path, **kw) -> tuple[torch.Tensor, RunnerDriver]:
+    d = RunnerDriver(path, **kw)
+    row = d.new_row()
+    _, a = d.step(ForwardMode.EXTEND, [row], [PROMPT])
+    _, b = d.step(ForwardMode.DECODE, [row], [[5]])
+    return torch.cat([a.next_token_logits, b.next_token_logits]).float(), d
+
+
+def test_quantize_at_load_close_to_full_precision(tiny_llama) -> None:
+    ref, _ = _logits(tiny_llama)
+    got, d = _logits(tiny_llama, quantization="fp8")
+    qkv = d.runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == FP8 and qkv.weight_scale.shape == (qkv.weight.shape[0], 1)
+    assert d.runner.model.lm_head.weight.dtype == torch.float32  # the LM head stays unquantized
+    assert float((got - ref).abs().max()) < 0.1 * float(ref.abs().max())
+
+
+@pytest.mark.parametrize("layout", ["compressed-tensors", "fbgemm_fp8"])
+def test_fp8_checkpoint_loads_the_quantize_at_load_model(tiny_llama, tmp_path, layout: str) -> None:
+    ckpt = write_fp8_checkpoint(tiny_llama, tmp_path / layout, layout)
+    want, _ = _logits(tiny_llama, quantization="fp8")
+    got, d = _logits(ckpt)  # detected from config.json, no flag needed
+    assert d.runner.model.model.layers[1].mlp.down_proj.weight.dtype == FP8
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_per_tensor_scales_broadcast_per_fused_part(tiny_llama, tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    ckpt = write_fp8_checkpoint(tiny_llama, tmp_path / "ct_tensor", "compressed-tensors", strategy="tensor")
+    ref, _ = _logits(tiny_llama)
+    got, d = _logits(ckpt)
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    qkv = d.runner.model.model.layers[0].self_attn.qkv_proj
+    sizes = [qkv.num_heads * qkv.head_dim, qkv.num_kv_heads * qkv.head_dim, qkv.num_kv_heads * qkv.head_dim]
+    for part, scale in zip(("q", "k", "v"), qkv.weight_scale.split(sizes), strict=True):
+        assert torch.equal(scale, tensors[f"model.layers.0.self_attn.{part}_proj.weight_scale"].expand_as(scale))
+    assert float((got - ref).abs().max()) < 0.1 * float(ref.abs().max())
+
+
+def test_tp_shards_fp8_weights_with_their_scales(tiny_llama, tmp_path) -> None:
+    """Two ranks' column and row shards (loaded without a process group) put together are the full layers."""
+    from runtime.distributed.parallel_group import ParallelGroup
+    from runtime.model_config import ModelConfig
+    from runtime.model_executor.fp8_weights import Fp8Weights
+    from runtime.model_executor.weight_loader import iterate_safetensors
+    from runtime.models.parallel_context import ParallelContext
+    from runtime.models.registry import get_model_class
+
+    ckpt = write_fp8_checkpoint(tiny_llama, tmp_path / "ct", "compressed-tensors")
+    cfg = ModelConfig.from_pretrained(ckpt)
+    fp8 = Fp8Weights.resolve(None, str(ckpt))
+    ranks = []
+    for rank in range(2):
+        model = get_model_class(cfg.architecture)(cfg, ParallelContext.tensor_parallel(ParallelGroup(rank, 2)))
+        fp8.prepare(model)
+        model.load_weights(iterate_safetensors(ckpt, show_progress=False))
+        ranks.append(model.model.layers[0])
+    whole = RunnerDriver(ckpt).runner.model.model.layers[0]
+    for get, dim in ((lambda m: m.mlp.gate_up_proj, 0), (lambda m: m.mlp.down_proj, 1)):
+        w = [get(r).weight.float() for r in ranks]
+        if dim == 0:  # gate/up fused: each rank holds [gate shard; up shard]
+            halves = [x.chunk(2) for x in w]
+            cat = torch.cat([halves[0][0], halves[1][0], halves[0][1], halves[1][1]])
+            scales = [get(r).weight_scale.chunk(2) for r in ranks]
+            cat_s = torch.cat([scales[0][0], scales[1][0], scales[0][1], scales[1][1]])
+        else:  # row-parallel: columns split, every rank keeps all output channels and their scales
+            cat, cat_s = torch.cat(w, dim=1), get(ranks[0]).weight_scale
+            assert torch.equal(get(ranks[1]).weight_scale, cat_s)
+        assert torch.equal(cat, get(whole).weight.float()) and torch.equal(cat_s, get(whole).weight_scale)
+
+
+def _with_quant_config(src: Path, dst: Path, qcfg: dict) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = qcfg
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize(("qcfg", "named"), [
+    ({"quant_method": "gptq", "bits": 4}, "'gptq'"),
+    ({"quant_method": "awq"}, "'awq'"),
+    ({**quant_config("compressed-tensors"), "format": "pack-quantized"}, "compressed-tensors/pack-quantized"),
+    ({**quant_config("compressed-tensors"), "config_groups": {"g": {"weights": {
+        "num_bits": 4, "type": "int", "strategy": "group"}}}}, "compressed-tensors/int4/group"),
+    ({**quant_config("fbgemm_fp8"), "modules_to_not_convert": ["model.layers.0.mlp.down_proj"]},
+     "fbgemm_fp8 with unquantized linear layers"),
+])
+def test_unsupported_layout_raises_typed_error_naming_it(tiny_llama, tmp_path, qcfg: dict, named: str) -> None:
+    ckpt = _with_quant_config(tiny_llama, tmp_path / "bad", qcfg)
+    with pytest.raises(UnsupportedQuantizationError, match=re.escape(named)):
+        RunnerDriver(ckpt)
+
+
+def test_quantization_flag_is_validated() -> None:
+    from runtime.config import ServerArgs
+    from runtime.errors import ServerArgsError
+
+    with pytest.raises(ServerArgsError, match="--quantization"):
+        ServerArgs(quantization="int4")
+
+
+def test_fp8_layout_with_bf16_tensors_is_refused(tiny_llama, tmp_path) -> None:
+    ckpt = _with_quant_config(tiny_llama, tmp_path / "lying", quant_config("fbgemm_fp8"))
+    with pytest.raises(WeightLoadError, match="float8_e4m3fn"):
+        RunnerDriver(ckpt)
