@@ -25,6 +25,7 @@ from runtime.engine_client import EngineClient
 from runtime.errors import EngineUnavailableError, InvalidRequestError
 from runtime.managers.request_validation import RequestLimits, validate_request
 from runtime.messages import FinishReason, GenerateRequest, ModeStats, RequestOutput, SchedulerStats
+from runtime.sampling.grammar_compiler import create_grammar_compiler
 from runtime.stream_delivery import deliver, next_output
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ class RayEngineClient(EngineClient):
         info = groups[0].info
         self.context_len = info.context_len
         self._limits = RequestLimits(info.context_len, info.vocab_size, min(g.info.max_total_tokens for g in groups))
+        # The driver compiles each new grammar once too (cached), so a bad one is a 400 before any actor call.
+        self._grammar = create_grammar_compiler(tokenizer, info.vocab_size, args.grammar_compile_timeout_s)
         self.policy = create_routing_policy(args.routing_policy)
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
         self.owns_ray = owns_ray
@@ -88,6 +91,11 @@ class RayEngineClient(EngineClient):
 
     def validate(self, req: GenerateRequest) -> GenerateRequest:
         return validate_request(self._limits, req)
+
+    async def check_grammar(self, req: GenerateRequest) -> None:
+        key = req.sampling_params.grammar
+        if key is not None and self._grammar is not None:
+            await self._grammar.check_async(key)
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if self._closing:

@@ -70,8 +70,11 @@ class SchedulerActor:
         tokenizer = Tokenizer(self.args.tokenizer_path or self.model_path, tuple(info.eos_token_ids))
         if self.rank.channel is not None:
             self.group = worker = BroadcastWorker(worker, self.rank.channel, name, self._on_group_failure)
+        from runtime.sampling.grammar_compiler import create_grammar_compiler
+
+        grammar = create_grammar_compiler(tokenizer, info.vocab_size, self.args.grammar_compile_timeout_s)
         self.host = SchedulerHost(self.args, worker, info, tokenizer.eos_token_ids, self._sink,
-                                  tokenizer.decode, name=f"shoal-scheduler-{name}")
+                                  tokenizer.decode, name=f"shoal-scheduler-{name}", grammar=grammar)
         if self._followers:
             refs = [f.serve.remote() for f in self._followers]
             threading.Thread(target=self._watch, args=(refs,), name=f"shoal-watch-{name}", daemon=True).start()

@@ -60,6 +60,7 @@ class Req:
         self.retractions = 0
         self.pending_tokens = 0  # overlap scheduling: tokens sampled on the device, not yet seen here
         self.admit_seq = 0  # order of (re)admission: retraction takes the latest first
+        self.grammar: Any = None  # xgrammar GrammarMatcher once its grammar compiled; advanced per token
 
     # ---- token views ------------------------------------------------------------------------------
     @property

@@ -15,6 +15,7 @@ from runtime.managers.request_validation import RequestLimits, validate_request
 from runtime.managers.scheduler import Scheduler
 from runtime.managers.worker_client import WorkerClient
 from runtime.messages import GenerateRequest, RequestOutput, SchedulerStats, WorkerInfo
+from runtime.sampling.grammar_compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -29,13 +30,15 @@ class SchedulerHost:
     def __init__(self, args: ServerArgs, worker: WorkerClient, info: WorkerInfo, eos_token_ids: frozenset[int],
                  sink: Callable[[list[RequestOutput]], None],
                  decode_text: Callable[[list[int], bool], str] | None,
-                 name: str = "shoal-scheduler"):
+                 name: str = "shoal-scheduler", grammar: GrammarCompiler | None = None):
         self.worker = worker
+        self.grammar = grammar
         self.limits = RequestLimits.of(info)
         self.scheduler = Scheduler(
             args, worker, max_total_tokens=info.max_total_tokens, max_reqs=info.max_reqs,
             context_len=info.context_len, vocab_size=info.vocab_size, eos_token_ids=eos_token_ids, sink=sink,
-            decode_text=decode_text, overlap=overlap_wanted(args, worker, info))
+            decode_text=decode_text, overlap=overlap_wanted(args, worker, info),
+            grammar=grammar)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -67,6 +70,8 @@ class SchedulerHost:
     def stop(self, timeout_s: float = 10.0) -> bool:
         """Stops the loop after its current step; True when the thread has ended."""
         self._stop.set()
+        if self.grammar is not None:
+            self.grammar.shutdown()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
         return not self._thread.is_alive()

@@ -1,0 +1,33 @@
+"""apply_token_bitmask: a grammar's allowed tokens, as an int32 bitmask per constrained row, applied to the
+logits of the whole batch on their device in a few vectorized ops (no per-row loop, no host sync), so
+constrained and free rows share one batch and one sampling pass."""
+
+from __future__ import annotations
+
+import torch
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool [rows, vocab]: bit t % 32 of word t // 32 is token t's "allowed" flag (xgrammar's layout)."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # arithmetic shift: the sign bit is masked off by & 1
+    flat = bits.reshape(bitmask.shape[0], -1).bool()
+    if flat.shape[1] >= vocab:
+        return flat[:, :vocab]
+    # Logits wider than the grammar's vocabulary (padded embeddings): those columns are never allowed.
+    return torch.cat([flat, flat.new_zeros(flat.shape[0], vocab - flat.shape[1])], dim=1)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: logits[rows[i], t] = -inf wherever bitmask[i] disallows t."""
+    allowed = unpack_bitmask(bitmask, logits.shape[1])
+    sub = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, rows, sub)
+
+
+def bitmask_from_bytes(data: bytes, rows: int, device: torch.device) -> torch.Tensor:
+    """The int32 [rows, words] mask a SamplingBatch carries as bytes, on device."""
+    mask = torch.frombuffer(bytearray(data), dtype=torch.int32).view(rows, -1)
+    if device.type == "cuda":  # pinned and asynchronous: a pageable copy would wait for the stream to drain
+        return mask.pin_memory().to(device, non_blocking=True)
+    return mask

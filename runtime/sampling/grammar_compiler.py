@@ -1,0 +1,144 @@
+"""GrammarCompiler: a request's grammar (JSON schema, regex or EBNF) compiled by xgrammar for one
+tokenizer, on a small thread pool — never on the scheduler's thread or an event loop — and cached by
+(kind, text), so a schema compiles once however many requests (or choices) use it.
+
+A grammar that does not compile is an InvalidRequestError naming its field; one that takes longer than
+the time limit is too (the compile goes on in its thread and lands in the cache, but the request that
+waited is refused rather than stalled). JSON grammars allow no free whitespace: even a model with random
+weights then ends a schema-bounded object within a bounded number of tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from runtime.errors import InvalidRequestError
+
+# Distinct grammars kept compiled; a compiled JSON schema is typically tens of KiB.
+_CACHE_SIZE = 512
+
+
+class GrammarCompiler:
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int], timeout_s: float,
+                 threads: int = 2):
+        self.vocab_size = vocab_size
+        self.timeout_s = timeout_s
+        self._hf_tokenizer, self._stop_token_ids, self._threads = hf_tokenizer, sorted(stop_token_ids), threads
+        self._xgr: Any = None  # xgrammar and its tokenizer tables load at the first grammar, not at start
+        self._compiler: Any = None
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="shoal-grammar")
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self._init_lock = threading.Lock()
+
+    def _ensure_compiler(self) -> Any:
+        with self._init_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(self._hf_tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self._stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self._threads, cache_enabled=False)
+                self._xgr = xgr
+            return self._compiler
+
+    def submit(self, key: tuple[str, str]) -> Future:
+        """The compile of key, started now or earlier (thread-safe). A failed compile is not kept: the
+        next request with the same grammar gets the same error from a fresh attempt."""
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None and not (fut.done() and fut.exception() is not None):
+                self._cache.move_to_end(key)
+                return fut
+            fut = self._pool.submit(self._compile, *key)
+            self._cache[key] = fut
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+            return fut
+
+    def check(self, key: tuple[str, str], waited_s: float = 0.0) -> Any:
+        """Blocks until key is compiled; returns the CompiledGrammar or raises InvalidRequestError."""
+        fut = self.submit(key)
+        try:
+            return fut.result(timeout=max(self.timeout_s - waited_s, 0.0))
+        except FutureTimeout:
+            raise self.timeout_error(key) from None
+
+    async def check_async(self, key: tuple[str, str]) -> None:
+        """check() for an event loop: waits without blocking it."""
+        fut = self.submit(key)
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise self.timeout_error(key) from None
+        except InvalidRequestError:
+            raise
+        except Exception:
+            self.result(fut, key)
+
+    def result(self, fut: Future, key: tuple[str, str]) -> Any:
+        """A done future's CompiledGrammar, or the InvalidRequestError its failure means."""
+        e = fut.exception()
+        if e is None:
+            return fut.result()
+        if isinstance(e, InvalidRequestError):
+            raise e
+        raise InvalidRequestError(f"invalid {key[0]}: {_message(e)}", param=key[0], code="invalid_grammar")
+
+    def timeout_error(self, key: tuple[str, str]) -> InvalidRequestError:
+        return InvalidRequestError(f"the {key[0]} grammar did not compile within {self.timeout_s:g} s "
+                                   f"(--grammar-compile-timeout-s); simplify it", param=key[0],
+                                   code="grammar_timeout")
+
+    def matcher(self, compiled: Any) -> Any:
+        return self._xgr.GrammarMatcher(compiled)
+
+    def _compile(self, kind: str, text: str) -> Any:
+        compiler = self._ensure_compiler()
+        try:
+            if kind == "json_schema":
+                try:
+                    schema = json.loads(text)
+                except ValueError as e:
+                    raise InvalidRequestError(f"json_schema is not valid JSON: {e}", param=kind,
+                                              code="invalid_grammar") from None
+                if not isinstance(schema, dict | bool):
+                    raise InvalidRequestError("json_schema must be a JSON object", param=kind,
+                                              code="invalid_grammar")
+                compiled = compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+            elif kind == "regex":
+                compiled = compiler.compile_regex(text)
+            else:
+                compiled = compiler.compile_grammar(text)
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # xgrammar reports a bad grammar as RuntimeError/ValueError with a message
+            raise InvalidRequestError(f"invalid {kind}: {_message(e)}", param=kind, code="invalid_grammar") from None
+        return compiled
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _message(e: BaseException) -> str:
+    """xgrammar's C++ messages start with a timestamp and source location: keep the reason."""
+    msg = str(e).strip()
+    if "] " in msg and msg.startswith("["):
+        msg = msg.split("] ", 1)[1]
+    if ".cc:" in msg.split(" ", 1)[0]:
+        msg = msg.split(" ", 1)[1] if " " in msg else msg
+    return msg.strip().splitlines()[0] if msg.strip() else type(e).__name__
+
+
+def create_grammar_compiler(tokenizer: Any, vocab_size: int, timeout_s: float) -> GrammarCompiler | None:
+    """The compiler for a loaded runtime.text Tokenizer; None for a model folder without one (then a
+    request with a grammar is refused, naming its field)."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is None or getattr(tokenizer, "is_null", False):
+        return None
+    return GrammarCompiler(hf, vocab_size, sorted(tokenizer.eos_token_ids), timeout_s)
