@@ -75,8 +75,7 @@ class GrammarManager:
         if not rows:
             return [], b""
         mask = torch.empty(len(rows), (self.vocab_size + 31) // 32, dtype=torch.int32)
-        for k, i in enumerate(rows):
-            reqs[i].grammar.fill_next_token_bitmask(mask, k)
+        self.compiler.fill_bitmask([reqs[i].grammar for i in rows], mask)
         return rows, mask.numpy().tobytes()
 
     @staticmethod

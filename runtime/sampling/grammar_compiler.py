@@ -26,6 +26,8 @@ _CACHE_SIZE = 512
 class GrammarCompiler:
     def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int], timeout_s: float,
                  threads: int = 2):
+        """hf_tokenizer: a transformers tokenizer, or a list of each token id's raw bytes (benchmarks on
+        folders without a tokenizer build one)."""
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self._hf_tokenizer, self._stop_token_ids, self._threads = hf_tokenizer, sorted(stop_token_ids), threads
@@ -41,8 +43,13 @@ class GrammarCompiler:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                info = xgr.TokenizerInfo.from_huggingface(self._hf_tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self._stop_token_ids)
+                if isinstance(self._hf_tokenizer, list):
+                    info = xgr.TokenizerInfo(self._hf_tokenizer, xgr.VocabType.RAW, vocab_size=self.vocab_size,
+                                             stop_token_ids=self._stop_token_ids)
+                else:
+                    info = xgr.TokenizerInfo.from_huggingface(self._hf_tokenizer, vocab_size=self.vocab_size,
+                                                              stop_token_ids=self._stop_token_ids)
+                self._batch = xgr.BatchGrammarMatcher(self._threads)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self._threads, cache_enabled=False)
                 self._xgr = xgr
             return self._compiler
@@ -97,6 +104,13 @@ class GrammarCompiler:
 
     def matcher(self, compiled: Any) -> Any:
         return self._xgr.GrammarMatcher(compiled)
+
+    def fill_bitmask(self, matchers: list[Any], mask: Any) -> None:
+        """Row i of the int32 mask: the tokens matchers[i] allows next (rows filled on xgrammar's threads)."""
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(mask, 0)
+        else:
+            self._batch.batch_fill_next_token_bitmask(matchers, mask)
 
     def _compile(self, kind: str, text: str) -> Any:
         compiler = self._ensure_compiler()

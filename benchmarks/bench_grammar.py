@@ -1,0 +1,188 @@
+"""Structured output cost through the in-process Engine (dummy weights, token-id prompts, ignore EOS):
+
+  decode step     a batch of --batch requests all decoding, unconstrained vs --constrained of them under a
+                  JSON schema (compiled beforehand, so only the per-step cost shows: the matchers' bitmask
+                  fill on the scheduler, the mask in the WorkerBatch, its application to the logits on the
+                  device, and — while a constrained row runs — no overlap scheduling). Step = (E2E of
+                  --output-len tokens - E2E of 1 token) / (output-len - 1), the same prompts' lengths.
+  compile TTFT    one request's time to first token with a JSON schema never seen before vs the same
+                  schema again (cached), for a small and a larger schema; and the compile time alone.
+
+The schema bounds nothing the run reaches: an array of >= 200 objects, so no constrained row can finish
+inside --output-len tokens and every step fills real masks. A model folder without a tokenizer (dummy
+configs) gets a synthetic vocabulary of --vocab-size byte strings for xgrammar (256 single bytes, then
+random word-like pieces with and without a leading space, digits and JSON punctuation).
+
+    python benchmarks/bench_grammar.py --model-config Llama-3.1-8B-Instruct \\
+        --out benchmarks/results/grammar_llama8b.json
+    python benchmarks/bench_grammar.py --model-config Tiny-Llama-smoke --batch 8 --constrained 4 \\
+        --input-len 16 --output-len 8 --out /tmp/grammar_smoke.json           # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from common import load_model_config, make_model_folder, print_table, write_result  # noqa: E402
+
+ITEM = {"type": "object", "properties": {
+    "id": {"type": "integer", "minimum": 0, "maximum": 99999},
+    "name": {"type": "string", "maxLength": 24},
+    "kind": {"enum": ["alpha", "beta", "gamma", "delta"]},
+    "score": {"type": "number", "minimum": 0, "maximum": 1},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 4},
+}, "required": ["id", "name", "kind", "score", "tags"]}
+LONG_SCHEMA = {"type": "array", "items": ITEM, "minItems": 200}
+
+
+def small_schema(nonce: str) -> dict[str, Any]:
+    return {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 64},
+                                             f"confidence_{nonce}": {"type": "number"}},
+            "required": ["answer"]}
+
+
+def large_schema(nonce: str) -> dict[str, Any]:
+    props = {f"field_{nonce}_{i}": ({"type": "string", "pattern": "^[a-z]{2,8}-[0-9]{1,4}$"} if i % 3 == 0 else
+                                    {"enum": [f"v{j}" for j in range(i % 7 + 2)]} if i % 3 == 1 else ITEM)
+             for i in range(24)}
+    return {"type": "object", "properties": props, "required": list(props)[:12]}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-config", default="Llama-3.1-8B-Instruct")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--constrained", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument("--out", default="benchmarks/results/grammar_llama8b.json")
+    return p.parse_args(argv)
+
+
+def synthetic_vocab(size: int, seed: int = 0) -> list[bytes]:
+    """256 single bytes, then distinct word-like pieces: what a BPE vocabulary looks like to a grammar."""
+    rng = random.Random(seed)
+    vocab = [bytes([i]) for i in range(256)]
+    seen = set(vocab)
+    letters = "etaoinshrdlcumwfgypbvkjxqz"
+    pieces = ['{"', '":', '",', '"}', '": "', '", "', "],", "[{", "}]", "},", "0", "1", "2", "5", "00", ".", "-"]
+    while len(vocab) < size:
+        r = rng.random()
+        if r < 0.08:
+            tok = rng.choice(pieces) + "".join(rng.choice(letters) for _ in range(rng.randint(0, 3)))
+        elif r < 0.15:
+            tok = "".join(rng.choice("0123456789") for _ in range(rng.randint(1, 3)))
+        else:
+            tok = (" " if rng.random() < 0.5 else "") + "".join(
+                rng.choice(letters) for _ in range(rng.randint(2, 9)))
+        b = tok.encode()
+        if b not in seen:
+            seen.add(b)
+            vocab.append(b)
+    return vocab
+
+
+def prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:
+    return [[rng.randrange(300, vocab - 300) for _ in range(length)] for _ in range(n)]
+
+
+def decode_step_ms(engine: Any, ns: argparse.Namespace, vocab: int, constrained: int, seed: int) -> float:
+    rng = random.Random(seed)
+    schema = json.dumps(LONG_SCHEMA)
+
+    def params(n: int) -> list[dict[str, Any]]:
+        return [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True,
+                 **({"json_schema": schema} if i < constrained else {})} for i in range(ns.batch)]
+
+    steps = []
+    for _ in range(ns.repeats):
+        t0 = time.perf_counter()
+        engine.generate(input_ids=prompts(rng, ns.batch, ns.input_len, vocab), sampling_params=params(1))
+        one = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        outs = engine.generate(input_ids=prompts(rng, ns.batch, ns.input_len, vocab), sampling_params=params(ns.output_len))
+        full = time.perf_counter() - t0
+        assert all(o["usage"]["completion_tokens"] == ns.output_len for o in outs), "a row ended early"
+        steps.append((full - one) / (ns.output_len - 1))
+    return 1000 * sorted(steps)[len(steps) // 2]
+
+
+def compile_ttft(engine: Any, ns: argparse.Namespace, vocab: int, make_schema: Any) -> dict[str, float]:
+    rng = random.Random(7)
+    nonce = f"{time.time_ns()}"
+    schema = json.dumps(make_schema(nonce))
+    t0 = time.perf_counter()
+    engine.grammar.check(("json_schema", json.dumps(make_schema(nonce + "c"))))
+    compile_ms = 1000 * (time.perf_counter() - t0)
+    sp = {"max_new_tokens": 1, "temperature": 0.0, "json_schema": schema}
+    t0 = time.perf_counter()
+    engine.generate(input_ids=prompts(rng, 1, ns.input_len, vocab), sampling_params=sp)
+    new = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    engine.generate(input_ids=prompts(rng, 1, ns.input_len, vocab), sampling_params=sp)
+    cached = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    engine.generate(input_ids=prompts(rng, 1, ns.input_len, vocab), sampling_params={"max_new_tokens": 1})
+    free = time.perf_counter() - t0
+    return {"compile_ms": compile_ms, "ttft_new_schema_ms": 1000 * new, "ttft_cached_schema_ms": 1000 * cached,
+            "ttft_unconstrained_ms": 1000 * free, "ttft_added_by_compile_ms": 1000 * (new - cached)}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ns = parse_args(argv)
+    from runtime import Engine
+    from runtime.sampling.grammar_compiler import GrammarCompiler
+
+    with tempfile.TemporaryDirectory(prefix="shoal-bench-") as tmp:
+        folder = make_model_folder(ns.model_config, Path(tmp) / "model")
+        config = load_model_config(str(folder))
+        vocab = int(config["vocab_size"])
+        kw = {"max_total_tokens": ns.max_total_tokens} if ns.max_total_tokens else {}
+        engine = Engine(str(folder), load_format="dummy", dtype=ns.dtype, device=ns.device, log_level="warning",
+                        max_running_requests=max(ns.batch, 8), **kw)
+        try:
+            if engine.grammar is None:  # a bare config: xgrammar gets a synthetic vocabulary of the same size
+                engine.grammar = GrammarCompiler(synthetic_vocab(vocab), vocab, sorted(engine.tokenizer.eos_token_ids),
+                                                 timeout_s=120.0, threads=8)
+                engine.scheduler.grammars.compiler = engine.grammar
+            engine.grammar.check(("json_schema", json.dumps(LONG_SCHEMA)))  # the step numbers exclude compiling
+            warm = max(2, min(8, ns.output_len))
+            warm_ns = argparse.Namespace(**{**vars(ns), "output_len": warm, "repeats": 1})
+            decode_step_ms(engine, warm_ns, vocab, ns.constrained, seed=99)  # warm both paths (graphs, kernels)
+            decode_step_ms(engine, warm_ns, vocab, 0, seed=98)
+            free = decode_step_ms(engine, ns, vocab, 0, seed=1)
+            mixed = decode_step_ms(engine, ns, vocab, ns.constrained, seed=2)
+            results: dict[str, Any] = {
+                "batch": ns.batch, "constrained_rows": ns.constrained, "vocab_size": vocab,
+                "decode_step_unconstrained_ms": free, "decode_step_constrained_ms": mixed,
+                "constrained_over_unconstrained": mixed / free, "target_ratio": 1.10,
+                "overlap_scheduling_unconstrained": engine.scheduler.overlap,
+                "tokenizer": "synthetic" if engine.tokenizer.is_null else "model",
+            }
+            for name, make in (("small_schema", small_schema), ("large_schema", large_schema)):
+                results[name] = compile_ttft(engine, ns, vocab, make)
+        finally:
+            engine.shutdown()
+    print_table("Grammar decode step and compile TTFT",
+                [(k, v) for k, v in results.items() if isinstance(v, (int, float))]
+                + [(f"{s}.{k}", v) for s in ("small_schema", "large_schema") for k, v in results[s].items()])
+    write_result(ns.out, "grammar", results, vars(ns), argv=sys.argv if argv is None else ["bench_grammar.py", *argv])
+    return results
+
+
+if __name__ == "__main__":
+    main()
