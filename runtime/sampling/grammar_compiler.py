@@ -124,7 +124,8 @@ class GrammarCompiler:
                 if not isinstance(schema, dict | bool):
                     raise InvalidRequestError("json_schema must be a JSON object", param=kind,
                                               code="invalid_grammar")
-                compiled = compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+                grammar = self._xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
+                compiled = compiler.compile_grammar(_no_control_chars(str(grammar)))
             elif kind == "regex":
                 compiled = compiler.compile_regex(text)
             else:
@@ -137,6 +138,20 @@ class GrammarCompiler:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# xgrammar 0.2.8 writes the characters of a length-bounded JSON string (maxLength / minLength) as
+# [^"\\\r\n], which lets raw control characters through — JSON forbids U+0000..U+001F unescaped, and
+# strict parsers (pydantic, json.loads) refuse them — and every string's class admits the UTF-16
+# surrogates U+D800..U+DFFF, whose 3-byte forms are invalid UTF-8 (they decode to U+FFFD, and a
+# string then breaks its maxLength). Every JSON string character class gets both ranges excluded.
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
+_UNBOUNDED_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+
+
+def _no_control_chars(ebnf: str) -> str:
+    return ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR).replace(_UNBOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
 
 
 def _message(e: BaseException) -> str:

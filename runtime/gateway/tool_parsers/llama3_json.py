@@ -10,7 +10,7 @@ from runtime.gateway.tool_parsers.json_scan import held_prefix, scan_call, skip_
 
 _TAG = "<|python_tag|>"
 _CALL = re.compile(r'\{\s*"name"\s*:')
-_MARKERS = (_TAG, '{"name"', '{ "name"')
+_MARKERS = (_TAG, '{"name":', '{ "name":')
 
 
 @register_tool_parser("llama3_json")
