@@ -12,7 +12,8 @@ import torch
 
 from runtime.errors import InvalidRequestError
 from runtime.managers.req import Req
-from runtime.messages import FinishReason
+from runtime.managers.schedule_batch import ScheduleBatch
+from runtime.messages import FinishReason, WorkerBatch
 from runtime.sampling.grammar_compiler import GrammarCompiler
 
 
@@ -68,6 +69,13 @@ class GrammarManager:
         reqs = [c[0] for c in self.compiling]
         self.compiling = []
         return reqs
+
+    def attach_bitmask(self, batch: ScheduleBatch, wb: WorkerBatch) -> None:
+        """Puts the masks of the batch's constrained rows that sample this step into its WorkerBatch."""
+        if wb.sampling is None or all(r.grammar is None for r in batch.reqs):
+            return
+        samples = [i >= batch.num_extend or batch.completes_prefill[i] for i in range(len(batch.reqs))]
+        wb.sampling.grammar_rows, wb.sampling.grammar_mask = self.bitmask(batch.reqs, samples)
 
     def bitmask(self, reqs: list[Req], samples: list[bool]) -> tuple[list[int], bytes]:
         """The rows of reqs whose grammar constrains this step's token, and their masks as bytes."""

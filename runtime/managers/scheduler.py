@@ -180,9 +180,7 @@ class Scheduler:
                 return False
             self.batch_id += 1
             wb = batch.to_worker_batch(self.batch_id)
-            if wb.sampling is not None and any(r.grammar is not None for r in batch.reqs):
-                samples = [i >= batch.num_extend or batch.completes_prefill[i] for i in range(len(batch.reqs))]
-                wb.sampling.grammar_rows, wb.sampling.grammar_mask = self.grammars.bitmask(batch.reqs, samples)
+            self.grammars.attach_bitmask(batch, wb)
             if not self.overlap:
                 result = self.worker.run_batch(wb)
                 if result.all_idle:
