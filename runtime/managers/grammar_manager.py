@@ -70,16 +70,27 @@ class GrammarManager:
         self.compiling = []
         return reqs
 
-    def attach_bitmask(self, batch: ScheduleBatch, wb: WorkerBatch) -> None:
-        """Puts the masks of the batch's constrained rows that sample this step into its WorkerBatch."""
-        if wb.sampling is None or all(r.grammar is None for r in batch.reqs):
-            return
+    @staticmethod
+    def constrains(batch: ScheduleBatch) -> bool:
+        return any(r.grammar is not None for r in batch.reqs)
+
+    def batch_bitmask(self, batch: ScheduleBatch) -> tuple[list[int], bytes]:
+        """The masks of the batch's constrained rows that sample this step (rows, int32 bytes)."""
+        if not self.constrains(batch):
+            return [], b""
         samples = [i >= batch.num_extend or batch.completes_prefill[i] for i in range(len(batch.reqs))]
-        wb.sampling.grammar_rows, wb.sampling.grammar_mask = self.bitmask(batch.reqs, samples)
+        return self.bitmask(batch.reqs, samples)
+
+    def attach_bitmask(self, batch: ScheduleBatch, wb: WorkerBatch) -> None:
+        """Puts the batch's masks into its WorkerBatch (so every TP rank gets them)."""
+        if wb.sampling is not None:
+            wb.sampling.grammar_rows, wb.sampling.grammar_mask = self.batch_bitmask(batch)
 
     def bitmask(self, reqs: list[Req], samples: list[bool]) -> tuple[list[int], bytes]:
         """The rows of reqs whose grammar constrains this step's token, and their masks as bytes."""
-        rows = [i for i, (r, s) in enumerate(zip(reqs, samples)) if s and r.grammar is not None]
+        # A request that already ended (found while this batch was in flight) samples a token nobody reads.
+        rows = [i for i, (r, s) in enumerate(zip(reqs, samples))
+                if s and r.grammar is not None and not r.finished and not r.grammar.is_terminated()]
         if not rows:
             return [], b""
         mask = torch.empty(len(rows), (self.vocab_size + 31) // 32, dtype=torch.int32)
@@ -91,7 +102,9 @@ class GrammarManager:
         """Advances req's matcher by its newly sampled token; a token the grammar refuses (it cannot, as
         the mask allowed only others) ends the request with an error rather than corrupt output."""
         m = req.grammar
-        if m is None or m.is_terminated():
+        if m is None or m.is_terminated() or req.finished:
             return
         if not m.accept_token(token):
             req.finish_reason = FinishReason("error", message=f"the grammar rejected sampled token {token}")
+        elif m.is_terminated():  # the grammar is complete and took its stop token: also under ignore_eos
+            req.finish_reason = FinishReason("stop", matched=token)

@@ -71,6 +71,7 @@ class Scheduler:
         # the CPU. Only where the worker runs asynchronously; DP attention keeps ranks in lockstep.
         self.overlap = overlap and worker.can_overlap and not self.must_step
         self.pending: tuple[ScheduleBatch, object] | None = None
+        self._defer_grammar = getattr(worker, "can_defer_sampling", False)
         self.gen_throughput = 0.0
         self.device_busy_s = 0.0
 
@@ -180,20 +181,26 @@ class Scheduler:
                 return False
             self.batch_id += 1
             wb = batch.to_worker_batch(self.batch_id)
-            self.grammars.attach_bitmask(batch, wb)
+            # Overlap with grammars: the forward goes first; the masks follow once the batch in flight
+            # is collected (they need its tokens). Without deferred sampling, _must_flush collected it.
+            defer = self.pending is not None and self._defer_grammar and self.grammars.constrains(batch)
+            if not defer:
+                self.grammars.attach_bitmask(batch, wb)
             if not self.overlap:
                 result = self.worker.run_batch(wb)
                 if result.all_idle:
                     return False
                 self.process_batch_result(batch, result)
                 return True
-            launched = self.worker.launch_batch(wb)
+            launched = self.worker.launch_batch(wb, sample_later=True) if defer else self.worker.launch_batch(wb)
             for i, r in enumerate(batch.reqs):
                 if i >= batch.num_extend or batch.completes_prefill[i]:
                     r.pending_tokens += 1
             previous, self.pending = self.pending, (batch, launched)
             if previous is not None:
                 self._collect(*previous)
+            if defer:
+                self.worker.sample_deferred(launched, *self.grammars.batch_bitmask(batch))
             return True
 
     def _poll_grammars(self) -> None:
@@ -214,7 +221,7 @@ class Scheduler:
         # A grammar's mask for the next token needs the token in flight (its matcher must advance first).
         return (self.kv.available() < len(self.running) + 1
                 or any(r.params.needs_penalties for r in self.running)
-                or any(r.grammar is not None for r in self.pending[0].reqs))
+                or (not self._defer_grammar and self.grammars.constrains(self.pending[0])))
 
     def _collect_pending(self) -> None:
         previous, self.pending = self.pending, None

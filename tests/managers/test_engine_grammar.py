@@ -86,8 +86,12 @@ def _workload(seed: int = 0) -> tuple[list[list[int]], list[dict[str, Any]]]:
 def test_mixed_batch_matches_hf(make_engine, tiny_llama, hf_greedy, hf_constrained, kw, overlap):
     e = make_engine(tiny_llama, **kw)
     e.scheduler.overlap = overlap  # CPU launches synchronously, but the bookkeeping is the GPU's
+    deferred = []  # overlap: the masks join each batch after its forward is queued
+    sample_deferred = e.worker.sample_deferred
+    e.worker.sample_deferred = lambda *a: deferred.append(1) or sample_deferred(*a)
     prompts, params = _workload()
     outs = e.generate(input_ids=prompts, sampling_params=params)
+    assert bool(deferred) == overlap
     for prompt, p, o in zip(prompts, params, outs):
         grammar = SamplingParams.from_dict(p).grammar
         if grammar is None:
@@ -102,6 +106,11 @@ def test_mixed_batch_matches_hf(make_engine, tiny_llama, hf_greedy, hf_constrain
             jsonschema.validate(json.loads(text), json.loads(grammar[1]))
     if "max_total_tokens" in kw:
         assert e.get_stats().retractions > 0
+
+
+def test_complete_grammar_ends_request_even_with_ignore_eos(engine):
+    out = engine.generate("hi", {"regex": "[a-z]{2,4}", "ignore_eos": True, "max_new_tokens": 30, "temperature": 1.0})
+    assert out["finish_reason"] == "stop" and re.fullmatch("[a-z]{2,4}", out["text"])
 
 
 @pytest.mark.parametrize("field, value", [
