@@ -1,7 +1,9 @@
 """Structured output cost through the in-process Engine (dummy weights, token-id prompts, ignore EOS):
 
   decode step     a batch of --batch requests all decoding, unconstrained vs --constrained of them under a
-                  JSON schema (compiled beforehand, so only the per-step cost shows: the matchers' bitmask
+                  JSON schema, once with length-bounded strings (maxLength: xgrammar checks each token's
+                  length per step) and once with free strings
+                  (compiled beforehand, so only the per-step cost shows: the matchers' bitmask
                   fill on the scheduler, the mask in the WorkerBatch, its application to the logits on the
                   device, and — while a constrained row runs — no overlap scheduling). Step = (E2E of
                   --output-len tokens - E2E of 1 token) / (output-len - 1), the same prompts' lengths.
@@ -43,6 +45,11 @@ ITEM = {"type": "object", "properties": {
     "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 4},
 }, "required": ["id", "name", "kind", "score", "tags"]}
 LONG_SCHEMA = {"type": "array", "items": ITEM, "minItems": 200}
+# The same without length bounds on strings: xgrammar's cache decides every token of a free string, while a
+# length-bounded one has each token's length checked per step (far costlier at a 128k vocabulary).
+FREE_ITEM = {**ITEM, "properties": {**ITEM["properties"], "name": {"type": "string"},
+                                    "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4}}}
+LONG_FREE_SCHEMA = {"type": "array", "items": FREE_ITEM, "minItems": 200}
 
 
 def small_schema(nonce: str) -> dict[str, Any]:
@@ -100,9 +107,10 @@ def prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[in
     return [[rng.randrange(300, vocab - 300) for _ in range(length)] for _ in range(n)]
 
 
-def decode_step_ms(engine: Any, ns: argparse.Namespace, vocab: int, constrained: int, seed: int) -> float:
+def decode_step_ms(engine: Any, ns: argparse.Namespace, vocab: int, constrained: int, seed: int,
+                   schema_obj: dict[str, Any] = LONG_SCHEMA) -> float:
     rng = random.Random(seed)
-    schema = json.dumps(LONG_SCHEMA)
+    schema = json.dumps(schema_obj)
 
     def params(n: int) -> list[dict[str, Any]]:
         return [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True,
@@ -159,18 +167,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 engine.grammar = GrammarCompiler(synthetic_vocab(vocab), vocab, sorted(engine.tokenizer.eos_token_ids),
                                                  timeout_s=120.0, threads=8)
                 engine.scheduler.grammars.compiler = engine.grammar
-            engine.grammar.check(("json_schema", json.dumps(LONG_SCHEMA)))  # the step numbers exclude compiling
+            for sch in (LONG_SCHEMA, LONG_FREE_SCHEMA):  # the step numbers exclude compiling
+                engine.grammar.check(("json_schema", json.dumps(sch)))
             warm = max(2, min(8, ns.output_len))
             warm_ns = argparse.Namespace(**{**vars(ns), "output_len": warm, "repeats": 1})
             decode_step_ms(engine, warm_ns, vocab, ns.constrained, seed=99)  # warm both paths (graphs, kernels)
             decode_step_ms(engine, warm_ns, vocab, 0, seed=98)
             free = decode_step_ms(engine, ns, vocab, 0, seed=1)
+            fills: list[float] = []  # the scheduler's share: filling the constrained rows' masks
+            bitmask = engine.scheduler.grammars.bitmask
+
+            def timed_bitmask(*a: Any) -> Any:
+                t0 = time.perf_counter()
+                out = bitmask(*a)
+                fills.append(time.perf_counter() - t0)
+                return out
+
+            engine.scheduler.grammars.bitmask = timed_bitmask
             mixed = decode_step_ms(engine, ns, vocab, ns.constrained, seed=2)
+            fill_bounded = 1000 * sum(fills) / max(len(fills), 1)
+            fills.clear()
+            mixed_free = decode_step_ms(engine, ns, vocab, ns.constrained, seed=3, schema_obj=LONG_FREE_SCHEMA)
+            engine.scheduler.grammars.bitmask = bitmask
             results: dict[str, Any] = {
                 "batch": ns.batch, "constrained_rows": ns.constrained, "vocab_size": vocab,
                 "decode_step_unconstrained_ms": free, "decode_step_constrained_ms": mixed,
                 "constrained_over_unconstrained": mixed / free, "target_ratio": 1.10,
-                "overlap_scheduling_unconstrained": engine.scheduler.overlap,
+                "mask_fill_ms_per_step": fill_bounded,
+                "decode_step_constrained_free_strings_ms": mixed_free,
+                "constrained_free_strings_over_unconstrained": mixed_free / free,
+                "mask_fill_free_strings_ms_per_step": 1000 * sum(fills) / max(len(fills), 1),
+                "overlap_scheduling": engine.scheduler.overlap,
+                "grammar_sampling_deferred": engine.scheduler._defer_grammar,
                 "tokenizer": "synthetic" if engine.tokenizer.is_null else "model",
             }
             for name, make in (("small_schema", small_schema), ("large_schema", large_schema)):
