@@ -165,7 +165,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if constraint is not None:
         await state.check_grammar(client, reqs[0], constraint.param)
     gen.set_choices(base, reqs)
-    reasoning = state.args.reasoning_parser
+    # A JSON grammar constrains the output from its first token: there is no <think> part to take out.
+    reasoning = state.args.reasoning_parser if constraint is None or constraint.kind != "json_schema" else None
     return await gen.respond(bool(body.stream), _ChatResponder(gen, model, n, want_lp, tools, reasoning))
 
 

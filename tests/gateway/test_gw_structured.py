@@ -217,6 +217,20 @@ def test_auto_tool_calls_and_reasoning_through_parsers(parser_server):
     assert calls == {0: ["search", msg.tool_calls[0].function.arguments]}
 
 
+def test_json_output_is_content_under_a_reasoning_parser(gw_engine):
+    """deepseek-r1 reads an output as reasoning until </think>; a JSON grammar's output has none: content."""
+    with serve_in_thread(gw_engine, ServerArgs(reasoning_parser="deepseek-r1"), port=0) as h:
+        client = openai.OpenAI(base_url=h.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=200, response_format={
+            "type": "json_schema", "json_schema": {"name": "enums", "schema": SCHEMAS["enums"]}})
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS["enums"])
+        r = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=40,
+                                           extra_body={"regex": "[a-z]{1,8}</think>[A-Z][a-z]{1,8}"})
+        msg = r.choices[0].message
+        assert re.fullmatch("[a-z]{1,8}", msg.model_extra["reasoning_content"])
+        assert re.fullmatch("[A-Z][a-z]{1,8}", msg.content)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}},
      "response_format.json_schema.schema"),
