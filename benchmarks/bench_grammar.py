@@ -76,6 +76,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument("--breakdown-steps", type=int, default=64,
+                   help="steps of the per-step CPU cost breakdown (grammar_breakdown.py); 0 skips it")
+    p.add_argument("--breakdown-compare-steps", type=int, default=64,
+                   help="steps of the same breakdown in xgrammar's own repetition form (slow); 0 skips it")
     p.add_argument("--out", default="benchmarks/results/grammar_llama8b.json")
     return p.parse_args(argv)
 
@@ -150,6 +154,25 @@ def compile_ttft(engine: Any, ns: argparse.Namespace, vocab: int, make_schema: A
             "ttft_unconstrained_ms": 1000 * free, "ttft_added_by_compile_ms": 1000 * (new - cached)}
 
 
+def cpu_breakdown(ns: argparse.Namespace, vocab: int, worker: Any) -> dict[str, Any]:
+    """Per-step grammar costs of --constrained rows on the bounded- and free-string schemas (its own
+    compiler on a synthetic vocabulary of the model's size, so each token's text is known)."""
+    import torch
+    from grammar_breakdown import breakdown
+
+    from runtime.sampling.grammar_compiler import GrammarCompiler
+
+    device = getattr(getattr(worker, "runner", None), "device", None) or torch.device("cpu")
+    words = synthetic_vocab(vocab)
+    compiler = GrammarCompiler(words, vocab, [vocab - 1], timeout_s=600.0, threads=1)
+    try:
+        return {name: breakdown(compiler, words, sch, ns.constrained, ns.breakdown_steps, ns.batch, device,
+                                ns.breakdown_compare_steps if name == "bounded_strings" else 0)
+                for name, sch in (("bounded_strings", LONG_SCHEMA), ("free_strings", LONG_FREE_SCHEMA))}
+    finally:
+        compiler.shutdown()
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ns = parse_args(argv)
     from runtime import Engine
@@ -203,6 +226,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             }
             for name, make in (("small_schema", small_schema), ("large_schema", large_schema)):
                 results[name] = compile_ttft(engine, ns, vocab, make)
+            if ns.breakdown_steps > 0:
+                results["cpu_breakdown"] = cpu_breakdown(ns, vocab, engine.scheduler.worker)
         finally:
             engine.shutdown()
     print_table("Grammar decode step and compile TTFT",

@@ -4,6 +4,7 @@ constrained and free rows share one batch and one sampling pass."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -26,8 +27,12 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
 
 
 def bitmask_from_bytes(data: bytes, rows: int, device: torch.device) -> torch.Tensor:
-    """The int32 [rows, words] mask a SamplingBatch carries as bytes, on device."""
-    mask = torch.frombuffer(bytearray(data), dtype=torch.int32).view(rows, -1)
-    if device.type == "cuda":  # pinned and asynchronous: a pageable copy would wait for the stream to drain
-        return mask.pin_memory().to(device, non_blocking=True)
-    return mask
+    """The int32 [rows, words] mask a SamplingBatch carries as bytes, on device. One host copy: the bytes
+    go straight into a pinned buffer (torch's host allocator keeps it until the copy is done), whose copy
+    to the device is asynchronous — a pageable one would wait for the stream to drain."""
+    src = np.frombuffer(data, dtype=np.int32).reshape(rows, -1)  # a view of the bytes, no copy
+    if device.type == "cuda":
+        pinned = torch.empty(src.shape, dtype=torch.int32, pin_memory=True)
+        pinned.numpy()[...] = src
+        return pinned.to(device, non_blocking=True)
+    return torch.from_numpy(src.copy())  # writable: torch refuses to wrap read-only memory silently

@@ -20,6 +20,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from runtime.errors import InvalidRequestError
+from runtime.sampling.bounded_strings import expand_bounded_strings
 
 # Distinct grammars kept compiled; a compiled JSON schema is typically tens of KiB.
 _CACHE_SIZE = 512
@@ -27,20 +28,25 @@ _CACHE_SIZE = 512
 
 class GrammarCompiler:
     def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int], timeout_s: float,
-                 threads: int = 2):
+                 threads: int = 2, fill_threads: int | None = None):
         """hf_tokenizer: a transformers tokenizer, or a list of each token id's raw bytes (benchmarks on
-        folders without a tokenizer build one)."""
+        folders without a tokenizer build one). fill_threads: xgrammar's threads for a step's masks and a
+        compile's states; default half the cores this process may use, at most 8 (1 on 2 cores)."""
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self._hf_tokenizer, self._stop_token_ids, self._threads = hf_tokenizer, sorted(stop_token_ids), threads
         # xgrammar's own threads (a compile's states, a step's mask rows): half the cores, at most 8.
-        self._fill_threads = max(1, min(8, (os.cpu_count() or 2) // 2))
+        self._fill_threads = fill_threads or max(1, min(8, len(os.sched_getaffinity(0)) // 2))
         self._xgr: Any = None  # xgrammar and its tokenizer tables load at the first grammar, not at start
         self._compiler: Any = None
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="shoal-grammar")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
         self._init_lock = threading.Lock()
+
+    @property
+    def fill_threads(self) -> int:
+        return self._fill_threads
 
     def _ensure_compiler(self) -> Any:
         with self._init_lock:
@@ -152,7 +158,7 @@ class GrammarCompiler:
                     raise InvalidRequestError("json_schema must be a JSON object", param=kind,
                                               code="invalid_grammar")
                 grammar = self._xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
-                compiled = compiler.compile_grammar(_no_control_chars(str(grammar)))
+                compiled = compiler.compile_grammar(json_schema_ebnf(str(grammar)))
             elif kind == "regex":
                 compiled = compiler.compile_regex(text)
             else:
@@ -175,6 +181,12 @@ class GrammarCompiler:
 _BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
 _UNBOUNDED_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+
+
+def json_schema_ebnf(ebnf: str) -> str:
+    """xgrammar's EBNF of a JSON schema as we compile it: JSON-valid string characters, and length-bounded
+    strings as rule chains (the same strings, masks far cheaper per step)."""
+    return expand_bounded_strings(_no_control_chars(ebnf))
 
 
 def _no_control_chars(ebnf: str) -> str:
