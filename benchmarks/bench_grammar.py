@@ -1,12 +1,13 @@
 """Structured output cost through the in-process Engine (dummy weights, token-id prompts, ignore EOS):
 
   decode step     a batch of --batch requests all decoding, unconstrained vs --constrained of them under a
-                  JSON schema, once with length-bounded strings (maxLength: xgrammar checks each token's
-                  length per step) and once with free strings
-                  (compiled beforehand, so only the per-step cost shows: the matchers' bitmask
-                  fill on the scheduler, the mask in the WorkerBatch, its application to the logits on the
-                  device, and — while a constrained row runs — no overlap scheduling). Step = (E2E of
+                  JSON schema, once with length-bounded strings (maxLength, compiled as rule chains) and
+                  once with free strings (compiled beforehand, so only the per-step cost shows: the
+                  matchers' bitmask fill on the scheduler while the step's forward runs, the mask in the
+                  SamplingBatch, its application to the logits on the device). Step = (E2E of
                   --output-len tokens - E2E of 1 token) / (output-len - 1), the same prompts' lengths.
+  cpu breakdown   grammar_breakdown.py: the per-step grammar costs of --constrained rows on both schemas
+                  at the model's vocabulary, the bounded one also in xgrammar's own repetition form.
   compile TTFT    one request's time to first token with a JSON schema never seen before vs the same
                   schema again (cached), for a small and a larger schema; and the compile time alone.
 
@@ -173,6 +174,16 @@ def cpu_breakdown(ns: argparse.Namespace, vocab: int, worker: Any) -> dict[str, 
         compiler.shutdown()
 
 
+def breakdown_rows(bd: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The breakdown's means and p99s, one table row each (ms)."""
+    rows: list[tuple[str, Any]] = []
+    for schema, forms in bd.items():
+        for form in ("shoal_rule_chains", "xgrammar_repetition"):
+            for part, st in forms.get(form, {}).items():
+                rows.append((f"{schema}.{form}.{part} mean/p99 ms", f"{st['mean_ms']:.3f} / {st['p99_ms']:.3f}"))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ns = parse_args(argv)
     from runtime import Engine
@@ -232,7 +243,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             engine.shutdown()
     print_table("Grammar decode step and compile TTFT",
                 [(k, v) for k, v in results.items() if isinstance(v, (int, float))]
-                + [(f"{s}.{k}", v) for s in ("small_schema", "large_schema") for k, v in results[s].items()])
+                + [(f"{s}.{k}", v) for s in ("small_schema", "large_schema") for k, v in results[s].items()]
+                + breakdown_rows(results.get("cpu_breakdown", {})))
     write_result(ns.out, "grammar", results, vars(ns), argv=sys.argv if argv is None else ["bench_grammar.py", *argv])
     return results
 
