@@ -34,6 +34,19 @@ def test_bitmask_op_matches_xgrammar_on_cuda():
     assert torch.equal(ours, ref)
 
 
+def test_mask_bytes_reach_the_device_intact():
+    """bytes -> pinned -> device (asynchronous): the bytes the scheduler sent, word for word, also when
+    the host buffer of the previous step is recycled meanwhile."""
+    from runtime.layers.token_bitmask import bitmask_from_bytes
+
+    g = torch.Generator().manual_seed(1)
+    masks = [torch.randint(-(2**31), 2**31 - 1, (32, 4008), dtype=torch.int32, generator=g) for _ in range(4)]
+    on_device = [bitmask_from_bytes(m.numpy().tobytes(), 32, torch.device("cuda")) for m in masks]
+    torch.cuda.synchronize()
+    for m, d in zip(masks, on_device):
+        assert d.is_cuda and torch.equal(d.cpu(), m)
+
+
 @pytest.mark.parametrize("graphs", [True, False])
 def test_engine_constrained_and_free_on_cuda(tiny_llama, graphs):
     import jsonschema
