@@ -181,9 +181,10 @@ class Scheduler:
                 return False
             self.batch_id += 1
             wb = batch.to_worker_batch(self.batch_id)
-            # Overlap with grammars: the forward goes first; the masks follow once the batch in flight
-            # is collected (they need its tokens). Without deferred sampling, _must_flush collected it.
-            defer = self.pending is not None and self._defer_grammar and self.grammars.constrains(batch)
+            # Overlap with grammars: the forward goes first; the masks are filled while it runs (after
+            # collecting the batch in flight, whose tokens they need). Without deferred sampling,
+            # _must_flush collected it.
+            defer = self.overlap and self._defer_grammar and self.grammars.constrains(batch)
             if not defer:
                 self.grammars.attach_bitmask(batch, wb)
             if not self.overlap:
