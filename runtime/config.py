@@ -10,6 +10,10 @@ from typing import Any
 from runtime.errors import ServerArgsError
 from runtime.text.chat_template import read_chat_template
 
+# Names of the gateway's parser registries (runtime/gateway/tool_parsers, reasoning_parsers), checked at start.
+TOOL_CALL_PARSERS = ("llama3_json", "hermes", "mistral")
+REASONING_PARSERS = ("qwen3", "deepseek-r1")
+
 
 def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
     return field(default=default, metadata={"help": help, "choices": choices})
@@ -56,6 +60,12 @@ class ServerArgs:
     speculative_num_draft_tokens: int = _opt(4, "draft tokens checked per request per step (K)")
     speculative_ngram_min_match_window_size: int = _opt(1, "NGRAM: shortest suffix matched in the request's tokens")
     speculative_ngram_max_match_window_size: int = _opt(4, "NGRAM: longest suffix matched (tried first)")
+    # Structured output, tools, reasoning
+    grammar_compile_timeout_s: float = _opt(10.0, "a request whose grammar (JSON schema, regex, EBNF, tool "
+                                                  "schemas) takes longer to compile gets a 400")
+    tool_call_parser: str | None = _opt(None, "parse the model's own tool-call format for tool_choice auto: "
+                                              "llama3_json, hermes (Qwen2.5/Qwen3) or mistral")
+    reasoning_parser: str | None = _opt(None, "move <think>...</think> into reasoning_content: qwen3 or deepseek-r1")
     # Parallelism and Ray
     tp_size: int = _opt(1, "tensor-parallel ranks per replica")
     dp_size: int = _opt(1, "data-parallel replicas")
@@ -90,7 +100,7 @@ class ServerArgs:
     def __post_init__(self) -> None:
         positive = ("kv_cache_scale", "mem_fraction_static", "max_running_requests", "max_prefill_tokens", "tp_size",
                     "dp_size", "cuda_graph_max_bs", "max_request_bytes", "max_n", "init_new_token_ratio",
-                    "max_queue_wait_s", "max_waiting_requests", "balance_rel_threshold")
+                    "max_queue_wait_s", "max_waiting_requests", "balance_rel_threshold", "grammar_compile_timeout_s")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ServerArgsError(_flag(name), f"must be positive, got {getattr(self, name)}")
@@ -112,6 +122,9 @@ class ServerArgs:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in (*choices, f.default):  # None: an optional flag left out
                 raise ServerArgsError(_flag(f.name), f"must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}")
+        for name, allowed in (("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
+            if getattr(self, name) is not None and getattr(self, name) not in allowed:
+                raise ServerArgsError(_flag(name), f"must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.chat_template is not None:
             read_chat_template(self.chat_template)  # before any weights load: a bad one names the flag now
         if self.in_process and self.uses_ray:

@@ -21,6 +21,7 @@ from runtime.logging_setup import setup_logging
 from runtime.managers.scheduler_host import SchedulerHost
 from runtime.messages import FinishReason, GenerateRequest, RequestOutput, SchedulerStats
 from runtime.model_executor.tp_worker import TpWorker
+from runtime.sampling.grammar_compiler import create_grammar_compiler
 from runtime.sampling.params import SamplingParams
 from runtime.stream_delivery import deliver, next_output
 from runtime.text.output_accumulator import OutputAccumulator
@@ -39,8 +40,9 @@ class Engine(EngineClient):
         self._tokenizer = load_tokenizer(server_args.tokenizer_path or self.model_path, tuple(info.eos_token_ids),
                                          server_args.chat_template)
         self.context_len = info.context_len
+        self.grammar = create_grammar_compiler(self._tokenizer, info.vocab_size, server_args.grammar_compile_timeout_s)
         self.host = SchedulerHost(server_args, self.worker, info, self._tokenizer.eos_token_ids, self._on_outputs,
-                                  None if self._tokenizer.is_null else self._tokenizer.decode)
+                                  None if self._tokenizer.is_null else self._tokenizer.decode, grammar=self.grammar)
         self.scheduler = self.host.scheduler
         self._consumers: dict[str, Callable[[RequestOutput], None]] = {}
         # The scheduler thread claims a consumer with a request's final output while a stream closing
@@ -59,6 +61,11 @@ class Engine(EngineClient):
 
     def validate(self, req: GenerateRequest) -> GenerateRequest:
         return self.host.validate(req)
+
+    async def check_grammar(self, req: GenerateRequest) -> None:
+        key = req.sampling_params.grammar
+        if key is not None and self.grammar is not None:
+            await self.grammar.check_async(key)
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if req.rid in self._consumers:  # a second consumer would steal the first one's outputs
@@ -111,7 +118,10 @@ class Engine(EngineClient):
                               input_ids=list(input_ids), sampling_params=params,
                               return_input_logprob=return_input_logprob,
                               input_top_logprobs_num=input_top_logprobs_num)
-        return self.validate(req)
+        req = self.validate(req)
+        if params.grammar is not None and self.grammar is not None:  # a bad grammar fails here, not later
+            self.grammar.check(params.grammar)
+        return req
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_input_logprob: bool = False,

@@ -27,6 +27,11 @@ class EngineClient(ABC):
         """Checks a request against the model (context length, token ids in vocab). Returns it, possibly
         with max_new_tokens clipped to the context; raises InvalidRequestError otherwise."""
 
+    async def check_grammar(self, req: GenerateRequest) -> None:
+        """Compiles the request's grammar, if it has one (cached), so that a grammar that is invalid or
+        too slow to compile is an InvalidRequestError before the request is accepted. A client without
+        structured output has nothing to check; its scheduler still fails such a request alone."""
+
     @abstractmethod
     def stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Submits and yields deltas until one with finished=True. Closing the iterator early aborts it."""

@@ -89,6 +89,11 @@ class SamplingBatch(msgspec.Struct, kw_only=True):
     top_logprobs_nums: list[int]
     return_logprob: bool = False
     logit_biases: list[list[tuple[int, float]]] = []  # per request (token, bias); [] when no request has any
+    # Structured output: the rows a grammar constrains this step and their allowed tokens, an int32
+    # bitmask [len(grammar_rows), ceil(vocab / 32)] as little-endian bytes (bit t of word t // 32 set:
+    # token t allowed). In the message, so every TP rank masks, and so samples, alike.
+    grammar_rows: list[int] = []
+    grammar_mask: bytes = b""
 
     @property
     def all_greedy(self) -> bool:

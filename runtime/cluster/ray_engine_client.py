@@ -38,6 +38,7 @@ from runtime.messages import (
     RoutingStats,
     SchedulerStats,
 )
+from runtime.sampling.grammar_compiler import create_grammar_compiler
 from runtime.stream_delivery import deliver, next_output
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ class RayEngineClient(EngineClient):
         self.context_len = info.context_len
         self._limits = RequestLimits(info.context_len, info.vocab_size, min(g.info.max_total_tokens for g in groups),
                                      args.speculative_algorithm is not None)
+        # The driver compiles each new grammar once too (cached), so a bad one is a 400 before any actor call.
+        self._grammar = create_grammar_compiler(tokenizer, info.vocab_size, args.grammar_compile_timeout_s)
         self.policy = create_routing_policy(args.routing_policy, args)
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
         self.owns_ray = owns_ray
@@ -89,6 +92,11 @@ class RayEngineClient(EngineClient):
 
     def validate(self, req: GenerateRequest) -> GenerateRequest:
         return validate_request(self._limits, req)
+
+    async def check_grammar(self, req: GenerateRequest) -> None:
+        key = req.sampling_params.grammar
+        if key is not None and self._grammar is not None:
+            await self._grammar.check_async(key)
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if self._closing:

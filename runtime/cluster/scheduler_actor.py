@@ -70,10 +70,14 @@ class SchedulerActor:
         tokenizer = Tokenizer(self.args.tokenizer_path or self.model_path, tuple(info.eos_token_ids))
         if self.rank.channel is not None:
             self.group = worker = BroadcastWorker(worker, self.rank.channel, name, self._on_group_failure)
+        from runtime.sampling.grammar_compiler import create_grammar_compiler
+
+        grammar = create_grammar_compiler(tokenizer, info.vocab_size, self.args.grammar_compile_timeout_s)
         if self.args.routing_policy == "cache_aware" and self.args.radix_cache_enabled and self.args.dp_size > 1:
             self.cache_events = CacheEventLog()
         self.host = SchedulerHost(self.args, worker, info, tokenizer.eos_token_ids, self._sink,
-                                  tokenizer.decode, name=f"shoal-scheduler-{name}", cache_events=self.cache_events)
+                                  tokenizer.decode, name=f"shoal-scheduler-{name}", grammar=grammar,
+                                  cache_events=self.cache_events)
         if self._followers:
             refs = [f.serve.remote() for f in self._followers]
             threading.Thread(target=self._watch, args=(refs,), name=f"shoal-watch-{name}", daemon=True).start()

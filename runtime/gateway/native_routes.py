@@ -93,6 +93,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     base = body.rid or state.new_id("gen")
     reqs = [state.validate(client, GenerateRequest(rid=f"{base}-{k}" if prompts.batch else base, input_ids=ids,
                                                    sampling_params=params)) for k, ids in enumerate(prompts.ids)]
+    if params.grammar is not None:  # json_schema, regex or ebnf: compiled (or refused) before anything runs
+        await state.check_grammar(client, reqs[0], f"sampling_params.{params.grammar[0]}")
     gen.set_choices(base, reqs)
     return await gen.respond(body.stream, _GenerateResponder(gen, body.return_text_in_logprobs, prompts.batch))
 

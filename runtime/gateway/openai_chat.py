@@ -1,11 +1,14 @@
-"""POST /v1/chat/completions: OpenAI chat — messages through the model's chat template, n choices,
-logprobs/top_logprobs, streaming (the role with the first content delta, content deltas, finish chunk,
-optional usage, [DONE]).
-OpenAI features Shoal lacks (tools, functions, JSON response formats, audio output) are a 400, never
-silently ignored; fields Shoal does not know at all are ignored (protocol.py)."""
+"""POST /v1/chat/completions: OpenAI chat — messages (tool calls and tool results included) through the
+model's chat template with the request's tools, n choices, logprobs/top_logprobs, structured output
+(response_format, regex, ebnf), tool calls (tool_choice none / auto / required / named) and reasoning
+content (--reasoning-parser), streaming (the role with the first delta, content / reasoning_content /
+tool_calls deltas, finish chunk, optional usage, [DONE]).
+OpenAI features Shoal lacks (legacy functions, audio output) are a 400, never silently ignored; fields
+Shoal does not know at all are ignored (protocol.py)."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -13,10 +16,12 @@ from aiohttp import web
 from msgspec import UNSET
 
 from runtime.errors import ShoalError
+from runtime.gateway.chat_output import ChatOutput
 from runtime.gateway.choice_state import ChoiceState
 from runtime.gateway.errors import bad_request, from_shoal_error, not_supported
 from runtime.gateway.generation import Generation
 from runtime.gateway.openai_responder import OpenAIResponder
+from runtime.gateway.output_constraint import OutputConstraint
 from runtime.gateway.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -30,24 +35,19 @@ from runtime.gateway.protocol import (
     ChatTopLogprob,
     DeltaMessage,
 )
+from runtime.gateway.reasoning_parsers import create_reasoning_parser
+from runtime.gateway.tool_request import ToolRequest
 from runtime.messages import RequestOutput
 from runtime.text.tokenizer import Tokenizer
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def check_unsupported(body: ChatCompletionRequest) -> None:
-    if body.tools:
-        raise not_supported("tool calling (tools)", "tools")
-    if body.tool_choice is not None and body.tool_choice != "none":
-        raise not_supported("tool_choice", "tool_choice")
     if body.functions:
         raise not_supported("function calling (functions)", "functions")
     if body.function_call is not None and body.function_call != "none":
         raise not_supported("function_call", "function_call")
-    if body.response_format is not None and body.response_format.get("type", "text") != "text":
-        raise not_supported(f"response_format {body.response_format.get('type')!r} (only 'text')",
-                            "response_format")
     if body.modalities is not None and set(body.modalities) - {"text"}:
         raise not_supported(f"output modalities {body.modalities} (only ['text'])", "modalities")
     if body.audio is not None:
@@ -62,11 +62,13 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     for k, m in enumerate(messages):
         role = _ROLES.get(m.role)
         if role is None:
-            what = "tool messages are" if m.role in ("tool", "function") else f"role {m.role!r} is"
-            raise bad_request(f"messages[{k}]: {what} not supported (use system, user or assistant)",
+            what = "function messages are" if m.role == "function" else f"role {m.role!r} is"
+            raise bad_request(f"messages[{k}]: {what} not supported (use system, user, assistant or tool)",
                               param="messages")
-        if m.tool_calls or m.function_call is not None or m.tool_call_id is not None:
-            raise not_supported(f"messages[{k}]: tool calls", "messages")
+        if m.function_call is not None:
+            raise not_supported(f"messages[{k}]: function_call (use tool_calls)", "messages")
+        if m.tool_calls and role != "assistant":
+            raise bad_request(f"messages[{k}]: only assistant messages carry tool_calls", param="messages")
         content = m.content
         if isinstance(content, list):
             parts = []
@@ -76,15 +78,40 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                                         f"'text' with a string 'text')", "messages")
                 parts.append(part["text"])
             content = "".join(parts)
+        if content is None and role == "assistant":
+            content = ""
         if content is None:
-            if role != "assistant":
+            if role != "assistant" or not m.tool_calls:
                 raise bad_request(f"messages[{k}]: content is required for role {m.role!r}", param="messages")
             content = ""
         msg: dict[str, Any] = {"role": role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [_template_tool_call(k, i, c) for i, c in enumerate(m.tool_calls)]
+        if role == "tool":
+            if not isinstance(m.tool_call_id, str):
+                raise bad_request(f"messages[{k}]: a tool message needs the tool_call_id it answers",
+                                  param="messages")
+            msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
+
+
+def _template_tool_call(k: int, i: int, call: Any) -> dict[str, Any]:
+    """An assistant message's tool call as chat templates want it: arguments as an object (HF convention)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad_request(f"messages[{k}].tool_calls[{i}] must be {{id, type, function: {{name, arguments}}}}",
+                          param="messages")
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise bad_request(f"messages[{k}].tool_calls[{i}].function.arguments is not valid JSON",
+                              param="messages") from None
+    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 
 def chat_logprobs(tokenizer: Tokenizer, ids: list[int], logprobs: list[float],
@@ -112,8 +139,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_unsupported(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+    tools = ToolRequest.from_body(body.tools, body.tool_choice, body.parallel_tool_calls, state.args.tool_call_parser)
+    constraint = OutputConstraint.from_body(body.response_format, body.regex, body.ebnf)
+    tool_constraint = tools.constraint() if tools is not None else None
+    if constraint is not None and tool_constraint is not None:
+        raise bad_request(f"{constraint.param} cannot be combined with tool_choice {tools.mode!r}",
+                          param=constraint.param)
+    constraint = constraint or tool_constraint
     try:
-        ids = client.tokenizer.apply_chat_template(template_messages(body.messages))
+        ids = client.tokenizer.apply_chat_template(template_messages(body.messages),
+                                                   tools=tools.template_tools() if tools is not None else None)
     except ShoalError as e:
         raise from_shoal_error(e) from None
     max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -123,24 +158,57 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     want_lp = bool(body.logprobs)
     params = state.sampling_params(body, max_new, return_logprob=want_lp, top_logprobs_num=body.top_logprobs or 0,
                                    logprob_param="top_logprobs", max_param=max_param)
+    if constraint is not None:
+        params = constraint.apply(params)
     base = state.new_id("chatcmpl")
-    gen.set_choices(base, state.choice_requests(client, base, [ids], params, n))
-    return await gen.respond(bool(body.stream), _ChatResponder(gen, model, n, want_lp))
+    reqs = state.choice_requests(client, base, [ids], params, n)
+    if constraint is not None:
+        await state.check_grammar(client, reqs[0], constraint.param)
+    gen.set_choices(base, reqs)
+    # A JSON grammar constrains the output from its first token: there is no <think> part to take out.
+    reasoning = state.args.reasoning_parser if constraint is None or constraint.kind != "json_schema" else None
+    return await gen.respond(bool(body.stream), _ChatResponder(gen, model, n, want_lp, tools, reasoning))
 
 
 class _ChatResponder(OpenAIResponder):
     chunk_type = ChatCompletionChunk
 
-    def __init__(self, gen: Generation, model: str, n: int, want_lp: bool):
+    def __init__(self, gen: Generation, model: str, n: int, want_lp: bool, tools: ToolRequest | None = None,
+                 reasoning: str | None = None):
         super().__init__(gen, model, n)
         self.want_lp = want_lp
+        self.tools, self.reasoning = tools, reasoning
+        # Parsing the text into reasoning / content / tool calls: only when asked, else the text is content.
+        self.parsing = reasoning is not None or (tools is not None and tools.mode != "none")
+        self.outputs = [self._output() for _ in self.choices] if self.parsing else []
+
+    def _output(self) -> ChatOutput:
+        return ChatOutput(create_reasoning_parser(self.reasoning) if self.reasoning else None,
+                          self.tools.parser() if self.tools is not None else None)
+
+    def _finish_reason(self, c: ChoiceState, output: ChatOutput | None) -> str | None:
+        if output is not None and output.parsed.calls and c.finish_reason == "stop":
+            return "tool_calls"
+        return c.finish_reason
+
+    def _message(self, c: ChoiceState) -> tuple[ChatResponseMessage, ChatOutput | None]:
+        if not self.parsing:
+            return ChatResponseMessage(content=c.text), None
+        output = self._output()
+        output.update(c.text, final=True)
+        calls = output.tool_calls()
+        msg = ChatResponseMessage(content=output.content or (None if calls else ""), tool_calls=calls or UNSET,
+                                  reasoning_content=output.reasoning if self.reasoning else UNSET)
+        return msg, output
 
     def body(self) -> ChatCompletionResponse:
         out = []
         for c in self.choices:
             lp = chat_logprobs(self.tokenizer, c.ids, c.logprobs, c.top_logprobs) if self.want_lp else None
-            out.append(ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=lp,
-                                            finish_reason=c.finish_reason, matched_stop=c.matched_stop))
+            msg, output = self._message(c)
+            out.append(ChatCompletionChoice(index=c.index, message=msg, logprobs=lp,
+                                            finish_reason=self._finish_reason(c, output),
+                                            matched_stop=c.matched_stop))
         return ChatCompletionResponse(id=self.base, created=int(time.time()), model=self.model, choices=out,
                                       usage=self.usage(), system_fingerprint=self.fingerprint)
 
@@ -151,6 +219,8 @@ class _ChatResponder(OpenAIResponder):
         lp = None
         if self.want_lp and out.new_token_ids:
             lp = chat_logprobs(self.tokenizer, out.new_token_ids, out.new_logprobs or [], out.new_top_logprobs)
+        if self.parsing:
+            return self._parsed_events(c, first, lp)
         # The text before a stop string is final: its chunk carries the finish_reason. Other ends keep
         # OpenAI's separate empty-delta finish chunk.
         stop_end = c.done and c.detok.stopped
@@ -166,4 +236,21 @@ class _ChatResponder(OpenAIResponder):
             events.append(self.chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(),
                                                        finish_reason=c.finish_reason, matched_stop=c.matched_stop)],
                                      self.chunk_usage()))
+        return events
+
+    def _parsed_events(self, c: ChoiceState, first: bool, lp: ChatChoiceLogprobs | None) -> list[ChatCompletionChunk]:
+        """Reasoning, content and tool-call deltas of the choice's text so far, then the finish chunk."""
+        output = self.outputs[c.index]
+        d = output.update(c.text, final=c.done)
+        events = []
+        if first or d.reasoning or d.content or d.tool_calls or lp is not None:
+            quiet = not (d.reasoning or d.tool_calls)
+            delta = DeltaMessage(role="assistant" if first else UNSET,
+                                 content=d.content if d.content or (first and quiet) else UNSET,
+                                 reasoning_content=d.reasoning or UNSET, tool_calls=d.tool_calls or UNSET)
+            events.append(self.chunk([ChatStreamChoice(index=c.index, delta=delta, logprobs=lp)], self.chunk_usage()))
+        if c.done:
+            events.append(self.chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(),
+                                                       finish_reason=self._finish_reason(c, output),
+                                                       matched_stop=c.matched_stop)], self.chunk_usage()))
         return events

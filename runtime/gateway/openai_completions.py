@@ -1,5 +1,6 @@
 """POST /v1/completions: OpenAI text completions — prompts as text or token ids (one or a batch), n
-choices each, logprobs with text offsets, echo (with prompt logprobs), streaming with optional usage.
+choices each, logprobs with text offsets, echo (with prompt logprobs), structured output
+(response_format, regex, ebnf), streaming with optional usage.
 
 logprobs follow vLLM's shape: each position's top_logprobs holds the top N and the chosen token even
 when it is not among them (so logprobs: 0 names the chosen token); an echoed prompt position holds its
@@ -16,6 +17,7 @@ from runtime.gateway.choice_state import ChoiceState
 from runtime.gateway.errors import not_supported
 from runtime.gateway.generation import Generation
 from runtime.gateway.openai_responder import OpenAIResponder
+from runtime.gateway.output_constraint import OutputConstraint
 from runtime.gateway.prompt_input import PromptInput
 from runtime.gateway.protocol import (
     CompletionChoice,
@@ -83,10 +85,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
         max_new = max(1, client.context_len - min(len(p) for p in prompts.ids))
     want_lp = body.logprobs is not None
     params = state.sampling_params(body, max_new, return_logprob=want_lp, top_logprobs_num=body.logprobs or 0)
+    constraint = OutputConstraint.from_body(body.response_format, body.regex, body.ebnf)
+    if constraint is not None:
+        params = constraint.apply(params)
     base = state.new_id("cmpl")
     echo_lp = want_lp and bool(body.echo)
     reqs = state.choice_requests(client, base, prompts.ids, params, n, return_input_logprob=echo_lp,
                                  input_top_logprobs_num=(body.logprobs or 0) if echo_lp else 0)
+    if constraint is not None:
+        await state.check_grammar(client, reqs[0], constraint.param)
     echo = [(prompts.texts[i // n] if prompts.texts[i // n] is not None else client.tokenizer.decode(r.input_ids))
             if body.echo else "" for i, r in enumerate(reqs)]
     gen.set_choices(base, reqs, hide_output=scoring)

@@ -86,6 +86,10 @@ class OpenAISamplingFields(Struct, kw_only=True):
     skip_special_tokens: bool | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    # Structured output: OpenAI's response_format, and SGLang/vLLM's regex and ebnf (at most one of them).
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 # ---- /v1/completions -----------------------------------------------------------------------------
@@ -150,7 +154,6 @@ class ChatCompletionRequest(OpenAISamplingFields, kw_only=True):
     functions: list[Any] | None = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None  # only ["text"]
     audio: dict[str, Any] | None = None  # audio output parameters: never
 
@@ -172,10 +175,35 @@ class ChatChoiceLogprobs(Struct):
     content: list[ChatTokenLogprob] | None
 
 
-class ChatResponseMessage(Struct):
+class FunctionCall(Struct):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class DeltaFunctionCall(Struct, omit_defaults=True):
+    name: str | UnsetType = UNSET
+    arguments: str | UnsetType = UNSET
+
+
+class DeltaToolCall(Struct, omit_defaults=True):
+    index: int
+    id: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
+    function: DeltaFunctionCall | UnsetType = UNSET
+
+
+class ChatResponseMessage(Struct, kw_only=True):
     content: str | None
     role: str = "assistant"
     refusal: str | None = None  # OpenAI's shape: always present, null (Shoal never refuses by policy)
+    tool_calls: list[ToolCall] | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET  # with --reasoning-parser, as vLLM and SGLang
 
 
 class ChatCompletionChoice(Struct):
@@ -199,6 +227,8 @@ class ChatCompletionResponse(Struct, kw_only=True):
 class DeltaMessage(Struct, omit_defaults=True):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
+    tool_calls: list[DeltaToolCall] | UnsetType = UNSET
 
 
 class ChatStreamChoice(Struct):

@@ -165,6 +165,19 @@ class GatewayState:
         return reqs
 
     @staticmethod
+    async def check_grammar(client: EngineClient, req: GenerateRequest, param: str) -> None:
+        """Compiles the request's grammar before anything is sent (the choices of a request share it, and
+        the compile is cached): an invalid one or one past --grammar-compile-timeout-s is a 400 naming
+        `param`, the body field that gave it."""
+        if req.sampling_params.grammar is None:
+            return
+        try:
+            await client.check_grammar(req)
+        except InvalidRequestError as e:
+            code = None if e.code == "invalid_request_error" else e.code
+            raise bad_request(e.message, param=param, code=code or "invalid_value") from None
+
+    @staticmethod
     def validate(client: EngineClient, req: GenerateRequest) -> GenerateRequest:
         try:
             return client.validate(req)

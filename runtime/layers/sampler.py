@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.host_to_device import to_device
+from runtime.layers.token_bitmask import apply_token_bitmask, bitmask_from_bytes
 from runtime.messages import SamplingBatch
 
 _MASK64 = (1 << 64) - 1
@@ -45,7 +46,7 @@ class SampleOutput:
 class Sampler:
     def __call__(self, logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
         # Penalties, biases and blocked ids edit rows in place: copy, so the caller's logits stay as computed.
-        edits = any(sb.penalty_tokens) or any(sb.blocked_token_ids) or any(sb.logit_biases)
+        edits = any(sb.penalty_tokens) or any(sb.blocked_token_ids) or any(sb.logit_biases) or bool(sb.grammar_rows)
         logits = logits.to(torch.float32, copy=edits)
         bsz, vocab = logits.shape
         raw_logprobs = torch.log_softmax(logits, dim=-1) if sb.return_logprob else None
@@ -54,6 +55,10 @@ class Sampler:
         for i, banned in enumerate(sb.blocked_token_ids):
             if banned:
                 logits[i, to_device([t for t in banned if t < vocab], torch.int64, logits.device)] = float("-inf")
+        if sb.grammar_rows:  # after the edits above: a grammar's -inf must not be biased back to life
+            dev = logits.device
+            apply_token_bitmask(logits, bitmask_from_bytes(sb.grammar_mask, len(sb.grammar_rows), dev),
+                                to_device(sb.grammar_rows, torch.int64, dev))
         if sb.all_greedy:
             ids = logits.argmax(dim=-1)
         else:

@@ -61,6 +61,7 @@ class Req:
         self.pending_tokens = 0  # overlap scheduling: tokens sampled on the device, not yet seen here
         self.admit_seq = 0  # order of (re)admission: retraction takes the latest first
         self.draft_lag = 0  # STANDALONE: tokens before the last whose draft-model KV is missing
+        self.grammar: Any = None  # xgrammar GrammarMatcher once its grammar compiled; advanced per token
 
     # ---- token views ------------------------------------------------------------------------------
     @property

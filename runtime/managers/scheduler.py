@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from runtime.config import ServerArgs
 from runtime.errors import InvalidRequestError
+from runtime.managers.grammar_manager import GrammarManager
 from runtime.managers.kv_cache_manager import KVCacheManager
 from runtime.managers.policy import create_policy
 from runtime.managers.prefill import PrefillAdder
@@ -35,6 +36,7 @@ from runtime.messages import (
     SchedulerStats,
 )
 from runtime.model_executor.forward_mode import ForwardMode
+from runtime.sampling.grammar_compiler import GrammarCompiler
 from runtime.text.detokenizer import stop_check_tail
 
 logger = logging.getLogger(__name__)
@@ -45,7 +47,8 @@ class Scheduler:
                  context_len: int, vocab_size: int, eos_token_ids: frozenset[int],
                  sink: Callable[[list[RequestOutput]], None],
                  decode_text: Callable[[list[int], bool], str] | None = None,
-                 overlap: bool = False, cache_events: CacheEventLog | None = None, pad_drafts: bool = False):
+                 overlap: bool = False, cache_events: CacheEventLog | None = None, pad_drafts: bool = False,
+                 grammar: GrammarCompiler | None = None):
         self.args, self.worker, self.sink, self.decode_text = args, worker, sink, decode_text
         self.context_len, self.vocab_size, self.eos_token_ids = context_len, vocab_size, eos_token_ids
         self.max_running = min(args.max_running_requests, max_reqs - 1)
@@ -58,6 +61,7 @@ class Scheduler:
         self.stats = ForwardModeStats(args.log_interval_s)
         self.spec = (SpecDecoding(args, self.kv, self.stats, context_len, pad_drafts)
                      if args.speculative_algorithm else None)
+        self.grammars = GrammarManager(grammar, vocab_size)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._early_aborts: dict[str, None] = {}  # aborts that arrived before their request (bounded)
         self._recently_finished: dict[str, None] = {}  # rids that ended lately (bounded)
@@ -74,6 +78,7 @@ class Scheduler:
         # Speculative steps need the accepted tokens before drafting the next: no overlap with them.
         self.overlap = overlap and worker.can_overlap and not self.must_step and self.spec is None
         self.pending: tuple[ScheduleBatch, object] | None = None
+        self._defer_grammar = getattr(worker, "can_defer_sampling", False)
         self.gen_throughput = 0.0
         self.device_busy_s = 0.0
         self._busy_since: float | None = None  # wall clock of the last result while steps run back to back
@@ -131,7 +136,10 @@ class Scheduler:
             req.abort()
             self._finish(req)
             return
-        self.waiting.append(req)
+        if self.grammars.admit(req):
+            self.waiting.append(req)
+        elif req.finished:
+            self._finish(req)
 
     def _abort(self, rid: str) -> None:
         req = self.reqs.get(rid)
@@ -147,18 +155,20 @@ class Scheduler:
         req.abort()
         if req in self.waiting:
             self.waiting.remove(req)
+        self.grammars.drop(req)
         self._finish(req)
 
     # ---- the loop -------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req)
+        return bool(self.waiting or self.running or self.chunked_req or self.grammars.compiling)
 
     def run_forever(self, stop: threading.Event) -> None:
         while not stop.is_set():
             try:
                 if not self.step():
                     try:  # wait for work; DP ranks poll fast since their peers block on our collective
-                        item = self.inbox.get(timeout=0.002 if self.must_step else 0.05)
+                        fast = self.must_step or self.grammars.compiling  # compiles finish without a message
+                        item = self.inbox.get(timeout=0.002 if fast else 0.05)
                     except queue.Empty:
                         continue
                     with self.lock:  # handled at once, so messages keep their order
@@ -171,6 +181,7 @@ class Scheduler:
     def step(self) -> bool:
         with self.lock:
             self._drain_inbox()
+            self._poll_grammars()
             if self.pending is not None and self._must_flush():
                 self._collect_pending()
             batch = self.get_next_batch_to_run()
@@ -184,20 +195,34 @@ class Scheduler:
             self._busy_since = self._busy_since or time.perf_counter()
             self.batch_id += 1
             wb = batch.to_worker_batch(self.batch_id)
+            # Overlap with grammars: the forward goes first; the masks are filled while it runs (after
+            # collecting the batch in flight, whose tokens they need). Without deferred sampling,
+            # _must_flush collected it.
+            defer = self.overlap and self._defer_grammar and self.grammars.constrains(batch)
+            if not defer:
+                self.grammars.attach_bitmask(batch, wb)
             if not self.overlap:
                 result = self.worker.run_batch(wb)
                 if result.all_idle:
                     return False
                 self.process_batch_result(batch, result)
                 return True
-            launched = self.worker.launch_batch(wb)
+            launched = self.worker.launch_batch(wb, sample_later=True) if defer else self.worker.launch_batch(wb)
             for i, r in enumerate(batch.reqs):
                 if i >= batch.num_extend or batch.completes_prefill[i]:
                     r.pending_tokens += 1
             previous, self.pending = self.pending, (batch, launched)
             if previous is not None:
                 self._collect(*previous)
+            if defer:
+                self.worker.sample_deferred(launched, *self.grammars.batch_bitmask(batch))
             return True
+
+    def _poll_grammars(self) -> None:
+        ready, failed = self.grammars.poll()
+        self.waiting.extend(ready)
+        for r in failed:
+            self._finish(r)
 
     def _inflight_new(self) -> list[Req]:
         """Requests whose prefill finished in the batch in flight: running from the next collect on."""
@@ -208,8 +233,10 @@ class Scheduler:
 
     def _must_flush(self) -> bool:
         """Cases where the next batch needs the real tokens of the one in flight."""
+        # A grammar's mask for the next token needs the token in flight (its matcher must advance first).
         return (self.kv.available() < len(self.running) + 1
-                or any(r.params.needs_penalties for r in self.running))
+                or any(r.params.needs_penalties for r in self.running)
+                or (not self._defer_grammar and self.grammars.constrains(self.pending[0])))
 
     def _collect_pending(self) -> None:
         previous, self.pending = self.pending, None
@@ -337,6 +364,8 @@ class Scheduler:
 
     def _append_token(self, r: Req, result: BatchResult, i: int) -> None:
         r.output_ids.append(result.next_token_ids[i])
+        if r.grammar is not None:
+            GrammarManager.accept(r, result.next_token_ids[i])
         if result.logprobs is not None and r.params.return_logprob:
             r.output_logprobs.append(result.logprobs[i])
             if result.top_logprobs is not None:
@@ -386,6 +415,7 @@ class Scheduler:
             self.sink([self._delta(r)])
 
     def fail_all(self, message: str) -> None:
+        self.grammars.take_all()
         for r in list(self.reqs.values()):
             if r in self.waiting:
                 self.waiting.remove(r)

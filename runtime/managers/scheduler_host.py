@@ -18,6 +18,7 @@ from runtime.managers.scheduler import Scheduler
 from runtime.managers.worker_client import WorkerClient
 from runtime.mem_cache.cache_event_log import CacheEventLog
 from runtime.messages import GenerateRequest, RequestOutput, SchedulerStats, WorkerInfo
+from runtime.sampling.grammar_compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +33,16 @@ class SchedulerHost:
     def __init__(self, args: ServerArgs, worker: WorkerClient, info: WorkerInfo, eos_token_ids: frozenset[int],
                  sink: Callable[[list[RequestOutput]], None],
                  decode_text: Callable[[list[int], bool], str] | None,
-                 name: str = "shoal-scheduler", cache_events: CacheEventLog | None = None):
+                 name: str = "shoal-scheduler", grammar: GrammarCompiler | None = None,
+                 cache_events: CacheEventLog | None = None):
         self.worker = worker
+        self.grammar = grammar
         self.limits = RequestLimits.of(info, speculative=args.speculative_algorithm is not None)
         self.scheduler = Scheduler(
             args, worker, max_total_tokens=info.max_total_tokens, max_reqs=info.max_reqs,
             context_len=info.context_len, vocab_size=info.vocab_size, eos_token_ids=eos_token_ids, sink=sink,
             decode_text=decode_text, overlap=overlap_wanted(args, worker, info), cache_events=cache_events,
+            grammar=grammar,
             pad_drafts=info.device.startswith("cuda") and not args.disable_cuda_graph)  # graph-shaped verify steps
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -80,6 +84,8 @@ class SchedulerHost:
     def stop(self, timeout_s: float = 10.0) -> bool:
         """Stops the loop after its current step; True when the thread has ended."""
         self._stop.set()
+        if self.grammar is not None:
+            self.grammar.shutdown()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
         return not self._thread.is_alive()

@@ -12,6 +12,9 @@ class WorkerClient(Protocol):
     # True when launch_batch returns before the device finishes, so the scheduler gains by preparing
     # batch N+1 while batch N runs (overlap scheduling). A synchronous worker (CPU) says False.
     can_overlap: bool
+    # Optional: launch_batch(batch, sample_later=True) then sample_deferred(handle, rows, mask) (TpWorker).
+    # Overlap scheduling then keeps running with grammar-constrained requests in the batch.
+    can_defer_sampling: bool = False
 
     def bind_thread(self) -> None:
         """Called once on the thread that will drive this worker (selects its GPU for that thread)."""

@@ -22,7 +22,7 @@ from runtime.layers.sampler import SampleOutput, Sampler
 from runtime.mem_cache.kv_pool import TokenToKVPool
 from runtime.mem_cache.kv_quant import kv_storage_dtype
 from runtime.mem_cache.req_to_token import ReqToTokenPool
-from runtime.messages import BatchResult, WorkerBatch
+from runtime.messages import BatchResult, SamplingBatch, WorkerBatch
 from runtime.model_config import ModelConfig
 from runtime.model_executor import cpu_config
 from runtime.model_executor.cpu_memory import CpuMemoryTrimmer
@@ -184,9 +184,11 @@ class ModelRunner:
         return self.finish_batch(self.launch_batch(batch))
 
     @torch.inference_mode()
-    def launch_batch(self, batch: WorkerBatch) -> LaunchedBatch:
+    def launch_batch(self, batch: WorkerBatch, sample_later: bool = False) -> LaunchedBatch:
         """Enqueues the forward and the sampling without waiting for the device, so the scheduler can
-        prepare the next batch meanwhile (overlap scheduling). finish_batch() collects the result."""
+        prepare the next batch meanwhile (overlap scheduling). finish_batch() collects the result.
+        sample_later: enqueue only the forward; sample_deferred() adds the grammar masks and samples (the
+        masks need the previous batch's tokens, which the scheduler collects while this forward runs)."""
         t0 = time.perf_counter()
         if self.ctx.dp_attention:
             # Every DP rank steps together: agree on token counts first; skip the forward if all are idle.
@@ -213,12 +215,27 @@ class ModelRunner:
             self.spec.mirror(batch)  # the draft model keeps its KV in step with the target's
         if fb.batch_size == 0 or batch.sampling is None:
             return LaunchedBatch(batch.batch_id, t0, done=BatchResult(batch_id=batch.batch_id, next_token_ids=[]))
-        sample = self.sampler(out.next_token_logits, batch.sampling)
-        self.future_token_ids[fb.req_pool_indices] = sample.next_token_ids
-        if events is not None:
-            events[1].record()
-        launched = LaunchedBatch(batch.batch_id, t0, sample=sample, input_logprobs=out.input_logprobs,
+        launched = LaunchedBatch(batch.batch_id, t0, input_logprobs=out.input_logprobs,
                                  input_top_logprobs=out.input_top_logprobs, events=events)
+        if sample_later:
+            launched.deferred = (batch.sampling, out.next_token_logits, fb.req_pool_indices)
+            return launched
+        return self._sample(launched, batch.sampling, out.next_token_logits, fb.req_pool_indices)
+
+    @torch.inference_mode()
+    def sample_deferred(self, launched: LaunchedBatch, grammar_rows: list[int], grammar_mask: bytes) -> LaunchedBatch:
+        """Samples a batch launched with sample_later, its constrained rows under the given masks."""
+        sampling, logits, req_pool_indices = launched.deferred
+        launched.deferred = None
+        sampling.grammar_rows, sampling.grammar_mask = grammar_rows, grammar_mask
+        return self._sample(launched, sampling, logits, req_pool_indices)
+
+    def _sample(self, launched: LaunchedBatch, sampling: SamplingBatch, logits: torch.Tensor,
+                req_pool_indices: torch.Tensor) -> LaunchedBatch:
+        sample = launched.sample = self.sampler(logits, sampling)
+        self.future_token_ids[req_pool_indices] = sample.next_token_ids
+        if launched.events is not None:
+            launched.events[1].record()
         if self.device.type == "cuda":
             # Queue the device→host copy of the tokens now, right behind this batch's kernels. A plain
             # .tolist() in finish_batch() would queue it behind the *next* batch, already launched by
@@ -262,3 +279,4 @@ class LaunchedBatch:
     token_ids_host: torch.Tensor | None = None  # pinned copies, filled asynchronously (CUDA)
     logprobs_host: torch.Tensor | None = None
     copied: torch.cuda.Event | None = None  # recorded after those copies
+    deferred: tuple | None = None  # (SamplingBatch, logits, req_pool_indices) until sample_deferred()

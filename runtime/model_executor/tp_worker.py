@@ -17,6 +17,9 @@ class TpWorker:
 
     # launch_batch/finish_batch split every batch; on CUDA the launch returns before the device is done.
     can_overlap = True
+    # launch_batch(sample_later=True) + sample_deferred(): grammar masks join after the forward is queued.
+    # One rank only: a TP group's followers get every mask inside the broadcast WorkerBatch instead.
+    can_defer_sampling = True
 
     def __init__(self, args: ServerArgs, model_path: str, ctx: ParallelContext | None = None,
                  device: torch.device | None = None):
@@ -41,8 +44,11 @@ class TpWorker:
     def release(self) -> None:
         self.runner.release()
 
-    def launch_batch(self, batch: WorkerBatch) -> LaunchedBatch:
-        return self.runner.launch_batch(batch)
+    def launch_batch(self, batch: WorkerBatch, sample_later: bool = False) -> LaunchedBatch:
+        return self.runner.launch_batch(batch, sample_later)
+
+    def sample_deferred(self, launched: LaunchedBatch, grammar_rows: list[int], grammar_mask: bytes) -> LaunchedBatch:
+        return self.runner.sample_deferred(launched, grammar_rows, grammar_mask)
 
     def finish_batch(self, launched: LaunchedBatch) -> BatchResult:
         return self.runner.finish_batch(launched)

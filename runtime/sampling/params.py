@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -12,6 +13,7 @@ from runtime.errors import InvalidRequestError
 # Integers reach the sampler as int64 tensors (and cross the Ray wire as msgpack, which stops at 2**64):
 # anything larger would fail a whole batch, so it is refused here, naming its field.
 INT64_MAX = 2**63 - 1
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -32,6 +34,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     top_logprobs_num: int = 0
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = {}  # token id → added to its logit before sampling (OpenAI: [-100, 100])
+    # Structured output: at most one grammar constrains every sampled token (xgrammar compiles it).
+    json_schema: str | None = None  # a JSON Schema as JSON text
+    regex: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -47,6 +53,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             d["stop"] = [d["stop"]]
         if d.get("stop") is None:
             d.pop("stop", None)
+        if isinstance(d.get("json_schema"), dict):  # a schema given as an object rather than JSON text
+            d["json_schema"] = json.dumps(d["json_schema"])
         try:
             params = msgspec.convert(d, cls, strict=False)
         except msgspec.ValidationError as e:
@@ -64,6 +72,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the grammar constraining the output — the compile cache's key — or None."""
+        for kind in GRAMMAR_KINDS:
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
     @property
     def needs_penalties(self) -> bool:
@@ -126,6 +143,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             integer("logit_bias", t, 0, INT64_MAX, what="each logit_bias key (a token id)")
             if not -100.0 <= v <= 100.0:
                 raise bad("logit_bias", f"logit_bias maps token ids >= 0 to values in [-100, 100], got {t}: {v}")
+        given = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise bad(given[1], f"give at most one of json_schema, regex and ebnf, got {' and '.join(given)}")
+        for kind in given:
+            if not isinstance(getattr(self, kind), str) or not getattr(self, kind):
+                raise bad(kind, f"{kind} must be a non-empty string")
 
 
 def _name(n: int) -> str:

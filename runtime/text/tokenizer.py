@@ -38,12 +38,14 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         if not self.has_chat_template:
             raise InvalidRequestError("this model's tokenizer has no chat template; use /v1/completions",
                                       param="messages")
         try:
-            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                               tools=tools or None)
         except Exception as e:  # jinja errors (bad roles, missing content) are the request's fault
             raise InvalidRequestError(f"cannot apply the chat template: {e}", param="messages") from None
         return self.encode(text, add_special_tokens=False)
@@ -75,7 +77,8 @@ class NullTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise InvalidRequestError("this model folder has no tokenizer: send token ids, not text", param="prompt")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         raise InvalidRequestError("this model folder has no tokenizer: chat needs one; use /v1/completions "
                                   "with token ids", param="messages")
 

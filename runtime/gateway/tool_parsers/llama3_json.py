@@ -1,0 +1,46 @@
+"""Llama3JsonToolParser: Llama 3.1 / 3.2 JSON tool calls — {"name": ..., "parameters": {...}} objects,
+optionally after <|python_tag|>, several separated by ";", with content before and after them."""
+
+from __future__ import annotations
+
+import re
+
+from runtime.gateway.tool_parsers.base import ParsedOutput, ToolParser, register_tool_parser
+from runtime.gateway.tool_parsers.json_scan import held_prefix, scan_call, skip_ws
+
+_TAG = "<|python_tag|>"
+_CALL = re.compile(r'\{\s*"name"\s*:')
+_MARKERS = (_TAG, '{"name":', '{ "name":')
+
+
+@register_tool_parser("llama3_json")
+class Llama3JsonToolParser(ToolParser):
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        tag = text.find(_TAG)
+        m = _CALL.search(text, tag + len(_TAG) if tag >= 0 else 0)
+        if m is None:
+            body = text.replace(_TAG, "")
+            return ParsedOutput(body if final else body[:len(body) - held_prefix(body, _MARKERS)])
+        out = ParsedOutput(text[:tag] if 0 <= tag < m.start() else text[:m.start()])
+        j = m.start()
+        while True:
+            try:
+                call, end = scan_call(text, j)
+            except ValueError:
+                out.content += text[j:]
+                return out
+            out.calls.append(call)
+            if end is None:
+                return out
+            k = skip_ws(text, end)
+            if k < len(text) and text[k] == ";":
+                k = skip_ws(text, k + 1)
+                if k >= len(text):
+                    return out
+                if text[k] == "{":
+                    j = k
+                    continue
+            elif k >= len(text) and not final:
+                return out  # a ";" and another call may follow
+            out.content += text[end:]
+            return out

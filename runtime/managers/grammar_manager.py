@@ -1,0 +1,110 @@
+"""GrammarManager: the scheduler's side of structured output. A request with a grammar waits here while
+its grammar compiles (on the GrammarCompiler's threads, so other requests keep running), then joins the
+queue with its own matcher; each step it fills the bitmask of the constrained rows that sample, which
+travels in the WorkerBatch to every rank; each sampled token advances the row's matcher."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+import torch
+
+from runtime.errors import InvalidRequestError
+from runtime.managers.req import Req
+from runtime.managers.schedule_batch import ScheduleBatch
+from runtime.messages import FinishReason, WorkerBatch
+from runtime.sampling.grammar_compiler import GrammarCompiler
+
+
+class GrammarManager:
+    def __init__(self, compiler: GrammarCompiler | None, vocab_size: int):
+        self.compiler = compiler
+        self.vocab_size = vocab_size
+        self.compiling: list[tuple[Req, Future, float]] = []
+
+    def admit(self, req: Req) -> bool:
+        """True when req may queue now; False when it waits for its grammar (or failed: finish_reason set)."""
+        key = req.params.grammar
+        if key is None:
+            return True
+        if self.compiler is None:
+            req.finish_reason = FinishReason("error", message=f"invalid request ({key[0]}): structured output "
+                                                              f"needs the model's tokenizer, and this model has none")
+            return False
+        self.compiling.append((req, self.compiler.submit(key), time.monotonic()))
+        return False
+
+    def poll(self) -> tuple[list[Req], list[Req]]:
+        """(requests whose grammar is ready: matcher set; requests that failed: finish_reason set)."""
+        if not self.compiling:
+            return [], []
+        ready, failed, still = [], [], []
+        now = time.monotonic()
+        for req, fut, t0 in self.compiling:
+            key = req.params.grammar
+            if fut.done():
+                try:
+                    req.grammar = self.compiler.matcher(self.compiler.result(fut, key))
+                    ready.append(req)
+                except InvalidRequestError as e:
+                    req.finish_reason = FinishReason("error", message=f"invalid request ({e.param}): {e.message}")
+                    failed.append(req)
+            elif now - t0 > self.compiler.timeout_s:
+                e = self.compiler.timeout_error(key)
+                req.finish_reason = FinishReason("error", message=f"invalid request ({e.param}): {e.message}")
+                failed.append(req)
+            else:
+                still.append((req, fut, t0))
+        self.compiling = still
+        return ready, failed
+
+    def drop(self, req: Req) -> bool:
+        """Forgets req if it waits for its grammar (an abort); True if it did."""
+        n = len(self.compiling)
+        self.compiling = [c for c in self.compiling if c[0] is not req]
+        return len(self.compiling) != n
+
+    def take_all(self) -> list[Req]:
+        reqs = [c[0] for c in self.compiling]
+        self.compiling = []
+        return reqs
+
+    @staticmethod
+    def constrains(batch: ScheduleBatch) -> bool:
+        return any(r.grammar is not None for r in batch.reqs)
+
+    def batch_bitmask(self, batch: ScheduleBatch) -> tuple[list[int], bytes]:
+        """The masks of the batch's constrained rows that sample this step (rows, int32 bytes)."""
+        if not self.constrains(batch):
+            return [], b""
+        samples = [i >= batch.num_extend or batch.completes_prefill[i] for i in range(len(batch.reqs))]
+        return self.bitmask(batch.reqs, samples)
+
+    def attach_bitmask(self, batch: ScheduleBatch, wb: WorkerBatch) -> None:
+        """Puts the batch's masks into its WorkerBatch (so every TP rank gets them)."""
+        if wb.sampling is not None:
+            wb.sampling.grammar_rows, wb.sampling.grammar_mask = self.batch_bitmask(batch)
+
+    def bitmask(self, reqs: list[Req], samples: list[bool]) -> tuple[list[int], bytes]:
+        """The rows of reqs whose grammar constrains this step's token, and their masks as bytes."""
+        # A request that already ended (found while this batch was in flight) samples a token nobody reads.
+        rows = [i for i, (r, s) in enumerate(zip(reqs, samples))
+                if s and r.grammar is not None and not r.finished and not r.grammar.is_terminated()]
+        if not rows:
+            return [], b""
+        mask = torch.empty(len(rows), (self.vocab_size + 31) // 32, dtype=torch.int32)
+        self.compiler.fill_bitmask([reqs[i].grammar for i in rows], mask)
+        return rows, mask.numpy().tobytes()
+
+    @staticmethod
+    def accept(req: Req, token: int) -> None:
+        """Advances req's matcher by its newly sampled token; a token the grammar refuses (it cannot, as
+        the mask allowed only others) ends the request with an error rather than corrupt output."""
+        m = req.grammar
+        if m is None or m.is_terminated() or req.finished:
+            return
+        if not m.accept_token(token):
+            req.finish_reason = FinishReason("error", message=f"the grammar rejected sampled token {token}")
+        elif m.is_terminated():  # the grammar is complete and took its stop token: also under ignore_eos
+            req.finish_reason = FinishReason("stop", matched=token)
