@@ -98,10 +98,12 @@ def attention_ms(cfg: dict[str, Any], bs: int, n: int, ns: argparse.Namespace, d
     out["extend_kernel_ms"] = time_ms(lambda: [extend_attention_fwd(
         q, k_new, v_new, o, k_buf, v_buf, req_to_token, rows, seq_lens, prefix, starts, n, scale)
         for _ in range(layers)], ns.iters, device)
-    ws = verify_attention_workspace(bs * n, hq, d, ns.num_kv_splits, device)
-    out["verify_kernel_ms"] = time_ms(lambda: [verify_attention_fwd(
-        q, k_buf, v_buf, o, req_to_token, rows, seq_lens, prefix, starts, n, scale,
-        num_kv_splits=ns.num_kv_splits, workspace=ws) for _ in range(layers)], ns.iters, device)
+    for splits in (ns.num_kv_splits, 2 * ns.num_kv_splits):  # the backend's count, and twice it
+        ws = verify_attention_workspace(bs * n, hq, d, splits, device)
+        key = "verify_kernel_ms" if splits == ns.num_kv_splits else f"verify_kernel_ms_splits{splits}"
+        out[key] = time_ms(lambda s=splits, w=ws: [verify_attention_fwd(
+            q, k_buf, v_buf, o, req_to_token, rows, seq_lens, prefix, starts, n, scale,
+            num_kv_splits=s, workspace=w) for _ in range(layers)], ns.iters, device)
     return out
 
 
