@@ -41,6 +41,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--output-len", type=int, default=256, help="part 2: tokens per request")
     p.add_argument("--attention-backend", default="triton", help="triton captures TARGET_VERIFY graphs")
+    p.add_argument("--skip-kernels", action="store_true", help="skip the per-kernel breakdown (CUDA only)")
     p.add_argument("--smoke", action="store_true", help="CPU, Tiny-Llama-smoke config, few steps")
     p.add_argument("--output-file", default=None)
     ns = p.parse_args(argv)
@@ -88,7 +89,7 @@ def time_steps(worker: Any, bs: int, ns: argparse.Namespace, mode: str) -> dict[
     wb = WorkerBatch(batch_id=0, forward_mode=int(ForwardMode.EXTEND), input_ids=prompt * bs, req_pool_indices=rows,
                      seq_lens=seq, prefix_lens=[0] * bs, out_cache_loc=slots(ns.input_len * bs), sampling=greedy(bs))
     ids = worker.run_batch(wb).next_token_ids
-    walls, devs = [], []
+    walls, devs, profiles = [], [], []
     n = 1 if mode == "decode" else k + 1
     for step in range(ns.steps + 10):  # the first 10 warm up
         if mode == "decode":
@@ -106,6 +107,8 @@ def time_steps(worker: Any, bs: int, ns: argparse.Namespace, mode: str) -> dict[
         res = worker.run_batch(wb)
         walls.append(time.perf_counter() - t0)
         devs.append(res.device_s)
+        if mode != "decode" and step >= 10:
+            profiles.append(runner.spec.last_profile.as_dict())
         if mode == "decode":
             ids = res.next_token_ids
         else:  # the step's first emitted token of each request is the next input (positions move by K + 1)
@@ -119,6 +122,10 @@ def time_steps(worker: Any, bs: int, ns: argparse.Namespace, mode: str) -> dict[
     out = {"step_ms": 1000 * walls[len(walls) // 2]}
     if devs[-1] > 0:
         out["device_ms"] = 1000 * devs[len(devs) // 2]
+        out["host_ms"] = out["step_ms"] - out["device_ms"]  # wall time the device was not busy with the step
+    if profiles:  # the median of each span (graph replay vs host work vs sampling: VerifyProfile)
+        out["breakdown"] = {key: (sorted(p[key] for p in profiles)[len(profiles) // 2] if key != "graph"
+                                  else all(p["graph"] for p in profiles)) for key in profiles[0]}
     return out
 
 
@@ -192,17 +199,37 @@ def part2(ns: argparse.Namespace, folder: Path, steps: dict[str, Any]) -> dict[s
     return res
 
 
+def kernel_pieces(ns: argparse.Namespace) -> dict[str, Any]:
+    """Attention, GEMMs and LM head of a verify vs a decode step at the model's shapes (CUDA graphs):
+    benchmarks/spec_kernel_breakdown.py; skipped on CPU, where the interpreter would take minutes."""
+    import torch
+
+    if ns.skip_kernels or not torch.cuda.is_available():
+        return {}
+    from benchmarks.spec_kernel_breakdown import breakdown
+    from benchmarks.spec_kernel_breakdown import parse_args as kernel_args
+
+    return breakdown(kernel_args(["--model-config", ns.model_config, "--num-draft-tokens", str(ns.num_draft_tokens),
+                                  "--seq-len", str(ns.input_len + ns.steps * (ns.num_draft_tokens + 1) // 2),
+                                  "--batch", *map(str, ns.batch)]))
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ns = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="shoal-spec-") as tmp:
         folder = make_model_folder(ns.model_config, Path(tmp) / "target")
         draft = make_model_folder(ns.draft_model_config, Path(tmp) / "draft") if ns.draft_model_config else None
+        kernels = kernel_pieces(ns)
         steps = part1(ns, folder, draft)
         e2e = part2(ns, folder, steps)
-    rows = [(f"{k} {m}", v) for k, d in steps.items() if isinstance(d, dict) for m, v in d.items()]
+    rows = [(f"{k} {m}", v) for k, d in steps.items() if isinstance(d, dict) for m, v in d.items()
+            if not isinstance(v, dict)]
+    rows += [(f"{k} breakdown {m}", v) for k, d in steps.items() if isinstance(d, dict)
+             for m, v in d.get("breakdown", {}).items()]
+    rows += [(f"kernels {k} {m}", v) for k, d in kernels.items() for m, v in d.items()]
     rows += [(f"e2e {k} {m}", v) for k, d in e2e.items() for m, v in d.items()]
     print_table(f"speculative decoding, K={ns.num_draft_tokens}, {ns.model_config}", rows)
-    results = {"steps": steps, "end_to_end": e2e}
+    results = {"steps": steps, "end_to_end": e2e, "kernels": kernels}
     if ns.output_file:
         write_result(ns.output_file, "bench_spec_gpu", results, {
             "model_config": ns.model_config, "draft_model_config": ns.draft_model_config,

@@ -16,6 +16,8 @@ import torch
 from kernels.decode_attention import decode_attention_fwd, decode_attention_workspace
 from kernels.extend_attention import extend_attention_fwd
 from kernels.kv_store import store_kv
+from kernels.verify_attention import MAX_ROWS as VERIFY_MAX_TOKENS
+from kernels.verify_attention import verify_attention_fwd, verify_attention_workspace
 from runtime.attention.base import AttentionBackend
 from runtime.attention.spec import AttentionSpec
 from runtime.mem_cache.kv_quant import dequantize_kv, gather_rows
@@ -31,7 +33,8 @@ DEFAULT_NUM_KV_SPLITS = 8
 
 class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
-    # TARGET_VERIFY runs the extend kernel, which reads lengths and offsets on device: it captures as is.
+    # TARGET_VERIFY runs the verify kernel (K + 1 causal rows per request, split-KV like decode; it reads
+    # lengths and offsets on device): it captures as is.
     supports_verify_cuda_graph = True
 
     def __init__(self, spec: AttentionSpec, num_kv_splits: int = DEFAULT_NUM_KV_SPLITS):
@@ -41,6 +44,9 @@ class TritonAttnBackend(AttentionBackend):
         self.num_kv_splits = num_kv_splits
         self.max_bs = spec.max_bs
         self._workspace: torch.Tensor | None = None
+        # The captured verify graphs' scratch, sized once at capture (largest first); never replaced after.
+        self._verify_workspace: torch.Tensor | None = None
+        self._verify_captured = False
         self._max_extend_len = 0
 
     def _decode_workspace(self, bs: int) -> torch.Tensor:
@@ -65,7 +71,18 @@ class TritonAttnBackend(AttentionBackend):
         store_kv(k_buf, v_buf, fb.out_cache_loc, k3, v3, pool.k_scale, pool.v_scale)
         return k3, v3, k_buf, v_buf
 
+    def _verify_scratch(self, num_tokens: int, grow: bool) -> torch.Tensor:
+        ws = self._verify_workspace
+        if ws is not None and ws.shape[0] >= num_tokens:
+            return ws
+        ws = verify_attention_workspace(num_tokens, self.num_heads, self.head_dim, self.num_kv_splits, self.device)
+        if grow:
+            self._verify_workspace = ws
+        return ws  # an eager step larger than every graph: its own scratch, the graphs keep theirs
+
     def forward_extend(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
+        if fb.forward_mode.is_target_verify() and 0 < self._max_extend_len <= VERIFY_MAX_TOKENS:
+            return self._forward_verify(q, k, v, layer, fb)
         k3, v3, k_buf, v_buf = self._store(k, v, layer, fb)
         pool = fb.token_to_kv_pool
         if pool.is_fp8:  # the new tokens as the pool holds them, as every later read (and torch_native) sees them
@@ -75,6 +92,19 @@ class TritonAttnBackend(AttentionBackend):
         o = torch.empty((q3.shape[0], layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
         extend_attention_fwd(q3, k3, v3, o, k_buf, v_buf, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
                              fb.extend_prefix_lens, fb.extend_start_loc, self._max_extend_len, layer.scaling,
+                             sliding_window=layer.sliding_window, k_scale=fb.token_to_kv_pool.k_scale,
+                             v_scale=fb.token_to_kv_pool.v_scale)
+        return o.view(-1, layer.num_heads * layer.head_dim)
+
+    def _forward_verify(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
+        """Every key, the new tokens' included, is read back from the pool (as the FP8 extend path does)."""
+        _, _, k_buf, v_buf = self._store(k, v, layer, fb)
+        q3 = q.view(-1, layer.num_heads, layer.head_dim)
+        o = torch.empty((q3.shape[0], layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
+        verify_attention_fwd(q3, k_buf, v_buf, o, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                             fb.extend_prefix_lens, fb.extend_start_loc, self._max_extend_len, layer.scaling,
+                             num_kv_splits=self.num_kv_splits,
+                             workspace=self._verify_scratch(q3.shape[0], grow=not self._verify_captured),
                              sliding_window=layer.sliding_window, k_scale=fb.token_to_kv_pool.k_scale,
                              v_scale=fb.token_to_kv_pool.v_scale)
         return o.view(-1, layer.num_heads * layer.head_dim)
@@ -99,6 +129,9 @@ class TritonAttnBackend(AttentionBackend):
         self._check_graph_mode(forward_mode)
         self._decode_workspace(bs)
         self._max_extend_len = tokens_per_req  # the grid of a captured TARGET_VERIFY
+        if forward_mode.is_target_verify():
+            self._verify_scratch(bs * tokens_per_req, grow=not self._verify_captured)
+            self._verify_captured = True
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                 seq_lens: torch.Tensor, seq_lens_sum: int,

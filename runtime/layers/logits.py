@@ -16,7 +16,7 @@ Tops = list[tuple[int, float]]  # one position's top logprobs: (token id, logpro
 
 @dataclass(slots=True)
 class LogitsOutput:
-    next_token_logits: torch.Tensor  # [B, V] float32
+    next_token_logits: torch.Tensor  # [B, V] float32; a TARGET_VERIFY's stay in the model dtype
     input_logprobs: list[list[float]] | None = None  # per request that asked; logprob of each new input token after the first
     input_top_logprobs: list[list[Tops]] | None = None  # per request where any asked top N: each such position's top N
 
@@ -29,7 +29,9 @@ class LogitsProcessor:
         if fb.batch_size == 0:
             return LogitsOutput(hidden.new_empty((0, 0), dtype=torch.float32))
         if fb.forward_mode.is_target_verify():  # every position scores the draft after it
-            return LogitsOutput(self.compute_logits(hidden).float())
+            # Model dtype: bs * (K + 1) rows of fp32 would be a large extra write; the greedy verify takes
+            # the argmax as is and the Sampler widens to fp32 itself (exactly: the same values).
+            return LogitsOutput(self.compute_logits(hidden))
         last = fb.extend_start_loc + fb.extend_seq_lens - 1
         logits = self.compute_logits(hidden[last]).float()
         if not any(fb.return_input_logprob):

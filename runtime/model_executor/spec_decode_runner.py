@@ -24,6 +24,7 @@ from runtime.errors import ModelConfigError
 from runtime.messages import BatchResult, WorkerBatch
 from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.model_executor.forward_mode import ForwardMode
+from runtime.model_executor.verify_profile import VerifyProfile
 from runtime.speculative.verify_sampling import VerifySampling
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 class SpecDecodeRunner:
     def __init__(self, target: ModelRunner, draft: ModelRunner | None):
         self.target, self.draft = target, draft
+        self.last_profile: VerifyProfile | None = None  # where the last verify step's time went
 
     @classmethod
     def create(cls, args: ServerArgs, target: ModelRunner) -> SpecDecodeRunner | None:
@@ -60,25 +62,47 @@ class SpecDecodeRunner:
         spec = batch.spec
         if spec is None:
             raise ValueError("a TARGET_VERIFY batch needs its SpecInfo")
+        prof = VerifyProfile.start(fb, t0, self.target.device, self.target.cuda_graph_runner)
         if spec.draft_on_worker and fb.batch_size:
             if self.draft is None:
                 raise ValueError("this worker has no draft model (--speculative-algorithm STANDALONE)")
             self._draft(batch, fb, spec.num_drafts)
+        prof.mark_draft()
         out = self.target.forward(fb)
+        prof.mark_forward()
         if fb.batch_size == 0 or batch.sampling is None:
             return LaunchedBatch(batch.batch_id, t0, done=BatchResult(batch_id=batch.batch_id, next_token_ids=[]))
-        # Scheduler drafts are on the host already; the draft model's are read back (after the forward).
-        ids = fb.input_ids.tolist() if spec.draft_on_worker else batch.input_ids
-        drafts = [ids[s + 1:s + 1 + k] for s, k in zip(fb.extend_start_loc_cpu, spec.num_drafts)]
-        sample = self.target.sampler(out.next_token_logits, VerifySampling.expand(batch.sampling, spec, drafts))
-        targets = sample.next_token_ids.tolist()
+        logits, starts, ks = out.next_token_logits, fb.extend_start_loc_cpu, spec.num_drafts
+        top_logprobs = None
+        if VerifySampling.plain_greedy(batch.sampling, spec):
+            # Argmax of the logits as the graph left them (bf16: the same argmax as their fp32 copy), and
+            # one device→host copy for the targets and, with a draft model, its drafts.
+            ids = logits.argmax(dim=-1)
+            if spec.draft_on_worker:
+                ids = torch.cat([fb.input_ids, ids])
+            prof.mark_sample()
+            flat = ids.tolist()
+            targets = flat[-logits.shape[0]:]
+            inputs = flat[:fb.extend_num_tokens] if spec.draft_on_worker else batch.input_ids
+            drafts = [inputs[s + 1:s + 1 + k] for s, k in zip(starts, ks)]
+            logprobs = None
+        else:
+            # Scheduler drafts are on the host already; the draft model's are read back (after the forward).
+            ids = fb.input_ids.tolist() if spec.draft_on_worker else batch.input_ids
+            drafts = [ids[s + 1:s + 1 + k] for s, k in zip(starts, ks)]
+            sample = self.target.sampler(logits, VerifySampling.expand(batch.sampling, spec, drafts))
+            prof.mark_sample()
+            targets = sample.next_token_ids.tolist()
+            logprobs = sample.logprobs.tolist() if sample.logprobs is not None else None
+            top_logprobs = sample.top_logprobs
+        prof.mark_synced()
         rows, counts = VerifySampling.accept(targets, drafts)
-        logprobs = sample.logprobs.tolist() if sample.logprobs is not None else None
         result = BatchResult(
             batch_id=batch.batch_id, next_token_ids=[targets[r] for r in rows], spec_counts=counts,
             logprobs=[logprobs[r] for r in rows] if logprobs is not None else None,
-            top_logprobs=[sample.top_logprobs[r] for r in rows] if sample.top_logprobs is not None else None,
-            forward_s=time.perf_counter() - t0)
+            top_logprobs=[top_logprobs[r] for r in rows] if top_logprobs is not None else None,
+            forward_s=time.perf_counter() - t0, device_s=prof.device_s())
+        self.last_profile = prof.finish()
         return LaunchedBatch(batch.batch_id, t0, done=result)
 
     def _draft(self, batch: WorkerBatch, fb: ForwardBatch, ks: list[int]) -> None:

@@ -20,6 +20,14 @@ from runtime.messages import SamplingBatch, SpecInfo
 
 class VerifySampling:
     @staticmethod
+    def plain_greedy(sb: SamplingBatch, spec: SpecInfo) -> bool:
+        """True when every row's token is just the argmax of its logits (greedy; no penalty, bias, grammar,
+        logprobs or EOS block in force), so the step can skip expand() and the Sampler."""
+        min_left = spec.min_new_left or [0] * len(sb.temperatures)
+        return (sb.all_greedy and not sb.return_logprob and not any(sb.penalty_tokens) and not sb.logit_biases
+                and not sb.grammar_rows and not any(b for b, left in zip(sb.blocked_token_ids, min_left) if left))
+
+    @staticmethod
     def expand(sb: SamplingBatch, spec: SpecInfo, drafts: list[list[int]]) -> SamplingBatch:
         """The per-request sampling settings as one row per verify position (k_i + 1 rows for request i)."""
         reps = [k + 1 for k in spec.num_drafts]

@@ -1,5 +1,5 @@
 """TritonAttnBackend against TorchNativeAttnBackend on CPU (Triton interpreter, fp32, tiny shapes):
-EXTEND over a cached prefix, MIXED (extends + decodes in one batch) and DECODE, outputs and stored K/V."""
+EXTEND over a cached prefix, MIXED (extends + decodes in one batch), DECODE and TARGET_VERIFY, outputs and stored K/V."""
 
 from __future__ import annotations
 
@@ -61,6 +61,8 @@ CASES = {
     "extend": (ForwardMode.EXTEND, [12, 9, 1], [5, 0, 0]),
     "mixed": (ForwardMode.MIXED, [7, 20, 11, 3], [0, 13, 10, 2]),
     "decode": (ForwardMode.DECODE, [1, 17, 33, 5], [0, 16, 32, 4]),
+    # The verify kernel: last token + drafts (ragged, as an eager step may be) over each cached prefix.
+    "target_verify": (ForwardMode.TARGET_VERIFY, [9, 22, 35, 3], [4, 17, 32, 2]),
 }
 
 

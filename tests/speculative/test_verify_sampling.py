@@ -54,3 +54,25 @@ def test_rows_sample_what_the_normal_sampler_samples():
                     presence_penalties=[0.4], top_ks=[20])
         assert Sampler()(logits[j:j + 1], one).next_token_ids.tolist() == [joint[j]]
 
+
+
+def test_plain_greedy_only_when_the_sampler_would_just_take_the_argmax():
+    spec = SpecInfo(num_drafts=[2, 1], min_new_left=[0, 0])
+    assert VerifySampling.plain_greedy(batch(2, temperatures=[0.0, 0.0]), spec)
+    assert not VerifySampling.plain_greedy(batch(2, temperatures=[0.0, 0.7]), spec)
+    assert not VerifySampling.plain_greedy(batch(2, temperatures=[0.0, 0.0], return_logprob=True), spec)
+    assert not VerifySampling.plain_greedy(batch(2, temperatures=[0.0, 0.0], penalty_tokens=[[1], []]), spec)
+    assert not VerifySampling.plain_greedy(batch(2, temperatures=[0.0, 0.0], logit_biases=[[(3, 1.0)], []]), spec)
+    # EOS blocked below min_new_tokens: only while a request still has rows to block
+    blocked = batch(2, temperatures=[0.0, 0.0], blocked_token_ids=[[7], []])
+    assert VerifySampling.plain_greedy(blocked, spec)
+    assert not VerifySampling.plain_greedy(blocked, SpecInfo(num_drafts=[2, 1], min_new_left=[1, 0]))
+
+
+def test_greedy_argmax_of_bf16_logits_equals_the_samplers_fp32_choice():
+    # The verify graph leaves its logits in the model dtype; the greedy path takes their argmax directly.
+    torch.manual_seed(0)
+    logits = torch.randn(12, 300).to(torch.bfloat16)
+    logits[3, 10] = logits[3, 20] = logits[3].max() + 1  # a tie: both take the first index
+    sb = batch(12, temperatures=[0.0] * 12)
+    assert torch.equal(logits.argmax(dim=-1), Sampler()(logits, sb).next_token_ids)
