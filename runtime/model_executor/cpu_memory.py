@@ -6,7 +6,11 @@ so later large tensors come from the heap and leave holes: in a 35-minute soak o
 (benchmarks/bench_soak.py) the server's RSS grew from 1.4 GB to 3.1 GB, +9% after the first 5 minutes,
 with nothing leaked. Two arenas (the scheduler and the HTTP threads share them) and a malloc_trim(0)
 every few seconds (it returns free pages inside the heaps too, through madvise) keep RSS at what is
-live. Settings the operator made (MALLOC_ARENA_MAX, MALLOC_TRIM_THRESHOLD_) win; SHOAL_MALLOC_TRIM=0
+live. A fixed 1 MiB mmap threshold (glibc's own rises to 32 MiB as large blocks are freed) gives a
+step's large tensors (prefill activations, batch logits) straight back when freed: without it a 15-minute
+soak's RSS swung ~15% between trims (a prefill's freed heap until the next trim), with it each sample is
+what is live. Settings the operator made (MALLOC_ARENA_MAX, MALLOC_MMAP_THRESHOLD_,
+MALLOC_TRIM_THRESHOLD_) win; SHOAL_MALLOC_TRIM=0
 turns it all off; without glibc (musl, macOS) it does nothing.
 """
 
@@ -21,11 +25,13 @@ import time
 
 logger = logging.getLogger(__name__)
 
-_M_ARENA_MAX = -8  # mallopt parameter numbers from glibc's malloc.h
+_M_MMAP_THRESHOLD = -3  # mallopt parameter numbers from glibc's malloc.h
+_M_ARENA_MAX = -8
 
 
 class CpuMemoryTrimmer:
-    def __init__(self, interval_s: float = 5.0, arenas: int = 2, env: dict[str, str] | None = None):
+    def __init__(self, interval_s: float = 5.0, arenas: int = 2, mmap_threshold: int = 1 << 20,
+                 env: dict[str, str] | None = None):
         env = os.environ if env is None else env
         self.interval_s = interval_s
         self.trims = 0
@@ -35,6 +41,8 @@ class CpuMemoryTrimmer:
         self._libc = _glibc() if env.get("SHOAL_MALLOC_TRIM", "1") != "0" else None
         if self._libc is not None and "MALLOC_ARENA_MAX" not in env:
             self._libc.mallopt(_M_ARENA_MAX, arenas)
+        if self._libc is not None and "MALLOC_MMAP_THRESHOLD_" not in env:
+            self._libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)
         self.enabled = self._libc is not None and "MALLOC_TRIM_THRESHOLD_" not in env
 
     def start(self) -> CpuMemoryTrimmer:
