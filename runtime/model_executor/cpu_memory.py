@@ -1,17 +1,17 @@
 """CpuMemoryTrimmer: keeps a CPU server's resident memory from creeping up under glibc malloc.
 
 A CPU forward allocates and frees tensors of ever-changing sizes (prefill chunks, batch-sized logits).
-glibc keeps freed memory in per-thread arenas and raises its mmap threshold as large blocks are freed,
-so later large tensors come from the heap and leave holes: in a 35-minute soak of 200 streams
-(benchmarks/bench_soak.py) the server's RSS grew from 1.4 GB to 3.1 GB, +9% after the first 5 minutes,
-with nothing leaked. Two arenas (the scheduler and the HTTP threads share them) and a malloc_trim(0)
-every few seconds (it returns free pages inside the heaps too, through madvise) keep RSS at what is
-live. A fixed 1 MiB mmap threshold (glibc's own rises to 32 MiB as large blocks are freed) gives a
-step's large tensors (prefill activations, batch logits) straight back when freed: without it a 15-minute
-soak's RSS swung ~15% between trims (a prefill's freed heap until the next trim), with it each sample is
-what is live. Settings the operator made (MALLOC_ARENA_MAX, MALLOC_MMAP_THRESHOLD_,
-MALLOC_TRIM_THRESHOLD_) win; SHOAL_MALLOC_TRIM=0
-turns it all off; without glibc (musl, macOS) it does nothing.
+glibc keeps freed memory in per-thread arenas and raises its mmap threshold as large blocks are freed, so
+later large tensors come from the heap and leave holes: in a 35-minute soak of 200 streams
+(benchmarks/bench_soak.py) the server's RSS grew from 1.4 GB to 3.1 GB, +9% after the first 5 minutes
+(the rest of that growth was oneDNN's per-shape primitives: see cpu_linear.py). Two arenas (the scheduler
+and the HTTP threads share them) and a malloc_trim(0) every few seconds (it returns free pages inside the
+heaps too, through madvise) keep RSS at what is live. The mmap threshold is left to glibc: fixed at 1
+MiB, a step's large tensors went back at once (RSS samples stopped swinging ~15% between trims) but every
+prefill activation was freshly mapped and zero-filled, +10% on a 3.5k-token prefill step (decode steps
+unchanged); operators who prefer the flat RSS set MALLOC_MMAP_THRESHOLD_=1048576. Settings the operator
+made (MALLOC_ARENA_MAX, MALLOC_TRIM_THRESHOLD_) win; SHOAL_MALLOC_TRIM=0 turns it all off; without glibc
+(musl, macOS) it does nothing.
 """
 
 from __future__ import annotations
@@ -25,13 +25,11 @@ import time
 
 logger = logging.getLogger(__name__)
 
-_M_MMAP_THRESHOLD = -3  # mallopt parameter numbers from glibc's malloc.h
-_M_ARENA_MAX = -8
+_M_ARENA_MAX = -8  # mallopt parameter numbers from glibc's malloc.h
 
 
 class CpuMemoryTrimmer:
-    def __init__(self, interval_s: float = 5.0, arenas: int = 2, mmap_threshold: int = 1 << 20,
-                 env: dict[str, str] | None = None):
+    def __init__(self, interval_s: float = 5.0, arenas: int = 2, env: dict[str, str] | None = None):
         env = os.environ if env is None else env
         self.interval_s = interval_s
         self.trims = 0
@@ -41,8 +39,6 @@ class CpuMemoryTrimmer:
         self._libc = _glibc() if env.get("SHOAL_MALLOC_TRIM", "1") != "0" else None
         if self._libc is not None and "MALLOC_ARENA_MAX" not in env:
             self._libc.mallopt(_M_ARENA_MAX, arenas)
-        if self._libc is not None and "MALLOC_MMAP_THRESHOLD_" not in env:
-            self._libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold)
         self.enabled = self._libc is not None and "MALLOC_TRIM_THRESHOLD_" not in env
 
     def start(self) -> CpuMemoryTrimmer:

@@ -41,25 +41,6 @@ def test_trim_returns_freed_heap_pages_to_the_os():
 
 
 @needs_glibc
-def test_large_blocks_go_back_when_freed_without_a_trim():
-    libc = ctypes.CDLL(None)
-    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
-    CpuMemoryTrimmer(env={})  # fixes the mmap threshold at 1 MiB (process-wide, as in a server)
-    libc.free(libc.malloc(16 << 20))  # glibc's dynamic threshold would rise to 16 MiB here
-    size, n = 4 << 20, 40  # ~160 MiB of blocks a dynamic threshold would have put on the heap
-    blocks = [libc.malloc(size) for _ in range(n)]
-    for b in blocks:
-        ctypes.memset(b, 1, size)
-    before = _rss_mib()
-    for b in blocks[:-1]:  # on the heap, the last block would pin the rest until a trim
-        libc.free(b)
-    after = _rss_mib()
-    libc.free(blocks[-1])
-    assert before - after > 100, (before, after)
-
-
-@needs_glibc
 def test_background_thread_trims_until_stopped():
     t = CpuMemoryTrimmer(interval_s=0.01, env={}).start()
     assert t.enabled and t._thread is not None and t._thread.is_alive()
