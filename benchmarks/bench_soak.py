@@ -48,7 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, nargs=2, default=(1, 128), metavar=("MIN", "MAX"))
     p.add_argument("--port", type=int, default=30123)
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the server")
-    p.add_argument("--sample-every-s", type=float, default=10.0)
+    p.add_argument("--sample-every-s", type=float, default=10.0, help="metrics scrape period")
+    p.add_argument("--rss-every-s", type=float, default=1.0, help="RSS sampling period (the minute medians)")
     p.add_argument("--request-timeout-s", type=float, default=1800.0,
                    help="a client gives up after this (it counts as a disconnect, not a server error)")
     p.add_argument("--server-args", default="", help="extra `shoal serve` arguments")
@@ -156,6 +157,17 @@ async def soak(args: argparse.Namespace, base: str, pid: int) -> dict[str, Any]:
     deadline = start + args.duration_s
     tasks = [asyncio.create_task(client(i, base, deadline, args, tally, errors)) for i in range(args.concurrency)]
     samples: list[dict[str, float]] = []
+    # RSS is bimodal under load (a prefill's activations come and go, ~15% of it on the CPU soak): a
+    # minute of 10 s scrapes gives ~5 samples and a median that flips between the modes; sample RSS
+    # every second on its own so each minute's median rests on ~60.
+    rss_samples: list[tuple[float, float]] = []
+
+    async def sample_rss() -> None:
+        while True:
+            rss_samples.append((time.monotonic() - start, rss_mib(pid)))
+            await asyncio.sleep(args.rss_every_s)
+
+    rss_task = asyncio.create_task(sample_rss())
     async with aiohttp.ClientSession() as session:
         while any(not t.done() for t in tasks):
             m = await scrape(session, base)
@@ -166,6 +178,7 @@ async def soak(args: argparse.Namespace, base: str, pid: int) -> dict[str, Any]:
             print(json.dumps(samples[-1]), flush=True)
             await asyncio.wait(tasks, timeout=args.sample_every_s)
         load_s = time.monotonic() - start
+        rss_task.cancel()
         # Idle: nothing running or waiting and no KV slot held by a request.
         end_metrics: dict[str, float] = {}
         for _ in range(120):
@@ -179,16 +192,15 @@ async def soak(args: argparse.Namespace, base: str, pid: int) -> dict[str, Any]:
             healthy_after = resp.status == 200
     # RSS swings by a sample or two's worth of batch tensors: compare the median of the minute after the
     # warm-up with the median of the load's last minute (the maximum is reported beside them).
-    after = [s for s in samples if args.warmup_s <= s["t_s"] <= load_s]
-    base_rss = statistics.median([s["rss_mib"] for s in after if s["t_s"] <= args.warmup_s + 60] or
-                                 [samples[0]["rss_mib"]])
-    end_rss = statistics.median([s["rss_mib"] for s in after if s["t_s"] >= load_s - 60] or
-                                [samples[-1]["rss_mib"]])
+    after = [(t, r) for t, r in rss_samples if args.warmup_s <= t <= load_s]
+    base_rss = statistics.median([r for t, r in after if t <= args.warmup_s + 60] or [rss_samples[0][1]])
+    end_rss = statistics.median([r for t, r in after if t >= load_s - 60] or [rss_samples[-1][1]])
     return {
         "load_s": round(load_s, 1), "tally": dict(tally), "errors_first_20": errors[:20],
         "num_errors": len(errors), "five_xx": tally["http_5xx"],
         "rss_mib_at_warmup": base_rss, "rss_mib_end": end_rss,
-        "rss_mib_max_after_warmup": max((s["rss_mib"] for s in after), default=base_rss),
+        "rss_mib_max_after_warmup": max((r for _, r in after), default=base_rss),
+        "rss_mib_by_minute": _minute_medians(rss_samples),
         "rss_growth_after_warmup": (end_rss - base_rss) / base_rss,
         "end_metrics": {k: end_metrics.get(k) for k in ("shoal:num_running_reqs", "shoal:num_queue_reqs",
                                                          "shoal:kv_usage_ratio", "shoal:kv_cache_ratio")},
@@ -196,6 +208,13 @@ async def soak(args: argparse.Namespace, base: str, pid: int) -> dict[str, Any]:
         and end_metrics.get("shoal:num_running_reqs") == 0,
         "healthy_after": healthy_after, "samples": samples,
     }
+
+
+def _minute_medians(rss_samples: list[tuple[float, float]]) -> list[float]:
+    minutes: dict[int, list[float]] = {}
+    for t, r in rss_samples:
+        minutes.setdefault(int(t // 60), []).append(r)
+    return [round(statistics.median(minutes[m]), 1) for m in sorted(minutes)]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

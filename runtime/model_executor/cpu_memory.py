@@ -1,13 +1,17 @@
 """CpuMemoryTrimmer: keeps a CPU server's resident memory from creeping up under glibc malloc.
 
 A CPU forward allocates and frees tensors of ever-changing sizes (prefill chunks, batch-sized logits).
-glibc keeps freed memory in per-thread arenas and raises its mmap threshold as large blocks are freed,
-so later large tensors come from the heap and leave holes: in a 35-minute soak of 200 streams
-(benchmarks/bench_soak.py) the server's RSS grew from 1.4 GB to 3.1 GB, +9% after the first 5 minutes,
-with nothing leaked. Two arenas (the scheduler and the HTTP threads share them) and a malloc_trim(0)
-every few seconds (it returns free pages inside the heaps too, through madvise) keep RSS at what is
-live. Settings the operator made (MALLOC_ARENA_MAX, MALLOC_TRIM_THRESHOLD_) win; SHOAL_MALLOC_TRIM=0
-turns it all off; without glibc (musl, macOS) it does nothing.
+glibc keeps freed memory in per-thread arenas and raises its mmap threshold as large blocks are freed, so
+later large tensors come from the heap and leave holes: in a 35-minute soak of 200 streams
+(benchmarks/bench_soak.py) the server's RSS grew from 1.4 GB to 3.1 GB, +9% after the first 5 minutes
+(the rest of that growth was oneDNN's per-shape primitives: see cpu_linear.py). Two arenas (the scheduler
+and the HTTP threads share them) and a malloc_trim(0) every few seconds (it returns free pages inside the
+heaps too, through madvise) keep RSS at what is live. The mmap threshold is left to glibc: fixed at 1
+MiB, a step's large tensors went back at once (RSS samples stopped swinging ~15% between trims) but every
+prefill activation was freshly mapped and zero-filled, +10% on a 3.5k-token prefill step (decode steps
+unchanged); operators who prefer the flat RSS set MALLOC_MMAP_THRESHOLD_=1048576. Settings the operator
+made (MALLOC_ARENA_MAX, MALLOC_TRIM_THRESHOLD_) win; SHOAL_MALLOC_TRIM=0 turns it all off; without glibc
+(musl, macOS) it does nothing.
 """
 
 from __future__ import annotations
