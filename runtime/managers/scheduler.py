@@ -23,6 +23,7 @@ from runtime.managers.prefill import PrefillAdder
 from runtime.managers.req import Req, ReqState
 from runtime.managers.request_validation import RequestLimits, validate_request
 from runtime.managers.retract import Retractor
+from runtime.managers.rid_ledger import RidLedger
 from runtime.managers.schedule_batch import ScheduleBatch
 from runtime.managers.spec_decoding import SpecDecoding
 from runtime.managers.stats import ForwardModeStats
@@ -63,8 +64,7 @@ class Scheduler:
                      if args.speculative_algorithm else None)
         self.grammars = GrammarManager(grammar, vocab_size)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._early_aborts: dict[str, None] = {}  # aborts that arrived before their request (bounded)
-        self._recently_finished: dict[str, None] = {}  # rids that ended lately (bounded)
+        self.rids = RidLedger()  # aborts that overtook their request; rids that ended lately
         self.lock = threading.Lock()  # held for a whole step; readers of the state take it too
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -120,7 +120,7 @@ class Scheduler:
         try:  # again: a caller that skipped validate() must fail alone, not the batch it would join
             g = validate_request(self.limits, g)
         except InvalidRequestError as e:
-            self._early_aborts.pop(g.rid, None)
+            self.rids.refused(g.rid)
             self.sink([RequestOutput(rid=g.rid, new_token_ids=[], finished=True, finish_reason=FinishReason(
                 "error", message=f"invalid request ({e.param}): {e.message}"))])
             return
@@ -131,8 +131,7 @@ class Scheduler:
         if g.resumed_output_ids:
             req.resume(g.resumed_output_ids)
         self.reqs[g.rid] = req
-        self._recently_finished.pop(g.rid, None)
-        if self._early_aborts.pop(g.rid, False) is None:
+        if self.rids.arrived(g.rid):
             req.abort()
             self._finish(req)
             return
@@ -144,13 +143,7 @@ class Scheduler:
     def _abort(self, rid: str) -> None:
         req = self.reqs.get(rid)
         if req is None:
-            if rid in self._recently_finished:
-                return  # it ended already; a later request reusing the rid must not inherit this abort
-            # The abort can overtake its own request (both travel through the inbox from different
-            # tasks): remember it briefly so the request is ended the moment it arrives.
-            self._early_aborts[rid] = None
-            while len(self._early_aborts) > 4096:
-                self._early_aborts.pop(next(iter(self._early_aborts)))
+            self.rids.abort_unknown(rid)
             return
         req.abort()
         if req in self.waiting:
@@ -392,9 +385,7 @@ class Scheduler:
             self.kv.release_retracted(r)
         r.state = ReqState.FINISHED
         self.reqs.pop(r.rid, None)
-        self._recently_finished[r.rid] = None
-        if len(self._recently_finished) > 4096:
-            self._recently_finished.pop(next(iter(self._recently_finished)))
+        self.rids.finished(r.rid)
         if emit:
             self.sink([r.take_delta()])
 
