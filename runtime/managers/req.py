@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from runtime.messages import FinishReason
+from runtime.messages import FinishReason, RequestOutput
 from runtime.sampling.params import SamplingParams
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -170,6 +170,24 @@ class Req:
         self.draft_lag = 0  # the re-prefill runs the draft model too
         self.state = ReqState.WAITING
         self.retractions += 1
+
+    def take_delta(self) -> RequestOutput:
+        """What this request produced since the last delta (tokens, logprobs; the prompt's logprobs with the
+        first one), marked as sent."""
+        start = self.sent_tokens
+        self.sent_tokens = len(self.output_ids)
+        out = RequestOutput(
+            rid=self.rid, new_token_ids=self.output_ids[start:], finished=self.finished,
+            finish_reason=self.finish_reason, prompt_tokens=len(self.origin_input_ids),
+            completion_tokens=len(self.output_ids), cached_tokens=self.prompt_cached_tokens,
+            queue_time_s=(self.first_scheduled_time or time.monotonic()) - self.arrival_time)
+        if self.params.return_logprob:
+            out.new_logprobs = self.output_logprobs[start:]
+            out.new_top_logprobs = self.output_top_logprobs[start:] if self.params.top_logprobs_num else None
+        if start == 0 and self.input_logprobs is not None:
+            out.input_logprobs = self.input_logprobs
+            out.input_top_logprobs = self.input_top_logprobs
+        return out
 
 
 def _stop_ending_after(stops: list[str], text: str, start: int) -> str | None:

@@ -336,7 +336,7 @@ class Scheduler:
             elif r.state is ReqState.PREFILLING:
                 r.state = ReqState.DECODING
                 self.running.append(r)
-            outputs.append(self._delta(r))
+            outputs.append(r.take_delta())
         if outputs:
             self.sink(outputs)
         if self.stats.due():  # the numbers walk every live request: only when a line is due
@@ -379,22 +379,6 @@ class Scheduler:
         return stop_check_tail(self.decode_text, r.output_ids, max(len(s) for s in r.params.stop),
                                r.params.skip_special_tokens)
 
-    def _delta(self, r: Req) -> RequestOutput:
-        start = r.sent_tokens
-        r.sent_tokens = len(r.output_ids)
-        out = RequestOutput(
-            rid=r.rid, new_token_ids=r.output_ids[start:], finished=r.finished, finish_reason=r.finish_reason,
-            prompt_tokens=len(r.origin_input_ids), completion_tokens=len(r.output_ids),
-            cached_tokens=r.prompt_cached_tokens,
-            queue_time_s=(r.first_scheduled_time or time.monotonic()) - r.arrival_time)
-        if r.params.return_logprob:
-            out.new_logprobs = r.output_logprobs[start:]
-            out.new_top_logprobs = r.output_top_logprobs[start:] if r.params.top_logprobs_num else None
-        if start == 0 and r.input_logprobs is not None:
-            out.input_logprobs = r.input_logprobs
-            out.input_top_logprobs = r.input_top_logprobs
-        return out
-
     def _finish(self, r: Req, emit: bool = True, cache: bool = True) -> None:
         """Frees (or caches) the request's KV and forgets it; emits its last delta unless told not to.
         cache=False frees without inserting into the prefix cache (KV a failed step may not have written)."""
@@ -412,7 +396,7 @@ class Scheduler:
         if len(self._recently_finished) > 4096:
             self._recently_finished.pop(next(iter(self._recently_finished)))
         if emit:
-            self.sink([self._delta(r)])
+            self.sink([r.take_delta()])
 
     def fail_all(self, message: str) -> None:
         self.grammars.take_all()

@@ -4,17 +4,11 @@ replayed with new lengths and padded rows."""
 
 from __future__ import annotations
 
-import importlib.util
-from types import SimpleNamespace
-
 import pytest
 import torch
+from attention_cases import BACKENDS, CASES, DT, HKV, HQ, D, make_backend, make_batch, make_fb, make_runner
 
-from runtime.attention.spec import AttentionSpec
 from runtime.attention.torch_native import TorchNativeAttnBackend
-from runtime.layers.attention import Attention
-from runtime.mem_cache.kv_pool import TokenToKVPool
-from runtime.mem_cache.req_to_token import ReqToTokenPool
 from runtime.messages import WorkerBatch
 from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.model_executor.forward_mode import ForwardMode
@@ -24,56 +18,17 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)"),
 ]
 
-HQ, HKV, D, SLOTS, CTX, ROWS = 32, 8, 128, 40_000, 4096, 16
-DT = torch.bfloat16
 TOL = {"atol": 2e-2, "rtol": 2e-2}
-BACKENDS = ["triton", pytest.param("flashinfer", marks=pytest.mark.skipif(
-    importlib.util.find_spec("flashinfer") is None, reason="flashinfer not installed"))]
 
 
-def _backend(name: str, runner: SimpleNamespace):
-    from runtime.attention.registry import create_attention_backend
-
-    return create_attention_backend(name, runner.spec)
 
 
-def _runner(seed: int) -> SimpleNamespace:
-    torch.manual_seed(seed)
-    layer = Attention(0, HQ, HKV, D, D**-0.5)
-    kv = TokenToKVPool(SLOTS, 1, HKV, D, DT, "cuda")
-    kv.k_buffers[0].normal_()
-    kv.v_buffers[0].normal_()
-    pool = ReqToTokenPool(ROWS, CTX, "cuda")
-    spec = AttentionSpec(num_heads=HQ, num_kv_heads=HKV, head_dim=D, scaling=D**-0.5, dtype=DT,
-                         device=torch.device("cuda"), req_to_token=pool.req_to_token, max_bs=ROWS)
-    return SimpleNamespace(device=torch.device("cuda"), req_to_token_pool=pool, token_to_kv_pool=kv, spec=spec, layer=layer)
 
 
-def _batch(runner, mode: ForwardMode, seq_lens: list[int], prefix_lens: list[int]) -> WorkerBatch:
-    slots = (torch.randperm(SLOTS) + 1)[:sum(seq_lens)].tolist()
-    rows = [ROWS - 1 - i for i in range(len(seq_lens))]
-    out_cache_loc, off = [], 0
-    for row, n, p in zip(rows, seq_lens, prefix_lens, strict=True):
-        mine = slots[off:off + n]
-        off += n
-        runner.req_to_token_pool.write(row, 0, torch.tensor(mine[:p], device="cuda"))
-        out_cache_loc += mine[p:]
-    new = sum(seq_lens) - sum(prefix_lens)
-    return WorkerBatch(batch_id=0, forward_mode=int(mode), input_ids=[0] * new, req_pool_indices=rows,
-                       seq_lens=seq_lens, prefix_lens=prefix_lens, out_cache_loc=out_cache_loc)
 
 
-def _fb(runner, backend, wb: WorkerBatch) -> ForwardBatch:
-    fb = ForwardBatch.init_new(wb, runner.req_to_token_pool, runner.token_to_kv_pool, backend, runner.device)
-    fb.write_req_to_token()
-    return fb
 
 
-CASES = {
-    "extend": (ForwardMode.EXTEND, [1000, 300, 1, 2048], [600, 0, 0, 1]),
-    "mixed": (ForwardMode.MIXED, [700, 129, 1500, 40, 3000], [0, 64, 1499, 39, 2999]),
-    "decode": (ForwardMode.DECODE, [1, 2, 33, 1000, 4000, 517], [0, 1, 32, 999, 3999, 516]),
-}
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -81,14 +36,14 @@ CASES = {
 def test_backend_matches_torch_native_gpu(name: str, case: str) -> None:
     mode, seq_lens, prefix_lens = CASES[case]
     results = []
-    for make in (lambda r: TorchNativeAttnBackend(r.spec), lambda r: _backend(name, r)):
-        runner = _runner(seed=3)
-        wb = _batch(runner, mode, seq_lens, prefix_lens)
+    for make in (lambda r: TorchNativeAttnBackend(r.spec), lambda r: make_backend(name, r)):
+        runner = make_runner(seed=3)
+        wb = make_batch(runner, mode, seq_lens, prefix_lens)
         new = len(wb.input_ids)
         qkv = (torch.randn(new, HQ * D, device="cuda", dtype=DT), torch.randn(new, HKV * D, device="cuda", dtype=DT),
                torch.randn(new, HKV * D, device="cuda", dtype=DT))
         backend = make(runner)
-        fb = _fb(runner, backend, wb)
+        fb = make_fb(runner, backend, wb)
         backend.init_forward_metadata(fb)
         out = backend.forward(*qkv, runner.layer, fb)
         results.append((out, runner.token_to_kv_pool.k_buffers[0], runner.token_to_kv_pool.v_buffers[0]))
@@ -98,11 +53,13 @@ def test_backend_matches_torch_native_gpu(name: str, case: str) -> None:
 
 
 @pytest.mark.parametrize("name", BACKENDS)
-def test_backend_decode_cuda_graph_replay(name: str) -> None:
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_backend_decode_cuda_graph_replay(name: str, kv: str) -> None:
     """Capture at bs 4 with placeholder lengths; replay a 3-request batch padded to 4 (padded row:
-    slot 0, seq_len fill value, row 0) twice with different lengths; compare with eager torch_native."""
-    runner = _runner(seed=4)
-    backend = _backend(name, runner)
+    slot 0, seq_len fill value, row 0) twice with different lengths; compare with eager torch_native
+    (bf16 KV, and an FP8 pool with a scale of 0.5)."""
+    runner = make_runner(seed=4) if kv == "bf16" else make_runner(seed=4, kv_dtype=torch.float8_e4m3fn, kv_scale=0.5)
+    backend = make_backend(name, runner)
     max_bs, bs = 8, 4
     backend.init_cuda_graph_state(max_bs)
     fill = backend.get_cuda_graph_seq_len_fill_value()
@@ -123,8 +80,8 @@ def test_backend_decode_cuda_graph_replay(name: str) -> None:
         out = backend.forward(q, k, v, runner.layer, static)
 
     for lens in ([5, 3000, 77], [1, 129, 4000]):
-        wb = _batch(runner, ForwardMode.DECODE, lens, [n - 1 for n in lens])
-        real = _fb(runner, backend, wb)
+        wb = make_batch(runner, ForwardMode.DECODE, lens, [n - 1 for n in lens])
+        real = make_fb(runner, backend, wb)
         new_q = torch.randn(3, HQ * D, device="cuda", dtype=DT)
         new_k, new_v = torch.randn(3, HKV * D, device="cuda", dtype=DT), torch.randn(3, HKV * D, device="cuda", dtype=DT)
         for dst, src in ((q, new_q), (k, new_k), (v, new_v)):
@@ -135,12 +92,11 @@ def test_backend_decode_cuda_graph_replay(name: str) -> None:
         backend.init_forward_metadata_replay_cuda_graph(bs, static.req_pool_indices, static.seq_lens,
                                                         sum(lens) + fill, ForwardMode.DECODE,
                                                         seq_lens_cpu=[*lens, fill])
-        slot0 = runner.token_to_kv_pool.k_buffers[0][0].clone()
         graph.replay()
         torch.cuda.synchronize()
         ref_backend = TorchNativeAttnBackend(runner.spec)
         real.attn_backend = ref_backend
         ref = ref_backend.forward(new_q, new_k, new_v, runner.layer, real)
-        torch.testing.assert_close(out[:3], ref, **TOL)
+        torch.testing.assert_close(out[:3], ref, **(TOL if kv == "bf16" else {"atol": 3e-2, "rtol": 3e-2}))
         # The padded row wrote its (zero) K into scratch slot 0 only.
-        assert torch.equal(runner.token_to_kv_pool.k_buffers[0][0], torch.zeros_like(slot0))
+        assert runner.token_to_kv_pool.k_buffers[0][0].view(torch.uint8).eq(0).all()

@@ -1,82 +1,36 @@
 """FP8 on the GPU: the fp8_e4m3 KV pool through the Triton and FlashInfer backends against torch_native
 (same pool, Llama-8B head shapes, EXTEND over cached prefixes / MIXED / DECODE, and DECODE replayed from a
-CUDA graph); the FP8 GEMM (torch._scaled_mm, row-wise scales) against its dequantize-then-matmul
+CUDA graph: test_gpu_attention_backends.py); the FP8 GEMM (torch._scaled_mm, row-wise scales) against its dequantize-then-matmul
 reference; and the Engine end to end with FP8 KV and FP8 weights, CUDA graphs on."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
+from attention_cases import BACKENDS, CASES, DT, HKV, HQ, D, make_backend, make_batch, make_fb, make_runner
 
-from runtime.attention.spec import AttentionSpec
 from runtime.attention.torch_native import TorchNativeAttnBackend
-from runtime.layers.attention import Attention
-from runtime.mem_cache.kv_pool import TokenToKVPool
-from runtime.mem_cache.req_to_token import ReqToTokenPool
 from runtime.messages import WorkerBatch
-from runtime.model_executor.forward_batch import ForwardBatch
-from runtime.model_executor.forward_mode import ForwardMode
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)"),
 ]
 
-HQ, HKV, D, SLOTS, CTX, ROWS = 32, 8, 128, 40_000, 4096, 16
-DT, F8 = torch.bfloat16, torch.float8_e4m3fn
+F8 = torch.float8_e4m3fn
 KV_SCALE = 0.5
 TOL = {"atol": 3e-2, "rtol": 3e-2}
-BACKENDS = ["triton", pytest.param("flashinfer", marks=pytest.mark.skipif(
-    importlib.util.find_spec("flashinfer") is None, reason="flashinfer not installed"))]
-CASES = {
-    "extend": (ForwardMode.EXTEND, [1000, 300, 1, 2048], [600, 0, 0, 1]),
-    "mixed": (ForwardMode.MIXED, [700, 129, 1500, 40, 3000], [0, 64, 1499, 39, 2999]),
-    "decode": (ForwardMode.DECODE, [1, 2, 33, 1000, 4000, 517], [0, 1, 32, 999, 3999, 516]),
-}
 
 
-def _runner(seed: int) -> SimpleNamespace:
-    torch.manual_seed(seed)
-    layer = Attention(0, HQ, HKV, D, D**-0.5)
-    kv = TokenToKVPool(SLOTS, 1, HKV, D, F8, "cuda", kv_scale=KV_SCALE)
-    kv.k_buffers[0].copy_(torch.randn(SLOTS + 1, HKV, D, device="cuda").to(F8))
-    kv.v_buffers[0].copy_(torch.randn(SLOTS + 1, HKV, D, device="cuda").to(F8))
-    pool = ReqToTokenPool(ROWS, CTX, "cuda")
-    spec = AttentionSpec(num_heads=HQ, num_kv_heads=HKV, head_dim=D, scaling=D**-0.5, dtype=DT,
-                         device=torch.device("cuda"), req_to_token=pool.req_to_token, max_bs=ROWS, kv_dtype=F8)
-    return SimpleNamespace(device=torch.device("cuda"), req_to_token_pool=pool, token_to_kv_pool=kv, spec=spec,
-                           layer=layer)
 
 
-def _batch(runner, mode: ForwardMode, seq_lens: list[int], prefix_lens: list[int]) -> WorkerBatch:
-    slots = (torch.randperm(SLOTS) + 1)[:sum(seq_lens)].tolist()
-    rows = [ROWS - 1 - i for i in range(len(seq_lens))]
-    out_cache_loc, off = [], 0
-    for row, n, p in zip(rows, seq_lens, prefix_lens, strict=True):
-        mine = slots[off:off + n]
-        off += n
-        runner.req_to_token_pool.write(row, 0, torch.tensor(mine[:p], device="cuda"))
-        out_cache_loc += mine[p:]
-    new = sum(seq_lens) - sum(prefix_lens)
-    return WorkerBatch(batch_id=0, forward_mode=int(mode), input_ids=[0] * new, req_pool_indices=rows,
-                       seq_lens=seq_lens, prefix_lens=prefix_lens, out_cache_loc=out_cache_loc)
 
 
-def _fb(runner, backend, wb: WorkerBatch) -> ForwardBatch:
-    fb = ForwardBatch.init_new(wb, runner.req_to_token_pool, runner.token_to_kv_pool, backend, runner.device)
-    fb.write_req_to_token()
-    return fb
 
 
-def _backend(name: str, runner):
-    from runtime.attention.registry import create_attention_backend
-
-    return create_attention_backend(name, runner.spec)
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -84,14 +38,14 @@ def _backend(name: str, runner):
 def test_fp8_kv_backend_matches_torch_native(name: str, case: str) -> None:
     mode, seq_lens, prefix_lens = CASES[case]
     results = []
-    for make in (lambda r: TorchNativeAttnBackend(r.spec), lambda r: _backend(name, r)):
-        runner = _runner(seed=3)
-        wb = _batch(runner, mode, seq_lens, prefix_lens)
+    for make in (lambda r: TorchNativeAttnBackend(r.spec), lambda r: make_backend(name, r)):
+        runner = make_runner(seed=3, kv_dtype=F8, kv_scale=KV_SCALE)
+        wb = make_batch(runner, mode, seq_lens, prefix_lens)
         new = len(wb.input_ids)
         qkv = (torch.randn(new, HQ * D, device="cuda", dtype=DT), torch.randn(new, HKV * D, device="cuda", dtype=DT),
                torch.randn(new, HKV * D, device="cuda", dtype=DT))
         backend = make(runner)
-        fb = _fb(runner, backend, wb)
+        fb = make_fb(runner, backend, wb)
         backend.init_forward_metadata(fb)
         out = backend.forward(*qkv, runner.layer, fb)
         pool = runner.token_to_kv_pool
@@ -142,46 +96,6 @@ def _mismatch(out: torch.Tensor, ref: torch.Tensor, wb: WorkerBatch, limit: int 
     return f"{len(pairs)} (token, head) pairs differ, in requests {reqs}\n" + "\n".join(lines)
 
 
-@pytest.mark.parametrize("name", BACKENDS)
-def test_fp8_kv_decode_cuda_graph_replay(name: str) -> None:
-    runner = _runner(seed=4)
-    backend = _backend(name, runner)
-    bs = 4
-    backend.init_cuda_graph_state(8)
-    fill = backend.get_cuda_graph_seq_len_fill_value()
-    q = torch.zeros(bs, HQ * D, device="cuda", dtype=DT)
-    k, v = torch.zeros(bs, HKV * D, device="cuda", dtype=DT), torch.zeros(bs, HKV * D, device="cuda", dtype=DT)
-    static = ForwardBatch.init_new(
-        WorkerBatch(batch_id=0, forward_mode=int(ForwardMode.DECODE), input_ids=[0] * bs, req_pool_indices=[0] * bs,
-                    seq_lens=[fill] * bs, prefix_lens=[fill - 1] * bs, out_cache_loc=[0] * bs),
-        runner.req_to_token_pool, runner.token_to_kv_pool, backend, runner.device)
-    backend.init_forward_metadata_capture_cuda_graph(bs, static.req_pool_indices, static.seq_lens, ForwardMode.DECODE)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        backend.forward(q, k, v, runner.layer, static)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = backend.forward(q, k, v, runner.layer, static)
-    for lens in ([5, 3000, 77], [1, 129, 4000]):
-        wb = _batch(runner, ForwardMode.DECODE, lens, [n - 1 for n in lens])
-        real = _fb(runner, backend, wb)
-        new = [torch.randn(3, n * D, device="cuda", dtype=DT) for n in (HQ, HKV, HKV)]
-        for dst, src in zip((q, k, v), new, strict=True):
-            dst[:3].copy_(src)
-        static.out_cache_loc[:3].copy_(real.out_cache_loc)
-        static.req_pool_indices[:3].copy_(real.req_pool_indices)
-        static.seq_lens[:3].copy_(real.seq_lens)
-        backend.init_forward_metadata_replay_cuda_graph(bs, static.req_pool_indices, static.seq_lens,
-                                                        sum(lens) + fill, ForwardMode.DECODE,
-                                                        seq_lens_cpu=[*lens, fill])
-        graph.replay()
-        torch.cuda.synchronize()
-        ref_backend = TorchNativeAttnBackend(runner.spec)
-        real.attn_backend = ref_backend
-        ref = ref_backend.forward(*new, runner.layer, real)
-        torch.testing.assert_close(out[:3], ref, **TOL)
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 6144, 4096), (37, 4096, 4096), (256, 28672, 4096), (512, 4096, 14336)])
