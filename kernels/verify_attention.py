@@ -23,9 +23,14 @@ _MIN_BLOCK_KV = 32  # chunks are rounded up to this many tokens
 _MIN_BLOCK_R = 16  # tl.dot needs at least 16 rows
 MAX_ROWS = 64  # token x head rows per program; more heads per KV head are split over several programs
 _LOG2E = 1.4426950408889634
+# The per-request index tensors are slices of one packed host->device copy whose offsets follow the
+# step's token count, so their 16-byte alignment changes from step to step; Triton would compile a
+# variant per alignment pattern (seconds each, in the middle of serving). They are read once per
+# program, so alignment buys nothing: one compile covers every step, captured or eager.
+_UNALIGNED = ("Req_Pool_Indices", "Seq_Lens", "Prefix_Lens", "Extend_Start_Loc")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_UNALIGNED)
 def _verify_stage1_kernel(
     Q,
     K_Buffer,
@@ -135,7 +140,7 @@ def _verify_stage1_kernel(
         tl.store(Mid + mid_offs + HEAD_DIM, e_max + tl.log2(safe_sum), mask=mask_r)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_UNALIGNED[1:])
 def _verify_stage2_kernel(
     Mid,
     Out,

@@ -47,6 +47,10 @@ class TritonAttnBackend(AttentionBackend):
         # The captured verify graphs' scratch, sized once at capture (largest first); never replaced after.
         self._verify_workspace: torch.Tensor | None = None
         self._verify_captured = False
+        # New tokens per request the verify kernel is compiled for (a constexpr: each value is a JIT
+        # compile of seconds). Only grows, and a captured graph sets it to K + 1, so the ragged eager steps
+        # (fewer drafts near max_tokens) reuse the graphs' compile and mask the rows they lack.
+        self._verify_rows = 0
         self._max_extend_len = 0
 
     def _decode_workspace(self, bs: int) -> torch.Tensor:
@@ -81,7 +85,7 @@ class TritonAttnBackend(AttentionBackend):
         return ws  # an eager step larger than every graph: its own scratch, the graphs keep theirs
 
     def forward_extend(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
-        if fb.forward_mode.is_target_verify() and 0 < self._max_extend_len <= VERIFY_MAX_TOKENS:
+        if fb.forward_mode.is_target_verify() and 0 < max(self._max_extend_len, self._verify_rows) <= VERIFY_MAX_TOKENS:
             return self._forward_verify(q, k, v, layer, fb)
         k3, v3, k_buf, v_buf = self._store(k, v, layer, fb)
         pool = fb.token_to_kv_pool
@@ -101,8 +105,9 @@ class TritonAttnBackend(AttentionBackend):
         _, _, k_buf, v_buf = self._store(k, v, layer, fb)
         q3 = q.view(-1, layer.num_heads, layer.head_dim)
         o = torch.empty((q3.shape[0], layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
+        self._verify_rows = max(self._verify_rows, self._max_extend_len)
         verify_attention_fwd(q3, k_buf, v_buf, o, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
-                             fb.extend_prefix_lens, fb.extend_start_loc, self._max_extend_len, layer.scaling,
+                             fb.extend_prefix_lens, fb.extend_start_loc, self._verify_rows, layer.scaling,
                              num_kv_splits=self.num_kv_splits,
                              workspace=self._verify_scratch(q3.shape[0], grow=not self._verify_captured),
                              sliding_window=layer.sliding_window, k_scale=fb.token_to_kv_pool.k_scale,
@@ -132,6 +137,7 @@ class TritonAttnBackend(AttentionBackend):
         if forward_mode.is_target_verify():
             self._verify_scratch(bs * tokens_per_req, grow=not self._verify_captured)
             self._verify_captured = True
+            self._verify_rows = max(self._verify_rows, tokens_per_req)
 
     def init_forward_metadata_replay_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                 seq_lens: torch.Tensor, seq_lens_sum: int,

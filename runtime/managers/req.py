@@ -98,6 +98,18 @@ class Req:
     def append_kv_slot(self, slot: int) -> None:
         self._kv_tail.append(slot)
 
+    def pop_kv_after(self, keep: int) -> list[int] | torch.Tensor:
+        """Drops and returns the slots past the first `keep`: a host list, without tensor work, when they
+        all sit in the not yet materialized tail (a verify step's rejected drafts do)."""
+        base = self._kv_base.numel()
+        if keep >= base:
+            cut = keep - base
+            dropped, self._kv_tail = self._kv_tail[cut:], self._kv_tail[:cut]
+            return dropped
+        kv = self.kv_indices
+        self.kv_indices = kv[:keep]
+        return kv[keep:]
+
     @property
     def kv_len(self) -> int:
         return self._kv_base.numel() + len(self._kv_tail)

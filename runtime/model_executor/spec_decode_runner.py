@@ -21,6 +21,7 @@ import torch
 
 from runtime.config import ServerArgs
 from runtime.errors import ModelConfigError
+from runtime.host_to_device import to_device
 from runtime.messages import BatchResult, WorkerBatch
 from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.model_executor.forward_mode import ForwardMode
@@ -128,8 +129,9 @@ class SpecDecodeRunner:
             sel = [i for i in range(b) if ks[i] > j]
             if not sel:
                 break
-            sel_t = torch.tensor(sel, dtype=torch.int64, device=dev) if len(sel) < b else None
-            pos = torch.tensor([starts[i] + 1 + j for i in sel], dtype=torch.int64, device=dev)
+            # to_device, not torch.tensor(..., device=): a pageable copy would wait for the stream each step.
+            sel_t = to_device(sel, torch.int64, dev) if len(sel) < b else None
+            pos = to_device([starts[i] + 1 + j for i in sel], torch.int64, dev)
             fb.input_ids[pos] = cur if sel_t is None else cur[sel_t]
             if j + 1 >= max(ks[i] for i in sel):
                 break
@@ -141,7 +143,7 @@ class SpecDecodeRunner:
                 out_cache_loc=[batch.out_cache_loc[starts[i] + 1 + j] for i in nxt])
             # The target's forward batch already wrote these positions into the shared token table.
             sfb = ForwardBatch.init_new(step, d.req_to_token_pool, d.token_to_kv_pool, d.attn_backend, d.device)
-            nxt_t = torch.tensor(nxt, dtype=torch.int64, device=dev)
+            nxt_t = to_device(nxt, torch.int64, dev)
             sfb.input_ids = cur[nxt_t] if len(nxt) < b else cur
             new = d.forward(sfb).next_token_logits.argmax(dim=-1)
             cur = cur.clone()

@@ -89,3 +89,25 @@ def test_triton_backend_graph_hooks_reject_extend() -> None:
         backend.init_forward_metadata_capture_cuda_graph(2, torch.zeros(2, dtype=torch.int64),
                                                          torch.ones(2, dtype=torch.int64), ForwardMode.EXTEND)
     assert backend.supports_cuda_graph and backend.get_cuda_graph_seq_len_fill_value() == 1
+
+
+def test_triton_verify_after_capture_reuses_the_graphs_row_count() -> None:
+    """After a TARGET_VERIFY capture for K + 1 = 5 tokens, a ragged eager verify (at most 3 new tokens) runs
+    the kernel compiled for 5 rows (no new JIT compile) and still matches torch_native."""
+    mode, seq_lens, prefix_lens = ForwardMode.TARGET_VERIFY, [9, 22, 5], [6, 20, 4]
+    results = []
+    for cls in (TorchNativeAttnBackend, TritonAttnBackend):
+        runner = _runner(seed=3)
+        wb = _batch(runner, mode, seq_lens, prefix_lens)
+        backend = cls(runner.spec)
+        if cls is TritonAttnBackend:
+            backend.init_cuda_graph_state(4)
+            backend.init_forward_metadata_capture_cuda_graph(4, torch.zeros(4, dtype=torch.int64),
+                                                             torch.full((4,), 5, dtype=torch.int64), mode,
+                                                             tokens_per_req=5)
+        new = len(wb.input_ids)
+        qkv = (torch.randn(new, HQ * D), torch.randn(new, HKV * D), torch.randn(new, HKV * D))
+        results.append(_run(runner, backend, wb, qkv))
+        if cls is TritonAttnBackend:
+            assert backend._verify_rows == 5
+    torch.testing.assert_close(results[1][0], results[0][0], atol=2e-5, rtol=2e-5)

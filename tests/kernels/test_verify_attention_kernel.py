@@ -62,3 +62,23 @@ def test_verify_rejects_too_many_tokens_and_bad_workspace(paged_batch) -> None:
                              pb.req_pool_indices, pb.seq_lens, pb.prefix_lens, pb.extend_start_loc, 65, pb.sm_scale)
     with pytest.raises(ValueError, match="workspace"):
         _run(pb, 4, workspace=verify_attention_workspace(5, 4, 16, 2, "cpu"))
+
+
+def test_verify_fp8_pool_matches_reference(paged_batch) -> None:
+    # FP8 pool: every key, the new tokens' too, is read as stored * scale (what later steps will see).
+    from runtime.mem_cache.kv_quant import dequantize_kv, quantize_kv
+
+    pb = paged_batch([70, 12], [65, 7], 8, 2, 32)
+    scale = 0.5
+    k8, v8 = quantize_kv(pb.k_buffer, scale, torch.float8_e4m3fn), quantize_kv(pb.v_buffer, scale, torch.float8_e4m3fn)
+    new = torch.cat([pb.req_to_token[int(r), int(p):int(s)].long()
+                     for r, p, s in zip(pb.req_pool_indices, pb.prefix_lens, pb.seq_lens)])
+    o = torch.full_like(pb.q, float("nan"))
+    verify_attention_fwd(pb.q, k8, v8, o, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.prefix_lens,
+                         pb.extend_start_loc, pb.max_extend_len, pb.sm_scale, num_kv_splits=3,
+                         k_scale=scale, v_scale=scale)
+    ref = extend_attention_ref(pb.q, dequantize_kv(k8[new], scale, torch.float32),
+                               dequantize_kv(v8[new], scale, torch.float32), k8, v8, pb.req_to_token,
+                               pb.req_pool_indices, pb.seq_lens, pb.prefix_lens, pb.extend_start_loc, pb.sm_scale,
+                               k_scale=scale, v_scale=scale)
+    torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
