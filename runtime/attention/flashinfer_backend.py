@@ -62,15 +62,24 @@ def _indptr(lens: list[int]) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32).pin_memory()
 
 
+# Head sizes flashinfer's prefill/decode kernels are built for (its own dispatch refuses the rest at the
+# first batch, deep in a kernel launch, e.g. "Invalid configuration : NUM_MMA_D_QK=1").
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
 class FlashInferAttnBackend(AttentionBackend):
     supports_cuda_graph = True
 
     def __init__(self, spec: AttentionSpec):
-        if spec.has_sliding_window:
-            from runtime.errors import ModelConfigError
+        from runtime.errors import ModelConfigError
 
+        if spec.has_sliding_window:
             raise ModelConfigError("this model uses sliding-window attention, which the flashinfer backend does "
                                    "not plan yet; use --attention-backend triton (what auto picks for it)")
+        if spec.head_dim not in FLASHINFER_HEAD_DIMS:
+            raise ModelConfigError(f"head_dim {spec.head_dim} has no flashinfer kernels (it has "
+                                   f"{', '.join(map(str, FLASHINFER_HEAD_DIMS))}); use --attention-backend triton "
+                                   "(what auto picks for it)")
         import flashinfer
 
         self._fi = flashinfer

@@ -20,7 +20,7 @@ ATTENTION_BACKENDS = MappingProxyType({
 
 
 def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16,
-                         sliding_window: bool = False) -> str:
+                         sliding_window: bool = False, head_dim: int = 128) -> str:
     if name != "auto":
         return name
     if device.type != "cuda":
@@ -28,6 +28,8 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = t
     if dtype == torch.float32:  # flashinfer kernels take fp16/bf16 only
         return "triton"
     if sliding_window:  # our flashinfer wrapper plans full attention only
+        return "triton"
+    if head_dim not in (64, 128, 256):  # flashinfer_backend.FLASHINFER_HEAD_DIMS (kept import-free here)
         return "triton"
     try:
         importlib.import_module("flashinfer")

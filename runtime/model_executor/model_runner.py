@@ -85,7 +85,7 @@ class ModelRunner:
                                               attn0.num_kv_heads, attn0.head_dim, self.kv_dtype,
                                               self.device, args.kv_cache_scale)
         self.attn_backend_name = resolve_backend_name(args.attention_backend, self.device, self.model_config.dtype,
-                                                      self.model_config.has_sliding_window)
+                                                      self.model_config.has_sliding_window, attn0.head_dim)
         attn = self.model.model.layers[0].self_attn.attn
         self.attn_backend = create_attention_backend(self.attn_backend_name, AttentionSpec(
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,

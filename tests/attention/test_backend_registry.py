@@ -13,14 +13,22 @@ from runtime.errors import ModelConfigError
 CUDA = torch.device("cuda", 0)
 
 
-@pytest.mark.parametrize(("device", "dtype", "window", "expected"), [
-    (torch.device("cpu"), torch.bfloat16, False, "torch_native"),
-    (torch.device("cpu"), torch.float32, True, "torch_native"),
-    (CUDA, torch.float32, False, "triton"),      # flashinfer has no fp32 kernels
-    (CUDA, torch.bfloat16, True, "triton"),      # nor a sliding-window plan in our wrapper
+@pytest.mark.parametrize(("device", "dtype", "window", "head_dim", "expected"), [
+    (torch.device("cpu"), torch.bfloat16, False, 128, "torch_native"),
+    (torch.device("cpu"), torch.float32, True, 128, "torch_native"),
+    (CUDA, torch.float32, False, 128, "triton"),      # flashinfer has no fp32 kernels
+    (CUDA, torch.bfloat16, True, 128, "triton"),      # nor a sliding-window plan in our wrapper
+    (CUDA, torch.bfloat16, False, 16, "triton"),      # nor kernels for head_dim 16 (tiny test models)
 ])
-def test_auto_resolution(device, dtype, window, expected):
-    assert resolve_backend_name("auto", device, dtype, window) == expected
+def test_auto_resolution(device, dtype, window, head_dim, expected):
+    assert resolve_backend_name("auto", device, dtype, window, head_dim) == expected
+
+
+def test_flashinfer_refuses_a_head_dim_without_kernels_with_a_clear_error():
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, scaling=0.25, dtype=torch.bfloat16,
+                         device=torch.device("cpu"), req_to_token=torch.zeros(1, 1, dtype=torch.int32), max_bs=1)
+    with pytest.raises(ModelConfigError, match="head_dim 16.*--attention-backend triton"):
+        create_attention_backend("flashinfer", spec)
 
 
 def test_explicit_names_are_kept():
