@@ -12,9 +12,11 @@ a burst cannot slip in between two snapshots. A request is refused when
 
 Retry-After is a reservation, not a forecast (RetryTickets says why a forecast cannot be honest while
 fresh arrivals refill the queue): the refused request books a slot no earlier than the estimate says the
-queue will have drained to the admission level (the estimated wait past the limit or, for the count, the
-share of the queue that must start first), at least `min_retry_s` (1 s: sooner only adds to the flood),
-paced by the rate the engine starts requests (measured from the first deltas over `rate_window_s`).
+queue will have drained to the admission level: the share of the queue that must start first (for the
+wait limit, the estimated wait past the limit over the estimated wait; for the count, the excess) at the
+rate the engine starts requests (measured from the first deltas over `rate_window_s`; the model's own
+seconds until there are a few), at least `min_retry_s` (1 s: sooner only adds to the flood); bookings
+are paced by that start rate too.
 The same request coming back at its slot is admitted ahead of fresh arrivals, past the wait limit (not
 past --max-waiting-requests, the hard bound); one coming early is told how long its ticket still is.
 HTTP wants whole seconds; `retry-after-ms` (which OpenAI's clients read first) gives it to the
@@ -152,8 +154,9 @@ class AdmissionController:
         self.last_estimate = est
         if ahead + len(reqs) > self.max_waiting_requests:
             excess = ahead + len(reqs) - self.max_waiting_requests
-            retry = self.tickets.book(key, now, max(est.wait_s * excess / max(ahead, 1), self.min_retry_s),
-                                      self.start_rate(ahead, est))
+            rate = self.start_rate(ahead, est)
+            drain_s = excess / rate if rate else 0.0
+            retry = self.tickets.book(key, now, max(drain_s, self.min_retry_s), rate)
             return Refusal("waiting_requests", retry,
                            f"the server's queue is full ({ahead} requests waiting, at most "
                            f"{self.max_waiting_requests}); retry after {retry:.1f} s")
@@ -163,8 +166,12 @@ class AdmissionController:
                                f"this request holds a reservation in {claim.retry_after_s:.1f} s; retry then")
             self.tickets.claim(key, now, early_ok=True)  # room anyway: the reservation is not needed
         elif est.wait_s > self.max_queue_wait_s and claim is None:
-            retry = self.tickets.book(key, now, max(est.wait_s - self.max_queue_wait_s, self.min_retry_s),
-                                      self.start_rate(ahead, est))
+            # The model says which share of the queue must start before this request fits the limit;
+            # the measured start rate says how long that takes (the model's seconds drift under a flood).
+            rate = self.start_rate(ahead, est)
+            excess = (est.wait_s - self.max_queue_wait_s) / est.wait_s
+            drain_s = excess * ahead / rate if rate and ahead else est.wait_s - self.max_queue_wait_s
+            retry = self.tickets.book(key, now, max(drain_s, self.min_retry_s), rate)
             return Refusal("queue_wait", retry,
                            f"the server is overloaded: this request would wait about {est.wait_s:.1f} s in the "
                            f"queue (at most {self.max_queue_wait_s:g} s); retry after {retry:.1f} s")

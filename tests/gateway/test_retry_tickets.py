@@ -75,3 +75,16 @@ def test_start_rate_is_measured_from_first_deltas():
         ctl._waiting[f"r{i}"] = (10, 10, 0.0, 0.0)
         ctl.started(f"r{i}", now=10.0 + 0.25 * i)
     assert math.isclose(ctl.start_rate(4, est), 4.0)  # 10 intervals over 2.5 s
+
+
+def test_retry_after_is_the_queue_share_at_the_measured_start_rate():
+    ctl = AdmissionController(max_queue_wait_s=2.0, max_waiting_requests=100, min_retry_s=0.1)
+    ctl.observe(0.0, stats(prefill=(1000, 1.0), decode=(100, 1.0)))
+    for i in range(11):  # 4 requests a second start
+        ctl._waiting[f"r{i}"] = (10, 10, 0.0, 0.0)
+        ctl.started(f"r{i}", now=10.0 + 0.25 * i)
+    for i in range(5):  # 500 prompt tokens each at 1000/s: each waits 0.5 s more than the last, up to 2 s
+        assert ctl.decide([req(f"q{i}", 500)], now=13.0) is None
+    r = ctl.decide([req("y", 10)], now=13.0)  # 2.5 s by the model: 0.5/2.5 of the 5 ahead must start, at 4/s
+    assert r is not None and math.isclose(r.retry_after_s, 0.5 / 2.5 * 5 / 4.0)
+    assert math.isclose(r.retry_after_s, 0.25) and ctl.last_estimate.wait_s == 2.5
