@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import sys
 import time
@@ -160,6 +161,10 @@ async def flood(url: str, rate: float, args: argparse.Namespace) -> FloodLog:
     return log
 
 
+def flood_in_process(url: str, rate: float, args: argparse.Namespace) -> FloodLog:
+    return asyncio.run(flood(url, rate, args))
+
+
 def probe_summary(probes: list[dict[str, Any]], mode: str) -> dict[str, Any]:
     refused = [p for p in probes if p["mode"] == mode and p["refused"]]
     ratios = [p["ratio"] for p in refused]
@@ -215,7 +220,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         capacity = asyncio.run(cal())
         rate = capacity * args.overload
-        log = asyncio.run(flood(url, rate, args))
+        # The flood's client runs in a process of its own: sharing the server's GIL, at hundreds of requests
+        # a second it would delay every answer (and every retry) by seconds of its own making.
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            log = pool.apply(flood_in_process, (url, rate, args))
         full = kv_pool_full(client)
     finally:
         server.stop()

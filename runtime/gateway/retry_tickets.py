@@ -4,7 +4,8 @@ Under a flood the engine's queue is refilled by fresh arrivals the moment it dra
 the queue has room" is not when a retry gets in: a retry at that time meets a queue full again and is
 admitted with the chance capacity / arrival rate (1 in 10 at 10x). An honest Retry-After therefore has to
 be a promise, not a forecast. Each refusal books a slot: the same request (same prompt tokens and
-max_new_tokens) returning at or after its slot, within `grace_s`, is admitted ahead of fresh arrivals
+max_new_tokens) returning at or after its slot, within `grace_s` (long: the 429 may reach the client,
+and the retry the server, seconds late when the HTTP layer itself is swamped), is admitted ahead of fresh arrivals
 (AdmissionController lets it past the wait limit; the requests it admits count as waiting, so fresh ones
 are refused until the queue drains). A client that waits exactly retry-after-ms, or the whole-second
 Retry-After (at most 1 s later), sees a wait equal to what it was told.
@@ -35,7 +36,7 @@ class Claim:
 
 
 class RetryTickets:
-    def __init__(self, bucket_s: float = 0.5, grace_s: float = 2.0, early_s: float = 0.05,
+    def __init__(self, bucket_s: float = 0.5, grace_s: float = 30.0, early_s: float = 0.05,
                  resolve_s: float = 0.25, min_show_up: float = 0.02):
         self.bucket_s, self.grace_s, self.early_s, self.min_show_up = bucket_s, grace_s, early_s, min_show_up
         self.resolve_s = resolve_s
