@@ -122,9 +122,10 @@ class AdmissionController:
         return ahead / est.wait_s if ahead and est.wait_s > 0 else 0.0
 
     @staticmethod
-    def ticket_key(reqs: list[GenerateRequest]) -> tuple:
-        """What makes a retry the same request (rids are fresh on every HTTP call)."""
-        return tuple((tuple(r.input_ids), r.sampling_params.max_new_tokens) for r in reqs)
+    def ticket_key(reqs: list[GenerateRequest]) -> int:
+        """What makes a retry the same request (rids are fresh on every HTTP call); a hash, so thousands
+        of live tickets do not hold their prompts."""
+        return hash(tuple((tuple(r.input_ids), r.sampling_params.max_new_tokens) for r in reqs))
 
     def scaled(self, est: WaitEstimate) -> WaitEstimate:
         return dataclasses.replace(est, wait_s=est.wait_s * self.correction, correction=self.correction)
