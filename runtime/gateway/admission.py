@@ -153,6 +153,10 @@ class AdmissionController:
             waiting_decode_tokens=max(stats.waiting_decode_tokens, sum(w[1] for w in self._waiting.values())))
         est = self.scaled(self.estimator.estimate(view, sum(len(r.input_ids) for r in reqs)))
         self.last_estimate = est
+        early = claim is not None and not claim.admit  # came before its slot: the ticket still holds
+        if early and (ahead + len(reqs) > self.max_waiting_requests or est.wait_s > self.max_queue_wait_s):
+            return Refusal("queue_wait", claim.retry_after_s,
+                           f"this request holds a reservation in {claim.retry_after_s:.1f} s; retry then")
         if ahead + len(reqs) > self.max_waiting_requests:
             excess = ahead + len(reqs) - self.max_waiting_requests
             rate = self.start_rate(ahead, est)
@@ -161,10 +165,7 @@ class AdmissionController:
             return Refusal("waiting_requests", retry,
                            f"the server's queue is full ({ahead} requests waiting, at most "
                            f"{self.max_waiting_requests}); retry after {retry:.1f} s")
-        if claim is not None and not claim.admit:  # came before its slot
-            if est.wait_s > self.max_queue_wait_s:
-                return Refusal("queue_wait", claim.retry_after_s,
-                               f"this request holds a reservation in {claim.retry_after_s:.1f} s; retry then")
+        if early:
             self.tickets.claim(key, now, early_ok=True)  # room anyway: the reservation is not needed
         elif est.wait_s > self.max_queue_wait_s and claim is None:
             # The model says which share of the queue must start before this request fits the limit;

@@ -88,3 +88,18 @@ def test_retry_after_is_the_queue_share_at_the_measured_start_rate():
     r = ctl.decide([req("y", 10)], now=13.0)  # 2.5 s by the model: 0.5/2.5 of the 5 ahead must start, at 4/s
     assert r is not None and math.isclose(r.retry_after_s, 0.5 / 2.5 * 5 / 4.0)
     assert math.isclose(r.retry_after_s, 0.25) and ctl.last_estimate.wait_s == 2.5
+
+
+def test_an_early_holder_at_the_count_limit_keeps_its_one_ticket():
+    ctl = AdmissionController(max_queue_wait_s=100.0, max_waiting_requests=1, min_retry_s=1.0)
+    ctl.observe(0.0, stats(prefill=(1000, 1.0), decode=(100, 1.0)))
+    assert ctl.decide([req("a", 10)], now=0.0) is None
+    r = ctl.decide([req("b", 20)], now=0.0)
+    assert r is not None and r.reason == "waiting_requests" and math.isclose(r.retry_after_s, 1.0)
+    r = ctl.decide([req("b2", 20)], now=0.4)  # early: the rest of its wait, no second ticket
+    assert r is not None and math.isclose(r.retry_after_s, 0.6) and len(ctl.tickets) == 1
+    # Due, but the count is a hard bound: refused again, with a new ticket in place of the used one.
+    r = ctl.decide([req("b3", 20)], now=1.0)
+    assert r is not None and r.reason == "waiting_requests" and len(ctl.tickets) == 1
+    ctl.started("a", now=1.5)
+    assert ctl.decide([req("b4", 20)], now=2.0) is None and len(ctl.tickets) == 0
