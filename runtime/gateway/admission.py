@@ -9,10 +9,18 @@ until its first delta comes back (or it ends), so those are counted the moment t
 a burst cannot slip in between two snapshots. A request is refused when
   - more than --max-waiting-requests would wait ahead of it, or
   - its estimated wait (WaitEstimator) exceeds --max-queue-wait-s.
-Retry-After is when the estimate says it would be admitted, had nothing else arrived: the estimated
-wait past the limit (or, for the count, the share of the queue that must start first), at least
-`min_retry_s` (1 s: sooner, a retry mostly meets the same full queue and only adds to the flood). HTTP
-wants whole seconds; `retry-after-ms` (which OpenAI's clients read first) gives it to the millisecond."""
+
+Retry-After is a reservation, not a forecast (RetryTickets says why a forecast cannot be honest while
+fresh arrivals refill the queue): the refused request books a slot no earlier than the estimate says the
+queue will have drained to the admission level: the share of the queue that must start first (for the
+wait limit, the estimated wait past the limit over the estimated wait; for the count, the excess) at the
+rate the engine starts requests (measured from the first deltas over `rate_window_s`; the model's own
+seconds until there are a few), at least `min_retry_s` (1 s: sooner only adds to the flood); bookings
+are paced by that start rate too.
+The same request coming back at its slot is admitted ahead of fresh arrivals, past the wait limit (not
+past --max-waiting-requests, the hard bound); one coming early is told how long its ticket still is.
+HTTP wants whole seconds; `retry-after-ms` (which OpenAI's clients read first) gives it to the
+millisecond, and a client waiting the rounded-up seconds is still within the ticket's grace."""
 
 from __future__ import annotations
 
@@ -20,11 +28,13 @@ import asyncio
 import dataclasses
 import math
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import msgspec
 
 from runtime.engine_client import EngineClient
+from runtime.gateway.retry_tickets import RetryTickets
 from runtime.gateway.wait_estimator import WaitEstimate, WaitEstimator
 from runtime.messages import GenerateRequest, SchedulerStats
 
@@ -45,10 +55,12 @@ class Refusal:
 
 class AdmissionController:
     def __init__(self, max_queue_wait_s: float, max_waiting_requests: int, refresh_s: float = 0.2,
-                 min_retry_s: float = 1.0):
+                 min_retry_s: float = 1.0, rate_window_s: float = 5.0):
         self.max_queue_wait_s, self.max_waiting_requests = max_queue_wait_s, max_waiting_requests
-        self.refresh_s, self.min_retry_s = refresh_s, min_retry_s
+        self.refresh_s, self.min_retry_s, self.rate_window_s = refresh_s, min_retry_s, rate_window_s
         self.estimator = WaitEstimator()
+        self.tickets = RetryTickets()
+        self._starts: deque[float] = deque()  # when admitted requests started, over rate_window_s
         self.stats: SchedulerStats | None = None
         self.stats_t = -math.inf  # when the snapshot's stats() call began
         self.last_estimate: WaitEstimate | None = None
@@ -86,15 +98,34 @@ class AdmissionController:
     def started(self, rid: str, now: float | None = None) -> None:
         """The request's first delta came back (or it ended): it no longer waits. Idempotent."""
         entry = self._waiting.pop(rid, None)
-        if entry is None or entry[3] < MIN_SAMPLE_WAIT_S:
+        if entry is None:
             return
-        seen = (time.monotonic() if now is None else now) - entry[2]
+        now = time.monotonic() if now is None else now
+        self._starts.append(now)
+        while self._starts and now - self._starts[0] > self.rate_window_s:
+            self._starts.popleft()
+        if entry[3] < MIN_SAMPLE_WAIT_S:
+            return
+        seen = now - entry[2]
         a = 1.0 / min(self._samples + 1, CORRECTION_SAMPLES)
         self._seen_wait += a * (seen - self._seen_wait)
         self._est_wait += a * (entry[3] - self._est_wait)
         self._samples += 1
         if self._samples >= 5:
             self.correction = min(max(self._seen_wait / self._est_wait, 0.5), 10.0)
+
+    def start_rate(self, ahead: int, est: WaitEstimate) -> float:
+        """Requests per second the engine starts: measured from the last rate_window_s of first deltas
+        (once there are a few, over at least a second), else what the estimate implies for the queue."""
+        if len(self._starts) >= 5 and self._starts[-1] - self._starts[0] >= 1.0:
+            return (len(self._starts) - 1) / (self._starts[-1] - self._starts[0])
+        return ahead / est.wait_s if ahead and est.wait_s > 0 else 0.0
+
+    @staticmethod
+    def ticket_key(reqs: list[GenerateRequest]) -> int:
+        """What makes a retry the same request (rids are fresh on every HTTP call); a hash, so thousands
+        of live tickets do not hold their prompts."""
+        return hash(tuple((tuple(r.input_ids), r.sampling_params.max_new_tokens) for r in reqs))
 
     def scaled(self, est: WaitEstimate) -> WaitEstimate:
         return dataclasses.replace(est, wait_s=est.wait_s * self.correction, correction=self.correction)
@@ -106,10 +137,13 @@ class AdmissionController:
             await self.refresh(client)
         return self.decide(reqs)
 
-    def decide(self, reqs: list[GenerateRequest]) -> Refusal | None:
+    def decide(self, reqs: list[GenerateRequest], now: float | None = None) -> Refusal | None:
         stats = self.stats
         if stats is None:
             return None
+        now = time.monotonic() if now is None else now
+        key = self.ticket_key(reqs)
+        claim = self.tickets.claim(key, now)
         # The engine's queue as this gateway knows it (exact and current) or as the snapshot says, if more
         # (another client may share the engine).
         ahead = max(stats.num_queue_reqs, len(self._waiting))
@@ -119,18 +153,30 @@ class AdmissionController:
             waiting_decode_tokens=max(stats.waiting_decode_tokens, sum(w[1] for w in self._waiting.values())))
         est = self.scaled(self.estimator.estimate(view, sum(len(r.input_ids) for r in reqs)))
         self.last_estimate = est
+        early = claim is not None and not claim.admit  # came before its slot: the ticket still holds
+        if early and (ahead + len(reqs) > self.max_waiting_requests or est.wait_s > self.max_queue_wait_s):
+            return Refusal("queue_wait", claim.retry_after_s,
+                           f"this request holds a reservation in {claim.retry_after_s:.1f} s; retry then")
         if ahead + len(reqs) > self.max_waiting_requests:
             excess = ahead + len(reqs) - self.max_waiting_requests
-            retry = max(est.wait_s * excess / max(ahead, 1), self.min_retry_s)
+            rate = self.start_rate(ahead, est)
+            drain_s = excess / rate if rate else 0.0
+            retry = self.tickets.book(key, now, max(drain_s, self.min_retry_s), rate)
             return Refusal("waiting_requests", retry,
                            f"the server's queue is full ({ahead} requests waiting, at most "
                            f"{self.max_waiting_requests}); retry after {retry:.1f} s")
-        if est.wait_s > self.max_queue_wait_s:
-            retry = max(est.wait_s - self.max_queue_wait_s, self.min_retry_s)
+        if early:
+            self.tickets.claim(key, now, early_ok=True)  # room anyway: the reservation is not needed
+        elif est.wait_s > self.max_queue_wait_s and claim is None:
+            # The model says which share of the queue must start before this request fits the limit;
+            # the measured start rate says how long that takes (the model's seconds drift under a flood).
+            rate = self.start_rate(ahead, est)
+            excess = (est.wait_s - self.max_queue_wait_s) / est.wait_s
+            drain_s = excess * ahead / rate if rate and ahead else est.wait_s - self.max_queue_wait_s
+            retry = self.tickets.book(key, now, max(drain_s, self.min_retry_s), rate)
             return Refusal("queue_wait", retry,
                            f"the server is overloaded: this request would wait about {est.wait_s:.1f} s in the "
                            f"queue (at most {self.max_queue_wait_s:g} s); retry after {retry:.1f} s")
-        now = time.monotonic()
         for r in reqs:
             self._waiting[r.rid] = (len(r.input_ids), r.sampling_params.max_new_tokens, now,
                                     est.wait_s / est.correction)

@@ -100,6 +100,7 @@ def test_estimates_learn_the_gap_to_the_waits_requests_saw():
         ctl.started(f"x{i}", now=admitted_at + 1.5)
     assert math.isclose(ctl.correction, 3.0)
     ctl._waiting.clear()
+    ctl._starts.clear()  # Retry-After in the model's (corrected) seconds: no start rate measured
     r = ctl.decide([req("y", 1000)])  # 1.0 s by the model, 3.0 s as it learned
     assert r is None
     r = ctl.decide([req("z", 10)])

@@ -1,8 +1,8 @@
 """A flood of 10x the in-process engine's measured capacity (a few seconds of it; the benchmark runs
 30 s): no 5xx, every refusal a 429 with Retry-After (and retry-after-ms), every accepted request
-completes, the latest refused request — retrying every 50 ms as the arrivals pause — gets in, /metrics
-shows the refusals and the wait estimate, and the KV pool
-is full afterwards. benchmarks/bench_admission.py drives it (shared code, scaled down)."""
+completes, careful clients that retry exactly when told (retry-after-ms, or the whole-second
+Retry-After) get in on that retry (their refusal booked them a slot: RetryTickets), /metrics shows the
+refusals and the wait estimate, and the KV pool is full afterwards. benchmarks/bench_admission.py drives it (shared code, scaled down)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import bench_admission  # noqa: E402
 
 
 def test_flood_gets_429s_with_honest_retry_after(tiny_llama, monkeypatch):
-    args = bench_admission.parse_args(["--model-path", str(tiny_llama), "--duration-s", "3", "--segment-s", "3",
+    args = bench_admission.parse_args(["--model-path", str(tiny_llama), "--duration-s", "3", "--probes", "6",
                                        "--calibrate-s", "1.5"])
     scraped: list[str] = []
     shutdown = bench_admission.kv_pool_full
@@ -40,10 +40,13 @@ def test_flood_gets_429s_with_honest_retry_after(tiny_llama, monkeypatch):
     assert r["server_errors_5xx"] == 0 and set(r["statuses"]) <= {"200", "429"}, r["statuses"]
     assert r["refused_429"] > r["accepted"] > 0  # 10x: most are refused, some get in
     assert r["refused_without_retry_after"] == 0 and r["accepted_incomplete"] == 0
-    # The latest refused request is admitted once arrivals pause. How close its retry-after came to the
-    # wait it saw is measured by the benchmark (benchmarks/README.md), not asserted: on a shared 2-core
-    # machine other tenants move it more than 2x either way.
-    assert r["num_probes"] == 1 and r["probes"][0]["actual_wait_s"] > 0
+    # Each probe refused mid-flood is admitted on its first retry at the time it was given, whichever
+    # header it read: the reservation, not luck against the flood. (How close the ratio comes to 1 is the
+    # benchmark's to measure: benchmarks/README.md.)
+    refused = [p for p in r["probes"] if p["refused"]]
+    assert len(r["probes"]) == 6 and len(refused) >= 4, r["probes"]
+    assert all(p["status"] == 200 and p["attempts"] == 2 for p in refused), refused
+    assert {p["mode"] for p in refused} == {"ms", "s"}
     assert r["kv_pool_full_after"]
     metrics = scraped[0]
     refusals = [ln for ln in metrics.splitlines() if ln.startswith("shoal:admission_refusals_total{")]
