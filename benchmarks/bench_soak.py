@@ -122,6 +122,9 @@ async def client(cid: int, base: str, deadline: float, args: argparse.Namespace,
                     if resp.status != 200:
                         tally[f"refused_{resp.status}"] += 1
                         await resp.read()
+                        if resp.status == 429:  # a careful client comes back when told to
+                            ms = resp.headers.get("retry-after-ms")
+                            await asyncio.sleep(float(ms) / 1e3 if ms else float(resp.headers.get("Retry-After", 1)))
                         continue
                     chunks, ended = 0, False
                     async for payload in sse_events(resp):
