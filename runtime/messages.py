@@ -195,6 +195,29 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     def spec_accept_rate(self) -> float:
         return self.spec_accepted_tokens / max(self.spec_draft_tokens, 1)
 
+    @staticmethod
+    def summed(parts: list[SchedulerStats]) -> SchedulerStats:
+        """Replicas' stats added up (a cluster-wide view for /metrics): every counter and gauge is summed,
+        overlap is any replica's; a mode's time is the replicas' mean (they run side by side, so
+        tokens / time stays the cluster's rate)."""
+        total = SchedulerStats()
+        numeric = [f.name for f in msgspec.structs.fields(SchedulerStats)
+                   if type(f.default) in (int, float)]  # not bool (overlap), not the per-mode dict
+        modes: dict[str, ModeStats] = {}
+        for s in parts:
+            for name in numeric:
+                setattr(total, name, getattr(total, name) + getattr(s, name))
+            total.overlap = total.overlap or s.overlap
+            for mode, m in s.forward_modes.items():
+                acc = modes.setdefault(mode, ModeStats())
+                acc.batches += m.batches
+                acc.tokens += m.tokens
+                acc.time_s += m.time_s
+        for m in modes.values():
+            m.time_s /= max(len(parts), 1)
+        total.forward_modes = modes
+        return total
+
     @property
     def kv_usage_ratio(self) -> float:
         return self.num_used_tokens / max(self.max_total_tokens, 1)

@@ -32,7 +32,6 @@ from runtime.managers.request_validation import RequestLimits, validate_request
 from runtime.mem_cache.block_hash import page_hashes
 from runtime.messages import (
     GenerateRequest,
-    ModeStats,
     OutputPoll,
     RequestOutput,
     RoutingStats,
@@ -143,7 +142,7 @@ class RayEngineClient(EngineClient):
                 logger.debug("abort of %s on target %d failed", rid, i, exc_info=True)
 
     async def stats(self) -> SchedulerStats:
-        return sum_stats([s for s in await self.replica_stats() if s is not None])
+        return SchedulerStats.summed([s for s in await self.replica_stats() if s is not None])
 
     def routing_stats(self) -> RoutingStats:
         policy = self.policy if isinstance(self.policy, CacheAware) else None
@@ -384,27 +383,3 @@ class RayEngineClient(EngineClient):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def sum_stats(parts: list[SchedulerStats]) -> SchedulerStats:
-    """Replicas' stats added up (a cluster-wide view for /metrics)."""
-    total = SchedulerStats()
-    modes: dict[str, ModeStats] = {}
-    for s in parts:
-        for name in ("num_running_reqs", "num_queue_reqs", "num_used_tokens", "num_cached_tokens",
-                     "max_total_tokens", "gen_throughput", "retractions", "evictions", "cache_hit_tokens",
-                     "cache_query_tokens", "waiting_tokens", "device_busy_s", "max_running_reqs",
-                     "remaining_decode_tokens", "waiting_decode_tokens", "spec_verify_reqs", "spec_draft_tokens",
-                     "spec_accepted_tokens"):
-            setattr(total, name, getattr(total, name) + getattr(s, name))
-        total.overlap = total.overlap or s.overlap
-        for mode, m in s.forward_modes.items():
-            acc = modes.setdefault(mode, ModeStats())
-            acc.batches += m.batches
-            acc.tokens += m.tokens
-            acc.time_s += m.time_s
-    # Replicas run side by side: a mode's time is their mean, so tokens / time is the cluster's rate.
-    for m in modes.values():
-        m.time_s /= max(len(parts), 1)
-    total.forward_modes = modes
-    return total
