@@ -27,6 +27,7 @@ from runtime.managers.rid_ledger import RidLedger
 from runtime.managers.schedule_batch import ScheduleBatch
 from runtime.managers.spec_decoding import SpecDecoding
 from runtime.managers.stats import ForwardModeStats
+from runtime.managers.token_intake import TokenIntake
 from runtime.managers.worker_client import WorkerClient
 from runtime.mem_cache.cache_event_log import CacheEventLog
 from runtime.messages import (
@@ -38,7 +39,6 @@ from runtime.messages import (
 )
 from runtime.model_executor.forward_mode import ForwardMode
 from runtime.sampling.grammar_compiler import GrammarCompiler
-from runtime.text.detokenizer import stop_check_tail
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ class Scheduler:
         self.retractor = Retractor(args)
         self.prefill = PrefillAdder(args, self.kv, self.policy, self.retractor)
         self.stats = ForwardModeStats(args.log_interval_s)
+        self.intake = TokenIntake(self.kv, self.stats, context_len, decode_text)
         self.spec = (SpecDecoding(args, self.kv, self.stats, context_len, pad_drafts)
                      if args.speculative_algorithm else None)
         self.grammars = GrammarManager(grammar, vocab_size)
@@ -319,9 +320,9 @@ class Scheduler:
         self._busy_since = now
         self.device_busy_s += result.device_s
         if batch.forward_mode.is_target_verify():
-            stepped = self.spec.apply(batch, result, lambda r, i: self._append_token(r, result, i))
+            stepped = self.spec.apply(batch, result, lambda r, i: self.intake.append(r, result, i))
         else:
-            stepped = self._take_tokens(batch, result)
+            stepped = self.intake.take(batch, result)
         outputs: list[RequestOutput] = []
         for r in stepped:
             if r.finished:
@@ -336,41 +337,6 @@ class Scheduler:
             self.gen_throughput = self.stats.log(batch.forward_mode, len(self.running), len(self.waiting),
                                                  self.kv.held_by(self._live()), self.kv.size,
                                                  self.kv.cache.total_size())
-
-    def _take_tokens(self, batch: ScheduleBatch, result: BatchResult) -> list[Req]:
-        """One sampled token per request that completed its prefill or decoded; returns those requests."""
-        stepped = []
-        for i, r in enumerate(batch.reqs):
-            if r.finished:
-                continue
-            if i < batch.num_extend:
-                if not batch.completes_prefill[i]:
-                    self.kv.cache_unfinished(r, batch.kv_ends[i])
-                    continue
-                if r.return_input_logprob and r.input_logprobs is None and result.input_logprobs:
-                    r.input_logprobs = [None, *result.input_logprobs[i]]
-                    if r.input_top_logprobs_num and result.input_top_logprobs:
-                        r.input_top_logprobs = [None, *result.input_top_logprobs[i]]
-            self._append_token(r, result, i)
-            stepped.append(r)
-        return stepped
-
-    def _append_token(self, r: Req, result: BatchResult, i: int) -> None:
-        r.output_ids.append(result.next_token_ids[i])
-        if r.grammar is not None:
-            GrammarManager.accept(r, result.next_token_ids[i])
-        if result.logprobs is not None and r.params.return_logprob:
-            r.output_logprobs.append(result.logprobs[i])
-            if result.top_logprobs is not None:
-                r.output_top_logprobs.append(result.top_logprobs[i])
-        self.stats.generated_tokens += 1
-        r.check_finished(self.context_len, self._tail_text(r))
-
-    def _tail_text(self, r: Req) -> tuple[str, int] | None:
-        if not r.params.stop or self.decode_text is None:
-            return None
-        return stop_check_tail(self.decode_text, r.output_ids, max(len(s) for s in r.params.stop),
-                               r.params.skip_special_tokens)
 
     def _finish(self, r: Req, emit: bool = True, cache: bool = True) -> None:
         """Frees (or caches) the request's KV and forgets it; emits its last delta unless told not to.
