@@ -20,7 +20,11 @@ are paced by that start rate too.
 The same request coming back at its slot is admitted ahead of fresh arrivals, past the wait limit (not
 past --max-waiting-requests, the hard bound); one coming early is told how long its ticket still is.
 HTTP wants whole seconds; `retry-after-ms` (which OpenAI's clients read first) gives it to the
-millisecond, and a client waiting the rounded-up seconds is still within the ticket's grace."""
+millisecond, and a client waiting the rounded-up seconds is still within the ticket's grace.
+A promise also covers the trip: when the HTTP layer itself is swamped, the 429 reaches the client and
+the retry the server each late by about the event loop's lag; that delay (measured from returning
+tickets, RetryTickets.return_delay_s, or twice the loop's recent lag, LoopLag, whichever is larger) is
+added to the slot, so the wait a client sees stays within 2x of the Retry-After it was given."""
 
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 import msgspec
 
 from runtime.engine_client import EngineClient
+from runtime.gateway.loop_lag import LoopLag
 from runtime.gateway.retry_tickets import RetryTickets
 from runtime.gateway.wait_estimator import WaitEstimate, WaitEstimator
 from runtime.messages import GenerateRequest, SchedulerStats
@@ -60,6 +65,7 @@ class AdmissionController:
         self.refresh_s, self.min_retry_s, self.rate_window_s = refresh_s, min_retry_s, rate_window_s
         self.estimator = WaitEstimator()
         self.tickets = RetryTickets()
+        self.loop_lag = LoopLag()
         self._starts: deque[float] = deque()  # when admitted requests started, over rate_window_s
         self.stats: SchedulerStats | None = None
         self.stats_t = -math.inf  # when the snapshot's stats() call began
@@ -127,12 +133,18 @@ class AdmissionController:
         of live tickets do not hold their prompts."""
         return hash(tuple((tuple(r.input_ids), r.sampling_params.max_new_tokens) for r in reqs))
 
-    def scaled(self, est: WaitEstimate) -> WaitEstimate:
-        return dataclasses.replace(est, wait_s=est.wait_s * self.correction, correction=self.correction)
+    def scaled(self, est: WaitEstimate, trip_s: float = 0.0) -> WaitEstimate:
+        return dataclasses.replace(est, wait_s=est.wait_s * self.correction, correction=self.correction,
+                                   trip_s=trip_s)
+
+    def trip_s(self, now: float) -> float:
+        """How late a retry told to come back now+x arrives (the 429 out plus the retry in)."""
+        return max(self.tickets.return_delay_s, 2 * self.loop_lag.recent_s(now))
 
     # ---- decisions --------------------------------------------------------------------------------
     async def check(self, client: EngineClient, reqs: list[GenerateRequest]) -> Refusal | None:
         """None: admitted (and counted as waiting until `started`); else why not."""
+        self.loop_lag.ensure_started()
         if time.monotonic() - self.stats_t > self.refresh_s:
             await self.refresh(client)
         return self.decide(reqs)
@@ -151,7 +163,8 @@ class AdmissionController:
             stats, num_queue_reqs=ahead,
             waiting_tokens=max(stats.waiting_tokens, sum(w[0] for w in self._waiting.values())),
             waiting_decode_tokens=max(stats.waiting_decode_tokens, sum(w[1] for w in self._waiting.values())))
-        est = self.scaled(self.estimator.estimate(view, sum(len(r.input_ids) for r in reqs)))
+        trip = self.trip_s(now)
+        est = self.scaled(self.estimator.estimate(view, sum(len(r.input_ids) for r in reqs)), trip)
         self.last_estimate = est
         early = claim is not None and not claim.admit  # came before its slot: the ticket still holds
         if early and (ahead + len(reqs) > self.max_waiting_requests or est.wait_s > self.max_queue_wait_s):
@@ -161,7 +174,7 @@ class AdmissionController:
             excess = ahead + len(reqs) - self.max_waiting_requests
             rate = self.start_rate(ahead, est)
             drain_s = excess / rate if rate else 0.0
-            retry = self.tickets.book(key, now, max(drain_s, self.min_retry_s), rate)
+            retry = self.tickets.book(key, now, max(drain_s, self.min_retry_s) + trip, rate)
             return Refusal("waiting_requests", retry,
                            f"the server's queue is full ({ahead} requests waiting, at most "
                            f"{self.max_waiting_requests}); retry after {retry:.1f} s")
@@ -173,7 +186,7 @@ class AdmissionController:
             rate = self.start_rate(ahead, est)
             excess = (est.wait_s - self.max_queue_wait_s) / est.wait_s
             drain_s = excess * ahead / rate if rate and ahead else est.wait_s - self.max_queue_wait_s
-            retry = self.tickets.book(key, now, max(drain_s, self.min_retry_s), rate)
+            retry = self.tickets.book(key, now, max(drain_s, self.min_retry_s) + trip, rate)
             return Refusal("queue_wait", retry,
                            f"the server is overloaded: this request would wait about {est.wait_s:.1f} s in the "
                            f"queue (at most {self.max_queue_wait_s:g} s); retry after {retry:.1f} s")

@@ -64,11 +64,16 @@ def _middleware(api_key: str | None) -> Callable:
     return gateway_middleware
 
 
+async def _stop_samplers(app: web.Application) -> None:
+    app[STATE_KEY].admission.loop_lag.stop()
+
+
 def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) -> web.Application:
     """client_provider: a ready EngineClient, or a zero-arg callable returning it (None while the
     model loads: model routes and /health answer 503 until then)."""
     app = web.Application(client_max_size=args.max_request_bytes, middlewares=[_middleware(args.api_key)])
     app[STATE_KEY] = GatewayState(client_provider, args)
+    app.on_cleanup.append(_stop_samplers)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", native_routes.models)

@@ -95,7 +95,9 @@ class _AdmissionRoutingCollector(Collector):
                     ("shoal:decode_rate_tokens_per_second", "admission: recent decode rate (busy time)",
                      e.decode_tok_s),
                     ("shoal:queue_wait_correction", "admission: waits requests saw / waits estimated",
-                     e.correction)):
+                     e.correction),
+                    ("shoal:retry_trip_seconds", "admission: how late retries arrive (added to Retry-After)",
+                     e.trip_s)):
                 g = GaugeMetricFamily(name, doc)
                 g.add_metric([], v)
                 yield g

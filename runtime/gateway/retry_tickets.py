@@ -17,7 +17,12 @@ ticket at full weight would push every promise minutes out for capacity nobody u
 later, within grace, still counts as shown up). So booked returns stay, in expectation, within the
 engine's start rate, and the queue's overshoot of --max-queue-wait-s by claimed tickets stays bounded
 (the floor `min_show_up` caps the overbooking at 1/min_show_up; the prior, 1 in 10 until tickets
-resolve, keeps the first second of a flood from booking far ahead)."""
+resolve, keeps the first second of a flood from booking far ahead).
+
+A swamped HTTP layer delays both the 429 on its way out and the retry on its way in, so holders claim
+late by that much (measured: 1.5-2 s on a 2-core host at 600 requests/s): `return_delay_s`, the moving
+average of claimed tickets' lateness, is what the controller adds to the next promises, so the wait a
+client sees (the Retry-After it slept plus the trip) stays within 2x of what it was told."""
 
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass
 
 SHOW_UP_HORIZON = 256  # resolved tickets (claimed or expired) the show-up rate averages over
+RETURN_DELAY_HORIZON = 16  # claimed tickets the return delay averages over (it follows the load quickly)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +55,7 @@ class RetryTickets:
         self._next_id = 0
         # Exponentially decayed counts of resolved tickets; the prior: 1 in 10 come back (weight 2).
         self.claimed, self.resolved = 0.2, 2.0
+        self.return_delay_s, self.return_samples = 0.0, 0
 
     @property
     def show_up(self) -> float:
@@ -78,6 +85,11 @@ class RetryTickets:
         else:
             self._booked.pop(b, None)
 
+    def _returned(self, late_s: float) -> None:
+        self.return_samples += 1
+        a = 1.0 / min(self.return_samples, RETURN_DELAY_HORIZON)
+        self.return_delay_s += a * (late_s - self.return_delay_s)
+
     def expire(self, now: float) -> None:
         """Tickets not claimed by resolve_s past their slot count as no-shows; past grace_s they lapse."""
         while self._due and self._due[0][0] < now:
@@ -103,6 +115,8 @@ class RetryTickets:
         if now < slot - self.early_s and not early_ok:
             return Claim(False, slot - now)
         self._drop(tid)
+        if now >= slot - self.early_s:  # a holder let in early says nothing about the trip's delay
+            self._returned(max(now - slot, 0.0))
         if tid in self._resolved:
             self._resolved.discard(tid)
             self._claimed_late()

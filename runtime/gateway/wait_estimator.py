@@ -34,6 +34,7 @@ class WaitEstimate:
     prefill_tok_s: float  # the rates it used (0: not measured yet)
     decode_tok_s: float
     correction: float = 1.0  # wait_s is the model's times this (AdmissionController's learned scale)
+    trip_s: float = 0.0  # what promises add for the HTTP trip (AdmissionController.trip_s)
 
 
 class WaitEstimator:

@@ -103,3 +103,54 @@ def test_an_early_holder_at_the_count_limit_keeps_its_one_ticket():
     assert r is not None and r.reason == "waiting_requests" and len(ctl.tickets) == 1
     ctl.started("a", now=1.5)
     assert ctl.decide([req("b4", 20)], now=2.0) is None and len(ctl.tickets) == 0
+
+
+def test_promises_cover_the_trip_retries_measured():
+    """Holders that claim late (the 429 out and the retry in were each delayed by a swamped HTTP layer)
+    teach the tickets that delay; later promises add it, so sleeping the promise plus the same trip is
+    within 2x of the promise."""
+    t = RetryTickets(bucket_s=0.5, grace_s=30.0)
+    for i in range(4):
+        t.book(("k", i), now=0.0, earliest_s=1.0, start_rate=0.0)
+        assert t.claim(("k", i), 2.8).admit  # 1.8 s past the slot
+    assert math.isclose(t.return_delay_s, 1.8)
+    t.book("early", now=0.0, earliest_s=5.0, start_rate=0.0)
+    assert t.claim("early", 1.0, early_ok=True).admit and math.isclose(t.return_delay_s, 1.8)  # says nothing
+
+    ctl = AdmissionController(max_queue_wait_s=2.0, max_waiting_requests=100, min_retry_s=1.0)
+    ctl.tickets = t
+    ctl.observe(0.0, stats(prefill=(1000, 1.0), decode=(100, 1.0)))
+    assert ctl.decide([req("a", 2500)], now=0.0) is None
+    r = ctl.decide([req("b", 500)], now=0.0)
+    assert r is not None and math.isclose(r.retry_after_s, 1.0 + 1.8)
+    assert math.isclose(ctl.last_estimate.trip_s, 1.8)
+    seen = r.retry_after_s + 1.8  # slept the promise, then the same trip
+    assert 0.5 <= r.retry_after_s / seen <= 2.0
+    assert ctl.decide([req("b2", 500)], now=seen) is None  # and the ticket admits it
+
+
+def test_loop_lag_before_any_return():
+    """Before any holder came back, twice the event loop's recent lag stands for the trip."""
+    ctl = AdmissionController(max_queue_wait_s=2.0, max_waiting_requests=100, min_retry_s=1.0)
+    ctl.loop_lag.observe(10.0, 0.4)
+    ctl.loop_lag.observe(10.5, 0.1)
+    assert math.isclose(ctl.trip_s(10.6), 0.8)
+    assert ctl.trip_s(13.0) == 0.0  # out of the window: the loop keeps up again
+
+
+def test_loop_lag_sampler_measures_a_blocked_loop():
+    import asyncio
+    import time
+
+    from runtime.gateway.loop_lag import LoopLag
+
+    async def main() -> float:
+        lag = LoopLag(interval_s=0.01, window_s=5.0)
+        lag.ensure_started()
+        await asyncio.sleep(0.05)
+        time.sleep(0.3)  # a handler hogging the loop
+        await asyncio.sleep(0.05)
+        lag.stop()
+        return lag.recent_s()
+
+    assert 0.2 <= asyncio.run(main()) < 2.0
