@@ -87,18 +87,24 @@ def build_workload(args: argparse.Namespace, config: dict[str, Any], n: int | No
     return prompts, params
 
 
-def stats_snapshot(engine: Any) -> dict[str, dict[str, int]]:
-    """{mode: {batches, tokens}} from engine.get_stats(), or {} if the engine keeps none."""
+def stats_snapshot(engine: Any) -> dict[str, dict[str, float]]:
+    """{mode: {batches, tokens, time_s}} from engine.get_stats() (plus "retractions"), or {} if the engine
+    keeps none. time_s: the scheduler's forward time of that mode, so a run says where its time went."""
     try:
-        modes = engine.get_stats().forward_modes
+        stats = engine.get_stats()
+        modes = stats.forward_modes
     except AttributeError:
         return {}
-    return {str(getattr(k, "name", k)): {"batches": int(v.batches), "tokens": int(v.tokens)} for k, v in modes.items()}
+    out = {str(getattr(k, "name", k)): {"batches": int(v.batches), "tokens": int(v.tokens),
+                                        "time_s": round(float(getattr(v, "time_s", 0.0)), 3)} for k, v in modes.items()}
+    out["retractions"] = {"batches": int(getattr(stats, "retractions", 0)), "tokens": 0, "time_s": 0.0}
+    return out
 
 
-def stats_delta(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    zero = {"batches": 0, "tokens": 0}
-    return {m: {k: after[m][k] - before.get(m, zero)[k] for k in zero} for m in after}
+def stats_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    zero = {"batches": 0, "tokens": 0, "time_s": 0.0}
+    return {m: {k: round(after[m][k] - before.get(m, zero)[k], 3) for k in zero} for m in after
+            if after[m]["batches"] != before.get(m, zero)["batches"]}
 
 
 def run_throughput(engine: Any, args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench_offline import stats_delta, stats_snapshot
 from benchmarks.common import (
     load_model_config,
     print_table,
@@ -208,14 +209,19 @@ def run_shoal(folder: Path, args: argparse.Namespace, w: Workload, device: str) 
         params = [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in w.output_lens]
         engine.generate(input_ids=w.prompts[:2], sampling_params={"max_new_tokens": 4, "temperature": 0.0,
                                                                   "ignore_eos": True})  # warmup
+        before = stats_snapshot(engine)
+        busy0 = getattr(engine.get_stats(), "device_busy_s", 0.0)
         t0 = time.perf_counter()
         outs = engine.generate(input_ids=w.prompts, sampling_params=params)
         duration = time.perf_counter() - t0
+        modes = stats_delta(before, stats_snapshot(engine))  # where the time went, by ForwardMode
+        busy = getattr(engine.get_stats(), "device_busy_s", 0.0) - busy0
     finally:
         engine.shutdown()
     made = sum(int(o["usage"]["completion_tokens"]) for o in outs)
     return {"duration_s": duration, "useful_tokens": made, "useful_tok_per_s": made / duration,
-            "expected_tokens": w.useful_tokens, "engine_extras": extras}
+            "expected_tokens": w.useful_tokens, "engine_extras": extras, "forward_modes": modes,
+            "device_idle_fraction": max(0.0, 1.0 - busy / duration) if busy > 0 else None}
 
 
 def ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:

@@ -79,10 +79,12 @@ def test_offline_workload_is_seeded_and_in_range():
 
 
 def test_stats_delta_subtracts_per_mode():
-    before = {"EXTEND": {"batches": 2, "tokens": 100}}
-    after = {"EXTEND": {"batches": 5, "tokens": 400}, "DECODE": {"batches": 7, "tokens": 70}}
-    assert bench_offline.stats_delta(before, after) == {"EXTEND": {"batches": 3, "tokens": 300},
-                                                        "DECODE": {"batches": 7, "tokens": 70}}
+    before = {"EXTEND": {"batches": 2, "tokens": 100, "time_s": 1.0},
+              "IDLE": {"batches": 1, "tokens": 0, "time_s": 0.1}}
+    after = {"EXTEND": {"batches": 5, "tokens": 400, "time_s": 2.5}, "DECODE": {"batches": 7, "tokens": 70, "time_s": 0.7},
+             "IDLE": {"batches": 1, "tokens": 0, "time_s": 0.1}}
+    assert bench_offline.stats_delta(before, after) == {  # modes that ran nothing in between are left out
+        "EXTEND": {"batches": 3, "tokens": 300, "time_s": 1.5}, "DECODE": {"batches": 7, "tokens": 70, "time_s": 0.7}}
 
 
 def test_prefix_cache_prompts_share_the_system_prompt():
