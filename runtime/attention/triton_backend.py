@@ -115,7 +115,10 @@ class TritonAttnBackend(AttentionBackend):
         return o.view(-1, layer.num_heads * layer.head_dim)
 
     def forward_decode(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
-        _, _, k_buf, v_buf = self._store(k, v, layer, fb)
+        if k is None:  # stored by the fused rotary + KV store
+            k_buf, v_buf = fb.token_to_kv_pool.get_kv(layer.layer_id)
+        else:
+            _, _, k_buf, v_buf = self._store(k, v, layer, fb)
         q3 = q.view(-1, layer.num_heads, layer.head_dim)
         o = torch.empty((q3.shape[0], layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
         decode_attention_fwd(q3, k_buf, v_buf, o, self.req_to_token, fb.req_pool_indices, fb.seq_lens,

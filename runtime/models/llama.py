@@ -45,8 +45,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.contiguous(), fb))
+        return self.o_proj(self.attn.forward_rotary(positions, q, k, v, self.rotary_emb, fb))
 
 
 class LlamaMLP(nn.Module):
