@@ -1,5 +1,6 @@
 """DecodeFusion: the one switch for the decode-path fusions (rotary + KV store in one kernel, no v copy,
-no logits gather in DECODE, SiLU-and-mul folded into the FP8 down-projection GEMV).
+no logits gather in DECODE, the Triton decode attention's split merge inside its first kernel, SiLU-and-mul
+folded into the FP8 down-projection GEMV).
 
 Every fusion is exact (the same bits as the unfused kernels), so the switch exists to measure them:
 SHOAL_DECODE_FUSION=0 restores the unfused launches, and benchmarks/profile_decode.py runs both in one

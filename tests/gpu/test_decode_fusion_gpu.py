@@ -127,3 +127,48 @@ def test_engine_fusion_on_equals_off(gpu_llama: Path, backend: str, config: str,
     assert [o["output_ids"] for o in on] == [o["output_ids"] for o in off]
     assert [o["logprobs"] for o in on] == [o["logprobs"] for o in off]
     assert all(len(o["output_ids"]) == 40 for o in on)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("batch", [1, 32, 64])
+def test_decode_attention_fused_merge_bit_equal_under_graph_replays(batch: int, kv_dtype: torch.dtype) -> None:
+    """The one-launch decode attention (last split merges) against the two launches, replayed 50 times in
+    a CUDA graph with new lengths each time: any ordering bug (a merge reading a partial not yet visible)
+    shows up as a mismatch."""
+    from kernels.decode_attention import (
+        decode_attention_counters,
+        decode_attention_fwd,
+        decode_attention_workspace,
+    )
+
+    hq, hkv, d, splits, ctx = 32, 8, 128, 8, 2048
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    slots = batch * ctx + 1
+    k_buf = torch.randn(slots, hkv, d, device="cuda", generator=gen).to(kv_dtype)
+    v_buf = torch.randn(slots, hkv, d, device="cuda", generator=gen).to(kv_dtype)
+    req_to_token = (torch.randperm(slots - 1, device="cuda", generator=gen) + 1).view(batch, ctx).to(torch.int32)
+    rows = torch.arange(batch, device="cuda")
+    seq_lens = torch.ones(batch, dtype=torch.int64, device="cuda")
+    q = torch.randn(batch, hq, d, device="cuda", generator=gen).to(torch.bfloat16)
+    ws, ws_ref = (decode_attention_workspace(batch, hq, d, splits, "cuda") for _ in range(2))
+    counters = decode_attention_counters(batch, hq, "cuda")
+    o, o_ref = torch.empty_like(q), torch.empty_like(q)
+    args = (q, k_buf, v_buf)
+    kwargs = dict(num_kv_splits=splits, k_scale=0.5, v_scale=0.5)
+
+    def run() -> None:
+        decode_attention_fwd(*args, o, req_to_token, rows, seq_lens, d ** -0.5, attn_logits=ws, fuse_merge=True,
+                             counters=counters, **kwargs)
+
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(50):
+        seq_lens.copy_(torch.randint(1, ctx + 1, (batch,), device="cuda", generator=gen))
+        graph.replay()
+        decode_attention_fwd(*args, o_ref, req_to_token, rows, seq_lens, d ** -0.5, attn_logits=ws_ref, **kwargs)
+        torch.cuda.synchronize()
+        assert torch.equal(o, o_ref)
+        assert not counters.any()
