@@ -3,7 +3,9 @@ attributed to kernel categories. Pure Python over the trace's JSON events, so it
 with fake traces (tests/benchmarks/test_trace_breakdown.py).
 
 Steps come from the CUDA graph replays: CUPTI gives every kernel run by a graph the correlation id of its
-cudaGraphLaunch, so each replay is one group of kernels. Step i is the device timeline from the first
+cudaGraphLaunch, so each replay is one group of kernels (found from the launch's runtime event, or, should
+the trace lack those, as any correlation id shared by GRAPH_MIN_KERNELS or more kernels: an eager launch
+runs one kernel). Step i is the device timeline from the first
 kernel of replay i to the first kernel of replay i + 1: the graph, and everything the host put on the
 stream between the two (input copies, the token-table write, sampling, the token copy to the host).
 Its wall time minus the summed duration of the kernels/copies in it is the gap: device idle time, which
@@ -17,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+GRAPH_MIN_KERNELS = 8
 CATEGORIES = ("gemm", "attention", "norm", "rotary", "kv_store", "activation", "all_reduce", "sampler",
               "embedding", "copy", "elementwise", "other")
 
@@ -65,11 +68,16 @@ def device_ops(events: Iterable[dict[str, Any]]) -> list[DeviceOp]:
     return sorted(out, key=lambda op: op.ts)
 
 
-def graph_launch_correlations(events: Iterable[dict[str, Any]]) -> set[int]:
-    """Correlation ids of the host's graph launches (runtime or driver API)."""
-    return {int((e.get("args") or {}).get("correlation", -1)) for e in events
+def graph_launch_correlations(events: Sequence[dict[str, Any]], ops: Sequence[DeviceOp] = ()) -> set[int]:
+    """Correlation ids of the host's graph launches (runtime or driver API), and of any group of
+    GRAPH_MIN_KERNELS or more device ops sharing one."""
+    corr = {int((e.get("args") or {}).get("correlation", -1)) for e in events
             if e.get("cat") in ("cuda_runtime", "cuda_driver")
             and str(e.get("name", "")).startswith(("cudaGraphLaunch", "cuGraphLaunch"))}
+    sizes: dict[int, int] = defaultdict(int)
+    for op in ops:
+        sizes[op.correlation] += 1
+    return corr | {c for c, n in sizes.items() if n >= GRAPH_MIN_KERNELS and c >= 0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +118,7 @@ def breakdown(events: Sequence[dict[str, Any]], steps: int | None = None, drop_l
     """The last `steps` complete steps (all if None), leaving out the last `drop_last` replays (the final
     step has no next replay to end it; a step after the requests finished may follow it)."""
     ops = device_ops(events)
-    replays = graph_replays(ops, graph_launch_correlations(events))
+    replays = graph_replays(ops, graph_launch_correlations(events, ops))
     usable = len(replays) - max(drop_last, 1)
     if usable < 1:
         return StepBreakdown(note=f"{len(replays)} CUDA graph replays in the trace: nothing to cut into steps "
@@ -151,8 +159,9 @@ def breakdown(events: Sequence[dict[str, Any]], steps: int | None = None, drop_l
     return out
 
 
-def format_table(rows: dict[str, StepBreakdown]) -> str:
-    """Columns = configurations; rows = step, busy, gap, kernels, then ms per category."""
+def format_table(rows: dict[str, StepBreakdown], decode_ms: dict[str, float] | None = None) -> str:
+    """Columns = configurations; rows = the unprofiled step (if given), the trace's step, busy, gap,
+    kernels, then ms (and kernel count) per category."""
     names = list(rows)
     width = max(14, *(len(n) + 2 for n in names))
     lines = ["".ljust(22) + "".join(n.rjust(width) for n in names)]
@@ -160,6 +169,8 @@ def format_table(rows: dict[str, StepBreakdown]) -> str:
     def row(label: str, values: list[str]) -> None:
         lines.append(label.ljust(22) + "".join(v.rjust(width) for v in values))
 
+    if decode_ms:
+        row("step ms (no profiler)", [f"{decode_ms[n]:.3f}" if n in decode_ms else "-" for n in names])
     row("step ms (trace)", [f"{rows[n].step_ms:.3f}" for n in names])
     row("kernel busy ms", [f"{rows[n].busy_ms:.3f}" for n in names])
     row("gaps ms", [f"{rows[n].gap_ms:.3f}" for n in names])

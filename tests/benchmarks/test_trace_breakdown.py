@@ -114,6 +114,7 @@ def test_summary_reads_child_results() -> None:
     assert summary["fp8_weights/fusion_on"] == {"error": "exit 1"}
     row = summary["bf16/fusion_on/bs1"]
     assert row["decode_step_ms"] == 6.0 and row["kernels_per_step"] == 7
+    assert row["gap_vs_unprofiled_ms"] == pytest.approx(6.0 - 0.058)
     assert row["category_ms"]["gemm"] == pytest.approx(0.04)
     assert columns["bf16/fusion_on/bs1"].steps == 2
 
@@ -128,3 +129,15 @@ def test_profile_decode_smoke_on_cpu(tmp_path) -> None:
     row = doc["results"]["bf16/fusion_on"]["batches"]["1"]
     assert row["decode_step_ms"] > 0
     assert res["summary"]["bf16/fusion_on/bs1"]["decode_step_ms"] > 0
+
+
+def test_replays_found_without_runtime_events() -> None:
+    """A trace without the host's cudaGraphLaunch events: a correlation id shared by many kernels is a
+    replay (an eager launch runs one kernel), so the steps come out the same."""
+    big = [e for e in fake_trace(6) if e["cat"] != "cuda_runtime"]
+    for e in list(big):  # make each replay 8 kernels long (4 more copies of the norm)
+        if e["name"] == "_rmsnorm_kernel" and e["args"]["correlation"] >= 100:
+            big += [dict(e, ts=e["ts"] + 0.1 * i, dur=0.0) for i in range(1, 5)]
+    bd = breakdown(big, steps=3, drop_last=2)
+    assert bd.steps == 3 and bd.graph_kernels_per_replay == [8]
+    assert bd.step_ms == pytest.approx(0.1)
