@@ -47,7 +47,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default="bf16,fp8_weights", help="comma-separated subset of " + ", ".join(MODES))
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     p.add_argument("--fusion", choices=sorted(FUSION), default="both")
-    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--attention-backend", default="auto",
+                   help="comma-separated: each backend is its own set of configurations (e.g. auto,triton)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--timed-steps", type=int, default=64, help="decode steps timed without the profiler")
     p.add_argument("--profiled-steps", type=int, default=20, help="decode steps attributed from the trace")
@@ -127,9 +128,11 @@ def _profile_batch(engine: Any, ns: argparse.Namespace, bs: int, rng: random.Ran
 
 
 # ---- parent: every configuration, one table, one JSON ------------------------------------------------
-def run_config(ns: argparse.Namespace, mode: str, fusion: str, tmp: Path, argv: Sequence[str]) -> dict[str, Any]:
-    out = tmp / f"{mode}_{fusion}.json"
-    cmd = [sys.executable, "-m", "benchmarks.profile_decode", *argv, "--child", mode, "--output-file", str(out)]
+def run_config(ns: argparse.Namespace, mode: str, backend: str, fusion: str, tmp: Path,
+               argv: Sequence[str]) -> dict[str, Any]:
+    out = tmp / f"{mode}_{backend}_{fusion}.json"
+    cmd = [sys.executable, "-m", "benchmarks.profile_decode", *argv, "--attention-backend", backend,
+           "--child", mode, "--output-file", str(out)]
     env = os.environ | {FUSION_ENV: fusion}
     t0 = time.perf_counter()
     try:
@@ -144,8 +147,8 @@ def run_config(ns: argparse.Namespace, mode: str, fusion: str, tmp: Path, argv: 
 
 
 def _child_argv(ns: argparse.Namespace) -> list[str]:
-    argv = ["--model-config", ns.model_config, "--batch", *map(str, ns.batch), "--attention-backend",
-            ns.attention_backend, "--input-len", str(ns.input_len), "--timed-steps", str(ns.timed_steps),
+    argv = ["--model-config", ns.model_config, "--batch", *map(str, ns.batch),
+            "--input-len", str(ns.input_len), "--timed-steps", str(ns.timed_steps),
             "--profiled-steps", str(ns.profiled_steps)]
     return argv + (["--trace-dir", str(Path(ns.trace_dir).resolve())] if ns.trace_dir else [])
 
@@ -179,20 +182,31 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return {}
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="shoal-profile-") as tmp:
+        backends = ns.attention_backend.split(",")
         for mode in ns.modes.split(","):
-            for fusion in FUSION[ns.fusion]:
-                key = f"{mode}/fusion_{'on' if fusion == '1' else 'off'}"
-                results[key] = run_config(ns, mode, fusion, Path(tmp), _child_argv(ns))
-                print(key, "error: " + results[key]["error"] if "error" in results[key]
-                      else f"done in {results[key]['wall_s']:.0f} s", flush=True)
-                if "error" in results[key]:
-                    print(results[key]["log_tail"], flush=True)
+            for backend in backends:
+                for fusion in FUSION[ns.fusion]:
+                    key = (f"{mode}/" + (f"{backend}/" if len(backends) > 1 else "")
+                           + f"fusion_{'on' if fusion == '1' else 'off'}")
+                    results[key] = run_config(ns, mode, backend, fusion, Path(tmp), _child_argv(ns))
+                    res = results[key]
+                    print(key, "error: " + res["error"] if "error" in res else
+                          f"done in {res['wall_s']:.0f} s ({res.get('attention_backend')} attention)", flush=True)
+                    if "error" in res:
+                        print(res["log_tail"], flush=True)
     summary, columns = summarize(results)
-    if columns:
-        print(format_table(columns, {k: v["decode_step_ms"] for k, v in summary.items() if "decode_step_ms" in v}))
-        for name, bd in columns.items():
-            if bd.note:
-                print(f"{name}: {bd.note}")
+    groups: dict[str, dict[str, StepBreakdown]] = {}
+    for name, bd in columns.items():  # one table per mode (and backend): fusion off/on x batch sizes
+        prefix, _, rest = name.partition("/fusion_")
+        groups.setdefault(prefix, {})["fusion_" + rest] = bd
+    for prefix, cols in groups.items():
+        print(f"== {prefix} ==")
+        print(format_table(cols, {"fusion_" + k.partition("/fusion_")[2]: v["decode_step_ms"]
+                                  for k, v in summary.items() if k.startswith(prefix + "/fusion_")
+                                  and "decode_step_ms" in v}))
+    for name, bd in columns.items():
+        if bd.note:
+            print(f"{name}: {bd.note}")
     if ns.output_file:
         write_result(ns.output_file, "profile_decode", results | {"summary": summary}, vars(ns),
                      argv=sys.argv if argv is None else ["profile_decode.py", *argv])
