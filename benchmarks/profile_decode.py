@@ -207,6 +207,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for name, bd in columns.items():
         if bd.note:
             print(f"{name}: {bd.note}")
+        elif name.endswith("/bs1"):  # the full list (top 40) is in the JSON
+            print(f"-- {name}: top kernels (us/step, calls/step)")
+            for k in bd.kernels[:10]:
+                print(f"   {k['us_per_step']:8.1f} {k['calls_per_step']:5.0f}  {k['category']:<11} {k['name'][:90]}")
     if ns.output_file:
         write_result(ns.output_file, "profile_decode", results | {"summary": summary}, vars(ns),
                      argv=sys.argv if argv is None else ["profile_decode.py", *argv])
