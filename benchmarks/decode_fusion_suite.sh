@@ -8,9 +8,9 @@ part=$1 out=$2
 mkdir -p "$out"
 run() { echo "=== $*"; "$@" 2>&1 | grep -v "Loading\|it/s\]" | tail -${TAIL:-60}; }
 if [ "$part" = tests ]; then
-  TAIL=25 run timeout 280 python -m pytest -q -x -p no:cacheprovider tests/gpu/test_decode_fusion_gpu.py \
+  TAIL=25 run timeout 240 python -m pytest -q -x -p no:cacheprovider tests/gpu/test_decode_fusion_gpu.py \
     tests/gpu/test_kernels_gpu.py tests/gpu/test_fp8_gemv_gpu.py
-  TAIL=25 run timeout 300 python -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_engine.py \
+  TAIL=25 run timeout 330 python -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_engine.py \
     tests/gpu/test_gpu_fp8.py tests/gpu/test_gpu_attention_backends.py tests/gpu/test_gpu_speculative.py
 fi
 if [ "$part" = profile ]; then
