@@ -35,13 +35,19 @@ class Attention(nn.Module):
     def forward_rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        rotary: RotaryEmbedding, fb: ForwardBatch) -> torch.Tensor:
         """q [T, Hq*D], k/v [T, Hkv*D] (views of the fused qkv output are fine) before the rotary → o."""
-        if self.fuse_decode and q.is_cuda and fb.forward_mode.is_decode() and rotary.fusable(self.head_dim):
+        on_device = self._kernel_device(q)
+        if self.fuse_decode and on_device and fb.forward_mode.is_decode() and rotary.fusable(self.head_dim):
             pool = fb.token_to_kv_pool
             k_buf, v_buf = pool.get_kv(self.layer_id)
             rotary.rotate_and_store(positions, q, k, v, k_buf, v_buf, fb.out_cache_loc, pool.k_scale, pool.v_scale)
             return fb.attn_backend.forward(q, None, None, self, fb)
         q, k = rotary(positions, q, k)
         # On CUDA the backends store K/V from strided views (k is one already), so v needs no copy.
-        if not (self.fuse_decode and q.is_cuda):
+        if not (self.fuse_decode and on_device):
             v = v.contiguous()
         return fb.attn_backend.forward(q, k, v, self, fb)
+
+    @staticmethod
+    def _kernel_device(q: torch.Tensor) -> bool:
+        """Where the fused kernel runs: CUDA (CPU tests lift this to run it in the Triton interpreter)."""
+        return q.is_cuda
