@@ -172,3 +172,13 @@ def test_decode_attention_fused_merge_bit_equal_under_graph_replays(batch: int, 
         torch.cuda.synchronize()
         assert torch.equal(o, o_ref)
         assert not counters.any()
+
+
+def test_resolve_future_ids_gpu() -> None:
+    from kernels.future_tokens import resolve_future_ids, resolve_future_ids_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    future = torch.randint(0, 128256, (300,), device="cuda", generator=gen)
+    ids = torch.randint(0, 128256, (2500,), device="cuda", generator=gen)
+    ids[::3] = -(torch.arange(0, 2500, 3, device="cuda") % 300 + 1)
+    assert torch.equal(resolve_future_ids(ids, future), resolve_future_ids_ref(ids, future))
