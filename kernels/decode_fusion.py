@@ -1,7 +1,8 @@
 """DecodeFusion: the one switch for the decode-path fusions (rotary + KV store in one kernel, no v copy,
 no logits gather in DECODE, the Triton decode attention's split merge inside its first kernel, SiLU-and-mul
 folded into the FP8 down-projection GEMV; outside the graph, the overlap scheduler's placeholder ids
-resolved in one launch: kernels/future_tokens.py).
+resolved in one launch (kernels/future_tokens.py) and the replay's input copies and padded-row resets in
+one launch (kernels/graph_inputs.py)).
 
 Every fusion is exact (the same bits as the unfused kernels), so the switch exists to measure them:
 SHOAL_DECODE_FUSION=0 restores the unfused launches, and benchmarks/profile_decode.py runs both in one

@@ -182,3 +182,17 @@ def test_resolve_future_ids_gpu() -> None:
     ids = torch.randint(0, 128256, (2500,), device="cuda", generator=gen)
     ids[::3] = -(torch.arange(0, 2500, 3, device="cuda") % 300 + 1)
     assert torch.equal(resolve_future_ids(ids, future), resolve_future_ids_ref(ids, future))
+
+
+@pytest.mark.parametrize(("bs", "padded", "k"), [(1, 1, 1), (13, 16, 1), (5, 8, 5)])
+def test_stage_graph_inputs_gpu(bs: int, padded: int, k: int) -> None:
+    from kernels.graph_inputs import stage_graph_inputs, stage_graph_inputs_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(bs)
+    sizes = (64 * 5,) * 3 + (64,) * 3
+    a = tuple(torch.randint(0, 10_000, (n,), device="cuda", generator=gen) for n in sizes)
+    b = tuple(t.clone() for t in a)
+    src = tuple(torch.randint(0, 10_000, (n,), device="cuda", generator=gen) for n in (bs * k,) * 3 + (bs,) * 3)
+    stage_graph_inputs(a, src, bs, padded, k, seq_fill=k)
+    stage_graph_inputs_ref(b, src, bs, padded, k, seq_fill=k)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
