@@ -43,6 +43,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=None, help="default 1000 (512 for decode)")
     p.add_argument("--max-running-requests", type=int, default=1024)
     p.add_argument("--cuda-graph-max-bs", type=int, default=256)
+    p.add_argument("--attention-backend", default="auto")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration")
     p.add_argument("--output-file", default=None)
     return p.parse_args(argv)
@@ -60,6 +61,8 @@ def _offline_argv(args: argparse.Namespace, kind: str, mode: str, out: Path) -> 
                  str(args.max_running_requests), "--cuda-graph-max-bs", str(args.cuda_graph_max_bs)]
     for k, v in MODES[mode].items():
         argv += ["--" + k.replace("_", "-"), str(v)]
+    if args.attention_backend != "auto":
+        argv += ["--attention-backend", args.attention_backend]
     return argv
 
 

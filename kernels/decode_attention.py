@@ -8,6 +8,12 @@ whole call can be captured in a CUDA graph and replayed with new `seq_lens`/`req
 With a sliding window W the query sees only the last W tokens; the splits then cover just those.
 FP8 KV buffers (float8_e4m3fn, one static scale each for K and V) are widened to q's dtype tile by
 tile; the K scale is folded into the softmax scale and the V scale into each split's output.
+
+fuse_merge=True does stage 2 inside stage 1 (one launch per layer instead of two, kernels/decode_fusion.py):
+each program counts itself done on a per-(request, head block) counter, and the last of the splits to
+finish merges all of them with stage 2's arithmetic (so the output is bit-equal) and resets the counter
+for the next launch. Ordering: a CTA barrier, then the counter's acq_rel atomic (release of every
+thread's partial, acquire for the merge), and the merge reads the partials past L1 (.cg).
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ def _decode_stage1_kernel(
     Req_Pool_Indices,
     Seq_Lens,
     Mid,
+    Out,
+    Counter,
     qk_scale,
     v_scale,
     stride_qb,
@@ -44,6 +52,9 @@ def _decode_stage1_kernel(
     stride_mid_b,
     stride_mid_h,
     stride_mid_s,
+    stride_ob,
+    stride_oh,
+    stride_cnt,
     KV_GROUP: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -55,6 +66,7 @@ def _decode_stage1_kernel(
     MIN_BLOCK_KV: tl.constexpr,
     WINDOW: tl.constexpr,
     KV_FP8: tl.constexpr,
+    FUSE_MERGE: tl.constexpr,
 ):
     cur_batch = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -126,6 +138,35 @@ def _decode_stage1_kernel(
         )
         tl.store(Mid + mid_offs + HEAD_DIM, e_max + tl.log2(safe_sum), mask=mask_h)
 
+    if FUSE_MERGE:
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        counter = Counter + cur_batch * stride_cnt + head_block
+        done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if done == NUM_SPLITS - 1:  # the last split of this (request, head block): merge them all
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # every split has counted: reset
+            m_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+            m_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+            m_acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+            base = cur_batch * stride_mid_b + offs_h * stride_mid_h
+            mask_hd = mask_h[:, None] & mask_d[None, :]
+            for s in range(0, NUM_SPLITS):
+                s_start = kv_start + kv_per_split * s
+                s_end = tl.minimum(s_start + kv_per_split, seq_len)
+                if s_end > s_start:  # as stage 2: splits past a short sequence's end were never written
+                    part = tl.load(Mid + base[:, None] + s * stride_mid_s + offs_d[None, :], mask=mask_hd,
+                                   other=0.0, cache_modifier=".cg")
+                    lse = tl.load(Mid + base + s * stride_mid_s + HEAD_DIM, mask=mask_h, other=0.0,
+                                  cache_modifier=".cg")
+                    new_max = tl.maximum(lse, m_max)
+                    old_scale = tl.exp2(m_max - new_max)
+                    weight = tl.exp2(lse - new_max)
+                    m_acc = m_acc * old_scale[:, None] + part * weight[:, None]
+                    m_sum = m_sum * old_scale + weight
+                    m_max = new_max
+            out = m_acc / tl.where(m_sum > 0, m_sum, 1.0)[:, None]
+            tl.store(Out + cur_batch * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :],
+                     out.to(Out.dtype.element_ty), mask=mask_hd)
+
 
 @triton.jit
 def _decode_stage2_kernel(
@@ -184,6 +225,11 @@ def decode_attention_workspace(
     return torch.empty((batch, num_heads, num_kv_splits, head_dim + 1), dtype=torch.float32, device=device)
 
 
+def decode_attention_counters(batch: int, num_heads: int, device: torch.device | str) -> torch.Tensor:
+    """fuse_merge's per-(request, head block) split counters: zeros, and every launch leaves them zero."""
+    return torch.zeros((batch, num_heads), dtype=torch.int32, device=device)
+
+
 def decode_attention_fwd(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -198,11 +244,14 @@ def decode_attention_fwd(
     sliding_window: int = 0,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    fuse_merge: bool = False,
+    counters: torch.Tensor | None = None,
 ) -> None:
     """Writes into `o` [B, Hq, D] the attention of q [B, Hq, D] over each request's first seq_lens[b]
     tokens (only the last `sliding_window` of them when > 0). FP8 buffers are read as stored * scale. `attn_logits` is an optional
     [>=B, Hq, num_kv_splits, D+1] fp32 workspace (pass a fixed one when capturing CUDA graphs to keep
-    allocations out of the graph's pool)."""
+    allocations out of the graph's pool). fuse_merge: one launch (stage 2 inside stage 1), with `counters`
+    from decode_attention_counters (>= B rows, >= Hq columns; a fixed one under CUDA graphs)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     if num_heads % num_kv_heads != 0:
@@ -224,8 +273,14 @@ def decode_attention_fwd(
     blocks_per_group = triton.cdiv(kv_group, block_h)
     block_d = triton.next_power_of_2(head_dim)
     grid1 = (batch, num_kv_heads * blocks_per_group, num_kv_splits)
+    if fuse_merge:
+        if counters is None:
+            counters = decode_attention_counters(batch, num_heads, q.device)
+        elif counters.shape[0] < batch or counters.shape[1] < grid1[1] or counters.dtype != torch.int32:
+            raise ValueError(f"counters {tuple(counters.shape)} {counters.dtype} too small for [{batch}, {grid1[1]}]")
     _decode_stage1_kernel[grid1](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits,
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits, o,
+        counters if fuse_merge else seq_lens,  # a placeholder pointer when unused
         sm_scale * _LOG2E * (k_scale if kv_fp8 else 1.0),
         v_scale if kv_fp8 else 1.0,
         q.stride(0), q.stride(1),
@@ -233,6 +288,7 @@ def decode_attention_fwd(
         v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
+        o.stride(0), o.stride(1), counters.stride(0) if fuse_merge else 0,
         KV_GROUP=kv_group,
         NUM_SPLITS=num_kv_splits,
         HEAD_DIM=head_dim,
@@ -244,9 +300,12 @@ def decode_attention_fwd(
         MIN_BLOCK_KV=_MIN_BLOCK_KV,
         WINDOW=max(sliding_window, 0),
         KV_FP8=kv_fp8,
+        FUSE_MERGE=fuse_merge,
         num_warps=4,
         num_stages=2,
     )
+    if fuse_merge:
+        return
     _decode_stage2_kernel[(batch, num_heads)](
         attn_logits, o, seq_lens,
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),

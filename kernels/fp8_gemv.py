@@ -16,6 +16,10 @@ scales, adds the bias and casts; it is used only where N alone gives too few blo
 Configs are picked by shape (no autotuning: nothing to benchmark at CUDA-graph capture or startup);
 benchmarks/bench_fp8_gemv.py sweeps the alternatives on a GPU.
 
+gated=True takes the MLP's fused gate_up output [M, 2K] and multiplies silu(gate) * up (computed in fp32,
+rounded to x's dtype, exactly as kernels/activation.py stores it) as it loads each x tile: the down
+projection without the SiLU-and-mul launch (kernels/decode_fusion.py), the same bits as the two kernels.
+
 The Triton interpreter (TRITON_INTERPRET=1) loads float8_e4m3fn tensors and widens them exactly; only its
 tl.dot on bf16 is wrong, so CPU tests use fp32/fp16 activations."""
 
@@ -44,7 +48,25 @@ class GemvConfig:
 
 
 @triton.jit
+def _gate(x_ptrs, X, K, mask, GATED: tl.constexpr, MASKED: tl.constexpr):
+    """The x tile: X itself, or silu(gate) * up with up K columns to the right (rounded like silu_and_mul)."""
+    if MASKED:
+        x = tl.load(x_ptrs, mask=mask, other=0.0)
+    else:
+        x = tl.load(x_ptrs)
+    if GATED:
+        if MASKED:
+            up = tl.load(x_ptrs + K, mask=mask, other=0.0).to(tl.float32)
+        else:
+            up = tl.load(x_ptrs + K).to(tl.float32)
+        gate = x.to(tl.float32)
+        x = (gate * tl.sigmoid(gate) * up).to(X.dtype.element_ty)
+    return x
+
+
+@triton.jit
 def _fp8_gemv_kernel(X, W, S, B, Out, Part, M, N, K, stride_xm, stride_wn, stride_om,
+                     GATED: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -75,9 +97,9 @@ def _fp8_gemv_kernel(X, W, S, B, Out, Part, M, N, K, stride_xm, stride_wn, strid
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             if GEMV1:
-                x = tl.load(x_ptrs)
+                x = _gate(x_ptrs, X, K, None, GATED, False)
             else:
-                x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+                x = _gate(x_ptrs, X, K, mask_m[:, None], GATED, True)
             if EVEN_N:
                 w = tl.load(w_ptrs)
             else:
@@ -85,9 +107,9 @@ def _fp8_gemv_kernel(X, W, S, B, Out, Part, M, N, K, stride_xm, stride_wn, strid
         else:
             mask_k = (k + offs_k) < k_hi
             if GEMV1:
-                x = tl.load(x_ptrs, mask=mask_k, other=0.0)
+                x = _gate(x_ptrs, X, K, mask_k, GATED, True)
             else:
-                x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                x = _gate(x_ptrs, X, K, mask_m[:, None] & mask_k[None, :], GATED, True)
             w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         if GEMV1:
             acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
@@ -152,13 +174,16 @@ def pick_config(m: int, n: int, k: int, sm_count: int = _SM_COUNT_DEFAULT) -> Ge
 
 
 def fp8_linear_small_m(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
-                       bias: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
-    """x [M, K] (bf16/fp16/fp32) @ (w8 [N, K] fp8 * w_scale [N])^T + bias → [M, N] in x's dtype."""
-    if x.dim() != 2 or w8.dim() != 2 or x.shape[1] != w8.shape[1]:
-        raise ValueError(f"fp8_linear_small_m: x {tuple(x.shape)} and w8 {tuple(w8.shape)} do not multiply")
+                       bias: torch.Tensor | None = None, config: GemvConfig | None = None,
+                       gated: bool = False) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32) @ (w8 [N, K] fp8 * w_scale [N])^T + bias → [M, N] in x's dtype.
+    gated: x is [M, 2K] = cat(gate, up) and the product takes silu(gate) * up in its place."""
+    if x.dim() != 2 or w8.dim() != 2 or x.shape[1] != w8.shape[1] * (2 if gated else 1):
+        raise ValueError(f"fp8_linear_small_m: x {tuple(x.shape)} and w8 {tuple(w8.shape)} do not multiply"
+                         + (" (gated: x holds gate and up, 2K columns)" if gated else ""))
     if w8.dtype not in FP8_DTYPES:
         raise TypeError(f"fp8_linear_small_m: w8 must be float8_e4m3fn, got {w8.dtype}")
-    m, k = x.shape
+    m, k = x.shape[0], w8.shape[1]
     n = w8.shape[0]
     scale = w_scale.reshape(-1).float()
     if scale.numel() == 1:
@@ -183,7 +208,7 @@ def fp8_linear_small_m(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     _fp8_gemv_kernel[grid](
         x, w8, scale, b, out, part, m, n, k, x.stride(0), w8.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, USE_DOT=cfg.use_dot,
+        GATED=gated, HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, USE_DOT=cfg.use_dot,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         EVEN_N=n % cfg.block_n == 0, EVEN_K=k % (cfg.split_k * cfg.block_k) == 0,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -198,8 +223,12 @@ def fp8_linear_small_m(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
 
 
 def fp8_linear_small_m_ref(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
-                           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The torch reference: dequantize the weight to fp32, one fp32 matmul, then the bias, cast once."""
+                           bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    """The torch reference: dequantize the weight to fp32, one fp32 matmul, then the bias, cast once
+    (gated: silu(gate) * up first, in fp32 and rounded to x's dtype as kernels/activation.py does)."""
+    if gated:
+        gate, up = x.float().chunk(2, dim=-1)
+        x = (torch.nn.functional.silu(gate) * up).to(x.dtype)
     w = w8.float() * w_scale.reshape(-1, 1).float()
     y = x.float() @ w.t()
     if bias is not None:

@@ -26,8 +26,15 @@ def _rotate_heads(
         ptr2 = base + 2 * offs_d[None, :] + 1
     x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(ptr2, mask=mask, other=0.0).to(tl.float32)
-    tl.store(ptr1, (x1 * cos - x2 * sin).to(X.dtype.element_ty), mask=mask)
-    tl.store(ptr2, (x2 * cos + x1 * sin).to(X.dtype.element_ty), mask=mask)
+    o1, o2 = rotate_pair(x1, x2, cos, sin)
+    tl.store(ptr1, o1.to(X.dtype.element_ty), mask=mask)
+    tl.store(ptr2, o2.to(X.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rotate_pair(x1, x2, cos, sin):
+    """The rotation itself, in fp32; shared with kernels/rotary_kv_store.py so both round identically."""
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
 @triton.jit

@@ -20,11 +20,15 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Once per batch, before the layers run (plan kernels, build index tensors)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: Attention,
                 fb: ForwardBatch) -> torch.Tensor:
-        """q [T, Hq*D], k/v [T, Hkv*D] → o [T, Hq*D]. Stores K/V at fb.out_cache_loc first."""
+        """q [T, Hq*D], k/v [T, Hkv*D] → o [T, Hq*D]. Stores K/V at fb.out_cache_loc first; k = v = None
+        (DECODE only) says the caller already stored them (Attention.forward_rotary's fused kernel)."""
         if fb.forward_mode.is_idle():
             return q.new_empty((0, layer.num_heads * layer.head_dim))
+        if (k is None) != (v is None) or (k is None and not fb.forward_mode.is_decode()):
+            raise ValueError(f"k and v may be None (already stored) together and only in DECODE, not "
+                             f"{fb.forward_mode.name}")
         if fb.forward_mode.is_decode():
             return self.forward_decode(q, k, v, layer, fb)
         return self.forward_extend(q, k, v, layer, fb)

@@ -136,8 +136,9 @@ class FlashInferAttnBackend(AttentionBackend):
              fb: ForwardBatch) -> torch.Tensor:
         pool = fb.token_to_kv_pool
         k_buf, v_buf = pool.get_kv(layer.layer_id)
-        store_kv(k_buf, v_buf, fb.out_cache_loc, k.view(-1, layer.num_kv_heads, layer.head_dim),
-                 v.view(-1, layer.num_kv_heads, layer.head_dim), pool.k_scale, pool.v_scale)
+        if k is not None:  # None: stored by the fused rotary + KV store (DECODE)
+            store_kv(k_buf, v_buf, fb.out_cache_loc, k.view(-1, layer.num_kv_heads, layer.head_dim),
+                     v.view(-1, layer.num_kv_heads, layer.head_dim), pool.k_scale, pool.v_scale)
         q3 = q.reshape(-1, layer.num_heads, layer.head_dim)
         o = torch.empty_like(q3, memory_format=torch.contiguous_format)
         scales = {"k_scale": pool.k_scale, "v_scale": pool.v_scale} if pool.is_fp8 else {}

@@ -99,13 +99,15 @@ class TorchNativeAttnBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
         return self._run(q, k, v, layer, fb)
 
-    def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch
-             ) -> torch.Tensor:
+    def _run(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: Attention,
+             fb: ForwardBatch) -> torch.Tensor:
         plan = self._plan_of(fb)
         hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         pool = fb.token_to_kv_pool
         k_buf, v_buf = pool.get_kv(layer.layer_id)
-        if pool.is_fp8:
+        if k is None:  # DECODE with K/V stored by the fused rotary + KV store: nothing reads k3/v3
+            k3 = v3 = None
+        elif pool.is_fp8:
             k8 = quantize_kv(k.reshape(-1, hkv, d).to(q.dtype), pool.k_scale, k_buf.dtype)
             v8 = quantize_kv(v.reshape(-1, hkv, d).to(q.dtype), pool.v_scale, v_buf.dtype)
             store_rows(k_buf, fb.out_cache_loc, k8)

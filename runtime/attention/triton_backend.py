@@ -1,7 +1,8 @@
 """TritonAttnBackend: our kernels/ attention on the paged token-level KV pool.
 
 EXTEND and MIXED batches run extend_attention_fwd (a decode request inside a MIXED batch is an extend
-request with one new token); DECODE runs the split-KV decode_attention_fwd. K/V are stored with
+request with one new token); DECODE runs the split-KV decode_attention_fwd (one launch per layer with
+the decode fusions on: the last split merges, kernels/decode_attention.py). K/V are stored with
 store_kv before attention (quantized when the pool stores FP8; the kernels read it back with the pool's
 scales). With FP8 the extend kernel gets the new tokens' K/V read back from the pool too (one small
 gather + dequantize per layer), so they attend to themselves exactly as any later step will see them. The decode scratch buffer is allocated once, for the largest batch the
@@ -13,7 +14,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.decode_attention import decode_attention_fwd, decode_attention_workspace
+from kernels.decode_attention import (
+    decode_attention_counters,
+    decode_attention_fwd,
+    decode_attention_workspace,
+)
+from kernels.decode_fusion import decode_fusion_enabled
 from kernels.extend_attention import extend_attention_fwd
 from kernels.kv_store import store_kv
 from kernels.verify_attention import MAX_ROWS as VERIFY_MAX_TOKENS
@@ -44,6 +50,10 @@ class TritonAttnBackend(AttentionBackend):
         self.num_kv_splits = num_kv_splits
         self.max_bs = spec.max_bs
         self._workspace: torch.Tensor | None = None
+        # DECODE in one launch per layer (stage 2 merged in by the last split); counters live beside the
+        # workspace, allocated with it, so captured graphs keep theirs.
+        self.fuse_merge = decode_fusion_enabled()
+        self._counters: torch.Tensor | None = None
         # The captured verify graphs' scratch, sized once at capture (largest first); never replaced after.
         self._verify_workspace: torch.Tensor | None = None
         self._verify_captured = False
@@ -58,6 +68,7 @@ class TritonAttnBackend(AttentionBackend):
             self.max_bs = max(self.max_bs, bs)
             self._workspace = decode_attention_workspace(self.max_bs, self.num_heads, self.head_dim,
                                                          self.num_kv_splits, self.device)
+            self._counters = decode_attention_counters(self.max_bs, self.num_heads, self.device)
         return self._workspace
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -115,13 +126,17 @@ class TritonAttnBackend(AttentionBackend):
         return o.view(-1, layer.num_heads * layer.head_dim)
 
     def forward_decode(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
-        _, _, k_buf, v_buf = self._store(k, v, layer, fb)
+        if k is None:  # stored by the fused rotary + KV store
+            k_buf, v_buf = fb.token_to_kv_pool.get_kv(layer.layer_id)
+        else:
+            _, _, k_buf, v_buf = self._store(k, v, layer, fb)
         q3 = q.view(-1, layer.num_heads, layer.head_dim)
         o = torch.empty((q3.shape[0], layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
         decode_attention_fwd(q3, k_buf, v_buf, o, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
                              layer.scaling, num_kv_splits=self.num_kv_splits,
                              attn_logits=self._decode_workspace(q3.shape[0]), sliding_window=layer.sliding_window,
-                             k_scale=fb.token_to_kv_pool.k_scale, v_scale=fb.token_to_kv_pool.v_scale)
+                             k_scale=fb.token_to_kv_pool.k_scale, v_scale=fb.token_to_kv_pool.v_scale,
+                             fuse_merge=self.fuse_merge, counters=self._counters)
         return o.view(-1, layer.num_heads * layer.head_dim)
 
     # ---- CUDA graphs: the kernels read seq_lens/req_to_token on device, so replay needs no re-plan --------

@@ -1,4 +1,9 @@
-"""Attention layer: holds the per-layer shape facts and hands q/k/v to the batch's attention backend."""
+"""Attention layer: holds the per-layer shape facts and hands q/k/v to the batch's attention backend.
+
+forward_rotary also applies the rotary embedding. In a DECODE step on CUDA (unless SHOAL_DECODE_FUSION=0)
+it does so with kernels/rotary_kv_store: q rotated in place, k rotated and v copied straight into this
+layer's KV pool slots in one launch, and the backend is told the new K/V are already stored (k = v = None).
+Elsewhere (EXTEND, MIXED, TARGET_VERIFY, CPU) the rotary runs on its own and the backend stores."""
 
 from __future__ import annotations
 
@@ -7,7 +12,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from kernels.decode_fusion import decode_fusion_enabled
+
 if TYPE_CHECKING:
+    from runtime.layers.rotary import RotaryEmbedding
     from runtime.model_executor.forward_batch import ForwardBatch
 
 
@@ -18,6 +26,28 @@ class Attention(nn.Module):
         self.layer_id, self.num_heads, self.num_kv_heads = layer_id, num_heads, num_kv_heads
         self.head_dim, self.scaling = head_dim, scaling
         self.sliding_window = sliding_window  # a query sees only the latest this-many tokens; 0: all
+        self.fuse_decode = decode_fusion_enabled()  # read once: a captured graph never mixes the paths
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                fb: ForwardBatch) -> torch.Tensor:
         return fb.attn_backend.forward(q, k, v, self, fb)
+
+    def forward_rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       rotary: RotaryEmbedding, fb: ForwardBatch) -> torch.Tensor:
+        """q [T, Hq*D], k/v [T, Hkv*D] (views of the fused qkv output are fine) before the rotary → o."""
+        on_device = self._kernel_device(q)
+        if self.fuse_decode and on_device and fb.forward_mode.is_decode() and rotary.fusable(self.head_dim):
+            pool = fb.token_to_kv_pool
+            k_buf, v_buf = pool.get_kv(self.layer_id)
+            rotary.rotate_and_store(positions, q, k, v, k_buf, v_buf, fb.out_cache_loc, pool.k_scale, pool.v_scale)
+            return fb.attn_backend.forward(q, None, None, self, fb)
+        q, k = rotary(positions, q, k)
+        # On CUDA the backends store K/V from strided views (k is one already), so v needs no copy.
+        if not (self.fuse_decode and on_device):
+            v = v.contiguous()
+        return fb.attn_backend.forward(q, k, v, self, fb)
+
+    @staticmethod
+    def _kernel_device(q: torch.Tensor) -> bool:
+        """Where the fused kernel runs: CUDA (CPU tests lift this to run it in the Triton interpreter)."""
+        return q.is_cuda

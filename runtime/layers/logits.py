@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.decode_fusion import decode_fusion_enabled
+
 if TYPE_CHECKING:
     from runtime.model_executor.forward_batch import ForwardBatch
 
@@ -24,6 +26,7 @@ class LogitsOutput:
 class LogitsProcessor:
     def __init__(self, compute_logits):
         self.compute_logits = compute_logits
+        self.skip_decode_gather = decode_fusion_enabled()
 
     def __call__(self, hidden: torch.Tensor, input_ids: torch.Tensor, fb: ForwardBatch) -> LogitsOutput:
         if fb.batch_size == 0:
@@ -32,6 +35,10 @@ class LogitsProcessor:
             # Model dtype: bs * (K + 1) rows of fp32 would be a large extra write; the greedy verify takes
             # the argmax as is and the Sampler widens to fp32 itself (exactly: the same values).
             return LogitsOutput(self.compute_logits(hidden))
+        if fb.forward_mode.is_decode() and self.skip_decode_gather and not any(fb.return_input_logprob):
+            # One new token per request: every row is a last token, so hidden[last] would be a copy of
+            # hidden (three launches in the decode graph).
+            return LogitsOutput(self.compute_logits(hidden).float())
         last = fb.extend_start_loc + fb.extend_seq_lens - 1
         logits = self.compute_logits(hidden[last]).float()
         if not any(fb.return_input_logprob):

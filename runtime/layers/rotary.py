@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from kernels.rotary import apply_rotary
+from kernels.rotary_kv_store import rotary_kv_store
 from runtime.model_config import RopeConfig
 
 
@@ -48,6 +49,17 @@ class RotaryEmbedding(nn.Module):
         cos = torch.cat([cos, cos], dim=-1).unsqueeze(1)
         sin = torch.cat([sin, sin], dim=-1).unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def fusable(self, head_dim: int) -> bool:
+        """Whether rotate_and_store can serve this layer (it rotates whole heads)."""
+        return self.cos_sin_cache.shape[-1] == head_dim == self.head_dim
+
+    def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k_scale: float,
+                         v_scale: float) -> None:
+        """CUDA: q rotated in place; rotated k and v written to k_buffer/v_buffer[loc] (one launch)."""
+        rotary_kv_store(positions, q, k, v, self.cos_sin_cache, k_buffer, v_buffer, loc, k_scale, v_scale,
+                        is_neox=True)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape

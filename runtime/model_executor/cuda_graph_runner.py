@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.decode_fusion import decode_fusion_enabled
+from kernels.graph_inputs import stage_graph_inputs
 from runtime.layers.logits import LogitsOutput
 from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.model_executor.forward_mode import ForwardMode
@@ -60,6 +62,7 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[ForwardMode, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[ForwardMode, int], torch.Tensor] = {}
         self.pool = None
+        self.stage_in_one = decode_fusion_enabled()  # the replay's input copies in one launch
         if self.enabled:
             self.backend.init_cuda_graph_state(self.max_bs)
             self._capture_all()
@@ -124,18 +127,24 @@ class CudaGraphRunner:
         n = self.modes[mode]
         padded = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
         fill = max(self.fill_seq_len, n)
-        if padded != bs:
-            # A larger earlier batch left real slots here: padded rows must write only the scratch slot.
-            self.out_cache_loc[bs * n:padded * n].zero_()
-            self.req_pool_indices[bs:padded].zero_()
-            self.seq_lens[bs:padded].fill_(fill)
-            self.prefix_lens[bs:padded].fill_(fill - n)
-        self.input_ids[:bs * n].copy_(fb.input_ids)
-        self.positions[:bs * n].copy_(fb.positions)
-        self.out_cache_loc[:bs * n].copy_(fb.out_cache_loc)
-        self.req_pool_indices[:bs].copy_(fb.req_pool_indices)
-        self.seq_lens[:bs].copy_(fb.seq_lens)
-        self.prefix_lens[:bs].copy_(fb.extend_prefix_lens)
+        if self.stage_in_one:  # the same copies and padded-row resets as below, one launch
+            stage_graph_inputs((self.input_ids, self.positions, self.out_cache_loc, self.req_pool_indices,
+                                self.seq_lens, self.prefix_lens),
+                               (fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices, fb.seq_lens,
+                                fb.extend_prefix_lens), bs, padded, n, fill)
+        else:
+            if padded != bs:
+                # A larger earlier batch left real slots here: padded rows must write only the scratch slot.
+                self.out_cache_loc[bs * n:padded * n].zero_()
+                self.req_pool_indices[bs:padded].zero_()
+                self.seq_lens[bs:padded].fill_(fill)
+                self.prefix_lens[bs:padded].fill_(fill - n)
+            self.input_ids[:bs * n].copy_(fb.input_ids)
+            self.positions[:bs * n].copy_(fb.positions)
+            self.out_cache_loc[:bs * n].copy_(fb.out_cache_loc)
+            self.req_pool_indices[:bs].copy_(fb.req_pool_indices)
+            self.seq_lens[:bs].copy_(fb.seq_lens)
+            self.prefix_lens[:bs].copy_(fb.extend_prefix_lens)
         seq_lens_cpu = fb.seq_lens_cpu + [fill] * (padded - bs)
         self.backend.init_forward_metadata_replay_cuda_graph(
             padded, self.req_pool_indices[:padded], self.seq_lens[:padded],

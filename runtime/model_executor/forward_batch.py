@@ -81,6 +81,9 @@ class ForwardBatch:
         """Records where this step's new tokens live, so attention can gather each request's KV."""
         if self.extend_num_tokens == 0:
             return
-        rows = torch.repeat_interleave(self.req_pool_indices, self.extend_seq_lens,
-                                       output_size=self.extend_num_tokens)  # no host sync
+        if self.forward_mode.is_decode():  # one token per request: no repeat_interleave launches
+            rows = self.req_pool_indices
+        else:
+            rows = torch.repeat_interleave(self.req_pool_indices, self.extend_seq_lens,
+                                           output_size=self.extend_num_tokens)  # no host sync
         self.req_to_token_pool.req_to_token[rows, self.positions] = self.out_cache_loc.to(torch.int32)

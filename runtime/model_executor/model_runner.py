@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.future_tokens import resolve_future_ids
 from runtime.attention.registry import create_attention_backend, resolve_backend_name
 from runtime.attention.spec import AttentionSpec
 from runtime.config import ServerArgs
@@ -205,7 +206,7 @@ class ModelRunner:
         # A negative id -(r+1) stands for the token just sampled for request row r, which the scheduler
         # has not seen yet (overlap scheduling): take it from the device-side buffer.
         ids = fb.input_ids
-        fb.input_ids = torch.where(ids < 0, self.future_token_ids[(-ids - 1).clamp_(min=0)], ids)
+        fb.input_ids = resolve_future_ids(ids, self.future_token_ids)
         if fb.forward_mode.is_target_verify():  # drafts, one forward over them, acceptance: synchronous
             if self.spec is None:
                 raise ValueError("a TARGET_VERIFY batch needs a worker started with --speculative-algorithm")

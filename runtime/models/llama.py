@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from kernels.decode_fusion import decode_fusion_enabled
 from runtime.errors import WeightLoadError
 from runtime.layers.activation import SiluAndMul
 from runtime.layers.attention import Attention
@@ -45,8 +46,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.contiguous(), fb))
+        return self.o_proj(self.attn.forward_rotary(positions, q, k, v, self.rotary_emb, fb))
 
 
 class LlamaMLP(nn.Module):
@@ -56,9 +56,14 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], False, ctx.mlp, cfg.dtype)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, ctx.mlp, dtype=cfg.dtype)
         self.act_fn = SiluAndMul()
+        self.fuse_act = decode_fusion_enabled()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        # An FP8 down projection (fp8_linear) can fold the activation into its decode GEMV.
+        if self.fuse_act and hasattr(self.down_proj, "forward_silu_mul"):
+            return self.down_proj.forward_silu_mul(gate_up, self.act_fn)
+        return self.down_proj(self.act_fn(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -90,3 +90,37 @@ def test_decode_sliding_window_reference_is_attention_over_the_last_tokens(paged
     windowed = decode_attention_ref(pb.q, pb.k_buffer, pb.v_buffer, pb.req_to_token, pb.req_pool_indices,
                                     pb.seq_lens, pb.sm_scale, sliding_window=window)
     torch.testing.assert_close(windowed, full)
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d", "window", "splits"), [
+    (4, 2, 32, 0, 4), (9, 3, 24, 0, 8), (40, 2, 16, 0, 2), (4, 2, 32, 20, 4), (8, 1, 16, 0, 1)])
+def test_fused_merge_is_bit_equal_to_two_stages(paged_batch, hq, hkv, d, window, splits) -> None:
+    """fuse_merge (stage 2 done by the last split of each request and head block) gives the same bits as
+    the two launches, with empty splits (short sequences, zero-length padding rows), a sliding window, GQA
+    groups over 16 heads, and the counters back at zero after each call so the next call reuses them."""
+    from kernels.decode_attention import decode_attention_counters
+
+    pb = _decode_batch(paged_batch, [1, 37, 100, 64, 5], hq, hkv, d)
+    seq_lens = pb.seq_lens.clone()
+    seq_lens[-1] = 0
+    counters = decode_attention_counters(8, hq, "cpu")
+    outs = []
+    for fuse in (False, True, True):
+        o = torch.full_like(pb.q, float("nan"))
+        decode_attention_fwd(pb.q, pb.k_buffer, pb.v_buffer, o, pb.req_to_token, pb.req_pool_indices, seq_lens,
+                             pb.sm_scale, num_kv_splits=splits, sliding_window=window, fuse_merge=fuse,
+                             counters=counters)
+        assert not counters.any()
+        outs.append(o)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+    assert torch.equal(outs[1][-1], torch.zeros_like(outs[1][-1]))
+
+
+def test_fused_merge_rejects_small_counters(paged_batch) -> None:
+    from kernels.decode_attention import decode_attention_counters
+
+    pb = _decode_batch(paged_batch, [3, 4], 4, 2, 16)
+    with pytest.raises(ValueError, match="counters"):
+        decode_attention_fwd(pb.q, pb.k_buffer, pb.v_buffer, torch.empty_like(pb.q), pb.req_to_token,
+                             pb.req_pool_indices, pb.seq_lens, pb.sm_scale, fuse_merge=True,
+                             counters=decode_attention_counters(1, 4, "cpu"))
