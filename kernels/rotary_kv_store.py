@@ -40,6 +40,62 @@ def _quantize(x, inv_scale, QUANT: tl.constexpr):
 
 
 @triton.jit
+def _store_v(V, V_Buffer, token, slot, stride_vt, stride_vh, stride_vbs, stride_vbh, inv_v_scale,
+             NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
+             QUANT: tl.constexpr):
+    offs_h = tl.arange(0, BLOCK_HKV)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    v = tl.load(V + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    v = _quantize(v, inv_v_scale, QUANT)
+    tl.store(V_Buffer + slot * stride_vbs + offs_h[:, None] * stride_vbh + offs_d[None, :],
+             v.to(V_Buffer.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _cos_sin(Positions, Cos_Sin, token, stride_cs, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    pos = tl.load(Positions + token).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask_d = offs_d < HALF
+    cos = tl.load(Cos_Sin + pos * stride_cs + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(Cos_Sin + pos * stride_cs + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    return offs_d, mask_d, cos, sin
+
+
+@triton.jit
+def _rotate_q(Positions, Q, Cos_Sin, token, stride_qt, stride_qh, stride_cs, NUM_Q_HEADS: tl.constexpr,
+              HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+    offs_d, mask_d, cos, sin = _cos_sin(Positions, Cos_Sin, token, stride_cs, HALF, BLOCK_HALF)
+    offs_h = tl.arange(0, BLOCK_HQ)
+    mask = (offs_h[:, None] < NUM_Q_HEADS) & mask_d[None, :]
+    p1, p2 = _pair_ptrs(Q + token * stride_qt + offs_h[:, None] * stride_qh, offs_d, HALF, IS_NEOX)
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
+    o1, o2 = rotate_pair(x1, x2, cos, sin)
+    tl.store(p1, o1.to(Q.dtype.element_ty), mask=mask)
+    tl.store(p2, o2.to(Q.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotate_store_k(Positions, K, Cos_Sin, K_Buffer, token, slot, stride_kt, stride_kh, stride_cs, stride_kbs,
+                    stride_kbh, inv_k_scale, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                    BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, IS_NEOX: tl.constexpr, QUANT: tl.constexpr):
+    offs_d, mask_d, cos, sin = _cos_sin(Positions, Cos_Sin, token, stride_cs, HALF, BLOCK_HALF)
+    offs_h = tl.arange(0, BLOCK_HKV)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & mask_d[None, :]
+    p1, p2 = _pair_ptrs(K + token * stride_kt + offs_h[:, None] * stride_kh, offs_d, HALF, IS_NEOX)
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
+    o1, o2 = rotate_pair(x1, x2, cos, sin)
+    # Rounded to k's dtype first: what the in-place rotary leaves in k and store_kv then reads.
+    o1 = _quantize(o1.to(K.dtype.element_ty), inv_k_scale, QUANT)
+    o2 = _quantize(o2.to(K.dtype.element_ty), inv_k_scale, QUANT)
+    d1, d2 = _pair_ptrs(K_Buffer + slot * stride_kbs + offs_h[:, None] * stride_kbh, offs_d, HALF, IS_NEOX)
+    tl.store(d1, o1.to(K_Buffer.dtype.element_ty), mask=mask)
+    tl.store(d2, o2.to(K_Buffer.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rotary_kv_store_kernel(
     Positions, Q, K, V, Cos_Sin, K_Buffer, V_Buffer, Loc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
@@ -48,45 +104,19 @@ def _rotary_kv_store_kernel(
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_NEOX: tl.constexpr, QUANT: tl.constexpr,
 ):
+    # Each part in a function of its own: a runtime branch may not bind one name to blocks of two shapes.
     token = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     slot = tl.load(Loc + token).to(tl.int64)
-    if part == 2:
-        offs_h = tl.arange(0, BLOCK_HKV)
-        offs_d = tl.arange(0, BLOCK_D)
-        mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
-        v = tl.load(V + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-        v = _quantize(v, inv_v_scale, QUANT)
-        tl.store(V_Buffer + slot * stride_vbs + offs_h[:, None] * stride_vbh + offs_d[None, :],
-                 v.to(V_Buffer.dtype.element_ty), mask=mask)
+    if part == 0:
+        _rotate_q(Positions, Q, Cos_Sin, token, stride_qt, stride_qh, stride_cs, NUM_Q_HEADS, HALF, BLOCK_HQ,
+                  BLOCK_HALF, IS_NEOX)
+    elif part == 1:
+        _rotate_store_k(Positions, K, Cos_Sin, K_Buffer, token, slot, stride_kt, stride_kh, stride_cs, stride_kbs,
+                        stride_kbh, inv_k_scale, NUM_KV_HEADS, HALF, BLOCK_HKV, BLOCK_HALF, IS_NEOX, QUANT)
     else:
-        pos = tl.load(Positions + token).to(tl.int64)
-        offs_d = tl.arange(0, BLOCK_HALF)
-        mask_d = offs_d < HALF
-        cos = tl.load(Cos_Sin + pos * stride_cs + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-        sin = tl.load(Cos_Sin + pos * stride_cs + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-        if part == 0:
-            offs_h = tl.arange(0, BLOCK_HQ)
-            mask = (offs_h[:, None] < NUM_Q_HEADS) & mask_d[None, :]
-            p1, p2 = _pair_ptrs(Q + token * stride_qt + offs_h[:, None] * stride_qh, offs_d, HALF, IS_NEOX)
-            x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
-            o1, o2 = rotate_pair(x1, x2, cos, sin)
-            tl.store(p1, o1.to(Q.dtype.element_ty), mask=mask)
-            tl.store(p2, o2.to(Q.dtype.element_ty), mask=mask)
-        else:
-            offs_h = tl.arange(0, BLOCK_HKV)
-            mask = (offs_h[:, None] < NUM_KV_HEADS) & mask_d[None, :]
-            p1, p2 = _pair_ptrs(K + token * stride_kt + offs_h[:, None] * stride_kh, offs_d, HALF, IS_NEOX)
-            x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
-            o1, o2 = rotate_pair(x1, x2, cos, sin)
-            # Rounded to k's dtype first: what the in-place rotary leaves in k and store_kv then reads.
-            o1 = _quantize(o1.to(K.dtype.element_ty), inv_k_scale, QUANT)
-            o2 = _quantize(o2.to(K.dtype.element_ty), inv_k_scale, QUANT)
-            d1, d2 = _pair_ptrs(K_Buffer + slot * stride_kbs + offs_h[:, None] * stride_kbh, offs_d, HALF, IS_NEOX)
-            tl.store(d1, o1.to(K_Buffer.dtype.element_ty), mask=mask)
-            tl.store(d2, o2.to(K_Buffer.dtype.element_ty), mask=mask)
+        _store_v(V, V_Buffer, token, slot, stride_vt, stride_vh, stride_vbs, stride_vbh, inv_v_scale,
+                 NUM_KV_HEADS, HEAD_DIM, BLOCK_HKV, BLOCK_D, QUANT)
 
 
 def rotary_kv_store(
