@@ -2,8 +2,10 @@
 
 It routes each request to a live replica (RoutingPolicy; cache_aware reads each replica's prefix-cache
 events, which ride on the output polls), submits it, and receives its deltas through a per-replica
-output pump (one long-poll per replica, see SchedulerActor.poll) running on the client's own event loop
-thread; deltas are handed to each stream's own loop. A health loop pings every replica and refreshes
+output pump running on the client's own event loop thread; deltas are handed to each stream's own loop.
+Requests and deltas travel over a direct link to each scheduler actor (RequestLink / LinkServer: no Ray
+call per request or step); without one (--disable-request-link, or an actor that offers none) submit()
+is an actor call and the pump long-polls SchedulerActor.poll. A health loop pings every replica and refreshes
 the loads least_load routes by.
 
 When a replica fails (an actor died, a step failed, a health check timed out) routing skips it, the
@@ -24,6 +26,8 @@ from typing import Any
 
 from runtime.cluster.live_stream import LiveStream, pin_seed
 from runtime.cluster.replica_group import ReplicaGroup
+from runtime.cluster.replica_links import ReplicaLinks
+from runtime.cluster.request_link import RequestLink
 from runtime.cluster.routing import CacheAware, ReplicaLoad, create_routing_policy
 from runtime.config import ServerArgs
 from runtime.engine_client import EngineClient
@@ -71,6 +75,7 @@ class RayEngineClient(EngineClient):
         self._rng = random.Random()
         self._restarting: set[int] = set()
         self._consumer = f"client-{uuid.uuid4().hex[:12]}"
+        self._links = ReplicaLinks(self._consumer, not args.disable_request_link)
         self._closing = False
         self.restarts = 0
         self.failovers = 0
@@ -113,7 +118,7 @@ class RayEngineClient(EngineClient):
         done = False
         try:
             try:
-                await self._actor(i).submit.remote(req, self._consumer)
+                await self._links.submit(i, self._actor(i), req)
             except Exception as e:  # the actor died between the routing and the call: fail over
                 gi = self._target_group[i]
                 self._loop.call_soon_threadsafe(self._on_failure, gi, st.generation, self._failure_message(gi, e))
@@ -128,7 +133,7 @@ class RayEngineClient(EngineClient):
                 self._release(st)
             if not done:  # the consumer went away: free the request's KV on the replica it runs on now
                 try:
-                    self._actor(st.target).abort.remote(req.rid)
+                    self._links.abort(st.target, self._actor(st.target), req.rid)
                 except Exception:
                     logger.debug("abort of %s failed", req.rid, exc_info=True)
 
@@ -137,7 +142,9 @@ class RayEngineClient(EngineClient):
         targets = [st.target] if st is not None else [r.index for r in self.replicas if r.alive]
         for i in targets:
             try:
-                await self._actor(i).abort.remote(rid)
+                sent = self._links.abort(i, self._actor(i), rid)
+                if sent is not None:
+                    await sent
             except Exception:  # a dead replica has already failed the request
                 logger.debug("abort of %s on target %d failed", rid, i, exc_info=True)
 
@@ -203,7 +210,7 @@ class RayEngineClient(EngineClient):
     # ---- background loop: pumps, health, relaunch ------------------------------------------------
     async def _start(self) -> None:
         for g in self.groups:
-            self._start_pumps(g)
+            await self._start_pumps(g)
         self._spawn(self._health_loop())
 
     def _spawn(self, coro: Any) -> None:
@@ -211,40 +218,58 @@ class RayEngineClient(EngineClient):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _start_pumps(self, group: ReplicaGroup) -> None:
+    async def _start_pumps(self, group: ReplicaGroup) -> None:
+        """Opens each target's link (before it takes requests), then its pump."""
         for i in self._targets_of(group.index):
-            self._spawn(self._pump(i, group.generation))
+            seq = self.replicas[i].prefixes.seq if self.policy.wants_page_hashes else None
+            link = await self._links.open(i, self._actor(i), seq)
+            self._spawn(self._pump(i, group.generation, link))
 
-    async def _pump(self, i: int, generation: int) -> None:
+    async def _pump(self, i: int, generation: int, link: RequestLink | None = None) -> None:
         gi = self._target_group[i]
         actor = self._actor(i)
         prefixes = self.replicas[i].prefixes
         wants_cache = self.policy.wants_page_hashes
         while not self._closing and self.groups[gi].generation == generation:
             try:
-                poll = OutputPoll.decode(await actor.poll.remote(self._consumer, 1.0,
-                                                                  prefixes.seq if wants_cache else None))
+                if link is not None:
+                    poll = await link.next_poll()
+                    if poll is None:  # the link broke: Ray says why (an actor that died raises here)
+                        await asyncio.wait_for(actor.health.remote(), self.health_timeout_s)
+                        raise ConnectionError(f"the link to replica {gi} closed")
+                else:
+                    poll = OutputPoll.decode(await actor.poll.remote(self._consumer, 1.0,
+                                                                      prefixes.seq if wants_cache else None))
             except Exception as e:
                 if not self._closing:
                     self._on_failure(gi, generation, self._failure_message(gi, e))
                 return
             if self.groups[gi].generation != generation:
                 return
-            if poll.cache is not None:  # before the outputs: a finished request's prefix is in it
-                prefixes.apply(poll.cache)
-            batch = []
-            for out in poll.outputs:
-                st = self._streams.get(out.rid)
-                if st is None or st.target != i or st.generation != generation or st.finished:
-                    continue  # gone, or moved elsewhere: what the old replica still says is stale
-                if not poll.healthy and out.finished and out.finish_reason and out.finish_reason.kind == "error":
-                    continue  # the replica's failure, not the request's: it fails over below
-                st.record(out)
-                batch.append((st.loop, st.queue, out))
-            deliver(batch)
-            if not poll.healthy:
-                self._on_failure(gi, generation, f"replica {gi} failed: {poll.error}")
+            if not self._take_poll(i, gi, generation, poll):
                 return
+
+    def _take_poll(self, i: int, gi: int, generation: int, poll: OutputPoll) -> bool:
+        """On the client loop: one answer's deltas to their streams; False once the replica failed."""
+        if poll.cache is not None:  # before the outputs: a finished request's prefix is in it
+            self.replicas[i].prefixes.apply(poll.cache)
+        batch = []
+        now = time.perf_counter()
+        for out in poll.outputs:
+            if out.trace is not None:
+                out.trace.received = now
+            st = self._streams.get(out.rid)
+            if st is None or st.target != i or st.generation != generation or st.finished:
+                continue  # gone, or moved elsewhere: what the old replica still says is stale
+            if not poll.healthy and out.finished and out.finish_reason and out.finish_reason.kind == "error":
+                continue  # the replica's failure, not the request's: it fails over below
+            st.record(out)
+            batch.append((st.loop, st.queue, out))
+        deliver(batch)
+        if not poll.healthy:
+            self._on_failure(gi, generation, f"replica {gi} failed: {poll.error}")
+            return False
+        return True
 
     async def _health_loop(self) -> None:
         while not self._closing:
@@ -290,6 +315,7 @@ class RayEngineClient(EngineClient):
             for i in targets:
                 self.replicas[i].alive = False
                 self.replicas[i].load = 0.0
+                self._links.drop(i)
             self._spawn(self._relaunch(gi))
         for st in list(self._streams.values()):
             if st.target in targets and st.generation == generation:
@@ -320,7 +346,7 @@ class RayEngineClient(EngineClient):
     async def _resubmit(self, st: LiveStream, resumed: GenerateRequest) -> None:
         i, generation = st.target, st.generation
         try:
-            await self._actor(i).submit.remote(resumed, self._consumer)
+            await self._links.submit(i, self._actor(i), resumed)
         except Exception as e:  # that one died too: its failure moves st on again
             gi = self._target_group[i]
             self._on_failure(gi, generation, self._failure_message(gi, e))
@@ -343,12 +369,13 @@ class RayEngineClient(EngineClient):
             await asyncio.to_thread(new.kill)
             return
         self.groups[gi] = new
+        for i in self._targets_of(gi):
+            self.replicas[i].prefixes.reset()  # a fresh cache, and a fresh event log to read from -1
+        await self._start_pumps(new)
         self._restarting.discard(gi)
         self.restarts += 1
         for i in self._targets_of(gi):
-            self.replicas[i].prefixes.reset()  # a fresh cache, and a fresh event log to read from -1
             self.replicas[i].alive = True
-        self._start_pumps(new)
         logger.info("replica %d is back (generation %d)", gi, new.generation)
 
     # ---- shutdown -------------------------------------------------------------------------------
@@ -370,6 +397,7 @@ class RayEngineClient(EngineClient):
             logger.debug("stopping client tasks failed", exc_info=True)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+        self._links.close()
         for g in self.groups:
             g.kill()
         self.launcher.shutdown()
