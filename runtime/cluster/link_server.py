@@ -89,18 +89,33 @@ class LinkServer:
                 self._push(fs, hello)
             else:
                 self._read_requests(fs, hello.consumer)
-        except Exception:  # a bad peer must not take the actor down
-            logger.exception("link connection of %s failed", self.name)
+        except Exception as e:  # a bad peer must not take the actor down
+            logger.warning("link connection of %s dropped: %s: %s", self.name, type(e).__name__, e)
         finally:
             fs.close()
 
     def _read_requests(self, fs: FrameSocket, consumer: str) -> None:
-        while (raw := fs.recv()) is not None:
-            message = self._decoder.decode(raw)
-            if isinstance(message, LinkSubmit):
-                self._submit(message.req, consumer)
-            elif isinstance(message, LinkAbort):
-                self._abort(message.rid)
+        try:
+            while (raw := fs.recv()) is not None:
+                message = self._decoder.decode(raw)
+                if isinstance(message, LinkSubmit):
+                    self._submit(message.req, consumer)
+                elif isinstance(message, LinkAbort):
+                    self._abort(message.rid)
+        finally:  # the client is gone (a pusher would only notice at its next send)
+            self._drop(consumer)
+
+    def _drop(self, consumer: str, pusher: _Pusher | None = None) -> None:
+        """Ends the consumer's output connection (unless `pusher` is no longer it) and reports it gone."""
+        with self._lock:
+            current = self._pushers.get(consumer)
+            if pusher is not None and current is not pusher:
+                return
+            self._pushers.pop(consumer, None)
+        if current is not None:
+            current.wake.set()
+        if not self._closed:
+            self._gone(consumer)
 
     def _push(self, fs: FrameSocket, hello: LinkHello) -> None:
         pusher = _Pusher()
@@ -126,12 +141,7 @@ class LinkServer:
         except OSError:  # the client went away
             pass
         finally:
-            with self._lock:
-                mine = self._pushers.get(hello.consumer) is pusher
-                if mine:
-                    del self._pushers[hello.consumer]
-            if mine and not self._closed:
-                self._gone(hello.consumer)
+            self._drop(hello.consumer, pusher)
 
 
 class _Pusher:
@@ -139,3 +149,4 @@ class _Pusher:
 
     def __init__(self):
         self.wake = threading.Event()
+        self.wake.set()  # deltas may have come before this connection did: look at once
