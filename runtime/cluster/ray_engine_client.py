@@ -2,11 +2,9 @@
 
 It routes each request to a live replica (RoutingPolicy; cache_aware reads each replica's prefix-cache
 events, which ride on the output polls), submits it, and receives its deltas through a per-replica
-output pump running on the client's own event loop thread; deltas are handed to each stream's own loop.
-Requests and deltas travel over a direct link to each scheduler actor (RequestLink / LinkServer: no Ray
-call per request or step); without one (--disable-request-link, or an actor that offers none) submit()
-is an actor call and the pump long-polls SchedulerActor.poll. A health loop pings every replica and refreshes
-the loads least_load routes by.
+output pump running on the client's own event loop thread (requests and deltas go over a direct link to
+each scheduler actor, ReplicaLinks); deltas are handed to each stream's own loop. A health loop pings
+every replica and refreshes the loads least_load routes by.
 
 When a replica fails (an actor died, a step failed, a health check timed out) routing skips it, the
 whole replica group is relaunched in the background, and each of its in-flight requests moves to a
@@ -36,7 +34,6 @@ from runtime.managers.request_validation import RequestLimits, validate_request
 from runtime.mem_cache.block_hash import page_hashes
 from runtime.messages import (
     GenerateRequest,
-    OutputPoll,
     RequestOutput,
     RoutingStats,
     SchedulerStats,
@@ -232,44 +229,32 @@ class RayEngineClient(EngineClient):
         wants_cache = self.policy.wants_page_hashes
         while not self._closing and self.groups[gi].generation == generation:
             try:
-                if link is not None:
-                    poll = await link.next_poll()
-                    if poll is None:  # the link broke: Ray says why (an actor that died raises here)
-                        await asyncio.wait_for(actor.health.remote(), self.health_timeout_s)
-                        raise ConnectionError(f"the link to replica {gi} closed")
-                else:
-                    poll = OutputPoll.decode(await actor.poll.remote(self._consumer, 1.0,
-                                                                      prefixes.seq if wants_cache else None))
+                poll = await self._links.next_answer(i, actor, link, prefixes.seq if wants_cache else None,
+                                                     self.health_timeout_s)
             except Exception as e:
                 if not self._closing:
                     self._on_failure(gi, generation, self._failure_message(gi, e))
                 return
             if self.groups[gi].generation != generation:
                 return
-            if not self._take_poll(i, gi, generation, poll):
+            if poll.cache is not None:  # before the outputs: a finished request's prefix is in it
+                prefixes.apply(poll.cache)
+            batch = []
+            now = time.perf_counter()
+            for out in poll.outputs:
+                if out.trace is not None:
+                    out.trace.received = now
+                st = self._streams.get(out.rid)
+                if st is None or st.target != i or st.generation != generation or st.finished:
+                    continue  # gone, or moved elsewhere: what the old replica still says is stale
+                if not poll.healthy and out.finished and out.finish_reason and out.finish_reason.kind == "error":
+                    continue  # the replica's failure, not the request's: it fails over below
+                st.record(out)
+                batch.append((st.loop, st.queue, out))
+            deliver(batch)
+            if not poll.healthy:
+                self._on_failure(gi, generation, f"replica {gi} failed: {poll.error}")
                 return
-
-    def _take_poll(self, i: int, gi: int, generation: int, poll: OutputPoll) -> bool:
-        """On the client loop: one answer's deltas to their streams; False once the replica failed."""
-        if poll.cache is not None:  # before the outputs: a finished request's prefix is in it
-            self.replicas[i].prefixes.apply(poll.cache)
-        batch = []
-        now = time.perf_counter()
-        for out in poll.outputs:
-            if out.trace is not None:
-                out.trace.received = now
-            st = self._streams.get(out.rid)
-            if st is None or st.target != i or st.generation != generation or st.finished:
-                continue  # gone, or moved elsewhere: what the old replica still says is stale
-            if not poll.healthy and out.finished and out.finish_reason and out.finish_reason.kind == "error":
-                continue  # the replica's failure, not the request's: it fails over below
-            st.record(out)
-            batch.append((st.loop, st.queue, out))
-        deliver(batch)
-        if not poll.healthy:
-            self._on_failure(gi, generation, f"replica {gi} failed: {poll.error}")
-            return False
-        return True
 
     async def _health_loop(self) -> None:
         while not self._closing:

@@ -1,13 +1,15 @@
 """ReplicaLinks: a RayEngineClient's RequestLink to each routing target (scheduler actor), and the
-fallback to actor calls for a target without one (--disable-request-link, or an actor offering none)."""
+fallback to actor calls for a target without one (--disable-request-link, or an actor offering none):
+then submit() and abort() are actor calls and the pump long-polls SchedulerActor.poll."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 from runtime.cluster.request_link import RequestLink
-from runtime.messages import GenerateRequest
+from runtime.messages import GenerateRequest, OutputPoll
 
 logger = logging.getLogger(__name__)
 
@@ -57,3 +59,15 @@ class ReplicaLinks:
             link.abort(rid)
             return None
         return actor.abort.remote(rid)
+
+    async def next_answer(self, i: int, actor: Any, link: RequestLink | None, cache_seq: int | None,
+                          timeout_s: float) -> OutputPoll:
+        """On the client loop: the next OutputPoll for target i — pushed over `link`, else long-polled.
+        Raises when the replica is gone (a broken link asks Ray why: an actor that died raises there)."""
+        if link is None:
+            return OutputPoll.decode(await actor.poll.remote(self.consumer, 1.0, cache_seq))
+        poll = await link.next_poll()
+        if poll is None:
+            await asyncio.wait_for(actor.health.remote(), timeout_s)
+            raise ConnectionError(f"the link to routing target {i} closed")
+        return poll
