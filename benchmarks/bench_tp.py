@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tput-input-len", type=int, default=462)
     p.add_argument("--tput-output-len", type=int, default=256)
     p.add_argument("--max-total-tokens", type=int, default=None, help="default: what memory allows")
-    p.add_argument("--paths", nargs="+", default=["inproc", "ray_tp1", "ray_tp1_poll", "ray_tp2"],
+    p.add_argument("--paths", nargs="+", default=["inproc", "ray_tp1", "ray_tp2"],
                    choices=sorted(PATH_ARGS))
     p.add_argument("--simulated-device", action="store_true",
                    help="no model: benchmarks/simulated_device.py stands in for the GPU (host-side costs only)")

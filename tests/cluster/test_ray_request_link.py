@@ -78,7 +78,7 @@ def test_a_gone_client_has_its_requests_ended(ray_local, tiny_llama):
             link.submit(client.validate(GenerateRequest(rid="left", input_ids=[3, 4, 5],
                                                         sampling_params=greedy(400, ignore_eos=True))))
             poll = await asyncio.wait_for(link.next_poll(), 10)
-            assert [o.rid for o in poll.outputs] == ["left"] and poll.healthy
+            assert {o.rid for o in poll.outputs} == {"left"} and poll.healthy  # one or more of its deltas
             link.close()
 
         asyncio.run(start_and_leave())
