@@ -354,13 +354,14 @@ class RayEngineClient(EngineClient):
             await asyncio.to_thread(new.kill)
             return
         self.groups[gi] = new
-        for i in self._targets_of(gi):
-            self.replicas[i].prefixes.reset()  # a fresh cache, and a fresh event log to read from -1
-        await self._start_pumps(new)
         self._restarting.discard(gi)
         self.restarts += 1
         for i in self._targets_of(gi):
-            self.replicas[i].alive = True
+            self.replicas[i].prefixes.reset()  # a fresh cache, and a fresh event log to read from -1
+        await self._start_pumps(new)  # links first: a routed request is sent over its target's link
+        if self.groups[gi] is new and gi not in self._restarting:  # unless it failed again meanwhile
+            for i in self._targets_of(gi):
+                self.replicas[i].alive = True
         logger.info("replica %d is back (generation %d)", gi, new.generation)
 
     # ---- shutdown -------------------------------------------------------------------------------
@@ -375,6 +376,7 @@ class RayEngineClient(EngineClient):
             for t in list(self._tasks):
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            self._links.close()  # on the loop: its output connections are that loop's transports
 
         try:
             asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=10)
@@ -382,7 +384,6 @@ class RayEngineClient(EngineClient):
             logger.debug("stopping client tasks failed", exc_info=True)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
-        self._links.close()
         for g in self.groups:
             g.kill()
         self.launcher.shutdown()
