@@ -40,8 +40,8 @@ class FirstTokenTrace(msgspec.Struct, kw_only=True):
 
     scheduled: float  # its prefill was put in a batch
     result: float  # that batch's result reached the scheduler
-    queued: float = 0.0  # scheduler actor: the delta was queued for its consumer's poll
-    polled: float = 0.0  # scheduler actor: the poll answering it was about to return
+    queued: float = 0.0  # scheduler actor: the delta was queued for its consumer
+    polled: float = 0.0  # scheduler actor: the answer carrying it (pushed frame or poll reply) was about to go
     received: float = 0.0  # Ray client: its pump decoded that poll answer
 
 

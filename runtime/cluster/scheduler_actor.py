@@ -6,9 +6,11 @@ overlap scheduling works as in the in-process Engine (the same SchedulerHost), a
 Requests and outputs travel over each client's direct link (LinkServer: two TCP connections, no Ray
 call per request or per step); a step's deltas for one client go out as one pushed frame however many
 requests stream. A client without a link (--disable-request-link) calls `submit()` and long-polls
-`poll()` instead, which returns the same answer: every delta for that consumer since its last poll. A watcher thread awaits the
-other ranks' follow loops: a rank that dies or fails ends the replica's requests with an error naming
-it, and every later poll says unhealthy (the client then relaunches the replica)."""
+`poll()` instead, which returns the same answer: every delta for that consumer since its last poll.
+
+A watcher thread awaits the other ranks' follow loops: a rank that dies or fails ends the replica's
+requests with an error naming it, and every later answer says unhealthy (the client then relaunches the
+replica)."""
 
 from __future__ import annotations
 
@@ -79,7 +81,7 @@ class SchedulerActor:
         grammar = create_grammar_compiler(tokenizer, info.vocab_size, self.args.grammar_compile_timeout_s)
         if self.args.routing_policy == "cache_aware" and self.args.radix_cache_enabled and self.args.dp_size > 1:
             self.cache_events = CacheEventLog()
-        self.links = LinkServer(endpoint()[0], name, submit=self._submit, abort=self.host_abort, answer=self._answer,
+        self.links = LinkServer(endpoint()[0], name, submit=self._submit, abort=self._host_abort, answer=self._answer,
                                 gone=self._forget)
         self.host = SchedulerHost(self.args, worker, info, tokenizer.eos_token_ids, self._sink,
                                   tokenizer.decode, name=f"shoal-scheduler-{name}", grammar=grammar,
@@ -142,9 +144,9 @@ class SchedulerActor:
         self.host.submit(req)
 
     async def abort(self, rid: str) -> None:
-        self.host_abort(rid)
+        self._host_abort(rid)
 
-    def host_abort(self, rid: str) -> None:
+    def _host_abort(self, rid: str) -> None:
         if self.host is not None:
             self.host.abort(rid)
 
@@ -154,7 +156,7 @@ class SchedulerActor:
             rids = [rid for rid, c in self._owner.items() if c == consumer]
             self._pending.pop(consumer, None)
         for rid in rids:
-            self.host_abort(rid)
+            self._host_abort(rid)
 
     async def poll(self, consumer: str, timeout_s: float = 1.0, cache_seq: int | None = None) -> bytes:
         """Deltas for `consumer`'s requests; waits up to timeout_s for the first one. cache_seq: also the
