@@ -6,8 +6,11 @@ deserialization, the hop onto the event loop, task bookkeeping, the reply), and 
 made one call per step. That GIL time came out of the scheduler thread's own: on an H100 the Ray path's
 decode step was ~1 ms slower than in-process at batch 32, and a request's first token waited for a
 submit call and a poll reply. Over a link a request is one frame that a reader thread hands straight to
-the scheduler's inbox, and a step's deltas are one frame a pusher thread writes as soon as the sink
-wakes it: no event loop, no Ray task on the way, and the GIL held only to encode.
+the scheduler's inbox, and a step's deltas are one frame the sink itself writes (push_now): no event loop,
+no Ray task and no thread switch on the way, and the GIL held only to encode. The write never blocks the
+scheduler: what the socket does not take at once, and every frame while the consumer's pusher thread
+is busy, goes out from that thread instead. (Waking a thread to send would cost the first token up to
+the next step's launch: a woken thread gets the GIL only when the launching thread blocks.)
 
 Each client (consumer) opens two connections, each starting with a LinkHello: a request connection (the
 client writes LinkSubmit / LinkAbort frames from any of its threads) and an output connection (this
@@ -22,10 +25,11 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import msgspec
 
-from runtime.cluster.frame_socket import FrameSocket
+from runtime.cluster.frame_socket import FrameSocket, frame
 from runtime.messages import GenerateRequest, LinkAbort, LinkHello, LinkMessage, LinkSubmit, OutputPoll
 
 logger = logging.getLogger(__name__)
@@ -49,13 +53,43 @@ class LinkServer:
         self.address: tuple[str, int] = (host, self._listener.getsockname()[1])
         threading.Thread(target=self._accept, name=f"shoal-link-{name}", daemon=True).start()
 
-    def wake(self, consumer: str) -> bool:
-        """Any thread: that consumer's deltas are pending. False when it has no link (it polls)."""
+    def push_now(self, consumer: str) -> bool:
+        """Any thread: sends that consumer's pending deltas, from this thread when its socket takes them at
+        once, else through its pusher thread. False when it has no link (it polls)."""
         pusher = self._pushers.get(consumer)
         if pusher is None:
             return False
-        pusher.wake.set()
+        if not pusher.lock.acquire(blocking=False):  # its thread is sending: it takes these next
+            pusher.wake.set()
+            return True
+        try:
+            if pusher.backlog or pusher.final:
+                pusher.wake.set()
+                return True
+            data = self._next_frame(consumer, pusher)
+            if data:
+                try:
+                    sent = pusher.sock.send(data, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                except OSError:  # the client is gone: its pusher thread notices and reports it
+                    sent = len(data)
+                if sent < len(data) or pusher.final:
+                    pusher.backlog = data[sent:]
+                    pusher.wake.set()
+        finally:
+            pusher.lock.release()
         return True
+
+    def _next_frame(self, consumer: str, pusher: _Pusher) -> bytes:
+        """Under pusher.lock: the consumer's answer as a frame, or b"" when it has nothing to say."""
+        poll = self._answer(consumer, pusher.seq)
+        cache = poll.cache
+        if cache is not None:
+            pusher.seq = cache.seq
+        pusher.final = not poll.healthy
+        news = cache is not None and (cache.stored or cache.removed or cache.snapshot)
+        return frame(poll.encode()) if poll.outputs or news or pusher.final else b""
 
     def wake_all(self) -> None:
         for pusher in list(self._pushers.values()):
@@ -118,35 +152,46 @@ class LinkServer:
             self._gone(consumer)
 
     def _push(self, fs: FrameSocket, hello: LinkHello) -> None:
-        pusher = _Pusher()
+        """The consumer's pusher thread: sends what push_now could not, health at each heartbeat."""
+        pusher = _Pusher(fs.sock, seq=hello.cache_seq)
         with self._lock:
             old = self._pushers.get(hello.consumer)
             self._pushers[hello.consumer] = pusher
         if old is not None:
             old.wake.set()  # replaced: a consumer has one output connection
-        seq = hello.cache_seq
         try:
             while not self._closed and self._pushers.get(hello.consumer) is pusher:
                 pusher.wake.wait(HEARTBEAT_S)
                 pusher.wake.clear()
-                poll = self._answer(hello.consumer, seq)
-                cache = poll.cache
-                if cache is not None:
-                    seq = cache.seq
-                news = cache is not None and (cache.stored or cache.removed or cache.snapshot)
-                if poll.outputs or news or not poll.healthy:
-                    fs.send(poll.encode())
-                if not poll.healthy:
-                    return
+                with pusher.lock:
+                    if pusher.backlog:
+                        pusher.sock.sendall(pusher.backlog)
+                        pusher.backlog = b""
+                    if not pusher.final:
+                        data = self._next_frame(hello.consumer, pusher)
+                        if data:
+                            pusher.sock.sendall(data)
+                    if pusher.final:  # the replica stopped serving, and the client has been told
+                        return
         except OSError:  # the client went away
             pass
         finally:
             self._drop(hello.consumer, pusher)
 
 
+@dataclass(slots=True, eq=False)
 class _Pusher:
-    __slots__ = ("wake",)
+    """One consumer's output connection; lock guards the socket's writes and the fields below."""
 
-    def __init__(self):
-        self.wake = threading.Event()
-        self.wake.set()  # deltas may have come before this connection did: look at once
+    sock: socket.socket
+    seq: int | None = None  # cache-event log position sent so far (None: the consumer wants none)
+    backlog: bytes = b""  # the rest of a frame the socket did not take at once: goes out first
+    final: bool = False  # an unhealthy answer was made: once it is sent, the connection ends
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    # Set at start: deltas may have come before this connection did.
+    wake: threading.Event = field(default_factory=lambda: _set(threading.Event()))
+
+
+def _set(event: threading.Event) -> threading.Event:
+    event.set()
+    return event

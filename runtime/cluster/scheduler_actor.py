@@ -109,7 +109,7 @@ class SchedulerActor:
     def _wake(self, consumers: set[str]) -> None:
         loop = self._loop
         for c in consumers:
-            if self.links is not None and self.links.wake(c):
+            if self.links is not None and self.links.push_now(c):
                 continue
             event = self._wakeups.get(c)
             if event is not None and loop is not None:

@@ -33,7 +33,7 @@ class FakeReplica:
             self.log.append(("submit", req.rid))
             self.pending.setdefault(consumer, []).append(RequestOutput(
                 rid=req.rid, new_token_ids=req.input_ids[::-1], finished=True, finish_reason=FinishReason("length")))
-        self.server.wake(consumer)
+        self.server.push_now(consumer)
 
     def abort(self, rid: str) -> None:
         with self.lock:
