@@ -1,16 +1,20 @@
 """The card's shape against the in-process Engine, on a 2-GPU machine, 8B-shaped dummy model (bf16).
 
-Runs, one after the other on the same GPUs, with default flags:
-  inproc    the in-process Engine (TP=1, no Ray): the baseline
-  ray_tp1   one TP rank on Ray (the SchedulerActor holds the GPU)
-  ray_tp2   two TP ranks on Ray (rank 1 follows over the StepChannel; NCCL all-reduce)
+Runs (--paths), one after the other on the same GPUs, with default flags:
+  inproc        the in-process Engine (TP=1, no Ray): the baseline
+  ray_tp1       one TP rank on Ray (the SchedulerActor holds the GPU; requests and outputs over its link)
+  ray_tp1_poll  the same over Ray actor calls and output long-polls (--disable-request-link)
+  ray_tp2       two TP ranks on Ray (rank 1 follows over the StepChannel)
 and reports for each the decode step time at each --batch size (streamed token timestamps: the median
-over requests of the gap between consecutive tokens, first token excluded), the Ray overhead
+over requests of the gap between consecutive tokens, first token excluded), the rank-0 device idle share
+per burst, the first token's hops per burst (median ms: see bench_ttft_paths.py), the Ray overhead
 (ray_tp1 - inproc), the TP=2 / in-process TP=1 ratios, how many greedy tokens agree with inproc, and —
-for inproc and ray_tp1 — offline throughput on --num-prompts prompts of --tput-input-len/--tput-output-len
+for the TP=1 paths — offline throughput on --num-prompts prompts of --tput-input-len/--tput-output-len
 with the device idle fraction (1 - summed batch device time / wall time).
 
-    python benchmarks/bench_tp.py --out benchmarks/results/tp_ray_2gpu.json
+    python benchmarks/bench_tp.py --out benchmarks/results/tp_ray_2gpu.json                  # 2 GPUs
+    python benchmarks/bench_tp.py --paths inproc ray_tp1 ray_tp1_poll --out tp_ray_1gpu.json  # 1 GPU
+    python benchmarks/bench_tp.py --simulated-device --paths inproc ray_tp1 ray_tp1_poll      # CPU, no GPU
 """
 
 from __future__ import annotations
@@ -18,22 +22,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from bench_ttft_paths import hops, start_simulated_ray  # noqa: E402
 from common import make_model_folder, print_table, write_result  # noqa: E402
 
 from runtime.config import ServerArgs  # noqa: E402
 from runtime.messages import GenerateRequest  # noqa: E402
 from runtime.sampling.params import SamplingParams  # noqa: E402
+
+PATH_ARGS: dict[str, dict[str, Any]] = {
+    "inproc": {}, "ray_tp1": {"use_ray": True}, "ray_tp1_poll": {"use_ray": True, "disable_request_link": True},
+    "ray_tp2": {"use_ray": True, "tp_size": 2}}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -47,30 +59,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tput-input-len", type=int, default=462)
     p.add_argument("--tput-output-len", type=int, default=256)
     p.add_argument("--max-total-tokens", type=int, default=None, help="default: what memory allows")
+    p.add_argument("--paths", nargs="+", default=["inproc", "ray_tp1", "ray_tp2"],
+                   choices=sorted(PATH_ARGS))
+    p.add_argument("--simulated-device", action="store_true",
+                   help="no model: benchmarks/simulated_device.py stands in for the GPU (host-side costs only)")
     p.add_argument("--out", default="benchmarks/results/tp_ray_2gpu.json")
     return p.parse_args(argv)
 
 
-async def timed_stream(client: Any, req: GenerateRequest) -> tuple[list[int], list[float]]:
-    ids, stamps = [], []
+async def timed_stream(client: Any, req: GenerateRequest) -> tuple[list[int], list[float], dict[str, float]]:
+    ids, stamps, first = [], [], {}
+    req = msgspec.structs.replace(req, arrival_time=time.monotonic())
     async for out in client.stream(client.validate(req)):
         now = time.perf_counter()
+        if not first and out.new_token_ids:
+            first = hops(req.arrival_time, now, out)
         for t in out.new_token_ids:
             ids.append(t)
             stamps.append(now)
-    return ids, stamps
+    return ids, stamps, first
+
+
+def median_hops(runs: list[tuple[list[int], list[float], dict[str, float]]]) -> dict[str, float]:
+    keys = set.intersection(*(set(r[2]) for r in runs)) if runs else set()
+    return {k: round(statistics.median(r[2][k] for r in runs), 3) for k in sorted(keys)}
 
 
 def measure(client: Any, ns: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
     params = SamplingParams(max_new_tokens=ns.output_len, temperature=0.0, ignore_eos=True)
     out: dict[str, Any] = {}
 
-    async def burst(tag: str, bs: int) -> list[tuple[list[int], list[float]]]:
+    async def burst(tag: str, bs: int) -> list[tuple[list[int], list[float], dict[str, float]]]:
         return await asyncio.gather(*(timed_stream(client, GenerateRequest(
             rid=f"{tag}-{j}-{time.time_ns()}", input_ids=prompt, sampling_params=params)) for j in range(bs)))
 
     for bs in ns.batch:
-        steps, idle = [], []
+        steps, idle, first_hops = [], [], []
         for i in range(ns.repeats + 1):  # the first run warms up (and captures graphs of this size)
             before = asyncio.run(client.stats()).device_busy_s
             t0 = time.perf_counter()
@@ -80,7 +104,8 @@ def measure(client: Any, ns: argparse.Namespace, prompt: list[int]) -> dict[str,
             if i == 0:
                 out.setdefault("tokens", runs[0][0])
                 continue
-            gaps = sorted((st[-1] - st[1]) / (len(st) - 2) for _ids, st in runs)
+            gaps = sorted((st[-1] - st[1]) / (len(st) - 2) for _ids, st, _h in runs)
+            first_hops.append(median_hops(runs))
             steps.append(gaps[len(gaps) // 2])
             idle.append(max(0.0, 1.0 - busy / wall) if busy > 0 else None)
         step = sorted(steps)[len(steps) // 2]
@@ -89,6 +114,7 @@ def measure(client: Any, ns: argparse.Namespace, prompt: list[int]) -> dict[str,
         # Rank 0's device idle share over the burst (prefill included): a follower that lags shows here
         # as rank 0's all-reduces waiting, i.e. as busy time, not idle; host-side gaps show as idle.
         out[f"device_idle_fraction_bs{bs}"] = idle
+        out[f"first_token_hops_ms_bs{bs}"] = first_hops
     return out
 
 
@@ -115,8 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     import torch
 
-    if torch.cuda.device_count() < 2:
-        print(f"bench_tp needs 2 CUDA GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+    gpus = max(PATH_ARGS[p].get("tp_size", 1) for p in ns.paths)
+    if not ns.simulated_device and torch.cuda.device_count() < gpus:
+        print(f"bench_tp --paths {' '.join(ns.paths)} needs {gpus} CUDA GPUs, found {torch.cuda.device_count()}",
+              file=sys.stderr)
+        return 2
+    if ns.simulated_device and gpus > 1:
+        print("--simulated-device runs TP=1 paths only", file=sys.stderr)
         return 2
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     from tiny_models import make_tokenizer
@@ -124,55 +155,68 @@ def main(argv: list[str] | None = None) -> int:
     from runtime import Engine
     from runtime.cluster.launch import create_ray_engine_client
 
+    device, dtype = "cuda", "bfloat16"
+    if ns.simulated_device:
+        import simulated_device
+
+        simulated_device.install()
+        device, dtype = "cpu", "float32"
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="shoal-bench-tp-") as tmp:
         folder = make_model_folder(ns.model_config, Path(tmp) / "model")
         make_tokenizer(folder)  # ids come from the prompt below; the scheduler only needs EOS and decode
-        base = dict(model_path=str(folder), load_format="dummy", dtype="bfloat16", device="cuda",
+        base = dict(model_path=str(folder), load_format="dummy", dtype=dtype, device=device,
                     max_total_tokens=ns.max_total_tokens, context_length=4096)
         prompt = [1000 + (i * 37) % 20000 for i in range(ns.input_len)]
-
-        engine = Engine(server_args=ServerArgs(**base))
-        try:
-            results["inproc"] = measure(engine, ns, prompt)
-            if ns.num_prompts:
-                results["inproc"]["throughput"] = throughput(engine, ns)
-        finally:
-            engine.shutdown()
-        del engine
-        torch.cuda.empty_cache()
-        for tp in (1, 2):
+        for path in ns.paths:
+            args = ServerArgs(**base, **PATH_ARGS[path])
+            tp1 = args.tp_size == 1
             t0 = time.perf_counter()
-            client = create_ray_engine_client(ServerArgs(**base, tp_size=tp, use_ray=True))
+            if not args.use_ray:
+                client = Engine(server_args=args)
+            else:
+                if ns.simulated_device:
+                    start_simulated_ray()
+                client = create_ray_engine_client(args)
             startup = time.perf_counter() - t0
             try:
-                results[f"ray_tp{tp}"] = measure(client, ns, prompt) | {"startup_s": startup,
-                                                                        "all_reduce": client.groups[0].info.all_reduce}
-                if tp == 1 and ns.num_prompts:
-                    results["ray_tp1"]["throughput"] = throughput(client, ns)
+                results[path] = measure(client, ns, prompt) | {"startup_s": startup}
+                if args.use_ray:
+                    results[path]["all_reduce"] = client.groups[0].info.all_reduce
+                if tp1 and ns.num_prompts:
+                    results[path]["throughput"] = throughput(client, ns)
             finally:
                 client.shutdown()
-                import ray
+                if args.use_ray:
+                    import ray
 
-                ray.shutdown()
+                    ray.shutdown()
+            del client
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
-    ref = results["inproc"]["tokens"]
+    ref = results["inproc"]["tokens"] if "inproc" in results else None
     for r in results.values():
         toks = r.pop("tokens")
+        if ref is None:
+            continue
         r["tokens_equal_inproc"] = toks == ref
         r["tokens_agreeing_prefix"] = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), len(ref))
-    inproc, tp1, tp2 = results["inproc"], results.get("ray_tp1"), results.get("ray_tp2")
+    inproc, tp2 = results.get("inproc"), results.get("ray_tp2")
     summary: dict[str, Any] = {}
-    for bs in ns.batch:
+    for bs in ns.batch if inproc else []:
         key = f"decode_step_ms_bs{bs}"
-        if tp1:
-            summary[f"ray_tp1_overhead_ms_bs{bs}"] = tp1[key] - inproc[key]
+        for name in ("ray_tp1", "ray_tp1_poll"):
+            if name in results:
+                summary[f"{name}_overhead_ms_bs{bs}"] = results[name][key] - inproc[key]
         if tp2:
             summary[f"ray_tp2_over_inproc_tp1_bs{bs}"] = tp2[key] / inproc[key]
-    if tp1 and "throughput" in tp1:
-        summary["ray_tp1_over_inproc_throughput"] = (tp1["throughput"]["requests_per_s"]
-                                                     / inproc["throughput"]["requests_per_s"])
-        summary["ray_tp1_device_idle_fraction"] = tp1["throughput"]["device_idle_fraction"]
+    for name in ("ray_tp1", "ray_tp1_poll"):
+        if inproc and "throughput" in inproc and "throughput" in results.get(name, {}):
+            summary[f"{name}_over_inproc_throughput"] = (results[name]["throughput"]["requests_per_s"]
+                                                         / inproc["throughput"]["requests_per_s"])
+            summary[f"{name}_device_idle_fraction"] = results[name]["throughput"]["device_idle_fraction"]
+    if inproc and "throughput" in inproc:
         summary["inproc_device_idle_fraction"] = inproc["throughput"]["device_idle_fraction"]
     results["summary"] = summary
     rows = [(f"{k} {m}", v[m]) for k, v in results.items() for m in v

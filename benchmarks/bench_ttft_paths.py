@@ -1,11 +1,19 @@
 """Time to first token at concurrency 1 through each engine path, split into hops: the in-process Engine
-and the Ray client (scheduler actor), with and without overlap scheduling.
+and the Ray client (scheduler actor) — over its direct link (default), over Ray actor calls and long
+polls (ray_poll: --disable-request-link), and without overlap scheduling (ray_no_overlap).
 
-For each request the client stamps arrival_time (CLOCK_MONOTONIC is one clock for every process of a
-host), so the first delta's queue_time_s is the client -> scheduler pickup; the rest of the TTFT is the
-prefill and the trip back to the client.
+Every hop is stamped on CLOCK_MONOTONIC (one clock for every process of a host): the client stamps
+arrival_time, and the first token's delta carries a FirstTokenTrace, so the median TTFT splits into
+  pickup    client → scheduler (arrival until its prefill is put in a batch)
+  prefill   that batch launched, run and collected
+  queue     scheduler actor: result → delta queued for its consumer (Ray paths)
+  push      → the answer carrying it is about to be sent (link push or poll reply)
+  transfer  → the client's pump decoded it
+  deliver   → the consumer's stream got it (in-process: result → consumer)
+A path may repeat in --paths (the later runs are named path#2, ...), e.g. to see whether order matters.
 
     python benchmarks/bench_ttft_paths.py --out benchmarks/results/ttft_paths_h100.json
+    python benchmarks/bench_ttft_paths.py --simulated-device --out /tmp/ttft_sim.json   # CPU, no GPU
 """
 
 from __future__ import annotations
@@ -26,8 +34,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from common import load_model_config, make_model_folder, make_vocab_tokenizer, print_table, write_result  # noqa: E402
 
 from runtime.config import ServerArgs  # noqa: E402
-from runtime.messages import GenerateRequest  # noqa: E402
+from runtime.messages import GenerateRequest, RequestOutput  # noqa: E402
 from runtime.sampling.params import SamplingParams  # noqa: E402
+
+PATH_ARGS = {"inproc": {}, "ray": {"use_ray": True}, "ray_poll": {"use_ray": True, "disable_request_link": True},
+             "ray_no_overlap": {"use_ray": True, "disable_overlap_schedule": True}}
+HOPS = ("pickup_ms", "prefill_ms", "queue_ms", "push_ms", "transfer_ms", "deliver_ms")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -35,34 +47,63 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-config", default="Llama-3.1-8B-Instruct")
     p.add_argument("--input-len", type=int, default=462)
     p.add_argument("--requests", type=int, default=20)
-    p.add_argument("--paths", nargs="+", default=["inproc", "ray", "ray_no_overlap"])
+    p.add_argument("--paths", nargs="+", default=["inproc", "ray", "ray_poll", "ray_no_overlap"],
+                   choices=sorted(PATH_ARGS))
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--simulated-device", action="store_true",
+                   help="no model: benchmarks/simulated_device.py stands in for the GPU (host-side costs only)")
     p.add_argument("--out", default="benchmarks/results/ttft_paths.json")
     return p.parse_args(argv)
 
 
-async def one(client: Any, i: int, prompt: list[int]) -> tuple[float, float, float]:
-    req = GenerateRequest(rid=f"ttft-{i}-{time.time_ns()}", input_ids=prompt, arrival_time=time.monotonic(),
+def hops(arrival: float, got: float, out: RequestOutput) -> dict[str, float]:
+    """The first token's way from the client's arrival stamp to its stream, in ms per hop."""
+    tr = out.trace
+    if tr is None:
+        return {}
+    ms = {"pickup_ms": tr.scheduled - arrival, "prefill_ms": tr.result - tr.scheduled}
+    if tr.queued:  # through a scheduler actor
+        ms |= {"queue_ms": tr.queued - tr.result, "push_ms": tr.polled - tr.queued,
+               "transfer_ms": tr.received - tr.polled, "deliver_ms": got - tr.received}
+    else:
+        ms["deliver_ms"] = got - tr.result
+    return {k: 1e3 * v for k, v in ms.items()}
+
+
+async def one(client: Any, i: int, prompt: list[int]) -> dict[str, float]:
+    arrival = time.monotonic()
+    req = GenerateRequest(rid=f"ttft-{i}-{time.time_ns()}", input_ids=prompt, arrival_time=arrival,
                           sampling_params=SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True))
-    t0 = time.perf_counter()
-    first, queue = None, 0.0
+    row: dict[str, float] = {}
     async for out in client.stream(client.validate(req)):
-        if first is None and out.new_token_ids:
-            first, queue = time.perf_counter() - t0, out.queue_time_s
-    end = time.perf_counter() - t0
-    return 1e3 * first, 1e3 * queue, 1e3 * end
+        if not row and out.new_token_ids:
+            got = time.monotonic()
+            row = {"ttft_ms": 1e3 * (got - arrival)} | hops(arrival, got, out)
+    return row | {"e2e_ms": 1e3 * (time.monotonic() - arrival)}
 
 
 def measure(client: Any, ns: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
-    async def run() -> list[tuple[float, float, float]]:
+    async def run() -> list[dict[str, float]]:
         for i in range(3):  # warm-up
             await one(client, -1 - i, prompt)
         return [await one(client, i, [*prompt[:-1], 3 + i]) for i in range(ns.requests)]
 
     rows = asyncio.run(run())
-    med = {k: statistics.median(r[j] for r in rows) for j, k in enumerate(("ttft_ms", "pickup_ms", "e2e_ms"))}
-    return med | {"ttft_ms_each": [round(r[0], 2) for r in rows]}
+    keys = [k for k in ("ttft_ms", *HOPS, "e2e_ms") if all(k in r for r in rows)]
+    med = {k: statistics.median(r[k] for r in rows) for k in keys}
+    return med | {"ttft_ms_each": [round(r["ttft_ms"], 2) for r in rows]}
+
+
+def start_simulated_ray() -> None:
+    """Ray with every worker process building a SimulatedDeviceWorker (simulated_device.install)."""
+    import ray
+
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")]), "OMP_NUM_THREADS": "1"}
+    if os.environ.get("SHOAL_SIM_DEVICE"):
+        env["SHOAL_SIM_DEVICE"] = os.environ["SHOAL_SIM_DEVICE"]
+    ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=256 << 20,
+             runtime_env={"worker_process_setup_hook": "simulated_device.install", "env_vars": env})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     from runtime import Engine
 
+    if ns.simulated_device:
+        import simulated_device
+
+        simulated_device.install()
+        ns.device, ns.dtype = "cpu", "float32"
     results: dict[str, Any] = {}
     cfg = load_model_config(ns.model_config)
     with tempfile.TemporaryDirectory(prefix="shoal-ttft-") as tmp:
@@ -78,11 +124,13 @@ def main(argv: list[str] | None = None) -> int:
         base = dict(model_path=str(folder), load_format="dummy", dtype=ns.dtype, device=ns.device, context_length=4096)
         vocab = cfg["vocab_size"]
         prompt = [(1000 + i * 37) % (vocab - 64) for i in range(ns.input_len)]
-        for path in ns.paths:
-            if path == "inproc":
-                engine = Engine(server_args=ServerArgs(**base))
+        for n, path in enumerate(ns.paths):
+            name = path if path not in ns.paths[:n] else f"{path}#{ns.paths[:n + 1].count(path)}"
+            args = ServerArgs(**base, **PATH_ARGS[path])
+            if not args.use_ray:
+                engine = Engine(server_args=args)
                 try:
-                    results[path] = measure(engine, ns, prompt)
+                    results[name] = measure(engine, ns, prompt)
                 finally:
                     engine.shutdown()
                 continue
@@ -90,15 +138,16 @@ def main(argv: list[str] | None = None) -> int:
 
             from runtime.cluster.launch import create_ray_engine_client
 
-            extra = {"disable_overlap_schedule": True} if path == "ray_no_overlap" else {}
-            client = create_ray_engine_client(ServerArgs(**base, use_ray=True, **extra))
+            if ns.simulated_device:
+                start_simulated_ray()
+            client = create_ray_engine_client(args)
             try:
-                results[path] = measure(client, ns, prompt)
+                results[name] = measure(client, ns, prompt)
             finally:
                 client.shutdown()
                 ray.shutdown()
-    rows = [(f"{p} {k}", v[k]) for p, v in results.items() for k in ("ttft_ms", "pickup_ms", "e2e_ms")]
-    print_table("TTFT at concurrency 1 by path (median ms)", rows)
+    rows = [(f"{p} {k}", v[k]) for p, v in results.items() for k in ("ttft_ms", *HOPS, "e2e_ms") if k in v]
+    print_table("TTFT at concurrency 1 by path, and its hops (median ms)", rows)
     print(f"wrote {write_result(ns.out, 'ttft_paths', results, vars(ns), argv)}")
     return 0
 

@@ -5,6 +5,8 @@
 #   bash benchmarks/ray_shape_suite.sh part3 OUTDIR  # GPU kernel tests, StepChannel latency, bench_tp
 #   bash benchmarks/ray_shape_suite.sh part2 OUTDIR  # HTTP: `shoal serve` default (Ray on GPU) and
 #                                                    # --in-process, against the offline Engine
+#   bash benchmarks/ray_shape_suite.sh part4 OUTDIR  # 1 GPU, ~4 min: HTTP TTFT at concurrency 1 only, offline
+#                                                    # vs `shoal serve` over the link vs --disable-request-link
 set -u
 part=$1 out=$2
 mkdir -p "$out"
@@ -31,4 +33,10 @@ if [ "$part" = part3 ]; then  # after changes: GPU kernels, the channel's latenc
   run timeout 60 python benchmarks/bench_step_channel.py
   python benchmarks/bench_tp.py --output-len 64 --repeats 2 --out "$out/tp_ray_2gpu.json" > "$out/bench_tp.log" 2>&1
   grep -i "all-reduce inside\|decode step\|_bs\|summary\|wrote" "$out/bench_tp.log" | tail -30
+fi
+if [ "$part" = part4 ]; then
+  TAIL=12 run timeout 60 python -m benchmarks.bench_offline --model-config $M --batch1-decode --input-len 462 \
+    --output-len 4 --batch1-repeats 12 --output-file "$out/offline_ttft.json"
+  TTFT_ONLY=1 serve_bench ray
+  TTFT_ONLY=1 serve_bench ray_poll --disable-request-link
 fi

@@ -73,6 +73,8 @@ class ServerArgs:
     disable_custom_all_reduce: bool = _opt(False, "NCCL for every TP all-reduce (no symmetric-memory one-shot "
                                                   "for the small ones inside CUDA graphs)")
     use_ray: bool = _opt(False, "run on Ray actors even for tp=dp=1 (the default for `shoal serve` on a GPU)")
+    disable_request_link: bool = _opt(False, "Ray: send requests and take outputs through actor calls (long polls) "
+                                      "instead of the client's direct socket link to each scheduler actor")
     in_process: bool = _opt(False, "tp=dp=1: scheduler and worker in the server's own process, also on a GPU "
                                    "(the default on CPU)")
     address: str | None = _opt(None, "Ray cluster address ('auto' joins a running one); default: start a local one")

@@ -33,6 +33,18 @@ class FinishReason(msgspec.Struct, frozen=True):
         return {"length": "length", "stop": "stop"}.get(self.kind, self.kind)
 
 
+class FirstTokenTrace(msgspec.Struct, kw_only=True):
+    """Where a request's first token spent its time on the way out (CLOCK_MONOTONIC seconds, one clock for
+    every process of a host: time.monotonic / time.perf_counter on Linux). Each hop stamps its own field;
+    0.0 = a hop this path does not have (the in-process Engine has no actor queue, poll or client pump)."""
+
+    scheduled: float  # its prefill was put in a batch
+    result: float  # that batch's result reached the scheduler
+    queued: float = 0.0  # scheduler actor: the delta was queued for its consumer
+    polled: float = 0.0  # scheduler actor: the answer carrying it (pushed frame or poll reply) was about to go
+    received: float = 0.0  # Ray client: its pump decoded that poll answer
+
+
 class RequestOutput(msgspec.Struct, kw_only=True):
     """A delta: tokens generated since the previous output of the same request."""
 
@@ -48,6 +60,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     completion_tokens: int = 0
     cached_tokens: int = 0
     queue_time_s: float = 0.0
+    trace: FirstTokenTrace | None = None  # on the delta carrying the first output token
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by a later one of the same request, as one delta (a slow consumer takes
@@ -64,7 +77,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
                                 else later.input_top_logprobs),
             finished=later.finished, finish_reason=later.finish_reason, prompt_tokens=later.prompt_tokens,
             completion_tokens=later.completion_tokens, cached_tokens=later.cached_tokens,
-            queue_time_s=self.queue_time_s)
+            queue_time_s=self.queue_time_s, trace=self.trace if self.trace is not None else later.trace)
 
 
 class AbortRequest(msgspec.Struct):
@@ -260,6 +273,26 @@ class RoutingStats(msgspec.Struct, kw_only=True):
     cache_routed: int = 0  # cache_aware decisions the prefix cache made
     load_routed: int = 0  # cache_aware decisions load made (no better prefix, or too imbalanced)
     inflight: list[int] = []  # per routing target, this client's requests on it now
+
+
+class LinkHello(msgspec.Struct, tag="hello", kw_only=True):
+    """First frame on each connection of a client's link to a scheduler actor (runtime.cluster.link_server):
+    which consumer it is and which way the connection carries. outputs: cache_seq as in a poll."""
+
+    consumer: str
+    outputs: bool  # True: the actor pushes OutputPoll frames on it; False: the client sends requests on it
+    cache_seq: int | None = None
+
+
+class LinkSubmit(msgspec.Struct, tag="submit"):
+    req: GenerateRequest
+
+
+class LinkAbort(msgspec.Struct, tag="abort"):
+    rid: str
+
+
+LinkMessage = LinkHello | LinkSubmit | LinkAbort
 
 
 class OutputPoll(msgspec.Struct, kw_only=True):

@@ -4,7 +4,8 @@
       └─ RayEngineClient          routes each request to a replica (RoutingPolicy; cache_aware reads the
            │                      replicas' prefix-cache events), pumps its output deltas back, health-
            │                      checks replicas, relaunches dead ones and moves their live streams
-           ▼  GenerateRequest / abort / OutputPoll (msgspec Structs, Ray actor calls)
+           ▼  GenerateRequest / abort in, OutputPoll frames out: msgpack over a direct TCP link per client
+           │  (RequestLink ⇄ LinkServer; no Ray call per request or step)
       SchedulerActor = TP rank 0 (one per DP replica, or per DP rank with DP attention): a SchedulerHost
            │  (the Engine's own scheduler thread) over rank 0's in-process TpWorker — no RPC per step
            ▼  one msgpack WorkerBatch per step, broadcast over a gloo StepChannel (BroadcastWorker)

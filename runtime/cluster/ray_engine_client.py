@@ -2,9 +2,9 @@
 
 It routes each request to a live replica (RoutingPolicy; cache_aware reads each replica's prefix-cache
 events, which ride on the output polls), submits it, and receives its deltas through a per-replica
-output pump (one long-poll per replica, see SchedulerActor.poll) running on the client's own event loop
-thread; deltas are handed to each stream's own loop. A health loop pings every replica and refreshes
-the loads least_load routes by.
+output pump running on the client's own event loop thread (requests and deltas go over a direct link to
+each scheduler actor, ReplicaLinks); deltas are handed to each stream's own loop. A health loop pings
+every replica and refreshes the loads least_load routes by.
 
 When a replica fails (an actor died, a step failed, a health check timed out) routing skips it, the
 whole replica group is relaunched in the background, and each of its in-flight requests moves to a
@@ -24,6 +24,8 @@ from typing import Any
 
 from runtime.cluster.live_stream import LiveStream, pin_seed
 from runtime.cluster.replica_group import ReplicaGroup
+from runtime.cluster.replica_links import ReplicaLinks
+from runtime.cluster.request_link import RequestLink
 from runtime.cluster.routing import CacheAware, ReplicaLoad, create_routing_policy
 from runtime.config import ServerArgs
 from runtime.engine_client import EngineClient
@@ -32,7 +34,6 @@ from runtime.managers.request_validation import RequestLimits, validate_request
 from runtime.mem_cache.block_hash import page_hashes
 from runtime.messages import (
     GenerateRequest,
-    OutputPoll,
     RequestOutput,
     RoutingStats,
     SchedulerStats,
@@ -71,6 +72,7 @@ class RayEngineClient(EngineClient):
         self._rng = random.Random()
         self._restarting: set[int] = set()
         self._consumer = f"client-{uuid.uuid4().hex[:12]}"
+        self._links = ReplicaLinks(self._consumer, not args.disable_request_link)
         self._closing = False
         self.restarts = 0
         self.failovers = 0
@@ -113,7 +115,7 @@ class RayEngineClient(EngineClient):
         done = False
         try:
             try:
-                await self._actor(i).submit.remote(req, self._consumer)
+                await self._links.submit(i, self._actor(i), req)
             except Exception as e:  # the actor died between the routing and the call: fail over
                 gi = self._target_group[i]
                 self._loop.call_soon_threadsafe(self._on_failure, gi, st.generation, self._failure_message(gi, e))
@@ -128,7 +130,7 @@ class RayEngineClient(EngineClient):
                 self._release(st)
             if not done:  # the consumer went away: free the request's KV on the replica it runs on now
                 try:
-                    self._actor(st.target).abort.remote(req.rid)
+                    self._links.abort(st.target, self._actor(st.target), req.rid)
                 except Exception:
                     logger.debug("abort of %s failed", req.rid, exc_info=True)
 
@@ -137,7 +139,9 @@ class RayEngineClient(EngineClient):
         targets = [st.target] if st is not None else [r.index for r in self.replicas if r.alive]
         for i in targets:
             try:
-                await self._actor(i).abort.remote(rid)
+                sent = self._links.abort(i, self._actor(i), rid)
+                if sent is not None:
+                    await sent
             except Exception:  # a dead replica has already failed the request
                 logger.debug("abort of %s on target %d failed", rid, i, exc_info=True)
 
@@ -203,7 +207,7 @@ class RayEngineClient(EngineClient):
     # ---- background loop: pumps, health, relaunch ------------------------------------------------
     async def _start(self) -> None:
         for g in self.groups:
-            self._start_pumps(g)
+            await self._start_pumps(g)
         self._spawn(self._health_loop())
 
     def _spawn(self, coro: Any) -> None:
@@ -211,19 +215,22 @@ class RayEngineClient(EngineClient):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _start_pumps(self, group: ReplicaGroup) -> None:
+    async def _start_pumps(self, group: ReplicaGroup) -> None:
+        """Opens each target's link (before it takes requests), then its pump."""
         for i in self._targets_of(group.index):
-            self._spawn(self._pump(i, group.generation))
+            seq = self.replicas[i].prefixes.seq if self.policy.wants_page_hashes else None
+            link = await self._links.open(i, self._actor(i), seq)
+            self._spawn(self._pump(i, group.generation, link))
 
-    async def _pump(self, i: int, generation: int) -> None:
+    async def _pump(self, i: int, generation: int, link: RequestLink | None = None) -> None:
         gi = self._target_group[i]
         actor = self._actor(i)
         prefixes = self.replicas[i].prefixes
         wants_cache = self.policy.wants_page_hashes
         while not self._closing and self.groups[gi].generation == generation:
             try:
-                poll = OutputPoll.decode(await actor.poll.remote(self._consumer, 1.0,
-                                                                  prefixes.seq if wants_cache else None))
+                poll = await self._links.next_answer(i, actor, link, prefixes.seq if wants_cache else None,
+                                                     self.health_timeout_s)
             except Exception as e:
                 if not self._closing:
                     self._on_failure(gi, generation, self._failure_message(gi, e))
@@ -233,7 +240,10 @@ class RayEngineClient(EngineClient):
             if poll.cache is not None:  # before the outputs: a finished request's prefix is in it
                 prefixes.apply(poll.cache)
             batch = []
+            now = time.perf_counter()
             for out in poll.outputs:
+                if out.trace is not None:
+                    out.trace.received = now
                 st = self._streams.get(out.rid)
                 if st is None or st.target != i or st.generation != generation or st.finished:
                     continue  # gone, or moved elsewhere: what the old replica still says is stale
@@ -290,6 +300,7 @@ class RayEngineClient(EngineClient):
             for i in targets:
                 self.replicas[i].alive = False
                 self.replicas[i].load = 0.0
+                self._links.drop(i)
             self._spawn(self._relaunch(gi))
         for st in list(self._streams.values()):
             if st.target in targets and st.generation == generation:
@@ -320,7 +331,7 @@ class RayEngineClient(EngineClient):
     async def _resubmit(self, st: LiveStream, resumed: GenerateRequest) -> None:
         i, generation = st.target, st.generation
         try:
-            await self._actor(i).submit.remote(resumed, self._consumer)
+            await self._links.submit(i, self._actor(i), resumed)
         except Exception as e:  # that one died too: its failure moves st on again
             gi = self._target_group[i]
             self._on_failure(gi, generation, self._failure_message(gi, e))
@@ -347,8 +358,10 @@ class RayEngineClient(EngineClient):
         self.restarts += 1
         for i in self._targets_of(gi):
             self.replicas[i].prefixes.reset()  # a fresh cache, and a fresh event log to read from -1
-            self.replicas[i].alive = True
-        self._start_pumps(new)
+        await self._start_pumps(new)  # links first: a routed request is sent over its target's link
+        if self.groups[gi] is new and gi not in self._restarting:  # unless it failed again meanwhile
+            for i in self._targets_of(gi):
+                self.replicas[i].alive = True
         logger.info("replica %d is back (generation %d)", gi, new.generation)
 
     # ---- shutdown -------------------------------------------------------------------------------
@@ -363,6 +376,7 @@ class RayEngineClient(EngineClient):
             for t in list(self._tasks):
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            self._links.close()  # on the loop: its output connections are that loop's transports
 
         try:
             asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=10)

@@ -3,11 +3,14 @@ also TP rank 0: it holds that rank's GPU and TpWorker in its own process, so a s
 overlap scheduling works as in the in-process Engine (the same SchedulerHost), and the other ranks
 (TpWorkerActors) follow each step over a StepChannel (BroadcastWorker).
 
-Outputs reach clients through a pump rather than a call per token: each client (consumer) long-polls
-`poll()`, which returns every delta produced for that consumer's requests since its last poll — one
-actor call per step for the whole batch however many requests stream. A watcher thread awaits the
-other ranks' follow loops: a rank that dies or fails ends the replica's requests with an error naming
-it, and every later poll says unhealthy (the client then relaunches the replica)."""
+Requests and outputs travel over each client's direct link (LinkServer: two TCP connections, no Ray
+call per request or per step); a step's deltas for one client go out as one pushed frame however many
+requests stream. A client without a link (--disable-request-link) calls `submit()` and long-polls
+`poll()` instead, which returns the same answer: every delta for that consumer since its last poll.
+
+A watcher thread awaits the other ranks' follow loops: a rank that dies or fails ends the replica's
+requests with an error naming it, and every later answer says unhealthy (the client then relaunches the
+replica)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 from runtime.cluster.tp_rank import RankSpec, TpRank, endpoint
@@ -47,6 +51,7 @@ class SchedulerActor:
         self._wakeups: dict[str, asyncio.Event] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.cache_events: Any = None  # CacheEventLog: what the prefix cache holds, for cache-aware routing
+        self.links: Any = None  # LinkServer, once started
 
     # ---- start-up (called by the launcher, in this order) -----------------------------------------
     def endpoint(self) -> tuple[str, int]:
@@ -59,6 +64,7 @@ class SchedulerActor:
     async def start(self, name: str, followers: list[Any]) -> str:
         """Starts the scheduler (and the followers' loops): the replica serves from here on."""
         from runtime.cluster.broadcast_worker import BroadcastWorker
+        from runtime.cluster.link_server import LinkServer
         from runtime.managers.scheduler_host import SchedulerHost
         from runtime.mem_cache.cache_event_log import CacheEventLog
         from runtime.text.tokenizer import Tokenizer
@@ -75,6 +81,8 @@ class SchedulerActor:
         grammar = create_grammar_compiler(tokenizer, info.vocab_size, self.args.grammar_compile_timeout_s)
         if self.args.routing_policy == "cache_aware" and self.args.radix_cache_enabled and self.args.dp_size > 1:
             self.cache_events = CacheEventLog()
+        self.links = LinkServer(endpoint()[0], name, submit=self._submit, abort=self._host_abort, answer=self._answer,
+                                gone=self._forget)
         self.host = SchedulerHost(self.args, worker, info, tokenizer.eos_token_ids, self._sink,
                                   tokenizer.decode, name=f"shoal-scheduler-{name}", grammar=grammar,
                                   cache_events=self.cache_events)
@@ -87,18 +95,25 @@ class SchedulerActor:
     # ---- scheduler thread → consumers -----------------------------------------------------------
     def _sink(self, outputs: list[RequestOutput]) -> None:
         touched: set[str] = set()
+        now = time.perf_counter()
         with self._lock:
             for o in outputs:
+                if o.trace is not None:
+                    o.trace.queued = now
                 consumer = self._owner.pop(o.rid, None) if o.finished else self._owner.get(o.rid)
                 if consumer is not None:
                     self._pending.setdefault(consumer, []).append(o)
                     touched.add(consumer)
+        self._wake(touched)
+
+    def _wake(self, consumers: set[str]) -> None:
         loop = self._loop
-        if loop is not None:
-            for c in touched:
-                event = self._wakeups.get(c)
-                if event is not None:
-                    loop.call_soon_threadsafe(event.set)
+        for c in consumers:
+            if self.links is not None and self.links.push_now(c):
+                continue
+            event = self._wakeups.get(c)
+            if event is not None and loop is not None:
+                loop.call_soon_threadsafe(event.set)
 
     def _take(self, consumer: str) -> list[RequestOutput]:
         with self._lock:
@@ -111,8 +126,16 @@ class SchedulerActor:
     def healthy(self) -> bool:
         return self.failed is None and self.host is not None and self.host.is_running()
 
+    def link_address(self) -> tuple[str, int]:
+        """Where clients open their links (LinkServer)."""
+        return self.links.address
+
     async def submit(self, req: GenerateRequest, consumer: str) -> None:
         """The request must have passed validation (RayEngineClient.validate)."""
+        self._submit(req, consumer)
+
+    def _submit(self, req: GenerateRequest, consumer: str) -> None:
+        """Any thread (the event loop, or a link's reader)."""
         if not self.healthy():
             self._error_out([req.rid], consumer)
             return
@@ -121,7 +144,19 @@ class SchedulerActor:
         self.host.submit(req)
 
     async def abort(self, rid: str) -> None:
-        self.host.abort(rid)
+        self._host_abort(rid)
+
+    def _host_abort(self, rid: str) -> None:
+        if self.host is not None:
+            self.host.abort(rid)
+
+    def _forget(self, consumer: str) -> None:
+        """A client's link closed: nobody reads its requests' outputs any more, so end them."""
+        with self._lock:
+            rids = [rid for rid, c in self._owner.items() if c == consumer]
+            self._pending.pop(consumer, None)
+        for rid in rids:
+            self._host_abort(rid)
 
     async def poll(self, consumer: str, timeout_s: float = 1.0, cache_seq: int | None = None) -> bytes:
         """Deltas for `consumer`'s requests; waits up to timeout_s for the first one. cache_seq: also the
@@ -137,6 +172,12 @@ class SchedulerActor:
                 except asyncio.TimeoutError:
                     pass
                 outputs = self._take(consumer)
+        return self._answer(consumer, cache_seq, outputs).encode()
+
+    def _answer(self, consumer: str, cache_seq: int | None, outputs: list[RequestOutput] | None = None) -> OutputPoll:
+        """Any thread: the consumer's deltas (those given, or all pending), health, and cache changes."""
+        if outputs is None:
+            outputs = self._take(consumer)
         healthy = self.healthy()
         if not healthy:
             self._fail_unstarted()
@@ -144,7 +185,11 @@ class SchedulerActor:
         error = None if healthy else str(self.failed) if self.failed else "scheduler stopped"
         # Read after the outputs: a finished request's prefix is in the log before its last delta.
         cache = self.cache_events.since(cache_seq) if cache_seq is not None and self.cache_events else None
-        return OutputPoll(outputs=outputs, healthy=healthy, error=error, cache=cache).encode()
+        now = time.perf_counter()
+        for o in outputs:
+            if o.trace is not None:
+                o.trace.polled = now
+        return OutputPoll(outputs=outputs, healthy=healthy, error=error, cache=cache)
 
     async def stats(self) -> SchedulerStats:
         return await asyncio.to_thread(self.host.stats)  # waits for the step in progress: off the loop
@@ -184,6 +229,8 @@ class SchedulerActor:
 
         self.failed = error
         self.host.request_stop()
+        if self.links is not None:
+            self.links.wake_all()  # each client hears of it now, not at the next heartbeat
         for f in self._followers:
             try:
                 ray.kill(f, no_restart=True)
@@ -205,3 +252,4 @@ class SchedulerActor:
             self._pending.setdefault(consumer, []).extend(
                 RequestOutput(rid=rid, new_token_ids=[], finished=True,
                               finish_reason=FinishReason("error", message=message)) for rid in rids)
+        self._wake({consumer})

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from runtime.messages import FinishReason, RequestOutput
+from runtime.messages import FinishReason, FirstTokenTrace, RequestOutput
 from runtime.sampling.params import SamplingParams
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -171,9 +171,10 @@ class Req:
         self.state = ReqState.WAITING
         self.retractions += 1
 
-    def take_delta(self) -> RequestOutput:
+    def take_delta(self, result_time: float | None = None) -> RequestOutput:
         """What this request produced since the last delta (tokens, logprobs; the prompt's logprobs with the
-        first one), marked as sent."""
+        first one), marked as sent. result_time: when the step that produced it returned (perf_counter):
+        the delta carrying the first token gets a FirstTokenTrace."""
         start = self.sent_tokens
         self.sent_tokens = len(self.output_ids)
         out = RequestOutput(
@@ -184,6 +185,8 @@ class Req:
         if self.params.return_logprob:
             out.new_logprobs = self.output_logprobs[start:]
             out.new_top_logprobs = self.output_top_logprobs[start:] if self.params.top_logprobs_num else None
+        if start == 0 and result_time is not None and self.output_ids:
+            out.trace = FirstTokenTrace(scheduled=self.first_scheduled_time or result_time, result=result_time)
         if start == 0 and self.input_logprobs is not None:
             out.input_logprobs = self.input_logprobs
             out.input_top_logprobs = self.input_top_logprobs

@@ -330,7 +330,7 @@ class Scheduler:
             elif r.state is ReqState.PREFILLING:
                 r.state = ReqState.DECODING
                 self.running.append(r)
-            outputs.append(r.take_delta())
+            outputs.append(r.take_delta(now))
         if outputs:
             self.sink(outputs)
         if self.stats.due():  # the numbers walk every live request: only when a line is due
