@@ -30,7 +30,8 @@ class ShmStepChannel(StepChannel):
         self.ring, self.rank = ring, rank
 
     @classmethod
-    def create(cls, group: object, rank: int, world_size: int, required: bool = False) -> ShmStepChannel | None:
+    def create(cls, group: object, rank: int, world_size: int, required: bool = False,
+               spin_s: float = 0.002) -> ShmStepChannel | None:
         """Collective over `group`: every rank gets a channel, or every rank gets None (use gloo). With
         `required`, None becomes a ValueError saying why."""
         here = [None] * world_size
@@ -45,13 +46,13 @@ class ShmStepChannel(StepChannel):
         try:
             if rank == 0:
                 path[0] = f"/dev/shm/shoal-step-{os.getpid()}-{secrets.token_hex(4)}"
-                ring = ShmRing.create(path[0], RING_BYTES, world_size - 1)
+                ring = ShmRing.create(path[0], RING_BYTES, world_size - 1, spin_s=spin_s)
         except OSError as e:
             path[0], error = None, e
         dist.broadcast_object_list(path, group_src=0, group=group)
         try:
             if rank > 0 and path[0] is not None:
-                ring = ShmRing.attach(path[0], rank - 1, world_size - 1)
+                ring = ShmRing.attach(path[0], rank - 1, world_size - 1, spin_s=spin_s)
         except OSError as e:
             error = e
         oks = [None] * world_size

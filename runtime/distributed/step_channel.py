@@ -36,9 +36,10 @@ class StepChannel(ABC):
         """Rank 0, from any thread, once its group has failed: a send blocked on a dead reader gives up."""
 
 
-def create_step_channel(rank: int, world_size: int, kind: str = "auto") -> StepChannel:
+def create_step_channel(rank: int, world_size: int, kind: str = "auto", spin_s: float = 0.002) -> StepChannel:
     """Collective over the default process group (every rank calls it, in the same order). kind "auto":
-    shm when every rank is on this node and the platform allows, gloo otherwise; "shm" insists."""
+    shm when every rank is on this node and the platform allows, gloo otherwise; "shm" insists.
+    spin_s: how long a shm reader spins before it sleeps (0 where the ranks compute on the CPU cores)."""
     from runtime.distributed.gloo_step_channel import GlooStepChannel
     from runtime.distributed.shm_step_channel import ShmStepChannel
 
@@ -46,7 +47,7 @@ def create_step_channel(rank: int, world_size: int, kind: str = "auto") -> StepC
         raise ValueError(f"step channel {kind!r}: expected one of {', '.join(STEP_CHANNEL_KINDS)}")
     group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     if kind != "gloo":
-        channel = ShmStepChannel.create(group, rank, world_size, required=kind == "shm")
+        channel = ShmStepChannel.create(group, rank, world_size, required=kind == "shm", spin_s=spin_s)
         if channel is not None:
             return channel
     return GlooStepChannel(group, rank)
