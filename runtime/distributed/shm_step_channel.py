@@ -47,7 +47,7 @@ class ShmStepChannel(StepChannel):
             if rank == 0:
                 path[0] = f"/dev/shm/shoal-step-{os.getpid()}-{secrets.token_hex(4)}"
                 ring = ShmRing.create(path[0], RING_BYTES, world_size - 1, spin_s=spin_s)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # no room in /dev/shm, more ranks than a ring serves
             path[0], error = None, e
         dist.broadcast_object_list(path, group_src=0, group=group)
         try:
