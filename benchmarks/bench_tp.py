@@ -186,7 +186,13 @@ def main(argv: list[str] | None = None) -> int:
                                           for k in ns.step_channels]
         for name, tp, channel in runs:
             t0 = time.perf_counter()
-            client = create_ray_engine_client(ServerArgs(**base, tp_size=tp, use_ray=True, step_channel=channel))
+            try:
+                client = create_ray_engine_client(ServerArgs(**base, tp_size=tp, use_ray=True, step_channel=channel))
+            except Exception as e:  # one broken variant must not cost the others' numbers
+                results[name] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"{name} failed to start: {e}", file=sys.stderr)
+                ray.shutdown()
+                continue
             startup = time.perf_counter() - t0
             try:
                 workers = client.groups[0].workers
@@ -199,12 +205,17 @@ def main(argv: list[str] | None = None) -> int:
                     r["throughput"] = throughput(client, ns)
                 time.sleep(0.5)  # the last step's spin ends; then every rank should sleep
                 r["idle_cpu_share_per_rank"] = idle_cpu_share(ray.get([w.pid.remote() for w in workers]), ns.idle_s)
+            except Exception as e:
+                results[name]["error"] = f"{type(e).__name__}: {e}"
+                print(f"{name} failed: {e}", file=sys.stderr)
             finally:
                 client.shutdown()
                 ray.shutdown()
 
     ref = results["inproc"]["tokens"]
     for r in results.values():
+        if "tokens" not in r:
+            continue
         toks = r.pop("tokens")
         r["tokens_equal_inproc"] = toks == ref
         r["tokens_agreeing_prefix"] = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), len(ref))
@@ -212,12 +223,16 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict[str, Any] = {}
     for bs in ns.batch:
         key = f"decode_step_ms_bs{bs}"
-        if tp1:
+        if tp1 and key in tp1:
             summary[f"ray_tp1_overhead_ms_bs{bs}"] = tp1[key] - inproc[key]
         for name, r in results.items():
-            if name.startswith("ray_tp2"):
+            if name.startswith("ray_tp2") and key in r:
                 summary[f"{name}_over_inproc_tp1_bs{bs}"] = r[key] / inproc[key]
-    if tp1 and "throughput" in tp1:
+                engine, base_engine = r.get(f"engine_{key}"), inproc.get(f"engine_{key}")
+                if engine and base_engine:  # the same ratio from the schedulers' own step times
+                    summary[f"{name}_over_inproc_tp1_engine_bs{bs}"] = (sorted(engine)[len(engine) // 2]
+                                                                        / sorted(base_engine)[len(base_engine) // 2])
+    if tp1 and "throughput" in tp1 and "throughput" in inproc:
         summary["ray_tp1_over_inproc_throughput"] = (tp1["throughput"]["requests_per_s"]
                                                      / inproc["throughput"]["requests_per_s"])
         summary["ray_tp1_device_idle_fraction"] = tp1["throughput"]["device_idle_fraction"]
