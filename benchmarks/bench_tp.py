@@ -1,20 +1,20 @@
 """The card's shape against the in-process Engine, on a 2-GPU machine, 8B-shaped dummy model (bf16).
 
-Runs, one after the other on the same GPUs, with default flags:
-  inproc    the in-process Engine (TP=1, no Ray): the baseline
-  ray_tp1   one TP rank on Ray (the SchedulerActor holds the GPU)
-  ray_tp2   two TP ranks on Ray (rank 1 follows over the StepChannel: the shm ring, the default on one
-            node; symmetric-memory all-reduce in graphs); ray_tp2_gloo the same over the gloo channel
+Runs (--paths), one after the other on the same GPUs, with default flags:
+  inproc        the in-process Engine (TP=1, no Ray): the baseline
+  ray_tp1       one TP rank on Ray (the SchedulerActor holds the GPU)
+  ray_tp2       two TP ranks on Ray (rank 1 follows over the StepChannel: the shm ring on one node)
+  ray_tp2_gloo  the same over the gloo StepChannel
 and reports for each the decode step time at each --batch size (streamed token timestamps: the median
 over requests of the gap between consecutive tokens, first token excluded), the Ray overhead
 (ray_tp1 - inproc), the TP=2 / in-process TP=1 ratios, how many greedy tokens agree with inproc, and —
 for inproc and ray_tp1 — offline throughput on --num-prompts prompts of --tput-input-len/--tput-output-len
-with the device idle fraction (1 - summed batch device time / wall time). For TP=2 each timed burst
-also gets the follower's step trace (`step_trace_bs{N}`: runtime/cluster/step_trace.py says what each
-number means: channel latency, follower decode/launch, its lag behind rank 0, rank 0's host time and
-wait, each rank's device idle before a step), and each rank's CPU share while the replica idles.
+with the device idle fraction (1 - summed batch device time / wall time). Around the Ray runs, TpProbe
+(tp_probe.py) adds the scheduler's own decode step (engine_decode_step_ms_bs{N}), the TP follower's step
+trace per timed burst (step_trace_bs{N}) and each rank's idle CPU share.
 
     python benchmarks/bench_tp.py --out benchmarks/results/tp_ray_2gpu.json
+    python benchmarks/bench_tp.py --device cpu --model-config Tiny-Llama-smoke --num-prompts 0  # CPU smoke
 """
 
 from __future__ import annotations
@@ -35,17 +35,20 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from common import make_model_folder, print_table, write_result  # noqa: E402
+from tp_probe import TpProbe, engine_decode_step_s, probe_rows, tp2_summary  # noqa: E402
 
 from runtime.config import ServerArgs  # noqa: E402
 from runtime.messages import GenerateRequest  # noqa: E402
 from runtime.sampling.params import SamplingParams  # noqa: E402
 
+PATH_ARGS: dict[str, dict[str, Any]] = {
+    "inproc": {}, "ray_tp1": {"use_ray": True}, "ray_tp2": {"use_ray": True, "tp_size": 2},
+    "ray_tp2_gloo": {"use_ray": True, "tp_size": 2, "step_channel": "gloo"}}
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-config", default="Llama-3.1-8B-Instruct")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                   help="cpu: a smoke run of this script's paths (e.g. --model-config Tiny-Llama-smoke)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
@@ -54,9 +57,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tput-input-len", type=int, default=462)
     p.add_argument("--tput-output-len", type=int, default=256)
     p.add_argument("--max-total-tokens", type=int, default=None, help="default: what memory allows")
-    p.add_argument("--step-channels", nargs="+", default=["shm", "gloo"], choices=["shm", "gloo"],
-                   help="one ray_tp2 run per StepChannel kind")
-    p.add_argument("--idle-s", type=float, default=3.0, help="how long each rank's idle CPU is sampled")
+    p.add_argument("--paths", nargs="+", default=["inproc", "ray_tp1", "ray_tp2", "ray_tp2_gloo"],
+                   choices=sorted(PATH_ARGS))
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: a smoke run of this script (e.g. --model-config Tiny-Llama-smoke)")
+    p.add_argument("--idle-s", type=float, default=3.0, help="how long each Ray rank's idle CPU is sampled")
     p.add_argument("--out", default="benchmarks/results/tp_ray_2gpu.json")
     return p.parse_args(argv)
 
@@ -71,21 +76,7 @@ async def timed_stream(client: Any, req: GenerateRequest) -> tuple[list[int], li
     return ids, stamps
 
 
-def idle_cpu_share(pids: list[int], seconds: float) -> list[float]:
-    """Each process's CPU time over `seconds` of wall time (1.0 = one busy core), from /proc."""
-    def ticks(pid: int) -> int:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])  # utime + stime
-
-    before = [ticks(p) for p in pids]
-    time.sleep(seconds)
-    hz = os.sysconf("SC_CLK_TCK")
-    return [(ticks(p) - b) / hz / seconds for p, b in zip(pids, before)]
-
-
-def measure(client: Any, ns: argparse.Namespace, prompt: list[int], followers: list[Any] = ()) -> dict[str, Any]:
-    import ray
-
+def measure(client: Any, ns: argparse.Namespace, prompt: list[int], probe: TpProbe | None = None) -> dict[str, Any]:
     params = SamplingParams(max_new_tokens=ns.output_len, temperature=0.0, ignore_eos=True)
     out: dict[str, Any] = {}
 
@@ -97,20 +88,17 @@ def measure(client: Any, ns: argparse.Namespace, prompt: list[int], followers: l
         steps, idle, engine_steps = [], [], []
         for i in range(ns.repeats + 1):  # the first run warms up (and captures graphs of this size)
             stats0 = asyncio.run(client.stats())
-            before = stats0.device_busy_s
-            if followers and i > 0:
-                ray.get([f.trace_steps.remote(True) for f in followers])
+            if probe and i:
+                probe.start_burst()
             t0 = time.perf_counter()
             runs = asyncio.run(burst(f"b{bs}-{i}", bs))
             wall = time.perf_counter() - t0
             stats1 = asyncio.run(client.stats())
-            busy = stats1.device_busy_s - before
-            d0, d1 = stats0.forward_modes.get("DECODE"), stats1.forward_modes.get("DECODE")
-            if i > 0 and d0 is not None and d1 is not None and d1.batches > d0.batches:
-                engine_steps.append((d1.time_s - d0.time_s) / (d1.batches - d0.batches))
-            if followers and i > 0:
-                out.setdefault(f"step_trace_bs{bs}", []).append(ray.get(followers[0].trace_steps.remote(False)))
-                ray.get([f.trace_steps.remote(False) for f in followers[1:]])
+            busy = stats1.device_busy_s - stats0.device_busy_s
+            if probe and i and (trace := probe.end_burst()) is not None:
+                out.setdefault(f"step_trace_bs{bs}", []).append(trace)
+            if i and (engine_step := engine_decode_step_s(stats0, stats1)) is not None:
+                engine_steps.append(engine_step)
             if i == 0:
                 out.setdefault("tokens", runs[0][0])
                 continue
@@ -120,9 +108,7 @@ def measure(client: Any, ns: argparse.Namespace, prompt: list[int], followers: l
         step = sorted(steps)[len(steps) // 2]
         out[f"decode_step_ms_bs{bs}"] = 1000 * step
         out[f"decode_step_ms_bs{bs}_each"] = [1000 * s for s in steps]
-        # The scheduler's own mean decode step (time between consecutive results), free of the client's
-        # stream delivery: far below decode_step_ms, the client, not the engine, set the pace.
-        out[f"engine_decode_step_ms_bs{bs}"] = [1000 * s for s in engine_steps]
+        out[f"engine_decode_step_ms_bs{bs}"] = [1000 * s for s in engine_steps]  # far below: the client set the pace
         # Rank 0's device idle share over the burst (prefill included): a follower that lags shows here
         # as rank 0's all-reduces waiting, i.e. as busy time, not idle; host-side gaps show as idle.
         out[f"device_idle_fraction_bs{bs}"] = idle
@@ -152,11 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     import torch
 
-    if ns.device == "cuda" and torch.cuda.device_count() < 2:
-        print(f"bench_tp needs 2 CUDA GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+    gpus = max(PATH_ARGS[p].get("tp_size", 1) for p in ns.paths)
+    if ns.device == "cuda" and torch.cuda.device_count() < gpus:
+        print(f"bench_tp --paths {' '.join(ns.paths)} needs {gpus} CUDA GPUs, found {torch.cuda.device_count()}",
+              file=sys.stderr)
         return 2
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    import ray
     from tiny_models import make_tokenizer
 
     from runtime import Engine
@@ -166,73 +153,58 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="shoal-bench-tp-") as tmp:
         folder = make_model_folder(ns.model_config, Path(tmp) / "model")
         make_tokenizer(folder)  # ids come from the prompt below; the scheduler only needs EOS and decode
-        base = dict(model_path=str(folder), load_format="dummy", dtype="bfloat16" if ns.device == "cuda" else "float32",
-                    device=ns.device,
+        base = dict(model_path=str(folder), load_format="dummy", device=ns.device,
+                    dtype="bfloat16" if ns.device == "cuda" else "float32",
                     max_total_tokens=ns.max_total_tokens, context_length=4096)
         vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
         prompt = [(1000 + (i * 37) % 20000) % vocab for i in range(ns.input_len)]
-
-        engine = Engine(server_args=ServerArgs(**base))
-        try:
-            results["inproc"] = measure(engine, ns, prompt)
-            if ns.num_prompts:
-                results["inproc"]["throughput"] = throughput(engine, ns)
-        finally:
-            engine.shutdown()
-        del engine
-        if ns.device == "cuda":
-            torch.cuda.empty_cache()
-        runs = [("ray_tp1", 1, "auto")] + [("ray_tp2" if k == "shm" else f"ray_tp2_{k}", 2, k)
-                                          for k in ns.step_channels]
-        for name, tp, channel in runs:
+        for path in ns.paths:
+            args = ServerArgs(**base, **PATH_ARGS[path])
             t0 = time.perf_counter()
-            try:
-                client = create_ray_engine_client(ServerArgs(**base, tp_size=tp, use_ray=True, step_channel=channel))
-            except Exception as e:  # one broken variant must not cost the others' numbers
-                results[name] = {"error": f"{type(e).__name__}: {e}"}
-                print(f"{name} failed to start: {e}", file=sys.stderr)
-                ray.shutdown()
-                continue
-            startup = time.perf_counter() - t0
-            try:
-                workers = client.groups[0].workers
-                followers = workers[1:]
-                r = results[name] = {"startup_s": startup, "all_reduce": client.groups[0].info.all_reduce}
-                if followers:
-                    r["step_channel"] = ray.get(followers[0].step_channel.remote())
-                r |= measure(client, ns, prompt, followers)
-                if tp == 1 and ns.num_prompts:
-                    r["throughput"] = throughput(client, ns)
-                time.sleep(0.5)  # the last step's spin ends; then every rank should sleep
-                r["idle_cpu_share_per_rank"] = idle_cpu_share(ray.get([w.pid.remote() for w in workers]), ns.idle_s)
+            try:  # one broken path must not cost the others' numbers
+                client = create_ray_engine_client(args) if args.use_ray else Engine(server_args=args)
             except Exception as e:
-                results[name]["error"] = f"{type(e).__name__}: {e}"
-                print(f"{name} failed: {e}", file=sys.stderr)
+                results[path] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"{path} failed to start: {e}", file=sys.stderr)
+                continue
+            r = results[path] = {"startup_s": time.perf_counter() - t0}
+            try:
+                probe = TpProbe(client) if args.use_ray else None
+                if probe:
+                    r |= probe.info() | {"all_reduce": client.groups[0].info.all_reduce}
+                r |= measure(client, ns, prompt, probe)
+                if args.tp_size == 1 and ns.num_prompts:
+                    r["throughput"] = throughput(client, ns)
+                if probe:
+                    r["idle_cpu_share_per_rank"] = probe.idle_cpu_share(ns.idle_s)
+            except Exception as e:
+                r["error"] = f"{type(e).__name__}: {e}"
+                print(f"{path} failed: {e}", file=sys.stderr)
             finally:
                 client.shutdown()
-                ray.shutdown()
+                if args.use_ray:
+                    import ray
 
-    ref = results["inproc"]["tokens"]
+                    ray.shutdown()
+            del client
+            if ns.device == "cuda":
+                torch.cuda.empty_cache()
+
+    ref = results.get("inproc", {}).get("tokens")
     for r in results.values():
-        if "tokens" not in r:
+        toks = r.pop("tokens", None)
+        if ref is None or toks is None:
             continue
-        toks = r.pop("tokens")
         r["tokens_equal_inproc"] = toks == ref
         r["tokens_agreeing_prefix"] = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), len(ref))
-    inproc, tp1 = results["inproc"], results.get("ray_tp1")
+    inproc, tp1 = results.get("inproc", {}), results.get("ray_tp1", {})
     summary: dict[str, Any] = {}
     for bs in ns.batch:
         key = f"decode_step_ms_bs{bs}"
-        if tp1 and key in tp1:
+        if key in tp1 and key in inproc:
             summary[f"ray_tp1_overhead_ms_bs{bs}"] = tp1[key] - inproc[key]
-        for name, r in results.items():
-            if name.startswith("ray_tp2") and key in r:
-                summary[f"{name}_over_inproc_tp1_bs{bs}"] = r[key] / inproc[key]
-                engine, base_engine = r.get(f"engine_{key}"), inproc.get(f"engine_{key}")
-                if engine and base_engine:  # the same ratio from the schedulers' own step times
-                    summary[f"{name}_over_inproc_tp1_engine_bs{bs}"] = (sorted(engine)[len(engine) // 2]
-                                                                        / sorted(base_engine)[len(base_engine) // 2])
-    if tp1 and "throughput" in tp1 and "throughput" in inproc:
+    summary |= tp2_summary(results, ns.batch)
+    if "throughput" in tp1 and "throughput" in inproc:
         summary["ray_tp1_over_inproc_throughput"] = (tp1["throughput"]["requests_per_s"]
                                                      / inproc["throughput"]["requests_per_s"])
         summary["ray_tp1_device_idle_fraction"] = tp1["throughput"]["device_idle_fraction"]
@@ -240,17 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     results["summary"] = summary
     rows = [(f"{k} {m}", v[m]) for k, v in results.items() for m in v
             if m.startswith("decode_step_ms_bs") and not m.endswith("each")]
-    rows += [(f"{k} {m}", str([round(x, 2) for x in v[m]])) for k, v in results.items() for m in v
-             if m.startswith("engine_decode_step_ms_bs")]
     rows += [(f"summary {m}", v) for m, v in summary.items() if v is not None]
     print_table("decode step (ms), throughput, and the Ray path against in-process", rows)
-    trace_rows = [(f"{name} bs{bs} {k}", v["median"]) for name, r in results.items()
-                  for bs in ns.batch for t in r.get(f"step_trace_bs{bs}", [])[-1:]
-                  for k, v in t.items() if isinstance(v, dict)]
-    trace_rows += [(f"{name} idle CPU share per rank", str([round(x, 3) for x in r["idle_cpu_share_per_rank"]]))
-                   for name, r in results.items() if "idle_cpu_share_per_rank" in r]
-    if trace_rows:
-        print_table("TP follower step trace (median, us) and idle CPU", trace_rows)
+    print_table("scheduler-timed steps (ms), TP follower step traces, idle CPU", probe_rows(results, ns.batch))
     out = write_result(ns.out, "tp_ray", results, vars(ns), argv)
     print(f"wrote {out}")
     return 0
