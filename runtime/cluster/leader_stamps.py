@@ -33,7 +33,8 @@ class LeaderStamps:
         self.finished_id = getattr(launched, "batch_id", -1)
         self.finish_call_ns, self.finish_return_ns = call_ns, time.monotonic_ns()
         events = getattr(launched, "events", None)
-        if not events:
+        if not events:  # nothing timed (a verify step, an idle one): no gap across it
+            self._prev_end, self.gap_ns = None, -1
             return
         if self._prev_end is not None:
             try:  # both complete: finish_batch waited for a copy queued after this step's end event

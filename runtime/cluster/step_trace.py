@@ -54,11 +54,10 @@ class StepTrace:
             sent, wait, recv, decoded, launched, decode = r[n0:]
             ev = events[i]
             gap = None
-            if ev is not None:
-                if prev_end is not None:
-                    ev[0].synchronize()
-                    gap = max(0.0, prev_end.elapsed_time(ev[0]) * 1e3)
-                prev_end = ev[1]
+            if ev is not None and prev_end is not None:
+                ev[0].synchronize()
+                gap = max(0.0, prev_end.elapsed_time(ev[0]) * 1e3)
+            prev_end = ev[1] if ev is not None else None  # no gap across an untimed step
             if not decode:
                 continue
             m["channel_us"].append((recv - max(sent, wait)) / 1e3)

@@ -39,3 +39,40 @@ def test_stamps_travel_in_the_meta_slots():
     stamps.launched(7)
     meta = stamps.meta(8)
     assert len(meta) == 7 and meta[0] == 8 and meta[1] == 7 and meta[2] > 0 and meta[3] == -1
+
+
+class _Event:
+    """A CUDA event's timing API over a given device time (ms)."""
+
+    def __init__(self, ms: float):
+        self.ms = ms
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, later: _Event) -> float:
+        return later.ms - self.ms
+
+
+def test_follower_device_gaps_from_events_and_none_across_an_untimed_step():
+    trace = StepTrace()
+    # device: step 1 runs 0-4 ms, step 2 starts at 4.5 (0.5 ms idle), step 3 untimed, step 4 after it
+    spans = {1: (0.0, 4.0), 2: (4.5, 8.0), 3: None, 4: (9.0, 12.0)}
+    for b, span in spans.items():
+        events = (_Event(span[0]), _Event(span[1])) if span else None
+        trace.record((b, -1, 0, -1, 0, 0, -1), b * 10, b * 10, b * 10, b * 10, b * 10, True, events)
+    s = trace.summary()
+    assert s["follower_gap_us"]["n"] == 1 and s["follower_gap_us"]["median"] == 500.0
+
+
+def test_rank0_gap_from_its_own_events():
+    stamps = LeaderStamps()
+
+    class Launched:
+        def __init__(self, batch_id: int, start: float, end: float):
+            self.batch_id, self.events = batch_id, (_Event(start), _Event(end))
+
+    stamps.finished(Launched(1, 0.0, 4.0), 0)
+    assert stamps.gap_ns == -1  # nothing before the first step
+    stamps.finished(Launched(2, 4.25, 8.0), 0)
+    assert stamps.gap_ns == 250_000 and stamps.meta(3)[6] == 250_000
