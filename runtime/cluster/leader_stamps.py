@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 
 # Meta slots of every message: the step it carries, then what rank 0 knew when it sent it.
-BATCH_ID, PREV_ID, PREV_LAUNCHED_NS, FINISHED_ID, FINISH_CALL_NS, FINISH_RETURN_NS, GAP_NS = range(7)
+BATCH_ID, PREV_ID, PREV_LAUNCHED_NS, FINISHED_ID, FINISH_CALL_NS, FINISH_RETURN_NS, GAP_NS, DEVICE_NS = range(8)
 
 
 @dataclass(slots=True)
@@ -20,11 +20,12 @@ class LeaderStamps:
     finish_call_ns: int = 0  # when it began waiting for it
     finish_return_ns: int = 0  # when it had it (the device was done with it)
     gap_ns: int = -1  # rank 0's device idle right before that step began; -1 unknown
+    device_ns: int = -1  # rank 0's device time of that step (its all-reduces' waits for peers included)
     _prev_end: object = None  # CUDA event at the end of the step before it
 
     def meta(self, batch_id: int) -> tuple[int, ...]:
         return (batch_id, self.prev_id, self.prev_launched_ns, self.finished_id, self.finish_call_ns,
-                self.finish_return_ns, self.gap_ns)
+                self.finish_return_ns, self.gap_ns, self.device_ns)
 
     def launched(self, batch_id: int) -> None:
         self.prev_id, self.prev_launched_ns = batch_id, time.monotonic_ns()
@@ -34,11 +35,11 @@ class LeaderStamps:
         self.finish_call_ns, self.finish_return_ns = call_ns, time.monotonic_ns()
         events = getattr(launched, "events", None)
         if not events:  # nothing timed (a verify step, an idle one): no gap across it
-            self._prev_end, self.gap_ns = None, -1
+            self._prev_end, self.gap_ns, self.device_ns = None, -1, -1
             return
-        if self._prev_end is not None:
-            try:  # both complete: finish_batch waited for a copy queued after this step's end event
-                self.gap_ns = max(0, int(self._prev_end.elapsed_time(events[0]) * 1e6))
-            except RuntimeError:
-                self.gap_ns = -1
+        try:  # all complete: finish_batch waited for a copy queued after this step's end event
+            self.device_ns = int(events[0].elapsed_time(events[1]) * 1e6)
+            self.gap_ns = -1 if self._prev_end is None else max(0, int(self._prev_end.elapsed_time(events[0]) * 1e6))
+        except RuntimeError:
+            self.gap_ns = self.device_ns = -1
         self._prev_end = events[1]

@@ -12,6 +12,8 @@ while a benchmark asks for it. summary() answers where a TP step's time goes, ov
   follower_gap_us   the follower's device idle before a step (it launched too late: rank 0's one-shot
                     all-reduce spins that long, counted as rank 0 busy time)
   rank0_gap_us      rank 0's device idle before a step (rank 0 launched too late)
+  rank0_device_us / follower_device_us   each rank's device time of a step: the one-shot all-reduce makes
+                    the earlier rank wait for the later inside its kernels, so the larger one waited
 """
 
 from __future__ import annotations
@@ -44,19 +46,23 @@ class StepTrace:
         n0 = len(L.LeaderStamps().meta(0))
         by_id = {r[L.BATCH_ID]: r for r in rows}
         r0_launched = {r[L.PREV_ID]: r[L.PREV_LAUNCHED_NS] for r in rows}
-        finish = {r[L.FINISHED_ID]: (r[L.FINISH_CALL_NS], r[L.FINISH_RETURN_NS], r[L.GAP_NS]) for r in rows}
+        finish = {r[L.FINISHED_ID]: (r[L.FINISH_CALL_NS], r[L.FINISH_RETURN_NS], r[L.GAP_NS], r[L.DEVICE_NS])
+                  for r in rows}
         m: dict[str, list[float]] = {k: [] for k in ("channel_us", "follower_busy_us", "decode_us", "launch_us",
                                                       "lag_us", "rank0_host_us", "rank0_wait_us", "period_us",
-                                                      "follower_gap_us", "rank0_gap_us")}
+                                                      "follower_gap_us", "rank0_gap_us", "rank0_device_us",
+                                                      "follower_device_us")}
         prev_end = None
         for i, r in enumerate(rows):
             bid = r[L.BATCH_ID]
             sent, wait, recv, decoded, launched, decode = r[n0:]
             ev = events[i]
-            gap = None
-            if ev is not None and prev_end is not None:
-                ev[0].synchronize()
-                gap = max(0.0, prev_end.elapsed_time(ev[0]) * 1e3)
+            gap = device = None
+            if ev is not None:
+                ev[1].synchronize()
+                device = ev[0].elapsed_time(ev[1]) * 1e3
+                if prev_end is not None:
+                    gap = max(0.0, prev_end.elapsed_time(ev[0]) * 1e3)
             prev_end = ev[1] if ev is not None else None  # no gap across an untimed step
             if not decode:
                 continue
@@ -66,6 +72,8 @@ class StepTrace:
             m["launch_us"].append((launched - decoded) / 1e3)
             if gap is not None:
                 m["follower_gap_us"].append(gap)
+            if device is not None:
+                m["follower_device_us"].append(device)
             if bid in r0_launched:
                 m["lag_us"].append((launched - r0_launched[bid]) / 1e3)
             if bid - 1 in by_id:
@@ -73,10 +81,12 @@ class StepTrace:
             if r[L.FINISHED_ID] >= 0:
                 m["rank0_host_us"].append((sent - r[L.FINISH_RETURN_NS]) / 1e3)
             if bid in finish:
-                call, ret, r0gap = finish[bid]
+                call, ret, r0gap, r0device = finish[bid]
                 m["rank0_wait_us"].append((ret - call) / 1e3)
                 if r0gap >= 0:
                     m["rank0_gap_us"].append(r0gap / 1e3)
+                if r0device >= 0:
+                    m["rank0_device_us"].append(r0device / 1e3)
         out: dict[str, Any] = {"steps": len(rows), "decode_steps": sum(r[-1] for r in rows)}
         for k, v in m.items():
             if v:

@@ -45,10 +45,10 @@ class TpWorkerActor:
         decoder = msgspec.msgpack.Decoder(WorkerBatch)
         clock = time.monotonic_ns
         while True:
-            trace = self._trace
-            wait_ns = clock() if trace is not None else 0
+            wait_ns = clock()
             frame = channel.recv()
             self._maybe_fault()
+            trace = self._trace  # read after the wait: a trace started while idle sees its first step
             recv_ns = clock() if trace is not None else 0
             batch = decoder.decode(frame.data)
             if batch.sampling is not None:

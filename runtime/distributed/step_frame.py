@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-META_SLOTS = 7
+META_SLOTS = 8
 
 
 @dataclass(frozen=True, slots=True)

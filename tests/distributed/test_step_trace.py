@@ -38,7 +38,7 @@ def test_stamps_travel_in_the_meta_slots():
     stamps = LeaderStamps()
     stamps.launched(7)
     meta = stamps.meta(8)
-    assert len(meta) == 7 and meta[0] == 8 and meta[1] == 7 and meta[2] > 0 and meta[3] == -1
+    assert len(meta) == 8 and meta[0] == 8 and meta[1] == 7 and meta[2] > 0 and meta[3] == -1
 
 
 class _Event:
@@ -60,9 +60,10 @@ def test_follower_device_gaps_from_events_and_none_across_an_untimed_step():
     spans = {1: (0.0, 4.0), 2: (4.5, 8.0), 3: None, 4: (9.0, 12.0)}
     for b, span in spans.items():
         events = (_Event(span[0]), _Event(span[1])) if span else None
-        trace.record((b, -1, 0, -1, 0, 0, -1), b * 10, b * 10, b * 10, b * 10, b * 10, True, events)
+        trace.record((b, -1, 0, -1, 0, 0, -1, -1), b * 10, b * 10, b * 10, b * 10, b * 10, True, events)
     s = trace.summary()
     assert s["follower_gap_us"]["n"] == 1 and s["follower_gap_us"]["median"] == 500.0
+    assert sorted(s["follower_device_us"][k] for k in ("median", "max")) == [3500.0, 4000.0]
 
 
 def test_rank0_gap_from_its_own_events():
@@ -76,3 +77,4 @@ def test_rank0_gap_from_its_own_events():
     assert stamps.gap_ns == -1  # nothing before the first step
     stamps.finished(Launched(2, 4.25, 8.0), 0)
     assert stamps.gap_ns == 250_000 and stamps.meta(3)[6] == 250_000
+    assert stamps.device_ns == 3_750_000 and stamps.meta(3)[7] == 3_750_000
