@@ -4,23 +4,28 @@ Runs (--paths), one after the other on the same GPUs, with default flags:
   inproc        the in-process Engine (TP=1, no Ray): the baseline
   ray_tp1       one TP rank on Ray (the SchedulerActor holds the GPU; requests and outputs over its link)
   ray_tp1_poll  the same over Ray actor calls and output long-polls (--disable-request-link)
-  ray_tp2       two TP ranks on Ray (rank 1 follows over the StepChannel)
+  ray_tp2       two TP ranks on Ray (rank 1 follows over the StepChannel: the shm ring on one node)
+  ray_tp2_gloo  the same over the gloo StepChannel
 and reports for each the decode step time at each --batch size (streamed token timestamps: the median
 over requests of the gap between consecutive tokens, first token excluded), the rank-0 device idle share
 per burst, the first token's hops per burst (median ms: see bench_ttft_paths.py), the Ray overhead
 (ray_tp1 - inproc), the TP=2 / in-process TP=1 ratios, how many greedy tokens agree with inproc, and —
 for the TP=1 paths — offline throughput on --num-prompts prompts of --tput-input-len/--tput-output-len
-with the device idle fraction (1 - summed batch device time / wall time).
+with the device idle fraction (1 - summed batch device time / wall time). Around the Ray runs, TpProbe
+(tp_probe.py) adds the scheduler's own decode step (engine_decode_step_ms_bs{N}), the TP follower's step
+trace per timed burst (step_trace_bs{N}) and each rank's idle CPU share.
 
     python benchmarks/bench_tp.py --out benchmarks/results/tp_ray_2gpu.json                  # 2 GPUs
     python benchmarks/bench_tp.py --paths inproc ray_tp1 ray_tp1_poll --out tp_ray_1gpu.json  # 1 GPU
     python benchmarks/bench_tp.py --simulated-device --paths inproc ray_tp1 ray_tp1_poll      # CPU, no GPU
+    python benchmarks/bench_tp.py --device cpu --model-config Tiny-Llama-smoke --num-prompts 0  # CPU smoke
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import sys
@@ -38,6 +43,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from bench_ttft_paths import hops, start_simulated_ray  # noqa: E402
 from common import make_model_folder, print_table, write_result  # noqa: E402
+from tp_probe import TpProbe, engine_decode_step_s, probe_rows, tp2_summary  # noqa: E402
 
 from runtime.config import ServerArgs  # noqa: E402
 from runtime.messages import GenerateRequest  # noqa: E402
@@ -45,7 +51,7 @@ from runtime.sampling.params import SamplingParams  # noqa: E402
 
 PATH_ARGS: dict[str, dict[str, Any]] = {
     "inproc": {}, "ray_tp1": {"use_ray": True}, "ray_tp1_poll": {"use_ray": True, "disable_request_link": True},
-    "ray_tp2": {"use_ray": True, "tp_size": 2}}
+    "ray_tp2": {"use_ray": True, "tp_size": 2}, "ray_tp2_gloo": {"use_ray": True, "tp_size": 2, "step_channel": "gloo"}}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -59,10 +65,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tput-input-len", type=int, default=462)
     p.add_argument("--tput-output-len", type=int, default=256)
     p.add_argument("--max-total-tokens", type=int, default=None, help="default: what memory allows")
-    p.add_argument("--paths", nargs="+", default=["inproc", "ray_tp1", "ray_tp2"],
+    p.add_argument("--paths", nargs="+", default=["inproc", "ray_tp1", "ray_tp2", "ray_tp2_gloo"],
                    choices=sorted(PATH_ARGS))
     p.add_argument("--simulated-device", action="store_true",
                    help="no model: benchmarks/simulated_device.py stands in for the GPU (host-side costs only)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: a smoke run of this script (e.g. --model-config Tiny-Llama-smoke)")
+    p.add_argument("--idle-s", type=float, default=3.0, help="how long each Ray rank's idle CPU is sampled")
     p.add_argument("--out", default="benchmarks/results/tp_ray_2gpu.json")
     return p.parse_args(argv)
 
@@ -85,7 +94,7 @@ def median_hops(runs: list[tuple[list[int], list[float], dict[str, float]]]) -> 
     return {k: round(statistics.median(r[2][k] for r in runs), 3) for k in sorted(keys)}
 
 
-def measure(client: Any, ns: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
+def measure(client: Any, ns: argparse.Namespace, prompt: list[int], probe: TpProbe | None = None) -> dict[str, Any]:
     params = SamplingParams(max_new_tokens=ns.output_len, temperature=0.0, ignore_eos=True)
     out: dict[str, Any] = {}
 
@@ -94,13 +103,20 @@ def measure(client: Any, ns: argparse.Namespace, prompt: list[int]) -> dict[str,
             rid=f"{tag}-{j}-{time.time_ns()}", input_ids=prompt, sampling_params=params)) for j in range(bs)))
 
     for bs in ns.batch:
-        steps, idle, first_hops = [], [], []
+        steps, idle, first_hops, engine_steps = [], [], [], []
         for i in range(ns.repeats + 1):  # the first run warms up (and captures graphs of this size)
-            before = asyncio.run(client.stats()).device_busy_s
+            stats0 = asyncio.run(client.stats())
+            if probe and i:
+                probe.start_burst()
             t0 = time.perf_counter()
             runs = asyncio.run(burst(f"b{bs}-{i}", bs))
             wall = time.perf_counter() - t0
-            busy = asyncio.run(client.stats()).device_busy_s - before
+            stats1 = asyncio.run(client.stats())
+            busy = stats1.device_busy_s - stats0.device_busy_s
+            if probe and i and (trace := probe.end_burst()) is not None:
+                out.setdefault(f"step_trace_bs{bs}", []).append(trace)
+            if i and (engine_step := engine_decode_step_s(stats0, stats1)) is not None:
+                engine_steps.append(engine_step)
             if i == 0:
                 out.setdefault("tokens", runs[0][0])
                 continue
@@ -111,6 +127,7 @@ def measure(client: Any, ns: argparse.Namespace, prompt: list[int]) -> dict[str,
         step = sorted(steps)[len(steps) // 2]
         out[f"decode_step_ms_bs{bs}"] = 1000 * step
         out[f"decode_step_ms_bs{bs}_each"] = [1000 * s for s in steps]
+        out[f"engine_decode_step_ms_bs{bs}"] = [1000 * s for s in engine_steps]  # far below: the client set the pace
         # Rank 0's device idle share over the burst (prefill included): a follower that lags shows here
         # as rank 0's all-reduces waiting, i.e. as busy time, not idle; host-side gaps show as idle.
         out[f"device_idle_fraction_bs{bs}"] = idle
@@ -142,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     gpus = max(PATH_ARGS[p].get("tp_size", 1) for p in ns.paths)
-    if not ns.simulated_device and torch.cuda.device_count() < gpus:
+    if ns.device == "cuda" and not ns.simulated_device and torch.cuda.device_count() < gpus:
         print(f"bench_tp --paths {' '.join(ns.paths)} needs {gpus} CUDA GPUs, found {torch.cuda.device_count()}",
               file=sys.stderr)
         return 2
@@ -155,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     from runtime import Engine
     from runtime.cluster.launch import create_ray_engine_client
 
-    device, dtype = "cuda", "bfloat16"
+    device, dtype = ns.device, "bfloat16" if ns.device == "cuda" else "float32"
     if ns.simulated_device:
         import simulated_device
 
@@ -165,26 +182,34 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="shoal-bench-tp-") as tmp:
         folder = make_model_folder(ns.model_config, Path(tmp) / "model")
         make_tokenizer(folder)  # ids come from the prompt below; the scheduler only needs EOS and decode
-        base = dict(model_path=str(folder), load_format="dummy", dtype=dtype, device=device,
+        base = dict(model_path=str(folder), load_format="dummy", device=device, dtype=dtype,
                     max_total_tokens=ns.max_total_tokens, context_length=4096)
-        prompt = [1000 + (i * 37) % 20000 for i in range(ns.input_len)]
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        prompt = [(1000 + (i * 37) % 20000) % vocab for i in range(ns.input_len)]
         for path in ns.paths:
             args = ServerArgs(**base, **PATH_ARGS[path])
-            tp1 = args.tp_size == 1
             t0 = time.perf_counter()
-            if not args.use_ray:
-                client = Engine(server_args=args)
-            else:
-                if ns.simulated_device:
+            try:  # one broken path must not cost the others' numbers
+                if args.use_ray and ns.simulated_device:
                     start_simulated_ray()
-                client = create_ray_engine_client(args)
-            startup = time.perf_counter() - t0
+                client = create_ray_engine_client(args) if args.use_ray else Engine(server_args=args)
+            except Exception as e:
+                results[path] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"{path} failed to start: {e}", file=sys.stderr)
+                continue
+            r = results[path] = {"startup_s": time.perf_counter() - t0}
             try:
-                results[path] = measure(client, ns, prompt) | {"startup_s": startup}
-                if args.use_ray:
-                    results[path]["all_reduce"] = client.groups[0].info.all_reduce
-                if tp1 and ns.num_prompts:
-                    results[path]["throughput"] = throughput(client, ns)
+                probe = TpProbe(client) if args.use_ray else None
+                if probe:
+                    r |= probe.info() | {"all_reduce": client.groups[0].info.all_reduce}
+                r |= measure(client, ns, prompt, probe)
+                if args.tp_size == 1 and ns.num_prompts:
+                    r["throughput"] = throughput(client, ns)
+                if probe:
+                    r["idle_cpu_share_per_rank"] = probe.idle_cpu_share(ns.idle_s)
+            except Exception as e:
+                r["error"] = f"{type(e).__name__}: {e}"
+                print(f"{path} failed: {e}", file=sys.stderr)
             finally:
                 client.shutdown()
                 if args.use_ray:
@@ -195,34 +220,34 @@ def main(argv: list[str] | None = None) -> int:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
-    ref = results["inproc"]["tokens"] if "inproc" in results else None
+    ref = results.get("inproc", {}).get("tokens")
     for r in results.values():
-        toks = r.pop("tokens")
-        if ref is None:
+        toks = r.pop("tokens", None)
+        if ref is None or toks is None:
             continue
         r["tokens_equal_inproc"] = toks == ref
         r["tokens_agreeing_prefix"] = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), len(ref))
-    inproc, tp2 = results.get("inproc"), results.get("ray_tp2")
+    inproc = results.get("inproc", {})
     summary: dict[str, Any] = {}
     for bs in ns.batch if inproc else []:
         key = f"decode_step_ms_bs{bs}"
         for name in ("ray_tp1", "ray_tp1_poll"):
-            if name in results:
+            if key in results.get(name, {}) and key in inproc:
                 summary[f"{name}_overhead_ms_bs{bs}"] = results[name][key] - inproc[key]
-        if tp2:
-            summary[f"ray_tp2_over_inproc_tp1_bs{bs}"] = tp2[key] / inproc[key]
+    summary |= tp2_summary(results, ns.batch)
     for name in ("ray_tp1", "ray_tp1_poll"):
-        if inproc and "throughput" in inproc and "throughput" in results.get(name, {}):
+        if "throughput" in inproc and "throughput" in results.get(name, {}):
             summary[f"{name}_over_inproc_throughput"] = (results[name]["throughput"]["requests_per_s"]
                                                          / inproc["throughput"]["requests_per_s"])
             summary[f"{name}_device_idle_fraction"] = results[name]["throughput"]["device_idle_fraction"]
-    if inproc and "throughput" in inproc:
+    if "throughput" in inproc:
         summary["inproc_device_idle_fraction"] = inproc["throughput"]["device_idle_fraction"]
     results["summary"] = summary
     rows = [(f"{k} {m}", v[m]) for k, v in results.items() for m in v
             if m.startswith("decode_step_ms_bs") and not m.endswith("each")]
     rows += [(f"summary {m}", v) for m, v in summary.items() if v is not None]
     print_table("decode step (ms), throughput, and the Ray path against in-process", rows)
+    print_table("scheduler-timed steps (ms), TP follower step traces, idle CPU", probe_rows(results, ns.batch))
     out = write_result(ns.out, "tp_ray", results, vars(ns), argv)
     print(f"wrote {out}")
     return 0

@@ -30,7 +30,7 @@ if [ "$part" = part2 ]; then
 fi
 if [ "$part" = part3 ]; then  # after changes: GPU kernels, the channel's latency, bench_tp again
   TAIL=6 run timeout 150 python -m pytest -q -x tests/gpu/test_kernels_gpu.py -p no:cacheprovider
-  run timeout 60 python benchmarks/bench_step_channel.py
+  run timeout 90 python benchmarks/bench_step_channel.py --out "$out/step_channel_gpu_host.json"
   python benchmarks/bench_tp.py --output-len 64 --repeats 2 --out "$out/tp_ray_2gpu.json" > "$out/bench_tp.log" 2>&1
   grep -i "all-reduce inside\|decode step\|_bs\|summary\|wrote" "$out/bench_tp.log" | tail -30
 fi

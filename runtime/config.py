@@ -72,6 +72,9 @@ class ServerArgs:
     enable_dp_attention: bool = _opt(False, "attention data-parallel, MLP tensor-parallel across all DP ranks")
     disable_custom_all_reduce: bool = _opt(False, "NCCL for every TP all-reduce (no symmetric-memory one-shot "
                                                   "for the small ones inside CUDA graphs)")
+    step_channel: str = _opt("auto", "how TP rank 0 hands each step to the other ranks of its replica: shm (a "
+                                     "shared-memory ring, ranks on one node), gloo (TCP, any nodes); auto: shm "
+                                     "where every rank is on one node", ("auto", "shm", "gloo"))
     use_ray: bool = _opt(False, "run on Ray actors even for tp=dp=1 (the default for `shoal serve` on a GPU)")
     disable_request_link: bool = _opt(False, "Ray: send requests and take outputs through actor calls (long polls) "
                                       "instead of the client's direct socket link to each scheduler actor")

@@ -8,7 +8,7 @@
            │  (RequestLink ⇄ LinkServer; no Ray call per request or step)
       SchedulerActor = TP rank 0 (one per DP replica, or per DP rank with DP attention): a SchedulerHost
            │  (the Engine's own scheduler thread) over rank 0's in-process TpWorker — no RPC per step
-           ▼  one msgpack WorkerBatch per step, broadcast over a gloo StepChannel (BroadcastWorker)
+           ▼  one msgpack WorkerBatch per step over a StepChannel: shm ring on one node, gloo across (BroadcastWorker)
       TpWorkerActor (TP ranks 1..N-1): follows each step; NCCL collectives keep the ranks' logits equal
 
 A replica's actors sit in one placement group (a bundle per TP rank); each holds one GPU as far as

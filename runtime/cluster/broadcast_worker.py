@@ -1,15 +1,17 @@
 """BroadcastWorker: rank 0's WorkerClient when its TP group has other ranks. Every batch is encoded
-once and broadcast over the StepChannel before rank 0 launches its own share, so all ranks start the
-step together with no RPC. Any failure — of rank 0's own step, or reported for a peer by fail() — leaves
-the group failed for good: its ranks may be out of step, so only a relaunch can recover it."""
+once and sent over the StepChannel before rank 0 launches its own share, so all ranks start the step
+together with no RPC; each message carries rank 0's recent timestamps (LeaderStamps) for step traces.
+Any failure — of rank 0's own step, or reported for a peer by fail() — leaves the group failed for good: its ranks may be out of step, so only a relaunch can recover it."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import msgspec
 
+from runtime.cluster.leader_stamps import LeaderStamps
 from runtime.distributed.step_channel import StepChannel
 from runtime.errors import EngineUnavailableError
 from runtime.messages import BatchResult, WorkerBatch
@@ -25,6 +27,7 @@ class BroadcastWorker:
         self.can_overlap = worker.can_overlap
         self.failed: EngineUnavailableError | None = None
         self._encoder = msgspec.msgpack.Encoder()
+        self.stamps = LeaderStamps()
 
     def bind_thread(self) -> None:
         self.worker.bind_thread()
@@ -32,15 +35,20 @@ class BroadcastWorker:
     def launch_batch(self, batch: WorkerBatch) -> object:
         self._check()
         try:
-            self.channel.send(self._encoder.encode(batch))
-            return self.worker.launch_batch(batch)
+            self.channel.send(self._encoder.encode(batch), self.stamps.meta(batch.batch_id))
+            launched = self.worker.launch_batch(batch)
+            self.stamps.launched(batch.batch_id)
+            return launched
         except Exception as e:
             raise self._failure(e) from None
 
     def finish_batch(self, launched: object) -> BatchResult:
         self._check()
         try:
-            return self.worker.finish_batch(launched)
+            call_ns = time.monotonic_ns()
+            result = self.worker.finish_batch(launched)
+            self.stamps.finished(launched, call_ns)
+            return result
         except Exception as e:
             raise self._failure(e) from None
 
@@ -51,6 +59,7 @@ class BroadcastWorker:
         """Marks the group failed (idempotent: the first reason wins) and tells the owner once."""
         if self.failed is None:
             self.failed = EngineUnavailableError(message)
+            self.channel.abort()  # a send waiting on a dead rank gives up
             logger.error("%s", message)
             self.on_failure(self.failed)
         return self.failed

@@ -13,7 +13,7 @@ import socket
 from dataclasses import dataclass
 
 from runtime.config import ServerArgs
-from runtime.distributed.step_channel import StepChannel
+from runtime.distributed.step_channel import StepChannel, create_step_channel
 from runtime.model_executor.tp_worker import TpWorker
 
 # A dead peer must surface as an error well before torch's 30-minute default; the scheduler actor notices
@@ -61,7 +61,9 @@ class TpRank:
                                     timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
             group = ParallelGroup(spec.rank, spec.world_size, dist.group.WORLD)
             if spec.has_step_channel:
-                channel = StepChannel.create(spec.rank)
+                # A CPU rank's cores do the model's work: a follower spinning for the next step would take one.
+                channel = create_step_channel(spec.rank, spec.world_size, args.step_channel,
+                                              spin_s=0.0 if device.type == "cpu" else 0.002)
         if spec.dp_attention:
             ctx = ParallelContext(attn=ParallelGroup.single(), mlp=group, dp_attention=True)
         else:

@@ -1,22 +1,27 @@
 """TpWorkerActor: a TP rank other than 0, as a Ray actor. It holds its shard (TpRank) and, once
 started, follows rank 0: every step's WorkerBatch arrives over the StepChannel and is launched at
-once, the previous step collected behind it, exactly as rank 0's scheduler launches and collects — so
-the ranks' device queues stay full and the TP collectives meet. No result travels back: the
-collectives make every rank's logits, and so its sampled tokens, the same as rank 0's.
+once, so the ranks' device queues stay full and the TP collectives meet. No result travels back: the
+collectives make every rank's logits, and so its sampled tokens, the same as rank 0's. So a follower does
+only what its next step needs: its sampled tokens stay on the device (the next step reads them from
+there), it never waits for its device (rank 0 paces the group: it sends a step only after collecting
+the one two before), and it skips the logprobs only rank 0 reports.
 
 serve() runs the follow loop for the replica's life (the group is killed as a whole); it ends with the
-rank's own exception if a step fails, which is how rank 0's SchedulerActor (which awaits it) learns why. The actor is threaded, so
-node_id() and inject_fault() answer while serve() runs."""
+rank's own exception if a step fails, which is how rank 0's SchedulerActor (which awaits it) learns why.
+The actor is threaded, so node_id(), inject_fault() and trace_steps() answer while serve() runs."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import msgspec
 
+from runtime.cluster.step_trace import StepTrace
 from runtime.cluster.tp_rank import RankSpec, TpRank, endpoint
 from runtime.config import ServerArgs
 from runtime.messages import WorkerBatch, WorkerInfo
+from runtime.model_executor.forward_mode import ForwardMode
 
 
 class TpWorkerActor:
@@ -24,6 +29,7 @@ class TpWorkerActor:
         self.args, self.model_path, self.spec = args, model_path, spec
         self.rank: TpRank | None = None
         self._fault: tuple[int, str] | None = None
+        self._trace: StepTrace | None = None
 
     def endpoint(self) -> tuple[str, int]:
         return endpoint()
@@ -37,14 +43,33 @@ class TpWorkerActor:
         worker, channel = self.rank.worker, self.rank.channel
         worker.bind_thread()
         decoder = msgspec.msgpack.Decoder(WorkerBatch)
-        pending = None
+        clock = time.monotonic_ns
         while True:
-            data = channel.recv()
+            wait_ns = clock()
+            frame = channel.recv()
             self._maybe_fault()
-            launched = worker.launch_batch(decoder.decode(data))
-            if pending is not None:
-                worker.finish_batch(pending)
-            pending = launched
+            trace = self._trace  # read after the wait: a trace started while idle sees its first step
+            recv_ns = clock() if trace is not None else 0
+            batch = decoder.decode(frame.data)
+            if batch.sampling is not None:
+                batch.sampling.return_logprob = False  # rank 0 reports logprobs; they never change a token
+            decoded_ns = clock() if trace is not None else 0
+            launched = worker.launch_batch(batch, keep_on_device=True)
+            if trace is not None:
+                trace.record(frame.meta, frame.sent_ns, wait_ns, recv_ns, decoded_ns, clock(),
+                             ForwardMode(batch.forward_mode).is_decode(), launched.events)
+
+    def trace_steps(self, on: bool) -> dict | None:
+        """Benchmarks: on=True starts a fresh StepTrace of the follow loop; on=False stops it and returns
+        its summary (step_trace.py says what each number means)."""
+        trace, self._trace = self._trace, StepTrace() if on else None
+        if trace is None or on:
+            return None
+        return {"channel": self.rank.channel.kind} | trace.summary()
+
+    def step_channel(self) -> str:
+        """The StepChannel kind this rank follows over ("shm" or "gloo")."""
+        return self.rank.channel.kind
 
     def inject_fault(self, after_steps: int, message: str) -> None:
         """Failure drills and tests: the step after the next `after_steps` raises RuntimeError(message)."""

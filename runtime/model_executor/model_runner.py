@@ -185,11 +185,14 @@ class ModelRunner:
         return self.finish_batch(self.launch_batch(batch))
 
     @torch.inference_mode()
-    def launch_batch(self, batch: WorkerBatch, sample_later: bool = False) -> LaunchedBatch:
+    def launch_batch(self, batch: WorkerBatch, sample_later: bool = False,
+                     keep_on_device: bool = False) -> LaunchedBatch:
         """Enqueues the forward and the sampling without waiting for the device, so the scheduler can
         prepare the next batch meanwhile (overlap scheduling). finish_batch() collects the result.
         sample_later: enqueue only the forward; sample_deferred() adds the grammar masks and samples (the
-        masks need the previous batch's tokens, which the scheduler collects while this forward runs)."""
+        masks need the previous batch's tokens, which the scheduler collects while this forward runs).
+        keep_on_device: a TP follower's step: its tokens only feed its next step (future_token_ids), so
+        nothing is copied to the host and finish_batch() is never called."""
         t0 = time.perf_counter()
         if self.ctx.dp_attention:
             # Every DP rank steps together: agree on token counts first; skip the forward if all are idle.
@@ -221,7 +224,7 @@ class ModelRunner:
         if sample_later:
             launched.deferred = (batch.sampling, out.next_token_logits, fb.req_pool_indices)
             return launched
-        return self._sample(launched, batch.sampling, out.next_token_logits, fb.req_pool_indices)
+        return self._sample(launched, batch.sampling, out.next_token_logits, fb.req_pool_indices, keep_on_device)
 
     @torch.inference_mode()
     def sample_deferred(self, launched: LaunchedBatch, grammar_rows: list[int], grammar_mask: bytes) -> LaunchedBatch:
@@ -232,12 +235,12 @@ class ModelRunner:
         return self._sample(launched, sampling, logits, req_pool_indices)
 
     def _sample(self, launched: LaunchedBatch, sampling: SamplingBatch, logits: torch.Tensor,
-                req_pool_indices: torch.Tensor) -> LaunchedBatch:
+                req_pool_indices: torch.Tensor, keep_on_device: bool = False) -> LaunchedBatch:
         sample = launched.sample = self.sampler(logits, sampling)
         self.future_token_ids[req_pool_indices] = sample.next_token_ids
         if launched.events is not None:
             launched.events[1].record()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not keep_on_device:
             # Queue the device→host copy of the tokens now, right behind this batch's kernels. A plain
             # .tolist() in finish_batch() would queue it behind the *next* batch, already launched by
             # then, and collecting this batch would wait for that one too: no overlap at all.

@@ -44,8 +44,8 @@ class TpWorker:
     def release(self) -> None:
         self.runner.release()
 
-    def launch_batch(self, batch: WorkerBatch, sample_later: bool = False) -> LaunchedBatch:
-        return self.runner.launch_batch(batch, sample_later)
+    def launch_batch(self, batch: WorkerBatch, sample_later: bool = False, keep_on_device: bool = False) -> LaunchedBatch:
+        return self.runner.launch_batch(batch, sample_later, keep_on_device)
 
     def sample_deferred(self, launched: LaunchedBatch, grammar_rows: list[int], grammar_mask: bytes) -> LaunchedBatch:
         return self.runner.sample_deferred(launched, grammar_rows, grammar_mask)

@@ -1,5 +1,5 @@
 """TP=2 over two GPUs (rank 0 in the SchedulerActor, rank 1 a TpWorkerActor following over the
-StepChannel; NCCL between them) gives the in-process TP=1 Engine's greedy tokens, with overlap
+shared-memory StepChannel; NCCL and the one-shot all-reduce between them) gives the in-process TP=1 Engine's greedy tokens, with overlap
 scheduling on (the replica reports it).
 
 fp32: exactly equal (the two summation orders cannot flip an argmax of a random model).
@@ -100,6 +100,11 @@ def test_ray_tp2_nccl_matches_tp1(gpu_model, ray_gpus):
         if torch.cuda.get_device_capability(0)[0] >= 9 and torch.cuda.can_device_access_peer(0, 1):
             # Ray ranks see every GPU of the node, so the one-shot kernel is used inside graphs
             assert client.groups[0].info.all_reduce == "symm_mem+nccl"
+        import ray
+
+        follower = client.groups[0].workers[1]
+        assert ray.get(follower.step_channel.remote()) == "shm"  # both ranks on this node: the shm ring
+        ray.get(follower.trace_steps.remote(True))
         reqs = [GenerateRequest(rid=f"tp2-{i}", input_ids=p,
                                 sampling_params=SamplingParams(max_new_tokens=16, temperature=0.0))
                 for i, p in enumerate(PROMPTS)]
@@ -109,6 +114,12 @@ def test_ray_tp2_nccl_matches_tp1(gpu_model, ray_gpus):
 
         assert asyncio.run(run_all()) == expected
         assert client.replica_stats_sync()[0].overlap  # the Ray replica overlaps like the Engine
+        trace = ray.get(follower.trace_steps.remote(False))
+        print(f"TP=2 step trace (fp32 tiny): {trace}")
+        # On a GPU both ranks' device idle gaps come from CUDA events.
+        for key in ("follower_gap_us", "rank0_gap_us", "follower_device_us", "rank0_device_us"):
+            assert trace[key]["n"] > 0, key
+        assert trace["decode_steps"] >= 15
     finally:
         client.shutdown()
 
