@@ -1,0 +1,233 @@
+"""Time to first token at concurrency 1 through HTTP against the engine underneath it, in one run on one
+machine: what the gateway adds on top of the engine (issue 13 item 5: `shoal serve` p50 TTFT at c=1 at
+most 2 ms above the offline Engine's).
+
+Paths (--paths, any order):
+  engine      the in-process Engine, called directly (the offline Engine's TTFT)
+  ray         the RayEngineClient (scheduler actor, request link), called directly
+  http_ray    `shoal serve`'s Ray shape: a GatewayActor (aiohttp + RayEngineClient) over HTTP, streamed
+              /v1/completions with token-id prompts, TTFT = the first chunk carrying text (bench_serving's)
+  http_inproc the gateway over the in-process Engine (`shoal serve --in-process`)
+
+The model folder gets a word-level tokenizer covering the vocab (every id streams as text). For the HTTP
+paths the gateway's own stamps of the first token's way (ChoiceState's GatewayTrace, fetched from
+/debug/ttft_trace) split its median TTFT into arrival → admitted → first delta → first chunk written.
+
+    python benchmarks/bench_http_ttft.py --out benchmarks/results/http_ttft_h100.json            # GPU
+    python benchmarks/bench_http_ttft.py --simulated-device --out /tmp/http_ttft_sim.json        # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from common import load_model_config, make_model_folder, make_vocab_tokenizer, print_table, write_result  # noqa: E402
+
+from runtime.config import ServerArgs  # noqa: E402
+from runtime.messages import GenerateRequest  # noqa: E402
+from runtime.sampling.params import SamplingParams  # noqa: E402
+
+PATHS = ("engine", "ray", "http_ray", "http_inproc")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-config", default="Llama-3.1-8B-Instruct")
+    p.add_argument("--input-len", type=int, default=462)
+    p.add_argument("--output-len", type=int, default=4)
+    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--paths", nargs="+", default=["engine", "http_ray", "ray"], choices=PATHS)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--simulated-device", action="store_true",
+                   help="no model: benchmarks/simulated_device.py stands in for the GPU (host-side costs only)")
+    p.add_argument("--out", default="benchmarks/results/http_ttft.json")
+    return p.parse_args(argv)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _prompt(ns: argparse.Namespace, vocab: int, i: int) -> list[int]:
+    """Random ids, fresh per request (as bench_serving's): no prefix-cache hits."""
+    rng = random.Random(i)
+    return [rng.randrange(256, vocab - 64) for _ in range(ns.input_len)]
+
+
+# ---- direct engine clients --------------------------------------------------------------------------
+async def _direct_one(client: Any, prompt: list[int], out_len: int) -> float:
+    arrival = time.monotonic()
+    req = GenerateRequest(rid=f"ttft-{time.time_ns()}", input_ids=prompt, arrival_time=arrival,
+                          sampling_params=SamplingParams(max_new_tokens=out_len, temperature=0.0, ignore_eos=True))
+    ttft = float("nan")
+    async for out in client.stream(client.validate(req)):
+        if ttft != ttft and out.new_token_ids:
+            ttft = time.monotonic() - arrival
+    return 1e3 * ttft
+
+
+def measure_direct(client: Any, ns: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    async def run() -> list[float]:
+        for i in range(ns.warmup):
+            await _direct_one(client, _prompt(ns, vocab, 10_000 + i), ns.output_len)
+        return [await _direct_one(client, _prompt(ns, vocab, i), ns.output_len) for i in range(ns.requests)]
+
+    return _summary(asyncio.run(run()))
+
+
+# ---- HTTP -------------------------------------------------------------------------------------------
+async def _http_one(session: Any, url: str, prompt: list[int], out_len: int) -> float:
+    body = {"prompt": prompt, "max_tokens": out_len, "temperature": 0.0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    ttft = float("nan")
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+        buf = b""
+        async for chunk in resp.content.iter_any():
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                line = line.strip()
+                if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                    continue
+                event = json.loads(line[5:])
+                if ttft != ttft and any(c.get("text") for c in event.get("choices") or []):
+                    ttft = time.perf_counter() - start
+    return 1e3 * ttft
+
+
+def measure_http(url: str, ns: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    import aiohttp
+
+    async def run() -> tuple[list[float], Any]:
+        async with aiohttp.ClientSession() as session:
+            for i in range(ns.warmup):
+                await _http_one(session, url, _prompt(ns, vocab, 10_000 + i), ns.output_len)
+            async with session.post(url + "/debug/ttft_trace", json={"reset": True}) as r:
+                await r.read()
+            rows = [await _http_one(session, url, _prompt(ns, vocab, i), ns.output_len) for i in range(ns.requests)]
+            async with session.get(url + "/debug/ttft_trace") as r:
+                trace = await r.json() if r.status == 200 else None
+        return rows, trace
+
+    rows, trace = asyncio.run(run())
+    res = _summary(rows)
+    if trace:
+        res["gateway_hops_ms"] = trace
+    return res
+
+
+def _summary(ttfts: list[float]) -> dict[str, Any]:
+    return {"ttft_ms": statistics.median(ttfts), "ttft_p90_ms": sorted(ttfts)[int(0.9 * (len(ttfts) - 1))],
+            "ttft_ms_each": [round(t, 2) for t in ttfts]}
+
+
+def start_ray(ns: argparse.Namespace) -> None:
+    import ray
+
+    if ns.simulated_device:
+        from bench_ttft_paths import start_simulated_ray
+
+        start_simulated_ray()
+    else:
+        ray.init(address="local", include_dashboard=False, object_store_memory=1 << 30)
+
+
+def run_path(path: str, base: dict[str, Any], ns: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    import ray
+
+    from runtime import Engine
+
+    if path == "engine":
+        engine = Engine(server_args=ServerArgs(**base))
+        try:
+            return measure_direct(engine, ns, vocab)
+        finally:
+            engine.shutdown()
+    if path == "http_inproc":
+        from runtime.gateway.server import serve_in_thread
+
+        args = ServerArgs(**base, in_process=True)
+        engine = Engine(server_args=args)
+        try:
+            with serve_in_thread(engine, args, port=0) as server:
+                return measure_http(server.url, ns, vocab)
+        finally:
+            engine.shutdown()
+    start_ray(ns)
+    try:
+        args = ServerArgs(**base, use_ray=True, port=_free_port())
+        if path == "ray":
+            from runtime.cluster.launch import create_ray_engine_client
+
+            client = create_ray_engine_client(args)
+            try:
+                return measure_direct(client, ns, vocab)
+            finally:
+                client.shutdown()
+        from runtime.cluster.launch import launch_gateway_actor
+
+        handle = launch_gateway_actor(args, port=args.port, on_this_node=True)
+        try:
+            return measure_http(ray.get(handle.url.remote()), ns, vocab)
+        finally:
+            ray.get(handle.shutdown.remote(), timeout=60)
+            ray.kill(handle)
+    finally:
+        ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if ns.simulated_device:
+        import simulated_device
+
+        simulated_device.install()
+        ns.device, ns.dtype = "cpu", "float32"
+    cfg = load_model_config(ns.model_config)
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="shoal-http-ttft-") as tmp:
+        folder = make_model_folder(ns.model_config, Path(tmp) / "model")
+        make_vocab_tokenizer(folder, cfg["vocab_size"], cfg)
+        base = dict(model_path=str(folder), load_format="dummy", dtype=ns.dtype, device=ns.device,
+                    context_length=4096)
+        vocab = min(cfg["vocab_size"], 32000) if ns.simulated_device else cfg["vocab_size"]
+        for path in ns.paths:
+            results[path] = run_path(path, base, ns, vocab)
+            print(f"{path}: p50 TTFT {results[path]['ttft_ms']:.2f} ms", flush=True)
+    ref = results.get("engine", {}).get("ttft_ms")
+    for path, r in results.items():
+        if ref is not None and path != "engine":
+            r["over_engine_ms"] = r["ttft_ms"] - ref
+    rows = [(f"{p} {k}", v[k]) for p, v in results.items() for k in ("ttft_ms", "ttft_p90_ms", "over_engine_ms")
+            if k in v]
+    rows += [(f"{p} gateway {k}", ms) for p, v in results.items() for k, ms in (v.get("gateway_hops_ms") or {}).items()
+             if isinstance(ms, float)]
+    print_table("p50 TTFT at concurrency 1 (ms): HTTP vs the engine underneath", rows)
+    print(f"wrote {write_result(ns.out, 'http_ttft', results, vars(ns), argv)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
