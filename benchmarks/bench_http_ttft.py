@@ -24,6 +24,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import socket
 import statistics
 import sys
@@ -39,6 +40,7 @@ from common import load_model_config, make_model_folder, make_vocab_tokenizer, p
 
 from runtime.config import ServerArgs  # noqa: E402
 from runtime.messages import GenerateRequest  # noqa: E402
+from runtime.gateway.ttft_trace import TtftStamps  # noqa: E402
 from runtime.sampling.params import SamplingParams  # noqa: E402
 
 PATHS = ("engine", "ray", "http_ray", "http_inproc")
@@ -51,6 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=4)
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--burst", type=int, default=64, help="warm-up requests sent at once first (serve_bench's)")
+    p.add_argument("--server-flags", default="--cuda-graph-max-bs 256 --max-running-requests 512",
+                   help="ServerArgs for every path, as `shoal serve` flags (serve_bench.sh's)")
     p.add_argument("--paths", nargs="+", default=["engine", "http_ray", "ray"], choices=PATHS)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
@@ -58,6 +63,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="no model: benchmarks/simulated_device.py stands in for the GPU (host-side costs only)")
     p.add_argument("--out", default="benchmarks/results/http_ttft.json")
     return p.parse_args(argv)
+
+
+def server_overrides(flags: str) -> dict[str, Any]:
+    """`shoal serve` flags → the ServerArgs fields they change."""
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    given, defaults = vars(parser.parse_args(shlex.split(flags))), vars(parser.parse_args([]))
+    return {k: v for k, v in given.items() if v != defaults[k]}
 
 
 def _free_port() -> int:
@@ -73,24 +86,37 @@ def _prompt(ns: argparse.Namespace, vocab: int, i: int) -> list[int]:
 
 
 # ---- direct engine clients --------------------------------------------------------------------------
-async def _direct_one(client: Any, prompt: list[int], out_len: int) -> float:
+async def _direct_one(client: Any, prompt: list[int], out_len: int) -> tuple[float, dict[str, float]]:
+    """TTFT (ms) of one request and its first token's hops (TtftStamps' names; the gateway's are 0)."""
     arrival = time.monotonic()
     req = GenerateRequest(rid=f"ttft-{time.time_ns()}", input_ids=prompt, arrival_time=arrival,
                           sampling_params=SamplingParams(max_new_tokens=out_len, temperature=0.0, ignore_eos=True))
-    ttft = float("nan")
+    stamps = TtftStamps(arrival, read=arrival, built=arrival, admitted=arrival)
     async for out in client.stream(client.validate(req)):
-        if ttft != ttft and out.new_token_ids:
-            ttft = time.monotonic() - arrival
-    return 1e3 * ttft
+        if not stamps.delta and out.new_token_ids:
+            stamps.delta = stamps.written = time.monotonic()
+            stamps.engine = out.trace
+    return 1e3 * (stamps.delta - arrival), stamps.hops_ms()
+
+
+async def _burst(one: Any, ns: argparse.Namespace, vocab: int) -> None:
+    """serve_bench's warm-up: 64 requests of 32 tokens at once (larger batches and their first-use costs)."""
+    await asyncio.gather(*(one(_prompt(ns, vocab, 20_000 + i), 32) for i in range(ns.burst)))
 
 
 def measure_direct(client: Any, ns: argparse.Namespace, vocab: int) -> dict[str, Any]:
-    async def run() -> list[float]:
+    async def run() -> list[tuple[float, dict[str, float]]]:
+        await _burst(lambda p, n: _direct_one(client, p, n), ns, vocab)
         for i in range(ns.warmup):
             await _direct_one(client, _prompt(ns, vocab, 10_000 + i), ns.output_len)
         return [await _direct_one(client, _prompt(ns, vocab, i), ns.output_len) for i in range(ns.requests)]
 
-    return _summary(asyncio.run(run()))
+    rows = asyncio.run(run())
+    res = _summary([t for t, _ in rows])
+    hops = [h for _, h in rows]
+    res["engine_hops_ms"] = {f"{k}_ms": statistics.median(h[k] for h in hops) for k in ("pickup", "prefill", "back",
+                                                                                     "deliver")}
+    return res
 
 
 # ---- HTTP -------------------------------------------------------------------------------------------
@@ -121,6 +147,7 @@ def measure_http(url: str, ns: argparse.Namespace, vocab: int) -> dict[str, Any]
 
     async def run() -> tuple[list[float], Any]:
         async with aiohttp.ClientSession() as session:
+            await _burst(lambda p, n: _http_one(session, url, p, n), ns, vocab)
             for i in range(ns.warmup):
                 await _http_one(session, url, _prompt(ns, vocab, 10_000 + i), ns.output_len)
             async with session.post(url + "/debug/ttft_trace", json={"reset": True}) as r:
@@ -211,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = make_model_folder(ns.model_config, Path(tmp) / "model")
         make_vocab_tokenizer(folder, cfg["vocab_size"], cfg)
         base = dict(model_path=str(folder), load_format="dummy", dtype=ns.dtype, device=ns.device,
-                    context_length=4096)
+                    context_length=4096) | server_overrides(ns.server_flags)
         vocab = min(cfg["vocab_size"], 32000) if ns.simulated_device else cfg["vocab_size"]
         for path in ns.paths:
             results[path] = run_path(path, base, ns, vocab)
@@ -222,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
             r["over_engine_ms"] = r["ttft_ms"] - ref
     rows = [(f"{p} {k}", v[k]) for p, v in results.items() for k in ("ttft_ms", "ttft_p90_ms", "over_engine_ms")
             if k in v]
-    rows += [(f"{p} gateway {k}", ms) for p, v in results.items() for k, ms in (v.get("gateway_hops_ms") or {}).items()
-             if isinstance(ms, float)]
+    rows += [(f"{p} {part} {k}", ms) for p, v in results.items() for part in ("engine_hops_ms", "gateway_hops_ms")
+             for k, ms in (v.get(part) or {}).items() if isinstance(ms, float)]
     print_table("p50 TTFT at concurrency 1 (ms): HTTP vs the engine underneath", rows)
     print(f"wrote {write_result(ns.out, 'http_ttft', results, vars(ns), argv)}")
     return 0
