@@ -39,8 +39,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from common import load_model_config, make_model_folder, make_vocab_tokenizer, print_table, write_result  # noqa: E402
 
 from runtime.config import ServerArgs  # noqa: E402
-from runtime.messages import GenerateRequest  # noqa: E402
 from runtime.gateway.ttft_trace import TtftStamps  # noqa: E402
+from runtime.messages import GenerateRequest  # noqa: E402
 from runtime.sampling.params import SamplingParams  # noqa: E402
 
 PATHS = ("engine", "ray", "http_ray", "http_inproc")
