@@ -62,9 +62,11 @@ class TtftTrace:
         self.records.clear()
 
     def summary(self) -> dict[str, float | int]:
-        """The median of each hop (ms) over the kept requests, and how many there are."""
+        """The median and the largest of each hop (ms) over the kept requests, and how many there are."""
         out: dict[str, float | int] = {"requests": len(self.records)}
         if self.records:
             for k in (*HOPS, "ttft"):
                 out[f"{k}_ms"] = statistics.median(r[k] for r in self.records)
+            for k in (*HOPS, "ttft"):
+                out[f"{k}_max_ms"] = max(r[k] for r in self.records)
         return out
