@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-config", default="Llama-3.1-8B-Instruct")
     p.add_argument("--input-len", type=int, default=462)
     p.add_argument("--output-len", type=int, default=4)
-    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--requests", type=int, default=40)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--burst", type=int, default=64, help="warm-up requests sent at once first (serve_bench's)")
     p.add_argument("--server-flags", default="--cuda-graph-max-bs 256 --max-running-requests 512",
