@@ -3,7 +3,8 @@ machine: what the gateway adds on top of the engine (issue 13 item 5: `shoal ser
 most 2 ms above the offline Engine's).
 
 Paths (--paths, any order):
-  engine      the in-process Engine, called directly (the offline Engine's TTFT)
+  engine      the in-process Engine, called directly (the offline Engine's TTFT; one_token_e2e_ms is
+              bench_offline --batch1-decode's figure: a 1-token request's end to end, a little more)
   ray         the RayEngineClient (scheduler actor, request link), called directly
   http_ray    `shoal serve`'s Ray shape: a GatewayActor (aiohttp + RayEngineClient) over HTTP, streamed
               /v1/completions with token-id prompts, TTFT = the first chunk carrying text (bench_serving's)
@@ -112,8 +113,20 @@ def measure_direct(client: Any, ns: argparse.Namespace, vocab: int) -> dict[str,
             await _direct_one(client, _prompt(ns, vocab, 10_000 + i), ns.output_len)
         return [await _direct_one(client, _prompt(ns, vocab, i), ns.output_len) for i in range(ns.requests)]
 
+    async def one_token() -> list[float]:  # bench_offline --batch1-decode's TTFT: a 1-token request's end to end
+        times = []
+        for i in range(12):
+            t0 = time.perf_counter()
+            async for _ in client.stream(client.validate(GenerateRequest(
+                    rid=f"one-{time.time_ns()}", input_ids=_prompt(ns, vocab, 30_000 + i),
+                    sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)))):
+                pass
+            times.append(1e3 * (time.perf_counter() - t0))
+        return times
+
     rows = asyncio.run(run())
     res = _summary([t for t, _ in rows])
+    res["one_token_e2e_ms"] = statistics.median(asyncio.run(one_token()))
     hops = [h for _, h in rows]
     res["engine_hops_ms"] = {f"{k}_ms": statistics.median(h[k] for h in hops) for k in ("pickup", "prefill", "back",
                                                                                      "deliver")}
@@ -265,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                 if ref is not None and name != "engine":
                     r["over_engine_ms"] = r["ttft_ms"] - ref
             write_result(ns.out, "http_ttft", results, vars(ns), argv)  # each path as it ends: a cut run keeps them
-    rows = [(f"{p} {k}", v[k]) for p, v in results.items() for k in ("ttft_ms", "ttft_p90_ms", "over_engine_ms")
-            if k in v]
+    rows = [(f"{p} {k}", v[k]) for p, v in results.items()
+            for k in ("ttft_ms", "ttft_p90_ms", "over_engine_ms", "one_token_e2e_ms") if k in v]
     rows += [(f"{p} {part} {k}", ms) for p, v in results.items() for part in ("engine_hops_ms", "gateway_hops_ms")
              for k, ms in (v.get(part) or {}).items() if isinstance(ms, float) and "_max_" not in k]
     print_table("p50 TTFT at concurrency 1 (ms): HTTP vs the engine underneath", rows)
