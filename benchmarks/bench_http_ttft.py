@@ -214,9 +214,21 @@ def run_path(path: str, base: dict[str, Any], ns: argparse.Namespace, vocab: int
     from runtime import Engine
 
     if path == "engine":
+        import torch
+
         engine = Engine(server_args=ServerArgs(**base))
         try:
-            return measure_direct(engine, ns, vocab)
+            res = measure_direct(engine, ns, vocab)
+            # Ray starts its workers with OMP_NUM_THREADS=1: the same engine with one torch thread says
+            # whether the scheduler's host work (its prefill launches) depends on that.
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                one = measure_direct(engine, ns, vocab)
+            finally:
+                torch.set_num_threads(threads)
+            return res | {"torch_threads": threads, "ttft_ms_torch_threads_1": one["ttft_ms"],
+                          "engine_hops_ms_torch_threads_1": one["engine_hops_ms"]}
         finally:
             engine.shutdown()
     if path == "http_inproc":
@@ -279,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                     r["over_engine_ms"] = r["ttft_ms"] - ref
             write_result(ns.out, "http_ttft", results, vars(ns), argv)  # each path as it ends: a cut run keeps them
     rows = [(f"{p} {k}", v[k]) for p, v in results.items()
-            for k in ("ttft_ms", "ttft_p90_ms", "over_engine_ms", "one_token_e2e_ms") if k in v]
+            for k in ("ttft_ms", "ttft_p90_ms", "over_engine_ms", "one_token_e2e_ms", "ttft_ms_torch_threads_1")
+            if k in v]
     rows += [(f"{p} {part} {k}", ms) for p, v in results.items() for part in ("engine_hops_ms", "gateway_hops_ms")
              for k, ms in (v.get(part) or {}).items() if isinstance(ms, float) and "_max_" not in k]
     print_table("p50 TTFT at concurrency 1 (ms): HTTP vs the engine underneath", rows)
