@@ -101,24 +101,25 @@ async def _direct_one(client: Any, prompt: list[int], out_len: int) -> tuple[flo
     return 1e3 * (stamps.delta - arrival), stamps.hops_ms()
 
 
-async def _burst(one: Any, ns: argparse.Namespace, vocab: int) -> None:
+async def _burst(one: Any, ns: argparse.Namespace, vocab: int, seeds: int = 0) -> None:
     """serve_bench's warm-up: 64 requests of 32 tokens at once (larger batches and their first-use costs)."""
-    await asyncio.gather(*(one(_prompt(ns, vocab, 20_000 + i), 32) for i in range(ns.burst)))
+    await asyncio.gather(*(one(_prompt(ns, vocab, seeds + 20_000 + i), 32) for i in range(ns.burst)))
 
 
-def measure_direct(client: Any, ns: argparse.Namespace, vocab: int) -> dict[str, Any]:
+def measure_direct(client: Any, ns: argparse.Namespace, vocab: int, seeds: int = 0) -> dict[str, Any]:
+    """seeds: offsets the prompts' seeds, so a second measurement on the same engine hits no cached prefix."""
     async def run() -> list[tuple[float, dict[str, float]]]:
-        await _burst(lambda p, n: _direct_one(client, p, n), ns, vocab)
+        await _burst(lambda p, n: _direct_one(client, p, n), ns, vocab, seeds)
         for i in range(ns.warmup):
-            await _direct_one(client, _prompt(ns, vocab, 10_000 + i), ns.output_len)
-        return [await _direct_one(client, _prompt(ns, vocab, i), ns.output_len) for i in range(ns.requests)]
+            await _direct_one(client, _prompt(ns, vocab, seeds + 10_000 + i), ns.output_len)
+        return [await _direct_one(client, _prompt(ns, vocab, seeds + i), ns.output_len) for i in range(ns.requests)]
 
     async def one_token() -> list[float]:  # bench_offline --batch1-decode's TTFT: a 1-token request's end to end
         times = []
         for i in range(12):
             t0 = time.perf_counter()
             async for _ in client.stream(client.validate(GenerateRequest(
-                    rid=f"one-{time.time_ns()}", input_ids=_prompt(ns, vocab, 30_000 + i),
+                    rid=f"one-{time.time_ns()}", input_ids=_prompt(ns, vocab, seeds + 30_000 + i),
                     sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)))):
                 pass
             times.append(1e3 * (time.perf_counter() - t0))
@@ -224,7 +225,7 @@ def run_path(path: str, base: dict[str, Any], ns: argparse.Namespace, vocab: int
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
-                one = measure_direct(engine, ns, vocab)
+                one = measure_direct(engine, ns, vocab, seeds=100_000)
             finally:
                 torch.set_num_threads(threads)
             return res | {"torch_threads": threads, "ttft_ms_torch_threads_1": one["ttft_ms"],
