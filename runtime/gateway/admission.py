@@ -6,7 +6,8 @@ It reads the engine's real state (EngineClient.stats(): the summed replicas on R
 in-process), refreshed in the background at most every `refresh_s` (a request never waits for it), for
 what runs (requests, KV held, decode left) and the recent rates; the queue itself it knows better than
 any snapshot: every request it admitted waits until its first delta comes back (or it ends), so those
-are counted the moment they are admitted — a burst cannot slip in between two snapshots. A request is refused when
+are counted the moment they are admitted — a burst cannot slip in between two snapshots. A request is
+refused when
   - more than --max-waiting-requests would wait ahead of it, or
   - its estimated wait (WaitEstimator) exceeds --max-queue-wait-s.
 
