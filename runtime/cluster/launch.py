@@ -37,6 +37,9 @@ def init_ray(args: ServerArgs, num_bundles: int = 1) -> bool:
         ray.init(address=args.address, log_to_driver=True)
         return True
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # without it Ray binds the machine's own interface address, not loopback
+    # Ray starts its workers at nice 15 (below its raylet and GCS, as background jobs); ours are the server
+    # itself: the scheduler actor's host-bound launches and the gateway are what a request waits for.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     # Bundles are logical: a replica's CPU bundle is a scheduling slot, not a core it spins on.
     # address="local": a cluster of our own even when another runs on this machine (a bare ray.init()
     # would join that one, and then refuse num_cpus); joining is what --address auto is for.

@@ -3,10 +3,11 @@ start it soon, so a flood never builds a queue that accepted requests would time
 request it lets in completes.
 
 It reads the engine's real state (EngineClient.stats(): the summed replicas on Ray, the scheduler
-in-process), refreshed at most every `refresh_s`, for what runs (requests, KV held, decode left) and the
-recent rates; the queue itself it knows better than any snapshot: every request it admitted waits
-until its first delta comes back (or it ends), so those are counted the moment they are admitted —
-a burst cannot slip in between two snapshots. A request is refused when
+in-process), refreshed in the background at most every `refresh_s` (a request never waits for it), for
+what runs (requests, KV held, decode left) and the recent rates; the queue itself it knows better than
+any snapshot: every request it admitted waits until its first delta comes back (or it ends), so those
+are counted the moment they are admitted — a burst cannot slip in between two snapshots. A request is
+refused when
   - more than --max-waiting-requests would wait ahead of it, or
   - its estimated wait (WaitEstimator) exceeds --max-queue-wait-s.
 
@@ -83,11 +84,13 @@ class AdmissionController:
     # ---- the engine's state ---------------------------------------------------------------------
     async def refresh(self, client: EngineClient) -> None:
         """One stats() call at a time; concurrent callers share it."""
-        if self._refreshing is not None and not self._refreshing.done():
-            await asyncio.shield(self._refreshing)
-            return
-        self._refreshing = asyncio.ensure_future(self._refresh(client))
-        await asyncio.shield(self._refreshing)
+        await asyncio.shield(self.refresh_soon(client))
+
+    def refresh_soon(self, client: EngineClient) -> asyncio.Future:
+        """Starts a stats() call in the background unless one is under way; returns it."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self._refresh(client))
+        return self._refreshing
 
     async def _refresh(self, client: EngineClient) -> None:
         started = time.monotonic()
@@ -143,10 +146,15 @@ class AdmissionController:
 
     # ---- decisions --------------------------------------------------------------------------------
     async def check(self, client: EngineClient, reqs: list[GenerateRequest]) -> Refusal | None:
-        """None: admitted (and counted as waiting until `started`); else why not."""
+        """None: admitted (and counted as waiting until `started`); else why not. Decides on the last
+        snapshot and refreshes a stale one in the background: on Ray stats() is an actor call that waits
+        for the step in progress, and a request must not wait for it (its first token would). Only the
+        very first request waits, for the first snapshot: a flood at start-up is still judged."""
         self.loop_lag.ensure_started()
-        if time.monotonic() - self.stats_t > self.refresh_s:
+        if self.stats is None:
             await self.refresh(client)
+        elif time.monotonic() - self.stats_t > self.refresh_s:
+            self.refresh_soon(client)
         return self.decide(reqs)
 
     def decide(self, reqs: list[GenerateRequest], now: float | None = None) -> Refusal | None:

@@ -13,7 +13,7 @@ from aiohttp import web
 from runtime.config import ServerArgs
 from runtime.engine_client import EngineClient
 from runtime.errors import ShoalError
-from runtime.gateway import dashboard_routes, native_routes, tokenize_routes
+from runtime.gateway import dashboard_routes, debug_routes, native_routes, tokenize_routes
 from runtime.gateway.errors import ApiError, from_http_exception, from_shoal_error
 from runtime.gateway.openai_chat import chat_completions
 from runtime.gateway.openai_completions import completions
@@ -86,6 +86,8 @@ def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) 
     app.router.add_post("/detokenize", tokenize_routes.detokenize)
     app.router.add_get("/dashboard", dashboard_routes.page)
     app.router.add_get("/dashboard/data", dashboard_routes.data)
+    app.router.add_get("/debug/ttft_trace", debug_routes.ttft_trace)
+    app.router.add_post("/debug/ttft_trace", debug_routes.ttft_trace)
     return app
 
 

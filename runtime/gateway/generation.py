@@ -27,6 +27,7 @@ from runtime.gateway.fan_in import OutputFanIn
 from runtime.gateway.protocol import encode
 from runtime.gateway.sse import SseWriter, is_disconnected
 from runtime.gateway.state import STATE_KEY, GatewayState
+from runtime.gateway.ttft_trace import TtftStamps
 from runtime.messages import GenerateRequest, RequestOutput
 
 B = TypeVar("B")
@@ -59,6 +60,7 @@ class Generation(Generic[B]):
         self.client = client
         self.base_id = ""
         self.choices: list[ChoiceState] = []
+        self.stamps = TtftStamps(arrival, read=time.monotonic())
 
     @classmethod
     async def read(cls, request: web.Request, kind: type[B]) -> Generation[B]:
@@ -76,11 +78,16 @@ class Generation(Generic[B]):
         return self.choices
 
     async def respond(self, stream: bool, responder: Responder) -> web.StreamResponse:
+        self.stamps.built = time.monotonic()
         tracked = self.state.track(self.base_id, [c.req for c in self.choices])
         try:  # untrack also forgets an admitted request that never started (admission counts it waiting)
             await self.state.admit(self.client, [c.req for c in self.choices])
+            self.stamps.admitted = time.monotonic()
             if stream:
-                return await self._stream(responder)
+                response = await self._stream(responder)
+                if len(self.choices) == 1:
+                    self.state.ttft_trace.add(self.stamps)
+                return response
             await self._run(responder, None)
             return web.Response(body=encode(responder.body()), content_type="application/json")
         finally:
@@ -101,7 +108,10 @@ class Generation(Generic[B]):
     async def _run(self, responder: Responder, send: Callable[[bytes], Awaitable[None]] | None) -> None:
         async with OutputFanIn(self.client, [c.req for c in self.choices],
                                lambda: is_disconnected(self.request)) as fan:
+            stamps = self.stamps
             async for i, out in fan:
+                if not stamps.delta and out.new_token_ids:
+                    stamps.delta, stamps.engine = time.monotonic(), out.trace
                 c = self.choices[i]
                 self.state.admission.started(c.req.rid)
                 ended = c.done
@@ -115,3 +125,5 @@ class Generation(Generic[B]):
                 if send is not None:
                     for event in responder.events(c, out, text):
                         await send(encode(event))
+                        if stamps.delta and not stamps.written:
+                            stamps.written = time.monotonic()

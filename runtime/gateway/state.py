@@ -26,6 +26,7 @@ from runtime.gateway.errors import ApiError, bad_request, from_shoal_error
 from runtime.gateway.ignored_fields import IgnoredFields
 from runtime.gateway.metrics import GatewayMetrics
 from runtime.gateway.protocol import OpenAISamplingFields
+from runtime.gateway.ttft_trace import TtftTrace
 from runtime.messages import GenerateRequest
 from runtime.sampling.params import SamplingParams
 
@@ -56,6 +57,7 @@ class GatewayState:
         self.admission = AdmissionController(args.max_queue_wait_s, args.max_waiting_requests)
         self.ignored_fields = IgnoredFields(self.metrics.ignored_fields)
         self.errors = ErrorLog()
+        self.ttft_trace = TtftTrace()
         self.dashboard = Dashboard(self.metrics, self.errors)
         self.created = int(time.time())
         self.shutting_down = False
