@@ -18,13 +18,22 @@ def test_accuracy_bench_smoke(tiny_llama, tmp_path) -> None:
     res = doc["results"][tiny_llama.name]
     assert res["ref_dtype"] == "bfloat16" and res["prompts"] == 3 and res["gen_len"] == 4
     modes = res["modes"]
-    assert set(modes) == {"fp8_kv", "fp8_weights", "fp8_kv_and_weights", "float32_no_fp8",
+    assert set(modes) == {"fp8_kv", "fp8_kv_static_scale_1", "fp8_weights", "fp8_kv_and_weights", "float32_no_fp8",
                           "fp8_weights@compressed-tensors-per-tensor"}
+    assert modes["fp8_kv"]["kv_scales"]["source"] == "calibrate" and len(modes["fp8_kv"]["kv_scales"]["k"]) == 2
+    assert modes["fp8_kv_static_scale_1"]["kv_scales"] == {"source": "static", "k": [1.0, 1.0], "v": [1.0, 1.0]}
+    assert "kv_scales" not in modes["fp8_weights"]
     for m in modes.values():
         assert 0.0 <= m["top1_agreement"] <= 1.0 and m["mean_abs_logprob_diff"] >= 0.0
         assert m["disagreements"] == round((1 - m["top1_agreement"]) * 12)
     assert modes["fp8_kv"]["target"] == 0.97 and modes["fp8_weights"]["target"] == 0.95
     assert modes["fp8_kv"]["mean_abs_logprob_diff"] > 0  # FP8 really changed something
+
+
+def test_accuracy_bench_runs_the_modes_asked_for(tiny_llama) -> None:
+    res = bench_fp8_accuracy.main(["--model-path", str(tiny_llama), "--num-prompts", "2", "--gen-len", "2",
+                                   "--modes", "fp8_kv,float32_no_fp8"])
+    assert set(res[tiny_llama.name]["modes"]) == {"fp8_kv", "float32_no_fp8"}
 
 
 def test_gpu_bench_summary() -> None:
