@@ -36,6 +36,19 @@ def test_accuracy_bench_runs_the_modes_asked_for(tiny_llama) -> None:
     assert set(res[tiny_llama.name]["modes"]) == {"fp8_kv", "float32_no_fp8"}
 
 
+def test_kv_error_sources_smoke(tiny_llama, tmp_path) -> None:
+    from benchmarks import bench_fp8_kv_error_sources
+
+    out = tmp_path / "es.json"
+    res = bench_fp8_kv_error_sources.main(["--model-path", str(tiny_llama), "--num-prompts", "2", "--gen-len", "3",
+                                           "--output-file", str(out)])
+    assert json.loads(out.read_text())["benchmark"] == "fp8_kv_error_sources"
+    assert len(res["layers"]) == 2 and res["layers"][0]["k_amax"] > 0
+    assert len(res["variants"]) == 8 and all(0 <= v["top1_agreement"] <= 1 for v in res["variants"].values())
+    # the rounding really happened (the tiny model's reference is bf16, the variant's K/V went through e4m3)
+    assert res["variants"]["fp8_k_and_v_calibrated"]["mean_abs_logprob_diff"] > 0
+
+
 def test_gpu_bench_summary() -> None:
     results = {"bf16": {"output_throughput": 8000.0, "max_total_tokens": 400_000},
                "fp8_kv": {"output_throughput": 11000.0, "max_total_tokens": 800_000},

@@ -196,3 +196,27 @@ def test_pool_quantizes_each_layer_with_its_own_scale() -> None:
         TokenToKVPool(8, 3, 2, 4, F8, "cpu", scales)
     with pytest.raises(ValueError, match="layer 1's V scale must be a positive finite"):
         KVScales((1.0, 1.0), (1.0, 0.0))
+
+
+def test_per_layer_scales_keep_tiny_v_and_huge_k_that_scale_1_loses(tiny_llama, tmp_path) -> None:
+    """The same function with layer 0's V 1000x smaller (o_proj 1000x larger) and layer 1's K 1000x larger
+    (q_proj 1000x smaller): with one scale of 1.0, V falls below e4m3's subnormals and K saturates at 448;
+    calibrated per-layer scales keep both, and the logits stay those of the full-precision pool."""
+    shutil.copytree(tiny_llama, tmp_path / "rescaled")
+    path = tmp_path / "rescaled"
+    w = load_file(str(path / "model.safetensors"))
+    w["model.layers.0.self_attn.v_proj.weight"] *= 1e-3
+    w["model.layers.0.self_attn.o_proj.weight"] *= 1e3
+    w["model.layers.1.self_attn.k_proj.weight"] *= 1e3
+    w["model.layers.1.self_attn.q_proj.weight"] *= 1e-3
+    save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
+    _, ref = greedy(RunnerDriver(tiny_llama))
+    _, same = greedy(RunnerDriver(path))  # the rescaled model in full precision: the same function
+    assert float((same - ref).abs().max()) < 1e-3 * float(ref.abs().max())
+    calibrated = RunnerDriver(path, kv_cache_dtype="fp8_e4m3")
+    k, v = calibrated.runner.token_to_kv_pool.k_scales, calibrated.runner.token_to_kv_pool.v_scales
+    assert v[0] < 1e-4 and k[1] > 0.5  # the layers' own ranges
+    _, got = greedy(calibrated)
+    _, static = greedy(RunnerDriver(path, kv_cache_dtype="fp8_e4m3", kv_cache_scale_mode="static"))
+    err, static_err = float((got - ref).abs().max()), float((static - ref).abs().max())
+    assert err < 0.05 * float(ref.abs().max()) and static_err > 5 * err, (err, static_err)
