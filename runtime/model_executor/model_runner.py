@@ -141,6 +141,8 @@ class ModelRunner:
                                                min(self.context_len, self.model_config.max_position_embeddings),
                                                args.chat_template)
             scales = calibrator.calibrate(ids)
+            if self.device.type == "cuda":  # its activations would otherwise count as used when sizing the pool
+                torch.cuda.empty_cache()
         if self.ctx.attn.rank == 0 and self.ctx.mlp.rank == 0:
             logger.info("FP8 KV cache scales (%s)", scales.summary())
         return scales
