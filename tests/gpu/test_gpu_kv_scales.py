@@ -50,7 +50,7 @@ def run(path: Path, prompts: list[list[int]], **extra) -> tuple[list[list[int]],
     with Engine(model_path=str(path), dtype="bfloat16", max_total_tokens=32768, cuda_graph_max_bs=32,
                 context_length=1024, disable_radix_cache=True, **extra) as engine:
         outs = engine.generate(input_ids=prompts, sampling_params=params, return_input_logprob=True)
-        pool = engine.scheduler.worker.runner.token_to_kv_pool
+        pool = engine.worker.runner.token_to_kv_pool
         scales = {"source": pool.scales.source, "k": pool.k_scales, "v": pool.v_scales}
         assert engine.get_stats().num_used_tokens == 0
     assert all(len(o["output_ids"]) == 16 for o in outs)

@@ -33,7 +33,7 @@ def test_engine_per_layer_kv_scales_agree_with_hf(make_engine, tiny_llama, tmp_p
             weights[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(vs)
         save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     engine = make_engine(path, kv_cache_dtype="fp8_e4m3", chunked_prefill_size=16, enable_mixed_chunk=True)
-    pool = engine.scheduler.worker.runner.token_to_kv_pool
+    pool = engine.worker.runner.token_to_kv_pool
     assert pool.is_fp8 and pool.scales.source == source
     if source == "checkpoint":
         assert pool.k_scales == pytest.approx((0.004, 0.006)) and pool.v_scales == pytest.approx((0.003, 0.002))
