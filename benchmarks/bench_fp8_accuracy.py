@@ -37,7 +37,8 @@ TOPICS = ["the history of Rome", "how vaccines work", "photosynthesis", "the Fre
 TEMPLATES = ["Explain {} to a ten-year-old.", "Write a short essay about {}.",
              "What are three surprising facts about {}?", "The most important thing to know about {} is"]
 MODES = {
-    "fp8_kv": {"kv_cache_dtype": "fp8_e4m3"},
+    "fp8_kv": {"kv_cache_dtype": "fp8_e4m3"},  # per-layer scales: the checkpoint's, else calibrated
+    "fp8_kv_static_scale_1": {"kv_cache_dtype": "fp8_e4m3", "kv_cache_scale_mode": "static"},  # the old default
     "fp8_weights": {"quantization": "fp8"},
     "fp8_kv_and_weights": {"kv_cache_dtype": "fp8_e4m3", "quantization": "fp8"},
 }
@@ -56,6 +57,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="also run tiny random llama/qwen3 and their FP8 checkpoints")
     p.add_argument("--tiny-only", action="store_true",
                    help="only the tiny checkpoints (a GPU machine that cannot fetch or carry SmolLM2's 260 MB)")
+    p.add_argument("--modes", default=None, help="comma-separated subset of the modes to run (e.g. fp8_kv,"
+                   "fp8_kv_static_scale_1,float32_no_fp8); default: all")
     p.add_argument("--skip-checkpoint", action="store_true", help="skip the compressed-tensors per-tensor copy")
     p.add_argument("--output-file", default=None)
     return p.parse_args(argv)
@@ -147,11 +150,15 @@ def evaluate(name: str, model_path: str, args: argparse.Namespace, modes: dict[s
                            "reference_s": time.perf_counter() - t0, "modes": {}}
     print(f"[{name}] reference ({ref_dtype}) done in {out['reference_s']:.0f} s", flush=True)
     for label, (path, extra) in modes.items():
+        if not _selected(args, label):
+            continue
         t0 = time.perf_counter()
         extra = dict(extra)
         dec = ForcedDecoder(path, args.device, extra.pop("dtype", ref_dtype), kv_tokens,
                             attention_backend=args.attention_backend, **extra)
         top, lp = dec.run(prompts, args.gen_len, ref_tokens)
+        pool = dec.runner.token_to_kv_pool
+        kv_scales = {"source": pool.scales.source, "k": list(pool.k_scales), "v": list(pool.v_scales)}
         dec.close()
         agree = (top == ref_tokens).float()
         res = {"top1_agreement": float(agree.mean()), "mean_abs_logprob_diff": float((lp - ref_lp).abs().mean()),
@@ -164,6 +171,8 @@ def evaluate(name: str, model_path: str, args: argparse.Namespace, modes: dict[s
                "disagreements_at_near_ties": int(((agree == 0) & (ref_margin < 0.5)).sum()),
                "top1_agreement_margin_ge_0.5": float(agree[ref_margin >= 0.5].mean()),
                "server_args": {**extra, "dtype": extra.get("dtype", ref_dtype)}}
+        if pool.is_fp8:
+            res["kv_scales"] = kv_scales
         base = label.split("@")[0]
         if base in TARGETS:
             res["target"], res["meets_target"] = TARGETS[base], res["top1_agreement"] >= TARGETS[base]
@@ -171,6 +180,10 @@ def evaluate(name: str, model_path: str, args: argparse.Namespace, modes: dict[s
         print(f"[{name}] {label}: top-1 {res['top1_agreement']:.4f}, mean |dlogp| "
               f"{res['mean_abs_logprob_diff']:.4f} ({res['seconds']:.0f} s)", flush=True)
     return out
+
+
+def _selected(args: argparse.Namespace, label: str) -> bool:
+    return args.modes is None or label in args.modes.split(",")
 
 
 def evaluate_main_model(args: argparse.Namespace, tmp: Path, write_fp8_checkpoint: Any) -> dict[str, Any]:
@@ -183,7 +196,7 @@ def evaluate_main_model(args: argparse.Namespace, tmp: Path, write_fp8_checkpoin
     modes = {k: (str(model), v) for k, v in MODES.items()}
     if args.ref_dtype != "float32":  # how far plain fp32 is from the reference: the noise floor
         modes["float32_no_fp8"] = (str(model), {"dtype": "float32"})
-    if not args.skip_checkpoint:
+    if not args.skip_checkpoint and _selected(args, "fp8_weights@compressed-tensors-per-tensor"):
         ckpt = write_fp8_checkpoint(model, tmp / "ct_tensor", "compressed-tensors", strategy="tensor")
         modes["fp8_weights@compressed-tensors-per-tensor"] = (str(ckpt), {})
     return {model.name: evaluate(model.name, str(model), args, modes)}

@@ -36,7 +36,13 @@ class ServerArgs:
     # Memory and batching
     kv_cache_dtype: str = _opt("auto", "KV cache storage: auto = the model dtype; fp8_e4m3 halves the bytes per token",
                                ("auto", "fp8_e4m3"))
-    kv_cache_scale: float = _opt(1.0, "fp8_e4m3 KV cache: one static scale for every layer's K and V (stored = x / scale)")
+    kv_cache_scale: float | None = _opt(None, "fp8_e4m3 KV cache: one static scale for every layer's K and V "
+                                              "(stored = x / scale); implies --kv-cache-scale-mode static")
+    kv_cache_scale_mode: str = _opt("auto", "fp8_e4m3 KV cache scales, per layer: checkpoint (its k_scale/v_scale "
+                                            "tensors), calibrate (one prefill at start, amax x 4 / 448), static "
+                                            "(--kv-cache-scale, default 1.0); auto: --kv-cache-scale if given, "
+                                            "else checkpoint if it has them, else calibrate",
+                                    ("auto", "checkpoint", "calibrate", "static"))
     max_total_tokens: int | None = _opt(None, "KV pool size in tokens (CPU default 16384; GPU: from --mem-fraction-static)")
     mem_fraction_static: float = _opt(0.85, "fraction of GPU memory for weights + KV pool")
     max_running_requests: int = _opt(256, "most requests decoding at once")
@@ -103,12 +109,17 @@ class ServerArgs:
     log_interval_s: float = _opt(10.0, "seconds between scheduler stats log lines")
 
     def __post_init__(self) -> None:
-        positive = ("kv_cache_scale", "mem_fraction_static", "max_running_requests", "max_prefill_tokens", "tp_size",
+        positive = ("mem_fraction_static", "max_running_requests", "max_prefill_tokens", "tp_size",
                     "dp_size", "cuda_graph_max_bs", "max_request_bytes", "max_n", "init_new_token_ratio",
                     "max_queue_wait_s", "max_waiting_requests", "balance_rel_threshold", "grammar_compile_timeout_s")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ServerArgsError(_flag(name), f"must be positive, got {getattr(self, name)}")
+        if self.kv_cache_scale is not None and not 0 < self.kv_cache_scale < float("inf"):
+            raise ServerArgsError("--kv-cache-scale", f"must be positive, got {self.kv_cache_scale}")
+        if self.kv_cache_scale is not None and self.kv_cache_scale_mode in ("checkpoint", "calibrate"):
+            raise ServerArgsError("--kv-cache-scale", f"is a static scale; it cannot be combined with "
+                                                      f"--kv-cache-scale-mode {self.kv_cache_scale_mode}")
         for name in ("max_total_tokens", "context_length", "max_concurrent_requests"):
             v = getattr(self, name)
             if v is not None and v < 1:

@@ -4,7 +4,7 @@ Each KV slot is one page (page size 1): the [slots, Hkv, D] buffers are viewed a
 NHD pages, and a request's page list is its req_to_token row, copied into a flat kv_indices array by a
 small Triton kernel. Wrappers are planned once per batch (init_forward_metadata), never per layer.
 An FP8 pool (spec.kv_dtype float8_e4m3fn) is planned with that kv_data_type and run with the pool's
-static k_scale/v_scale, which flashinfer applies as it reads.
+static per-layer k_scale/v_scale floats, which flashinfer applies as it reads.
 flashinfer is imported lazily here only: CPU installs do not have it."""
 
 from __future__ import annotations
@@ -136,12 +136,13 @@ class FlashInferAttnBackend(AttentionBackend):
              fb: ForwardBatch) -> torch.Tensor:
         pool = fb.token_to_kv_pool
         k_buf, v_buf = pool.get_kv(layer.layer_id)
+        k_scale, v_scale = pool.layer_scales(layer.layer_id)
         if k is not None:  # None: stored by the fused rotary + KV store (DECODE)
             store_kv(k_buf, v_buf, fb.out_cache_loc, k.view(-1, layer.num_kv_heads, layer.head_dim),
-                     v.view(-1, layer.num_kv_heads, layer.head_dim), pool.k_scale, pool.v_scale)
+                     v.view(-1, layer.num_kv_heads, layer.head_dim), k_scale, v_scale)
         q3 = q.reshape(-1, layer.num_heads, layer.head_dim)
         o = torch.empty_like(q3, memory_format=torch.contiguous_format)
-        scales = {"k_scale": pool.k_scale, "v_scale": pool.v_scale} if pool.is_fp8 else {}
+        scales = {"k_scale": k_scale, "v_scale": v_scale} if pool.is_fp8 else {}
         self._wrapper.run(q3, (k_buf.unsqueeze(1), v_buf.unsqueeze(1)), out=o, **scales)
         return o.view(-1, layer.num_heads * layer.head_dim)
 

@@ -105,15 +105,16 @@ class TorchNativeAttnBackend(AttentionBackend):
         hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         pool = fb.token_to_kv_pool
         k_buf, v_buf = pool.get_kv(layer.layer_id)
+        k_scale, v_scale = pool.layer_scales(layer.layer_id)
         if k is None:  # DECODE with K/V stored by the fused rotary + KV store: nothing reads k3/v3
             k3 = v3 = None
         elif pool.is_fp8:
-            k8 = quantize_kv(k.reshape(-1, hkv, d).to(q.dtype), pool.k_scale, k_buf.dtype)
-            v8 = quantize_kv(v.reshape(-1, hkv, d).to(q.dtype), pool.v_scale, v_buf.dtype)
+            k8 = quantize_kv(k.reshape(-1, hkv, d).to(q.dtype), k_scale, k_buf.dtype)
+            v8 = quantize_kv(v.reshape(-1, hkv, d).to(q.dtype), v_scale, v_buf.dtype)
             store_rows(k_buf, fb.out_cache_loc, k8)
             store_rows(v_buf, fb.out_cache_loc, v8)
             # The new tokens attend to their own K/V as stored, like every later read (module docstring).
-            k3, v3 = dequantize_kv(k8, pool.k_scale, q.dtype), dequantize_kv(v8, pool.v_scale, q.dtype)
+            k3, v3 = dequantize_kv(k8, k_scale, q.dtype), dequantize_kv(v8, v_scale, q.dtype)
         else:
             k3 = k.reshape(-1, hkv, d).to(k_buf.dtype)
             v3 = v.reshape(-1, hkv, d).to(v_buf.dtype)
@@ -131,7 +132,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             s, e = r.start, r.start + r.n
             slots = table[r.row, :r.prefix_len + r.n].to(torch.int64)
             out[s:e] = paged_sdpa.extend_attention(q3[s:e], k3[s:e], v3[s:e], k_buf, v_buf, slots, r.prefix_len,
-                                                   layer.scaling, layer.sliding_window, pool.k_scale, pool.v_scale)
+                                                   layer.scaling, layer.sliding_window, k_scale, v_scale)
         return out.view(-1, hq * d)
 
     def _decode(self, q3: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: Attention,
@@ -147,4 +148,4 @@ class TorchNativeAttnBackend(AttentionBackend):
                                                                plan.decode_lens, window)
         slots, bias = plan.torch_slots[window]
         return paged_sdpa.decode_attention(q3, k_buf, v_buf, slots.to(k_buf.device), bias.to(k_buf.device),
-                                           layer.scaling, pool.k_scale, pool.v_scale)
+                                           layer.scaling, *pool.layer_scales(layer.layer_id))

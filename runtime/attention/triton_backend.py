@@ -83,7 +83,7 @@ class TritonAttnBackend(AttentionBackend):
         k_buf, v_buf = pool.get_kv(layer.layer_id)
         k3 = k.view(-1, layer.num_kv_heads, layer.head_dim)
         v3 = v.view(-1, layer.num_kv_heads, layer.head_dim)
-        store_kv(k_buf, v_buf, fb.out_cache_loc, k3, v3, pool.k_scale, pool.v_scale)
+        store_kv(k_buf, v_buf, fb.out_cache_loc, k3, v3, *pool.layer_scales(layer.layer_id))
         return k3, v3, k_buf, v_buf
 
     def _verify_scratch(self, num_tokens: int, grow: bool) -> torch.Tensor:
@@ -100,20 +100,21 @@ class TritonAttnBackend(AttentionBackend):
             return self._forward_verify(q, k, v, layer, fb)
         k3, v3, k_buf, v_buf = self._store(k, v, layer, fb)
         pool = fb.token_to_kv_pool
+        k_scale, v_scale = pool.layer_scales(layer.layer_id)
         if pool.is_fp8:  # the new tokens as the pool holds them, as every later read (and torch_native) sees them
-            k3 = dequantize_kv(gather_rows(k_buf, fb.out_cache_loc), pool.k_scale, q.dtype)
-            v3 = dequantize_kv(gather_rows(v_buf, fb.out_cache_loc), pool.v_scale, q.dtype)
+            k3 = dequantize_kv(gather_rows(k_buf, fb.out_cache_loc), k_scale, q.dtype)
+            v3 = dequantize_kv(gather_rows(v_buf, fb.out_cache_loc), v_scale, q.dtype)
         q3 = q.view(-1, layer.num_heads, layer.head_dim)
         o = torch.empty((q3.shape[0], layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
         extend_attention_fwd(q3, k3, v3, o, k_buf, v_buf, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
                              fb.extend_prefix_lens, fb.extend_start_loc, self._max_extend_len, layer.scaling,
-                             sliding_window=layer.sliding_window, k_scale=fb.token_to_kv_pool.k_scale,
-                             v_scale=fb.token_to_kv_pool.v_scale)
+                             sliding_window=layer.sliding_window, k_scale=k_scale, v_scale=v_scale)
         return o.view(-1, layer.num_heads * layer.head_dim)
 
     def _forward_verify(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
         """Every key, the new tokens' included, is read back from the pool (as the FP8 extend path does)."""
         _, _, k_buf, v_buf = self._store(k, v, layer, fb)
+        k_scale, v_scale = fb.token_to_kv_pool.layer_scales(layer.layer_id)
         q3 = q.view(-1, layer.num_heads, layer.head_dim)
         o = torch.empty((q3.shape[0], layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
         self._verify_rows = max(self._verify_rows, self._max_extend_len)
@@ -121,8 +122,7 @@ class TritonAttnBackend(AttentionBackend):
                              fb.extend_prefix_lens, fb.extend_start_loc, self._verify_rows, layer.scaling,
                              num_kv_splits=self.num_kv_splits,
                              workspace=self._verify_scratch(q3.shape[0], grow=not self._verify_captured),
-                             sliding_window=layer.sliding_window, k_scale=fb.token_to_kv_pool.k_scale,
-                             v_scale=fb.token_to_kv_pool.v_scale)
+                             sliding_window=layer.sliding_window, k_scale=k_scale, v_scale=v_scale)
         return o.view(-1, layer.num_heads * layer.head_dim)
 
     def forward_decode(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
@@ -130,12 +130,13 @@ class TritonAttnBackend(AttentionBackend):
             k_buf, v_buf = fb.token_to_kv_pool.get_kv(layer.layer_id)
         else:
             _, _, k_buf, v_buf = self._store(k, v, layer, fb)
+        k_scale, v_scale = fb.token_to_kv_pool.layer_scales(layer.layer_id)
         q3 = q.view(-1, layer.num_heads, layer.head_dim)
         o = torch.empty((q3.shape[0], layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
         decode_attention_fwd(q3, k_buf, v_buf, o, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
                              layer.scaling, num_kv_splits=self.num_kv_splits,
                              attn_logits=self._decode_workspace(q3.shape[0]), sliding_window=layer.sliding_window,
-                             k_scale=fb.token_to_kv_pool.k_scale, v_scale=fb.token_to_kv_pool.v_scale,
+                             k_scale=k_scale, v_scale=v_scale,
                              fuse_merge=self.fuse_merge, counters=self._counters)
         return o.view(-1, layer.num_heads * layer.head_dim)
 

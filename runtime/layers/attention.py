@@ -39,7 +39,8 @@ class Attention(nn.Module):
         if self.fuse_decode and on_device and fb.forward_mode.is_decode() and rotary.fusable(self.head_dim):
             pool = fb.token_to_kv_pool
             k_buf, v_buf = pool.get_kv(self.layer_id)
-            rotary.rotate_and_store(positions, q, k, v, k_buf, v_buf, fb.out_cache_loc, pool.k_scale, pool.v_scale)
+            rotary.rotate_and_store(positions, q, k, v, k_buf, v_buf, fb.out_cache_loc,
+                                    *pool.layer_scales(self.layer_id))
             return fb.attn_backend.forward(q, None, None, self, fb)
         q, k = rotary(positions, q, k)
         # On CUDA the backends store K/V from strided views (k is one already), so v needs no copy.

@@ -1,9 +1,9 @@
 """KV cache storage formats: which dtype a `--kv-cache-dtype` stores, and the torch quantize/dequantize
 pair every non-Triton path uses (the Triton kernels do the same arithmetic inline).
 
-FP8 (float8_e4m3fn) KV uses one static scale per tensor, the same for every layer's K and V
-(`--kv-cache-scale`, default 1.0 as SGLang's default when a checkpoint carries no KV scales):
-stored = saturate(x / scale), read = stored * scale. e4m3 spans +-448 with 3 mantissa bits, so
+FP8 (float8_e4m3fn) KV uses one static scale per layer for K and one for V (KVScales: from the
+checkpoint, calibrated at start, or `--kv-cache-scale` for all): stored = saturate(x / scale),
+read = stored * scale. e4m3 spans +-448 with 3 mantissa bits, so
 post-RoPE K/V of ordinary models (|x| well under 448) keep ~2 significant digits; values past the
 range saturate rather than turn into NaN."""
 

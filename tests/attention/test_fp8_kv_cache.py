@@ -68,8 +68,8 @@ def _run(runner, backend, mode, seq_lens, prefix_lens, seed: int = 7, representa
     q, k, v = (torch.randn(new, n * D, generator=gen) for n in (HQ, HKV, HKV))
     if representable:  # values fp8 stores exactly: every write path must then store the same bytes
         pool = runner.token_to_kv_pool
-        k = dequantize_kv(quantize_kv(k, pool.k_scale, F8), pool.k_scale, torch.float32)
-        v = dequantize_kv(quantize_kv(v, pool.v_scale, F8), pool.v_scale, torch.float32)
+        k = dequantize_kv(quantize_kv(k, pool.k_scales[0], F8), pool.k_scales[0], torch.float32)
+        v = dequantize_kv(quantize_kv(v, pool.v_scales[0], F8), pool.v_scales[0], torch.float32)
     return backend.forward(q, k, v, runner.layer, fb)
 
 
@@ -110,7 +110,7 @@ def test_fp8_pool_holds_twice_the_tokens_per_byte() -> None:
     budget = 40 * 2**30
     assert budget // fp8 == 2 * (budget // bf16)
     pool = TokenToKVPool(64, 2, 8, 128, F8, "cpu")
-    assert pool.k_buffers[0].nbytes == 65 * 8 * 128 and pool.k_scale == 1.0
+    assert pool.k_buffers[0].nbytes == 65 * 8 * 128 and pool.k_scales[0] == 1.0
 
 
 def test_kv_cache_dtype_flag_is_validated() -> None:

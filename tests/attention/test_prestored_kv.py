@@ -56,7 +56,7 @@ def test_prestored_decode_equals_backend_store(cls, fp8: bool) -> None:
         if fused:
             k_buf, v_buf = pool.get_kv(0)
             rotary_kv_store(fb.positions, q, k, v, rotary.cos_sin_cache, k_buf, v_buf, fb.out_cache_loc,
-                            pool.k_scale, pool.v_scale)
+                            pool.k_scales[0], pool.v_scales[0])
             out = backend.forward(q, None, None, runner.layer, fb)
         else:
             apply_rotary(fb.positions, q, k, rotary.cos_sin_cache, D)

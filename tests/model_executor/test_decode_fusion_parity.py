@@ -20,6 +20,9 @@ NEW_TOKENS = 6
 def _greedy(path, fusion: str, monkeypatch: pytest.MonkeyPatch, **args) -> tuple[list[list[int]], list[torch.Tensor]]:
     monkeypatch.setenv("SHOAL_DECODE_FUSION", fusion)  # read as the layers are built
     d = RunnerDriver(path, attention_backend="triton", **args)
+    pool = d.runner.token_to_kv_pool
+    if pool.is_fp8 and "kv_cache_scale" not in args:  # calibrated: each layer its own, none of them 1.0
+        assert len(set(pool.k_scales + pool.v_scales)) == 4 and 1.0 not in pool.k_scales
     rows = [d.new_row() for _ in PROMPTS]
     _, out = d.step(ForwardMode.EXTEND, rows, PROMPTS)
     produced = [[t] for t in out.next_token_logits.argmax(-1).tolist()]
@@ -48,10 +51,12 @@ def test_fused_decode_matches_hf_and_unfused(tiny_model_dirs, arch: str, monkeyp
         assert ours == gen[0, len(prompt):].tolist(), arch
 
 
-def test_fused_decode_fp8_pool_equals_unfused(tiny_model_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("scales", [{"kv_cache_scale": 0.5}, {}], ids=["static", "per_layer_calibrated"])
+def test_fused_decode_fp8_pool_equals_unfused(tiny_model_dirs, monkeypatch: pytest.MonkeyPatch, scales) -> None:
+    """Every Triton kernel (store, rotary + store, extend, decode) gets each layer's own scales."""
     monkeypatch.setattr(Attention, "_kernel_device", staticmethod(lambda q: True))
     path = tiny_model_dirs["llama"]
-    fused, fused_logits = _greedy(path, "1", monkeypatch, kv_cache_dtype="fp8_e4m3", kv_cache_scale=0.5)
-    unfused, unfused_logits = _greedy(path, "0", monkeypatch, kv_cache_dtype="fp8_e4m3", kv_cache_scale=0.5)
+    fused, fused_logits = _greedy(path, "1", monkeypatch, kv_cache_dtype="fp8_e4m3", **scales)
+    unfused, unfused_logits = _greedy(path, "0", monkeypatch, kv_cache_dtype="fp8_e4m3", **scales)
     assert fused == unfused
     assert all(torch.equal(a, b) for a, b in zip(fused_logits, unfused_logits))
