@@ -156,6 +156,10 @@ class FlashInferAttnBackend(AttentionBackend):
     def init_cuda_graph_state(self, max_bs: int) -> None:
         self._graph_kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
         self._graph_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=self.device)
+        # What plan() reads on the host: it calls last_page_len.to("cpu"), and from a device tensor that
+        # copy waits for the stream to drain, i.e. for the batch in flight (it defeated overlap scheduling
+        # on every replayed decode step: py-spy showed the scheduler thread blocked there 38% of the time).
+        self._graph_last_page_len_host = torch.ones(max_bs, dtype=torch.int32, pin_memory=torch.cuda.is_available())
         # Requests sharing a cached prefix share slots, so the pool size does not bound the index count.
         self._graph_kv_indices = torch.zeros(max_bs * self.max_context_len, dtype=torch.int32, device=self.device)
 
@@ -186,7 +190,7 @@ class FlashInferAttnBackend(AttentionBackend):
         n = int(kv_indptr_cpu[-1])
         build_kv_indices(self.req_to_token, req_pool_indices, seq_lens, kv_indptr, self._graph_kv_indices)
         # plan copies indptr/indices into the wrapper's own (these same) buffers and schedules on the host.
-        self._plan_decode(wrapper, kv_indptr_cpu, self._graph_kv_indices[:n], self._graph_last_page_len[:bs])
+        self._plan_decode(wrapper, kv_indptr_cpu, self._graph_kv_indices[:n], self._graph_last_page_len_host[:bs])
         self._wrapper = wrapper
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:

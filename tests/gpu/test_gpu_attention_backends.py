@@ -100,3 +100,27 @@ def test_backend_decode_cuda_graph_replay(name: str, kv: str) -> None:
         torch.testing.assert_close(out[:3], ref, **(TOL if kv == "bf16" else {"atol": 3e-2, "rtol": 3e-2}))
         # The padded row wrote its (zero) K into scratch slot 0 only.
         assert runner.token_to_kv_pool.k_buffers[0][0].view(torch.uint8).eq(0).all()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_graph_replay_planning_does_not_wait_for_the_gpu(name: str) -> None:
+    """Overlap scheduling plans step N+1 while step N still runs: the replay hook must queue its copies
+    and return, never wait for the device (flashinfer's plan() once copied a device last_page_len to the
+    host, which waited for the step in flight on every replayed decode)."""
+    runner = make_runner(seed=5)
+    backend = make_backend(name, runner)
+    bs = 4
+    backend.init_cuda_graph_state(8)
+    fill = backend.get_cuda_graph_seq_len_fill_value()
+    static = ForwardBatch.init_new(
+        WorkerBatch(batch_id=0, forward_mode=int(ForwardMode.DECODE), input_ids=[0] * bs, req_pool_indices=[0] * bs,
+                    seq_lens=[fill] * bs, prefix_lens=[fill - 1] * bs, out_cache_loc=[0] * bs),
+        runner.req_to_token_pool, runner.token_to_kv_pool, backend, runner.device)
+    backend.init_forward_metadata_capture_cuda_graph(bs, static.req_pool_indices, static.seq_lens, ForwardMode.DECODE)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # the "step in flight": about a second of device time
+    backend.init_forward_metadata_replay_cuda_graph(bs, static.req_pool_indices, static.seq_lens, fill * bs,
+                                                    ForwardMode.DECODE, seq_lens_cpu=[fill] * bs)
+    still_busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert still_busy, f"{name}: planning a replayed decode waited for the GPU"
