@@ -5,6 +5,7 @@ forward (replaying a CUDA graph when the mode allows), sample."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
@@ -77,6 +78,13 @@ class ModelRunner:
                 logger.info("TP all-reduce inside CUDA graphs: %s",
                             "symmetric-memory one-shot" if self.ctx.mlp.fast is not None else "NCCL")
         self.context_len = args.context_length or self.model_config.max_position_embeddings
+        if self.context_len > self.model_config.max_position_embeddings:
+            # The rotary table must cover every position a request may reach (it indexed past its end:
+            # an IndexError, or NaN keys on CUDA); beyond the trained length outputs are the user's risk.
+            logger.warning("--context-length %d is longer than the model's max_position_embeddings %d: "
+                           "positions past it were never trained", self.context_len,
+                           self.model_config.max_position_embeddings)
+            self.model_config = dataclasses.replace(self.model_config, max_position_embeddings=self.context_len)
         self.model = self._load_model(model_path)
         if self.device.type == "cpu":
             cpu_config.prepare_model(self.model)
