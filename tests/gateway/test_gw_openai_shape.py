@@ -75,7 +75,22 @@ def _stop_inside_a_token(pieces: list[str]) -> str | None:
                  if k and len(p) >= 2 and p[-1] not in "".join(pieces[:k]) + p[:-1]), None)
 
 
-def test_stop_string_finish_is_on_the_last_content_chunk(gw_url):
+def _wait_idle(engine, timeout_s: float = 30.0) -> None:
+    """Greedy text is compared across two requests: on the shared engine a request another test left
+    decoding would change the batch (and, in bf16, a near-tie), so both run on an idle engine."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        s = engine.get_stats()
+        if s.num_running_reqs == 0 and s.num_queue_reqs == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the shared engine stayed busy")
+
+
+def test_stop_string_finish_is_on_the_last_content_chunk(gw_url, gw_engine):
+    _wait_idle(gw_engine)
     for prompt in ("Tell me a story about a cat", "Hello world!", "Why is the sky blue?"):
         body = {**_CHAT, "messages": [{"role": "user", "content": prompt}], "max_tokens": 20}
         pieces = [e["choices"][0]["delta"].get("content", "") for e in _stream_chat(gw_url, body) if e["choices"]]
@@ -84,6 +99,7 @@ def test_stop_string_finish_is_on_the_last_content_chunk(gw_url):
             break
     assert stop is not None, pieces
     text = "".join(pieces)
+    _wait_idle(gw_engine)
     events = _stream_chat(gw_url, {**body, "stop": [stop]})
     with_content = [e for e in events if e["choices"] and e["choices"][0]["delta"].get("content")]
     last = with_content[-1]["choices"][0]
