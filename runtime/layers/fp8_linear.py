@@ -4,7 +4,9 @@ y = (x8 * sx) @ (w8 * sw)^T, with x8 = saturate(x / sx), sx = amax(|x| over the 
 sw per output channel (from the checkpoint, or amax / 448 when a bf16 checkpoint is quantized at load).
 The GEMM is torch._scaled_mm where it takes row-wise scales (CUDA sm89+ with bf16 outputs, and torch's
 CPU build); elsewhere the same arithmetic is emulated (dequantize both operands to the activation dtype,
-then matmul), so every device computes the same quantized model.
+then matmul), so every device computes the same quantized model. On CUDA sm89+ the activation quantize is
+one Triton launch (kernels/fp8_act_quant.py, the same bits as quantize_per_token's eight torch ops; the
+down projection's also applies SiLU-and-mul); SHOAL_DECODE_FUSION=0 restores the torch ops.
 
 Both forwards replace the instance's forward after load, like cpu_linear's packed weights; the parameters
 keep their names (weight, now fp8; weight_scale [out, 1] fp32), so TP sharding is unchanged: column
