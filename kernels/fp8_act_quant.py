@@ -26,8 +26,9 @@ import triton
 import triton.language as tl
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-MIN_AMAX = 1e-12  # an all-zero row keeps a finite scale
+FP8_MAX = tl.constexpr(448.0)
+INV_FP8_MAX = tl.constexpr(1.0 / 448.0)  # fl32 of it is what CUDA multiplies by for torch's `/ 448.0`
+MIN_AMAX = tl.constexpr(1e-12)  # an all-zero row keeps a finite scale
 MAX_SINGLE_BLOCK = 16384  # widest row held in registers (16 warps x 32 values a thread)
 LOOP_BLOCK = 4096
 
@@ -66,7 +67,7 @@ def _round_to_e4m3(q):
 @triton.jit
 def _quantize(x, scale, q_ptrs, mask):
     q = tl.math.div_rn(x, scale)  # IEEE division like torch's; Triton's `/` on fp32 is approximate
-    q = tl.clamp(q, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    q = tl.clamp(q, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     tl.store(q_ptrs, _round_to_e4m3(q).to(q_ptrs.dtype.element_ty), mask=mask)
 
 
@@ -87,7 +88,7 @@ def _fp8_act_quant_kernel(X, Q, S, K, stride_xm, stride_qm, GATED: tl.constexpr,
             blk = _load_row(x_row + k + offs, K, (k + offs) < K, GATED)
             acc = tl.maximum(acc, tl.abs(blk), propagate_nan=tl.PropagateNan.ALL)
         amax = tl.reduce(acc, 0, _max_nan)
-    scale = tl.maximum(amax, 1e-12, propagate_nan=tl.PropagateNan.ALL) * (1.0 / 448.0)
+    scale = tl.maximum(amax, MIN_AMAX, propagate_nan=tl.PropagateNan.ALL) * INV_FP8_MAX
     tl.store(S + row, scale)
     if SINGLE_PASS:
         _quantize(x, scale, q_row + offs, mask)

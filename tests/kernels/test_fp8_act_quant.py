@@ -172,14 +172,16 @@ for xdt in ("bf16", "fp16", "fp32"):
                                target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
             ptx = c.asm["ptx"]
             out.append({"case": [xdt, gated, k], "cubin": len(c.asm["cubin"]), "div_rn": "div.rn.f32" in ptx,
-                        "e4m3_cvt": "e4m3x2" in ptx, "approx_div": "div.full" in ptx or "div.approx" in ptx})
+                        "e4m3_cvt": "e4m3x2" in ptx, "approx_div": "div.full" in ptx or "div.approx" in ptx,
+                        "nan_max": "max.NaN.f32" in ptx, "inv_448": "0f3B124925" in ptx})
 print(json.dumps({"results": out}))
 """
 
 
 def test_compiles_for_sm90() -> None:
     """The real compiler, not the interpreter (a fresh process without TRITON_INTERPRET): every variant
-    builds an sm90 cubin, with IEEE division (div.rn) for x / scale and the hardware e4m3 cast."""
+    builds an sm90 cubin, with IEEE division (div.rn) for x / scale, NaN-propagating max, the scale as a
+    multiply by fl32(1/448) (0x3B124925) and the hardware e4m3 cast."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).parents[2]
     proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=root, env=env, capture_output=True,
@@ -190,6 +192,7 @@ def test_compiles_for_sm90() -> None:
         pytest.skip(report["skip"])
     assert len(report["results"]) == 18
     for r in report["results"]:
-        assert r["cubin"] > 0 and r["div_rn"] and r["e4m3_cvt"], r
+        # NaN-propagating max (torch's amax and clamp keep NaN) and the scale's multiply by fl32(1/448)
+        assert r["cubin"] > 0 and r["div_rn"] and r["e4m3_cvt"] and r["nan_max"] and r["inv_448"], r
         if not r["case"][1]:  # gated: sigmoid's 1 / (1 + e) is approximate, as in kernels/activation.py
             assert not r["approx_div"], r
