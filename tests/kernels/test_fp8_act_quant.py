@@ -173,7 +173,8 @@ for xdt in ("bf16", "fp16", "fp32"):
             ptx = c.asm["ptx"]
             out.append({"case": [xdt, gated, k], "cubin": len(c.asm["cubin"]), "div_rn": "div.rn.f32" in ptx,
                         "e4m3_cvt": "e4m3x2" in ptx, "approx_div": "div.full" in ptx or "div.approx" in ptx,
-                        "nan_max": "max.NaN.f32" in ptx, "inv_448": "0f3B124925" in ptx})
+                        "nan_max": "max.NaN.f32" in ptx, "inv_448": "0f3B124925" in ptx,
+                        "rne_add_sub": "0f4B400000" in ptx and "0fCB400000" in ptx})
 print(json.dumps({"results": out}))
 """
 
@@ -193,6 +194,8 @@ def test_compiles_for_sm90() -> None:
     assert len(report["results"]) == 18
     for r in report["results"]:
         # NaN-propagating max (torch's amax and clamp keep NaN) and the scale's multiply by fl32(1/448)
+        # and the +- 1.5 * 2^23 rounding kept (not folded away as (a + c) - c == a)
         assert r["cubin"] > 0 and r["div_rn"] and r["e4m3_cvt"] and r["nan_max"] and r["inv_448"], r
+        assert r["rne_add_sub"], r
         if not r["case"][1]:  # gated: sigmoid's 1 / (1 + e) is approximate, as in kernels/activation.py
             assert not r["approx_div"], r
