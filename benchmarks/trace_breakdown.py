@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 GRAPH_MIN_KERNELS = 8
-CATEGORIES = ("gemm", "attention", "norm", "rotary", "kv_store", "activation", "all_reduce", "sampler",
+CATEGORIES = ("gemm", "attention", "norm", "rotary", "kv_store", "activation", "quant", "all_reduce", "sampler",
               "embedding", "copy", "elementwise", "other")
 
 # First match wins, so the specific names come before the generic torch kernels they may contain.
@@ -34,6 +34,7 @@ _RULES: tuple[tuple[str, re.Pattern[str]], ...] = tuple((cat, re.compile(p, re.I
                   r"|mergestate|merge_state|flash|fmha|kv_indices|_fwd_kernel|paged"),
     ("norm", r"rmsnorm|rms_norm|layernorm|layer_norm"),
     ("activation", r"silu|gelu|act_and_mul|swiglu"),
+    ("quant", r"act_quant"),  # the FP8 per-token activation quantize (its torch form is copy + elementwise)
     ("gemm", r"gemm|gemv|nvjet|cutlass|xmma|wgmma|matmul|scaled_mm|splitk|split_k|cublas|^sm\d\d_|ampere_|hopper_"),
     ("sampler", r"argmax|argmin|softmax|topk|top_k|sort|cumsum|multinomial|gumbel|sampl"),
     ("embedding", r"indexselect|embedding"),

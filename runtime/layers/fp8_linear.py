@@ -4,7 +4,9 @@ y = (x8 * sx) @ (w8 * sw)^T, with x8 = saturate(x / sx), sx = amax(|x| over the 
 sw per output channel (from the checkpoint, or amax / 448 when a bf16 checkpoint is quantized at load).
 The GEMM is torch._scaled_mm where it takes row-wise scales (CUDA sm89+ with bf16 outputs, and torch's
 CPU build); elsewhere the same arithmetic is emulated (dequantize both operands to the activation dtype,
-then matmul), so every device computes the same quantized model.
+then matmul), so every device computes the same quantized model. On CUDA sm89+ the activation quantize is
+one Triton launch (kernels/fp8_act_quant.py, the same bits as quantize_per_token's eight torch ops; the
+down projection's also applies SiLU-and-mul); SHOAL_DECODE_FUSION=0 restores the torch ops.
 
 Both forwards replace the instance's forward after load, like cpu_linear's packed weights; the parameters
 keep their names (weight, now fp8; weight_scale [out, 1] fp32), so TP sharding is unchanged: column
@@ -18,6 +20,8 @@ from types import MethodType
 import torch
 from torch import nn
 
+from kernels.decode_fusion import decode_fusion_enabled
+from kernels.fp8_act_quant import quantize_per_token_fp8
 from kernels.fp8_gemv import fp8_linear_small_m, use_small_m  # fp8gemv hook (issue 16)
 from runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -33,9 +37,11 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] → (fp8 [M, K], fp32 scale [M, 1]): one scale per row (token)."""
+    """x [M, K] → (fp8 [M, K], fp32 scale [M, 1]): one scale per row (token). The scale multiplies by the
+    fp32 reciprocal of 448 (what CUDA computes for `/ 448.0`; CPU would divide), so every device and the
+    one-launch kernel (kernels/fp8_act_quant.py) produce the same bits."""
     xf = x.float()
-    scale = xf.abs().amax(dim=1, keepdim=True).clamp_(min=_MIN_AMAX) / FP8_MAX
+    scale = xf.abs().amax(dim=1, keepdim=True).clamp_(min=_MIN_AMAX) * (1.0 / FP8_MAX)
     return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
@@ -46,26 +52,41 @@ def scaled_mm_supported(device: torch.device, out_dtype: torch.dtype) -> bool:
     return device.type == "cpu"
 
 
+def triton_act_quant_supported(device: torch.device) -> bool:
+    """Whether the one-launch activation quantize can run here: CUDA sm89+ (Triton's e4m3 cast)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-               use_scaled_mm: bool | None = None) -> torch.Tensor:
-    """x [..., K] (bf16/fp16/fp32) @ (w8 [N, K] fp8 * w_scale [N, 1])^T + bias → [..., N] in x's dtype."""
+               use_scaled_mm: bool | None = None, fused_quant: bool | None = None) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32) @ (w8 [N, K] fp8 * w_scale [N, 1])^T + bias → [..., N] in x's dtype.
+    fused_quant: quantize x in one Triton launch (same bits as the torch ops); None asks the device and
+    SHOAL_DECODE_FUSION (layers decide once, at load)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if use_small_m(x2, w8):  # fp8gemv hook (issue 16): decode-sized M on CUDA -> the w8a16 Triton GEMV
         return fp8_linear_small_m(x2, w8, w_scale, bias).view(*shape[:-1], w8.shape[0])
-    if use_scaled_mm is None:
-        use_scaled_mm = scaled_mm_supported(x.device, x.dtype)
+    if fused_quant is None:
+        fused_quant = decode_fusion_enabled() and triton_act_quant_supported(x.device)
     if x2.shape[0] == 0:
         y = x2.new_empty((0, w8.shape[0]))
     else:
-        xq, xs = quantize_per_token(x2)
-        if use_scaled_mm:
-            y = torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=w_scale.view(1, -1), out_dtype=x.dtype)
-        else:
-            y = fp8_linear_reference(xq, xs, w8, w_scale, x.dtype)
-    if bias is not None:
+        xq, xs = quantize_per_token_fp8(x2) if fused_quant else quantize_per_token(x2)
+        y = _quantized_matmul(xq, xs, w8, w_scale, x.dtype, use_scaled_mm)
+    if bias is not None:  # kept apart: _scaled_mm's bias epilogue rounds once where this rounds twice
         y = y + bias
     return y.view(*shape[:-1], w8.shape[0])
+
+
+def _quantized_matmul(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+                      dtype: torch.dtype, use_scaled_mm: bool | None) -> torch.Tensor:
+    """(xq * xs) @ (w8 * w_scale)^T in `dtype`; _scaled_mm writes a fresh [M, N] tensor in `dtype` (no cast
+    or copy after it), and both scales go in as views ([M, 1] and [1, N], contiguous)."""
+    if use_scaled_mm is None:
+        use_scaled_mm = scaled_mm_supported(xq.device, dtype)
+    if use_scaled_mm:
+        return torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=w_scale.view(1, -1), out_dtype=dtype)
+    return fp8_linear_reference(xq, xs, w8, w_scale, dtype)
 
 
 def fp8_linear_reference(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
@@ -75,12 +96,12 @@ def fp8_linear_reference(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, w
 
 
 def _column_forward(self: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
-    y = fp8_linear(x, self.weight, self.weight_scale, self.bias, self.use_scaled_mm)
+    y = fp8_linear(x, self.weight, self.weight_scale, self.bias, self.use_scaled_mm, self.fused_act_quant)
     return self.group.all_gather(y, dim=-1) if self.gather_output else y
 
 
 def _row_forward(self: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
-    y = fp8_linear(x, self.weight, self.weight_scale, None, self.use_scaled_mm)
+    y = fp8_linear(x, self.weight, self.weight_scale, None, self.use_scaled_mm, self.fused_act_quant)
     if self.reduce_results:
         y = self.group.all_reduce(y)
     if self.bias is not None:
@@ -91,11 +112,17 @@ def _row_forward(self: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
 def _row_forward_silu_mul(self: RowParallelLinear, gate_up: torch.Tensor,
                           act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """self(act_fn(gate_up)) for the MLP's down projection; where the GEMV serves (decode-sized M on
-    CUDA) it applies SiLU-and-mul as it loads x (the same bits, one launch less per layer)."""
+    CUDA) it applies SiLU-and-mul as it loads x, and above that the one-launch quantize applies it as it
+    reads the row (the same bits either way, one launch less per layer)."""
     x2 = gate_up.reshape(-1, gate_up.shape[-1])
-    if not use_small_m(x2, self.weight):
+    if use_small_m(x2, self.weight):
+        y = fp8_linear_small_m(x2, self.weight, self.weight_scale, gated=True)
+    elif self.fused_act_quant and x2.shape[0] > 0:
+        xq, xs = quantize_per_token_fp8(x2, gated=True)
+        y = _quantized_matmul(xq, xs, self.weight, self.weight_scale, x2.dtype, self.use_scaled_mm)
+    else:
         return self.forward(act_fn(gate_up))
-    y = fp8_linear_small_m(x2, self.weight, self.weight_scale, gated=True).view(*gate_up.shape[:-1], -1)
+    y = y.view(*gate_up.shape[:-1], -1)
     if self.reduce_results:
         y = self.group.all_reduce(y)
     if self.bias is not None:
@@ -112,6 +139,8 @@ def fp8_linear_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def use_fp8_forward(module: nn.Module, act_dtype: torch.dtype) -> None:
     """Swaps in the FP8 forward once the module holds an fp8 `weight` and its `weight_scale`."""
     module.use_scaled_mm = scaled_mm_supported(module.weight.device, act_dtype)
+    # read once at load, like every decode-path fusion: a captured CUDA graph never mixes the two paths
+    module.fused_act_quant = decode_fusion_enabled() and triton_act_quant_supported(module.weight.device)
     forward = _row_forward if isinstance(module, RowParallelLinear) else _column_forward
     module.forward = MethodType(forward, module)
     if isinstance(module, RowParallelLinear):  # LlamaMLP calls it for down_proj when decode fusion is on

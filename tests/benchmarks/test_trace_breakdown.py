@@ -28,6 +28,7 @@ NAMES = {
     "_rotary_kv_store_kernel": "rotary",
     "_store_kv_kernel": "kv_store",
     "_silu_and_mul_kernel": "activation",
+    "_fp8_act_quant_kernel": "quant",
     "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "all_reduce",
     "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>, "
     "unsigned int, long, 4, 4> >(...)": "sampler",
