@@ -136,6 +136,7 @@ def _generate(path: Path, fusion: str, monkeypatch: pytest.MonkeyPatch) -> tuple
     from runtime.layers import fp8_linear as fp8_linear_mod
 
     monkeypatch.setenv("SHOAL_DECODE_FUSION", fusion)  # read when the layers are built
+    monkeypatch.setenv("SHOAL_FP8_ACT_QUANT", "1")
     rows: list[int] = []  # M of every kernel call (eager or captured): proves the path ran at batch 32+
 
     def counted(x: torch.Tensor, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -126,6 +126,7 @@ def _driver(path: Path, monkeypatch: pytest.MonkeyPatch, fusion: str, dtype: str
     # and the MLP's activation is the Triton silu_and_mul CUDA runs (CPU's own ops round differently).
     monkeypatch.setattr(fp8_linear_mod, "triton_act_quant_supported", lambda device: True)
     monkeypatch.setenv("SHOAL_DECODE_FUSION", fusion)
+    monkeypatch.setenv("SHOAL_FP8_ACT_QUANT", "1")
     d = RunnerDriver(path, quantization="fp8", dtype=dtype)
     for module in d.runner.model.modules():
         if isinstance(module, SiluAndMul):
