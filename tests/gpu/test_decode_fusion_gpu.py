@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpu_models import save_bf16_llama
 
 pytestmark = [
     pytest.mark.gpu,
@@ -80,16 +81,7 @@ def test_gated_fp8_gemv_bit_equal_to_silu_and_mul_then_gemv(m: int) -> None:
 
 @pytest.fixture(scope="module")
 def gpu_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("gpu_fusion_llama")
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(LlamaConfig(**MODEL)).to(torch.bfloat16)
-    model.save_pretrained(path)
-    del model
-    torch.cuda.empty_cache()
-    return path
+    return save_bf16_llama(tmp_path_factory.mktemp("gpu_fusion_llama"), MODEL)
 
 
 def _generate(path: Path, fusion: str, monkeypatch: pytest.MonkeyPatch, **engine: object) -> list[dict]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpu_models import save_bf16_llama
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,16 +32,7 @@ ENGINE = dict(dtype="bfloat16", max_total_tokens=65536, context_length=4096, cud
 
 @pytest.fixture(scope="module")
 def gpu_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("gpu_llama")
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(LlamaConfig(**MODEL)).to(torch.bfloat16)
-    model.save_pretrained(path)
-    del model
-    torch.cuda.empty_cache()
-    return path
+    return save_bf16_llama(tmp_path_factory.mktemp("gpu_llama"), MODEL)
 
 
 @pytest.fixture(scope="module")

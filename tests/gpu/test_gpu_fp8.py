@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from attention_cases import BACKENDS, CASES, DT, HKV, HQ, D, make_backend, make_batch, make_fb, make_runner
+from gpu_models import save_bf16_llama
 
 from runtime.attention.torch_native import TorchNativeAttnBackend
 from runtime.messages import WorkerBatch
@@ -130,16 +131,7 @@ MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hid
 
 @pytest.fixture(scope="module")
 def gpu_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("gpu_fp8_llama")
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(LlamaConfig(**MODEL)).to(torch.bfloat16)
-    model.save_pretrained(path)
-    del model
-    torch.cuda.empty_cache()
-    return path
+    return save_bf16_llama(tmp_path_factory.mktemp("gpu_fp8_llama"), MODEL)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
