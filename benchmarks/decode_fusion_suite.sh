@@ -29,7 +29,6 @@ if [ "$part" = triton ]; then
     --output-file "$out/fp8_decode_triton_h100_fused.json"
 fi
 if [ "$part" = actquant ]; then
-  export SHOAL_FP8_ACT_QUANT=1  # opt-in until this part has confirmed it on a GPU
   TAIL=25 run timeout 240 python -m pytest -q -x -p no:cacheprovider tests/gpu/test_fp8_act_quant_gpu.py \
     tests/gpu/test_fp8_gemv_gpu.py
   run timeout 120 python -m benchmarks.bench_fp8_act_quant --output-file "$out/fp8_act_quant_h100.json"

@@ -2,9 +2,9 @@
 no logits gather in DECODE, the Triton decode attention's split merge inside its first kernel, SiLU-and-mul
 folded into the FP8 down-projection GEMV; above the GEMV's M (batched decode and prefill), the FP8 linears'
 per-token activation quantize in one launch instead of eight torch ops, SiLU-and-mul folded into the down
-projection's (kernels/fp8_act_quant.py; opt-in with SHOAL_FP8_ACT_QUANT=1 until confirmed on a GPU); outside the graph, the overlap scheduler's placeholder ids
-resolved in one launch (kernels/future_tokens.py) and the replay's input copies and padded-row resets in
-one launch (kernels/graph_inputs.py)).
+projection's (kernels/fp8_act_quant.py; SHOAL_FP8_ACT_QUANT=0 turns only that one off); outside the
+graph, the overlap scheduler's placeholder ids resolved in one launch (kernels/future_tokens.py) and the
+replay's input copies and padded-row resets in one launch (kernels/graph_inputs.py)).
 
 Every fusion is exact (the same bits as the unfused kernels), so the switch exists to measure them:
 SHOAL_DECODE_FUSION=0 restores the unfused launches, and benchmarks/profile_decode.py runs both in one

@@ -6,8 +6,8 @@ The GEMM is torch._scaled_mm where it takes row-wise scales (CUDA sm89+ with bf1
 CPU build); elsewhere the same arithmetic is emulated (dequantize both operands to the activation dtype,
 then matmul), so every device computes the same quantized model. On CUDA sm89+ the activation quantize is
 one Triton launch (kernels/fp8_act_quant.py, the same bits as quantize_per_token's eight torch ops; the
-down projection's also applies SiLU-and-mul), opt-in with SHOAL_FP8_ACT_QUANT=1 until a GPU run confirms
-those bits on the device; SHOAL_DECODE_FUSION=0 restores the torch ops either way.
+down projection's also applies SiLU-and-mul; bit-equal to the torch ops on an H100, GPU test), on with the
+decode fusions; SHOAL_FP8_ACT_QUANT=0 or SHOAL_DECODE_FUSION=0 restores the torch ops.
 
 Both forwards replace the instance's forward after load, like cpu_linear's packed weights; the parameters
 keep their names (weight, now fp8; weight_scale [out, 1] fp32), so TP sharding is unchanged: column
@@ -55,9 +55,9 @@ def scaled_mm_supported(device: torch.device, out_dtype: torch.dtype) -> bool:
 
 
 def act_quant_kernel_enabled() -> bool:
-    """SHOAL_FP8_ACT_QUANT=1: the kernel's bit-equality with the torch ops is shown on CPU (interpreter)
-    and in its sm90 code, not yet on a GPU (tests/gpu/test_fp8_act_quant_gpu.py); until then, opt-in."""
-    return os.environ.get("SHOAL_FP8_ACT_QUANT", "0").strip().lower() in ("1", "true", "on", "yes")
+    """On unless SHOAL_FP8_ACT_QUANT=0: bit-equal to the torch ops on CPU (interpreter) and on an H100
+    (tests/gpu/test_fp8_act_quant_gpu.py); the switch stays for A/B runs."""
+    return os.environ.get("SHOAL_FP8_ACT_QUANT", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def triton_act_quant_supported(device: torch.device) -> bool:
