@@ -3,7 +3,12 @@
 forward_rotary also applies the rotary embedding. In a DECODE step on CUDA (unless SHOAL_DECODE_FUSION=0)
 it does so with kernels/rotary_kv_store: q rotated in place, k rotated and v copied straight into this
 layer's KV pool slots in one launch, and the backend is told the new K/V are already stored (k = v = None).
-Elsewhere (EXTEND, MIXED, TARGET_VERIFY, CPU) the rotary runs on its own and the backend stores."""
+Elsewhere (EXTEND, MIXED, TARGET_VERIFY, CPU) the rotary runs on its own and the backend stores.
+
+An FP8 pool with a KVRotation (--kv-cache-rotation) holds K/V in a rotated basis: q/k/v are rotated after
+the rotary and the output rotated back, around whichever backend runs. The fused decode kernel writes k
+into the pool before anything could rotate it, so rotated pools take the unfused path (rotary, rotation,
+the backend's store): exact, at the cost of the fusion's launches (see KVRotation)."""
 
 from __future__ import annotations
 
@@ -35,9 +40,16 @@ class Attention(nn.Module):
     def forward_rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        rotary: RotaryEmbedding, fb: ForwardBatch) -> torch.Tensor:
         """q [T, Hq*D], k/v [T, Hkv*D] (views of the fused qkv output are fine) before the rotary → o."""
+        pool = fb.token_to_kv_pool
+        rotation = pool.rotation if pool is not None else None  # None: KVCalibrator's pool-less prefill
+        if rotation is not None:
+            q, k = rotary(positions, q, k)
+            i = self.layer_id
+            o = fb.attn_backend.forward(rotation.rotate_q(i, q), rotation.rotate_k(i, k), rotation.rotate_v(v),
+                                        self, fb)
+            return rotation.restore_output(o)
         on_device = self._kernel_device(q)
         if self.fuse_decode and on_device and fb.forward_mode.is_decode() and rotary.fusable(self.head_dim):
-            pool = fb.token_to_kv_pool
             k_buf, v_buf = pool.get_kv(self.layer_id)
             rotary.rotate_and_store(positions, q, k, v, k_buf, v_buf, fb.out_cache_loc,
                                     *pool.layer_scales(self.layer_id))
