@@ -44,10 +44,8 @@ class Attention(nn.Module):
         rotation = pool.rotation if pool is not None else None  # None: KVCalibrator's pool-less prefill
         if rotation is not None:
             q, k = rotary(positions, q, k)
-            i = self.layer_id
-            o = fb.attn_backend.forward(rotation.rotate_q(i, q), rotation.rotate_k(i, k), rotation.rotate_v(v),
-                                        self, fb)
-            return rotation.restore_output(o)
+            q, k, v = rotation.rotate(self.layer_id, q, k, v)
+            return rotation.restore_output(fb.attn_backend.forward(q, k, v, self, fb))
         on_device = self._kernel_device(q)
         if self.fuse_decode and on_device and fb.forward_mode.is_decode() and rotary.fusable(self.head_dim):
             k_buf, v_buf = pool.get_kv(self.layer_id)

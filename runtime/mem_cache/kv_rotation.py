@@ -29,6 +29,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.head_transform import head_transform_
+
 ROTATION_MODES = ("hadamard", "calibrated")
 
 
@@ -63,28 +65,45 @@ def balanced_qk_transform(sq: torch.Tensor, sk: torch.Tensor, h: torch.Tensor, r
 
 class KVRotation:
     """Per layer: q' = q Mq[h], k' = k Mk[h] (h = the KV head; a query head uses its group's), v' = v H,
-    and the attention output o = o' H^T. Matrices are in the model dtype on the model's device."""
+    and the attention output o = o' H^T. Matrices are in the model dtype on the model's device.
 
-    def __init__(self, mode: str, q_mats: Sequence[torch.Tensor], k_mats: Sequence[torch.Tensor],
-                 v_mat: torch.Tensor):
+    Launches per layer (CUDA, `fused`): one in-place Triton transform of q, k and v together (adjacent
+    heads of the qkv projection's output: kernels/head_transform.py) and one of the output; elsewhere one
+    matmul per tensor (torch)."""
+
+    def __init__(self, mode: str, num_heads: int, q_mats: Sequence[torch.Tensor], k_mats: Sequence[torch.Tensor],
+                 v_mat: torch.Tensor, fused: bool | None = None):
         if mode not in ROTATION_MODES:
             raise ValueError(f"unknown KV cache rotation {mode!r} (one of {', '.join(ROTATION_MODES)})")
         if len(q_mats) != len(k_mats):
             raise ValueError(f"KV rotation: {len(q_mats)} q matrices but {len(k_mats)} k matrices")
-        self.mode = mode
-        self.q_mats, self.k_mats = tuple(q_mats), tuple(k_mats)  # each [Hkv, D, D], or [D, D] for all heads
+        self.mode, self.num_heads = mode, num_heads
+        self.q_mats, self.k_mats = tuple(q_mats), tuple(k_mats)  # each [Hkv, D, D]
         self.v_mat, self.o_mat = v_mat, v_mat.T.contiguous()
         self.head_dim = v_mat.shape[0]
+        self.num_kv_heads = hkv = self.k_mats[0].shape[0]
+        if num_heads % hkv:
+            raise ValueError(f"KV rotation: {num_heads} query heads do not group over {hkv} KV heads")
+        self.fused = v_mat.is_cuda if fused is None else fused
+        # For the one-launch transform: per layer [q mats (Hkv), k mats (Hkv), v mat] and which one each of
+        # the Hq + 2 Hkv heads of a qkv row uses.
+        self.qkv_mats = tuple(torch.cat([qm, km, v_mat[None]]).contiguous() for qm, km in zip(self.q_mats, self.k_mats))
+        group = num_heads // hkv
+        heads = [h // group for h in range(num_heads)] + [hkv + j for j in range(hkv)] + [2 * hkv] * hkv
+        self.qkv_head_map = torch.tensor(heads, dtype=torch.int32, device=v_mat.device)
+        self.o_mats = self.o_mat[None].contiguous()
+        self.o_head_map = torch.zeros(num_heads, dtype=torch.int32, device=v_mat.device)
 
     @classmethod
-    def hadamard(cls, num_layers: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
-                 ) -> KVRotation:
+    def hadamard(cls, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str, fused: bool | None = None) -> KVRotation:
         h = hadamard_matrix(head_dim).to(device=device, dtype=dtype)
-        return cls("hadamard", [h] * num_layers, [h] * num_layers, h)
+        per_head = h.expand(num_kv_heads, head_dim, head_dim).contiguous()
+        return cls("hadamard", num_heads, [per_head] * num_layers, [per_head] * num_layers, h, fused)
 
     @classmethod
-    def calibrated(cls, q_moments: Sequence[torch.Tensor], k_moments: Sequence[torch.Tensor],
-                   dtype: torch.dtype, device: torch.device | str) -> KVRotation:
+    def calibrated(cls, num_heads: int, q_moments: Sequence[torch.Tensor], k_moments: Sequence[torch.Tensor],
+                   dtype: torch.dtype, device: torch.device | str, fused: bool | None = None) -> KVRotation:
         """q_moments / k_moments: per layer [Hkv, D, D] second moments (E[x x^T] of post-rotary q over a
         KV head's query group, and of k)."""
         d = q_moments[0].shape[-1]
@@ -94,7 +113,7 @@ class KVRotation:
             pairs = [balanced_qk_transform(sq[i].double(), sk[i].double(), h) for i in range(sq.shape[0])]
             q_mats.append(torch.stack([p[0] for p in pairs]).to(device=device, dtype=dtype))
             k_mats.append(torch.stack([p[1] for p in pairs]).to(device=device, dtype=dtype))
-        return cls("calibrated", q_mats, k_mats, hadamard_matrix(d).to(device=device, dtype=dtype))
+        return cls("calibrated", num_heads, q_mats, k_mats, hadamard_matrix(d).to(device=device, dtype=dtype), fused)
 
     @property
     def num_layers(self) -> int:
@@ -109,17 +128,46 @@ class KVRotation:
         return torch.einsum("tkgd,kde->tkge", x.reshape(t, m.shape[0], -1, d), m).reshape(t, -1)
 
     def rotate_q(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
-        return self._per_head(q, self.q_mats[layer_id], self.head_dim)
+        m = self.v_mat if self.mode == "hadamard" else self.q_mats[layer_id]  # shared: one GEMM
+        return self._per_head(q, m, self.head_dim)
 
     def rotate_k(self, layer_id: int, k: torch.Tensor) -> torch.Tensor:
-        return self._per_head(k, self.k_mats[layer_id], self.head_dim)
+        m = self.v_mat if self.mode == "hadamard" else self.k_mats[layer_id]
+        return self._per_head(k, m, self.head_dim)
 
     def rotate_v(self, v: torch.Tensor) -> torch.Tensor:
         return self._per_head(v, self.v_mat, self.head_dim)
 
+    def rotate(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q', k', v'). Fused, when q, k and v are adjacent views of one qkv row (the projection's output,
+        rotary applied in place), all three are transformed in place in one launch."""
+        qkv = self._qkv_view(q, k, v) if self.fused else None
+        if qkv is None:
+            return self.rotate_q(layer_id, q), self.rotate_k(layer_id, k), self.rotate_v(v)
+        head_transform_(qkv, self.qkv_mats[layer_id], self.qkv_head_map)
+        return q, k, v
+
     def restore_output(self, o: torch.Tensor) -> torch.Tensor:
-        """The backend's output in the rotated V basis → the model's (o' H^T)."""
+        """The backend's output in the rotated V basis → the model's (o' H^T); in place when fused."""
+        if self.fused and o.dim() == 2 and o.stride(-1) == 1:
+            head_transform_(o.view(o.shape[0], -1, self.head_dim), self.o_mats, self.o_head_map)
+            return o
         return self._per_head(o, self.o_mat, self.head_dim)
+
+    def _qkv_view(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+        """[T, Hq + 2 Hkv, D] over q's storage if k and v follow q in every row, else None."""
+        d, e = self.head_dim, q.element_size()
+        if not (q.dim() == k.dim() == v.dim() == 2 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+                and q.stride(0) == k.stride(0) == v.stride(0) and q.dtype == k.dtype == v.dtype == self.v_mat.dtype
+                and k.data_ptr() == q.data_ptr() + q.shape[1] * e
+                and v.data_ptr() == k.data_ptr() + k.shape[1] * e
+                and q.shape[1] == self.num_heads * d and k.shape[1] == v.shape[1] == self.num_kv_heads * d):
+            return None
+        width = self.num_heads + 2 * self.num_kv_heads
+        if q.shape[0] > 1 and q.stride(0) < width * d:
+            return None
+        return q.as_strided((q.shape[0], width, d), (q.stride(0), d, 1))
 
     def summary(self) -> str:
         return f"{self.mode} ({self.head_dim}x{self.head_dim} per head, {self.num_layers} layers; V by Hadamard)"

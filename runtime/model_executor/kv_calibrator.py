@@ -64,6 +64,7 @@ class _AmaxRecorder(AttentionBackend):
     def __init__(self, num_layers: int, device: torch.device, keep: bool = False):
         self.k_amax = torch.zeros(num_layers, dtype=torch.float32, device=device)
         self.v_amax = torch.zeros(num_layers, dtype=torch.float32, device=device)
+        self.num_heads = 0
         self.keep = keep  # also keep each layer's K/V and q/k second moments (for a KV rotation)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -78,6 +79,7 @@ class _AmaxRecorder(AttentionBackend):
         hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         t = q.shape[0]
         if self.keep:
+            self.num_heads = hq
             qg = q.float().reshape(t, hkv, hq // hkv, d).transpose(0, 1).reshape(hkv, -1, d)
             kg = k.float().reshape(t, hkv, d).transpose(0, 1)
             self.q_moments.append(qg.transpose(1, 2) @ qg / qg.shape[1])
@@ -151,9 +153,10 @@ class KVCalibrator:
             raise RuntimeError("KV scale calibration saw non-finite K/V values; the model's weights are broken "
                                "(or use --kv-cache-rotation none --kv-cache-scale-mode static)")
         if mode == "calibrated":
-            rotation = KVRotation.calibrated(rec.q_moments, rec.k_moments, dtype, self.device)
+            rotation = KVRotation.calibrated(rec.num_heads, rec.q_moments, rec.k_moments, dtype, self.device)
         else:
-            rotation = KVRotation.hadamard(self.num_layers, rec.k_moments[0].shape[-1], dtype, self.device)
+            hkv, d = rec.k_moments[0].shape[:2]
+            rotation = KVRotation.hadamard(self.num_layers, rec.num_heads, hkv, d, dtype, self.device)
         # Rotated as the pool will see them: in the model dtype, as Attention.forward_rotary does.
         k_amax = [float(rotation.rotate_k(i, k.to(dtype)).abs().amax()) for i, k in enumerate(rec.k)]
         v_amax = [float(rotation.rotate_v(v.to(dtype)).abs().amax()) for v in rec.v]

@@ -22,7 +22,6 @@ from runtime.mem_cache.kv_pool import TokenToKVPool
 from runtime.mem_cache.kv_quant import dequantize_kv, quantize_kv
 from runtime.mem_cache.kv_rotation import KVRotation, balanced_qk_transform, hadamard_matrix
 from runtime.mem_cache.kv_scales import KVScales
-from runtime.model_executor.forward_mode import ForwardMode
 from runtime.model_executor.kv_calibrator import CALIBRATION_HEADROOM, KVCalibrator
 
 F8 = torch.float8_e4m3fn
@@ -89,8 +88,8 @@ def test_rotated_attention_equals_plain_attention(mode: str, dtype: torch.dtype)
     q, k = outlier_qk(40, seed=1)
     v = torch.randn(40, HKV * D, generator=torch.Generator().manual_seed(2))
     sq, sk = moments(q, k)
-    rot = (KVRotation.hadamard(1, D, dtype, "cpu") if mode == "hadamard"
-           else KVRotation.calibrated([sq], [sk], dtype, "cpu"))
+    rot = (KVRotation.hadamard(1, HQ, HKV, D, dtype, "cpu") if mode == "hadamard"
+           else KVRotation.calibrated(HQ, [sq], [sk], dtype, "cpu"))
     want = attention(q, k, v)
     q, k, v = (x.to(dtype) for x in (q, k, v))
     got = rot.restore_output(attention(rot.rotate_q(0, q), rot.rotate_k(0, k), rot.rotate_v(v))).float()
@@ -117,9 +116,9 @@ def test_rotated_fp8_k_has_lower_score_error_on_outlier_channels() -> None:
         return float((got - ref).pow(2).mean().sqrt())
 
     plain = score_error(None)
-    hadamard = score_error(KVRotation.hadamard(1, D, torch.float32, "cpu"))
+    hadamard = score_error(KVRotation.hadamard(1, HQ, HKV, D, torch.float32, "cpu"))
     sq, sk = moments(q, k)
-    calibrated = score_error(KVRotation.calibrated([sq], [sk], torch.float32, "cpu"))
+    calibrated = score_error(KVRotation.calibrated(HQ, [sq], [sk], torch.float32, "cpu"))
     assert hadamard < 0.6 * plain and calibrated < 0.9 * hadamard, (plain, hadamard, calibrated)
 
 
@@ -204,4 +203,4 @@ def test_rotation_flags_resolve_and_refuse(tiny_llama, tmp_path) -> None:
     assert RunnerDriver(tiny_llama, kv_cache_dtype="fp8_e4m3", kv_cache_scale=0.5).runner.token_to_kv_pool.rotation is None
     assert RunnerDriver(tiny_llama).runner.token_to_kv_pool.rotation is None
     with pytest.raises(ValueError, match="needs an FP8 pool"):
-        TokenToKVPool(8, 1, HKV, D, torch.float32, "cpu", rotation=KVRotation.hadamard(1, D, torch.float32, "cpu"))
+        TokenToKVPool(8, 1, HKV, D, torch.float32, "cpu", rotation=KVRotation.hadamard(1, HQ, HKV, D, torch.float32, "cpu"))

@@ -1,0 +1,66 @@
+"""kernels/head_transform.py in the Triton interpreter (fp32: the interpreter's tl.dot is wrong in bf16):
+each head of a strided [T, H, D] view times its own matrix, in place, against torch; and KVRotation's
+one-launch path over adjacent q/k/v views of a qkv row against its per-tensor torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.head_transform import head_transform_
+from runtime.mem_cache.kv_rotation import KVRotation
+
+D = 16
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+def test_each_head_times_its_matrix_in_place(tokens: int) -> None:
+    g = torch.Generator().manual_seed(tokens)
+    buf = torch.randn(tokens, 7 * D + 3, generator=g)  # a row stride wider than the heads
+    x = buf[:, : 5 * D].view(tokens, 5, D)
+    mats = torch.randn(3, D, D, generator=g)
+    head_map = torch.tensor([2, 0, 1, 1, 0], dtype=torch.int32)
+    want = torch.einsum("thd,thde->the", x, mats[head_map.long()][None].expand(tokens, -1, -1, -1))
+    rest = buf[:, 5 * D:].clone()
+    out = head_transform_(x, mats, head_map)
+    assert out.data_ptr() == x.data_ptr()
+    torch.testing.assert_close(x, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(buf[:, 5 * D:], rest)  # nothing outside the heads written
+
+
+def test_bad_shapes_are_refused() -> None:
+    x = torch.zeros(2, 3, D)
+    with pytest.raises(ValueError, match="mats must be"):
+        head_transform_(x, torch.zeros(1, D, D + 1), torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="head_map must hold 3"):
+        head_transform_(x, torch.zeros(1, D, D), torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="power of 2 >= 16"):
+        head_transform_(torch.zeros(2, 3, 8), torch.zeros(1, 8, 8), torch.zeros(3, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("mode", ["hadamard", "calibrated"])
+def test_rotation_one_launch_equals_per_tensor_path(mode: str) -> None:
+    hq, hkv, t = 4, 2, 9
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, hkv, D, generator=g) * torch.linspace(0.1, 5, D)
+    y = torch.randn(64, hkv * 2, D, generator=g) * torch.linspace(5, 0.1, D)
+    sk = torch.einsum("thd,the->hde", x, x) / 64
+    sq = torch.einsum("thd,the->hde", y[:, :hkv], y[:, :hkv]) / 64  # any positive moments will do here
+    args = ((1, hq, hkv, D, torch.float32, "cpu") if mode == "hadamard" else (hq, [sq], [sk], torch.float32, "cpu"))
+    make = KVRotation.hadamard if mode == "hadamard" else KVRotation.calibrated
+    fused, plain = make(*args, fused=True), make(*args, fused=False)
+    qkv = torch.randn(t, (hq + 2 * hkv) * D, generator=g)
+    q, k, v = qkv.split([hq * D, hkv * D, hkv * D], dim=-1)
+    before = qkv.clone()
+    want = plain.rotate(0, q, k, v)
+    got = fused.rotate(0, q, k, v)
+    assert got[0].data_ptr() == qkv.data_ptr()  # transformed in place in the qkv row
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    o = torch.randn(t, hq * D, generator=g)
+    torch.testing.assert_close(fused.restore_output(o.clone()), plain.restore_output(o), rtol=1e-5, atol=1e-5)
+    # Not one qkv row (e.g. Qwen3's normed q/k are new tensors): the per-tensor path, same values.
+    q2, k2, v2 = before.split([hq * D, hkv * D, hkv * D], dim=-1)
+    got2 = fused.rotate(0, q2.clone(), k2.clone(), v2.clone())
+    for a, b in zip(got2, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
