@@ -107,10 +107,11 @@ class KVRotation:
         """q_moments / k_moments: per layer [Hkv, D, D] second moments (E[x x^T] of post-rotary q over a
         KV head's query group, and of k)."""
         d = q_moments[0].shape[-1]
-        h = hadamard_matrix(d).to(q_moments[0].device)
+        h = hadamard_matrix(d)
         q_mats, k_mats = [], []
-        for sq, sk in zip(q_moments, k_moments, strict=True):
-            pairs = [balanced_qk_transform(sq[i].double(), sk[i].double(), h) for i in range(sq.shape[0])]
+        for sq, sk in zip(q_moments, k_moments, strict=True):  # small float64 eigh: on the CPU (ms per head)
+            sq, sk = sq.double().cpu(), sk.double().cpu()
+            pairs = [balanced_qk_transform(sq[i], sk[i], h) for i in range(sq.shape[0])]
             q_mats.append(torch.stack([p[0] for p in pairs]).to(device=device, dtype=dtype))
             k_mats.append(torch.stack([p[1] for p in pairs]).to(device=device, dtype=dtype))
         return cls("calibrated", num_heads, q_mats, k_mats, hadamard_matrix(d).to(device=device, dtype=dtype), fused)
