@@ -16,7 +16,7 @@ import triton.language as tl
 @triton.jit
 def _head_transform_kernel(
     X, Mats, HeadMap, num_tokens, stride_xt, stride_xh, stride_mm,
-    D: tl.constexpr, BLOCK_T: tl.constexpr,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr,
 ):
     tb = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -27,7 +27,10 @@ def _head_transform_kernel(
     x = tl.load(ptrs, mask=mask, other=0.0)
     m_idx = tl.load(HeadMap + h).to(tl.int64)
     m = tl.load(Mats + m_idx * stride_mm + offs_d[:, None] * D + offs_d[None, :])
-    y = tl.dot(x.to(m.dtype), m, out_dtype=tl.float32)
+    if IEEE:  # fp32 inputs: full fp32 products, not TF32's 10-bit mantissa
+        y = tl.dot(x.to(m.dtype), m, input_precision="ieee", out_dtype=tl.float32)
+    else:
+        y = tl.dot(x.to(m.dtype), m, out_dtype=tl.float32)
     tl.store(ptrs, y.to(X.dtype.element_ty), mask=mask)
 
 
@@ -48,5 +51,6 @@ def head_transform_(x: torch.Tensor, mats: torch.Tensor, head_map: torch.Tensor)
         return x
     block_t = 16 if t <= 16 else 64
     _head_transform_kernel[(triton.cdiv(t, block_t), h)](
-        x, mats, head_map, t, x.stride(0), x.stride(1), mats.stride(0), D=d, BLOCK_T=block_t)
+        x, mats, head_map, t, x.stride(0), x.stride(1), mats.stride(0), D=d, BLOCK_T=block_t,
+        IEEE=x.dtype == torch.float32, num_warps=4 if d <= 64 else 8)
     return x

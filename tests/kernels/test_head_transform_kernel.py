@@ -4,6 +4,12 @@ one-launch path over adjacent q/k/v views of a qkv row against its per-tensor to
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -64,3 +70,43 @@ def test_rotation_one_launch_equals_per_tensor_path(mode: str) -> None:
     got2 = fused.rotate(0, q2.clone(), k2.clone(), v2.clone())
     for a, b in zip(got2, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+_COMPILE_SCRIPT = """
+import json, sys
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError as e:
+    print(json.dumps({"skip": f"triton's compile API is unavailable: {e}"}))
+    sys.exit(0)
+from kernels.head_transform import _head_transform_kernel
+out = []
+for xdt, d, bt in (("bf16", 64, 16), ("bf16", 128, 16), ("bf16", 128, 64), ("fp32", 64, 64)):
+    sig = {"X": "*" + xdt, "Mats": "*" + xdt, "HeadMap": "*i32", "num_tokens": "i32", "stride_xt": "i64",
+           "stride_xh": "i64", "stride_mm": "i64", "D": "constexpr", "BLOCK_T": "constexpr", "IEEE": "constexpr"}
+    consts = {"D": d, "BLOCK_T": bt, "IEEE": xdt == "fp32"}
+    c = triton.compile(ASTSource(fn=_head_transform_kernel, signature=sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 if d <= 64 else 8})
+    ptx = c.asm["ptx"]
+    out.append({"case": [xdt, d, bt], "cubin": len(c.asm["cubin"]), "mma": "wgmma" in ptx or "mma.sync" in ptx,
+                "tf32": ".tf32" in ptx})
+print(json.dumps({"results": out}))
+"""
+
+
+def test_compiles_for_sm90() -> None:
+    """The real compiler (a fresh process without TRITON_INTERPRET): bf16 tiles go through tensor cores,
+    fp32 ones stay IEEE (no TF32)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).parents[2]
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "skip" in report:
+        pytest.skip(report["skip"])
+    for r in report["results"]:
+        assert r["cubin"] > 0 and not r["tf32"], r
+        assert r["mma"] == (r["case"][0] == "bf16"), r
