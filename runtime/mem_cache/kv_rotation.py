@@ -68,8 +68,8 @@ class KVRotation:
     and the attention output o = o' H^T. Matrices are in the model dtype on the model's device.
 
     Launches per layer (CUDA, `fused`): one in-place Triton transform of q, k and v together (adjacent
-    heads of the qkv projection's output: kernels/head_transform.py) and one of the output; elsewhere one
-    matmul per tensor (torch)."""
+    heads of the qkv projection's output: kernels/head_transform.py), or one each where they are separate
+    tensors (Qwen3's normed q/k), and one of the output; on the CPU one matmul per tensor (torch)."""
 
     def __init__(self, mode: str, num_heads: int, q_mats: Sequence[torch.Tensor], k_mats: Sequence[torch.Tensor],
                  v_mat: torch.Tensor, fused: bool | None = None):
@@ -143,10 +143,17 @@ class KVRotation:
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q', k', v'). Fused, when q, k and v are adjacent views of one qkv row (the projection's output,
         rotary applied in place), all three are transformed in place in one launch."""
-        qkv = self._qkv_view(q, k, v) if self.fused else None
-        if qkv is None:
+        if not (self.fused and all(x.dim() == 2 and x.stride(-1) == 1 and x.dtype == self.v_mat.dtype
+                                   for x in (q, k, v))):
             return self.rotate_q(layer_id, q), self.rotate_k(layer_id, k), self.rotate_v(v)
-        head_transform_(qkv, self.qkv_mats[layer_id], self.qkv_head_map)
+        qkv, mats = self._qkv_view(q, k, v), self.qkv_mats[layer_id]
+        if qkv is not None:
+            head_transform_(qkv, mats, self.qkv_head_map)
+            return q, k, v
+        # Separate tensors (Qwen3's normed q/k): one in-place launch each, same matrices.
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        for x, heads in ((q, slice(0, hq)), (k, slice(hq, hq + hkv)), (v, slice(hq + hkv, hq + 2 * hkv))):
+            head_transform_(x.view(x.shape[0], -1, d), mats, self.qkv_head_map[heads])
         return q, k, v
 
     def restore_output(self, o: torch.Tensor) -> torch.Tensor:

@@ -65,7 +65,7 @@ def test_rotation_one_launch_equals_per_tensor_path(mode: str) -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     o = torch.randn(t, hq * D, generator=g)
     torch.testing.assert_close(fused.restore_output(o.clone()), plain.restore_output(o), rtol=1e-5, atol=1e-5)
-    # Not one qkv row (e.g. Qwen3's normed q/k are new tensors): the per-tensor path, same values.
+    # Not one qkv row (e.g. Qwen3's normed q/k are new tensors): one launch per tensor, same values.
     q2, k2, v2 = before.split([hq * D, hkv * D, hkv * D], dim=-1)
     got2 = fused.rotate(0, q2.clone(), k2.clone(), v2.clone())
     for a, b in zip(got2, want):

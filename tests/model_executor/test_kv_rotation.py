@@ -211,10 +211,12 @@ def test_rotation_flags_resolve_and_refuse(tiny_llama, tmp_path) -> None:
         TokenToKVPool(8, 1, HKV, D, torch.float32, "cpu", rotation=KVRotation.hadamard(1, HQ, HKV, D, torch.float32, "cpu"))
 
 
-def test_one_launch_rotation_in_the_model_equals_the_torch_path(tiny_llama, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CUDA path on CPU (Triton interpreter, fp32): rotary in place on the qkv row (as on CUDA), so q/k/v
-    stay adjacent views and KVRotation transforms them in one head_transform_ launch, output too; the
-    logits equal the per-tensor torch path's."""
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_one_launch_rotation_in_the_model_equals_the_torch_path(tiny_model_dirs, arch: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path on CPU (Triton interpreter, fp32): rotary in place on the qkv row (as on CUDA), so
+    Llama's q/k/v stay adjacent views and KVRotation transforms them in one head_transform_ launch (Qwen3's
+    normed q/k are new tensors: one launch each), output too; the logits equal the torch path's."""
     import kernels.head_transform as ht
     import runtime.mem_cache.kv_rotation as kv_rotation
     from kernels.rotary import apply_rotary
@@ -233,11 +235,12 @@ def test_one_launch_rotation_in_the_model_equals_the_torch_path(tiny_llama, monk
     monkeypatch.setattr(kv_rotation, "head_transform_", counted)
     logits = {}
     for fused in (True, False):
-        d = RunnerDriver(tiny_llama, kv_cache_dtype="fp8_e4m3", attention_backend="triton")
+        d = RunnerDriver(tiny_model_dirs[arch], kv_cache_dtype="fp8_e4m3", attention_backend="triton")
         d.runner.token_to_kv_pool.rotation.fused = fused  # what a CUDA pool would pick
         logits[fused] = greedy(d, n=3)[1]
     cfg = d.runner.model_config
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     # Per layer and step: q, k and v in one launch (Hq + 2 Hkv heads), then the output (Hq heads).
-    assert calls[:2] == [hq + 2 * hkv, hq] and len(calls) == 2 * cfg.num_hidden_layers * 3
+    per_layer = [hq + 2 * hkv, hq] if arch == "llama" else [hq, hkv, hkv, hq]
+    assert calls[:len(per_layer)] == per_layer and len(calls) == len(per_layer) * cfg.num_hidden_layers * 3
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)
