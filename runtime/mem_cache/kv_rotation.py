@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from kernels.head_transform import head_transform_
+from kernels.rotary_transform_kv_store import rotary_transform_kv_store
 
 ROTATION_MODES = ("hadamard", "calibrated")
 
@@ -67,9 +68,11 @@ class KVRotation:
     """Per layer: q' = q Mq[h], k' = k Mk[h] (h = the KV head; a query head uses its group's), v' = v H,
     and the attention output o = o' H^T. Matrices are in the model dtype on the model's device.
 
-    Launches per layer (CUDA, `fused`): one in-place Triton transform of q, k and v together (adjacent
-    heads of the qkv projection's output: kernels/head_transform.py), or one each where they are separate
-    tensors (Qwen3's normed q/k), and one of the output; on the CPU one matmul per tensor (torch)."""
+    Launches per layer (CUDA, `fused`): in DECODE, one for the rotary, the transform and the KV store
+    together (kernels/rotary_transform_kv_store.py; what the unrotated fused path spends on rotary + store)
+    and one for the output; elsewhere one in-place Triton transform of q, k and v together (adjacent heads
+    of the qkv projection's output: kernels/head_transform.py), or one each where they are separate tensors
+    (Qwen3's normed q/k), besides the rotary and the backend's store; on the CPU one matmul per tensor."""
 
     def __init__(self, mode: str, num_heads: int, q_mats: Sequence[torch.Tensor], k_mats: Sequence[torch.Tensor],
                  v_mat: torch.Tensor, fused: bool | None = None):
@@ -84,7 +87,8 @@ class KVRotation:
         self.num_kv_heads = hkv = self.k_mats[0].shape[0]
         if num_heads % hkv:
             raise ValueError(f"KV rotation: {num_heads} query heads do not group over {hkv} KV heads")
-        self.fused = v_mat.is_cuda if fused is None else fused
+        # The Triton transform splits a head into halves for tl.dot, which needs 16 or more per side.
+        self.fused = (v_mat.is_cuda if fused is None else fused) and self.head_dim >= 32
         # For the one-launch transform: per layer [q mats (Hkv), k mats (Hkv), v mat] and which one each of
         # the Hq + 2 Hkv heads of a qkv row uses.
         self.qkv_mats = tuple(torch.cat([qm, km, v_mat[None]]).contiguous() for qm, km in zip(self.q_mats, self.k_mats))
@@ -155,6 +159,19 @@ class KVRotation:
         for x, heads in ((q, slice(0, hq)), (k, slice(hq, hq + hkv)), (v, slice(hq + hkv, hq + 2 * hkv))):
             head_transform_(x.view(x.shape[0], -1, d), mats, self.qkv_head_map[heads])
         return q, k, v
+
+    def rotary_rotate_and_store(self, layer_id: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                                v: torch.Tensor, cos_sin_cache: torch.Tensor, k_buffer: torch.Tensor,
+                                v_buffer: torch.Tensor, loc: torch.Tensor, k_scale: float, v_scale: float) -> bool:
+        """DECODE's fused path (kernels/rotary_transform_kv_store.py): q rotary + transform in place, k and
+        v transformed (k after its rotary) straight into the pool, one launch. False (nothing done) where
+        q/k/v are not one qkv row or the rotation is not fused: the caller takes the unfused path."""
+        qkv = self._qkv_view(q, k, v) if self.fused else None
+        if qkv is None:
+            return False
+        rotary_transform_kv_store(positions, qkv, cos_sin_cache, self.qkv_mats[layer_id], self.qkv_head_map,
+                                  self.num_heads, k_buffer, v_buffer, loc, k_scale, v_scale)
+        return True
 
     def restore_output(self, o: torch.Tensor) -> torch.Tensor:
         """The backend's output in the rotated V basis → the model's (o' H^T); in place when fused."""

@@ -2,7 +2,8 @@
 in bf16 against torch, eagerly and replayed from a CUDA graph; and the Engine with an FP8 pool rotated
 (calibrated, hadamard) through the Triton and FlashInfer backends with CUDA graphs, against the bf16 run and
 torch_native with the same rotation, on a Llama whose q/k carry outlier channels (where the rotation
-matters): greedy tokens, prompt logprobs, the decode fusion on = off, and the KV pool whole afterwards."""
+matters): greedy tokens, prompt logprobs, the decode fusion on = off (the fused rotary + rotation + KV
+store kernel against its three launches, also kernel by kernel), and the KV pool whole afterwards."""
 
 from __future__ import annotations
 
@@ -73,6 +74,40 @@ def test_head_transform_bf16_matches_torch_and_replays_in_a_graph(tokens: int, h
     torch.testing.assert_close(x.float(), want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 33])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fused_rotary_transform_store_bit_equal_to_three_launches(tokens: int, head_dim: int) -> None:
+    """bf16 qkv, FP8 pool: rotary_transform_kv_store against apply_rotary + head_transform_ + store_kv."""
+    from kernels.head_transform import head_transform_
+    from kernels.kv_store import store_kv
+    from kernels.rotary import apply_rotary
+    from kernels.rotary_transform_kv_store import rotary_transform_kv_store
+    from runtime.layers.rotary import RotaryEmbedding
+    from runtime.model_config import RopeConfig
+
+    hq, hkv, slots, d = 32, 8, 4096, head_dim
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    rot = RotaryEmbedding(d, 4096, RopeConfig(theta=500000.0)).cuda()
+    mats = (torch.randn(2 * hkv + 1, d, d, device="cuda", generator=gen) / d ** 0.5).to(torch.bfloat16)
+    head_map = torch.tensor([h // (hq // hkv) for h in range(hq)] + [hkv + j for j in range(hkv)] + [2 * hkv] * hkv,
+                            dtype=torch.int32, device="cuda")
+    qkv = (torch.randn(tokens, (hq + 2 * hkv) * d, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+    positions = torch.randint(0, 4000, (tokens,), device="cuda", generator=gen)
+    loc = torch.randperm(slots - 1, device="cuda", generator=gen)[:tokens] + 1
+    want_kv = [torch.zeros(slots, hkv, d, dtype=torch.float8_e4m3fn, device="cuda") for _ in range(2)]
+    ref = qkv.clone()
+    q, k, v = ref.split([hq * d, hkv * d, hkv * d], dim=-1)
+    apply_rotary(positions, q, k, rot.cos_sin_cache, d)
+    head_transform_(ref.view(tokens, -1, d), mats, head_map)
+    store_kv(*want_kv, loc, k.view(tokens, hkv, d), v.view(tokens, hkv, d), 0.05, 0.02)
+    got_kv = [torch.zeros_like(b) for b in want_kv]
+    rotary_transform_kv_store(positions, qkv.view(tokens, -1, d), rot.cos_sin_cache, mats, head_map, hq,
+                              *got_kv, loc, 0.05, 0.02)
+    assert torch.equal(qkv[:, : hq * d], ref[:, : hq * d])
+    for got, want in zip(got_kv, want_kv):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
 def _run(path: Path, monkeypatch: pytest.MonkeyPatch, fusion: str = "1", **extra) -> tuple[list[list[int]], torch.Tensor]:
     from runtime import Engine
 
@@ -115,6 +150,6 @@ def test_engine_rotated_fp8_kv_through_backends_with_graphs(outlier_llama: Path,
         assert agree >= 12, (mode, agree, diff)  # near-ties of random weights aside
     agree = sum(a[0] == b[0] for a, b in zip(native_tokens, runs["calibrated"][0], strict=True))
     assert agree >= 12, (agree, diff)
-    # A rotated pool takes the unfused decode path, so the fusion switch changes nothing.
+    # The rotated fused decode (rotary + transform + store in one launch) gives the unfused path's bits.
     off_tokens, off_lp = _run(outlier_llama, monkeypatch, fusion="0", **fp8, kv_cache_rotation="calibrated")
     assert off_tokens == runs["calibrated"][0] and torch.equal(off_lp, runs["calibrated"][1])

@@ -172,24 +172,6 @@ def test_rotated_fp8_pool_scales_and_greedy_output(tiny_llama, mode: str) -> Non
     assert bool((picked >= ref.amax(-1) - 0.05 * float(ref.abs().max())).all())
 
 
-def test_rotated_pool_takes_the_unfused_decode_path(tiny_llama, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the decode fusion forced on (Triton interpreter), a rotated pool never reaches the fused rotary
-    + KV store kernel (it would store unrotated K), and decodes exactly as with the fusion off."""
-    monkeypatch.setattr(Attention, "_kernel_device", staticmethod(lambda q: True))
-
-    def refuse(*a, **kw) -> None:
-        raise AssertionError("fused rotary + KV store used with a rotated pool")
-
-    logits = {}
-    for fusion in ("1", "0"):
-        monkeypatch.setenv("SHOAL_DECODE_FUSION", fusion)
-        monkeypatch.setattr(RotaryEmbedding, "rotate_and_store", refuse)
-        d = RunnerDriver(tiny_llama, kv_cache_dtype="fp8_e4m3", attention_backend="triton")
-        assert d.runner.token_to_kv_pool.rotation is not None  # auto: on with calibrated scales
-        logits[fusion] = greedy(d, n=3)[1]
-    assert torch.equal(logits["1"], logits["0"])
-
-
 def test_rotation_flags_resolve_and_refuse(tiny_llama, tmp_path) -> None:
     with pytest.raises(ServerArgsError, match="--kv-cache-rotation.*fp8_e4m3"):
         ServerArgs(kv_cache_rotation="hadamard")
@@ -211,13 +193,29 @@ def test_rotation_flags_resolve_and_refuse(tiny_llama, tmp_path) -> None:
         TokenToKVPool(8, 1, HKV, D, torch.float32, "cpu", rotation=KVRotation.hadamard(1, HQ, HKV, D, torch.float32, "cpu"))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_one_launch_rotation_in_the_model_equals_the_torch_path(tiny_model_dirs, arch: str,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CUDA path on CPU (Triton interpreter, fp32): rotary in place on the qkv row (as on CUDA), so
-    Llama's q/k/v stay adjacent views and KVRotation transforms them in one head_transform_ launch (Qwen3's
-    normed q/k are new tensors: one launch each), output too; the logits equal the torch path's."""
+@pytest.fixture(scope="module")
+def llama_d32(tiny_llama, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with head_dim 32 (the Triton transform splits heads into halves of 16 or more)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig.from_pretrained(str(tiny_llama))
+    cfg.head_dim = 32
+    torch.manual_seed(1)
+    path = tmp_path_factory.mktemp("llama_d32")
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    for f in tiny_llama.iterdir():
+        if "token" in f.name or f.name.endswith(".jinja"):
+            shutil.copy(f, path / f.name)
+    return path
+
+
+def _interpreted_cuda_path(monkeypatch: pytest.MonkeyPatch, fusion: str) -> dict[str, list[int]]:
+    """CUDA's code path on CPU: kernels in the Triton interpreter, the rotary in place on the qkv row (so
+    Llama's q/k/v stay adjacent views), the decode fusion `fusion`. Returns the kernel calls seen."""
     import kernels.head_transform as ht
+    import kernels.rotary_transform_kv_store as fused_kernel
     import runtime.mem_cache.kv_rotation as kv_rotation
     from kernels.rotary import apply_rotary
 
@@ -225,22 +223,59 @@ def test_one_launch_rotation_in_the_model_equals_the_torch_path(tiny_model_dirs,
         apply_rotary(positions, q, k, self.cos_sin_cache, self.head_dim, is_neox=True)
         return q, k
 
-    calls = []
+    def refuse(*a, **kw) -> None:
+        raise AssertionError("the unrotated rotary + KV store kernel used with a rotated pool")
 
-    def counted(x, mats, head_map):
-        calls.append(x.shape[1])
+    calls: dict[str, list[int]] = {"transform": [], "fused": []}
+
+    def transform(x, mats, head_map):
+        calls["transform"].append(x.shape[1])
         return ht.head_transform_(x, mats, head_map)
 
+    def fused(positions, qkv, *args):
+        calls["fused"].append(qkv.shape[1])
+        return fused_kernel.rotary_transform_kv_store(positions, qkv, *args)
+
+    monkeypatch.setenv("SHOAL_DECODE_FUSION", fusion)  # read as the layers are built
+    monkeypatch.setattr(Attention, "_kernel_device", staticmethod(lambda q: True))
     monkeypatch.setattr(RotaryEmbedding, "forward", rotary_in_place)
-    monkeypatch.setattr(kv_rotation, "head_transform_", counted)
+    monkeypatch.setattr(RotaryEmbedding, "rotate_and_store", refuse)
+    monkeypatch.setattr(kv_rotation, "head_transform_", transform)
+    monkeypatch.setattr(kv_rotation, "rotary_transform_kv_store", fused)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama_d32", "qwen3"])
+def test_triton_rotation_in_the_model_equals_the_torch_path(tiny_model_dirs, llama_d32, arch: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the decode fusion on, Llama's DECODE rotates q, k and v and stores K/V in one launch
+    (rotary_transform_kv_store) and EXTEND transforms q, k and v in one head_transform_ launch; Qwen3's
+    normed q/k are new tensors: one launch each. The logits equal the torch path's (fp32)."""
+    path = llama_d32 if arch == "llama_d32" else tiny_model_dirs[arch]
+    calls = _interpreted_cuda_path(monkeypatch, "1")
     logits = {}
     for fused in (True, False):
-        d = RunnerDriver(tiny_model_dirs[arch], kv_cache_dtype="fp8_e4m3", attention_backend="triton")
+        d = RunnerDriver(path, kv_cache_dtype="fp8_e4m3", attention_backend="triton")
         d.runner.token_to_kv_pool.rotation.fused = fused  # what a CUDA pool would pick
         logits[fused] = greedy(d, n=3)[1]
     cfg = d.runner.model_config
-    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    # Per layer and step: q, k and v in one launch (Hq + 2 Hkv heads), then the output (Hq heads).
-    per_layer = [hq + 2 * hkv, hq] if arch == "llama" else [hq, hkv, hkv, hq]
-    assert calls[:len(per_layer)] == per_layer and len(calls) == len(per_layer) * cfg.num_hidden_layers * 3
+    hq, hkv, layers = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers
+    if arch == "llama_d32":  # per layer: EXTEND qkv + output, then per DECODE step fused + output
+        assert calls["fused"] == [hq + 2 * hkv] * layers * 2
+        assert calls["transform"] == [hq + 2 * hkv, hq] * layers + [hq] * layers * 2
+    else:
+        assert not calls["fused"] and calls["transform"] == [hq, hkv, hkv, hq] * layers * 3
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)
+
+
+def test_fused_rotated_decode_equals_unfused_bit_for_bit(llama_d32, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rotated pool never reaches the unrotated rotary + KV store kernel; its own fused decode
+    (rotary_transform_kv_store) gives the same bits as rotary + head_transform_ + store_kv."""
+    logits = {}
+    for fusion in ("1", "0"):
+        calls = _interpreted_cuda_path(monkeypatch, fusion)
+        d = RunnerDriver(llama_d32, kv_cache_dtype="fp8_e4m3", attention_backend="triton")
+        d.runner.token_to_kv_pool.rotation.fused = True
+        logits[fusion] = greedy(d, n=3)[1]
+        assert bool(calls["fused"]) == (fusion == "1")
+    assert torch.equal(logits["1"], logits["0"])
