@@ -28,6 +28,9 @@ MODES = {
     "fp8_weights": {"quantization": "fp8"},
     "fp8_kv": {"kv_cache_dtype": "fp8_e4m3"},
     "fp8_weights_kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
+    # FP8 KV without its default rotation (--kv-cache-rotation, runtime/mem_cache/kv_rotation.py): its cost
+    "fp8_kv_rotation_none": {"kv_cache_dtype": "fp8_e4m3", "kv_cache_rotation": "none"},
+    "fp8_weights_kv_rotation_none": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3", "kv_cache_rotation": "none"},
 }
 PARTS = {"decode": ("batch1", ["bf16", "fp8_weights", "fp8_weights_kv"]),
          "throughput": ("throughput", ["bf16", "fp8_kv"])}

@@ -37,7 +37,10 @@ TOPICS = ["the history of Rome", "how vaccines work", "photosynthesis", "the Fre
 TEMPLATES = ["Explain {} to a ten-year-old.", "Write a short essay about {}.",
              "What are three surprising facts about {}?", "The most important thing to know about {} is"]
 MODES = {
-    "fp8_kv": {"kv_cache_dtype": "fp8_e4m3"},  # per-layer scales: the checkpoint's, else calibrated
+    # per-layer scales: the checkpoint's, else calibrated (and then the calibrated KV rotation: kv_rotation.py)
+    "fp8_kv": {"kv_cache_dtype": "fp8_e4m3"},
+    "fp8_kv_rotation_none": {"kv_cache_dtype": "fp8_e4m3", "kv_cache_rotation": "none"},  # before the rotation
+    "fp8_kv_rotation_hadamard": {"kv_cache_dtype": "fp8_e4m3", "kv_cache_rotation": "hadamard"},
     "fp8_kv_static_scale_1": {"kv_cache_dtype": "fp8_e4m3", "kv_cache_scale_mode": "static"},  # the old default
     "fp8_weights": {"quantization": "fp8"},
     "fp8_kv_and_weights": {"kv_cache_dtype": "fp8_e4m3", "quantization": "fp8"},
@@ -158,7 +161,8 @@ def evaluate(name: str, model_path: str, args: argparse.Namespace, modes: dict[s
                             attention_backend=args.attention_backend, **extra)
         top, lp = dec.run(prompts, args.gen_len, ref_tokens)
         pool = dec.runner.token_to_kv_pool
-        kv_scales = {"source": pool.scales.source, "k": list(pool.k_scales), "v": list(pool.v_scales)}
+        kv_scales = {"source": pool.scales.source, "k": list(pool.k_scales), "v": list(pool.v_scales),
+                     "rotation": pool.rotation.mode if pool.rotation is not None else "none"}
         dec.close()
         agree = (top == ref_tokens).float()
         res = {"top1_agreement": float(agree.mean()), "mean_abs_logprob_diff": float((lp - ref_lp).abs().mean()),

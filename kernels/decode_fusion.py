@@ -1,4 +1,5 @@
-"""DecodeFusion: the one switch for the decode-path fusions (rotary + KV store in one kernel, no v copy,
+"""DecodeFusion: the one switch for the decode-path fusions (rotary + KV store in one kernel, for a rotated
+FP8 pool rotary + KV rotation + KV store in one kernel (kernels/rotary_transform_kv_store.py), no v copy,
 no logits gather in DECODE, the Triton decode attention's split merge inside its first kernel, SiLU-and-mul
 folded into the FP8 down-projection GEMV; above the GEMV's M (batched decode and prefill), the FP8 linears'
 per-token activation quantize in one launch instead of eight torch ops, SiLU-and-mul folded into the down

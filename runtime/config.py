@@ -43,6 +43,12 @@ class ServerArgs:
                                             "(--kv-cache-scale, default 1.0); auto: --kv-cache-scale if given, "
                                             "else checkpoint if it has them, else calibrate",
                                     ("auto", "checkpoint", "calibrate", "static"))
+    kv_cache_rotation: str = _opt("auto", "fp8_e4m3 KV cache: an exact change of basis of each head's q/k (and "
+                                          "v) before K/V are rounded, so q.k loses less to e4m3's 3-bit "
+                                          "mantissa: calibrated (per layer and head, from the calibration "
+                                          "prefill), hadamard (fixed), none; auto: calibrated when the scales "
+                                          "are calibrated (not with a checkpoint's k_scale/v_scale)",
+                                  ("auto", "none", "hadamard", "calibrated"))
     max_total_tokens: int | None = _opt(None, "KV pool size in tokens (CPU default 16384; GPU: from --mem-fraction-static)")
     mem_fraction_static: float = _opt(0.85, "fraction of GPU memory for weights + KV pool")
     max_running_requests: int = _opt(256, "most requests decoding at once")
@@ -120,6 +126,14 @@ class ServerArgs:
         if self.kv_cache_scale is not None and self.kv_cache_scale_mode in ("checkpoint", "calibrate"):
             raise ServerArgsError("--kv-cache-scale", f"is a static scale; it cannot be combined with "
                                                       f"--kv-cache-scale-mode {self.kv_cache_scale_mode}")
+        if self.kv_cache_rotation in ("hadamard", "calibrated"):
+            if self.kv_cache_dtype != "fp8_e4m3":
+                raise ServerArgsError("--kv-cache-rotation", f"{self.kv_cache_rotation} applies to an FP8 KV cache "
+                                                             "(--kv-cache-dtype fp8_e4m3)")
+            if self.kv_cache_scale_mode == "checkpoint":
+                raise ServerArgsError("--kv-cache-rotation", "a checkpoint's k_scale/v_scale describe unrotated "
+                                                             "K/V: use --kv-cache-scale-mode auto or calibrate "
+                                                             "(recalibrated on the rotated K/V) or none")
         for name in ("max_total_tokens", "context_length", "max_concurrent_requests"):
             v = getattr(self, name)
             if v is not None and v < 1:

@@ -3,7 +3,12 @@
 forward_rotary also applies the rotary embedding. In a DECODE step on CUDA (unless SHOAL_DECODE_FUSION=0)
 it does so with kernels/rotary_kv_store: q rotated in place, k rotated and v copied straight into this
 layer's KV pool slots in one launch, and the backend is told the new K/V are already stored (k = v = None).
-Elsewhere (EXTEND, MIXED, TARGET_VERIFY, CPU) the rotary runs on its own and the backend stores."""
+Elsewhere (EXTEND, MIXED, TARGET_VERIFY, CPU) the rotary runs on its own and the backend stores.
+
+An FP8 pool with a KVRotation (--kv-cache-rotation) holds K/V in a rotated basis: q/k/v are rotated after
+the rotary and the output rotated back, around whichever backend runs. Its fused DECODE path is
+kernels/rotary_transform_kv_store (rotary, rotation and store in one launch, the same bits as the
+unfused rotary, KVRotation.rotate and the backend's store); rotary_kv_store would store unrotated K."""
 
 from __future__ import annotations
 
@@ -35,9 +40,19 @@ class Attention(nn.Module):
     def forward_rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        rotary: RotaryEmbedding, fb: ForwardBatch) -> torch.Tensor:
         """q [T, Hq*D], k/v [T, Hkv*D] (views of the fused qkv output are fine) before the rotary → o."""
+        pool = fb.token_to_kv_pool
+        rotation = pool.rotation if pool is not None else None  # None: KVCalibrator's pool-less prefill
         on_device = self._kernel_device(q)
-        if self.fuse_decode and on_device and fb.forward_mode.is_decode() and rotary.fusable(self.head_dim):
-            pool = fb.token_to_kv_pool
+        fuse = self.fuse_decode and on_device and fb.forward_mode.is_decode() and rotary.fusable(self.head_dim)
+        if rotation is not None:
+            if fuse and rotation.rotary_rotate_and_store(self.layer_id, positions, q, k, v, rotary.cos_sin_cache,
+                                                         *pool.get_kv(self.layer_id), fb.out_cache_loc,
+                                                         *pool.layer_scales(self.layer_id)):
+                return rotation.restore_output(fb.attn_backend.forward(q, None, None, self, fb))
+            q, k = rotary(positions, q, k)
+            q, k, v = rotation.rotate(self.layer_id, q, k, v)
+            return rotation.restore_output(fb.attn_backend.forward(q, k, v, self, fb))
+        if fuse:
             k_buf, v_buf = pool.get_kv(self.layer_id)
             rotary.rotate_and_store(positions, q, k, v, k_buf, v_buf, fb.out_cache_loc,
                                     *pool.layer_scales(self.layer_id))

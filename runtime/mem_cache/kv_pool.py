@@ -5,16 +5,19 @@ from __future__ import annotations
 import torch
 
 from runtime.mem_cache.kv_quant import is_fp8, quantize_kv, store_rows
+from runtime.mem_cache.kv_rotation import KVRotation
 from runtime.mem_cache.kv_scales import KVScales
 
 
 class TokenToKVPool:
     """Stored in `dtype`: the model dtype, or float8_e4m3fn with a static scale for K and one for V per
     layer (KVScales; runtime/mem_cache/kv_quant.py): writers divide by the scale, readers multiply by it.
-    Backends read layer i's floats as k_scales[i] / v_scales[i]."""
+    Backends read layer i's floats as k_scales[i] / v_scales[i]. `rotation` (FP8 only; KVRotation): K/V
+    are stored in a rotated basis, so whoever writes or reads them (Attention.forward_rotary) rotates q/k/v
+    with it first and the output back."""
 
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: str | torch.device, kv_scale: float | KVScales = 1.0):
+                 device: str | torch.device, kv_scale: float | KVScales = 1.0, rotation: KVRotation | None = None):
         self.size = size  # usable slots 1..size; slot 0 absorbs writes of padded tokens
         self.dtype = dtype
         self.is_fp8 = is_fp8(dtype)
@@ -24,6 +27,9 @@ class TokenToKVPool:
         if not self.is_fp8:  # stored in the model dtype: nothing to scale
             scales = KVScales.uniform(num_layers)
         self.scales = scales
+        if rotation is not None and (not self.is_fp8 or rotation.num_layers != num_layers):
+            raise ValueError("a KV rotation needs an FP8 pool with one rotation per layer")
+        self.rotation = rotation
         self.k_scales, self.v_scales = scales.k, scales.v
         shape = (size + 1, num_kv_heads, head_dim)
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -10,7 +10,11 @@ attention-sink outliers), so the text is a chat-templated conversation with pros
 non-English line. A plain prompt without the template misses those tokens' outliers. The remaining
 gap between one text's amax and what arbitrary prompts reach is what the headroom covers (measured on
 SmolLM2: the chat text and the same text without the template gave amax within a few % of each other
-there, since SmolLM2 has no strong outliers on template tokens)."""
+there, since SmolLM2 has no strong outliers on template tokens).
+
+With a KV rotation (--kv-cache-rotation, runtime/mem_cache/kv_rotation.py) the same prefill also gives
+each layer's q/k second moments (the calibrated rotation is built from them), and the scales are the amax
+of the rotated K/V: what the pool will actually store."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.attention.base import AttentionBackend
+from runtime.mem_cache.kv_rotation import KVRotation
 from runtime.mem_cache.kv_scales import KVScales
 from runtime.messages import WorkerBatch
 from runtime.model_executor.forward_batch import ForwardBatch
@@ -56,9 +61,15 @@ CALIBRATION_MESSAGES = [
 class _AmaxRecorder(AttentionBackend):
     """Causal self-attention over one sequence in the model's dtype; records K/V amax per layer."""
 
-    def __init__(self, num_layers: int, device: torch.device):
+    def __init__(self, num_layers: int, device: torch.device, keep: bool = False):
         self.k_amax = torch.zeros(num_layers, dtype=torch.float32, device=device)
         self.v_amax = torch.zeros(num_layers, dtype=torch.float32, device=device)
+        self.num_heads = 0
+        self.keep = keep  # also keep each layer's K/V and q/k second moments (for a KV rotation)
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.q_moments: list[torch.Tensor] = []  # [Hkv, D, D]: E[q q^T] over tokens and the KV head's q heads
+        self.k_moments: list[torch.Tensor] = []
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
                        fb: ForwardBatch) -> torch.Tensor:
@@ -67,6 +78,14 @@ class _AmaxRecorder(AttentionBackend):
         self.v_amax[i] = torch.maximum(self.v_amax[i], v.abs().amax().float())
         hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         t = q.shape[0]
+        if self.keep:
+            self.num_heads = hq
+            qg = q.float().reshape(t, hkv, hq // hkv, d).transpose(0, 1).reshape(hkv, -1, d)
+            kg = k.float().reshape(t, hkv, d).transpose(0, 1)
+            self.q_moments.append(qg.transpose(1, 2) @ qg / qg.shape[1])
+            self.k_moments.append(kg.transpose(1, 2) @ kg / t)
+            self.k.append(k.float())
+            self.v.append(v.float())
         q3 = q.reshape(t, hq, d).transpose(0, 1)
         k3 = k.reshape(t, hkv, d).transpose(0, 1).repeat_interleave(hq // hkv, dim=0)
         v3 = v.reshape(t, hkv, d).transpose(0, 1).repeat_interleave(hq // hkv, dim=0)
@@ -104,15 +123,19 @@ class KVCalibrator:
     @torch.inference_mode()
     def amax(self, token_ids: list[int]) -> tuple[list[float], list[float]]:
         """Each layer's post-rotary K and V amax over one prefill of token_ids (this rank's heads)."""
+        rec = self._record(token_ids, keep=False)
+        return rec.k_amax.tolist(), rec.v_amax.tolist()
+
+    def _record(self, token_ids: list[int], keep: bool) -> _AmaxRecorder:
         n = len(token_ids)
-        rec = _AmaxRecorder(self.num_layers, self.device)
+        rec = _AmaxRecorder(self.num_layers, self.device, keep)
         wb = WorkerBatch(batch_id=0, forward_mode=int(ForwardMode.EXTEND), input_ids=list(token_ids),
                          req_pool_indices=[0], seq_lens=[n], prefix_lens=[0], out_cache_loc=[0] * n,
                          global_num_tokens=[n] * self.ctx.mlp.size if self.ctx.dp_attention else None)
         # No pools: the recorder computes attention from q/k/v alone and nothing else reads them.
         fb = ForwardBatch.init_new(wb, None, None, rec, self.device)  # type: ignore[arg-type]
         self.model(fb.input_ids, fb.positions, fb)
-        return rec.k_amax.tolist(), rec.v_amax.tolist()
+        return rec
 
     def calibrate(self, token_ids: list[int], headroom: float = CALIBRATION_HEADROOM) -> KVScales:
         k_amax, v_amax = self.amax(token_ids)
@@ -120,3 +143,21 @@ class KVCalibrator:
             raise RuntimeError("KV scale calibration saw non-finite K/V values; the model's weights are broken "
                                "(or use --kv-cache-scale-mode static)")
         return KVScales.from_amax(k_amax, v_amax, headroom)
+
+    @torch.inference_mode()
+    def calibrate_rotation(self, token_ids: list[int], mode: str, dtype: torch.dtype,
+                           headroom: float = CALIBRATION_HEADROOM) -> tuple[KVScales, KVRotation]:
+        """A KV rotation of `mode` (hadamard, calibrated) and the per-layer scales of the K/V it rotates."""
+        rec = self._record(token_ids, keep=True)
+        if not bool(torch.isfinite(rec.k_amax).all() and torch.isfinite(rec.v_amax).all()):
+            raise RuntimeError("KV scale calibration saw non-finite K/V values; the model's weights are broken "
+                               "(or use --kv-cache-rotation none --kv-cache-scale-mode static)")
+        if mode == "calibrated":
+            rotation = KVRotation.calibrated(rec.num_heads, rec.q_moments, rec.k_moments, dtype, self.device)
+        else:
+            hkv, d = rec.k_moments[0].shape[:2]
+            rotation = KVRotation.hadamard(self.num_layers, rec.num_heads, hkv, d, dtype, self.device)
+        # Rotated as the pool will see them: in the model dtype, as Attention.forward_rotary does.
+        k_amax = [float(rotation.rotate_k(i, k.to(dtype)).abs().amax()) for i, k in enumerate(rec.k)]
+        v_amax = [float(rotation.rotate_v(v.to(dtype)).abs().amax()) for v in rec.v]
+        return KVScales.from_amax(k_amax, v_amax, headroom), rotation

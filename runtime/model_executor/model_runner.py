@@ -18,22 +18,19 @@ from kernels.future_tokens import resolve_future_ids
 from runtime.attention.registry import create_attention_backend, resolve_backend_name
 from runtime.attention.spec import AttentionSpec
 from runtime.config import ServerArgs
-from runtime.errors import WeightLoadError
 from runtime.host_to_device import to_device
 from runtime.layers.logits import LogitsOutput, LogitsProcessor
 from runtime.layers.sampler import SampleOutput, Sampler
 from runtime.mem_cache.kv_pool import TokenToKVPool
-from runtime.mem_cache.kv_quant import is_fp8, kv_storage_dtype
-from runtime.mem_cache.kv_scales import KVScales
+from runtime.mem_cache.kv_quant import kv_storage_dtype
 from runtime.mem_cache.req_to_token import ReqToTokenPool
 from runtime.messages import BatchResult, SamplingBatch, WorkerBatch
 from runtime.model_config import ModelConfig
 from runtime.model_executor import cpu_config
-from runtime.model_executor.checkpoint_kv_scales import CheckpointKVScales
 from runtime.model_executor.cpu_memory import CpuMemoryTrimmer
 from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.model_executor.fp8_weights import Fp8Weights
-from runtime.model_executor.kv_calibrator import KVCalibrator
+from runtime.model_executor.kv_cache_format import KVCacheFormat
 from runtime.model_executor.weight_loader import dummy_checkpoint, iterate_safetensors
 from runtime.models.parallel_context import ParallelContext
 from runtime.models.registry import get_model_class
@@ -89,7 +86,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             cpu_config.prepare_model(self.model)
         self.kv_dtype = kv_storage_dtype(args.kv_cache_dtype, self.model_config.dtype)
-        kv_scales = self._kv_scales(model_path)  # before the pool and graphs: kernels take them as floats
+        # Scales and rotation before the pool and graphs: kernels take the scales as floats.
+        kv_format = KVCacheFormat.resolve(args, self.model, self.model_config, self.kv_dtype, model_path,
+                                          self.context_len, self.ctx, self.device)
         self.max_total_tokens = kv_pool_size or self._kv_pool_size()
         self.max_running_requests = args.max_running_requests + 4  # + requests mid chunked prefill
         self.req_to_token_pool = req_to_token_pool or ReqToTokenPool(self.max_running_requests,
@@ -97,7 +96,7 @@ class ModelRunner:
         attn0 = self.model.model.layers[0].self_attn
         self.token_to_kv_pool = TokenToKVPool(self.max_total_tokens, self.model_config.num_hidden_layers,
                                               attn0.num_kv_heads, attn0.head_dim, self.kv_dtype,
-                                              self.device, kv_scales)
+                                              self.device, kv_format.scales, kv_format.rotation)
         self.attn_backend_name = resolve_backend_name(args.attention_backend, self.device, self.model_config.dtype,
                                                       self.model_config.has_sliding_window, attn0.head_dim)
         attn = self.model.model.layers[0].self_attn.attn
@@ -130,30 +129,6 @@ class ModelRunner:
         logger.info("loaded %s (%s, %s) in %.1f s", cfg.architecture, cfg.dtype, self.args.load_format,
                     time.perf_counter() - t0)
         return model
-
-    def _kv_scales(self, model_path: str) -> KVScales:
-        """Per-layer FP8 KV scales by --kv-cache-scale-mode (config.py); 1.0 when the pool is not FP8."""
-        args, layers = self.args, self.model_config.num_hidden_layers
-        mode = "static" if args.kv_cache_scale is not None else args.kv_cache_scale_mode
-        if not is_fp8(self.kv_dtype) or mode == "static":
-            return KVScales.uniform(layers, args.kv_cache_scale or 1.0)
-        scales = None
-        if mode != "calibrate" and args.load_format != "dummy":  # auto or checkpoint
-            scales = CheckpointKVScales.read(model_path, layers, self.model_config.num_key_value_heads)
-        if scales is None and mode == "checkpoint":
-            raise WeightLoadError(f"--kv-cache-scale-mode checkpoint: {model_path} has no k_scale/v_scale tensors "
-                                  "(use calibrate or static)")
-        if scales is None:
-            calibrator = KVCalibrator(self.model, layers, self.ctx, self.device)
-            ids = KVCalibrator.calibration_ids(args.tokenizer_path or model_path, self.model_config.vocab_size,
-                                               min(self.context_len, self.model_config.max_position_embeddings),
-                                               args.chat_template)
-            scales = calibrator.calibrate(ids)
-            if self.device.type == "cuda":  # its activations would otherwise count as used when sizing the pool
-                torch.cuda.empty_cache()
-        if self.ctx.attn.rank == 0 and self.ctx.mlp.rank == 0:
-            logger.info("FP8 KV cache scales (%s)", scales.summary())
-        return scales
 
     def _kv_pool_size(self) -> int:
         cfg, args = self.model_config, self.args
