@@ -1,7 +1,8 @@
 """Writes FP8 copies of a (tiny) HF checkpoint in the layouts published FP8 Llama checkpoints use:
 compressed-tensors (float-quantized; "channel" or "tensor" weight scales, with static input scales the
 loader must skip) and fbgemm_fp8 (per-channel weight_scale [out, 1]). Weights are quantized exactly as
-runtime/layers/fp8_linear.quantize_per_channel does, so a channel-scaled checkpoint loads to the very
+runtime/layers/fp8_weight_scales.quantize_weight does
+(SHOAL_FP8_WEIGHT_SCALES, mse by default), so a channel-scaled checkpoint loads to the very
 model that --quantization fp8 makes from the original."""
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ F8 = torch.float8_e4m3fn
 
 
 def _quantize(w: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
-    from runtime.layers.fp8_linear import quantize_per_channel
+    from runtime.layers.fp8_weight_scales import quantize_weight
 
     if strategy == "channel":
-        return quantize_per_channel(w)
+        return quantize_weight(w)
     scale = (w.float().abs().amax() / 448.0).reshape(1)
     return (w.float() / scale).clamp(-448, 448).to(F8), scale
 

@@ -3,7 +3,8 @@
 Three ways in, one result (every attention/MLP projection holds an fp8 `weight` and an fp32 per-output-
 channel `weight_scale`, and runs runtime/layers/fp8_linear's forward):
 - a bf16/fp16 checkpoint with --quantization fp8: loaded as usual, then each weight is quantized per
-  output channel (after TP sharding, so a row-parallel rank's scales come from its own columns);
+  output channel (after TP sharding, so a row-parallel rank's scales come from its own columns), with the
+  scale that minimizes the row's rounding error (runtime/layers/fp8_weight_scales.py);
 - compressed-tensors (config.json quantization_config.quant_method "compressed-tensors", format
   float-quantized/naive-quantized, 8-bit float weights with "channel" or "tensor" strategy): fp8 weights
   and their weight_scale load straight into fp8 parameters; a per-tensor scale is broadcast over its
@@ -25,7 +26,8 @@ import torch
 from torch import nn
 
 from runtime.errors import UnsupportedQuantizationError, WeightLoadError
-from runtime.layers.fp8_linear import FP8, fp8_linear_modules, quantize_per_channel, use_fp8_forward
+from runtime.layers.fp8_linear import FP8, fp8_linear_modules, use_fp8_forward
+from runtime.layers.fp8_weight_scales import quantize_weight, weight_scale_method
 from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 logger = logging.getLogger(__name__)
@@ -63,15 +65,17 @@ class Fp8Weights:
     def finish(self, model: nn.Module, act_dtype: torch.dtype) -> None:
         """After load_weights: quantize bf16 weights (quantize-at-load) and switch every forward."""
         modules = fp8_linear_modules(model)
+        method = weight_scale_method()
         for _, m in modules:
             if not self.checkpoint_fp8:
-                w8, scale = quantize_per_channel(m.weight.data)
+                w8, scale = quantize_weight(m.weight.data, method)
                 m.weight = nn.Parameter(w8, requires_grad=False)
                 m.weight_scale = nn.Parameter(scale, requires_grad=False)
             use_fp8_forward(m, act_dtype)
         if modules and modules[0][1].weight.device.type == "cuda":
             torch.cuda.empty_cache()  # the bf16 copies' memory goes back before the KV pool is sized
-        logger.info("FP8 weights (%s): %d linear layers", self.layout, len(modules))
+        logger.info("FP8 weights (%s%s): %d linear layers", self.layout,
+                    "" if self.checkpoint_fp8 else f", {method} scales", len(modules))
 
 
 def _read_quant_config(model_path: str | None) -> dict[str, Any] | None:
