@@ -25,18 +25,20 @@ import torch
 from benchmarks.bench_fp8_accuracy import build_prompts
 from benchmarks.common import print_table, write_result
 from benchmarks.fp8_quant_emulation import EmulatedLinear, block_hadamard
+from runtime.layers.fp8_weight_scales import SEARCH_RATIOS
 
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
           "down": ("down_proj",)}
 ALL = tuple(GROUPS)
-RATIOS = torch.linspace(0.5, 1.0, 51)
+RATIOS = torch.tensor(SEARCH_RATIOS)
 # calibration text for the Hessian-based variants: topics and templates the measured prompts never use
 CALIB_TOPICS = ["the Roman aqueducts", "quantum computing", "the Amazon rainforest", "origami", "tea ceremonies",
                 "electric cars", "the Silk Road", "penguins"]
 CALIB_TEMPLATES = ["Give me a recipe that uses {}.", "<|im_start|>user\nTell me a story about {}.<|im_end|>\n"
                    "<|im_start|>assistant\n", "Write Python code that simulates {}.", "Summarize {} in French."]
 
-# label -> {group: (activation scheme, weight scheme)} (+ "rot_down": True); groups left out stay bf16
+# label -> {group: (activation scheme, weight scheme)} (+ "rot_down": True, "bf16_layers": layers kept in
+# bf16); groups left out stay bf16
 VARIANTS: dict[str, dict[str, Any]] = {
     "w8a8_all (served above M 16, the CPU default)": {g: ("token", "amax") for g in ALL},
     "w8a16_all (the GEMV served at M <= 16)": {g: ("bf16", "amax") for g in ALL},
@@ -44,9 +46,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
     **{f"w8a8_{g}_only": {g: ("token", "amax")} for g in ALL},
     **{f"w8a16_{g}_only": {g: ("bf16", "amax")} for g in ALL},
     **{f"a8_{g}_only": {g: ("token", "bf16")} for g in ALL},
-    "w8a8_all_mse_scales": {g: ("token", "mse") for g in ALL},
-    "w8a16_all_mse_scales": {g: ("bf16", "mse") for g in ALL},
+    "w8a8_all_mse_scales (landed)": {g: ("token", "mse") for g in ALL},
+    "w8a16_all_mse_scales (landed)": {g: ("bf16", "mse") for g in ALL},
+    "w8a8_all_mse_clip_scales": {g: ("token", "mse_clip") for g in ALL},
+    "w8a8_mse_with_bf16_gate_up_acts (not landed: gate_up w8a16 at every M)": {
+        **{g: ("token", "mse") for g in ALL}, "gate_up": ("bf16", "mse")},
+    "w8a8_mse_layer0_bf16": {**{g: ("token", "mse") for g in ALL}, "bf16_layers": (0,)},
+    "w8a16_mse_layer0_bf16": {**{g: ("bf16", "mse") for g in ALL}, "bf16_layers": (0,)},
+    "w8a8_mse_last_layer_bf16": {**{g: ("token", "mse") for g in ALL}, "bf16_layers": (29,)},
     "w8a8_all_hmse_scales (activation-weighted MSE)": {g: ("token", "hmse") for g in ALL},
+    "w8a16_all_hmse_scales": {g: ("bf16", "hmse") for g in ALL},
     "w8a8_all_gptq": {g: ("token", "gptq") for g in ALL},
     "w8a16_all_gptq": {g: ("bf16", "gptq") for g in ALL},
     "w8a8_all_gptq_hmse_scales": {g: ("token", "gptq_mse") for g in ALL},
@@ -170,7 +179,7 @@ class Harness:
                         if not hasattr(parent, name):
                             continue
                         w = self.originals[f"{layer_idx}.{'self_attn' if parent is layer.self_attn else 'mlp'}.{name}"]
-                        if group in variant:
+                        if group in variant and layer_idx not in variant.get("bf16_layers", ()):
                             act, wmode = variant[group]
                             rot = block_hadamard(w.shape[1]) if (rot_down and name == "down_proj") else None
                             key = f"{layer_idx}.{name}"
@@ -187,6 +196,25 @@ class Harness:
         return {"top1_agreement": float(agree.mean()), "mean_abs_logprob_diff": float(d.mean()),
                 "max_abs_logprob_diff": float(d.max()), "disagreements": int((agree == 0).sum()),
                 "disagreements_at_near_ties": int(((agree == 0) & (self.ref_margin < 0.5)).sum())}
+
+
+def rotation_gains(hx: Harness) -> dict[str, list[float]]:
+    """Per group and layer, sum_i |W_i|^2 E[x_i^2] / (E|x|^2 mean_i |W_i|^2): the activation rounding error
+    energy (e4m3's error is relative, E[dx_i^2] ~ c x_i^2) without a rotation over what a random orthogonal
+    rotation of the input (QuaRot, Hadamard) would leave (c |x|^2 spread evenly over the columns). Above 1 a
+    rotation would help that input; below 1 it would hurt."""
+    first = {"qkv": "q_proj", "o": "o_proj", "gate_up": "gate_proj", "down": "down_proj"}
+    out: dict[str, list[float]] = {}
+    for group, names in GROUPS.items():
+        parent = "mlp" if group in ("gate_up", "down") else "self_attn"
+        gains = []
+        for i in range(len(hx.model.model.layers)):
+            h = torch.diag(hx.hessians[f"{i}.{first[group]}"])
+            w = torch.cat([hx.originals[f"{i}.{parent}.{n}"].float() for n in names])
+            col = w.square().sum(0)
+            gains.append(round(float((col * h).sum() / (h.sum() * col.mean())), 3))
+        out[group] = gains
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -218,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         texts = [t.format(c) for t in CALIB_TEMPLATES for c in CALIB_TOPICS]
         hx.calibrate([tok(t)["input_ids"] for t in texts])
         results["calibration"] = {"texts": len(texts), "tokens": hx.calib_tokens}
+        results["rotation_gain_per_layer"] = rotation_gains(hx)
         print(f"calibrated on {hx.calib_tokens} tokens", flush=True)
     for label, variant in VARIANTS.items():
         if wanted and not any(w in label for w in wanted):

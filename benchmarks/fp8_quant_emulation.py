@@ -7,15 +7,21 @@ kernels/fp8_gemv.py: x stays in bf16, fp32 accumulate) or "token" (torch._scaled
 e4m3 with one scale per token), "groupG" (a scale per G columns of a token; no kernel serves it, it
 bounds what finer activation scales could buy). The product is (x_hat @ w_hat^T) in fp32, rounded to bf16
 once, as both kernels store it. A down-projection rotation multiplies the SiLU*up activations by an
-orthogonal block-Hadamard H and the weight by H^T (W x = (W H^T)(H x)) before either is rounded."""
+orthogonal block-Hadamard H and the weight by H^T (W x = (W H^T)(H x)) before either is rounded.
+Weight schemes: amax (amax / 448), mse (the landed search), mse_clip (that search plus clipping scales),
+hmse (the search weighted by the input's mean square per column, from calibration text), gptq / gptq_mse
+(GPTQ's error feedback through the calibration Hessian, on amax or hmse scales)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from runtime.layers.fp8_weight_scales import mse_scales
+
 F8 = torch.float8_e4m3fn
 F8_MAX = 448.0
+CLIP_RATIOS = torch.linspace(1.02, 1.3, 15)  # amax / (448 r) with r > 1: the row's largest values saturate
 
 
 def round_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -92,8 +98,12 @@ class EmulatedLinear(nn.Module):
             w_hat = weight.float() if rot is None else w
         elif weight_mode == "amax":
             w_hat = round_e4m3(w, weight_scale_amax(w))
-        elif weight_mode in ("mse", "hmse"):
-            w_hat = round_e4m3(w, weight_scale_search(w, h if weight_mode == "hmse" else None, ratios))
+        elif weight_mode == "mse":  # exactly what --quantization fp8 loads (runtime/layers/fp8_weight_scales.py)
+            w_hat = round_e4m3(w, mse_scales(w))
+        elif weight_mode == "mse_clip":  # the same search, also over scales that clip the largest values
+            w_hat = round_e4m3(w, weight_scale_search(w, None, torch.cat([ratios, CLIP_RATIOS])))
+        elif weight_mode == "hmse":
+            w_hat = round_e4m3(w, weight_scale_search(w, h, ratios))
         elif weight_mode in ("gptq", "gptq_mse"):
             scale = weight_scale_amax(w) if weight_mode == "gptq" else weight_scale_search(w, h, ratios)
             w_hat = gptq_e4m3(w, hessian, scale)
