@@ -24,14 +24,15 @@ import torch
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 _MIN_AMAX = 1e-12  # an all-zero row keeps a finite scale
-METHODS = ("mse", "amax")
+METHODS = ("mse", "amax", "act_weighted")
 # r = 1 first (amax / 448), then 31 finer alignments down to r = 0.5 + 1/64 (r = 0.5 repeats r = 1).
 SEARCH_RATIOS = tuple(1.0 - i / 64 for i in range(32))
 _CHUNK_ELEMS = 1 << 24  # values per search step: each fp32 temporary stays <= 64 MiB on the widest layers
 
 
 def weight_scale_method() -> str:
-    """SHOAL_FP8_WEIGHT_SCALES: mse (default) or amax."""
+    """SHOAL_FP8_WEIGHT_SCALES: mse (default), amax or act_weighted (mse with each column's error weighed by
+    its input's mean square over a calibration prefill: runtime/model_executor/fp8_calibrator.py)."""
     method = os.environ.get("SHOAL_FP8_WEIGHT_SCALES", "mse").strip().lower()
     if method not in METHODS:
         raise ValueError(f"SHOAL_FP8_WEIGHT_SCALES={method!r}: expected one of {', '.join(METHODS)}")
@@ -43,9 +44,11 @@ def amax_scales(w: torch.Tensor) -> torch.Tensor:
     return w.float().abs().amax(dim=1, keepdim=True).clamp_(min=_MIN_AMAX) / FP8_MAX
 
 
-def mse_scales(w: torch.Tensor, ratios: tuple[float, ...] = SEARCH_RATIOS) -> torch.Tensor:
+def mse_scales(w: torch.Tensor, ratios: tuple[float, ...] = SEARCH_RATIOS,
+               col_weight: torch.Tensor | None = None) -> torch.Tensor:
     """w [N, K] → fp32 [N, 1]: per row, the scale amax / (448 r), r in ratios, with the least squared e4m3
-    rounding error (the first ratio wins ties)."""
+    rounding error (the first ratio wins ties); col_weight [K] weighs each column's squared error."""
+    cw = None if col_weight is None else col_weight.to(device=w.device, dtype=torch.float32).reshape(1, -1)
     out = torch.empty(w.shape[0], 1, dtype=torch.float32, device=w.device)
     rows = max(1, _CHUNK_ELEMS // max(1, w.shape[1]))
     for lo in range(0, w.shape[0], rows):
@@ -54,7 +57,8 @@ def mse_scales(w: torch.Tensor, ratios: tuple[float, ...] = SEARCH_RATIOS) -> to
         best, best_err = base, None
         for r in ratios:
             s = base / r
-            err = (wf - (wf / s).clamp_(-FP8_MAX, FP8_MAX).to(FP8).float() * s).square_().sum(1, keepdim=True)
+            err = (wf - (wf / s).clamp_(-FP8_MAX, FP8_MAX).to(FP8).float() * s).square_()
+            err = (err if cw is None else err.mul_(cw)).sum(1, keepdim=True)
             if best_err is None:
                 best, best_err = s, err
             else:
@@ -69,10 +73,17 @@ def quantize_with_scales(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (w.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def quantize_weight(w: torch.Tensor, method: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] → (fp8 [N, K], fp32 scale [N, 1]) by `method` (None: SHOAL_FP8_WEIGHT_SCALES)."""
+def quantize_weight(w: torch.Tensor, method: str | None = None, col_weight: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] → (fp8 [N, K], fp32 scale [N, 1]) by `method` (None: SHOAL_FP8_WEIGHT_SCALES);
+    act_weighted needs col_weight [K] (the input's mean square per column)."""
     method = weight_scale_method() if method is None else method
     if method not in METHODS:
         raise ValueError(f"quantize_weight: method {method!r} is not one of {', '.join(METHODS)}")
-    scale = mse_scales(w) if method == "mse" else amax_scales(w)
+    if method == "act_weighted" and col_weight is None:
+        raise ValueError("quantize_weight: act_weighted scales need the input's per-column mean square")
+    if method == "amax":
+        scale = amax_scales(w)
+    else:
+        scale = mse_scales(w, col_weight=col_weight if method == "act_weighted" else None)
     return quantize_with_scales(w, scale), scale

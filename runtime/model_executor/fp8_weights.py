@@ -29,6 +29,7 @@ from runtime.errors import UnsupportedQuantizationError, WeightLoadError
 from runtime.layers.fp8_linear import FP8, fp8_linear_modules, use_fp8_forward
 from runtime.layers.fp8_weight_scales import quantize_weight, weight_scale_method
 from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from runtime.model_executor.fp8_calibrator import Fp8Calibrator
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +63,20 @@ class Fp8Weights:
                                           requires_grad=False)
             m.weight_scale.weight_loader = _scale_loader(m)
 
-    def finish(self, model: nn.Module, act_dtype: torch.dtype) -> None:
-        """After load_weights: quantize bf16 weights (quantize-at-load) and switch every forward."""
+    def finish(self, model: nn.Module, act_dtype: torch.dtype,
+               calibration_prefill: Callable[[], object] | None = None) -> None:
+        """After load_weights: quantize bf16 weights (quantize-at-load) and switch every forward.
+        calibration_prefill runs the unquantized model once (act_weighted scales read its activations)."""
         modules = fp8_linear_modules(model)
         method = weight_scale_method()
+        col_ms: dict[int, torch.Tensor] = {}
+        if method == "act_weighted" and not self.checkpoint_fp8:
+            if calibration_prefill is None:
+                raise ValueError("SHOAL_FP8_WEIGHT_SCALES=act_weighted needs a calibration prefill")
+            col_ms = Fp8Calibrator([m for _, m in modules], calibration_prefill).column_mean_squares()
         for _, m in modules:
             if not self.checkpoint_fp8:
-                w8, scale = quantize_weight(m.weight.data, method)
+                w8, scale = quantize_weight(m.weight.data, method, col_ms.get(id(m)))
                 m.weight = nn.Parameter(w8, requires_grad=False)
                 m.weight_scale = nn.Parameter(scale, requires_grad=False)
             use_fp8_forward(m, act_dtype)

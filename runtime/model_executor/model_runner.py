@@ -125,11 +125,18 @@ class ModelRunner:
             show = self.ctx.attn.rank == 0 and self.ctx.mlp.rank == 0
             model.load_weights(iterate_safetensors(model_path, show_progress=show))
         if fp8 is not None:
-            fp8.finish(model, cfg.dtype)
+            fp8.finish(model, cfg.dtype, lambda: self._calibration_prefill(model, model_path))
         model.eval()
         logger.info("loaded %s (%s, %s) in %.1f s", cfg.architecture, cfg.dtype, self.args.load_format,
                     time.perf_counter() - t0)
         return model
+
+    def _calibration_prefill(self, model: torch.nn.Module, model_path: str) -> None:
+        """One prefill of the KV calibration text through `model` (FP8 act_weighted weight scales read it)."""
+        ids = KVCalibrator.calibration_ids(self.args.tokenizer_path or model_path, self.model_config.vocab_size,
+                                           min(self.context_len, self.model_config.max_position_embeddings),
+                                           self.args.chat_template)
+        KVCalibrator(model, self.model_config.num_hidden_layers, self.ctx, self.device).amax(ids)
 
     def _kv_scales(self, model_path: str) -> KVScales:
         """Per-layer FP8 KV scales by --kv-cache-scale-mode (config.py); 1.0 when the pool is not FP8."""
