@@ -41,20 +41,20 @@ TEMPLATES = ["Explain {} to a ten-year-old.", "Write a short essay about {}.",
 # A mode's "env" entries are set while its runner loads (they are read at load): SHOAL_FP8_WEIGHT_ONLY=1 is
 # the w8a16 arithmetic the GPU's GEMV serves at M <= 16 (activations in bf16); without it, the w8a8 arithmetic
 # of torch._scaled_mm served above M 16 (per-token e4m3 activations): the accuracy a user sees depends on the
-# batch size. SHOAL_FP8_WEIGHT_SCALES=amax is the old per-channel amax / 448 weight scale (mse: the default;
-# act_weighted: the search weighed by a calibration prefill's activations).
+# batch size. SHOAL_FP8_WEIGHT_SCALES picks the per-channel weight scales: act_weighted (the default: the
+# least rounding error weighed by a calibration prefill's activations), mse (unweighted), amax (the old
+# amax / 448).
 MODES = {
     "fp8_kv": {"kv_cache_dtype": "fp8_e4m3"},  # per-layer scales: the checkpoint's, else calibrated
     "fp8_kv_static_scale_1": {"kv_cache_dtype": "fp8_e4m3", "kv_cache_scale_mode": "static"},  # the old default
     "fp8_weights": {"quantization": "fp8"},  # = fp8_weights_w8a8: what CPU (and a GPU above M 16) runs
     "fp8_weights_w8a16": {"quantization": "fp8", "env": {"SHOAL_FP8_WEIGHT_ONLY": "1"}},
+    "fp8_weights_w8a8_mse_scales": {"quantization": "fp8", "env": {"SHOAL_FP8_WEIGHT_SCALES": "mse"}},
+    "fp8_weights_w8a16_mse_scales": {"quantization": "fp8",
+                                     "env": {"SHOAL_FP8_WEIGHT_ONLY": "1", "SHOAL_FP8_WEIGHT_SCALES": "mse"}},
     "fp8_weights_w8a8_amax_scales": {"quantization": "fp8", "env": {"SHOAL_FP8_WEIGHT_SCALES": "amax"}},
     "fp8_weights_w8a16_amax_scales": {"quantization": "fp8",
                                       "env": {"SHOAL_FP8_WEIGHT_ONLY": "1", "SHOAL_FP8_WEIGHT_SCALES": "amax"}},
-    "fp8_weights_w8a8_act_weighted_scales": {"quantization": "fp8",
-                                             "env": {"SHOAL_FP8_WEIGHT_SCALES": "act_weighted"}},
-    "fp8_weights_w8a16_act_weighted_scales": {"quantization": "fp8", "env": {
-        "SHOAL_FP8_WEIGHT_ONLY": "1", "SHOAL_FP8_WEIGHT_SCALES": "act_weighted"}},
     "fp8_kv_and_weights": {"kv_cache_dtype": "fp8_e4m3", "quantization": "fp8"},
 }
 TARGETS = {"fp8_kv": 0.97, "fp8_weights": 0.95}

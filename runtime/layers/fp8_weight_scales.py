@@ -24,16 +24,16 @@ import torch
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 _MIN_AMAX = 1e-12  # an all-zero row keeps a finite scale
-METHODS = ("mse", "amax", "act_weighted")
+METHODS = ("act_weighted", "mse", "amax")
 # r = 1 first (amax / 448), then 31 finer alignments down to r = 0.5 + 1/64 (r = 0.5 repeats r = 1).
 SEARCH_RATIOS = tuple(1.0 - i / 64 for i in range(32))
 _CHUNK_ELEMS = 1 << 24  # values per search step: each fp32 temporary stays <= 64 MiB on the widest layers
 
 
 def weight_scale_method() -> str:
-    """SHOAL_FP8_WEIGHT_SCALES: mse (default), amax or act_weighted (mse with each column's error weighed by
-    its input's mean square over a calibration prefill: runtime/model_executor/fp8_calibrator.py)."""
-    method = os.environ.get("SHOAL_FP8_WEIGHT_SCALES", "mse").strip().lower()
+    """SHOAL_FP8_WEIGHT_SCALES: act_weighted (default: mse with each column's error weighed by its input's
+    mean square over a calibration prefill, runtime/model_executor/fp8_calibrator.py), mse or amax."""
+    method = os.environ.get("SHOAL_FP8_WEIGHT_SCALES", "act_weighted").strip().lower()
     if method not in METHODS:
         raise ValueError(f"SHOAL_FP8_WEIGHT_SCALES={method!r}: expected one of {', '.join(METHODS)}")
     return method

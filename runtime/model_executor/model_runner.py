@@ -125,7 +125,8 @@ class ModelRunner:
             show = self.ctx.attn.rank == 0 and self.ctx.mlp.rank == 0
             model.load_weights(iterate_safetensors(model_path, show_progress=show))
         if fp8 is not None:
-            fp8.finish(model, cfg.dtype, lambda: self._calibration_prefill(model, model_path))
+            fp8.finish(model, cfg.dtype, None if self.args.load_format == "dummy"
+                       else lambda: self._calibration_prefill(model, model_path))
         model.eval()
         logger.info("loaded %s (%s, %s) in %.1f s", cfg.architecture, cfg.dtype, self.args.load_format,
                     time.perf_counter() - t0)

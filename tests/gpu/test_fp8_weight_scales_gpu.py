@@ -84,7 +84,8 @@ def test_engine_fp8_weight_scales_and_weight_only(gpu_llama: Path, monkeypatch: 
     prompts = [[rng.randrange(3, 32000) for _ in range(rng.randrange(16, 300))] for _ in range(24)]
     params = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
     runs = {}
-    for mode, env in {"bf16": None, "fp8_mse": {}, "fp8_amax": {"SHOAL_FP8_WEIGHT_SCALES": "amax"},
+    for mode, env in {"bf16": None, "fp8_act_weighted": {}, "fp8_mse": {"SHOAL_FP8_WEIGHT_SCALES": "mse"},
+                      "fp8_amax": {"SHOAL_FP8_WEIGHT_SCALES": "amax"},
                       "fp8_weight_only": {"SHOAL_FP8_WEIGHT_ONLY": "1"}}.items():
         monkeypatch.delenv("SHOAL_FP8_WEIGHT_SCALES", raising=False)
         monkeypatch.delenv("SHOAL_FP8_WEIGHT_ONLY", raising=False)
@@ -97,7 +98,7 @@ def test_engine_fp8_weight_scales_and_weight_only(gpu_llama: Path, monkeypatch: 
             assert engine.get_stats().num_used_tokens == 0
         assert all(len(o["output_ids"]) == 16 for o in outs)
         runs[mode] = [o["output_ids"] for o in outs]
-    for mode in ("fp8_mse", "fp8_amax", "fp8_weight_only"):
+    for mode in ("fp8_act_weighted", "fp8_mse", "fp8_amax", "fp8_weight_only"):
         agree = sum(a[0] == b[0] for a, b in zip(runs["bf16"], runs[mode], strict=True))
         print(f"{mode}: first tokens equal to bf16 in {agree}/24")
         assert agree >= 16, (mode, agree)

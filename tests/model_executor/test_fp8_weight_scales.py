@@ -81,7 +81,7 @@ def test_bad_method_names_are_clear_errors(monkeypatch: pytest.MonkeyPatch, tiny
 def test_weight_only_linear_is_the_gemv_reference() -> None:
     gen = torch.Generator().manual_seed(3)
     x, w, b = torch.randn(21, 64, generator=gen), torch.randn(40, 64, generator=gen) * 0.05, torch.randn(40)
-    w8, ws = quantize_weight(w)
+    w8, ws = quantize_weight(w, "mse")
     got = fp8_linear(x, w8, ws, b, weight_only=True)
     assert torch.equal(got, fp8_linear_small_m_ref(x, w8, ws, b))
     w8a8 = fp8_linear(x, w8, ws, b)
@@ -98,7 +98,8 @@ def _logits(path, **kw) -> tuple[torch.Tensor, RunnerDriver]:
     return torch.cat([a.next_token_logits, b.next_token_logits]).float(), d
 
 
-@pytest.mark.parametrize("env", [{}, {"SHOAL_FP8_WEIGHT_SCALES": "amax"}, {"SHOAL_FP8_WEIGHT_ONLY": "1"}])
+@pytest.mark.parametrize("env", [{"SHOAL_FP8_WEIGHT_SCALES": "mse"}, {"SHOAL_FP8_WEIGHT_SCALES": "amax"},
+                                 {"SHOAL_FP8_WEIGHT_SCALES": "mse", "SHOAL_FP8_WEIGHT_ONLY": "1"}])
 def test_quantize_at_load_methods_close_to_full_precision(tiny_llama, monkeypatch: pytest.MonkeyPatch,
                                                           env: dict[str, str]) -> None:
     for k, v in env.items():
@@ -107,7 +108,7 @@ def test_quantize_at_load_methods_close_to_full_precision(tiny_llama, monkeypatc
     got, d = _logits(tiny_llama, quantization="fp8")
     down = d.runner.model.model.layers[0].mlp.down_proj
     assert down.weight.dtype == FP8 and down.weight_only == ("SHOAL_FP8_WEIGHT_ONLY" in env)
-    method = env.get("SHOAL_FP8_WEIGHT_SCALES", "mse")
+    method = env["SHOAL_FP8_WEIGHT_SCALES"]
     # the loaded layer holds exactly what quantize_weight makes of the checkpoint's weight
     monkeypatch.delenv("SHOAL_FP8_WEIGHT_ONLY", raising=False)
     plain = RunnerDriver(tiny_llama).runner.model.model.layers[0].mlp.down_proj.weight.data
@@ -129,7 +130,10 @@ def test_act_weighted_scales_read_a_calibration_prefill(tiny_llama, monkeypatch:
     assert len(stats) == len(modules)
     assert all(s.shape == (m.weight.shape[1],) and bool((s >= 0).all()) and float(s.sum()) > 0
                for m, s in zip(modules, (stats[id(m)] for m in modules), strict=True))
-    monkeypatch.setenv("SHOAL_FP8_WEIGHT_SCALES", "act_weighted")
+    monkeypatch.delenv("SHOAL_FP8_WEIGHT_SCALES", raising=False)
+    from runtime.layers.fp8_weight_scales import weight_scale_method
+
+    assert weight_scale_method() == "act_weighted"  # the default
     ref, _ = _logits(tiny_llama)
     got, d = _logits(tiny_llama, quantization="fp8")
     loaded = [m for _, m in fp8_linear_modules(d.runner.model)]
