@@ -4,7 +4,8 @@ Three ways in, one result (every attention/MLP projection holds an fp8 `weight` 
 channel `weight_scale`, and runs runtime/layers/fp8_linear's forward):
 - a bf16/fp16 checkpoint with --quantization fp8: loaded as usual, then each weight is quantized per
   output channel (after TP sharding, so a row-parallel rank's scales come from its own columns), with the
-  scale that minimizes the row's rounding error (runtime/layers/fp8_weight_scales.py);
+  scale that minimizes the row's rounding error weighed by a calibration prefill's activations
+  (runtime/layers/fp8_weight_scales.py, SHOAL_FP8_WEIGHT_SCALES; the prefill is the KV calibrator's text);
 - compressed-tensors (config.json quantization_config.quant_method "compressed-tensors", format
   float-quantized/naive-quantized, 8-bit float weights with "channel" or "tensor" strategy): fp8 weights
   and their weight_scale load straight into fp8 parameters; a per-tensor scale is broadcast over its
