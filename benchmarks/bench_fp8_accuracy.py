@@ -20,12 +20,10 @@ FP8 KV, >= 95% for FP8 weights."""
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,23 +36,20 @@ TOPICS = ["the history of Rome", "how vaccines work", "photosynthesis", "the Fre
           "the printing press", "volcanoes", "the stock market", "honeybees", "the Moon landing", "chess openings"]
 TEMPLATES = ["Explain {} to a ten-year-old.", "Write a short essay about {}.",
              "What are three surprising facts about {}?", "The most important thing to know about {} is"]
-# A mode's "env" entries are set while its runner loads (they are read at load): SHOAL_FP8_WEIGHT_ONLY=1 is
-# the w8a16 arithmetic the GPU's GEMV serves at M <= 16 (activations in bf16); without it, the w8a8 arithmetic
-# of torch._scaled_mm served above M 16 (per-token e4m3 activations): the accuracy a user sees depends on the
-# batch size. SHOAL_FP8_WEIGHT_SCALES picks the per-channel weight scales: act_weighted (the default: the
-# least rounding error weighed by a calibration prefill's activations), mse (unweighted), amax (the old
-# amax / 448).
+# --fp8-weight-only is the w8a16 arithmetic the GPU's GEMV serves at M <= 16 (activations in bf16); without
+# it, the w8a8 arithmetic of torch._scaled_mm served above M 16 (per-token e4m3 activations): the accuracy a
+# user sees depends on the batch size. --fp8-weight-scales picks the per-channel weight scales: act_weighted
+# (the default: least rounding error weighed by a calibration prefill's activations), mse (unweighted),
+# amax (the old amax / 448).
 MODES = {
     "fp8_kv": {"kv_cache_dtype": "fp8_e4m3"},  # per-layer scales: the checkpoint's, else calibrated
     "fp8_kv_static_scale_1": {"kv_cache_dtype": "fp8_e4m3", "kv_cache_scale_mode": "static"},  # the old default
-    "fp8_weights": {"quantization": "fp8"},  # = fp8_weights_w8a8: what CPU (and a GPU above M 16) runs
-    "fp8_weights_w8a16": {"quantization": "fp8", "env": {"SHOAL_FP8_WEIGHT_ONLY": "1"}},
-    "fp8_weights_w8a8_mse_scales": {"quantization": "fp8", "env": {"SHOAL_FP8_WEIGHT_SCALES": "mse"}},
-    "fp8_weights_w8a16_mse_scales": {"quantization": "fp8",
-                                     "env": {"SHOAL_FP8_WEIGHT_ONLY": "1", "SHOAL_FP8_WEIGHT_SCALES": "mse"}},
-    "fp8_weights_w8a8_amax_scales": {"quantization": "fp8", "env": {"SHOAL_FP8_WEIGHT_SCALES": "amax"}},
-    "fp8_weights_w8a16_amax_scales": {"quantization": "fp8",
-                                      "env": {"SHOAL_FP8_WEIGHT_ONLY": "1", "SHOAL_FP8_WEIGHT_SCALES": "amax"}},
+    "fp8_weights": {"quantization": "fp8"},  # = w8a8 with the default scales: what CPU (and a GPU above M 16) runs
+    "fp8_weights_w8a16": {"quantization": "fp8", "fp8_weight_only": True},
+    "fp8_weights_w8a8_mse_scales": {"quantization": "fp8", "fp8_weight_scales": "mse"},
+    "fp8_weights_w8a16_mse_scales": {"quantization": "fp8", "fp8_weight_scales": "mse", "fp8_weight_only": True},
+    "fp8_weights_w8a8_amax_scales": {"quantization": "fp8", "fp8_weight_scales": "amax"},
+    "fp8_weights_w8a16_amax_scales": {"quantization": "fp8", "fp8_weight_scales": "amax", "fp8_weight_only": True},
     "fp8_kv_and_weights": {"kv_cache_dtype": "fp8_e4m3", "quantization": "fp8"},
 }
 TARGETS = {"fp8_kv": 0.97, "fp8_weights": 0.95}
@@ -169,10 +164,8 @@ def evaluate(name: str, model_path: str, args: argparse.Namespace, modes: dict[s
             continue
         t0 = time.perf_counter()
         extra = dict(extra)
-        env = extra.pop("env", {})
-        with _env(env):
-            dec = ForcedDecoder(path, args.device, extra.pop("dtype", ref_dtype), kv_tokens,
-                                attention_backend=args.attention_backend, **extra)
+        dec = ForcedDecoder(path, args.device, extra.pop("dtype", ref_dtype), kv_tokens,
+                            attention_backend=args.attention_backend, **extra)
         top, lp = dec.run(prompts, args.gen_len, ref_tokens)
         pool = dec.runner.token_to_kv_pool
         kv_scales = {"source": pool.scales.source, "k": list(pool.k_scales), "v": list(pool.v_scales)}
@@ -187,7 +180,7 @@ def evaluate(name: str, model_path: str, args: argparse.Namespace, modes: dict[s
                "disagreements": int((agree == 0).sum()),
                "disagreements_at_near_ties": int(((agree == 0) & (ref_margin < 0.5)).sum()),
                "top1_agreement_margin_ge_0.5": float(agree[ref_margin >= 0.5].mean()),
-               "server_args": {**extra, "dtype": extra.get("dtype", ref_dtype)}, "env": env}
+               "server_args": {**extra, "dtype": extra.get("dtype", ref_dtype)}}
         if pool.is_fp8:
             res["kv_scales"] = kv_scales
         base = label.split("@")[0]
@@ -198,20 +191,6 @@ def evaluate(name: str, model_path: str, args: argparse.Namespace, modes: dict[s
         print(f"[{name}] {label}: top-1 {res['top1_agreement']:.4f}, mean |dlogp| "
               f"{res['mean_abs_logprob_diff']:.4f} ({res['seconds']:.0f} s)", flush=True)
     return out
-
-
-@contextlib.contextmanager
-def _env(values: dict[str, str]) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _selected(args: argparse.Namespace, label: str) -> bool:

@@ -3,8 +3,8 @@ compressed-tensors (float-quantized; "channel" or "tensor" weight scales, with s
 loader must skip) and fbgemm_fp8 (per-channel weight_scale [out, 1]). Weights are quantized exactly as
 runtime/layers/fp8_weight_scales.quantize_weight does with
 its data-free mse scales, so a channel-scaled checkpoint loads to the very model that --quantization fp8
-makes from the original with SHOAL_FP8_WEIGHT_SCALES=mse (the default, act_weighted, also reads a
-calibration prefill's activations, which a checkpoint writer here does not run)."""
+makes from the original with --fp8-weight-scales mse (the default, act_weighted, also reads a calibration
+prefill's activations, which a checkpoint writer here does not run)."""
 
 from __future__ import annotations
 

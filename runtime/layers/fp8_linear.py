@@ -9,7 +9,7 @@ one Triton launch (kernels/fp8_act_quant.py, the same bits as quantize_per_token
 down projection's also applies SiLU-and-mul), opt-in with SHOAL_FP8_ACT_QUANT=1 until a GPU run confirms
 those bits on the device; SHOAL_DECODE_FUSION=0 restores the torch ops either way.
 
-SHOAL_FP8_WEIGHT_ONLY=1 (read at load) keeps activations unquantized at every M: the GEMV where it
+--fp8-weight-only (use_fp8_forward's weight_only) keeps activations unquantized at every M: the GEMV where it
 serves, and above it (and on CPU) its torch reference (weight dequantized to fp32, x in its own dtype, fp32
 accumulate, one rounding): the w8a16 arithmetic, more accurate (benchmarks/README.md, FP8) and, without a
 w8a16 GEMM kernel for large M, slower there. On CPU it is how bench_fp8_accuracy measures what the GEMV
@@ -73,11 +73,6 @@ def act_quant_kernel_enabled() -> bool:
 def triton_act_quant_supported(device: torch.device) -> bool:
     """Whether the one-launch activation quantize can run here: CUDA sm89+ (Triton's e4m3 cast)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def weight_only_enabled() -> bool:
-    """SHOAL_FP8_WEIGHT_ONLY=1: w8a16 at every M (activations never quantized)."""
-    return os.environ.get("SHOAL_FP8_WEIGHT_ONLY", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -164,10 +159,11 @@ def fp8_linear_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
 
 
-def use_fp8_forward(module: nn.Module, act_dtype: torch.dtype) -> None:
-    """Swaps in the FP8 forward once the module holds an fp8 `weight` and its `weight_scale`."""
+def use_fp8_forward(module: nn.Module, act_dtype: torch.dtype, weight_only: bool = False) -> None:
+    """Swaps in the FP8 forward once the module holds an fp8 `weight` and its `weight_scale`; weight_only:
+    activations are never quantized (w8a16 at every M)."""
     module.use_scaled_mm = scaled_mm_supported(module.weight.device, act_dtype)
-    module.weight_only = weight_only_enabled()
+    module.weight_only = weight_only
     # read once at load, like every decode-path fusion: a captured CUDA graph never mixes the two paths
     module.fused_act_quant = (decode_fusion_enabled() and act_quant_kernel_enabled()
                               and triton_act_quant_supported(module.weight.device))

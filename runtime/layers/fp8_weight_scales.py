@@ -1,4 +1,4 @@
-"""FP8 weight scales for quantize-at-load, per output channel (SHOAL_FP8_WEIGHT_SCALES):
+"""FP8 weight scales for quantize-at-load, per output channel (--fp8-weight-scales):
 - act_weighted (default): the scale whose e4m3 rounding of the row has the least error weighed per column
   by the input's mean square over a calibration prefill (runtime/model_executor/fp8_calibrator.py), i.e.
   the layer's output error to a diagonal approximation;
@@ -22,8 +22,6 @@ were rounded with those scales, so re-scaling them could only add a second round
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 FP8 = torch.float8_e4m3fn
@@ -33,15 +31,6 @@ METHODS = ("act_weighted", "mse", "amax")
 # r = 1 first (amax / 448), then 31 finer alignments down to r = 0.5 + 1/64 (r = 0.5 repeats r = 1).
 SEARCH_RATIOS = tuple(1.0 - i / 64 for i in range(32))
 _CHUNK_ELEMS = 1 << 24  # values per search step: each fp32 temporary stays <= 64 MiB on the widest layers
-
-
-def weight_scale_method() -> str:
-    """SHOAL_FP8_WEIGHT_SCALES: act_weighted (default: mse with each column's error weighed by its input's
-    mean square over a calibration prefill, runtime/model_executor/fp8_calibrator.py), mse or amax."""
-    method = os.environ.get("SHOAL_FP8_WEIGHT_SCALES", "act_weighted").strip().lower()
-    if method not in METHODS:
-        raise ValueError(f"SHOAL_FP8_WEIGHT_SCALES={method!r}: expected one of {', '.join(METHODS)}")
-    return method
 
 
 def amax_scales(w: torch.Tensor) -> torch.Tensor:
@@ -78,11 +67,10 @@ def quantize_with_scales(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (w.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def quantize_weight(w: torch.Tensor, method: str | None = None, col_weight: torch.Tensor | None = None
+def quantize_weight(w: torch.Tensor, method: str, col_weight: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] → (fp8 [N, K], fp32 scale [N, 1]) by `method` (None: SHOAL_FP8_WEIGHT_SCALES);
-    act_weighted needs col_weight [K] (the input's mean square per column)."""
-    method = weight_scale_method() if method is None else method
+    """w [N, K] → (fp8 [N, K], fp32 scale [N, 1]) by `method` (one of METHODS); act_weighted needs
+    col_weight [K] (the input's mean square per column)."""
     if method not in METHODS:
         raise ValueError(f"quantize_weight: method {method!r} is not one of {', '.join(METHODS)}")
     if method == "act_weighted" and col_weight is None:

@@ -1,5 +1,5 @@
 """Fp8Calibrator: each FP8-bound projection's input mean square per column over one calibration prefill
-through the still-unquantized model, for SHOAL_FP8_WEIGHT_SCALES=act_weighted.
+through the still-unquantized model, for --fp8-weight-scales act_weighted.
 
 Why: a weight column's rounding error reaches the output scaled by that column's input, so the output
 error E|(W - Q(W)) x|^2 is, to a diagonal approximation, sum_k E[x_k^2] (w_k - q(w_k))^2; the scale search
@@ -44,5 +44,5 @@ class Fp8Calibrator:
         out = {k: v / max(1, counts[k]) for k, v in sums.items()}
         if not all(bool(torch.isfinite(v).all()) for v in out.values()):
             raise RuntimeError("FP8 weight calibration saw non-finite activations; the model's weights are broken "
-                               "(or use SHOAL_FP8_WEIGHT_SCALES=mse)")
+                               "(or use --fp8-weight-scales mse)")
         return out

@@ -5,7 +5,7 @@ channel `weight_scale`, and runs runtime/layers/fp8_linear's forward):
 - a bf16/fp16 checkpoint with --quantization fp8: loaded as usual, then each weight is quantized per
   output channel (after TP sharding, so a row-parallel rank's scales come from its own columns), with the
   scale that minimizes the row's rounding error weighed by a calibration prefill's activations
-  (runtime/layers/fp8_weight_scales.py, SHOAL_FP8_WEIGHT_SCALES; the prefill is the KV calibrator's text);
+  (runtime/layers/fp8_weight_scales.py, --fp8-weight-scales; the prefill is the KV calibrator's text);
 - compressed-tensors (config.json quantization_config.quant_method "compressed-tensors", format
   float-quantized/naive-quantized, 8-bit float weights with "channel" or "tensor" strategy): fp8 weights
   and their weight_scale load straight into fp8 parameters; a per-tensor scale is broadcast over its
@@ -28,7 +28,7 @@ from torch import nn
 
 from runtime.errors import UnsupportedQuantizationError, WeightLoadError
 from runtime.layers.fp8_linear import FP8, fp8_linear_modules, use_fp8_forward
-from runtime.layers.fp8_weight_scales import quantize_weight, weight_scale_method
+from runtime.layers.fp8_weight_scales import quantize_weight
 from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from runtime.model_executor.fp8_calibrator import Fp8Calibrator
 
@@ -41,15 +41,18 @@ _IGNORABLE = ("lm_head",)  # modules an FP8 checkpoint may leave unquantized tha
 class Fp8Weights:
     checkpoint_fp8: bool  # the checkpoint stores fp8 weights + weight_scale (else: quantize at load)
     layout: str  # "quantize-at-load" | "compressed-tensors" | "fbgemm_fp8"
+    scales: str = "act_weighted"  # quantize-at-load's weight scales (--fp8-weight-scales)
+    weight_only: bool = False  # --fp8-weight-only: activations never quantized
 
     @classmethod
-    def resolve(cls, quantization: str | None, model_path: str | None) -> Fp8Weights | None:
+    def resolve(cls, quantization: str | None, model_path: str | None, scales: str = "act_weighted",
+                weight_only: bool = False) -> Fp8Weights | None:
         """What the checkpoint's config.json says, else what --quantization asks; None: plain weights."""
         qcfg = _read_quant_config(model_path)
         if qcfg is not None:
-            return cls(checkpoint_fp8=True, layout=_check_layout(qcfg))
+            return cls(checkpoint_fp8=True, layout=_check_layout(qcfg), scales=scales, weight_only=weight_only)
         if quantization == "fp8":
-            return cls(checkpoint_fp8=False, layout="quantize-at-load")
+            return cls(checkpoint_fp8=False, layout="quantize-at-load", scales=scales, weight_only=weight_only)
         return None
 
     def prepare(self, model: nn.Module) -> None:
@@ -70,7 +73,7 @@ class Fp8Weights:
         calibration_prefill runs the unquantized model once (act_weighted scales read its activations;
         without it they fall back to mse)."""
         modules = fp8_linear_modules(model)
-        method = weight_scale_method()
+        method = self.scales
         col_ms: dict[int, torch.Tensor] = {}
         if method == "act_weighted" and not self.checkpoint_fp8 and calibration_prefill is None:
             method = "mse"  # dummy weights (speed runs): nothing worth calibrating on
@@ -81,7 +84,7 @@ class Fp8Weights:
                 w8, scale = quantize_weight(m.weight.data, method, col_ms.get(id(m)))
                 m.weight = nn.Parameter(w8, requires_grad=False)
                 m.weight_scale = nn.Parameter(scale, requires_grad=False)
-            use_fp8_forward(m, act_dtype)
+            use_fp8_forward(m, act_dtype, self.weight_only)
         if modules and modules[0][1].weight.device.type == "cuda":
             torch.cuda.empty_cache()  # the bf16 copies' memory goes back before the KV pool is sized
         logger.info("FP8 weights (%s%s): %d linear layers", self.layout,

@@ -1,7 +1,7 @@
 """FP8 weight scales and the weight-only mode on the GPU: the searched per-channel scales
 (runtime/layers/fp8_weight_scales.py) on Llama-8B's shapes never round a row worse than amax / 448 and pick
 what the CPU picks (up to fp32 summation order), and how long the search takes at load (printed);
-SHOAL_FP8_WEIGHT_ONLY=1 sends M <= 16 to the GEMV and larger M to its torch reference (w8a16 at every M);
+--fp8-weight-only sends M <= 16 to the GEMV and larger M to its torch reference (w8a16 at every M);
 and the Engine with --quantization fp8, CUDA graphs on, in both modes: every request completes, the KV pool
 is whole again, and first tokens mostly agree with bf16."""
 
@@ -77,21 +77,17 @@ def gpu_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_bf16_llama(tmp_path_factory.mktemp("gpu_fp8_scales_llama"), MODEL)
 
 
-def test_engine_fp8_weight_scales_and_weight_only(gpu_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_fp8_weight_scales_and_weight_only(gpu_llama: Path) -> None:
     from runtime import Engine
 
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 32000) for _ in range(rng.randrange(16, 300))] for _ in range(24)]
     params = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
     runs = {}
-    for mode, env in {"bf16": None, "fp8_act_weighted": {}, "fp8_mse": {"SHOAL_FP8_WEIGHT_SCALES": "mse"},
-                      "fp8_amax": {"SHOAL_FP8_WEIGHT_SCALES": "amax"},
-                      "fp8_weight_only": {"SHOAL_FP8_WEIGHT_ONLY": "1"}}.items():
-        monkeypatch.delenv("SHOAL_FP8_WEIGHT_SCALES", raising=False)
-        monkeypatch.delenv("SHOAL_FP8_WEIGHT_ONLY", raising=False)
-        for k, v in (env or {}).items():
-            monkeypatch.setenv(k, v)
-        extra = {} if env is None else {"quantization": "fp8"}
+    fp8 = {"quantization": "fp8"}
+    for mode, extra in {"bf16": {}, "fp8_act_weighted": fp8, "fp8_mse": {**fp8, "fp8_weight_scales": "mse"},
+                        "fp8_amax": {**fp8, "fp8_weight_scales": "amax"},
+                        "fp8_weight_only": {**fp8, "fp8_weight_only": True}}.items():
         with Engine(model_path=str(gpu_llama), dtype="bfloat16", max_total_tokens=32768, cuda_graph_max_bs=32,
                     context_length=1024, **extra) as engine:
             outs = engine.generate(input_ids=prompts, sampling_params=params)

@@ -1,8 +1,8 @@
 """Per-channel FP8 weight scales (runtime/layers/fp8_weight_scales.py): the searched scales never round a
 row worse than amax / 448, keep every value in range, are one of the searched amax / (448 r), and amax
 reproduces the old quantize_per_channel bit for bit; --quantization fp8 loads with the method
-SHOAL_FP8_WEIGHT_SCALES names (a bad name is a clear error) and stays close to the full-precision model;
-SHOAL_FP8_WEIGHT_ONLY=1 runs the w8a16 arithmetic (the GPU GEMV's torch reference) on CPU."""
+--fp8-weight-scales names (a bad name is a clear error) and stays close to the full-precision model;
+--fp8-weight-only runs the w8a16 arithmetic (the GPU GEMV's torch reference) on CPU."""
 
 from __future__ import annotations
 
@@ -70,12 +70,14 @@ def test_row_chunking_does_not_change_the_result(monkeypatch: pytest.MonkeyPatch
     assert torch.equal(mse_scales(w), whole)
 
 
-def test_bad_method_names_are_clear_errors(monkeypatch: pytest.MonkeyPatch, tiny_llama) -> None:
+def test_bad_method_names_are_clear_errors() -> None:
+    from runtime.config import ServerArgs
+    from runtime.errors import ServerArgsError
+
     with pytest.raises(ValueError, match="method 'int4'"):
         quantize_weight(torch.ones(2, 2), "int4")
-    monkeypatch.setenv("SHOAL_FP8_WEIGHT_SCALES", "minmax")
-    with pytest.raises(ValueError, match="SHOAL_FP8_WEIGHT_SCALES='minmax'"):
-        RunnerDriver(tiny_llama, quantization="fp8")
+    with pytest.raises(ServerArgsError, match="--fp8-weight-scales"):
+        ServerArgs(quantization="fp8", fp8_weight_scales="minmax")
 
 
 def test_weight_only_linear_is_the_gemv_reference() -> None:
@@ -98,26 +100,20 @@ def _logits(path, **kw) -> tuple[torch.Tensor, RunnerDriver]:
     return torch.cat([a.next_token_logits, b.next_token_logits]).float(), d
 
 
-@pytest.mark.parametrize("env", [{"SHOAL_FP8_WEIGHT_SCALES": "mse"}, {"SHOAL_FP8_WEIGHT_SCALES": "amax"},
-                                 {"SHOAL_FP8_WEIGHT_SCALES": "mse", "SHOAL_FP8_WEIGHT_ONLY": "1"}])
-def test_quantize_at_load_methods_close_to_full_precision(tiny_llama, monkeypatch: pytest.MonkeyPatch,
-                                                          env: dict[str, str]) -> None:
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
+@pytest.mark.parametrize(("method", "weight_only"), [("mse", False), ("amax", False), ("mse", True)])
+def test_quantize_at_load_methods_close_to_full_precision(tiny_llama, method: str, weight_only: bool) -> None:
     ref, _ = _logits(tiny_llama)
-    got, d = _logits(tiny_llama, quantization="fp8")
+    got, d = _logits(tiny_llama, quantization="fp8", fp8_weight_scales=method, fp8_weight_only=weight_only)
     down = d.runner.model.model.layers[0].mlp.down_proj
-    assert down.weight.dtype == FP8 and down.weight_only == ("SHOAL_FP8_WEIGHT_ONLY" in env)
-    method = env["SHOAL_FP8_WEIGHT_SCALES"]
+    assert down.weight.dtype == FP8 and down.weight_only == weight_only
     # the loaded layer holds exactly what quantize_weight makes of the checkpoint's weight
-    monkeypatch.delenv("SHOAL_FP8_WEIGHT_ONLY", raising=False)
     plain = RunnerDriver(tiny_llama).runner.model.model.layers[0].mlp.down_proj.weight.data
     w8, s = quantize_weight(plain, method)
     assert torch.equal(down.weight.view(torch.uint8), w8.view(torch.uint8)) and torch.equal(down.weight_scale, s)
     assert float((got - ref).abs().max()) < 0.1 * float(ref.abs().max())
 
 
-def test_act_weighted_scales_read_a_calibration_prefill(tiny_llama, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_act_weighted_scales_read_a_calibration_prefill(tiny_llama) -> None:
     """Every projection's input is seen by the calibration prefill; the loaded weights round with less
     activation-weighted error than amax / 448; the model stays close to full precision."""
     from runtime.layers.fp8_linear import fp8_linear_modules
@@ -130,10 +126,9 @@ def test_act_weighted_scales_read_a_calibration_prefill(tiny_llama, monkeypatch:
     assert len(stats) == len(modules)
     assert all(s.shape == (m.weight.shape[1],) and bool((s >= 0).all()) and float(s.sum()) > 0
                for m, s in zip(modules, (stats[id(m)] for m in modules), strict=True))
-    monkeypatch.delenv("SHOAL_FP8_WEIGHT_SCALES", raising=False)
-    from runtime.layers.fp8_weight_scales import weight_scale_method
+    from runtime.config import ServerArgs
 
-    assert weight_scale_method() == "act_weighted"  # the default
+    assert ServerArgs().fp8_weight_scales == "act_weighted"  # the default
     ref, _ = _logits(tiny_llama)
     got, d = _logits(tiny_llama, quantization="fp8")
     loaded = [m for _, m in fp8_linear_modules(d.runner.model)]
