@@ -15,7 +15,11 @@ from the (FP8) KV pool, so FP8 KV is exercised on every generated position.
 Models: the embedded SmolLM2-135M-Instruct (default) and, with --tiny, random tiny llama/qwen3
 checkpoints with their compressed-tensors and fbgemm_fp8 copies (random weights have near-ties, so their
 agreement says less; they show the FP8 checkpoint layouts load and run). Targets (issue 16): >= 97% for
-FP8 KV, >= 95% for FP8 weights."""
+FP8 KV, >= 95% for FP8 weights. FP8 weights run both served paths: fp8_weights (w8a8, per-token e4m3
+activations: CPU, and a GPU above 16 tokens a step) and fp8_weights_w8a16 (--fp8-weight-only: the GPU
+GEMV's arithmetic at M <= 16), each also with the mse and the old amax weight scales (--fp8-weight-scales).
+
+    python -m benchmarks.bench_fp8_accuracy --modes fp8_weights,fp8_weights_w8a16,fp8_weights_w8a8_mse_scales,fp8_weights_w8a16_mse_scales,fp8_weights_w8a8_amax_scales,fp8_weights_w8a16_amax_scales,float32_no_fp8,fp8_weights@compressed-tensors-per-tensor --output-file benchmarks/results/fp8_weights_accuracy_cpu.json"""
 
 from __future__ import annotations
 
