@@ -1,5 +1,5 @@
 """Where FP8 weights' top-1 loss comes from, on the embedded SmolLM2 (CPU): each variant quantizes one group
-of projections one way (benchmarks/fp8_quant_emulation.py emulates the served arithmetic: w8a16 GEMV,
+of projections one way (benchmarks.emulated_linear.py emulates the served arithmetic: w8a16 GEMV,
 w8a8 torch._scaled_mm with per-token scales) and is compared, teacher-forced, with the bf16 model.
 
 Method (faster than bench_fp8_accuracy's prefill + 63 decode steps, so dozens of variants fit): the bf16
@@ -24,7 +24,7 @@ import torch
 
 from benchmarks.bench_fp8_accuracy import build_prompts
 from benchmarks.common import print_table, write_result
-from benchmarks.fp8_quant_emulation import EmulatedLinear, block_hadamard
+from benchmarks.emulated_linear import EmulatedLinear, block_hadamard
 from runtime.layers.fp8_weight_scales import SEARCH_RATIOS
 
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),

@@ -84,7 +84,7 @@ def test_emulation_rotation_is_exact_and_schemes_round() -> None:
     rounding; token/group activation schemes round each value to e4m3 under its token's (group's) scale."""
     import torch
 
-    from benchmarks.fp8_quant_emulation import EmulatedLinear, act_round, block_hadamard
+    from benchmarks.emulated_linear import EmulatedLinear, act_round, block_hadamard
 
     h = block_hadamard(1536)
     torch.testing.assert_close(h @ h.t(), torch.eye(1536), atol=1e-5, rtol=0)

@@ -1,4 +1,4 @@
-"""Fp8QuantEmulation: an HF Llama whose projections compute exactly what Shoal's FP8 paths compute, one
+"""EmulatedLinear: an HF Llama projection that computes exactly what Shoal's FP8 paths compute, one
 group of linears at a time, for bench_fp8_weight_error_sources.py.
 
 Each projection (q/k/v/o, gate/up, down) gets a weight scheme (bf16, or e4m3 with per-output-channel
