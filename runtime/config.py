@@ -33,6 +33,12 @@ class ServerArgs:
     random_seed: int = _opt(0, "seed for dummy weights and for requests without a seed")
     quantization: str | None = _opt(None, "fp8: quantize a bf16/fp16 checkpoint's linear weights to FP8 at load "
                                           "(per-channel); FP8 checkpoints are detected from config.json", ("fp8",))
+    fp8_weight_scales: str = _opt("act_weighted", "--quantization fp8: per-channel weight scales of least e4m3 "
+                                                  "rounding error weighed by a calibration prefill's activations "
+                                                  "(act_weighted), unweighted (mse), or amax / 448 (amax)",
+                                  ("act_weighted", "mse", "amax"))
+    fp8_weight_only: bool = _opt(False, "FP8 weights: never quantize activations (w8a16 at every batch size; more "
+                                        "accurate, slower above 16 tokens a step, which then skip the FP8 GEMM)")
     # Memory and batching
     kv_cache_dtype: str = _opt("auto", "KV cache storage: auto = the model dtype; fp8_e4m3 halves the bytes per token",
                                ("auto", "fp8_e4m3"))

@@ -1,8 +1,10 @@
 """Writes FP8 copies of a (tiny) HF checkpoint in the layouts published FP8 Llama checkpoints use:
 compressed-tensors (float-quantized; "channel" or "tensor" weight scales, with static input scales the
 loader must skip) and fbgemm_fp8 (per-channel weight_scale [out, 1]). Weights are quantized exactly as
-runtime/layers/fp8_linear.quantize_per_channel does, so a channel-scaled checkpoint loads to the very
-model that --quantization fp8 makes from the original."""
+runtime/layers/fp8_weight_scales.quantize_weight does with
+its data-free mse scales, so a channel-scaled checkpoint loads to the very model that --quantization fp8
+makes from the original with --fp8-weight-scales mse (the default, act_weighted, also reads a calibration
+prefill's activations, which a checkpoint writer here does not run)."""
 
 from __future__ import annotations
 
@@ -17,10 +19,10 @@ F8 = torch.float8_e4m3fn
 
 
 def _quantize(w: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
-    from runtime.layers.fp8_linear import quantize_per_channel
+    from runtime.layers.fp8_weight_scales import quantize_weight
 
     if strategy == "channel":
-        return quantize_per_channel(w)
+        return quantize_weight(w, "mse")
     scale = (w.float().abs().amax() / 448.0).reshape(1)
     return (w.float() / scale).clamp(-448, 448).to(F8), scale
 

@@ -9,6 +9,12 @@ one Triton launch (kernels/fp8_act_quant.py, the same bits as quantize_per_token
 down projection's also applies SiLU-and-mul; bit-equal to the torch ops on an H100, GPU test), on with the
 decode fusions; SHOAL_FP8_ACT_QUANT=0 or SHOAL_DECODE_FUSION=0 restores the torch ops.
 
+--fp8-weight-only (use_fp8_forward's weight_only) keeps activations unquantized at every M: the GEMV where it
+serves, and above it (and on CPU) its torch reference (weight dequantized to fp32, x in its own dtype, fp32
+accumulate, one rounding): the w8a16 arithmetic, more accurate (benchmarks/README.md, FP8) and, without a
+w8a16 GEMM kernel for large M, slower there. On CPU it is how bench_fp8_accuracy measures what the GEMV
+serves at M <= 16 on a GPU; without it CPU runs the w8a8 path served above M 16.
+
 Both forwards replace the instance's forward after load, like cpu_linear's packed weights; the parameters
 keep their names (weight, now fp8; weight_scale [out, 1] fp32), so TP sharding is unchanged: column
 layers shard the scales with their rows, row layers keep every output channel and its scale."""
@@ -24,7 +30,11 @@ from torch import nn
 
 from kernels.decode_fusion import decode_fusion_enabled
 from kernels.fp8_act_quant import quantize_per_token_fp8
-from kernels.fp8_gemv import fp8_linear_small_m, use_small_m  # fp8gemv hook (issue 16)
+from kernels.fp8_gemv import (  # fp8gemv hook (issue 16)
+    fp8_linear_small_m,
+    fp8_linear_small_m_ref,
+    use_small_m,
+)
 from runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 FP8 = torch.float8_e4m3fn
@@ -66,14 +76,17 @@ def triton_act_quant_supported(device: torch.device) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-               use_scaled_mm: bool | None = None, fused_quant: bool | None = None) -> torch.Tensor:
+               use_scaled_mm: bool | None = None, fused_quant: bool | None = None,
+               weight_only: bool = False) -> torch.Tensor:
     """x [..., K] (bf16/fp16/fp32) @ (w8 [N, K] fp8 * w_scale [N, 1])^T + bias → [..., N] in x's dtype.
     fused_quant: quantize x in one Triton launch (same bits as the torch ops); None asks the device and
-    SHOAL_DECODE_FUSION (layers decide once, at load)."""
+    SHOAL_DECODE_FUSION (layers decide once, at load). weight_only: x is never quantized (w8a16)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if use_small_m(x2, w8):  # fp8gemv hook (issue 16): decode-sized M on CUDA -> the w8a16 Triton GEMV
         return fp8_linear_small_m(x2, w8, w_scale, bias).view(*shape[:-1], w8.shape[0])
+    if weight_only:  # the GEMV's arithmetic where the GEMV does not serve
+        return fp8_linear_small_m_ref(x2, w8, w_scale, bias).view(*shape[:-1], w8.shape[0])
     if fused_quant is None:
         fused_quant = decode_fusion_enabled() and act_quant_kernel_enabled() and triton_act_quant_supported(x.device)
     if x2.shape[0] == 0:
@@ -104,12 +117,14 @@ def fp8_linear_reference(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, w
 
 
 def _column_forward(self: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
-    y = fp8_linear(x, self.weight, self.weight_scale, self.bias, self.use_scaled_mm, self.fused_act_quant)
+    y = fp8_linear(x, self.weight, self.weight_scale, self.bias, self.use_scaled_mm, self.fused_act_quant,
+                   self.weight_only)
     return self.group.all_gather(y, dim=-1) if self.gather_output else y
 
 
 def _row_forward(self: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
-    y = fp8_linear(x, self.weight, self.weight_scale, None, self.use_scaled_mm, self.fused_act_quant)
+    y = fp8_linear(x, self.weight, self.weight_scale, None, self.use_scaled_mm, self.fused_act_quant,
+                   self.weight_only)
     if self.reduce_results:
         y = self.group.all_reduce(y)
     if self.bias is not None:
@@ -125,7 +140,7 @@ def _row_forward_silu_mul(self: RowParallelLinear, gate_up: torch.Tensor,
     x2 = gate_up.reshape(-1, gate_up.shape[-1])
     if use_small_m(x2, self.weight):
         y = fp8_linear_small_m(x2, self.weight, self.weight_scale, gated=True)
-    elif self.fused_act_quant and x2.shape[0] > 0:
+    elif self.fused_act_quant and not self.weight_only and x2.shape[0] > 0:
         xq, xs = quantize_per_token_fp8(x2, gated=True)
         y = _quantized_matmul(xq, xs, self.weight, self.weight_scale, x2.dtype, self.use_scaled_mm)
     else:
@@ -144,9 +159,11 @@ def fp8_linear_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
 
 
-def use_fp8_forward(module: nn.Module, act_dtype: torch.dtype) -> None:
-    """Swaps in the FP8 forward once the module holds an fp8 `weight` and its `weight_scale`."""
+def use_fp8_forward(module: nn.Module, act_dtype: torch.dtype, weight_only: bool = False) -> None:
+    """Swaps in the FP8 forward once the module holds an fp8 `weight` and its `weight_scale`; weight_only:
+    activations are never quantized (w8a16 at every M)."""
     module.use_scaled_mm = scaled_mm_supported(module.weight.device, act_dtype)
+    module.weight_only = weight_only
     # read once at load, like every decode-path fusion: a captured CUDA graph never mixes the two paths
     module.fused_act_quant = (decode_fusion_enabled() and act_quant_kernel_enabled()
                               and triton_act_quant_supported(module.weight.device))

@@ -3,7 +3,9 @@
 Three ways in, one result (every attention/MLP projection holds an fp8 `weight` and an fp32 per-output-
 channel `weight_scale`, and runs runtime/layers/fp8_linear's forward):
 - a bf16/fp16 checkpoint with --quantization fp8: loaded as usual, then each weight is quantized per
-  output channel (after TP sharding, so a row-parallel rank's scales come from its own columns);
+  output channel (after TP sharding, so a row-parallel rank's scales come from its own columns), with the
+  scale that minimizes the row's rounding error weighed by a calibration prefill's activations
+  (runtime/layers/fp8_weight_scales.py, --fp8-weight-scales; the prefill is the KV calibrator's text);
 - compressed-tensors (config.json quantization_config.quant_method "compressed-tensors", format
   float-quantized/naive-quantized, 8-bit float weights with "channel" or "tensor" strategy): fp8 weights
   and their weight_scale load straight into fp8 parameters; a per-tensor scale is broadcast over its
@@ -25,8 +27,10 @@ import torch
 from torch import nn
 
 from runtime.errors import UnsupportedQuantizationError, WeightLoadError
-from runtime.layers.fp8_linear import FP8, fp8_linear_modules, quantize_per_channel, use_fp8_forward
+from runtime.layers.fp8_linear import FP8, fp8_linear_modules, use_fp8_forward
+from runtime.layers.fp8_weight_scales import quantize_weight
 from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from runtime.model_executor.fp8_calibrator import Fp8Calibrator
 
 logger = logging.getLogger(__name__)
 
@@ -37,15 +41,18 @@ _IGNORABLE = ("lm_head",)  # modules an FP8 checkpoint may leave unquantized tha
 class Fp8Weights:
     checkpoint_fp8: bool  # the checkpoint stores fp8 weights + weight_scale (else: quantize at load)
     layout: str  # "quantize-at-load" | "compressed-tensors" | "fbgemm_fp8"
+    scales: str = "act_weighted"  # quantize-at-load's weight scales (--fp8-weight-scales)
+    weight_only: bool = False  # --fp8-weight-only: activations never quantized
 
     @classmethod
-    def resolve(cls, quantization: str | None, model_path: str | None) -> Fp8Weights | None:
+    def resolve(cls, quantization: str | None, model_path: str | None, scales: str = "act_weighted",
+                weight_only: bool = False) -> Fp8Weights | None:
         """What the checkpoint's config.json says, else what --quantization asks; None: plain weights."""
         qcfg = _read_quant_config(model_path)
         if qcfg is not None:
-            return cls(checkpoint_fp8=True, layout=_check_layout(qcfg))
+            return cls(checkpoint_fp8=True, layout=_check_layout(qcfg), scales=scales, weight_only=weight_only)
         if quantization == "fp8":
-            return cls(checkpoint_fp8=False, layout="quantize-at-load")
+            return cls(checkpoint_fp8=False, layout="quantize-at-load", scales=scales, weight_only=weight_only)
         return None
 
     def prepare(self, model: nn.Module) -> None:
@@ -60,18 +67,28 @@ class Fp8Weights:
                                           requires_grad=False)
             m.weight_scale.weight_loader = _scale_loader(m)
 
-    def finish(self, model: nn.Module, act_dtype: torch.dtype) -> None:
-        """After load_weights: quantize bf16 weights (quantize-at-load) and switch every forward."""
+    def finish(self, model: nn.Module, act_dtype: torch.dtype,
+               calibration_prefill: Callable[[], object] | None = None) -> None:
+        """After load_weights: quantize bf16 weights (quantize-at-load) and switch every forward.
+        calibration_prefill runs the unquantized model once (act_weighted scales read its activations;
+        without it they fall back to mse)."""
         modules = fp8_linear_modules(model)
+        method = self.scales
+        col_ms: dict[int, torch.Tensor] = {}
+        if method == "act_weighted" and not self.checkpoint_fp8 and calibration_prefill is None:
+            method = "mse"  # dummy weights (speed runs): nothing worth calibrating on
+        if method == "act_weighted" and not self.checkpoint_fp8:
+            col_ms = Fp8Calibrator([m for _, m in modules], calibration_prefill).column_mean_squares()
         for _, m in modules:
             if not self.checkpoint_fp8:
-                w8, scale = quantize_per_channel(m.weight.data)
+                w8, scale = quantize_weight(m.weight.data, method, col_ms.get(id(m)))
                 m.weight = nn.Parameter(w8, requires_grad=False)
                 m.weight_scale = nn.Parameter(scale, requires_grad=False)
-            use_fp8_forward(m, act_dtype)
+            use_fp8_forward(m, act_dtype, self.weight_only)
         if modules and modules[0][1].weight.device.type == "cuda":
             torch.cuda.empty_cache()  # the bf16 copies' memory goes back before the KV pool is sized
-        logger.info("FP8 weights (%s): %d linear layers", self.layout, len(modules))
+        logger.info("FP8 weights (%s%s): %d linear layers", self.layout,
+                    "" if self.checkpoint_fp8 else f", {method} scales", len(modules))
 
 
 def _read_quant_config(model_path: str | None) -> dict[str, Any] | None:

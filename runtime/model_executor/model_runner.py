@@ -31,6 +31,7 @@ from runtime.model_executor.cpu_memory import CpuMemoryTrimmer
 from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.model_executor.fp8_weights import Fp8Weights
 from runtime.model_executor.kv_cache_format import KVCacheFormat
+from runtime.model_executor.kv_calibrator import KVCalibrator
 from runtime.model_executor.weight_loader import dummy_checkpoint, iterate_safetensors
 from runtime.models.parallel_context import ParallelContext
 from runtime.models.registry import get_model_class
@@ -115,7 +116,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         with torch.device(self.device):
             model = get_model_class(cfg.architecture)(cfg, self.ctx)
-        fp8 = Fp8Weights.resolve(self.args.quantization, None if self.args.load_format == "dummy" else model_path)
+        fp8 = Fp8Weights.resolve(self.args.quantization, None if self.args.load_format == "dummy" else model_path,
+                                 self.args.fp8_weight_scales, self.args.fp8_weight_only)
         if fp8 is not None:
             fp8.prepare(model)
         if self.args.load_format == "dummy":
@@ -124,11 +126,19 @@ class ModelRunner:
             show = self.ctx.attn.rank == 0 and self.ctx.mlp.rank == 0
             model.load_weights(iterate_safetensors(model_path, show_progress=show))
         if fp8 is not None:
-            fp8.finish(model, cfg.dtype)
+            fp8.finish(model, cfg.dtype, None if self.args.load_format == "dummy"
+                       else lambda: self._calibration_prefill(model, model_path))
         model.eval()
         logger.info("loaded %s (%s, %s) in %.1f s", cfg.architecture, cfg.dtype, self.args.load_format,
                     time.perf_counter() - t0)
         return model
+
+    def _calibration_prefill(self, model: torch.nn.Module, model_path: str) -> None:
+        """One prefill of the KV calibration text through `model` (FP8 act_weighted weight scales read it)."""
+        ids = KVCalibrator.calibration_ids(self.args.tokenizer_path or model_path, self.model_config.vocab_size,
+                                           min(self.context_len, self.model_config.max_position_embeddings),
+                                           self.args.chat_template)
+        KVCalibrator(model, self.model_config.num_hidden_layers, self.ctx, self.device).amax(ids)
 
     def _kv_pool_size(self) -> int:
         cfg, args = self.model_config, self.args
