@@ -45,9 +45,14 @@ def test_searched_scales_on_8b_shapes(n: int, k: int) -> None:
     err, err_amax = _row_err(w, s), _row_err(w, amax)
     assert bool((err <= err_amax * (1 + 1e-5)).all())
     assert float(err.sum()) < float(err_amax.sum())
-    rows = slice(0, 512)  # the CPU's choice on a slice (fp32 sums in another order may flip near-ties)
-    same = (mse_scales(w[rows].cpu()) == s[rows].cpu()).float().mean()
-    assert float(same) >= 0.98
+    # The CPU's choice on a slice. Not bit-equal: CUDA divides by a scalar through its reciprocal, so the
+    # same ratio can give a scale 1 ulp apart (on an H100 33-40% of rows differed under ==), and fp32 sums in
+    # another order may flip near-ties; so: mostly the same ratio, and never a worse row than the CPU's.
+    rows = slice(0, 512)
+    cpu = mse_scales(w[rows].cpu()).to(s.device)
+    same = torch.isclose(cpu, s[rows], rtol=1e-5, atol=0).float().mean()
+    assert float(same) >= 0.95
+    assert bool((err[rows] <= _row_err(w[rows], cpu) * (1 + 1e-4)).all())
 
 
 @pytest.mark.parametrize("m", [1, 16, 17, 256])
