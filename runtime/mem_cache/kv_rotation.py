@@ -118,7 +118,7 @@ class KVRotation:
             pairs = [balanced_qk_transform(sq[i], sk[i], h) for i in range(sq.shape[0])]
             q_mats.append(torch.stack([p[0] for p in pairs]).to(device=device, dtype=dtype))
             k_mats.append(torch.stack([p[1] for p in pairs]).to(device=device, dtype=dtype))
-        return cls("calibrated", num_heads, q_mats, k_mats, hadamard_matrix(d).to(device=device, dtype=dtype), fused)
+        return cls("calibrated", num_heads, q_mats, k_mats, h.to(device=device, dtype=dtype), fused)
 
     @property
     def num_layers(self) -> int:

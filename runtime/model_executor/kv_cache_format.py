@@ -48,8 +48,7 @@ class KVCacheFormat:
         calibrator = KVCalibrator(model, layers, ctx, device)
 
         def calibration_ids() -> list[int]:
-            return KVCalibrator.calibration_ids(args.tokenizer_path or model_path, cfg.vocab_size,
-                                                min(context_len, cfg.max_position_embeddings), args.chat_template)
+            return KVCalibrator.calibration_ids_for(args, cfg, context_len, model_path)
 
         scales, rotation = None, None
         if mode == "static":

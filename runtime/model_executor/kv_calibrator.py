@@ -33,7 +33,9 @@ from runtime.model_executor.forward_mode import ForwardMode
 from runtime.text.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
+    from runtime.config import ServerArgs
     from runtime.layers.attention import Attention
+    from runtime.model_config import ModelConfig
     from runtime.models.parallel_context import ParallelContext
 
 # A value up to this many times the calibration amax still fits before saturating at 448. On SmolLM2 the
@@ -119,6 +121,12 @@ class KVCalibrator:
         else:
             ids = tok.encode("\n\n".join(m["content"] for m in CALIBRATION_MESSAGES))
         return ids[:max_len]
+
+    @staticmethod
+    def calibration_ids_for(args: ServerArgs, cfg: ModelConfig, context_len: int, model_path: str) -> list[int]:
+        """calibration_ids for a served model: its tokenizer and chat template, within its context."""
+        return KVCalibrator.calibration_ids(args.tokenizer_path or model_path, cfg.vocab_size,
+                                            min(context_len, cfg.max_position_embeddings), args.chat_template)
 
     @torch.inference_mode()
     def amax(self, token_ids: list[int]) -> tuple[list[float], list[float]]:

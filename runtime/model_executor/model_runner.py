@@ -135,9 +135,7 @@ class ModelRunner:
 
     def _calibration_prefill(self, model: torch.nn.Module, model_path: str) -> None:
         """One prefill of the KV calibration text through `model` (FP8 act_weighted weight scales read it)."""
-        ids = KVCalibrator.calibration_ids(self.args.tokenizer_path or model_path, self.model_config.vocab_size,
-                                           min(self.context_len, self.model_config.max_position_embeddings),
-                                           self.args.chat_template)
+        ids = KVCalibrator.calibration_ids_for(self.args, self.model_config, self.context_len, model_path)
         KVCalibrator(model, self.model_config.num_hidden_layers, self.ctx, self.device).amax(ids)
 
     def _kv_pool_size(self) -> int:

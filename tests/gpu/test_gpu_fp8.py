@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from attention_cases import BACKENDS, CASES, DT, HKV, HQ, D, make_backend, make_batch, make_fb, make_runner
-from gpu_models import save_bf16_llama
+from gpu_models import LLAMA_4L, save_bf16_llama
 
 from runtime.attention.torch_native import TorchNativeAttnBackend
 from runtime.messages import WorkerBatch
@@ -124,9 +124,7 @@ def test_fp8_gemm_matches_dequantized_reference(m: int, n: int, k: int, monkeypa
     assert float((got.float() - exact).norm() / exact.norm()) < 0.05  # FP8 error itself stays small
 
 
-MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
-             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+MODEL = LLAMA_4L
 
 
 @pytest.fixture(scope="module")

@@ -15,15 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 from attention_cases import BACKENDS
+from gpu_models import LLAMA_4L
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)"),
 ]
 
-MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
-             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+MODEL = LLAMA_4L
 RESCALE = 1024.0
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from runner_driver import RunnerDriver
-from test_kv_scales import PROMPT, greedy, scale_tensors, with_tensors
+from test_kv_scales import PROMPT, greedy, hf_post_rotary_kv, scale_tensors, with_tensors
 
 from runtime.config import ServerArgs
 from runtime.errors import ServerArgsError
@@ -122,32 +122,6 @@ def test_rotated_fp8_k_has_lower_score_error_on_outlier_channels() -> None:
     assert hadamard < 0.6 * plain and calibrated < 0.9 * hadamard, (plain, hadamard, calibrated)
 
 
-def _hf_kv(path: Path, ids: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each layer's post-rotary K and V [T, Hkv*D] as HF transformers computes them."""
-    from transformers import AutoModelForCausalLM
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    seen: dict[str, torch.Tensor] = {}
-    hooks = [getattr(layer.self_attn, name).register_forward_hook(
-        lambda mod, inp, out, key=f"{i}.{name}": seen.__setitem__(key, out))
-        for i, layer in enumerate(hf.model.layers) for name in ("k_proj", "v_proj")]
-    x = torch.tensor([ids])
-    with torch.no_grad():
-        hf(x)
-        cos, sin = hf.model.rotary_emb(hf.model.embed_tokens(x), torch.arange(len(ids))[None])
-    for h in hooks:
-        h.remove()
-    hd = hf.config.hidden_size // hf.config.num_attention_heads
-    ks, vs = [], []
-    for i in range(hf.config.num_hidden_layers):
-        k = seen[f"{i}.k_proj"].view(1, len(ids), -1, hd).transpose(1, 2)
-        _, k_rot = apply_rotary_pos_emb(k, k, cos, sin)
-        ks.append(k_rot[0].transpose(0, 1).reshape(len(ids), -1))
-        vs.append(seen[f"{i}.v_proj"][0])
-    return ks, vs
-
-
 @pytest.mark.parametrize("mode", ["calibrated", "hadamard"])
 def test_rotated_fp8_pool_scales_and_greedy_output(tiny_llama, mode: str) -> None:
     d = RunnerDriver(tiny_llama, kv_cache_dtype="fp8_e4m3", kv_cache_rotation=mode)
@@ -156,7 +130,7 @@ def test_rotated_fp8_pool_scales_and_greedy_output(tiny_llama, mode: str) -> Non
     assert rot is not None and rot.mode == mode and pool.scales.source == "calibrate"
     # The scales are the amax of the K/V the pool stores: HF's K/V on the calibration text, rotated.
     ids = KVCalibrator.calibration_ids(str(tiny_llama), d.runner.model_config.vocab_size, d.runner.context_len)
-    ks, vs = _hf_kv(tiny_llama, ids)
+    ks, vs = hf_post_rotary_kv(tiny_llama, ids)
     want = KVScales.from_amax([float(rot.rotate_k(i, k).abs().amax()) for i, k in enumerate(ks)],
                               [float(rot.rotate_v(v).abs().amax()) for v in vs], CALIBRATION_HEADROOM)
     assert pool.k_scales == pytest.approx(want.k, rel=1e-3) and pool.v_scales == pytest.approx(want.v, rel=1e-3)

@@ -126,8 +126,8 @@ def test_checkpoint_mode_needs_scales_and_flags_conflict(tiny_llama) -> None:
         ServerArgs(kv_cache_scale_mode="dynamic")
 
 
-def _hf_kv_amax(path: Path, ids: list[int]) -> tuple[list[float], list[float]]:
-    """Each layer's post-rotary K and V amax as HF transformers computes them (hooks on k_proj/v_proj,
+def hf_post_rotary_kv(path: Path, ids: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each layer's post-rotary K and V [T, Hkv*D] as HF transformers computes them (hooks on k_proj/v_proj,
     HF's own rotary applied to K)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -145,13 +145,19 @@ def _hf_kv_amax(path: Path, ids: list[int]) -> tuple[list[float], list[float]]:
     for h in hooks:
         h.remove()
     hd = cfg.hidden_size // cfg.num_attention_heads
-    k_amax, v_amax = [], []
+    ks, vs = [], []
     for i in range(cfg.num_hidden_layers):
         k = seen[f"{i}.k_proj"].view(1, len(ids), -1, hd).transpose(1, 2)
         _, k_rot = apply_rotary_pos_emb(k, k, cos, sin)
-        k_amax.append(float(k_rot.abs().max()))
-        v_amax.append(float(seen[f"{i}.v_proj"].abs().max()))
-    return k_amax, v_amax
+        ks.append(k_rot[0].transpose(0, 1).reshape(len(ids), -1))
+        vs.append(seen[f"{i}.v_proj"][0])
+    return ks, vs
+
+
+def _hf_kv_amax(path: Path, ids: list[int]) -> tuple[list[float], list[float]]:
+    """Each layer's post-rotary K and V amax as HF transformers computes them."""
+    ks, vs = hf_post_rotary_kv(path, ids)
+    return [float(k.abs().max()) for k in ks], [float(v.abs().max()) for v in vs]
 
 
 def test_calibration_gives_each_layer_its_amax_over_the_chat_text(tiny_llama) -> None:
