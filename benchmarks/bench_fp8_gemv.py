@@ -1,6 +1,7 @@
 """FP8 weights at decode-sized M: the w8a16 Triton GEMV (kernels/fp8_gemv.py) against bf16 torch.matmul
-and the w8a8 path it replaces (per-token activation quantize + torch._scaled_mm, row-wise scales), on
-Llama-3.1-8B's four linear shapes, M in {1, 8, 16}. Reports device time per call and achieved GB/s of
+and the w8a8 path it replaces (per-token activation quantize + torch._scaled_mm, row-wise scales), and the
+same kernel on the bf16 weights (dense_gemv: what DenseGemm serves at M = 1) on Llama-3.1-8B's four linear
+shapes and its LM head, M in {1, 2, 4, 8, 16}. Reports device time per call and achieved GB/s of
 weight bytes (fp8: N*K, bf16: 2*N*K), and the 32-layer sum per M (the decode step's linear-layer time;
 the FP8 step target is <= 3.4 ms in all, issue 16).
 
@@ -25,16 +26,19 @@ from typing import Any
 
 from benchmarks.common import print_table, write_result
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-SMOKE_SHAPES = {"qkv": (96, 64), "o": (64, 64), "gate_up": (160, 64), "down": (64, 128)}
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}
+SMOKE_SHAPES = {"qkv": (96, 64), "o": (64, 64), "gate_up": (160, 64), "down": (64, 128), "lm_head": (200, 64)}
+LAYER_SHAPES = ("qkv", "o", "gate_up", "down")  # x 32 layers; the LM head once
+METHODS = ("bf16_matmul", "dense_gemv", "w8a8_scaled_mm", "fp8_gemv")
 LAYERS = 32
 ROTATE_BYTES = 256 << 20
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--m", type=int, nargs="+", default=[1, 8, 16])
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--shapes", nargs="+", default=list(LAYER_SHAPES), choices=list(SHAPES))
     p.add_argument("--sweep", action="store_true", help="also time a grid of kernel configs per shape")
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="tiny shapes; on CPU through the Triton interpreter")
@@ -106,7 +110,7 @@ def w8a8_scaled_mm(x: Any, w8: Any, scale: Any) -> Any:
 def bench_shape(n: int, k: int, ms: list[int], timer: Timer, sweep: bool, device: Any) -> dict[str, Any]:
     import torch
 
-    from kernels.fp8_gemv import fp8_linear_small_m, fp8_linear_small_m_ref, pick_config
+    from kernels.fp8_gemv import dense_linear_small_m, fp8_linear_small_m, fp8_linear_small_m_ref, pick_config
     from runtime.layers.fp8_linear import quantize_per_channel
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the interpreter's dot needs fp32
@@ -128,6 +132,7 @@ def bench_shape(n: int, k: int, ms: list[int], timer: Timer, sweep: bool, device
         row: dict[str, Any] = {"pick_config": _cfg_dict(cfg)}
         methods = {
             "bf16_matmul": ([lambda w16=w16, x=x: torch.matmul(x, w16.t()) for w16 in w16s], 2 * n * k),
+            "dense_gemv": ([lambda w16=w16, x=x: dense_linear_small_m(x, w16) for w16 in w16s], 2 * n * k),
             "w8a8_scaled_mm": ([lambda w8=w8, x=x: w8a8_scaled_mm(x, w8, scale) for w8 in w8s], n * k),
             "fp8_gemv": ([lambda w8=w8, x=x, cfg=cfg: fp8_linear_small_m(x, w8, scale, config=cfg) for w8 in w8s], n * k),
         }
@@ -166,15 +171,17 @@ def _cfg_dict(cfg: Any) -> dict[str, Any]:
 
 
 def summarize(shapes: dict[str, Any], ms: list[int]) -> dict[str, Any]:
-    """Per M: the four shapes' sum x 32 layers, per method (ms) — a decode step's linear layers."""
+    """Per M: the layer shapes' sum x 32 layers (+ the LM head when measured), per method (ms) — a decode
+    step's linear layers."""
     out: dict[str, Any] = {}
     for m in ms:
-        for method in ("bf16_matmul", "w8a8_scaled_mm", "fp8_gemv"):
-            out[f"m{m}_{method}_32layers_ms"] = LAYERS * sum(s["by_m"][m][method]["us"] for s in shapes.values()) / 1e3
+        for method in METHODS:
+            out[f"m{m}_{method}_32layers_ms"] = sum(
+                (LAYERS if name in LAYER_SHAPES else 1) * s["by_m"][m][method]["us"] for name, s in shapes.items()) / 1e3
         if all("sweep_best" in s["by_m"][m] for s in shapes.values()):
             out[f"m{m}_fp8_gemv_sweep_best_32layers_ms"] = LAYERS * sum(
                 s["by_m"][m]["sweep_best"].get("us", math.nan) for s in shapes.values()) / 1e3
-    fp8_bytes = LAYERS * sum(s["weight_bytes_fp8"] for s in shapes.values())
+    fp8_bytes = sum((LAYERS if name in LAYER_SHAPES else 1) * s["weight_bytes_fp8"] for name, s in shapes.items())
     out["fp8_weight_bytes_32layers"] = fp8_bytes
     return out
 
@@ -198,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             r = shapes[name]["by_m"][m]
             print(f"{name:8s} N={n:6d} K={k:6d} M={m:3d}  " + "  ".join(
                 f"{meth} {r[meth]['us']:8.1f} us {r[meth]['GB_s']:7.0f} GB/s" for meth in
-                ("bf16_matmul", "w8a8_scaled_mm", "fp8_gemv"))
+                METHODS)
                 + (f"  sweep best {r['sweep_best'].get('us', math.nan):.1f} us" if "sweep_best" in r else ""),
                 flush=True)
     results = {"shapes": shapes, "summary": summarize(shapes, args.m)}

@@ -1,4 +1,5 @@
-"""Fp8Gemv: weight-only FP8 (w8a16) GEMV / skinny GEMM for decode-sized M.
+"""Fp8Gemv: weight-only FP8 (w8a16) GEMV / skinny GEMM for decode-sized M, and the same kernel for
+16-bit weights at M = 1 (dense_linear_small_m).
 
 y[M, N] = x[M, K] @ (w8[N, K].float() * w_scale[N, None]).T (+ bias), fp32 accumulation, output in x's
 dtype. The fp8 weight is read once, K-contiguous (16-byte vector loads), widened in registers (e4m3 is
@@ -20,6 +21,13 @@ gated=True takes the MLP's fused gate_up output [M, 2K] and multiplies silu(gate
 rounded to x's dtype, exactly as kernels/activation.py stores it) as it loads each x tile: the down
 projection without the SiLU-and-mul launch (kernels/decode_fusion.py), the same bits as the two kernels.
 
+bf16/fp16 weights (no scale): at M = 1 cuBLAS picks GEMV-like kernels that reach 1.6-2.9 TB/s on an
+H100 (o_proj's 4096x4096 the worst, plus a split-K reduce launch for qkv and down); this kernel with one
+16 KB weight tile per step (block_n 8, block_k 1024) streams every Llama-8B shape at 2.5-3.1 TB/s, 9%
+less time over a decode step's linears and the LM head (benchmarks/bench_fp8_gemv.py --dense). It
+changes the summation order against cuBLAS (not its bits), so it is a kernel choice, not a decode
+fusion: SHOAL_DENSE_GEMV_MAX_M (default 1; 0 turns it off) bounds the M it serves.
+
 The Triton interpreter (TRITON_INTERPRET=1) loads float8_e4m3fn tensors and widens them exactly; only its
 tl.dot on bf16 is wrong, so CPU tests use fp32/fp16 activations."""
 
@@ -34,6 +42,8 @@ import triton.language as tl
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 SMALL_M_MAX = 16  # the default M bound of the dispatch; SHOAL_FP8_GEMV_MAX_M overrides it (0 turns it off)
+DENSE_M_MAX = 1  # the same for 16-bit weights (SHOAL_DENSE_GEMV_MAX_M): measured ahead of cuBLAS at M = 1
+DENSE_DTYPES = (torch.bfloat16, torch.float16)
 _SM_COUNT_DEFAULT = 132  # H100 SXM; used when the device cannot be asked (interpreter)
 
 
@@ -66,7 +76,7 @@ def _gate(x_ptrs, X, K, mask, GATED: tl.constexpr, MASKED: tl.constexpr):
 
 @triton.jit
 def _fp8_gemv_kernel(X, W, S, B, Out, Part, M, N, K, stride_xm, stride_wn, stride_om,
-                     GATED: tl.constexpr,
+                     GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -125,7 +135,9 @@ def _fp8_gemv_kernel(X, W, S, B, Out, Part, M, N, K, stride_xm, stride_wn, strid
         acc = tl.sum(acc3, axis=2)
     out_mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
-        y = acc * tl.load(S + offs_n, mask=mask_n, other=0.0)[None, :]
+        y = acc
+        if HAS_SCALE:
+            y = y * tl.load(S + offs_n, mask=mask_n, other=0.0)[None, :]
         if HAS_BIAS:
             y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         tl.store(Out + offs_m[:, None] * stride_om + offs_n[None, :], y.to(Out.dtype.element_ty), mask=out_mask)
@@ -134,15 +146,17 @@ def _fp8_gemv_kernel(X, W, S, B, Out, Part, M, N, K, stride_xm, stride_wn, strid
 
 
 @triton.jit
-def _split_k_reduce_kernel(Part, S, B, Out, M, N, stride_om, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                           BLOCK: tl.constexpr):
+def _split_k_reduce_kernel(Part, S, B, Out, M, N, stride_om, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     m = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(Part + (s * M + m) * N + offs, mask=mask, other=0.0)
-    y = acc * tl.load(S + offs, mask=mask, other=0.0)
+    y = acc
+    if HAS_SCALE:
+        y = y * tl.load(S + offs, mask=mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(Out + m * stride_om + offs, y.to(Out.dtype.element_ty), mask=mask)
@@ -154,12 +168,14 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT_DEFAULT
 
 
-def pick_config(m: int, n: int, k: int, sm_count: int = _SM_COUNT_DEFAULT) -> GemvConfig:
+def pick_config(m: int, n: int, k: int, sm_count: int = _SM_COUNT_DEFAULT, weight_bytes: int = 1) -> GemvConfig:
     """The config for one shape. HBM latency needs ~16-32 KB of loads in flight per SM, so the weight tile
     stays ~4-8 KB and N is cut into >= 3 blocks per SM (narrower blocks before split-K, whose second
-    kernel costs a launch); multiply + sum for M <= 4, tl.dot (M padded to 16, pipelined) above."""
+    kernel costs a launch); multiply + sum for M <= 4, tl.dot (M padded to 16, pipelined) above.
+    16-bit weights (weight_bytes 2) keep the 8-row, 8192-element tile (16 KB): within 2% of the best of a
+    sweep on every Llama-8B shape, TP=2 halves included, on an H100."""
     if m <= 4:
-        block_n = 16 if triton.cdiv(n, 16) >= 3 * sm_count else 8
+        block_n = 16 if weight_bytes == 1 and triton.cdiv(n, 16) >= 3 * sm_count else 8
         block_k = (8192 // block_n) // triton.next_power_of_2(m)  # a [BLOCK_M, BLOCK_N, BLOCK_K] fp32 tile
         use_dot, stages = False, 2
     else:
@@ -173,43 +189,37 @@ def pick_config(m: int, n: int, k: int, sm_count: int = _SM_COUNT_DEFAULT) -> Ge
                       num_stages=stages)
 
 
-def fp8_linear_small_m(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
-                       bias: torch.Tensor | None = None, config: GemvConfig | None = None,
-                       gated: bool = False) -> torch.Tensor:
-    """x [M, K] (bf16/fp16/fp32) @ (w8 [N, K] fp8 * w_scale [N])^T + bias → [M, N] in x's dtype.
-    gated: x is [M, 2K] = cat(gate, up) and the product takes silu(gate) * up in its place."""
-    if x.dim() != 2 or w8.dim() != 2 or x.shape[1] != w8.shape[1] * (2 if gated else 1):
-        raise ValueError(f"fp8_linear_small_m: x {tuple(x.shape)} and w8 {tuple(w8.shape)} do not multiply"
+def _check_operands(fn: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> None:
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] * (2 if gated else 1):
+        raise ValueError(f"{fn}: x {tuple(x.shape)} and w {tuple(w.shape)} do not multiply"
                          + (" (gated: x holds gate and up, 2K columns)" if gated else ""))
-    if w8.dtype not in FP8_DTYPES:
-        raise TypeError(f"fp8_linear_small_m: w8 must be float8_e4m3fn, got {w8.dtype}")
-    m, k = x.shape[0], w8.shape[1]
-    n = w8.shape[0]
-    scale = w_scale.reshape(-1).float()
-    if scale.numel() == 1:
-        scale = scale.expand(n)
-    if scale.numel() != n:
-        raise ValueError(f"fp8_linear_small_m: w_scale has {w_scale.numel()} values for {n} output channels")
-    scale = scale.contiguous()
-    if bias is not None and bias.numel() != n:
-        raise ValueError(f"fp8_linear_small_m: bias has {bias.numel()} values for {n} output channels")
+    if bias is not None and bias.numel() != w.shape[0]:
+        raise ValueError(f"{fn}: bias has {bias.numel()} values for {w.shape[0]} output channels")
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+            config: GemvConfig | None, gated: bool) -> torch.Tensor:
+    m, n, k = x.shape[0], w.shape[0], w.shape[1]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    if w8.stride(1) != 1:
-        w8 = w8.contiguous()
-    cfg = config or pick_config(m, n, k, _sm_count(x.device))
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    cfg = config or pick_config(m, n, k, _sm_count(x.device), w.element_size())
     block_m = 16 if cfg.use_dot else triton.next_power_of_2(m)
     part = (torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device) if cfg.split_k > 1
             else out)
-    b = bias.contiguous() if bias is not None else scale  # a placeholder pointer when there is no bias
+    b = bias.contiguous() if bias is not None else None
+    # Placeholder pointers where there is no scale or bias (the constexprs keep them unread).
+    s_ptr = scale if scale is not None else (b if b is not None else out)
+    b_ptr = b if b is not None else s_ptr
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     _fp8_gemv_kernel[grid](
-        x, w8, scale, b, out, part, m, n, k, x.stride(0), w8.stride(0), out.stride(0),
-        GATED=gated, HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k, USE_DOT=cfg.use_dot,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        x, w, s_ptr, b_ptr, out, part, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+        GATED=gated, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
+        USE_DOT=cfg.use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         EVEN_N=n % cfg.block_n == 0, EVEN_K=k % (cfg.split_k * cfg.block_k) == 0,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -217,9 +227,36 @@ def fp8_linear_small_m(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
     if cfg.split_k > 1:
         block = min(1024, triton.next_power_of_2(n))
         _split_k_reduce_kernel[(triton.cdiv(n, block), m)](
-            part, scale, b, out, m, n, out.stride(0), HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
-            BLOCK=block)
+            part, s_ptr, b_ptr, out, m, n, out.stride(0), HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
+            SPLIT_K=cfg.split_k, BLOCK=block)
     return out
+
+
+def fp8_linear_small_m(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+                       bias: torch.Tensor | None = None, config: GemvConfig | None = None,
+                       gated: bool = False) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32) @ (w8 [N, K] fp8 * w_scale [N])^T + bias → [M, N] in x's dtype.
+    gated: x is [M, 2K] = cat(gate, up) and the product takes silu(gate) * up in its place."""
+    _check_operands("fp8_linear_small_m", x, w8, bias, gated)
+    if w8.dtype not in FP8_DTYPES:
+        raise TypeError(f"fp8_linear_small_m: w8 must be float8_e4m3fn, got {w8.dtype}")
+    n = w8.shape[0]
+    scale = w_scale.reshape(-1).float()
+    if scale.numel() == 1:
+        scale = scale.expand(n)
+    if scale.numel() != n:
+        raise ValueError(f"fp8_linear_small_m: w_scale has {w_scale.numel()} values for {n} output channels")
+    return _launch(x, w8, scale.contiguous(), bias, config, gated)
+
+
+def dense_linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                         config: GemvConfig | None = None, gated: bool = False) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T + bias → [M, N] in x's dtype, for an unquantized weight (bf16/fp16 served,
+    fp32 too for tests), fp32 accumulation; gated as in fp8_linear_small_m."""
+    _check_operands("dense_linear_small_m", x, w, bias, gated)
+    if w.dtype in FP8_DTYPES:
+        raise TypeError("dense_linear_small_m: an fp8 weight needs its scales (fp8_linear_small_m)")
+    return _launch(x, w, None, bias, config, gated)
 
 
 def fp8_linear_small_m_ref(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
@@ -239,6 +276,18 @@ def fp8_linear_small_m_ref(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Ten
 def small_m_max() -> int:
     """The largest M the dispatch sends to the GEMV (SHOAL_FP8_GEMV_MAX_M, default 16)."""
     return int(os.environ.get("SHOAL_FP8_GEMV_MAX_M", SMALL_M_MAX))
+
+
+def dense_small_m_max() -> int:
+    """The largest M the 16-bit weights' dispatch sends to the GEMV (SHOAL_DENSE_GEMV_MAX_M, default 1)."""
+    return int(os.environ.get("SHOAL_DENSE_GEMV_MAX_M", DENSE_M_MAX))
+
+
+def use_dense_small_m(x2: torch.Tensor, w: torch.Tensor, max_m: int) -> bool:
+    """Whether an unquantized linear should take the GEMV: CUDA, 1 <= M <= max_m, a bf16/fp16 weight and
+    activations of the same dtype (fp32 models keep cuBLAS: the GPU parity tests compare them bit-tight)."""
+    return (x2.is_cuda and 1 <= x2.shape[0] <= max_m and w.dtype in DENSE_DTYPES and x2.dtype == w.dtype
+            and w.is_cuda)
 
 
 def use_small_m(x2: torch.Tensor, w8: torch.Tensor, max_m: int | None = None) -> bool:

@@ -5,12 +5,14 @@ full checkpoint tensor, so a rank never materialises more than one full tensor a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from runtime.distributed import ParallelGroup
 from runtime.errors import WeightLoadError
+from runtime.layers.dense_gemm import DenseGemm
 
 
 def _check_shape(param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
@@ -36,6 +38,7 @@ class ColumnParallelLinear(nn.Module):
         if out_features % group.size:
             raise ValueError(f"output size {out_features} is not divisible by tp size {group.size}")
         self.group, self.gather_output = group, gather_output
+        self.gemm = DenseGemm.from_env()
         self.out_per_rank = out_features // group.size
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -50,7 +53,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.gemm(x, self.weight, self.bias)
         return self.group.all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -109,6 +112,7 @@ class RowParallelLinear(nn.Module):
         if in_features % group.size:
             raise ValueError(f"input size {in_features} is not divisible by tp size {group.size}")
         self.group, self.reduce_results = group, reduce_results
+        self.gemm = DenseGemm.from_env()
         self.weight = nn.Parameter(torch.empty(out_features, in_features // group.size, dtype=dtype),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -127,7 +131,16 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        return self._reduce(self.gemm(x, self.weight))
+
+    def forward_silu_mul(self, gate_up: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """self(act_fn(gate_up)) for the MLP's down projection, SiLU-and-mul folded into the GEMV's loads
+        where it serves (LlamaMLP calls it with the decode fusion on; FP8 swaps in its own). Elsewhere it
+        calls the module itself, so forward hooks see the input (Fp8Calibrator's prefill reads them)."""
+        y = self.gemm.silu_mul(gate_up, self.weight)
+        return self(act_fn(gate_up)) if y is None else self._reduce(y)
+
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
         if self.reduce_results:
             y = self.group.all_reduce(y)
         if self.bias is not None:

@@ -11,20 +11,25 @@ from benchmarks import bench_fp8_gemv
 
 def test_bench_fp8_gemv_smoke(tmp_path) -> None:
     out = tmp_path / "gemv.json"
-    bench_fp8_gemv.main(["--smoke", "--m", "1", "3", "--shapes", "o", "down", "--replays", "1",
+    bench_fp8_gemv.main(["--smoke", "--m", "1", "3", "--shapes", "o", "down", "lm_head", "--replays", "1",
                          "--output-file", str(out)])
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "fp8_gemv" and doc["device"].startswith("cpu")
-    assert set(doc["results"]["shapes"]) == {"o", "down"}
+    assert set(doc["results"]["shapes"]) == {"o", "down", "lm_head"}
     for shape in doc["results"]["shapes"].values():
         for m in ("1", "3"):
             row = shape["by_m"][m]
             assert row["fp8_gemv"]["max_rel_err_vs_w8a16_ref"] < 1e-5
             assert row["bf16_matmul"]["max_rel_err_vs_w8a16_ref"] < 0.1  # unquantized weights
             assert 0 < row["w8a8_scaled_mm"]["max_rel_err_vs_w8a16_ref"] < 0.1
-            assert all(row[k]["GB_s"] > 0 for k in ("bf16_matmul", "w8a8_scaled_mm", "fp8_gemv"))
+            # the dense GEMV on the same unquantized weights: the matmul's result up to summation order
+            assert abs(row["dense_gemv"]["max_rel_err_vs_w8a16_ref"] - row["bf16_matmul"]["max_rel_err_vs_w8a16_ref"]) < 1e-4
+            assert all(row[k]["GB_s"] > 0 for k in bench_fp8_gemv.METHODS)
     summary = doc["results"]["summary"]
     assert summary["m1_fp8_gemv_32layers_ms"] > 0 and summary["m3_w8a8_scaled_mm_32layers_ms"] > 0
+    shapes = doc["results"]["shapes"]  # 32 layers of o and down, the LM head once
+    want = sum(n * shapes[s]["by_m"]["1"]["dense_gemv"]["us"] for s, n in (("o", 32), ("down", 32), ("lm_head", 1)))
+    assert abs(summary["m1_dense_gemv_32layers_ms"] - want / 1e3) < 1e-9
 
 
 def test_sweep_configs_are_valid() -> None:

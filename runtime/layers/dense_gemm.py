@@ -1,0 +1,33 @@
+"""DenseGemm: y = x W^T (+ b) for an unquantized weight, sending decode-sized M on CUDA to the Triton GEMV
+(kernels/fp8_gemv.dense_linear_small_m) and everything else to F.linear. Layers build one at load
+(SHOAL_DENSE_GEMV_MAX_M read once, so a captured CUDA graph never mixes the paths)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.fp8_gemv import dense_linear_small_m, dense_small_m_max, use_dense_small_m
+
+
+@dataclass(frozen=True, slots=True)
+class DenseGemm:
+    max_m: int  # the GEMV serves 1 <= M <= max_m; 0: never
+
+    @classmethod
+    def from_env(cls) -> DenseGemm:
+        return cls(max_m=dense_small_m_max())
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.max_m > 0 and x.dim() == 2 and use_dense_small_m(x, weight, self.max_m):
+            return dense_linear_small_m(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    def silu_mul(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up @ W^T in one launch where the GEMV serves (the same bits as SiluAndMul then the
+        GEMV); None elsewhere, and the caller runs the two steps."""
+        if self.max_m > 0 and gate_up.dim() == 2 and use_dense_small_m(gate_up, weight, self.max_m):
+            return dense_linear_small_m(gate_up, weight, gated=True)
+        return None
