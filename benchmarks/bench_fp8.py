@@ -81,6 +81,8 @@ def run_mode(args: argparse.Namespace, kind: str, mode: str, tmp: Path) -> dict[
     res = json.loads(out.read_text())["results"]
     res["wall_s"] = time.perf_counter() - t0
     res["kv_pool_log"] = capacity[-2:]
+    if res.get("failed_requests"):
+        res["log_tail"] = log[-3000:]
     return res
 
 

@@ -123,6 +123,9 @@ def run_throughput(engine: Any, args: argparse.Namespace, config: dict[str, Any]
     n_in = sum(o["usage"]["prompt_tokens"] for o in outs)
     n_out = sum(o["usage"]["completion_tokens"] for o in outs)
     short = sum(1 for o, p in zip(outs, params, strict=True) if o["usage"]["completion_tokens"] != p["max_new_tokens"])
+    errors = [o["error"] for o in outs if o.get("error")]
+    if errors:  # a failed request is not a fast one: say so where the numbers are read
+        print(f"bench_offline: {len(errors)} of {len(outs)} requests failed; first: {errors[0]}", file=sys.stderr)
     return {
         "num_prompts": len(prompts), "duration_s": duration,
         "request_throughput": len(prompts) / duration,
@@ -131,6 +134,7 @@ def run_throughput(engine: Any, args: argparse.Namespace, config: dict[str, Any]
         "total_input_tokens": n_in, "total_output_tokens": n_out,
         "cached_tokens": sum(o["usage"].get("cached_tokens", 0) for o in outs),
         "requests_with_wrong_output_len": short,
+        "failed_requests": len(errors), "first_error": errors[0] if errors else None,
         "forward_modes": modes,
         # Share of the run the device sat idle between batches (CUDA events; None on CPU).
         "device_idle_fraction": max(0.0, 1.0 - busy / duration) if busy > 0 else None,

@@ -38,7 +38,10 @@ class LogitsProcessor:
         if fb.forward_mode.is_decode() and self.skip_decode_gather and not any(fb.return_input_logprob):
             # One new token per request: every row is a last token, so hidden[last] would be a copy of
             # hidden (three launches in the decode graph).
-            return LogitsOutput(self.compute_logits(hidden).float())
+            logits = self.compute_logits(hidden)
+            if fb.logits_out is not None:  # the fp32 cast writes straight into the caller's buffer
+                return LogitsOutput(fb.logits_out[: logits.shape[0]].copy_(logits))
+            return LogitsOutput(logits.float())
         last = fb.extend_start_loc + fb.extend_seq_lens - 1
         logits = self.compute_logits(hidden[last]).float()
         if not any(fb.return_input_logprob):

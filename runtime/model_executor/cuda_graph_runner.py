@@ -61,6 +61,10 @@ class CudaGraphRunner:
         self.start_locs = {m: torch.arange(self.max_bs, dtype=torch.int64, device=dev) * k for m, k in self.modes.items()}
         self.graphs: dict[tuple[ForwardMode, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[ForwardMode, int], torch.Tensor] = {}
+        # Every DECODE graph writes its fp32 logits into rows of this one buffer (replays run one at a time);
+        # a graph's own output would stay allocated per batch size (8 GB over 512 sizes at 128k vocab).
+        self.decode_logits = torch.empty((self.max_bs if ForwardMode.DECODE in self.modes else 0,
+                                          runner.model_config.vocab_size), dtype=torch.float32, device=dev)
         self.pool = None
         self.stage_in_one = decode_fusion_enabled()  # the replay's input copies in one launch
         if self.enabled:
@@ -81,6 +85,7 @@ class CudaGraphRunner:
             extend_seq_lens_cpu=[n] * bs, extend_start_loc_cpu=list(range(0, bs * n, n)),
             seq_lens_sum=fill * bs, extend_num_tokens=bs * n,
             req_to_token_pool=r.req_to_token_pool, token_to_kv_pool=r.token_to_kv_pool, attn_backend=self.backend,
+            logits_out=self.decode_logits[:bs] if mode.is_decode() else None,
         )
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:

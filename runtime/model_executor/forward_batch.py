@@ -42,6 +42,9 @@ class ForwardBatch:
     return_input_logprob: list[bool] = field(default_factory=list)
     input_top_logprobs_nums: list[int] = field(default_factory=list)
     global_num_tokens: list[int] | None = None
+    # Where a DECODE's fp32 logits go (a captured graph's rows of CudaGraphRunner's one shared buffer: each
+    # graph keeping its own output held ~8 GB at 512 captured batch sizes of a 128k vocabulary); None: new.
+    logits_out: torch.Tensor | None = None
 
     @classmethod
     def init_new(cls, batch: WorkerBatch, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool,

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, ctx: ParallelContext):
+    def __init__(self, cfg: ModelConfig, layer_id: int, ctx: ParallelContext, rotary: RotaryEmbedding):
         super().__init__()
         dt, hd = cfg.dtype, cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, hd, cfg.num_attention_heads, cfg.num_key_value_heads,
@@ -35,7 +35,7 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size, self.head_dim = self.num_heads * hd, self.num_kv_heads * hd, hd
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, cfg.hidden_size, False, ctx.attn, dtype=dt)
-        self.rotary_emb = RotaryEmbedding(hd, cfg.max_position_embeddings, cfg.rope)
+        self.rotary_emb = rotary  # one table for every layer (Llama 3.1's 131072 positions: 64 MB each)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, hd, hd**-0.5,
@@ -60,17 +60,18 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        # An FP8 down projection (fp8_linear) can fold the activation into its decode GEMV.
-        if self.fuse_act and hasattr(self.down_proj, "forward_silu_mul"):
+        # The down projection folds the activation into its decode GEMV where one serves (bf16 at M = 1,
+        # FP8 up to M = 16) and into FP8's activation quantize above.
+        if self.fuse_act:
             return self.down_proj.forward_silu_mul(gate_up, self.act_fn)
         return self.down_proj(self.act_fn(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, ctx: ParallelContext):
+    def __init__(self, cfg: ModelConfig, layer_id: int, ctx: ParallelContext, rotary: RotaryEmbedding):
         super().__init__()
         self.ctx = ctx
-        self.self_attn = LlamaAttention(cfg, layer_id, ctx)
+        self.self_attn = LlamaAttention(cfg, layer_id, ctx, rotary)
         self.mlp = LlamaMLP(cfg, ctx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
@@ -90,7 +91,8 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.vocab, cfg.dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ctx) for i in range(cfg.num_hidden_layers))
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ctx, rotary) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
 
     def forward(self, input_ids, positions, fb: ForwardBatch) -> torch.Tensor:

@@ -1,0 +1,41 @@
+"""Two memory rules of the decode path: a DECODE's logits go into the caller's buffer when one is given
+(CudaGraphRunner's one shared buffer; each captured graph holding its own output cost ~8 GB at 512 batch
+sizes of a 128k vocabulary on an H100), with the same values as the fresh fp32 tensor; and one rotary
+table serves every layer of a Llama/Qwen model (Llama 3.1's 131072 positions are 64 MB a table)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from runtime.layers.logits import LogitsProcessor
+from runtime.model_executor.forward_mode import ForwardMode
+
+
+def _fb(bs: int, logits_out: torch.Tensor | None) -> SimpleNamespace:
+    return SimpleNamespace(batch_size=bs, forward_mode=ForwardMode.DECODE, return_input_logprob=[False] * bs,
+                           logits_out=logits_out, extend_start_loc=torch.arange(bs), extend_seq_lens=torch.ones(bs, dtype=torch.long))
+
+
+def test_decode_logits_land_in_the_given_buffer() -> None:
+    w = torch.randn(50, 16, dtype=torch.bfloat16)
+    proc = LogitsProcessor(lambda h: h @ w.t())
+    hidden = torch.randn(3, 16, dtype=torch.bfloat16)
+    fresh = proc(hidden, torch.zeros(3, dtype=torch.long), _fb(3, None)).next_token_logits
+    buf = torch.full((8, 50), float("nan"))
+    out = proc(hidden, torch.zeros(3, dtype=torch.long), _fb(3, buf[:3])).next_token_logits
+    assert out.dtype == torch.float32 and out.data_ptr() == buf.data_ptr()
+    assert torch.equal(out, fresh) and torch.equal(buf[:3], fresh) and buf[3:].isnan().all()
+
+
+def test_one_rotary_table_for_all_layers(tiny_model_dirs) -> None:
+    from runtime.distributed import ParallelGroup
+    from runtime.model_config import ModelConfig
+    from runtime.models.llama import LlamaForCausalLM
+    from runtime.models.parallel_context import ParallelContext
+
+    cfg = ModelConfig.from_pretrained(tiny_model_dirs["llama"])
+    model = LlamaForCausalLM(cfg, ParallelContext.tensor_parallel(ParallelGroup.single()))
+    tables = {id(layer.self_attn.rotary_emb.cos_sin_cache) for layer in model.model.layers}
+    assert len(model.model.layers) > 1 and len(tables) == 1
