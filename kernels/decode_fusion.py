@@ -7,7 +7,10 @@ projection's (kernels/fp8_act_quant.py; SHOAL_FP8_ACT_QUANT=0 turns only that on
 graph, the overlap scheduler's placeholder ids resolved in one launch (kernels/future_tokens.py) and the
 replay's input copies and padded-row resets in one launch (kernels/graph_inputs.py)).
 
-Every fusion is exact (the same bits as the unfused kernels), so the switch exists to measure them:
+Every fusion is exact (the same bits as the unfused kernels, each tested so), so the switch exists to
+measure them (one open exception: with a rotated FP8 pool, Engine runs with the switch on and off drift
+apart by a rare last bit, though the fused kernel matches its three launches alone; see
+tests/gpu/test_gpu_kv_rotation.py):
 SHOAL_DECODE_FUSION=0 restores the unfused launches, and benchmarks/profile_decode.py runs both in one
 go. Layers read it once, when they are built, so a captured CUDA graph never mixes the two."""
 
