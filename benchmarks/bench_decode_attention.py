@@ -14,6 +14,7 @@ choice of kernel could save, and where each loses (long contexts at small batch)
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -133,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     torch.cuda.empty_cache()
     if args.output_file:
         write_result(args.output_file, "decode_attention", results, vars(args),
-                     argv=["benchmarks/bench_decode_attention.py", *(argv if argv is not None else [])])
+                     argv=["benchmarks/bench_decode_attention.py", *(argv if argv is not None else sys.argv[1:])])
     return results
 
 

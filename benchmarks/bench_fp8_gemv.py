@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -179,8 +180,9 @@ def summarize(shapes: dict[str, Any], ms: list[int]) -> dict[str, Any]:
             out[f"m{m}_{method}_32layers_ms"] = sum(
                 (LAYERS if name in LAYER_SHAPES else 1) * s["by_m"][m][method]["us"] for name, s in shapes.items()) / 1e3
         if all("sweep_best" in s["by_m"][m] for s in shapes.values()):
-            out[f"m{m}_fp8_gemv_sweep_best_32layers_ms"] = LAYERS * sum(
-                s["by_m"][m]["sweep_best"].get("us", math.nan) for s in shapes.values()) / 1e3
+            out[f"m{m}_fp8_gemv_sweep_best_32layers_ms"] = sum(
+                (LAYERS if name in LAYER_SHAPES else 1) * s["by_m"][m]["sweep_best"].get("us", math.nan)
+                for name, s in shapes.items()) / 1e3
     fp8_bytes = sum((LAYERS if name in LAYER_SHAPES else 1) * s["weight_bytes_fp8"] for name, s in shapes.items())
     out["fp8_weight_bytes_32layers"] = fp8_bytes
     return out
@@ -214,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         write_result(args.output_file, "fp8_gemv", results,
                      {"m": args.m, "sweep": args.sweep, "replays": args.replays, "smoke": args.smoke,
                       "shapes": {s: shapes_in[s] for s in args.shapes}, "rotate_bytes": ROTATE_BYTES},
-                     argv=["benchmarks/bench_fp8_gemv.py", *(argv if argv is not None else [])])
+                     argv=["benchmarks/bench_fp8_gemv.py", *(argv if argv is not None else sys.argv[1:])])
     return results
 
 

@@ -21,10 +21,10 @@ gated=True takes the MLP's fused gate_up output [M, 2K] and multiplies silu(gate
 rounded to x's dtype, exactly as kernels/activation.py stores it) as it loads each x tile: the down
 projection without the SiLU-and-mul launch (kernels/decode_fusion.py), the same bits as the two kernels.
 
-bf16/fp16 weights (no scale): at M = 1 cuBLAS picks GEMV-like kernels that reach 1.6-2.9 TB/s on an
-H100 (o_proj's 4096x4096 the worst, plus a split-K reduce launch for qkv and down); this kernel with one
-16 KB weight tile per step (block_n 8, block_k 1024) streams every Llama-8B shape at 2.5-3.1 TB/s, 9%
-less time over a decode step's linears and the LM head (benchmarks/bench_fp8_gemv.py --dense). It
+bf16/fp16 weights (no scale): at M = 1 cuBLAS reaches 2.2-2.9 TB/s on an H100 (o_proj's 4096x4096 the
+slowest, plus a split-K reduce launch for qkv and down); this kernel with one 16 KB weight tile per step
+(block_n 8, block_k 1024) streams every Llama-8B shape at 2.5-3.2 TB/s: 7% less time over a decode step's
+linears and the LM head (benchmarks/bench_fp8_gemv.py, its dense_gemv rows). It
 changes the summation order against cuBLAS (not its bits), so it is a kernel choice, not a decode
 fusion: SHOAL_DENSE_GEMV_MAX_M (default 1; 0 turns it off) bounds the M it serves.
 
@@ -172,8 +172,9 @@ def pick_config(m: int, n: int, k: int, sm_count: int = _SM_COUNT_DEFAULT, weigh
     """The config for one shape. HBM latency needs ~16-32 KB of loads in flight per SM, so the weight tile
     stays ~4-8 KB and N is cut into >= 3 blocks per SM (narrower blocks before split-K, whose second
     kernel costs a launch); multiply + sum for M <= 4, tl.dot (M padded to 16, pipelined) above.
-    16-bit weights (weight_bytes 2) keep the 8-row, 8192-element tile (16 KB): within 2% of the best of a
-    sweep on every Llama-8B shape, TP=2 halves included, on an H100."""
+    16-bit weights (weight_bytes 2) keep the 8-row, 8192-element tile (16 KB): within 2% of the best of an
+    H100 sweep (block_n 4-32, block_k 256-1024, split-K, warps, stages; an uncommitted experiment) on every
+    Llama-8B shape, TP=2 halves included."""
     if m <= 4:
         block_n = 16 if weight_bytes == 1 and triton.cdiv(n, 16) >= 3 * sm_count else 8
         block_k = (8192 // block_n) // triton.next_power_of_2(m)  # a [BLOCK_M, BLOCK_N, BLOCK_K] fp32 tile

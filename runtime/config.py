@@ -66,6 +66,8 @@ class ServerArgs:
     init_new_token_ratio: float = _opt(0.7, "initial estimate of the share of max_new_tokens a request still needs")
     min_new_token_ratio: float = _opt(0.1, "floor of that estimate")
     new_token_ratio_decay: float = _opt(0.001, "per-step decay of the estimate")
+    retract_ratio_growth: float = _opt(1.0, "after a retraction the estimate's floor rises to this many times "
+                                       "the estimate that over-admitted (decaying 10x slower); 1: off (Shoal's own)")
     # Execution
     attention_backend: str = _opt("auto", "attention backend", ("auto", "torch_native", "triton", "flashinfer"))
     disable_cuda_graph: bool = _opt(False, "never capture CUDA graphs")
@@ -152,6 +154,8 @@ class ServerArgs:
             raise ServerArgsError("--balance-abs-threshold", f"must be >= 0, got {self.balance_abs_threshold}")
         if not 0 < self.port < 65536:
             raise ServerArgsError("--port", f"must be in 1..65535, got {self.port}")
+        if not self.retract_ratio_growth >= 1.0:  # NaN too
+            raise ServerArgsError("--retract-ratio-growth", f"must be >= 1 (1 turns it off), got {self.retract_ratio_growth}")
         if not 0.0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0:
             raise ServerArgsError("--min-new-token-ratio", "need 0 <= min ratio <= init ratio <= 1")
         for f in dataclasses.fields(self):

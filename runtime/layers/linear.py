@@ -137,7 +137,8 @@ class RowParallelLinear(nn.Module):
         """self(act_fn(gate_up)) for the MLP's down projection, SiLU-and-mul folded into the GEMV's loads
         where it serves (LlamaMLP calls it with the decode fusion on; FP8 swaps in its own). Elsewhere it
         calls the module itself, so forward hooks see the input (Fp8Calibrator's prefill reads them)."""
-        y = self.gemm.silu_mul(gate_up, self.weight)
+        # Hooked (Fp8Calibrator's prefill): through the module call, whatever M, so the hooks see the input.
+        y = None if self._forward_pre_hooks else self.gemm.silu_mul(gate_up, self.weight)
         return self(act_fn(gate_up)) if y is None else self._reduce(y)
 
     def _reduce(self, y: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,9 @@ class LogitsProcessor:
                 return LogitsOutput(fb.logits_out[: logits.shape[0]].copy_(logits))
             return LogitsOutput(logits.float())
         last = fb.extend_start_loc + fb.extend_seq_lens - 1
+        if fb.logits_out is not None and not any(fb.return_input_logprob):  # the fusion-off DECODE graphs
+            logits = self.compute_logits(hidden[last])
+            return LogitsOutput(fb.logits_out[: logits.shape[0]].copy_(logits))
         logits = self.compute_logits(hidden[last]).float()
         if not any(fb.return_input_logprob):
             return LogitsOutput(logits)

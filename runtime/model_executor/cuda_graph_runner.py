@@ -62,8 +62,10 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[ForwardMode, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[ForwardMode, int], torch.Tensor] = {}
         # Every DECODE graph writes its fp32 logits into rows of this one buffer (replays run one at a time);
-        # a graph's own output would stay allocated per batch size (8 GB over 512 sizes at 128k vocab).
-        self.decode_logits = torch.empty((self.max_bs if ForwardMode.DECODE in self.modes else 0,
+        # a graph's own output would stay allocated per captured size (8 GB over the sizes up to 512 at a
+        # 128k vocabulary). TARGET_VERIFY graphs still keep their own (model dtype, bs * (K + 1) rows): a
+        # large --cuda-graph-max-bs with speculative decoding costs that memory.
+        self.decode_logits = torch.empty((self.max_bs if self.enabled and ForwardMode.DECODE in self.modes else 0,
                                           runner.model_config.vocab_size), dtype=torch.float32, device=dev)
         self.pool = None
         self.stage_in_one = decode_fusion_enabled()  # the replay's input copies in one launch

@@ -43,7 +43,7 @@ class ForwardBatch:
     input_top_logprobs_nums: list[int] = field(default_factory=list)
     global_num_tokens: list[int] | None = None
     # Where a DECODE's fp32 logits go (a captured graph's rows of CudaGraphRunner's one shared buffer: each
-    # graph keeping its own output held ~8 GB at 512 captured batch sizes of a 128k vocabulary); None: new.
+    # graph keeping its own output held ~8 GB over the captured sizes up to 512 at a 128k vocabulary); None: new.
     logits_out: torch.Tensor | None = None
 
     @classmethod

@@ -5,8 +5,8 @@ Why: a weight column's rounding error reaches the output scaled by that column's
 error E|(W - Q(W)) x|^2 is, to a diagonal approximation, sum_k E[x_k^2] (w_k - q(w_k))^2; the scale search
 (runtime/layers/fp8_weight_scales.py) weighs columns by E[x_k^2] instead of equally. The prefill is the KV
 calibrator's chat-templated text (KVCalibrator.calibration_ids), run by KVCalibrator's pool-free forward;
-hooks read every projection's input on the way (the down projection's is SiLU(gate) * up: the MLP takes
-the unfused path until the FP8 forwards are swapped in). Under TP a row-parallel rank sees its own columns."""
+hooks read every projection's input on the way (the down projection's is SiLU(gate) * up:
+RowParallelLinear.forward_silu_mul takes the module call while a hook is on it). Under TP a row-parallel rank sees its own columns."""
 
 from __future__ import annotations
 

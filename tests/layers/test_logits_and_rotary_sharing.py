@@ -1,6 +1,6 @@
 """Two memory rules of the decode path: a DECODE's logits go into the caller's buffer when one is given
-(CudaGraphRunner's one shared buffer; each captured graph holding its own output cost ~8 GB at 512 batch
-sizes of a 128k vocabulary on an H100), with the same values as the fresh fp32 tensor; and one rotary
+(CudaGraphRunner's one shared buffer; each captured graph holding its own output cost ~8 GB over the
+captured sizes up to 512 at a 128k vocabulary on an H100), with or without the decode gather, with the same values as the fresh fp32 tensor; and one rotary
 table serves every layer of a Llama/Qwen model (Llama 3.1's 131072 positions are 64 MB a table)."""
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ def test_decode_logits_land_in_the_given_buffer() -> None:
     out = proc(hidden, torch.zeros(3, dtype=torch.long), _fb(3, buf[:3])).next_token_logits
     assert out.dtype == torch.float32 and out.data_ptr() == buf.data_ptr()
     assert torch.equal(out, fresh) and torch.equal(buf[:3], fresh) and buf[3:].isnan().all()
+    proc.skip_decode_gather = False  # SHOAL_DECODE_FUSION=0: the gather path fills the buffer too
+    buf.fill_(float("nan"))
+    out = proc(hidden, torch.zeros(3, dtype=torch.long), _fb(3, buf[:3])).next_token_logits
+    assert out.data_ptr() == buf.data_ptr() and torch.equal(out, fresh)
 
 
 def test_one_rotary_table_for_all_layers(tiny_model_dirs) -> None:

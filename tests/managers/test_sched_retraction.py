@@ -4,8 +4,13 @@ the queue and are re-prefilled later; every request still ends with the tokens i
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from runtime.managers.retract import Retractor
 
 PARAMS = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
 
@@ -87,3 +92,53 @@ def test_seeded_sampling_survives_retraction(make_engine, tiny_llama):
     got = [o["output_ids"] for o in tight.generate(input_ids=workload(), sampling_params=params)]
     assert tight.get_stats().retractions > 0
     assert got == expected
+
+
+def _retractor(**kw: float) -> Retractor:
+    from runtime.config import ServerArgs
+    from runtime.managers.retract import Retractor
+
+    return Retractor(ServerArgs(model_path="unused", **kw))
+
+
+def _running(n: int, decoded: int, max_new: int) -> list[SimpleNamespace]:
+    return [SimpleNamespace(output_ids=[0] * decoded, params=SimpleNamespace(max_new_tokens=max_new))
+            for _ in range(n)]
+
+
+def test_a_retraction_raises_the_floor_the_estimate_decays_to() -> None:
+    """The estimate that over-admitted (0.1 at the floor) is doubled into a floor that then decays 10x
+    slower than the estimate; idle resets both. Growth 1 keeps SGLang's rule (decay back to the min)."""
+    r = _retractor(retract_ratio_growth=2.0)
+    for _ in range(1000):
+        r.on_decode_step()
+    assert r.ratio == pytest.approx(0.1)
+    r.after_retract(_running(4, decoded=10, max_new=1000))  # SGLang's estimate: (10 + 20) / 1000 = 0.03
+    assert r.floor == pytest.approx(0.2) and r.ratio == pytest.approx(0.2)
+    for _ in range(100):
+        r.on_decode_step()
+    assert r.floor == pytest.approx(0.2 - 100 * 0.001 / 10) and r.ratio == pytest.approx(r.floor)
+    r.after_retract(_running(4, decoded=10, max_new=1000))  # a second proof: doubled again
+    assert r.floor == pytest.approx(2 * (0.2 - 0.01))
+    for _ in range(3):  # capped at 1
+        r.after_retract(_running(4, decoded=10, max_new=1000))
+    assert r.floor == 1.0 and r.ratio == 1.0
+    r.on_idle()
+    assert (r.ratio, r.floor) == (pytest.approx(0.7), pytest.approx(0.1))
+
+    old = _retractor()  # the default, 1: off
+    for _ in range(1000):
+        old.on_decode_step()
+    old.after_retract(_running(4, decoded=400, max_new=1000))  # (400 + 20) / 1000
+    assert old.ratio == pytest.approx(0.42) and old.floor == pytest.approx(0.1)
+    for _ in range(1000):
+        old.on_decode_step()
+    assert old.ratio == pytest.approx(0.1)
+
+
+def test_growth_below_one_is_refused() -> None:
+    from runtime.config import ServerArgs
+    from runtime.errors import ServerArgsError
+
+    with pytest.raises(ServerArgsError, match="retract-ratio-growth"):
+        ServerArgs(model_path="unused", retract_ratio_growth=0.5)
