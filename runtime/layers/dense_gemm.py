@@ -20,14 +20,13 @@ class DenseGemm:
     def from_env(cls) -> DenseGemm:
         return cls(max_m=dense_small_m_max())
 
+    def serves(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return self.max_m > 0 and x.dim() == 2 and use_dense_small_m(x, weight, self.max_m)
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.max_m > 0 and x.dim() == 2 and use_dense_small_m(x, weight, self.max_m):
-            return dense_linear_small_m(x, weight, bias)
-        return F.linear(x, weight, bias)
+        return dense_linear_small_m(x, weight, bias) if self.serves(x, weight) else F.linear(x, weight, bias)
 
     def silu_mul(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up @ W^T in one launch where the GEMV serves (the same bits as SiluAndMul then the
         GEMV); None elsewhere, and the caller runs the two steps."""
-        if self.max_m > 0 and gate_up.dim() == 2 and use_dense_small_m(gate_up, weight, self.max_m):
-            return dense_linear_small_m(gate_up, weight, gated=True)
-        return None
+        return dense_linear_small_m(gate_up, weight, gated=True) if self.serves(gate_up, weight) else None

@@ -135,9 +135,8 @@ class RowParallelLinear(nn.Module):
 
     def forward_silu_mul(self, gate_up: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """self(act_fn(gate_up)) for the MLP's down projection, SiLU-and-mul folded into the GEMV's loads
-        where it serves (LlamaMLP calls it with the decode fusion on; FP8 swaps in its own). Elsewhere it
-        calls the module itself, so forward hooks see the input (Fp8Calibrator's prefill reads them)."""
-        # Hooked (Fp8Calibrator's prefill): through the module call, whatever M, so the hooks see the input.
+        where it serves (LlamaMLP calls it with the decode fusion on; FP8 swaps in its own). Elsewhere, and
+        whenever a forward hook is on (Fp8Calibrator's prefill reads the input), it calls the module itself."""
         y = None if self._forward_pre_hooks else self.gemm.silu_mul(gate_up, self.weight)
         return self(act_fn(gate_up)) if y is None else self._reduce(y)
 

@@ -35,19 +35,17 @@ class LogitsProcessor:
             # Model dtype: bs * (K + 1) rows of fp32 would be a large extra write; the greedy verify takes
             # the argmax as is and the Sampler widens to fp32 itself (exactly: the same values).
             return LogitsOutput(self.compute_logits(hidden))
-        if fb.forward_mode.is_decode() and self.skip_decode_gather and not any(fb.return_input_logprob):
+        want_input = any(fb.return_input_logprob)
+        if fb.forward_mode.is_decode() and self.skip_decode_gather and not want_input:
             # One new token per request: every row is a last token, so hidden[last] would be a copy of
             # hidden (three launches in the decode graph).
             logits = self.compute_logits(hidden)
-            if fb.logits_out is not None:  # the fp32 cast writes straight into the caller's buffer
-                return LogitsOutput(fb.logits_out[: logits.shape[0]].copy_(logits))
-            return LogitsOutput(logits.float())
-        last = fb.extend_start_loc + fb.extend_seq_lens - 1
-        if fb.logits_out is not None and not any(fb.return_input_logprob):  # the fusion-off DECODE graphs
-            logits = self.compute_logits(hidden[last])
+        else:
+            logits = self.compute_logits(hidden[fb.extend_start_loc + fb.extend_seq_lens - 1])
+        if fb.logits_out is not None and not want_input:  # the fp32 cast writes into the caller's buffer
             return LogitsOutput(fb.logits_out[: logits.shape[0]].copy_(logits))
-        logits = self.compute_logits(hidden[last]).float()
-        if not any(fb.return_input_logprob):
+        logits = logits.float()
+        if not want_input:
             return LogitsOutput(logits)
         tops_nums = fb.input_top_logprobs_nums or [0] * fb.batch_size
         input_logprobs: list[list[float]] = []
