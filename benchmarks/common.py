@@ -8,6 +8,7 @@ import datetime as dt
 import importlib.metadata
 import json
 import math
+import os
 import platform
 import random
 import shlex
@@ -170,6 +171,8 @@ def run_metadata(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "versions": package_versions(),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join([Path(sys.executable).name, *args]),
+        # Switches read from the environment (SHOAL_PDL, SHOAL_FP8_DECODE, ...) change what a run measures.
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SHOAL_")},
         "host": platform.node(),
     }
 

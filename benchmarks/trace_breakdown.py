@@ -8,8 +8,14 @@ the trace lack those, as any correlation id shared by GRAPH_MIN_KERNELS or more 
 runs one kernel). Step i is the device timeline from the first
 kernel of replay i to the first kernel of replay i + 1: the graph, and everything the host put on the
 stream between the two (input copies, the token-table write, sampling, the token copy to the host).
-Its wall time minus the summed duration of the kernels/copies in it is the gap: device idle time, which
-is host launch latency or the host falling behind."""
+Its wall time minus the time some kernel/copy in it runs is the gap: device idle time, which is host launch
+latency or the host falling behind.
+
+Kernels may overlap (programmatic dependent launch, kernels/pdl.py: a kernel starts, and waits, while the one
+before it is still running), so each kernel is charged only its exposed time: from the later of its start
+and the end of everything that started before it, to its end. An instant run by two kernels counts once,
+for the one that started first (the one the other is waiting on); the categories sum to busy_ms, the
+union of the kernels' intervals, and overlap_ms is the summed duration that was hidden that way."""
 
 from __future__ import annotations
 
@@ -101,8 +107,9 @@ def graph_replays(ops: Sequence[DeviceOp], graph_corr: set[int]) -> list[Replay]
 class StepBreakdown:
     steps: int = 0
     step_ms: float = 0.0  # mean device-timeline period of a step
-    busy_ms: float = 0.0  # summed kernel/copy time per step
+    busy_ms: float = 0.0  # time per step some kernel/copy runs (overlaps counted once)
     gap_ms: float = 0.0  # step_ms - busy_ms: the device idle
+    overlap_ms: float = 0.0  # kernel time per step hidden under an earlier-started kernel (PDL)
     graph_ms: float = 0.0  # first to last kernel of the replay
     kernels_per_step: float = 0.0
     graph_kernels_per_replay: list[int] = field(default_factory=list)  # distinct counts seen (one expected)
@@ -130,7 +137,7 @@ def breakdown(events: Sequence[dict[str, Any]], steps: int | None = None, drop_l
     cat_ms: dict[str, float] = defaultdict(float)
     cat_count: dict[str, int] = defaultdict(int)
     per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    busy = period = graph = 0.0
+    busy = period = graph = overlap = 0.0
     count = 0
     j = 0
     for rep, stop in windows:
@@ -138,9 +145,13 @@ def breakdown(events: Sequence[dict[str, Any]], steps: int | None = None, drop_l
         graph += rep.end - rep.start
         while j < len(ops) and ops[j].ts < rep.start:
             j += 1
+        covered = rep.start  # the device is accounted for up to here
         while j < len(ops) and ops[j].ts < stop:
             op = ops[j]
-            dur = min(op.dur, stop - op.ts)
+            end = min(op.ts + op.dur, stop)
+            dur = max(0.0, end - max(op.ts, covered))
+            overlap += max(0.0, end - op.ts) - dur
+            covered = max(covered, end)
             cat = classify_kernel(op.name)
             cat_ms[cat] += dur
             cat_count[cat] += 1
@@ -150,7 +161,7 @@ def breakdown(events: Sequence[dict[str, Any]], steps: int | None = None, drop_l
             count += 1
             j += 1
     out = StepBreakdown(steps=n, step_ms=period / n / 1e3, busy_ms=busy / n / 1e3, graph_ms=graph / n / 1e3,
-                        kernels_per_step=count / n,
+                        overlap_ms=overlap / n / 1e3, kernels_per_step=count / n,
                         graph_kernels_per_replay=sorted({rep.kernels for rep, _ in windows}))
     out.gap_ms = out.step_ms - out.busy_ms
     out.categories = {c: {"ms": cat_ms[c] / n / 1e3, "count": cat_count[c] / n} for c in CATEGORIES if cat_count[c]}
@@ -175,6 +186,7 @@ def format_table(rows: dict[str, StepBreakdown], decode_ms: dict[str, float] | N
     row("step ms (trace)", [f"{rows[n].step_ms:.3f}" for n in names])
     row("kernel busy ms", [f"{rows[n].busy_ms:.3f}" for n in names])
     row("gaps ms", [f"{rows[n].gap_ms:.3f}" for n in names])
+    row("overlapped ms", [f"{rows[n].overlap_ms:.3f}" for n in names])
     row("kernels / step", [f"{rows[n].kernels_per_step:.0f}" for n in names])
     for cat in CATEGORIES:
         if any(cat in rows[n].categories for n in names):

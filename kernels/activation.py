@@ -7,9 +7,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, pdl_enabled
+
 
 @triton.jit
-def _silu_and_mul_kernel(X, Out, stride_x, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(X, Out, stride_x, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER
@@ -34,7 +40,9 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         return out
     block = min(1024, triton.next_power_of_2(inter))
     grid = (x2.shape[0], triton.cdiv(inter, block))
-    _silu_and_mul_kernel[grid](x2, out2, x2.stride(0), out2.stride(0), INTER=inter, BLOCK=block)
+    pdl = pdl_enabled(x2)
+    _silu_and_mul_kernel[grid](x2, out2, x2.stride(0), out2.stride(0), INTER=inter, BLOCK=block, USE_PDL=pdl,
+                               **launch_options(pdl))
     return out
 
 

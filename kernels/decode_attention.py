@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, pdl_enabled
+
 # Chunks are rounded up to this many tokens so short sequences do not get split into tiny pieces.
 _MIN_BLOCK_KV = 32
 # tl.dot needs at least 16 rows on tensor cores; smaller GQA groups are padded up to it with masked rows.
@@ -67,7 +69,11 @@ def _decode_stage1_kernel(
     WINDOW: tl.constexpr,
     KV_FP8: tl.constexpr,
     FUSE_MERGE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     cur_batch = tl.program_id(0)
     head_block = tl.program_id(1)
     split_id = tl.program_id(2)
@@ -183,7 +189,11 @@ def _decode_stage2_kernel(
     BLOCK_D: tl.constexpr,
     MIN_BLOCK_KV: tl.constexpr,
     WINDOW: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     cur_batch = tl.program_id(0)
     cur_head = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -278,6 +288,7 @@ def decode_attention_fwd(
             counters = decode_attention_counters(batch, num_heads, q.device)
         elif counters.shape[0] < batch or counters.shape[1] < grid1[1] or counters.dtype != torch.int32:
             raise ValueError(f"counters {tuple(counters.shape)} {counters.dtype} too small for [{batch}, {grid1[1]}]")
+    pdl = pdl_enabled(q)
     _decode_stage1_kernel[grid1](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits, o,
         counters if fuse_merge else seq_lens,  # a placeholder pointer when unused
@@ -301,8 +312,10 @@ def decode_attention_fwd(
         WINDOW=max(sliding_window, 0),
         KV_FP8=kv_fp8,
         FUSE_MERGE=fuse_merge,
+        USE_PDL=pdl,
         num_warps=4,
         num_stages=2,
+        **launch_options(pdl),
     )
     if fuse_merge:
         return
@@ -315,7 +328,9 @@ def decode_attention_fwd(
         BLOCK_D=block_d,
         MIN_BLOCK_KV=_MIN_BLOCK_KV,
         WINDOW=max(sliding_window, 0),
+        USE_PDL=pdl,
         num_warps=4,
+        **launch_options(pdl),
     )
 
 

@@ -28,6 +28,11 @@ linears and the LM head (benchmarks/bench_fp8_gemv.py, its dense_gemv rows). It
 changes the summation order against cuBLAS (not its bits), so it is a kernel choice, not a decode
 fusion: SHOAL_DENSE_GEMV_MAX_M (default 1; 0 turns it off) bounds the M it serves.
 
+Under programmatic dependent launch (kernels/pdl.py, sm90+) the M = 1 kernel loads its first weight tile
+before it waits for the previous kernel (PEEL; weights are constant), so the weight stream overlaps that
+kernel's tail: with every Triton kernel of the step on PDL the bf16 bs-1 step went 6.02 → 5.50 ms on an
+H100 (benchmarks/README.md). GemvConfig.peel forces the peeled loop without PDL (the CPU test of its bits).
+
 The Triton interpreter (TRITON_INTERPRET=1) loads float8_e4m3fn tensors and widens them exactly; only its
 tl.dot on bf16 is wrong, so CPU tests use fp32/fp16 activations."""
 
@@ -39,6 +44,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from kernels.pdl import launch_options, pdl_enabled
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 SMALL_M_MAX = 16  # the default M bound of the dispatch; SHOAL_FP8_GEMV_MAX_M overrides it (0 turns it off)
@@ -55,6 +62,7 @@ class GemvConfig:
     use_dot: bool = False
     num_warps: int = 4
     num_stages: int = 3
+    peel: bool | None = None  # load the first weight tile ahead of the loop (None: exactly when PDL is on)
 
 
 @triton.jit
@@ -79,7 +87,8 @@ def _fp8_gemv_kernel(X, W, S, B, Out, Part, M, N, K, stride_xm, stride_wn, strid
                      GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PEEL: tl.constexpr, USE_PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -104,7 +113,26 @@ def _fp8_gemv_kernel(X, W, S, B, Out, Part, M, N, K, stride_xm, stride_wn, strid
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         else:
             acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(k_lo, k_hi, BLOCK_K):
+    # PEEL (M == 1, whole tiles): the first weight tile is loaded before gdc_wait, so under PDL it streams
+    # while the previous kernel finishes (weights are never written during a forward); same sum order.
+    k_start = k_lo
+    if PEEL:
+        if EVEN_N:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        x = _gate(x_ptrs, X, K, None, GATED, False)
+        acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        k_start = k_lo + BLOCK_K
+    elif USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    for k in range(k_start, k_hi, BLOCK_K):
         if EVEN_K:
             if GEMV1:
                 x = _gate(x_ptrs, X, K, None, GATED, False)
@@ -147,7 +175,10 @@ def _fp8_gemv_kernel(X, W, S, B, Out, Part, M, N, K, stride_xm, stride_wn, strid
 
 @triton.jit
 def _split_k_reduce_kernel(Part, S, B, Out, M, N, stride_om, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+                           SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     m = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -217,19 +248,23 @@ def _launch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: 
     s_ptr = scale if scale is not None else (b if b is not None else out)
     b_ptr = b if b is not None else s_ptr
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    pdl = pdl_enabled(x)
+    gemv1 = block_m == 1 and not cfg.use_dot
+    even_k = k % (cfg.split_k * cfg.block_k) == 0
+    peel = gemv1 and even_k and (pdl if cfg.peel is None else cfg.peel)
     _fp8_gemv_kernel[grid](
         x, w, s_ptr, b_ptr, out, part, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         GATED=gated, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
         USE_DOT=cfg.use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        EVEN_N=n % cfg.block_n == 0, EVEN_K=k % (cfg.split_k * cfg.block_k) == 0,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_N=n % cfg.block_n == 0, EVEN_K=even_k,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PEEL=peel, USE_PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     if cfg.split_k > 1:
         block = min(1024, triton.next_power_of_2(n))
         _split_k_reduce_kernel[(triton.cdiv(n, block), m)](
             part, s_ptr, b_ptr, out, m, n, out.stride(0), HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
-            SPLIT_K=cfg.split_k, BLOCK=block)
+            SPLIT_K=cfg.split_k, BLOCK=block, USE_PDL=pdl, **launch_options(pdl))
     return out
 
 

@@ -6,15 +6,21 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, pdl_enabled
+
 
 @triton.jit
 def _rmsnorm_kernel(
     X, Residual, W, Out, stride_x, stride_r, stride_o, eps,
-    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
+    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: safe ahead of the PDL wait
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if ADD_RESIDUAL:
         r = tl.load(Residual + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
@@ -24,7 +30,6 @@ def _rmsnorm_kernel(
         tl.store(Residual + row * stride_r + offs, s, mask=mask)
         x = s.to(tl.float32)
     variance = tl.sum(x * x, 0) / HIDDEN
-    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
     out = x * tl.rsqrt(variance + eps) * w
     tl.store(Out + row * stride_o + offs, out.to(Out.dtype.element_ty), mask=mask)
 
@@ -44,10 +49,11 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
     x2, o2 = _rows(x), _rows(out)
     hidden = x.shape[-1]
     if x2.shape[0] > 0:
+        pdl = pdl_enabled(x2)
         _rmsnorm_kernel[(x2.shape[0],)](
             x2, x2, weight, o2, x2.stride(0), x2.stride(0), o2.stride(0), eps,
             HIDDEN=hidden, BLOCK=triton.next_power_of_2(hidden), ADD_RESIDUAL=False,
-            num_warps=_num_warps(hidden),
+            USE_PDL=pdl, num_warps=_num_warps(hidden), **launch_options(pdl),
         )
     return out
 
@@ -59,10 +65,11 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     x2, r2 = _rows(x), _rows(residual)
     hidden = x.shape[-1]
     if x2.shape[0] > 0:
+        pdl = pdl_enabled(x2)
         _rmsnorm_kernel[(x2.shape[0],)](
             x2, r2, weight, x2, x2.stride(0), r2.stride(0), x2.stride(0), eps,
             HIDDEN=hidden, BLOCK=triton.next_power_of_2(hidden), ADD_RESIDUAL=True,
-            num_warps=_num_warps(hidden),
+            USE_PDL=pdl, num_warps=_num_warps(hidden), **launch_options(pdl),
         )
 
 

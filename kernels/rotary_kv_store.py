@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, pdl_enabled
 from kernels.rotary import _heads_view, rotate_pair
 
 
@@ -102,8 +103,11 @@ def _rotary_kv_store_kernel(
     stride_kbs, stride_kbh, stride_vbs, stride_vbh, inv_k_scale, inv_v_scale,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_NEOX: tl.constexpr, QUANT: tl.constexpr,
+    IS_NEOX: tl.constexpr, QUANT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # Each part in a function of its own: a runtime branch may not bind one name to blocks of two shapes.
     token = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
@@ -143,6 +147,7 @@ def rotary_kv_store(
     if k_buffer.stride(-1) != 1 or v_buffer.stride(-1) != 1:
         raise ValueError("k_buffer and v_buffer must be contiguous in their last dimension")
     half = head_dim // 2
+    pdl = pdl_enabled(q3)
     _rotary_kv_store_kernel[(num_tokens, 3)](
         positions, q3, k3, v3, cos_sin_cache, k_buffer, v_buffer, loc,
         q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1), cos_sin_cache.stride(0),
@@ -151,7 +156,7 @@ def rotary_kv_store(
         NUM_Q_HEADS=q3.shape[1], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
         BLOCK_HQ=triton.next_power_of_2(q3.shape[1]), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(head_dim),
-        IS_NEOX=is_neox, QUANT=k_buffer.element_size() == 1,
+        IS_NEOX=is_neox, QUANT=k_buffer.element_size() == 1, USE_PDL=pdl, **launch_options(pdl),
     )
 
 

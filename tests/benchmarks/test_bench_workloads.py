@@ -122,13 +122,15 @@ def test_static_vs_continuous_cpu_smoke_hf_static(tmp_path):
     assert doc["versions"]["transformers"] and doc["config"]["resolved_device"] == "cpu"
 
 
-def test_result_writer_and_plot_tables(tmp_path, capsys):
+def test_result_writer_and_plot_tables(tmp_path, capsys, monkeypatch):
     results = {"request_throughput": 2.0, "output_throughput": 100.0, "failed": 1,
                "ttft_ms": {"p50": 10.0, "p99": math.nan}, "itl_ms": {"p50": 2.0, "p99": 5.0}}
+    monkeypatch.setenv("SHOAL_PDL", "0")  # a switch the run was made under is recorded with it
     path = write_result(tmp_path / "r" / "serve_a.json", "serving", results, {"request_rate": math.inf}, argv=["x"])
     doc = json.loads(path.read_text())  # strict JSON: NaN and inf were rewritten
     assert doc["results"]["ttft_ms"]["p99"] is None and doc["config"]["request_rate"] == "inf"
     assert {"device", "versions", "date", "command"} <= set(doc)
+    assert doc["env"]["SHOAL_PDL"] == "0" and all(k.startswith("SHOAL_") for k in doc["env"])
     (tmp_path / "r" / "junk.json").write_text("{not json")
     assert plot.main([str(tmp_path / "r"), "--out-dir", str(tmp_path / "plots")]) == 0
     printed = capsys.readouterr().out

@@ -100,6 +100,24 @@ def test_breakdown_cuts_steps_at_graph_replays() -> None:
     assert "gemm ms (n)" in table and "0.040 (1)" in table and "kernels / step" in table
 
 
+def test_overlapping_kernels_are_charged_their_exposed_time() -> None:
+    """Under PDL the norm starts (and waits) while the GEMM before it runs, and the next GEMM starts under the
+    norm: each kernel is charged from where the device time is not yet accounted for, so busy is the union."""
+    ev, t, corr = [], 1000.0, 100
+    for _ in range(4):
+        ev.append(_launch(corr, t - 20.0))
+        ev += [_kernel("_fp8_gemv_kernel", t, 40.0, corr), _kernel("_rmsnorm_kernel", t + 30.0, 15.0, corr),
+               _kernel("_fp8_gemv_kernel", t + 42.0, 30.0, corr)]  # gemv 0-40, norm 40-45, gemv 45-72
+        t += 100.0
+        corr += 10
+    bd = breakdown(ev, steps=2, drop_last=1)
+    assert bd.busy_ms == pytest.approx(0.072) and bd.gap_ms == pytest.approx(0.1 - 0.072)
+    assert bd.overlap_ms == pytest.approx(0.013)  # 10 of the norm's 15, 3 of the second gemv's 30
+    assert bd.categories["norm"] == {"ms": pytest.approx(0.005), "count": 1}
+    assert bd.categories["gemm"] == {"ms": pytest.approx(0.067), "count": 2}
+    assert "overlapped ms" in format_table({"a": bd})
+
+
 def test_breakdown_without_graph_replays_says_so() -> None:
     events = [e for e in fake_trace(3) if e["cat"] != "cuda_runtime"]
     bd = breakdown(events, steps=2)

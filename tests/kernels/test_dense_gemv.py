@@ -108,3 +108,29 @@ def test_row_parallel_silu_mul_is_the_two_steps_on_cpu() -> None:
     gate_up = torch.randn(3, 128, generator=gen)
     act = SiluAndMul()
     assert torch.equal(layer.forward_silu_mul(gate_up, act), layer(act(gate_up)))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize(("n", "k", "block_n"), [(48, 128, 8), (37, 96, 8), (40, 32, 8)])
+def test_peeled_first_tile_is_bit_equal(gated: bool, n: int, k: int, block_n: int) -> None:
+    """The PDL path loads the first weight tile ahead of the loop (kernels/pdl.py); the sum order and so the
+    bits stay those of the plain loop, ragged N and a single-tile K included."""
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, 2 * k if gated else k, generator=gen).to(torch.float16)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.float16)
+    b = torch.randn(n, generator=gen).to(torch.float16)
+    plain = GemvConfig(block_n=block_n, block_k=32, peel=False)
+    peeled = GemvConfig(block_n=block_n, block_k=32, peel=True)
+    want = dense_linear_small_m(x, w, b, config=plain, gated=gated)
+    assert torch.equal(dense_linear_small_m(x, w, b, config=peeled, gated=gated), want)
+    _close(want, _ref(torch.nn.functional.silu(x[:, :k].float()).mul(x[:, k:].float()).to(x.dtype)
+                      if gated else x, w, b))
+
+
+def test_pdl_is_off_on_cpu_and_by_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels.pdl import launch_options, pdl_enabled
+
+    assert not pdl_enabled(torch.zeros(1))
+    assert launch_options(False) == {} and launch_options(True) == {"launch_pdl": True}
+    monkeypatch.setenv("SHOAL_PDL", "0")
+    assert not pdl_enabled(torch.zeros(1))
