@@ -4,21 +4,26 @@ Each KV slot is one page (page size 1): the [slots, Hkv, D] buffers are viewed a
 NHD pages, and a request's page list is its req_to_token row, copied into a flat kv_indices array by a
 small Triton kernel. Wrappers are planned once per batch (init_forward_metadata), never per layer.
 An FP8 pool (spec.kv_dtype float8_e4m3fn) is planned with that kv_data_type and run with the pool's
-static per-layer k_scale/v_scale floats, which flashinfer applies as it reads.
+static per-layer k_scale/v_scale floats, which flashinfer applies as it reads; its DECODE batches run our
+Triton split-KV kernel instead (runtime/attention/triton_decode.py says why: ~30% faster reads of an FP8
+pool), which needs no plan: a captured graph replays with nothing to do on the host.
 flashinfer is imported lazily here only: CPU installs do not have it."""
 
 from __future__ import annotations
 
 import itertools
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.decode_fusion import decode_fusion_enabled
 from kernels.kv_store import store_kv
 from runtime.attention.base import AttentionBackend
 from runtime.attention.spec import AttentionSpec
+from runtime.attention.triton_decode import DecodeKernelConfig, TritonDecode
 
 if TYPE_CHECKING:
     from runtime.layers.attention import Attention
@@ -98,6 +103,11 @@ class FlashInferAttnBackend(AttentionBackend):
         self.decode_wrapper = self._decode_wrapper()
         self._wrapper: Any = None
         self._graph_wrappers: dict[int, Any] = {}
+        # DECODE over an FP8 pool: our kernel (None: flashinfer's decode wrapper; SHOAL_FP8_DECODE=flashinfer
+        # keeps flashinfer's, read once here so captured graphs never mix the two).
+        use_triton = self.kv_dtype.itemsize == 1 and os.environ.get("SHOAL_FP8_DECODE", "triton") != "flashinfer"
+        self.triton_decode = TritonDecode(spec, DecodeKernelConfig.for_kv(kv_fp8=True)) if use_triton else None
+        self.fuse_merge = decode_fusion_enabled()
 
     def _decode_wrapper(self, **graph_buffers: torch.Tensor) -> Any:
         return self._fi.BatchDecodeWithPagedKVCacheWrapper(
@@ -108,6 +118,10 @@ class FlashInferAttnBackend(AttentionBackend):
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         mode = fb.forward_mode
         if mode.is_idle() or fb.batch_size == 0:
+            self._wrapper = None
+            return
+        if mode.is_decode() and self.triton_decode is not None:
+            self.triton_decode.reserve(fb.batch_size)
             self._wrapper = None
             return
         kv_indptr_cpu = _indptr(fb.seq_lens_cpu)
@@ -150,10 +164,21 @@ class FlashInferAttnBackend(AttentionBackend):
         return self._run(q, k, v, layer, fb)
 
     def forward_decode(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
-        return self._run(q, k, v, layer, fb)
+        if self.triton_decode is None:
+            return self._run(q, k, v, layer, fb)
+        pool = fb.token_to_kv_pool
+        k_buf, v_buf = pool.get_kv(layer.layer_id)
+        k_scale, v_scale = pool.layer_scales(layer.layer_id)
+        if k is not None:
+            store_kv(k_buf, v_buf, fb.out_cache_loc, k.view(-1, layer.num_kv_heads, layer.head_dim),
+                     v.view(-1, layer.num_kv_heads, layer.head_dim), k_scale, v_scale)
+        return self.triton_decode(q, k_buf, v_buf, layer, fb, k_scale, v_scale, self.fuse_merge)
 
     # ---- CUDA graphs ----------------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:
+        if self.triton_decode is not None:
+            self.triton_decode.reserve(max_bs)
+            return
         self._graph_kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)
         self._graph_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=self.device)
         # What plan() reads on the host: it calls last_page_len.to("cpu"), and from a device tensor that
@@ -167,6 +192,9 @@ class FlashInferAttnBackend(AttentionBackend):
                                                  seq_lens: torch.Tensor, forward_mode: ForwardMode,
                                                  tokens_per_req: int = 1) -> None:
         self._check_graph_mode(forward_mode)
+        if self.triton_decode is not None:  # reads seq_lens/req_to_token on device: nothing to plan
+            self.triton_decode.reserve(bs)
+            return
         wrapper = self._decode_wrapper(paged_kv_indptr_buffer=self._graph_kv_indptr[:bs + 1],
                                        paged_kv_indices_buffer=self._graph_kv_indices,
                                        paged_kv_last_page_len_buffer=self._graph_last_page_len[:bs])
@@ -178,6 +206,8 @@ class FlashInferAttnBackend(AttentionBackend):
                                                 forward_mode: ForwardMode, seq_lens_cpu: list[int] | None = None
                                                 ) -> None:
         self._check_graph_mode(forward_mode)
+        if self.triton_decode is not None:
+            return
         if seq_lens_cpu is None:
             seq_lens_cpu = seq_lens.tolist()
         self._plan_graph(self._graph_wrappers[bs], bs, req_pool_indices, seq_lens, seq_lens_cpu)

@@ -2,11 +2,13 @@
 
 EXTEND and MIXED batches run extend_attention_fwd (a decode request inside a MIXED batch is an extend
 request with one new token); DECODE runs the split-KV decode_attention_fwd (one launch per layer with
-the decode fusions on: the last split merges, kernels/decode_attention.py). K/V are stored with
-store_kv before attention (quantized when the pool stores FP8; the kernels read it back with the pool's
-scales). With FP8 the extend kernel gets the new tokens' K/V read back from the pool too (one small
-gather + dequantize per layer), so they attend to themselves exactly as any later step will see them. The decode scratch buffer is allocated once, for the largest batch the
-runner can hold, so eager steps allocate nothing and a captured CUDA graph always sees the same buffer."""
+the decode fusions on: the last split merges, kernels/decode_attention.py) through TritonDecode
+(runtime/attention/triton_decode.py: its launch config per KV dtype, and its scratch, allocated once for
+the largest batch the runner can hold, so eager steps allocate nothing and a captured CUDA graph always
+sees the same buffer). K/V are stored with store_kv before attention (quantized when the pool stores FP8;
+the kernels read it back with the pool's scales). With FP8 the extend kernel gets the new tokens' K/V read
+back from the pool too (one small gather + dequantize per layer), so they attend to themselves exactly as
+any later step will see them."""
 
 from __future__ import annotations
 
@@ -14,11 +16,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.decode_attention import (
-    decode_attention_counters,
-    decode_attention_fwd,
-    decode_attention_workspace,
-)
 from kernels.decode_fusion import decode_fusion_enabled
 from kernels.extend_attention import extend_attention_fwd
 from kernels.kv_store import store_kv
@@ -26,15 +23,13 @@ from kernels.verify_attention import MAX_ROWS as VERIFY_MAX_TOKENS
 from kernels.verify_attention import verify_attention_fwd, verify_attention_workspace
 from runtime.attention.base import AttentionBackend
 from runtime.attention.spec import AttentionSpec
+from runtime.attention.triton_decode import DEFAULT_NUM_KV_SPLITS, DecodeKernelConfig, TritonDecode
 from runtime.mem_cache.kv_quant import dequantize_kv, gather_rows
 
 if TYPE_CHECKING:
     from runtime.layers.attention import Attention
     from runtime.model_executor.forward_batch import ForwardBatch
     from runtime.model_executor.forward_mode import ForwardMode
-
-# Splits of each sequence in decode: enough programs to fill the GPU at batch 1 with a few KV heads.
-DEFAULT_NUM_KV_SPLITS = 8
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -48,12 +43,10 @@ class TritonAttnBackend(AttentionBackend):
         self.req_to_token: torch.Tensor = spec.req_to_token
         self.num_heads, self.head_dim = spec.num_heads, spec.head_dim
         self.num_kv_splits = num_kv_splits
-        self.max_bs = spec.max_bs
-        self._workspace: torch.Tensor | None = None
-        # DECODE in one launch per layer (stage 2 merged in by the last split); counters live beside the
-        # workspace, allocated with it, so captured graphs keep theirs.
+        kv_fp8 = spec.kv_dtype is not None and spec.kv_dtype.itemsize == 1
+        self.decode = TritonDecode(spec, DecodeKernelConfig.for_kv(kv_fp8, num_kv_splits))
+        # DECODE in one launch per layer (stage 2 merged in by the last split).
         self.fuse_merge = decode_fusion_enabled()
-        self._counters: torch.Tensor | None = None
         # The captured verify graphs' scratch, sized once at capture (largest first); never replaced after.
         self._verify_workspace: torch.Tensor | None = None
         self._verify_captured = False
@@ -63,17 +56,9 @@ class TritonAttnBackend(AttentionBackend):
         self._verify_rows = 0
         self._max_extend_len = 0
 
-    def _decode_workspace(self, bs: int) -> torch.Tensor:
-        if self._workspace is None or self._workspace.shape[0] < bs:
-            self.max_bs = max(self.max_bs, bs)
-            self._workspace = decode_attention_workspace(self.max_bs, self.num_heads, self.head_dim,
-                                                         self.num_kv_splits, self.device)
-            self._counters = decode_attention_counters(self.max_bs, self.num_heads, self.device)
-        return self._workspace
-
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.forward_mode.is_decode():
-            self._decode_workspace(fb.batch_size)
+            self.decode.reserve(fb.batch_size)
         elif fb.forward_mode.is_extend():
             self._max_extend_len = max(fb.extend_seq_lens_cpu, default=0)
 
@@ -131,24 +116,17 @@ class TritonAttnBackend(AttentionBackend):
         else:
             _, _, k_buf, v_buf = self._store(k, v, layer, fb)
         k_scale, v_scale = fb.token_to_kv_pool.layer_scales(layer.layer_id)
-        q3 = q.view(-1, layer.num_heads, layer.head_dim)
-        o = torch.empty((q3.shape[0], layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
-        decode_attention_fwd(q3, k_buf, v_buf, o, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
-                             layer.scaling, num_kv_splits=self.num_kv_splits,
-                             attn_logits=self._decode_workspace(q3.shape[0]), sliding_window=layer.sliding_window,
-                             k_scale=k_scale, v_scale=v_scale,
-                             fuse_merge=self.fuse_merge, counters=self._counters)
-        return o.view(-1, layer.num_heads * layer.head_dim)
+        return self.decode(q, k_buf, v_buf, layer, fb, k_scale, v_scale, self.fuse_merge)
 
     # ---- CUDA graphs: the kernels read seq_lens/req_to_token on device, so replay needs no re-plan --------
     def init_cuda_graph_state(self, max_bs: int) -> None:
-        self._decode_workspace(max_bs)
+        self.decode.reserve(max_bs)
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int, req_pool_indices: torch.Tensor,
                                                  seq_lens: torch.Tensor, forward_mode: ForwardMode,
                                                  tokens_per_req: int = 1) -> None:
         self._check_graph_mode(forward_mode)
-        self._decode_workspace(bs)
+        self.decode.reserve(bs)
         self._max_extend_len = tokens_per_req  # the grid of a captured TARGET_VERIFY
         if forward_mode.is_target_verify():
             self._verify_scratch(bs * tokens_per_req, grow=not self._verify_captured)

@@ -79,3 +79,38 @@ def test_extend_fp8_prefix_matches_reference(paged_batch) -> None:
     ref = extend_attention_ref(pb.q, pb.k, pb.v, k8, v8, pb.req_to_token, pb.req_pool_indices, pb.seq_lens,
                                pb.prefix_lens, pb.extend_start_loc, pb.sm_scale, k_scale=scale, v_scale=scale)
     torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("splits", "fuse"), [(1, False), (2, True), (8, True)])
+def test_decode_fp8_f16_math_config_matches_reference(paged_batch, splits: int, fuse: bool) -> None:
+    """The FP8 launch config (runtime/attention/triton_decode.py: fp16 math, 128-token tiles, 3 stages)
+    against the fp32 reference: q and the probabilities rounded to fp16 (11 bits) on the way in."""
+    pb = paged_batch([1, 37, 300, 129], [0, 36, 299, 128], 8, 2, 32)
+    pb.q = pb.q.half()  # fp16 math serves 16-bit queries (fp32 ones keep fp32 math)
+    scale = 0.5
+    k8, v8 = _fp8_batch(pb, scale)
+    o = torch.full_like(pb.q, float("nan"))
+    decode_attention_fwd(pb.q, k8, v8, o, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.sm_scale,
+                         num_kv_splits=splits, k_scale=scale, v_scale=scale, fuse_merge=fuse, block_n=128,
+                         num_stages=3, f16_math=True)
+    ref = decode_attention_ref(pb.q, k8, v8, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.sm_scale,
+                               k_scale=scale, v_scale=scale)
+    torch.testing.assert_close(o.float(), ref.float(), atol=3e-3, rtol=3e-3)
+    # 16-bit KV ignores f16_math (its own dtype is the math): the same bits as without it.
+    o16, o16_plain = torch.empty_like(pb.q), torch.empty_like(pb.q)
+    for out, f16 in ((o16, True), (o16_plain, False)):
+        decode_attention_fwd(pb.q, pb.k_buffer.half(), pb.v_buffer.half(), out, pb.req_to_token, pb.req_pool_indices,
+                             pb.seq_lens, pb.sm_scale, num_kv_splits=splits, f16_math=f16)
+    assert torch.equal(o16, o16_plain)
+
+
+def test_decode_fp8_f16_math_clamps_queries_beyond_fp16(paged_batch) -> None:
+    """A bf16 query beyond fp16's range saturates instead of turning the scores into inf/NaN."""
+    pb = paged_batch([5, 40], [4, 39], 4, 2, 32)
+    k8, v8 = _fp8_batch(pb, 1.0)
+    q = pb.q.to(torch.bfloat16)
+    q[:, 0, 0] = 1e6
+    o = torch.full_like(q, float("nan"))
+    decode_attention_fwd(q, k8, v8, o, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.sm_scale,
+                         num_kv_splits=1, f16_math=True)
+    assert torch.isfinite(o).all()

@@ -1,0 +1,102 @@
+"""TritonDecode: our split-KV decode kernel (kernels/decode_attention.py) with its scratch and its launch
+config, shared by the backends that run it: the triton backend for every DECODE batch, the flashinfer
+backend for DECODE over an FP8 pool.
+
+Why the flashinfer backend borrows it: over an FP8 pool flashinfer's tensor-core decode reads the KV at
+~1.8 TB/s on an H100 (the fp8 → bf16 widening in its FA2 kernel), while this kernel with the FP8 config
+below (fp16 math: e4m3 widens to fp16 in one instruction per pair; 128-token tiles, 3 stages, one split
+once the batch fills the GPU) reads it at ~2.4 TB/s: 325 vs 419 us per layer at batch 256 x 1500 tokens,
+108 vs 153 at 64 x 2048 (benchmarks/bench_decode_attention.py --fp8-configs). 16-bit KV keeps its
+measured defaults (8 splits, 64-token tiles), where flashinfer stays the faster of the two.
+
+The workspace is one flat buffer sized for the largest batch and the most splits, viewed per launch, and
+allocated once where CUDA graphs are captured, so every graph sees the same memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+
+from kernels.decode_attention import decode_attention_counters, decode_attention_fwd
+from runtime.attention.spec import AttentionSpec
+
+if TYPE_CHECKING:
+    from runtime.layers.attention import Attention
+    from runtime.model_executor.forward_batch import ForwardBatch
+
+# Splits of each sequence for 16-bit KV: enough programs to fill the GPU at batch 1 with a few KV heads.
+DEFAULT_NUM_KV_SPLITS = 8
+_SM_COUNT_DEFAULT = 132  # H100 SXM; where the device cannot be asked (CPU, interpreter)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeKernelConfig:
+    max_splits: int
+    block_n: int | None  # None: the kernel's default for the head size
+    num_warps: int
+    num_stages: int
+    f16_math: bool
+    adaptive_splits: bool  # fewer splits as the batch alone fills the GPU
+
+    @classmethod
+    def for_kv(cls, kv_fp8: bool, num_kv_splits: int = DEFAULT_NUM_KV_SPLITS) -> DecodeKernelConfig:
+        if kv_fp8:
+            return cls(max_splits=num_kv_splits, block_n=128, num_warps=4, num_stages=3, f16_math=True,
+                       adaptive_splits=True)
+        return cls(max_splits=num_kv_splits, block_n=None, num_warps=4, num_stages=2, f16_math=False,
+                   adaptive_splits=False)
+
+
+def splits_for(bs: int, num_kv_heads: int, max_splits: int, sm_count: int) -> int:
+    """The fewest power-of-two splits giving ~2 programs per SM, at most max_splits (each split re-reads q
+    and costs a partial write; a batch of 64 x 8 KV heads needs none)."""
+    want = triton.cdiv(2 * sm_count, max(1, bs * num_kv_heads))
+    return max(1, min(max_splits, triton.next_power_of_2(want)))
+
+
+class TritonDecode:
+    def __init__(self, spec: AttentionSpec, config: DecodeKernelConfig):
+        self.config = config
+        self.device = spec.device
+        self.req_to_token = spec.req_to_token
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.sm_count = (torch.cuda.get_device_properties(spec.device).multi_processor_count
+                         if spec.device.type == "cuda" else _SM_COUNT_DEFAULT)
+        self.max_bs = spec.max_bs
+        self._workspace: torch.Tensor | None = None
+        self._counters: torch.Tensor | None = None
+
+    def splits(self, bs: int) -> int:
+        if not self.config.adaptive_splits:
+            return self.config.max_splits
+        return splits_for(bs, self.num_kv_heads, self.config.max_splits, self.sm_count)
+
+    def reserve(self, bs: int) -> None:
+        """Scratch for batches up to bs (grows for a larger eager batch; graphs reserve their largest first)."""
+        if self._workspace is not None and bs <= self.max_bs:
+            return
+        self.max_bs = max(self.max_bs, bs)
+        self._workspace = torch.empty(self.max_bs * self.num_heads * self.config.max_splits * (self.head_dim + 1),
+                                      dtype=torch.float32, device=self.device)
+        self._counters = decode_attention_counters(self.max_bs, self.num_heads, self.device)
+
+    def __call__(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, layer: Attention,
+                 fb: ForwardBatch, k_scale: float, v_scale: float, fuse_merge: bool) -> torch.Tensor:
+        """q [B, Hq*D] → o [B, Hq*D] over each request's KV in the pool."""
+        q3 = q.view(-1, layer.num_heads, layer.head_dim)
+        bs = q3.shape[0]
+        self.reserve(bs)
+        splits = self.splits(bs)
+        n = bs * self.num_heads * splits * (self.head_dim + 1)
+        ws = self._workspace[:n].view(bs, self.num_heads, splits, self.head_dim + 1)
+        o = torch.empty((bs, layer.num_heads, layer.head_dim), dtype=q.dtype, device=q.device)
+        cfg = self.config
+        decode_attention_fwd(q3, k_buf, v_buf, o, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                             layer.scaling, num_kv_splits=splits, attn_logits=ws,
+                             sliding_window=layer.sliding_window, k_scale=k_scale, v_scale=v_scale,
+                             fuse_merge=fuse_merge, counters=self._counters, block_n=cfg.block_n,
+                             num_warps=cfg.num_warps, num_stages=cfg.num_stages, f16_math=cfg.f16_math)
+        return o.view(-1, layer.num_heads * layer.head_dim)

@@ -1,0 +1,61 @@
+"""TritonDecode (runtime/attention/triton_decode.py): the split count by batch, the per-KV-dtype launch
+config, one flat workspace viewed per launch (and grown, never shrunk), run in the Triton interpreter
+against the reference."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kernels.decode_attention import decode_attention_ref
+from runtime.attention.spec import AttentionSpec
+from runtime.attention.triton_decode import (
+    DEFAULT_NUM_KV_SPLITS,
+    DecodeKernelConfig,
+    TritonDecode,
+    splits_for,
+)
+
+
+@pytest.mark.parametrize(("bs", "kv_heads", "want"), [(1, 8, 8), (4, 8, 8), (16, 8, 4), (32, 8, 2), (64, 8, 1),
+                                                      (256, 8, 1), (1, 1, 8), (33, 4, 2)])
+def test_splits_fill_the_gpu_then_stop(bs: int, kv_heads: int, want: int) -> None:
+    assert splits_for(bs, kv_heads, max_splits=8, sm_count=132) == want
+
+
+def test_config_per_kv_dtype() -> None:
+    fp8 = DecodeKernelConfig.for_kv(kv_fp8=True)
+    assert fp8.f16_math and fp8.adaptive_splits and fp8.block_n == 128 and fp8.num_stages == 3
+    bf16 = DecodeKernelConfig.for_kv(kv_fp8=False)
+    assert not bf16.f16_math and not bf16.adaptive_splits and bf16.max_splits == DEFAULT_NUM_KV_SPLITS
+
+
+def _spec(max_bs: int, kv_dtype: torch.dtype | None) -> AttentionSpec:
+    req_to_token = torch.arange(4 * 64, dtype=torch.int32).view(4, 64) + 1
+    return AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, scaling=0.25, dtype=torch.float32,
+                         device=torch.device("cpu"), req_to_token=req_to_token, max_bs=max_bs, kv_dtype=kv_dtype)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_call_matches_reference_and_workspace_grows(fp8: bool) -> None:
+    spec = _spec(max_bs=2, kv_dtype=torch.float8_e4m3fn if fp8 else None)
+    decode = TritonDecode(spec, DecodeKernelConfig.for_kv(fp8))
+    gen = torch.Generator().manual_seed(0)
+    slots = 4 * 64 + 1
+    k_buf, v_buf = (torch.randn(slots, 2, 16, generator=gen) for _ in range(2))
+    if fp8:
+        k_buf, v_buf = k_buf.to(torch.float8_e4m3fn), v_buf.to(torch.float8_e4m3fn)
+    layer = SimpleNamespace(num_heads=4, head_dim=16, scaling=0.25, sliding_window=0)
+    decode.reserve(1)
+    first = decode._workspace
+    assert first is not None and first.numel() == 2 * 4 * DEFAULT_NUM_KV_SPLITS * 17  # sized for spec.max_bs
+    for bs in (1, 3):  # 3 > max_bs: the workspace grows for the eager batch
+        fb = SimpleNamespace(req_pool_indices=torch.arange(bs), seq_lens=torch.tensor([5, 64, 33][:bs]))
+        q = torch.randn(bs, 4 * 16, generator=gen)
+        o = decode(q, k_buf, v_buf, layer, fb, 0.5, 0.5, fuse_merge=True)
+        ref = decode_attention_ref(q.view(bs, 4, 16), k_buf, v_buf, spec.req_to_token, fb.req_pool_indices,
+                                   fb.seq_lens, 0.25, k_scale=0.5, v_scale=0.5)
+        torch.testing.assert_close(o.view(bs, 4, 16), ref, atol=1e-5, rtol=1e-5)
+    assert decode.max_bs == 3 and decode._workspace.numel() == 3 * 4 * DEFAULT_NUM_KV_SPLITS * 17
