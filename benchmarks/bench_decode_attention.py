@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.common import write_result
@@ -56,56 +57,98 @@ def graph_us(fn: Callable[[], None], replays: int) -> float:
     return start.elapsed_time(end) * 1e3 / replays / LAYERS
 
 
-def bench_case(hq: int, hkv: int, kv_dtype: Any, bs: int, ctx: int, splits: Sequence[int], replays: int
-               ) -> dict[str, Any]:
-    import flashinfer
-    import torch
+@dataclass(frozen=True)
+class DecodeCase:
+    """One timing case's tensors: 32 layers' KV buffers (fewer, and CPU, for the interpreter test) (page size 1, slot 0 the padding slot, each
+    request's slots contiguous), the queries, the output and the token table."""
+    hq: int
+    hkv: int
+    bs: int
+    ctx: int
+    kv_dtype: Any
+    kb: list[Any]
+    vb: list[Any]
+    q: Any
+    o: Any
+    req_to_token: Any
+    rows: Any
+    seq_lens: Any
 
-    from kernels.decode_attention import (
-        decode_attention_counters,
-        decode_attention_fwd,
-        decode_attention_workspace,
-    )
-    from runtime.attention.flashinfer_backend import FLASHINFER_KERNEL_BACKEND, build_kv_indices
+    @classmethod
+    def make(cls, hq: int, hkv: int, kv_dtype: Any, bs: int, ctx: int, device: str = "cuda",
+             layers: int = LAYERS) -> DecodeCase:
+        import torch
 
-    dev, d, scale = torch.device("cuda"), HEAD_DIM, HEAD_DIM ** -0.5
-    slots = bs * ctx + 1  # slot 0 is the padding slot
-    kb = [torch.randn(slots, hkv, d, device=dev).to(kv_dtype) for _ in range(LAYERS)]
-    vb = [torch.randn(slots, hkv, d, device=dev).to(kv_dtype) for _ in range(LAYERS)]
-    q = torch.randn(bs, hq, d, device=dev).to(torch.bfloat16)
-    o = torch.empty_like(q)
-    req_to_token = (torch.arange(bs * ctx, device=dev, dtype=torch.int32) + 1).view(bs, ctx)
-    rows = torch.arange(bs, device=dev, dtype=torch.int32)
-    seq_lens = torch.full((bs,), ctx, device=dev, dtype=torch.int32)
-    fp8 = kv_dtype != torch.bfloat16
-    row: dict[str, Any] = {"kv_MB_per_layer": bs * ctx * hkv * d * 2 * kv_dtype.itemsize / 1e6}
-    for s in splits:
-        ws, counters = decode_attention_workspace(bs, hq, d, s, dev), decode_attention_counters(bs, hq, dev)
+        dev, slots = torch.device(device), bs * ctx + 1
+        kb = [torch.randn(slots, hkv, HEAD_DIM, device=dev).to(kv_dtype) for _ in range(layers)]
+        vb = [torch.randn(slots, hkv, HEAD_DIM, device=dev).to(kv_dtype) for _ in range(layers)]
+        q = torch.randn(bs, hq, HEAD_DIM, device=dev).to(torch.bfloat16)
+        return cls(hq, hkv, bs, ctx, kv_dtype, kb, vb, q, torch.empty_like(q),
+                   (torch.arange(bs * ctx, device=dev, dtype=torch.int32) + 1).view(bs, ctx),
+                   torch.arange(bs, device=dev, dtype=torch.int32),
+                   torch.full((bs,), ctx, device=dev, dtype=torch.int32))
 
-        def triton_layers(s: int = s, ws: Any = ws, counters: Any = counters) -> None:
-            for layer in range(LAYERS):
-                decode_attention_fwd(q, kb[layer], vb[layer], o, req_to_token, rows, seq_lens, scale,
-                                     num_kv_splits=s, attn_logits=ws, k_scale=0.5, v_scale=0.5,
-                                     fuse_merge=True, counters=counters)
-        row[f"triton_splits{s}_us"] = graph_us(triton_layers, replays)
-    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
-    indptr = torch.arange(bs + 1, dtype=torch.int32, device=dev) * ctx
-    indices = torch.empty(bs * ctx, dtype=torch.int32, device=dev)
-    build_kv_indices(req_to_token, rows, seq_lens, indptr, indices)
-    last_page_len = torch.ones(bs, dtype=torch.int32, device=dev)
-    for name, tensor_cores in (("flashinfer_tensor_core_us", True), ("flashinfer_cuda_core_us", False)):
+    @property
+    def kv_mb_per_layer(self) -> float:
+        return self.bs * self.ctx * self.hkv * HEAD_DIM * 2 * self.kv_dtype.itemsize / 1e6
+
+    def flashinfer_layers(self, tensor_cores: bool) -> Callable[[], None]:
+        """flashinfer's decode wrapper planned for this case (graph buffers, K/V scales 0.5 for FP8): the 32
+        layer calls."""
+        import flashinfer
+        import torch
+
+        from runtime.attention.flashinfer_backend import FLASHINFER_KERNEL_BACKEND, build_kv_indices
+
+        dev, bs, ctx = self.q.device, self.bs, self.ctx
+        workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+        indptr = torch.arange(bs + 1, dtype=torch.int32, device=dev) * ctx
+        indices = torch.empty(bs * ctx, dtype=torch.int32, device=dev)
+        build_kv_indices(self.req_to_token, self.rows, self.seq_lens, indptr, indices)
+        last_page_len = torch.ones(bs, dtype=torch.int32, device=dev)
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores, backend=FLASHINFER_KERNEL_BACKEND,
             paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last_page_len)
-        wrapper.plan(indptr.cpu(), indices, last_page_len.cpu(), hq, hkv, d, 1, pos_encoding_mode="NONE",
-                     sm_scale=scale, q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
-        scales = {"k_scale": 0.5, "v_scale": 0.5} if fp8 else {}
+        wrapper.plan(indptr.cpu(), indices, last_page_len.cpu(), self.hq, self.hkv, HEAD_DIM, 1,
+                     pos_encoding_mode="NONE", sm_scale=HEAD_DIM ** -0.5, q_data_type=torch.bfloat16,
+                     kv_data_type=self.kv_dtype)
+        scales = {"k_scale": 0.5, "v_scale": 0.5} if self.kv_dtype.itemsize == 1 else {}
 
-        def fi_layers(wrapper: Any = wrapper, scales: dict = scales) -> None:
-            for layer in range(LAYERS):
-                wrapper.run(q, (kb[layer].unsqueeze(1), vb[layer].unsqueeze(1)), out=o, **scales)
+        def layers() -> None:
+            for layer in range(len(self.kb)):
+                wrapper.run(self.q, (self.kb[layer].unsqueeze(1), self.vb[layer].unsqueeze(1)), out=self.o, **scales)
+        return layers
+
+    def triton_layers(self, splits: int, **config: Any) -> Callable[[], None]:
+        """Our kernel, split merge fused in, over the 32 layers (config: decode_attention_fwd's block_n,
+        num_warps, num_stages, f16_math)."""
+        from kernels.decode_attention import (
+            decode_attention_counters,
+            decode_attention_fwd,
+            decode_attention_workspace,
+        )
+
+        dev = self.q.device
+        ws = decode_attention_workspace(self.bs, self.hq, HEAD_DIM, splits, dev)
+        counters = decode_attention_counters(self.bs, self.hq, dev)
+
+        def layers() -> None:
+            for layer in range(len(self.kb)):
+                decode_attention_fwd(self.q, self.kb[layer], self.vb[layer], self.o, self.req_to_token, self.rows,
+                                     self.seq_lens, HEAD_DIM ** -0.5, num_kv_splits=splits, attn_logits=ws,
+                                     k_scale=0.5, v_scale=0.5, fuse_merge=True, counters=counters, **config)
+        return layers
+
+
+def bench_case(hq: int, hkv: int, kv_dtype: Any, bs: int, ctx: int, splits: Sequence[int], replays: int
+               ) -> dict[str, Any]:
+    case = DecodeCase.make(hq, hkv, kv_dtype, bs, ctx)
+    row: dict[str, Any] = {"kv_MB_per_layer": case.kv_mb_per_layer}
+    for s in splits:
+        row[f"triton_splits{s}_us"] = graph_us(case.triton_layers(s), replays)
+    for name, tensor_cores in (("flashinfer_tensor_core_us", True), ("flashinfer_cuda_core_us", False)):
         try:
-            row[name] = graph_us(fi_layers, replays)
+            row[name] = graph_us(case.flashinfer_layers(tensor_cores), replays)
         except Exception as e:  # a build flashinfer lacks is reported, not fatal
             row[name] = f"{type(e).__name__}: {str(e)[:160]}"
     return row

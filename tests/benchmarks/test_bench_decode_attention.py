@@ -19,3 +19,26 @@ def test_defaults_cover_small_batches_and_both_kv_dtypes() -> None:
     assert args.batch[0] == 1 and 8192 in args.context
     assert set(args.kv_dtypes) == {"bfloat16", "float8_e4m3fn"} and all(hasattr(torch, n) for n in args.kv_dtypes)
     assert [tuple(int(x) for x in h.split("/")) for h in args.heads] == [(32, 8), (16, 4)]
+
+
+def test_case_runs_our_kernel_in_the_interpreter() -> None:
+    """DecodeCase (shared with sweep_decode_attention) on CPU, 2 layers: our kernel's 32-layer callable
+    with the FP8 sweep's options writes the attention of the last layer's buffers."""
+    from kernels.decode_attention import decode_attention_ref
+
+    torch.manual_seed(0)
+    case = bench_decode_attention.DecodeCase.make(4, 2, torch.float8_e4m3fn, 2, 40, device="cpu", layers=2)
+    case = bench_decode_attention.DecodeCase(**{**case.__dict__, "q": case.q.half(), "o": case.o.half()})
+    assert case.kv_mb_per_layer == 2 * 40 * 2 * 128 * 2 / 1e6
+    case.triton_layers(2, block_n=128, num_stages=3, f16_math=True)()
+    ref = decode_attention_ref(case.q.float(), case.kb[-1], case.vb[-1], case.req_to_token, case.rows, case.seq_lens,
+                               128 ** -0.5, k_scale=0.5, v_scale=0.5)
+    torch.testing.assert_close(case.o.float(), ref, atol=3e-3, rtol=3e-3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_sweep_refuses_without_a_gpu() -> None:
+    from benchmarks import sweep_decode_attention
+
+    with pytest.raises(SystemExit, match="CUDA GPU"):
+        sweep_decode_attention.main(["--cases", "4x64"])
