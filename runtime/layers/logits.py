@@ -34,7 +34,10 @@ class LogitsProcessor:
         if fb.forward_mode.is_target_verify():  # every position scores the draft after it
             # Model dtype: bs * (K + 1) rows of fp32 would be a large extra write; the greedy verify takes
             # the argmax as is and the Sampler widens to fp32 itself (exactly: the same values).
-            return LogitsOutput(self.compute_logits(hidden))
+            logits = self.compute_logits(hidden)
+            if fb.logits_out is not None:  # a captured graph's rows of the shared verify buffer (same dtype)
+                return LogitsOutput(fb.logits_out[: logits.shape[0]].copy_(logits))
+            return LogitsOutput(logits)
         want_input = any(fb.return_input_logprob)
         if fb.forward_mode.is_decode() and self.skip_decode_gather and not want_input:
             # One new token per request: every row is a last token, so hidden[last] would be a copy of

@@ -63,10 +63,13 @@ class CudaGraphRunner:
         self.logits: dict[tuple[ForwardMode, int], torch.Tensor] = {}
         # Every DECODE graph writes its fp32 logits into rows of this one buffer (replays run one at a time);
         # a graph's own output would stay allocated per captured size (8 GB over the sizes up to 512 at a
-        # 128k vocabulary). TARGET_VERIFY graphs still keep their own (model dtype, bs * (K + 1) rows): a
-        # large --cuda-graph-max-bs with speculative decoding costs that memory.
-        self.decode_logits = torch.empty((self.max_bs if self.enabled and ForwardMode.DECODE in self.modes else 0,
-                                          runner.model_config.vocab_size), dtype=torch.float32, device=dev)
+        # 128k vocabulary). TARGET_VERIFY graphs share one too, in the model dtype their logits have
+        # (bs * (K + 1) rows each: ~21 GB over the sizes up to 512 with K = 4 when each kept its own).
+        vocab = runner.model_config.vocab_size
+        self.decode_logits = torch.empty((self.max_bs if self.enabled else 0, vocab), dtype=torch.float32, device=dev)
+        verify_rows = self.max_bs * self.modes[ForwardMode.TARGET_VERIFY] if (
+            self.enabled and ForwardMode.TARGET_VERIFY in self.modes) else 0
+        self.verify_logits = torch.empty((verify_rows, vocab), dtype=runner.model_config.dtype, device=dev)
         self.pool = None
         self.stage_in_one = decode_fusion_enabled()  # the replay's input copies in one launch
         if self.enabled:
@@ -87,7 +90,7 @@ class CudaGraphRunner:
             extend_seq_lens_cpu=[n] * bs, extend_start_loc_cpu=list(range(0, bs * n, n)),
             seq_lens_sum=fill * bs, extend_num_tokens=bs * n,
             req_to_token_pool=r.req_to_token_pool, token_to_kv_pool=r.token_to_kv_pool, attn_backend=self.backend,
-            logits_out=self.decode_logits[:bs] if mode.is_decode() else None,
+            logits_out=self.decode_logits[:bs] if mode.is_decode() else self.verify_logits[:bs * n],
         )
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:

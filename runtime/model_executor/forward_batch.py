@@ -42,8 +42,9 @@ class ForwardBatch:
     return_input_logprob: list[bool] = field(default_factory=list)
     input_top_logprobs_nums: list[int] = field(default_factory=list)
     global_num_tokens: list[int] | None = None
-    # Where a DECODE's fp32 logits go (a captured graph's rows of CudaGraphRunner's one shared buffer: each
-    # graph keeping its own output held ~8 GB over the captured sizes up to 512 at a 128k vocabulary); None: new.
+    # Where a DECODE's fp32 logits (a TARGET_VERIFY's, in the model dtype) go: a captured graph's rows of
+    # CudaGraphRunner's shared buffer for its mode (each graph keeping its own output held ~8 GB over the
+    # DECODE sizes up to 512 at a 128k vocabulary); None: a new tensor.
     logits_out: torch.Tensor | None = None
 
     @classmethod

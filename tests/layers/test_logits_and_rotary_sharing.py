@@ -1,5 +1,5 @@
-"""Two memory rules of the decode path: a DECODE's logits go into the caller's buffer when one is given
-(CudaGraphRunner's one shared buffer; each captured graph holding its own output cost ~8 GB over the
+"""Two memory rules of the decode path: a DECODE's logits (a TARGET_VERIFY's too) go into the caller's
+buffer when one is given (CudaGraphRunner's one shared buffer per mode; each captured graph holding its own output cost ~8 GB over the
 captured sizes up to 512 at a 128k vocabulary on an H100), with or without the decode gather, with the same values as the fresh fp32 tensor; and one rotary
 table serves every layer of a Llama/Qwen model (Llama 3.1's 131072 positions are 64 MB a table)."""
 
@@ -31,6 +31,21 @@ def test_decode_logits_land_in_the_given_buffer() -> None:
     buf.fill_(float("nan"))
     out = proc(hidden, torch.zeros(3, dtype=torch.long), _fb(3, buf[:3])).next_token_logits
     assert out.data_ptr() == buf.data_ptr() and torch.equal(out, fresh)
+
+
+def test_verify_logits_land_in_the_given_buffer_in_the_model_dtype() -> None:
+    """TARGET_VERIFY scores every token (K + 1 a request) in the model dtype; a captured graph's rows of the
+    shared verify buffer get exactly those values."""
+    w = torch.randn(50, 16, dtype=torch.bfloat16)
+    proc = LogitsProcessor(lambda h: h @ w.t())
+    hidden = torch.randn(6, 16, dtype=torch.bfloat16)
+    fb = SimpleNamespace(batch_size=2, forward_mode=ForwardMode.TARGET_VERIFY, logits_out=None)
+    fresh = proc(hidden, torch.zeros(6, dtype=torch.long), fb).next_token_logits
+    buf = torch.full((9, 50), float("nan"), dtype=torch.bfloat16)
+    fb.logits_out = buf[:6]
+    out = proc(hidden, torch.zeros(6, dtype=torch.long), fb).next_token_logits
+    assert fresh.dtype == out.dtype == torch.bfloat16 and out.data_ptr() == buf.data_ptr()
+    assert torch.equal(out, fresh) and buf[6:].isnan().all()
 
 
 def test_one_rotary_table_for_all_layers(tiny_model_dirs) -> None:

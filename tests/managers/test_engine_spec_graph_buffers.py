@@ -11,6 +11,7 @@ import torch
 
 from runtime.model_executor import cuda_graph_runner
 from runtime.model_executor.cuda_graph_runner import CudaGraphRunner
+from runtime.model_executor.forward_mode import ForwardMode
 from runtime.model_executor.model_runner import ModelRunner
 
 PROMPTS = [[23, 57, 91, 140, 7, 23, 57, 91], [5, 6, 7, 5, 6, 7, 5]]
@@ -68,6 +69,14 @@ def test_decode_and_verify_replays_match_eager(make_engine, tiny_llama, fake_gra
                          speculative_num_draft_tokens=2)  # the target as its own draft: K drafts every step
     graphs = engine.worker.runner.cuda_graph_runner
     assert {m.name: n for m, n in graphs.modes.items()} == {"DECODE": 1, "TARGET_VERIFY": 3}
+    # Each mode's graphs write their logits into one shared buffer (rows of it), not outputs of their own.
+    vocab = engine.worker.runner.model_config.vocab_size
+    assert graphs.verify_logits.shape == (2 * 3, vocab) and graphs.decode_logits.shape == (2, vocab)
+    assert graphs.verify_logits.dtype == engine.worker.runner.model_config.dtype
+    for bs in (1, 2):
+        verify_out = graphs._static_batch(bs, ForwardMode.TARGET_VERIFY).logits_out
+        assert verify_out.shape[0] == bs * 3 and verify_out.data_ptr() == graphs.verify_logits.data_ptr()
+        assert graphs._static_batch(bs, ForwardMode.DECODE).logits_out.data_ptr() == graphs.decode_logits.data_ptr()
     outs = [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=params)]
     assert outs == expected
     assert "TARGET_VERIFY" in fake_graphs and "DECODE" in fake_graphs  # the draft model's steps replay too
