@@ -146,17 +146,25 @@ class FlashInferAttnBackend(AttentionBackend):
                      self.head_dim, 1, pos_encoding_mode="NONE", sm_scale=self.sm_scale,
                      q_data_type=self.dtype, kv_data_type=self.kv_dtype)
 
-    def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-             fb: ForwardBatch) -> torch.Tensor:
+    @staticmethod
+    def _store(k: torch.Tensor | None, v: torch.Tensor | None, layer: Attention, fb: ForwardBatch
+               ) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+        """The layer's KV buffers and scales, with the new K/V stored first (None: stored by the fused rotary
+        + KV store, DECODE)."""
         pool = fb.token_to_kv_pool
         k_buf, v_buf = pool.get_kv(layer.layer_id)
         k_scale, v_scale = pool.layer_scales(layer.layer_id)
-        if k is not None:  # None: stored by the fused rotary + KV store (DECODE)
+        if k is not None:
             store_kv(k_buf, v_buf, fb.out_cache_loc, k.view(-1, layer.num_kv_heads, layer.head_dim),
                      v.view(-1, layer.num_kv_heads, layer.head_dim), k_scale, v_scale)
+        return k_buf, v_buf, k_scale, v_scale
+
+    def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
+             fb: ForwardBatch) -> torch.Tensor:
+        k_buf, v_buf, k_scale, v_scale = self._store(k, v, layer, fb)
         q3 = q.reshape(-1, layer.num_heads, layer.head_dim)
         o = torch.empty_like(q3, memory_format=torch.contiguous_format)
-        scales = {"k_scale": k_scale, "v_scale": v_scale} if pool.is_fp8 else {}
+        scales = {"k_scale": k_scale, "v_scale": v_scale} if fb.token_to_kv_pool.is_fp8 else {}
         self._wrapper.run(q3, (k_buf.unsqueeze(1), v_buf.unsqueeze(1)), out=o, **scales)
         return o.view(-1, layer.num_heads * layer.head_dim)
 
@@ -166,12 +174,7 @@ class FlashInferAttnBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
         if self.triton_decode is None:
             return self._run(q, k, v, layer, fb)
-        pool = fb.token_to_kv_pool
-        k_buf, v_buf = pool.get_kv(layer.layer_id)
-        k_scale, v_scale = pool.layer_scales(layer.layer_id)
-        if k is not None:
-            store_kv(k_buf, v_buf, fb.out_cache_loc, k.view(-1, layer.num_kv_heads, layer.head_dim),
-                     v.view(-1, layer.num_kv_heads, layer.head_dim), k_scale, v_scale)
+        k_buf, v_buf, k_scale, v_scale = self._store(k, v, layer, fb)
         return self.triton_decode(q, k_buf, v_buf, layer, fb, k_scale, v_scale, self.fuse_merge)
 
     # ---- CUDA graphs ----------------------------------------------------------------------------------

@@ -1,0 +1,83 @@
+"""The flashinfer backend's routing, on CPU with a stand-in flashinfer module (the real one is GPU-only): over
+an FP8 pool its DECODE runs our Triton kernel (interpreter here) with no plan and nothing to do at graph
+capture or replay; SHOAL_FP8_DECODE=flashinfer and 16-bit pools keep flashinfer's decode wrapper."""
+
+from __future__ import annotations
+
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kernels.decode_attention import decode_attention_ref
+from runtime.attention.spec import AttentionSpec
+from runtime.model_executor.forward_mode import ForwardMode
+
+HQ, HKV, D = 4, 2, 64
+
+
+class _Wrapper:
+    """Records plans; any run is a failure in these tests (the FP8 DECODE path must not reach it)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.plans = 0
+
+    def plan(self, *args, **kwargs) -> None:
+        self.plans += 1
+
+    def run(self, *args, **kwargs) -> None:
+        raise AssertionError("flashinfer's wrapper ran")
+
+
+@pytest.fixture
+def backend_cls(monkeypatch: pytest.MonkeyPatch):
+    fake = types.ModuleType("flashinfer")
+    fake.BatchPrefillWithPagedKVCacheWrapper = _Wrapper
+    fake.BatchDecodeWithPagedKVCacheWrapper = _Wrapper
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setattr("runtime.attention.flashinfer_backend.WORKSPACE_BYTES", 1024)
+    from runtime.attention.flashinfer_backend import FlashInferAttnBackend
+
+    return FlashInferAttnBackend
+
+
+def _spec(kv_dtype: torch.dtype | None) -> AttentionSpec:
+    req_to_token = torch.arange(3 * 50, dtype=torch.int32).view(3, 50) + 1
+    return AttentionSpec(num_heads=HQ, num_kv_heads=HKV, head_dim=D, scaling=D ** -0.5, dtype=torch.float32,
+                         device=torch.device("cpu"), req_to_token=req_to_token, max_bs=3, kv_dtype=kv_dtype)
+
+
+def test_fp8_decode_runs_our_kernel_without_a_plan(backend_cls) -> None:
+    spec = _spec(torch.float8_e4m3fn)
+    backend = backend_cls(spec)
+    assert backend.triton_decode is not None and backend.triton_decode.config.f16_math
+    gen = torch.Generator().manual_seed(0)
+    k_buf, v_buf = ((torch.randn(3 * 50 + 1, HKV, D, generator=gen) * 2).to(torch.float8_e4m3fn) for _ in range(2))
+    pool = SimpleNamespace(get_kv=lambda layer_id: (k_buf, v_buf), layer_scales=lambda layer_id: (0.5, 0.25),
+                           is_fp8=True)
+    fb = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=3, token_to_kv_pool=pool,
+                         req_pool_indices=torch.tensor([2, 0, 1]), seq_lens=torch.tensor([7, 50, 1]))
+    backend.init_forward_metadata(fb)
+    assert backend.decode_wrapper.plans == 0 and backend.prefill_wrapper.plans == 0
+    layer = SimpleNamespace(layer_id=0, num_heads=HQ, num_kv_heads=HKV, head_dim=D, scaling=D ** -0.5,
+                            sliding_window=0)
+    q = torch.randn(3, HQ * D, generator=gen)
+    o = backend.forward(q, None, None, layer, fb)  # K/V already stored (the fused rotary + KV store)
+    ref = decode_attention_ref(q.view(3, HQ, D), k_buf, v_buf, spec.req_to_token, fb.req_pool_indices,
+                               fb.seq_lens, D ** -0.5, k_scale=0.5, v_scale=0.25)
+    torch.testing.assert_close(o.view(3, HQ, D), ref, atol=1e-5, rtol=1e-5)
+    # CUDA graphs: scratch reserved once, no wrapper per size, nothing to plan at replay.
+    backend.init_cuda_graph_state(8)
+    ws = backend.triton_decode._workspace
+    backend.init_forward_metadata_capture_cuda_graph(4, torch.zeros(4, dtype=torch.long), torch.ones(4), ForwardMode.DECODE)
+    backend.init_forward_metadata_replay_cuda_graph(4, torch.zeros(4, dtype=torch.long), torch.ones(4), 4,
+                                                    ForwardMode.DECODE, seq_lens_cpu=[1] * 4)
+    assert backend._graph_wrappers == {} and backend.triton_decode._workspace is ws and backend.triton_decode.max_bs == 8
+
+
+def test_switch_and_16bit_pools_keep_flashinfer_decode(backend_cls, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert backend_cls(_spec(None)).triton_decode is None
+    monkeypatch.setenv("SHOAL_FP8_DECODE", "flashinfer")
+    assert backend_cls(_spec(torch.float8_e4m3fn)).triton_decode is None
