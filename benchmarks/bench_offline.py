@@ -88,7 +88,7 @@ def build_workload(args: argparse.Namespace, config: dict[str, Any], n: int | No
 
 
 def stats_snapshot(engine: Any) -> dict[str, dict[str, float]]:
-    """{mode: {batches, tokens, time_s}} from engine.get_stats() (plus "retractions"), or {} if the engine
+    """{mode: {batches, tokens, time_s}} from engine.get_stats() (plus "retractions" and "gc_pauses"), or {} if the engine
     keeps none. time_s: the scheduler's forward time of that mode, so a run says where its time went."""
     try:
         stats = engine.get_stats()
@@ -98,13 +98,16 @@ def stats_snapshot(engine: Any) -> dict[str, dict[str, float]]:
     out = {str(getattr(k, "name", k)): {"batches": int(v.batches), "tokens": int(v.tokens),
                                         "time_s": round(float(getattr(v, "time_s", 0.0)), 3)} for k, v in modes.items()}
     out["retractions"] = {"batches": int(getattr(stats, "retractions", 0)), "tokens": 0, "time_s": 0.0}
+    # The scheduler process's garbage collections (runtime/gc_guard.py): the slow ones and all their time.
+    out["gc_pauses"] = {"batches": int(getattr(stats, "gc_slow_pauses", 0)), "tokens": 0,
+                        "time_s": round(float(getattr(stats, "gc_pause_s", 0.0)), 3)}
     return out
 
 
 def stats_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
     zero = {"batches": 0, "tokens": 0, "time_s": 0.0}
     return {m: {k: round(after[m][k] - before.get(m, zero)[k], 3) for k in zero} for m in after
-            if after[m]["batches"] != before.get(m, zero)["batches"]}
+            if after[m] != before.get(m, zero)}
 
 
 def run_throughput(engine: Any, args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:

@@ -198,6 +198,8 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     spec_verify_reqs: int = 0  # request-steps of TARGET_VERIFY batches with at least one draft
     spec_draft_tokens: int = 0  # drafts proposed in them
     spec_accepted_tokens: int = 0  # drafts accepted
+    gc_pause_s: float = 0.0  # the scheduler process's garbage collections, summed (runtime/gc_guard.py)
+    gc_slow_pauses: int = 0  # collections over GcGuard's warning threshold
 
     @property
     def spec_accept_length(self) -> float:

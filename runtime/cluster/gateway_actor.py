@@ -5,6 +5,7 @@ server without a long-lived driver: `launch.launch_gateway_actor(args, detached=
 from __future__ import annotations
 
 from runtime.config import ServerArgs
+from runtime.gc_guard import GcGuard
 
 
 class GatewayActor:
@@ -15,6 +16,7 @@ class GatewayActor:
         self.args = args
         self.client = create_ray_engine_client(args)  # Ray is up inside an actor: joins this cluster
         self.server = serve_in_thread(self.client, args, host=args.host, port=port)
+        GcGuard("gateway actor").start()
 
     def url(self) -> str:
         """http://HOST:PORT the gateway listens on (on this actor's node)."""

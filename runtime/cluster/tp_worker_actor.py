@@ -20,6 +20,7 @@ import msgspec
 from runtime.cluster.step_trace import StepTrace
 from runtime.cluster.tp_rank import RankSpec, TpRank, endpoint
 from runtime.config import ServerArgs
+from runtime.gc_guard import GcGuard
 from runtime.messages import WorkerBatch, WorkerInfo
 from runtime.model_executor.forward_mode import ForwardMode
 
@@ -42,6 +43,7 @@ class TpWorkerActor:
         """Follows rank 0 until a step fails (raises) or the actor is killed."""
         worker, channel = self.rank.worker, self.rank.channel
         worker.bind_thread()
+        GcGuard(f"tp rank {self.spec.rank}").start()  # a collection here stalls every rank's step
         decoder = msgspec.msgpack.Decoder(WorkerBatch)
         clock = time.monotonic_ns
         while True:

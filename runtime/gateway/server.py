@@ -56,6 +56,7 @@ from runtime.config import ServerArgs
 from runtime.engine_client import EngineClient
 from runtime.gateway.app import build_app, gateway_state
 from runtime.gateway.state import ClientProvider
+from runtime.gc_guard import GcGuard
 from runtime.logging_setup import setup_logging
 
 logger = logging.getLogger("shoal.gateway")
@@ -102,12 +103,15 @@ def run_server(args: ServerArgs, load_client: Callable[[], EngineClient], *, in_
         sys.setswitchinterval(float(os.environ.get("SHOAL_SWITCH_INTERVAL", "0.001")))
     loader = _EngineLoader(load_client)
     app = build_app(loader.provider, args)
-    asyncio.run(_serve_until_stopped(app, args, loader))
+    asyncio.run(_serve_until_stopped(app, args, loader, gc_guard=not in_process))
     if loader.error is not None:
         raise loader.error
 
 
-async def _serve_until_stopped(app: web.Application, args: ServerArgs, loader: _EngineLoader) -> None:
+async def _serve_until_stopped(app: web.Application, args: ServerArgs, loader: _EngineLoader,
+                               gc_guard: bool) -> None:
+    """gc_guard: freeze start-up objects once the client is ready (in-process, the Engine's scheduler host
+    already did, for the same interpreter)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -125,6 +129,8 @@ async def _serve_until_stopped(app: web.Application, args: ServerArgs, loader: _
         client = loader.client
         logger.info("Shoal is ready: serving model %r at %s (OpenAI API: %s/v1)",
                     gateway_state(app).served_model(client), url, url)
+        if gc_guard:
+            GcGuard("gateway").start()
         await stopped
     elif loader.error is not None:
         logger.error("the engine failed to load: %s", loader.error)

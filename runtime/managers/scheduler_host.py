@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from runtime.config import ServerArgs
+from runtime.gc_guard import GcGuard
 from runtime.managers.request_validation import RequestLimits, validate_request
 from runtime.managers.scheduler import Scheduler
 from runtime.managers.worker_client import WorkerClient
@@ -46,8 +47,10 @@ class SchedulerHost:
             pad_drafts=info.device.startswith("cuda") and not args.disable_cuda_graph)  # graph-shaped verify steps
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.gc = GcGuard(name)
 
     def start(self) -> None:
+        self.gc.start()  # start-up is over: what it left alive stays out of every collection
         self._thread.start()
 
     def _run(self) -> None:
@@ -75,15 +78,20 @@ class SchedulerHost:
             answer: Future[SchedulerStats] = Future()
             self.scheduler.inbox.put(("stats", answer))
             try:
-                return answer.result(timeout_s)
+                return self._with_gc(answer.result(timeout_s))
             except FutureTimeout:
                 logger.warning("the scheduler did not answer a stats request in %.0f s", timeout_s)
         with self.scheduler.lock:
-            return self.scheduler.get_stats()
+            return self._with_gc(self.scheduler.get_stats())
+
+    def _with_gc(self, stats: SchedulerStats) -> SchedulerStats:
+        stats.gc_pause_s, stats.gc_slow_pauses = self.gc.pauses.total_s, self.gc.pauses.slow
+        return stats
 
     def stop(self, timeout_s: float = 10.0) -> bool:
         """Stops the loop after its current step; True when the thread has ended."""
         self._stop.set()
+        self.gc.stop()
         if self.grammar is not None:
             self.grammar.shutdown()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
