@@ -108,14 +108,17 @@ def test_static_batching_accounting():
     assert ids == [[5, 6, 7], [0, 0, 8]] and mask == [[1, 1, 1], [0, 0, 1]]
 
 
-def test_static_vs_continuous_cpu_smoke_hf_static(tmp_path):
+def test_static_vs_continuous_cpu_smoke_hf_static_and_shoal(tmp_path):
     out = tmp_path / "svc.json"
     res = bench_static_vs_continuous.main([
         "--model-config", "Tiny-Llama-smoke", "--device", "cpu", "--dtype", "float32", "--num-requests", "6",
         "--input-range", "4", "12", "--output-range", "2", "6", "--static-batch-size", "4",
-        "--skip", "hf-continuous", "shoal", "--work-dir", str(tmp_path), "--output-file", str(out)])
+        "--skip", "hf-continuous", "--work-dir", str(tmp_path), "--output-file", str(out)])
     static = res["cases"]["hf_static"]
     assert static["useful_tokens"] == res["useful_tokens"] and static["useful_tok_per_s"] > 0
+    shoal = res["cases"]["shoal"]  # run in a spawned interpreter: its numbers come back whole
+    assert shoal["useful_tokens"] == shoal["expected_tokens"] == res["useful_tokens"]
+    assert shoal["forward_modes"]["DECODE"]["batches"] > 0 and res["ratios"]["shoal/hf_static"] > 0
     assert static["generated_tokens_incl_padding"] == res["padded_tokens_static"]
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "static_vs_continuous" and doc["device"].startswith("cpu")
