@@ -1,11 +1,13 @@
-"""Launch configs of our Triton decode kernel over an FP8 KV pool, against flashinfer's tensor-core decode
-(what the flashinfer backend ran for FP8 DECODE), at the batch x context of a KV-bound serving run
-(1000/1000 x 1000: ~256 requests at ~1500 tokens) and a mid-size one. Grid: splits {1, 2, 4} x tile
-{64, 128} tokens x (warps, stages) {(4, 2), (4, 3), (8, 3), (8, 4)} x math {bf16, fp16}; each a CUDA graph
-of 32 layer calls over 32 KV buffers (as benchmarks/bench_decode_attention.py), with its max |difference|
-from flashinfer's output. Picked from it: runtime/attention/triton_decode.DecodeKernelConfig.for_kv(fp8).
+"""Launch configs of our Triton decode kernel over an FP8 (default) or bf16 KV pool, against flashinfer's
+tensor-core decode (what the flashinfer backend runs for DECODE), at the batch x context of a KV-bound
+serving run (1000/1000 x 1000: ~256 requests at ~1500 tokens) and a mid-size one. Grid: splits {1, 2, 4, 8}
+x tile {64, 128} tokens x (warps, stages) {(4, 2), (4, 3), (8, 3), (8, 4)} x math {bf16, fp16} (bf16 alone
+over a bf16 pool: rounding bf16 to fp16 is not exact); each a CUDA graph of 32 layer calls over 32 KV
+buffers (as benchmarks/bench_decode_attention.py), with its max |difference| from flashinfer's output.
+Picked from it: runtime/attention/triton_decode.DecodeKernelConfig.for_kv(fp8).
 
     python -m benchmarks.sweep_decode_attention --output-file benchmarks/results/decode_attention_fp8_sweep_h100.json
+    python -m benchmarks.sweep_decode_attention --kv-dtype bfloat16 --cases 256x400 128x600 32x800
 
 GPU only (flashinfer)."""
 
@@ -20,22 +22,24 @@ from typing import Any
 from benchmarks.bench_decode_attention import DecodeCase, graph_us
 from benchmarks.common import write_result
 
-SPLITS, TILES, WARPS_STAGES = (1, 2, 4), (64, 128), ((4, 2), (4, 3), (8, 3), (8, 4))
+SPLITS, TILES, WARPS_STAGES = (1, 2, 4, 8), (64, 128), ((4, 2), (4, 3), (8, 3), (8, 4))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", nargs="+", default=["256x1500", "64x2048"], help="batch x context")
     p.add_argument("--heads", default="32/8", help="q/kv heads per rank")
+    p.add_argument("--kv-dtype", default="float8_e4m3fn", choices=["float8_e4m3fn", "bfloat16"])
     p.add_argument("--replays", type=int, default=10)
     p.add_argument("--output-file", default=None)
     return p.parse_args(argv)
 
 
-def sweep_case(hq: int, hkv: int, bs: int, ctx: int, replays: int) -> dict[str, Any]:
+def sweep_case(hq: int, hkv: int, bs: int, ctx: int, replays: int, kv_dtype: str) -> dict[str, Any]:
     import torch
 
-    case = DecodeCase.make(hq, hkv, torch.float8_e4m3fn, bs, ctx)
+    case = DecodeCase.make(hq, hkv, getattr(torch, kv_dtype), bs, ctx)
+    maths = (False, True) if case.kv_dtype.itemsize == 1 else (False,)
     mb = case.kv_mb_per_layer
     row: dict[str, Any] = {"kv_MB_per_layer": mb}
     flashinfer_layers = case.flashinfer_layers(tensor_cores=True)
@@ -44,7 +48,7 @@ def sweep_case(hq: int, hkv: int, bs: int, ctx: int, replays: int) -> dict[str, 
     torch.cuda.synchronize()
     ref = case.o.float().clone()
     best: tuple[str, float] | None = None
-    for splits, tile, (warps, stages), f16 in itertools.product(SPLITS, TILES, WARPS_STAGES, (False, True)):
+    for splits, tile, (warps, stages), f16 in itertools.product(SPLITS, TILES, WARPS_STAGES, maths):
         layers = case.triton_layers(splits, block_n=tile, num_warps=warps, num_stages=stages, f16_math=f16)
         key = f"splits{splits}_tile{tile}_warps{warps}_stages{stages}_{'fp16' if f16 else 'bf16'}"
         us = graph_us(layers, replays)
@@ -71,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for case in args.cases:
         bs, ctx = (int(x) for x in case.split("x"))
-        results[f"bs{bs} ctx{ctx}"] = sweep_case(hq, hkv, bs, ctx, args.replays)
+        results[f"bs{bs} ctx{ctx}"] = sweep_case(hq, hkv, bs, ctx, args.replays, args.kv_dtype)
         print(case, results[f"bs{bs} ctx{ctx}"]["best"], flush=True)
         torch.cuda.empty_cache()
     if args.output_file:
