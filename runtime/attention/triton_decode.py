@@ -6,8 +6,11 @@ Why the flashinfer backend borrows it: over an FP8 pool flashinfer's tensor-core
 ~1.8 TB/s on an H100 (the fp8 → bf16 widening in its FA2 kernel), while this kernel with the FP8 config
 below (fp16 math: e4m3 widens to fp16 in one instruction per pair; 128-token tiles, 3 stages, one split
 once the batch fills the GPU) reads it at ~2.4 TB/s: 325 vs 419 us per layer at batch 256 x 1500 tokens,
-108 vs 153 at 64 x 2048 (benchmarks/bench_decode_attention.py --fp8-configs). 16-bit KV keeps its
-measured defaults (8 splits, 64-token tiles), where flashinfer stays the faster of the two.
+108 vs 153 at 64 x 2048 (benchmarks/bench_decode_attention.py --fp8-configs). 16-bit KV takes the same
+launch config with bf16 math (rounding bf16 to fp16 is not exact): over a bf16 pool it reads 2.6-2.7 TB/s
+at 256 x 400 and 128 x 600 where the fixed 8 splits and 64-token tiles it had before read 1.9-2.1 (159 vs
+218 and 115 vs 154 us per layer; flashinfer 172 and 126; sweep_decode_attention --kv-dtype bfloat16,
+H100). The split count does most of it: each split re-reads q and writes a partial that the merge reads.
 
 The workspace is one flat buffer sized for the largest batch and the most splits, viewed per launch, and
 allocated once where CUDA graphs are captured, so every graph sees the same memory."""
@@ -27,7 +30,8 @@ if TYPE_CHECKING:
     from runtime.layers.attention import Attention
     from runtime.model_executor.forward_batch import ForwardBatch
 
-# Splits of each sequence for 16-bit KV: enough programs to fill the GPU at batch 1 with a few KV heads.
+# The most splits of a sequence: enough programs to fill the GPU at batch 1 with a few KV heads (splits_for
+# takes fewer as the batch alone fills it).
 DEFAULT_NUM_KV_SPLITS = 8
 _SM_COUNT_DEFAULT = 132  # H100 SXM; where the device cannot be asked (CPU, interpreter)
 
@@ -43,11 +47,8 @@ class DecodeKernelConfig:
 
     @classmethod
     def for_kv(cls, kv_fp8: bool, num_kv_splits: int = DEFAULT_NUM_KV_SPLITS) -> DecodeKernelConfig:
-        if kv_fp8:
-            return cls(max_splits=num_kv_splits, block_n=128, num_warps=4, num_stages=3, f16_math=True,
-                       adaptive_splits=True)
-        return cls(max_splits=num_kv_splits, block_n=None, num_warps=4, num_stages=2, f16_math=False,
-                   adaptive_splits=False)
+        return cls(max_splits=num_kv_splits, block_n=128, num_warps=4, num_stages=3, f16_math=kv_fp8,
+                   adaptive_splits=True)
 
 
 def splits_for(bs: int, num_kv_heads: int, max_splits: int, sm_count: int) -> int:

@@ -28,8 +28,9 @@ def test_splits_fill_the_gpu_then_stop(bs: int, kv_heads: int, want: int) -> Non
 def test_config_per_kv_dtype() -> None:
     fp8 = DecodeKernelConfig.for_kv(kv_fp8=True)
     assert fp8.f16_math and fp8.adaptive_splits and fp8.block_n == 128 and fp8.num_stages == 3
-    bf16 = DecodeKernelConfig.for_kv(kv_fp8=False)
-    assert not bf16.f16_math and not bf16.adaptive_splits and bf16.max_splits == DEFAULT_NUM_KV_SPLITS
+    bf16 = DecodeKernelConfig.for_kv(kv_fp8=False)  # the same launch config; bf16 math (bf16 → fp16 rounds)
+    assert not bf16.f16_math and bf16.adaptive_splits and bf16.max_splits == DEFAULT_NUM_KV_SPLITS
+    assert (bf16.block_n, bf16.num_warps, bf16.num_stages) == (fp8.block_n, fp8.num_warps, fp8.num_stages)
 
 
 def _spec(max_bs: int, kv_dtype: torch.dtype | None) -> AttentionSpec:
