@@ -1,6 +1,7 @@
 """The flashinfer backend's routing, on CPU with a stand-in flashinfer module (the real one is GPU-only): over
 an FP8 pool its DECODE runs our Triton kernel (interpreter here) with no plan and nothing to do at graph
-capture or replay; SHOAL_FP8_DECODE=flashinfer and 16-bit pools keep flashinfer's decode wrapper."""
+capture or replay; SHOAL_FP8_DECODE=flashinfer and 16-bit pools keep flashinfer's decode wrapper, and
+SHOAL_DECODE_KERNEL forces either kernel for every pool."""
 
 from __future__ import annotations
 
@@ -81,3 +82,32 @@ def test_switch_and_16bit_pools_keep_flashinfer_decode(backend_cls, monkeypatch:
     assert backend_cls(_spec(None)).triton_decode is None
     monkeypatch.setenv("SHOAL_FP8_DECODE", "flashinfer")
     assert backend_cls(_spec(torch.float8_e4m3fn)).triton_decode is None
+
+
+def test_decode_kernel_switch(backend_cls, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SHOAL_DECODE_KERNEL=triton sends a 16-bit pool's DECODE to our kernel (bf16 math), equal to the
+    reference with no flashinfer plan; =flashinfer keeps flashinfer's for FP8 too; anything else is refused."""
+    monkeypatch.setenv("SHOAL_DECODE_KERNEL", "triton")
+    spec = _spec(None)
+    backend = backend_cls(spec)
+    assert backend.triton_decode is not None and not backend.triton_decode.config.f16_math
+    gen = torch.Generator().manual_seed(1)
+    k_buf, v_buf = (torch.randn(3 * 50 + 1, HKV, D, generator=gen) for _ in range(2))
+    pool = SimpleNamespace(get_kv=lambda layer_id: (k_buf, v_buf), layer_scales=lambda layer_id: (1.0, 1.0),
+                           is_fp8=False)
+    fb = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=2, token_to_kv_pool=pool,
+                         req_pool_indices=torch.tensor([1, 2]), seq_lens=torch.tensor([33, 3]))
+    backend.init_forward_metadata(fb)
+    assert backend.decode_wrapper.plans == 0
+    layer = SimpleNamespace(layer_id=0, num_heads=HQ, num_kv_heads=HKV, head_dim=D, scaling=D ** -0.5,
+                            sliding_window=0)
+    q = torch.randn(2, HQ * D, generator=gen)
+    o = backend.forward(q, None, None, layer, fb)
+    ref = decode_attention_ref(q.view(2, HQ, D), k_buf, v_buf, spec.req_to_token, fb.req_pool_indices,
+                               fb.seq_lens, D ** -0.5)
+    torch.testing.assert_close(o.view(2, HQ, D), ref, atol=1e-5, rtol=1e-5)
+    monkeypatch.setenv("SHOAL_DECODE_KERNEL", "flashinfer")
+    assert backend_cls(_spec(torch.float8_e4m3fn)).triton_decode is None
+    monkeypatch.setenv("SHOAL_DECODE_KERNEL", "cutlass")
+    with pytest.raises(ValueError, match="SHOAL_DECODE_KERNEL"):
+        backend_cls(_spec(None))
