@@ -88,8 +88,9 @@ def build_workload(args: argparse.Namespace, config: dict[str, Any], n: int | No
 
 
 def stats_snapshot(engine: Any) -> dict[str, dict[str, float]]:
-    """{mode: {batches, tokens, time_s}} from engine.get_stats() (plus "retractions" and "gc_pauses"), or {} if the engine
-    keeps none. time_s: the scheduler's forward time of that mode, so a run says where its time went."""
+    """{mode: {batches, tokens, time_s}} from engine.get_stats() (plus "retractions" and "gc_pauses"), or {}
+    if the engine keeps none. time_s: the scheduler's forward time of that mode, so a run says where its
+    time went."""
     try:
         stats = engine.get_stats()
         modes = stats.forward_modes

@@ -227,9 +227,9 @@ def run_shoal(folder: Path, args: argparse.Namespace, w: Workload, device: str) 
 
 def run_shoal_isolated(folder: Path, args: argparse.Namespace, w: Workload, device: str) -> dict[str, Any]:
     """run_shoal in a fresh interpreter. Why: after HF's runs this process holds what they left (the 8B
-    model's Python objects, continuous batching's manager), and on an H100 Shoal ran the same workload in
-    8.77 s here against 7.22 s in a fresh process (dummy weights, benchmarks/README.md). A server starts
-    clean; so does each system measured here."""
+    model's Python objects, continuous batching's manager); a server starts clean, so each system measured
+    here does too. (On H100s: 8.77 s in HF's process, 8.38 s isolated, on two machines; the effect was not
+    told apart from the machines'.)"""
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(1) as pool:
         return pool.apply(run_shoal, (folder, args, w, device))

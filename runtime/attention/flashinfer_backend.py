@@ -38,11 +38,12 @@ FLASHINFER_KERNEL_BACKEND = "fa2"
 
 
 def decode_kernel(kv_fp8: bool) -> str:
-    """"triton" (our split-KV kernel) or "flashinfer" for this backend's DECODE batches. SHOAL_DECODE_KERNEL:
-    auto (default) takes ours over an FP8 pool, flashinfer's over a 16-bit one (SHOAL_FP8_DECODE=flashinfer,
-    the older switch, keeps flashinfer's for FP8 too); triton or flashinfer forces one for every pool. Ours
-    over a bf16 pool read 7-9% faster than flashinfer's in a kernel sweep at batch 32-256 (H100,
-    decode_attention_bf16_sweep_h100.json), not yet measured in the model: hence opt-in."""
+    """The kernel for this backend's DECODE batches: "triton" (our split-KV kernel) or "flashinfer".
+    SHOAL_DECODE_KERNEL=auto (default) takes ours over an FP8 pool, flashinfer's over a 16-bit one
+    (SHOAL_FP8_DECODE=flashinfer, the older switch, keeps flashinfer's for FP8 too); triton or flashinfer
+    forces one for every pool. Ours over a bf16 pool read 7-9% faster than flashinfer's in a kernel sweep
+    at batch 32-256 (H100, decode_attention_bf16_sweep_h100.json), not yet measured in the model: hence
+    opt-in."""
     choice = os.environ.get("SHOAL_DECODE_KERNEL", "auto")
     if choice not in ("auto", "triton", "flashinfer"):
         raise ValueError(f"SHOAL_DECODE_KERNEL={choice!r}: expected auto, triton or flashinfer")
