@@ -30,12 +30,16 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "conten
                   max_ongoing_requests=256)
 class ShoalDeployment:
     def __init__(self, server_args: dict[str, Any]):
+        from runtime.engine import Engine
         from runtime.entrypoints.engine_factory import create_engine_client
         from runtime.gateway.server import serve_in_thread
+        from runtime.gc_guard import GcGuard
 
         self.args = ServerArgs.from_kwargs(**server_args)
         self.client = create_engine_client(self.args)
         self.gateway = serve_in_thread(self.client, self.args, host="127.0.0.1", port=0)
+        if not isinstance(self.client, Engine):  # an in-process Engine's scheduler host has frozen this process
+            GcGuard("serve replica").start()
         self._session: Any = None
 
     async def _http(self) -> Any:
