@@ -56,13 +56,20 @@ class _SchedulerStatsCollector(Collector):
                                      labels=["mode"])
         retractions = CounterMetricFamily("shoal:retractions", "requests retracted for lack of KV memory")
         evictions = CounterMetricFamily("shoal:cache_evictions", "tokens evicted from the prefix cache")
+        # A collection stops the scheduler's process, and the GPU drains meanwhile (runtime/gc_guard.py).
+        gc_seconds = CounterMetricFamily("shoal:scheduler_gc_pause_seconds",
+                                         "time the scheduler processes spent in garbage collections")
+        gc_slow = CounterMetricFamily("shoal:scheduler_gc_slow_pauses",
+                                      "garbage collections in the scheduler processes over 50 ms")
         if s is not None:
             for mode, m in sorted(s.forward_modes.items()):
                 batches.add_metric([mode.lower()], m.batches)
                 tokens.add_metric([mode.lower()], m.tokens)
             retractions.add_metric([], s.retractions)
             evictions.add_metric([], s.evictions)
-        yield from (batches, tokens, retractions, evictions)
+            gc_seconds.add_metric([], s.gc_pause_s)
+            gc_slow.add_metric([], s.gc_slow_pauses)
+        yield from (batches, tokens, retractions, evictions, gc_seconds, gc_slow)
         # Speculative decoding, per replica (or DP rank) and over all of them ("all").
         length = GaugeMetricFamily("shoal:spec_accept_length", "speculative decoding: mean tokens a request "
                                    "emits per verify step (accepted drafts + 1)", labels=["replica"])

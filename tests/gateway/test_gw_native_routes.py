@@ -101,7 +101,8 @@ def test_metrics_move(gw_url, oai):
                  "shoal:forward_batches_total{mode=extend}", "shoal:forward_tokens_total{mode=decode}",
                  "shoal:prompt_tokens_total", "shoal:generation_tokens_total",
                  "shoal:time_to_first_token_seconds_count", "shoal:inter_token_latency_seconds_count",
-                 "shoal:e2e_request_latency_seconds_count", "shoal:queue_time_seconds_count"):
+                 "shoal:e2e_request_latency_seconds_count", "shoal:queue_time_seconds_count",
+                 "shoal:scheduler_gc_pause_seconds_total", "shoal:scheduler_gc_slow_pauses_total"):
         assert name in before, name
     r = oai.completions.create(model="llama", prompt="The quick brown fox jumps", max_tokens=7, temperature=0,
                                extra_body={"ignore_eos": True})
@@ -119,6 +120,9 @@ def test_metrics_move(gw_url, oai):
     assert delta("shoal:forward_batches_total{mode=extend}") >= 1
     assert delta("shoal:forward_tokens_total{mode=decode}") >= 6
     assert 0 <= after["shoal:kv_usage_ratio"] <= 1 and 0 <= after["shoal:cache_hit_ratio"] <= 1
+    # The scheduler's collections are timed (runtime/gc_guard.py): serving makes some, however short.
+    assert after["shoal:scheduler_gc_pause_seconds_total"] > 0
+    assert delta("shoal:scheduler_gc_slow_pauses_total") >= 0
 
 
 def test_api_key(gw_engine):
