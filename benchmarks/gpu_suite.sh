@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_suite.sh part4 OUTDIR   # offline reference + HTTP in-process + HTTP on Ray actors
 #   bash benchmarks/gpu_suite.sh part5 OUTDIR   # overlap on/off again after the collect-copy fix
 #   bash benchmarks/gpu_suite.sh part6 OUTDIR   # bf16 DECODE through our Triton kernel vs flashinfer's, in the model
+#   bash benchmarks/gpu_suite.sh part7 OUTDIR   # the same on the static-vs-continuous workload; 1000 x 1000 FP8 KV
 set -u
 part=$1 out=$2
 mkdir -p "$out"
@@ -51,7 +52,7 @@ if [ "$part" = part5 ]; then  # overlap scheduling with the collect-side copy fi
   run timeout 60 $OFF --batch1-decode --attention-backend triton --output-file "$out/llama8b_batch1_triton_overlap_v2.json"
   serve_bench inproc_v2
 fi
-if [ "$part" = part6 ]; then  # SHOAL_DECODE_KERNEL=triton against auto: the GPU tests, then three workloads
+if [ "$part" = part6 ]; then  # SHOAL_DECODE_KERNEL=triton against auto: the GPU tests, then two workloads
   TAIL=6 run timeout 240 env SHOAL_DECODE_KERNEL=triton python -m pytest -q -x -p no:cacheprovider \
     tests/gpu/test_gpu_attention_backends.py tests/gpu/test_gpu_engine.py tests/gpu/test_decode_fusion_gpu.py
   T="--num-prompts 500 --input-len 462 --output-len 256 --cuda-graph-max-bs 256 --max-running-requests 512"
@@ -59,7 +60,11 @@ if [ "$part" = part6 ]; then  # SHOAL_DECODE_KERNEL=triton against auto: the GPU
     run timeout 60 env SHOAL_DECODE_KERNEL=$k $OFF --batch1-decode --output-file "$out/llama8b_batch1_decode_kernel_$k.json"
     run timeout 100 env SHOAL_DECODE_KERNEL=$k $OFF $T --output-file "$out/llama8b_462x256_decode_kernel_$k.json"
   done
-  run timeout 200 python -m benchmarks.svc_step_times --gc-freeze 1 --output-file "$out/svc_step_times_auto.json"
-  run timeout 200 env SHOAL_DECODE_KERNEL=triton python -m benchmarks.svc_step_times --gc-freeze 1 \
+fi
+if [ "$part" = part7 ]; then  # the static-vs-continuous workload auto vs triton, and 1000 x 1000 FP8 KV (GC frozen)
+  run timeout 150 python -m benchmarks.svc_step_times --gc-freeze 1 --output-file "$out/svc_step_times_auto.json"
+  run timeout 150 env SHOAL_DECODE_KERNEL=triton python -m benchmarks.svc_step_times --gc-freeze 1 \
     --output-file "$out/svc_step_times_triton.json"
+  run timeout 250 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests 1024 \
+    --kv-cache-dtype fp8_e4m3 --cuda-graph-max-bs 512 --output-file "$out/fp8_kv_1000x1000_graph512_gcfreeze.json"
 fi
