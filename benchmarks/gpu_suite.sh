@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_suite.sh part5 OUTDIR   # overlap on/off again after the collect-copy fix
 #   bash benchmarks/gpu_suite.sh part6 OUTDIR   # bf16 DECODE through our Triton kernel vs flashinfer's, in the model
 #   bash benchmarks/gpu_suite.sh part7 OUTDIR   # the same on the static-vs-continuous workload; 1000 x 1000 FP8 KV
+#   bash benchmarks/gpu_suite.sh part8 OUTDIR   # FP8 weights at batch 32/64: the w8a16 GEMV against w8a8 scaled_mm
 set -u
 part=$1 out=$2
 mkdir -p "$out"
@@ -67,4 +68,11 @@ if [ "$part" = part7 ]; then  # the static-vs-continuous workload auto vs triton
     --output-file "$out/svc_step_times_triton.json"
   run timeout 250 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests 1024 \
     --kv-cache-dtype fp8_e4m3 --cuda-graph-max-bs 512 --output-file "$out/fp8_kv_1000x1000_graph512_gcfreeze.json"
+fi
+if [ "$part" = part8 ]; then  # FP8 weights at bs 32 / 64: GEMV bound 16 (w8a8 above it) vs 64 (w8a16 GEMV throughout)
+  TAIL=4 run timeout 120 python -m pytest -q -x -p no:cacheprovider tests/gpu/test_fp8_gemv_gpu.py
+  for mm in 16 64; do
+    run timeout 200 env SHOAL_FP8_GEMV_MAX_M=$mm python -m benchmarks.profile_decode --modes fp8_weights \
+      --batch 32 64 --output-file "$out/profile_decode_fp8w_bs32_64_gemv_max$mm.json"
+  done
 fi
