@@ -49,7 +49,7 @@ from kernels.pdl import launch_options, pdl_enabled
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 # The default M bound of the dispatch; SHOAL_FP8_GEMV_MAX_M overrides it (0 turns it off). Any M is computed
-# right (rows in tiles of 16); the speed was measured up to 16.
+# right (rows in tiles: _launch); the speed was measured up to 16.
 SMALL_M_MAX = 16
 DENSE_M_MAX = 1  # the same for 16-bit weights (SHOAL_DENSE_GEMV_MAX_M): measured ahead of cuBLAS at M = 1
 DENSE_DTYPES = (torch.bfloat16, torch.float16)
@@ -242,8 +242,10 @@ def _launch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: 
     if w.stride(1) != 1:
         w = w.contiguous()
     cfg = config or pick_config(m, n, k, _sm_count(x.device), w.element_size())
-    # Rows in tiles of BLOCK_M (a third grid axis): 16 for tl.dot, up to 16 for the register tile.
-    block_m = 16 if cfg.use_dot else min(16, triton.next_power_of_2(m))
+    # Rows in tiles of BLOCK_M (a third grid axis; each tile streams the whole weight once): tl.dot takes
+    # up to 64 rows a tile (16 at least), the multiply + sum register tile up to 16.
+    pow2_m = triton.next_power_of_2(m)
+    block_m = max(16, min(64, pow2_m)) if cfg.use_dot else min(16, pow2_m)
     part = (torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device) if cfg.split_k > 1
             else out)
     b = bias.contiguous() if bias is not None else None

@@ -146,10 +146,11 @@ def test_gated_shape_check() -> None:
 
 
 @pytest.mark.parametrize(("m", "config"), [(40, GemvConfig(block_n=16, block_k=32, use_dot=True)),
-                                           (37, GemvConfig(block_n=16, block_k=32, split_k=2, use_dot=True)),
+                                           (70, GemvConfig(block_n=16, block_k=32, split_k=2, use_dot=True)),
                                            (24, GemvConfig(block_n=8, block_k=32))])
 def test_rows_beyond_one_tile(m: int, config: GemvConfig) -> None:
-    """M above 16 (SHOAL_FP8_GEMV_MAX_M raised) runs rows in tiles of 16 on a third grid axis: every row is
-    computed (before, rows past the first tile were left as the output's uninitialised memory)."""
+    """M above 16 (SHOAL_FP8_GEMV_MAX_M raised) runs rows in tiles on a third grid axis (tl.dot: up to 64 rows
+    a tile, so 70 takes two; multiply + sum: 16): every row is computed (before, rows past the first
+    16-row tile were left as the output's uninitialised memory)."""
     x, w8, scale, b = _operands(m, 40, 64, torch.float32, seed=m, bias=True)
     _close(fp8_linear_small_m(x, w8, scale, b, config=config), fp8_linear_small_m_ref(x, w8, scale, b))
