@@ -54,6 +54,7 @@ SMALL_M_MAX = 16
 DENSE_M_MAX = 1  # the same for 16-bit weights (SHOAL_DENSE_GEMV_MAX_M): measured ahead of cuBLAS at M = 1
 DENSE_DTYPES = (torch.bfloat16, torch.float16)
 _SM_COUNT_DEFAULT = 132  # H100 SXM; used when the device cannot be asked (interpreter)
+_SMEM_BUDGET = 96 * 1024  # bytes of pipelined tiles: an sm89 block has ~99 KB of shared memory, sm90 ~227 KB
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +247,11 @@ def _launch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: 
     # up to 64 rows a tile (16 at least), the multiply + sum register tile up to 16.
     pow2_m = triton.next_power_of_2(m)
     block_m = max(16, min(64, pow2_m)) if cfg.use_dot else min(16, pow2_m)
+    stages = cfg.num_stages
+    if cfg.use_dot:  # the pipelined x and weight tiles stay within an sm89 block's shared memory
+        tile_bytes = cfg.block_k * (block_m * x.element_size() + cfg.block_n * w.element_size())
+        while stages > 1 and stages * tile_bytes > _SMEM_BUDGET:
+            stages -= 1
     part = (torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device) if cfg.split_k > 1
             else out)
     b = bias.contiguous() if bias is not None else None
@@ -263,7 +269,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: 
         USE_DOT=cfg.use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         EVEN_N=n % cfg.block_n == 0, EVEN_K=even_k,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PEEL=peel, USE_PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
+        num_warps=cfg.num_warps, num_stages=stages, **launch_options(pdl),
     )
     if cfg.split_k > 1:
         block = min(1024, triton.next_power_of_2(n))
