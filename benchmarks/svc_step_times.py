@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import random
 import sys
 import tempfile
 import time
@@ -23,13 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (
-    load_model_config,
-    make_model_folder,
-    random_token_ids,
-    sample_range,
-    write_result,
-)
+from benchmarks.bench_static_vs_continuous import build_workload
+from benchmarks.common import load_model_config, make_model_folder, write_result
 
 BUCKET = 32  # decode steps are summed per 32 requests of batch size
 
@@ -78,11 +72,9 @@ def run_one(args: argparse.Namespace, freeze: str) -> dict[str, Any]:
 
     from runtime import Engine
 
-    config = load_model_config(args.model_config)
-    rng = random.Random(args.seed)
-    in_lens = sample_range(rng, args.num_requests, *args.input_range)
-    out_lens = sample_range(rng, args.num_requests, *args.output_range)
-    prompts = random_token_ids(rng, in_lens, int(config["vocab_size"]), set())
+    # bench_static_vs_continuous's own workload (same seed, lengths and special-token-free ids).
+    w = build_workload(args, load_model_config(args.model_config))
+    prompts, out_lens = w.prompts, w.output_lens
     with tempfile.TemporaryDirectory() as tmp:
         folder = make_model_folder(args.model_config, Path(tmp) / "m")
         engine = Engine(str(folder), load_format="dummy", dtype=args.dtype, device=args.device,
