@@ -6,8 +6,8 @@
 #   bash benchmarks/gpu_suite.sh part4 OUTDIR   # offline reference + HTTP in-process + HTTP on Ray actors
 #   bash benchmarks/gpu_suite.sh part5 OUTDIR   # overlap on/off again after the collect-copy fix
 #   bash benchmarks/gpu_suite.sh part6 OUTDIR   # bf16 DECODE through our Triton kernel vs flashinfer's, in the model
-#   bash benchmarks/gpu_suite.sh part7 OUTDIR   # the same on the static-vs-continuous workload; 1000 x 1000 FP8 KV
-#   bash benchmarks/gpu_suite.sh part8 OUTDIR   # FP8 weights at batch 32/64: the w8a16 GEMV against w8a8 scaled_mm
+#   bash benchmarks/gpu_suite.sh part7 OUTDIR   # GPU tests with our bf16 DECODE the default; the svc workload ours vs flashinfer's
+#   bash benchmarks/gpu_suite.sh part8 OUTDIR   # FP8 weights at batch 32/64 (w8a16 GEMV vs w8a8 scaled_mm); 1000 x 1000 FP8 KV
 set -u
 part=$1 out=$2
 mkdir -p "$out"
@@ -62,17 +62,22 @@ if [ "$part" = part6 ]; then  # SHOAL_DECODE_KERNEL=triton against auto: the GPU
     run timeout 100 env SHOAL_DECODE_KERNEL=$k $OFF $T --output-file "$out/llama8b_462x256_decode_kernel_$k.json"
   done
 fi
-if [ "$part" = part7 ]; then  # the static-vs-continuous workload auto vs triton, and 1000 x 1000 FP8 KV (GC frozen)
-  run timeout 150 python -m benchmarks.svc_step_times --gc-freeze 1 --output-file "$out/svc_step_times_auto.json"
-  run timeout 150 env SHOAL_DECODE_KERNEL=triton python -m benchmarks.svc_step_times --gc-freeze 1 \
-    --output-file "$out/svc_step_times_triton.json"
-  run timeout 250 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests 1024 \
-    --kv-cache-dtype fp8_e4m3 --cuda-graph-max-bs 512 --output-file "$out/fp8_kv_1000x1000_graph512_gcfreeze.json"
+if [ "$part" = part7 ]; then  # the new default (our bf16 DECODE) in the GPU tests, flashinfer's kept covered; svc both ways
+  TAIL=6 run timeout 200 python -m pytest -q -x -p no:cacheprovider \
+    tests/gpu/test_gpu_attention_backends.py tests/gpu/test_gpu_engine.py tests/gpu/test_decode_fusion_gpu.py
+  TAIL=4 run timeout 100 env SHOAL_DECODE_KERNEL=flashinfer python -m pytest -q -x -p no:cacheprovider \
+    tests/gpu/test_gpu_attention_backends.py
+  for k in auto flashinfer; do
+    run timeout 120 env SHOAL_DECODE_KERNEL=$k python -m benchmarks.svc_step_times --gc-freeze 1 \
+      --output-file "$out/svc_step_times_decode_kernel_$k.json"
+  done
 fi
 if [ "$part" = part8 ]; then  # FP8 weights at bs 32 / 64: GEMV bound 16 (w8a8 above it) vs 64 (w8a16 GEMV throughout)
   TAIL=4 run timeout 120 python -m pytest -q -x -p no:cacheprovider tests/gpu/test_fp8_gemv_gpu.py
   for mm in 16 64; do
-    run timeout 200 env SHOAL_FP8_GEMV_MAX_M=$mm python -m benchmarks.profile_decode --modes fp8_weights \
+    run timeout 150 env SHOAL_FP8_GEMV_MAX_M=$mm python -m benchmarks.profile_decode --modes fp8_weights \
       --batch 32 64 --output-file "$out/profile_decode_fp8w_bs32_64_gemv_max$mm.json"
   done
+  run timeout 200 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests 1024 \
+    --kv-cache-dtype fp8_e4m3 --cuda-graph-max-bs 512 --output-file "$out/fp8_kv_1000x1000_graph512_gcfreeze.json"
 fi

@@ -1,7 +1,7 @@
 """The flashinfer backend's routing, on CPU with a stand-in flashinfer module (the real one is GPU-only): over
 an FP8 pool its DECODE runs our Triton kernel (interpreter here) with no plan and nothing to do at graph
-capture or replay; SHOAL_FP8_DECODE=flashinfer and 16-bit pools keep flashinfer's decode wrapper, and
-SHOAL_DECODE_KERNEL forces either kernel for every pool."""
+capture or replay; by default a 16-bit pool's DECODE runs it too (bf16 math); SHOAL_FP8_DECODE=flashinfer
+keeps flashinfer's decode wrapper for FP8, and SHOAL_DECODE_KERNEL forces either kernel for every pool."""
 
 from __future__ import annotations
 
@@ -78,10 +78,16 @@ def test_fp8_decode_runs_our_kernel_without_a_plan(backend_cls) -> None:
     assert backend._graph_wrappers == {} and backend.triton_decode._workspace is ws and backend.triton_decode.max_bs == 8
 
 
-def test_switch_and_16bit_pools_keep_flashinfer_decode(backend_cls, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert backend_cls(_spec(None)).triton_decode is None
+def test_default_routes_every_pool_to_triton_decode(backend_cls, monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto takes our kernel for 16-bit pools (bf16 math) and FP8 ones; the older FP8 switch still opts out."""
+    monkeypatch.delenv("SHOAL_DECODE_KERNEL", raising=False)
+    monkeypatch.delenv("SHOAL_FP8_DECODE", raising=False)
+    b16 = backend_cls(_spec(None))
+    assert b16.triton_decode is not None and not b16.triton_decode.config.f16_math
+    assert backend_cls(_spec(torch.float8_e4m3fn)).triton_decode is not None
     monkeypatch.setenv("SHOAL_FP8_DECODE", "flashinfer")
     assert backend_cls(_spec(torch.float8_e4m3fn)).triton_decode is None
+    assert backend_cls(_spec(None)).triton_decode is not None
 
 
 def test_decode_kernel_switch(backend_cls, monkeypatch: pytest.MonkeyPatch) -> None:
