@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_suite.sh part6 OUTDIR   # bf16 DECODE through our Triton kernel vs flashinfer's, in the model
 #   bash benchmarks/gpu_suite.sh part7 OUTDIR   # GPU tests with our bf16 DECODE the default; the svc workload ours vs flashinfer's
 #   bash benchmarks/gpu_suite.sh part8 OUTDIR   # FP8 weights at batch 32/64 (w8a16 GEMV vs w8a8 scaled_mm); 1000 x 1000 FP8 KV
+#   bash benchmarks/gpu_suite.sh part9 OUTDIR   # the static-vs-continuous burst: MIXED chunks and longest-output-first
 set -u
 part=$1 out=$2
 mkdir -p "$out"
@@ -80,4 +81,14 @@ if [ "$part" = part8 ]; then  # FP8 weights at bs 32 / 64: GEMV bound 16 (w8a8 a
   done
   run timeout 200 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests 1024 \
     --kv-cache-dtype fp8_e4m3 --cuda-graph-max-bs 512 --output-file "$out/fp8_kv_1000x1000_graph512_gcfreeze.json"
+fi
+if [ "$part" = part9 ]; then  # decodes riding along smaller prefill chunks, longest outputs admitted first
+  S="python -m benchmarks.svc_step_times --gc-freeze 1"
+  run timeout 80 $S --engine-arg enable_mixed_chunk=True --output-file "$out/svc_mixed_chunk8192.json"
+  for c in 2048 4096; do
+    run timeout 80 $S --engine-arg enable_mixed_chunk=True --engine-arg chunked_prefill_size=$c \
+      --output-file "$out/svc_mixed_chunk$c.json"
+    run timeout 80 $S --engine-arg enable_mixed_chunk=True --engine-arg chunked_prefill_size=$c \
+      --engine-arg schedule_policy=lof --output-file "$out/svc_mixed_chunk${c}_lof.json"
+  done
 fi

@@ -13,6 +13,7 @@ scheduler thread); frozen, none over 30 ms and the run went 9.29 → 7.22 s."""
 from __future__ import annotations
 
 import argparse
+import ast
 import multiprocessing
 import os
 import sys
@@ -39,10 +40,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="SHOAL_GC_FREEZE values to run, one spawned process each")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--cuda-graph-max-bs", type=int, default=256)
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="an extra Engine argument, e.g. enable_mixed_chunk=True (repeatable)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--output-file", default=None)
     return p.parse_args(argv)
+
+
+def engine_overrides(pairs: Sequence[str]) -> dict[str, Any]:
+    """KEY=VALUE → {key: value}, the value read as a Python literal where it is one (True, 2048), else a string."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--engine-arg {pair!r}: expected KEY=VALUE")
+        try:
+            out[key] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            out[key] = raw
+    return out
 
 
 def summarize(rows: list[tuple[str, int, float]]) -> dict[str, Any]:
@@ -79,7 +96,8 @@ def run_one(args: argparse.Namespace, freeze: str) -> dict[str, Any]:
         folder = make_model_folder(args.model_config, Path(tmp) / "m")
         engine = Engine(str(folder), load_format="dummy", dtype=args.dtype, device=args.device,
                         cuda_graph_max_bs=args.cuda_graph_max_bs, max_running_requests=args.num_requests,
-                        attention_backend=args.attention_backend, log_interval_s=1e9)
+                        attention_backend=args.attention_backend, log_interval_s=1e9,
+                        **engine_overrides(args.engine_arg))
     try:
         runner = engine.worker.runner
         timed: list[tuple[str, int, Any, Any]] = []

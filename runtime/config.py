@@ -61,7 +61,8 @@ class ServerArgs:
     max_prefill_tokens: int = _opt(16384, "token budget of one prefill batch")
     chunked_prefill_size: int = _opt(8192, "split prompts longer than this across steps; -1 disables")
     enable_mixed_chunk: bool = _opt(False, "run a prefill chunk and the running decodes in one MIXED forward")
-    schedule_policy: str = _opt("lpm", "waiting-queue order (lpm needs the radix cache)", ("fcfs", "lpm"))
+    schedule_policy: str = _opt("lpm", "waiting-queue order (lpm needs the radix cache; lof: longest output first)",
+                                ("fcfs", "lpm", "lof"))
     disable_radix_cache: bool = _opt(False, "turn the RadixAttention prefix cache off")
     init_new_token_ratio: float = _opt(0.7, "initial estimate of the share of max_new_tokens a request still needs")
     min_new_token_ratio: float = _opt(0.1, "floor of that estimate")

@@ -32,9 +32,23 @@ class LongestPrefixMatchPolicy(SchedulePolicy):
         return [r for _, _, r in keyed]
 
 
+class LongestOutputFirstPolicy(SchedulePolicy):
+    """Largest max_new_tokens first (SGLang's lof): when a burst arrives at once, the requests that set the
+    run's length start decoding first, which shortens the whole burst when their decodes ride along with
+    the later prefill chunks (--enable-mixed-chunk). Ties keep arrival order."""
+
+    def order(self, waiting: list[Req], prefix_len: Callable[[Req], int]) -> list[Req]:
+        return sorted(waiting, key=lambda r: -r.params.max_new_tokens)  # sorted() is stable
+
+
+POLICIES = ("fcfs", "lpm", "lof")
+
+
 def create_policy(name: str, cache_enabled: bool) -> SchedulePolicy:
     if name == "lpm" and cache_enabled:
         return LongestPrefixMatchPolicy()
+    if name == "lof":
+        return LongestOutputFirstPolicy()
     if name in ("fcfs", "lpm"):
         return FCFSPolicy()
-    raise ValueError(f"unknown schedule policy {name!r}; known: fcfs, lpm")
+    raise ValueError(f"unknown schedule policy {name!r}; known: {', '.join(POLICIES)}")

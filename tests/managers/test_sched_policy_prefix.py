@@ -1,4 +1,5 @@
-"""Waiting-queue order (LPM by cached prefix length, FCFS by arrival) and prefix-cache reuse."""
+"""Waiting-queue order (LPM by cached prefix length, FCFS by arrival, LOF by max_new_tokens) and prefix-cache
+reuse."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import random
 
 import pytest
 
-from runtime.managers.policy import FCFSPolicy, LongestPrefixMatchPolicy, create_policy
+from runtime.managers.policy import FCFSPolicy, LongestOutputFirstPolicy, LongestPrefixMatchPolicy, create_policy
 from runtime.managers.req import Req
 from runtime.sampling.params import SamplingParams
 
@@ -30,8 +31,41 @@ def test_policy_orders():
     assert [r.rid for r in lpm] == ["r1", "r3", "r2", "r0", "r4"]  # ties keep arrival order
     assert [r.rid for r in FCFSPolicy().order(reqs, prefix)] == ["r0", "r1", "r2", "r3", "r4"]
     assert isinstance(create_policy("lpm", cache_enabled=False), FCFSPolicy)  # nothing to match against
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="lof"):
         create_policy("random", cache_enabled=True)
+
+
+def test_longest_output_first_order():
+    lens = {"a": 16, "b": 512, "c": 100, "d": 512, "e": 1}
+    reqs = [Req(rid, [3, 4], SamplingParams(max_new_tokens=n), 0, frozenset()) for rid, n in lens.items()]
+    policy = create_policy("lof", cache_enabled=True)
+    assert isinstance(policy, LongestOutputFirstPolicy)
+    assert [r.rid for r in policy.order(reqs, lambda r: 0)] == ["b", "d", "c", "a", "e"]  # ties: arrival
+    assert [r.rid for r in reqs] == list(lens)  # the queue itself is left in arrival order
+
+
+async def test_lof_admits_the_longest_queued_request_first(make_engine, tiny_llama):
+    """Behind a blocker holding the only running slot, a short request queued first still runs second."""
+    engine = make_engine(tiny_llama, max_running_requests=1, schedule_policy="lof")
+    blocker = engine.make_request(input_ids=ids(2, 8), sampling_params={**GREEDY, "max_new_tokens": 480}, rid="blocker")
+    stream = engine.stream(blocker)
+    await anext(stream)
+    order: list[str] = []
+
+    async def one(name: str, n: int) -> None:
+        out = await engine.async_generate(input_ids=ids(7, 10), sampling_params={**GREEDY, "max_new_tokens": n})
+        assert out["usage"]["completion_tokens"] == n
+        order.append(name)
+
+    tasks = [asyncio.create_task(one("short", 3))]
+    await asyncio.sleep(0.01)
+    tasks.append(asyncio.create_task(one("long", 40)))
+    await asyncio.sleep(0.02)
+    assert engine.get_stats().num_queue_reqs == 2
+    async for _ in stream:
+        pass
+    await asyncio.gather(*tasks)
+    assert order == ["long", "short"]
 
 
 async def run_behind_blocker(engine, shared: list[int]) -> list[str]:
