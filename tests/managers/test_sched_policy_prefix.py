@@ -8,7 +8,12 @@ import random
 
 import pytest
 
-from runtime.managers.policy import FCFSPolicy, LongestOutputFirstPolicy, LongestPrefixMatchPolicy, create_policy
+from runtime.managers.policy import (
+    FCFSPolicy,
+    LongestOutputFirstPolicy,
+    LongestPrefixMatchPolicy,
+    create_policy,
+)
 from runtime.managers.req import Req
 from runtime.sampling.params import SamplingParams
 
