@@ -1,6 +1,7 @@
 """The symmetric-memory all-reduce inside a CUDA graph: 64 back-to-back calls on one shared buffer (as a
 32-layer decode graph makes) each give the exact sum on every rank, replay after replay, with the inputs
-changed between replays; outside capture the same ParallelGroup falls back to NCCL."""
+changed between replays, with the staging copy separate or fused into the kernel (one_shot_all_reduce_copy);
+outside capture the same ParallelGroup falls back to NCCL."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ pytestmark = [
 CALLS, ROWS, HIDDEN = 64, 8, 4096
 
 
-def _rank(rank: int, world: int, port: int, dtype: torch.dtype, errors) -> None:
+def _rank(rank: int, world: int, port: int, dtype: torch.dtype, errors, fused_copy: bool = False) -> None:
     import torch.distributed as dist
 
     from runtime.distributed import ParallelGroup
@@ -32,6 +33,7 @@ def _rank(rank: int, world: int, port: int, dtype: torch.dtype, errors) -> None:
     try:
         group = ParallelGroup(rank, world, dist.group.WORLD).with_fast_all_reduce(dtype, device, ROWS * HIDDEN * 4)
         assert group.fast is not None, "symmetric memory unavailable on a single-node 2-GPU machine"
+        group.fast.fused_copy = fused_copy
         inputs = torch.empty(CALLS, ROWS, HIDDEN, dtype=dtype, device=device)
         outs: list[torch.Tensor] = []
         g, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
@@ -60,14 +62,17 @@ def _rank(rank: int, world: int, port: int, dtype: torch.dtype, errors) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("fused_copy", [False, True], ids=["staged", "fused-copy"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_symm_mem_all_reduce_in_cuda_graph_is_exact(dtype):
+def test_symm_mem_all_reduce_in_cuda_graph_is_exact(dtype, fused_copy):
+    if fused_copy and not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
+        pytest.skip(f"torch {torch.__version__} has no symm_mem.one_shot_all_reduce_copy")
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    port = 29000 + os.getpid() % 1000 + (dtype == torch.float32)
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, dtype, errors)) for r in range(2)]
+    port = 29000 + os.getpid() % 1000 + (dtype == torch.float32) + 2 * fused_copy
+    procs = [ctx.Process(target=_rank, args=(r, 2, port, dtype, errors, fused_copy)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
