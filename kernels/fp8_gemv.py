@@ -52,6 +52,11 @@ FP8_DTYPES = (torch.float8_e4m3fn,)
 # right (rows in tiles: _launch); the speed was measured up to 16.
 SMALL_M_MAX = 16
 DENSE_M_MAX = 1  # the same for 16-bit weights (SHOAL_DENSE_GEMV_MAX_M): measured ahead of cuBLAS at M = 1
+# gated=True only while M is this small: every N block recomputes silu(gate) * up over all of K from twice
+# the columns, so the redundant work grows with M x N blocks. FP8 8B at M = 32 with every linear on the
+# GEMV (SHOAL_FP8_GEMV_MAX_M=64, one H100): 13.12 ms a decode step gated, 6.87 ms with the SiLU-and-mul
+# launch apart (profile_decode_fp8w_bs32_64_gemv_max64.json); at M = 1 the gated launch saves one.
+GATED_M_MAX = 4
 DENSE_DTYPES = (torch.bfloat16, torch.float16)
 _SM_COUNT_DEFAULT = 132  # H100 SXM; used when the device cannot be asked (interpreter)
 _SMEM_BUDGET = 96 * 1024  # bytes of pipelined tiles: an sm89 block has ~99 KB of shared memory, sm90 ~227 KB
@@ -318,6 +323,12 @@ def fp8_linear_small_m_ref(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Ten
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def gated_serves(m: int) -> bool:
+    """Whether the GEMV should take the gate_up output itself (gated=True) at this M, rather than a
+    separate SiLU-and-mul launch first (the same bits either way)."""
+    return 1 <= m <= GATED_M_MAX
 
 
 def small_m_max() -> int:

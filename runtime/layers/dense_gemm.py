@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.fp8_gemv import dense_linear_small_m, dense_small_m_max, use_dense_small_m
+from kernels.fp8_gemv import dense_linear_small_m, dense_small_m_max, gated_serves, use_dense_small_m
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,5 +28,7 @@ class DenseGemm:
 
     def silu_mul(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up @ W^T in one launch where the GEMV serves (the same bits as SiluAndMul then the
-        GEMV); None elsewhere, and the caller runs the two steps."""
-        return dense_linear_small_m(gate_up, weight, gated=True) if self.serves(gate_up, weight) else None
+        GEMV); None elsewhere (and above kernels.fp8_gemv.GATED_M_MAX rows), and the caller runs the two steps."""
+        if self.serves(gate_up, weight) and gated_serves(gate_up.shape[0]):
+            return dense_linear_small_m(gate_up, weight, gated=True)
+        return None

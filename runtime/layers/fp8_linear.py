@@ -33,6 +33,7 @@ from kernels.fp8_act_quant import quantize_per_token_fp8
 from kernels.fp8_gemv import (  # fp8gemv hook (issue 16)
     fp8_linear_small_m,
     fp8_linear_small_m_ref,
+    gated_serves,
     use_small_m,
 )
 from runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -134,13 +135,15 @@ def _row_forward(self: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
 
 def _row_forward_silu_mul(self: RowParallelLinear, gate_up: torch.Tensor,
                           act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """self(act_fn(gate_up)) for the MLP's down projection; where the GEMV serves (decode-sized M on
-    CUDA) it applies SiLU-and-mul as it loads x, and above that the one-launch quantize applies it as it
-    reads the row (the same bits either way, one launch less per layer)."""
+    """self(act_fn(gate_up)) for the MLP's down projection; where the GEMV serves at the smallest M
+    (gated_serves) it applies SiLU-and-mul as it loads x, and where w8a8 serves the one-launch quantize
+    applies it as it reads the row (the same bits either way, one launch less per layer). Between the two
+    (GEMV at M > GATED_M_MAX) the SiLU-and-mul runs once, then the GEMV."""
     x2 = gate_up.reshape(-1, gate_up.shape[-1])
-    if use_small_m(x2, self.weight):
+    small = use_small_m(x2, self.weight)
+    if small and gated_serves(x2.shape[0]):
         y = fp8_linear_small_m(x2, self.weight, self.weight_scale, gated=True)
-    elif self.fused_act_quant and not self.weight_only and x2.shape[0] > 0:
+    elif self.fused_act_quant and not self.weight_only and not small and x2.shape[0] > 0:
         xq, xs = quantize_per_token_fp8(x2, gated=True)
         y = _quantized_matmul(xq, xs, self.weight, self.weight_scale, x2.dtype, self.use_scaled_mm)
     else:

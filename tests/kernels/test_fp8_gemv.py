@@ -154,3 +154,40 @@ def test_rows_beyond_one_tile(m: int, config: GemvConfig) -> None:
     16-row tile were left as the output's uninitialised memory)."""
     x, w8, scale, b = _operands(m, 40, 64, torch.float32, seed=m, bias=True)
     _close(fp8_linear_small_m(x, w8, scale, b, config=config), fp8_linear_small_m_ref(x, w8, scale, b))
+
+
+@pytest.mark.parametrize("m", [1, 4, 5, 32])
+def test_down_projection_takes_gated_gemv_only_at_small_m(monkeypatch: pytest.MonkeyPatch, m: int) -> None:
+    """Where the GEMV serves, the FP8 down projection applies SiLU-and-mul inside it only up to GATED_M_MAX
+    rows (above, each N block would recompute it over all of K); past that the activation runs once first.
+    Both ways give the reference's bits (the GEMV's calls are stood in for by its torch reference here)."""
+    from types import MethodType, SimpleNamespace
+
+    from kernels import fp8_gemv
+    from runtime.layers import fp8_linear as fl
+
+    calls: list[bool] = []
+
+    def spy(x, w8, w_scale, bias=None, config=None, gated=False):
+        calls.append(gated)
+        return fp8_gemv.fp8_linear_small_m_ref(x, w8, w_scale, bias, gated=gated)
+
+    monkeypatch.setattr(fl, "use_small_m", lambda x2, w8, max_m=None: True)
+    monkeypatch.setattr(fl, "fp8_linear_small_m", spy)
+    gen = torch.Generator().manual_seed(m)
+    w8, scale = fl.quantize_per_channel(torch.randn(24, 32, generator=gen))
+    layer = SimpleNamespace(weight=w8, weight_scale=scale, fused_act_quant=True, weight_only=False, use_scaled_mm=False,
+                            reduce_results=False, bias=None)
+    layer.forward = MethodType(fl._row_forward, layer)
+    gate_up = torch.randn(m, 64, generator=gen)
+    act = torch.nn.SiLU()
+
+    def silu_mul(t: torch.Tensor) -> torch.Tensor:
+        gate, up = t.chunk(2, dim=-1)
+        return act(gate) * up
+
+    y = fl._row_forward_silu_mul(layer, gate_up, silu_mul)
+    assert calls == [m <= fp8_gemv.GATED_M_MAX]
+    torch.testing.assert_close(y, fp8_gemv.fp8_linear_small_m_ref(gate_up, w8, scale, gated=True), rtol=1e-6, atol=1e-6)
+    assert fp8_gemv.gated_serves(fp8_gemv.GATED_M_MAX) and not fp8_gemv.gated_serves(fp8_gemv.GATED_M_MAX + 1)
+    assert not fp8_gemv.gated_serves(0)
