@@ -10,7 +10,11 @@ a + b as NCCL's is (tests/gpu/test_symm_mem_all_reduce_gpu.py checks exact equal
 
 Where this torch has one_shot_all_reduce_copy (2.8+), the kernel itself copies the local tensor into the
 shared buffer, which saves the staging copy's launch: 64 kernels of a 32-layer TP decode step.
-SHOAL_SYMM_MEM_COPY=0 keeps the separate copy (to measure one against the other)."""
+SHOAL_SYMM_MEM_COPY=0 keeps the separate copy (to measure one against the other).
+
+add_rmsnorm() runs kernels/all_reduce_rmsnorm.py over the same buffer: the all-reduce, the residual add
+and the RMSNorm after it in one launch (the building block of a TP decoder layer whose o_proj / down_proj
+leave their partial sums to the next norm). Not wired into the models yet: it waits for its 2-GPU test."""
 
 from __future__ import annotations
 
@@ -21,17 +25,33 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from kernels.all_reduce_rmsnorm import all_reduce_add_rmsnorm, signal_slots_needed
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)  # what torch's one_shot_all_reduce kernel dispatches on
 
 
 class SymmMemAllReduce:
-    def __init__(self, group_name: str, buffer: torch.Tensor, fused_copy: bool | None = None):
+    def __init__(self, group_name: str, buffer: torch.Tensor, fused_copy: bool | None = None,
+                 handle: object | None = None):
         self.group_name = group_name
         self.buffer = buffer
         self.dtype = buffer.dtype
         self.max_numel = buffer.numel()
+        # Every rank's buffer and signal pad as device pointer arrays, for our own kernels; None without
+        # a rendezvous handle (tests that build one by hand).
+        self.rank = self.world = 0
+        self.buffer_ptrs = self.signal_pad_ptrs = None
+        self.signal_slots = 0
+        if handle is not None:
+            self.rank, self.world = int(handle.rank), int(handle.world_size)
+            offset = buffer.data_ptr() - int(handle.buffer_ptrs[self.rank])  # the same on every rank
+            self.buffer_ptrs = torch.tensor([int(p) + offset for p in handle.buffer_ptrs], dtype=torch.int64,
+                                            device=buffer.device)
+            self.signal_pad_ptrs = torch.tensor([int(p) for p in handle.signal_pad_ptrs], dtype=torch.int64,
+                                                device=buffer.device)
+            self.signal_slots = int(handle.signal_pad_size) // 4
         if fused_copy is None:
             fused_copy = (hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy")
                           and os.environ.get("SHOAL_SYMM_MEM_COPY", "1") != "0")
@@ -60,8 +80,8 @@ class SymmMemAllReduce:
         if not _all_agree(buffer is not None, group, device):
             return None
         try:
-            symm_mem.rendezvous(buffer, name)
-            made = cls(name, buffer)
+            handle = symm_mem.rendezvous(buffer, name)
+            made = cls(name, buffer, handle=handle)
         except Exception as e:
             logger.warning("symmetric-memory rendezvous failed, using NCCL: %s", e)
             made = None
@@ -79,6 +99,20 @@ class SymmMemAllReduce:
                                                                self.group_name).view(x.shape)
         staged.copy_(x.view(-1))
         return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name).view(x.shape)
+
+
+    def can_add_rmsnorm(self, x: torch.Tensor) -> bool:
+        """Whether add_rmsnorm can take x: what can_run asks, 2-D rows, and room in the signal pads."""
+        return (self.buffer_ptrs is not None and x.dim() == 2 and self.can_run(x)
+                and signal_slots_needed(x.shape[0], self.world) <= self.signal_slots)
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                    eps: float) -> torch.Tensor:
+        """rmsnorm(residual + all-reduced x) * weight, residual updated in place (None: the norm of the
+        sum). Collective; call only where can_add_rmsnorm(x) holds on every rank."""
+        assert self.buffer_ptrs is not None and self.signal_pad_ptrs is not None
+        return all_reduce_add_rmsnorm(x, residual, weight, eps, self.buffer_ptrs, self.signal_pad_ptrs,
+                                      self.rank, self.world)
 
 
 def _all_agree(ok: bool, group: object, device: torch.device) -> bool:

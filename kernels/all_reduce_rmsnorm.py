@@ -1,0 +1,146 @@
+"""AllReduceRMSNorm: a one-shot all-reduce over symmetric memory fused with the residual add and RMSNorm
+that follow it in a decoder layer (TP's o_proj / down_proj partial sums → post-attention / next input norm).
+
+One launch replaces two (the one-shot all-reduce, then kernels/rmsnorm.py's fused add): each program copies
+its rows of this rank's partial sum into this rank's symmetric buffer, meets the same program on every peer
+at a barrier (signal pads, below), sums the rows of every rank's buffer in rank order in fp32, rounds the sum
+once to the activation dtype (what NCCL and torch's one-shot kernel give for two ranks: a + b correctly
+rounded), then adds the residual and normalises exactly as _rmsnorm_kernel does, so for two ranks the
+output and the new residual are bit-equal to all_reduce followed by fused_add_rmsnorm. Above two ranks the
+sum's order is fixed (rank 0 first) on every rank, so the ranks still agree with each other.
+
+Synchronisation (the protocol torch's symmetric-memory kernels use; CUDA-graph safe because every pad
+returns to zero): signal pads are zero-filled int32 slots, [slot, peer]. To arrive, a program CASes 0 → 1
+into slot [s, my_rank] of each peer's pad (release, system scope; it spins while the peer has not yet
+consumed the previous signal); to wait it CASes 1 → 0 on [s, peer] of its own pad (acquire). A CTA barrier
+before the arrival publishes every thread's stores; one after the wait lets every thread read what the
+peers published. Two barriers per program: one before reading the peers' rows, one after (so no rank
+overwrites its buffer in a later call while a peer still reads it). Programs are persistent (at most
+MAX_PROGRAMS, each taking rows pid, pid + G, ...), so every program is resident and no barrier can wait on
+a program the GPU has not scheduled.
+
+Under programmatic dependent launch the norm weight is loaded before the wait; nothing symmetric is
+touched before it. The Triton interpreter runs it on CPU (pointer casts and atomics work there), which
+the CPU test uses with a peer whose arrival is pre-signalled."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.pdl import launch_options, pdl_enabled
+
+MAX_PROGRAMS = 128  # persistent programs: resident on any sm80+ GPU at once (one per SM at most)
+
+
+@triton.jit
+def _arrive_and_wait(Pads, slot, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """Meet the program with the same slot on every peer (see the module docstring)."""
+    tl.debug_barrier()  # every thread's stores to the symmetric buffer precede the release below
+    my_pad = tl.load(Pads + RANK).to(tl.pointer_type(tl.int32))
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            peer_pad = tl.load(Pads + r).to(tl.pointer_type(tl.int32))
+            while tl.atomic_cas(peer_pad + slot * WORLD + RANK, 0, 1, sem="release", scope="sys") != 0:
+                pass
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            while tl.atomic_cas(my_pad + slot * WORLD + r, 1, 0, sem="acquire", scope="sys") != 1:
+                pass
+    tl.debug_barrier()  # the peers' rows, acquired by one thread, are visible to all of them
+
+
+@triton.jit
+def _all_reduce_add_rmsnorm_kernel(
+    X, Residual, W, Out, Bufs, Pads, M, stride_x, stride_r, stride_o, eps,
+    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    progs = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HIDDEN
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: safe ahead of the PDL wait
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    my_buf = tl.load(Bufs + RANK).to(tl.pointer_type(X.dtype.element_ty))
+    # 32-bit offsets: rows x hidden of a graph-sized batch stays far below 2**31.
+    for row in range(pid, M, progs):
+        x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+        tl.store(my_buf + row * HIDDEN + offs, x, mask=mask)
+    _arrive_and_wait(Pads, pid, RANK, WORLD)
+    for row in range(pid, M, progs):
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for r in tl.static_range(WORLD):
+            peer = tl.load(Bufs + r).to(tl.pointer_type(X.dtype.element_ty))
+            acc += tl.load(peer + row * HIDDEN + offs, mask=mask, other=0.0).to(tl.float32)
+        x = acc.to(X.dtype.element_ty).to(tl.float32)  # the all-reduced value, rounded once
+        if ADD_RESIDUAL:
+            res = tl.load(Residual + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+            s = (x + res).to(Residual.dtype.element_ty)  # rounded as _rmsnorm_kernel rounds it
+            tl.store(Residual + row * stride_r + offs, s, mask=mask)
+            x = s.to(tl.float32)
+        variance = tl.sum(x * x, 0) / HIDDEN
+        out = x * tl.rsqrt(variance + eps) * w
+        tl.store(Out + row * stride_o + offs, out.to(Out.dtype.element_ty), mask=mask)
+    _arrive_and_wait(Pads, progs + pid, RANK, WORLD)  # every peer has read this program's rows of my buffer
+
+
+def num_programs(rows: int) -> int:
+    return max(1, min(rows, MAX_PROGRAMS))
+
+
+def signal_slots_needed(rows: int, world: int) -> int:
+    """int32 signal-pad slots one call uses: two barriers per program, one slot per peer each."""
+    return 2 * num_programs(rows) * world
+
+
+def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                           buffer_ptrs: torch.Tensor, signal_pad_ptrs: torch.Tensor, rank: int,
+                           world: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out = rmsnorm(residual + sum over ranks of x) * weight, with residual updated in place to that sum
+    (or, with residual None, out = rmsnorm(sum of x) * weight). x [M, hidden] is this rank's partial sum;
+    buffer_ptrs / signal_pad_ptrs: int64 tensors on x's device with every rank's symmetric buffer (room for
+    M x hidden of x's dtype at each) and signal pad (zero-filled, signal_slots_needed(M, world) int32 slots).
+    Collective: every rank calls it with the same M, in the same order."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be [rows, hidden] and contiguous in hidden, got {tuple(x.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
+        raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+    if weight.numel() != x.shape[1]:
+        raise ValueError(f"norm weight has {weight.numel()} values for hidden size {x.shape[1]}")
+    if buffer_ptrs.numel() != world or signal_pad_ptrs.numel() != world or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} of {world}: expected {world} buffer and signal-pad pointers")
+    m, hidden = x.shape
+    if out is None:
+        out = torch.empty_like(x)
+    if m == 0:
+        return out
+    pdl = pdl_enabled(x)
+    res = residual if residual is not None else x
+    _all_reduce_add_rmsnorm_kernel[(num_programs(m),)](
+        x, res, weight, out, buffer_ptrs, signal_pad_ptrs, m, x.stride(0), res.stride(0), out.stride(0), eps,
+        HIDDEN=hidden, BLOCK=triton.next_power_of_2(hidden), RANK=rank, WORLD=world,
+        ADD_RESIDUAL=residual is not None, USE_PDL=pdl,
+        num_warps=max(1, min(16, triton.next_power_of_2(hidden) // 256)), **launch_options(pdl),
+    )
+    return out
+
+
+def all_reduce_add_rmsnorm_ref(partials: list[torch.Tensor], residual: torch.Tensor | None, weight: torch.Tensor,
+                               eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The reference for every rank: the rank-ordered fp32 sum rounded once, then kernels/rmsnorm.py's
+    reference (residual returned new, not updated)."""
+    from kernels.rmsnorm import fused_add_rmsnorm_ref, rmsnorm_ref
+
+    acc = partials[0].float()
+    for p in partials[1:]:
+        acc = acc + p.float()
+    total = acc.to(partials[0].dtype)
+    if residual is None:
+        return rmsnorm_ref(total, weight, eps), None
+    new_res = residual.clone()
+    fused_add_rmsnorm_ref(total, new_res, weight, eps)
+    return total, new_res
