@@ -5,6 +5,8 @@
 #   bash benchmarks/ray_shape_suite.sh part3 OUTDIR  # GPU kernel tests, StepChannel latency, bench_tp
 #   bash benchmarks/ray_shape_suite.sh part2 OUTDIR  # HTTP: `shoal serve` default (Ray on GPU) and
 #                                                    # --in-process, against the offline Engine
+#   bash benchmarks/ray_shape_suite.sh part5 OUTDIR  # the fused all-reduce + add + RMSNorm: its 2-GPU tests,
+#                                                    # TP=2 tokens with it on, bench_tp TP=2 on vs off
 #   bash benchmarks/ray_shape_suite.sh part4 OUTDIR  # 1 GPU, ~4 min: HTTP TTFT at concurrency 1 only, offline
 #                                                    # vs `shoal serve` over the link vs --disable-request-link
 set -u
@@ -39,4 +41,12 @@ if [ "$part" = part4 ]; then
     --output-len 4 --batch1-repeats 12 --output-file "$out/offline_ttft.json"
   TTFT_ONLY=1 serve_bench ray
   TTFT_ONLY=1 serve_bench ray_poll --disable-request-link
+fi
+if [ "$part" = part5 ]; then  # SHOAL_FUSED_AR_NORM=1: kernel tests, parity through Ray TP=2, the step with and without
+  TAIL=6 run timeout 150 python -m pytest -q -x tests/gpu/test_all_reduce_rmsnorm_gpu.py \
+    tests/gpu/test_symm_mem_all_reduce_gpu.py -p no:cacheprovider
+  TAIL=6 run timeout 150 env SHOAL_FUSED_AR_NORM=1 python -m pytest -q -x tests/gpu/test_ray_tp_gpu.py -p no:cacheprovider
+  B="python benchmarks/bench_tp.py --batch 1 32 --repeats 1 --output-len 48 --num-prompts 0"
+  run timeout 150 $B --paths inproc ray_tp2 --out "$out/tp_ray_2gpu_fused_off.json"
+  run timeout 100 env SHOAL_FUSED_AR_NORM=1 $B --paths ray_tp2 --out "$out/tp_ray_2gpu_fused_on.json"
 fi

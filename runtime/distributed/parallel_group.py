@@ -49,6 +49,18 @@ class ParallelGroup:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def defers_to_norm(self, x: torch.Tensor) -> bool:
+        """Whether a row-parallel linear whose output x goes straight into an RMSNorm should leave x
+        unreduced, for the norm to all-reduce, add and normalise in one launch (add_rmsnorm_reduced)."""
+        return self.size > 1 and self.fast is not None and self.fast.can_add_rmsnorm(x)
+
+    def add_rmsnorm_reduced(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                            eps: float) -> torch.Tensor:
+        """rmsnorm(residual + all_reduce(x)) * weight, residual updated in place; only where
+        defers_to_norm(x) (collective)."""
+        assert self.fast is not None
+        return self.fast.add_rmsnorm(x, residual, weight, eps)
+
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenates every rank's x along dim (all ranks pass the same shape)."""
         if self.size == 1:

@@ -14,7 +14,8 @@ SHOAL_SYMM_MEM_COPY=0 keeps the separate copy (to measure one against the other)
 
 add_rmsnorm() runs kernels/all_reduce_rmsnorm.py over the same buffer: the all-reduce, the residual add
 and the RMSNorm after it in one launch (the building block of a TP decoder layer whose o_proj / down_proj
-leave their partial sums to the next norm). Not wired into the models yet: it waits for its 2-GPU test."""
+leave their partial sums to the next norm). Llama-family models use it where SHOAL_FUSED_AR_NORM=1 (off by
+default until its 2-GPU test and a TP=2 measurement have run: tests/gpu/test_all_reduce_rmsnorm_gpu.py)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ class SymmMemAllReduce:
         self.rank = self.world = 0
         self.buffer_ptrs = self.signal_pad_ptrs = None
         self.signal_slots = 0
+        self.fuse_norm = os.environ.get("SHOAL_FUSED_AR_NORM", "0") == "1"
         if handle is not None:
             self.rank, self.world = int(handle.rank), int(handle.world_size)
             offset = buffer.data_ptr() - int(handle.buffer_ptrs[self.rank])  # the same on every rank
@@ -102,8 +104,9 @@ class SymmMemAllReduce:
 
 
     def can_add_rmsnorm(self, x: torch.Tensor) -> bool:
-        """Whether add_rmsnorm can take x: what can_run asks, 2-D rows, and room in the signal pads."""
-        return (self.buffer_ptrs is not None and x.dim() == 2 and self.can_run(x)
+        """Whether add_rmsnorm should take x: switched on, what can_run asks, 2-D rows, room in the signal
+        pads. A row-parallel linear and the norm after it both ask it of the same tensor, so they agree."""
+        return (self.fuse_norm and self.buffer_ptrs is not None and x.dim() == 2 and self.can_run(x)
                 and signal_slots_needed(x.shape[0], self.world) <= self.signal_slots)
 
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

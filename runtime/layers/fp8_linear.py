@@ -126,11 +126,7 @@ def _column_forward(self: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor
 def _row_forward(self: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
     y = fp8_linear(x, self.weight, self.weight_scale, None, self.use_scaled_mm, self.fused_act_quant,
                    self.weight_only)
-    if self.reduce_results:
-        y = self.group.all_reduce(y)
-    if self.bias is not None:
-        y = y + self.bias
-    return y
+    return self._reduce(y)  # the all-reduce (or its deferral to the next norm), then the bias
 
 
 def _row_forward_silu_mul(self: RowParallelLinear, gate_up: torch.Tensor,
@@ -148,12 +144,7 @@ def _row_forward_silu_mul(self: RowParallelLinear, gate_up: torch.Tensor,
         y = _quantized_matmul(xq, xs, self.weight, self.weight_scale, x2.dtype, self.use_scaled_mm)
     else:
         return self.forward(act_fn(gate_up))
-    y = y.view(*gate_up.shape[:-1], -1)
-    if self.reduce_results:
-        y = self.group.all_reduce(y)
-    if self.bias is not None:
-        y = y + self.bias
-    return y
+    return self._reduce(y.view(*gate_up.shape[:-1], -1))
 
 
 def fp8_linear_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -112,6 +112,9 @@ class RowParallelLinear(nn.Module):
         if in_features % group.size:
             raise ValueError(f"input size {in_features} is not divisible by tp size {group.size}")
         self.group, self.reduce_results = group, reduce_results
+        # Set by a model whose next op is an RMSNorm given this group: the partial sums are left for the
+        # norm to reduce where group.defers_to_norm(y) (one launch: kernels/all_reduce_rmsnorm.py).
+        self.defer_to_norm = False
         self.gemm = DenseGemm.from_env()
         self.weight = nn.Parameter(torch.empty(out_features, in_features // group.size, dtype=dtype),
                                    requires_grad=False)
@@ -141,7 +144,7 @@ class RowParallelLinear(nn.Module):
         return self(act_fn(gate_up)) if y is None else self._reduce(y)
 
     def _reduce(self, y: torch.Tensor) -> torch.Tensor:
-        if self.reduce_results:
+        if self.reduce_results and not (self.defer_to_norm and self.group.defers_to_norm(y)):
             y = self.group.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kernels import cpu_fused_ops
+from runtime.distributed.parallel_group import ParallelGroup
 from runtime.layers.activation import SiluAndMul
 from runtime.layers.norm import RMSNorm
 from runtime.layers.rotary import RotaryEmbedding
@@ -26,9 +27,12 @@ def _fits(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.stride(-1) == 1
 
 
-def _rmsnorm_forward(self: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None):
-    if not _fits(x) or (residual is not None and not (_fits(residual) and residual.is_contiguous())):
-        return RMSNorm.forward(self, x, residual)
+def _rmsnorm_forward(self: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None,
+                     group: ParallelGroup | None = None):
+    # A group that defers its all-reduce to this norm (never on CPU today) takes RMSNorm's own path.
+    if (not _fits(x) or (residual is not None and not (_fits(residual) and residual.is_contiguous()))
+            or (group is not None and group.defers_to_norm(x))):
+        return RMSNorm.forward(self, x, residual, group)
     if residual is None:
         return cpu_fused_ops.rmsnorm(x, self.weight, self.eps)
     cpu_fused_ops.fused_add_rmsnorm(x, residual, self.weight, self.eps)

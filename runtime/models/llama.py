@@ -75,15 +75,19 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, ctx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        # o_proj and down_proj may leave their partial sums to the norm after them (the next layer's input
+        # norm, or the model's final norm, for down_proj): both sides ask norm_group the same question.
+        self.norm_group = ctx.norm_reduce_group
+        self.self_attn.o_proj.defer_to_norm = self.mlp.down_proj.defer_to_norm = self.norm_group is not None
 
     def forward(self, positions, hidden, residual, fb: ForwardBatch):
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, self.norm_group)
         if hidden.shape[0]:
             hidden = self.self_attn(positions, hidden, fb)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, self.norm_group)
         return self.ctx.run_mlp(self.mlp, hidden, fb), residual
 
 
@@ -101,7 +105,7 @@ class LlamaModel(nn.Module):
             hidden, residual = layer(positions, hidden, residual, fb)
         if residual is None:
             return self.norm(hidden)
-        return self.norm(hidden, residual)[0]
+        return self.norm(hidden, residual, self.layers[-1].norm_group if len(self.layers) else None)[0]
 
 
 class LlamaForCausalLM(nn.Module):

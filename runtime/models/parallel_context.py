@@ -43,6 +43,15 @@ class ParallelContext:
         return ParallelContext(attn=attn, mlp=self.mlp.with_fast_all_reduce(dtype, device, mlp_bytes),
                                dp_attention=self.dp_attention)
 
+    @property
+    def norm_reduce_group(self) -> ParallelGroup | None:
+        """The group whose row-parallel outputs the next RMSNorm may all-reduce (None: the linears reduce).
+        Only plain TP: under DP attention the MLP's output is sliced back to this rank's tokens first."""
+        group = self.mlp
+        if self.dp_attention or self.attn is not group or group.fast is None or not group.fast.fuse_norm:
+            return None
+        return group
+
     def run_mlp(self, mlp: nn.Module, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         if not self.dp_attention:
             return mlp(hidden)

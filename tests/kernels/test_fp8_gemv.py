@@ -179,6 +179,7 @@ def test_down_projection_takes_gated_gemv_only_at_small_m(monkeypatch: pytest.Mo
     layer = SimpleNamespace(weight=w8, weight_scale=scale, fused_act_quant=True, weight_only=False, use_scaled_mm=False,
                             reduce_results=False, bias=None)
     layer.forward = MethodType(fl._row_forward, layer)
+    layer._reduce = lambda y: y  # one rank: RowParallelLinear._reduce has nothing to sum
     gate_up = torch.randn(m, 64, generator=gen)
     act = torch.nn.SiLU()
 
