@@ -31,7 +31,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
           "lm_head": (128256, 4096)}
 SMOKE_SHAPES = {"qkv": (96, 64), "o": (64, 64), "gate_up": (160, 64), "down": (64, 128), "lm_head": (200, 64)}
 LAYER_SHAPES = ("qkv", "o", "gate_up", "down")  # x 32 layers; the LM head once
-METHODS = ("bf16_matmul", "dense_gemv", "w8a8_scaled_mm", "fp8_gemv")
+METHODS = ("bf16_matmul", "dense_gemv", "w8a8_scaled_mm", "w8a8_fused_quant", "fp8_gemv")
 LAYERS = 32
 ROTATE_BYTES = 256 << 20
 
@@ -58,6 +58,8 @@ def sweep_configs(m: int) -> list[Any]:
     out += [GemvConfig(block_n=bn, block_k=bk, split_k=s, use_dot=True, num_warps=w, num_stages=st)
             for bn, bk, st, w in [(16, 256, 4, 4), (16, 512, 3, 4), (32, 256, 4, 4), (32, 128, 5, 4),
                                   (64, 128, 4, 4), (64, 256, 3, 8)]
+                                  # wider tiles for 17-64 rows, where each weight tile feeds a whole x tile
+                                  + ([(64, 64, 4, 4), (128, 64, 3, 4), (128, 128, 3, 8)] if m > 16 else [])
             for s in (1, 2)]
     return out
 
@@ -108,6 +110,15 @@ def w8a8_scaled_mm(x: Any, w8: Any, scale: Any) -> Any:
     return fp8_linear_reference(xq, xs, w8, scale, x.dtype)
 
 
+def w8a8_fused_quant(x: Any, w8: Any, scale: Any) -> Any:
+    """What serves above the GEMV's rows by default: the one-launch activation quantize, then _scaled_mm."""
+    from kernels.fp8_act_quant import quantize_per_token_fp8
+    from runtime.layers.fp8_linear import _quantized_matmul
+
+    xq, xs = quantize_per_token_fp8(x)
+    return _quantized_matmul(xq, xs, w8, scale, x.dtype, None)
+
+
 def bench_shape(n: int, k: int, ms: list[int], timer: Timer, sweep: bool, device: Any) -> dict[str, Any]:
     import torch
 
@@ -135,6 +146,7 @@ def bench_shape(n: int, k: int, ms: list[int], timer: Timer, sweep: bool, device
             "bf16_matmul": ([lambda w16=w16, x=x: torch.matmul(x, w16.t()) for w16 in w16s], 2 * n * k),
             "dense_gemv": ([lambda w16=w16, x=x: dense_linear_small_m(x, w16) for w16 in w16s], 2 * n * k),
             "w8a8_scaled_mm": ([lambda w8=w8, x=x: w8a8_scaled_mm(x, w8, scale) for w8 in w8s], n * k),
+            "w8a8_fused_quant": ([lambda w8=w8, x=x: w8a8_fused_quant(x, w8, scale) for w8 in w8s], n * k),
             "fp8_gemv": ([lambda w8=w8, x=x, cfg=cfg: fp8_linear_small_m(x, w8, scale, config=cfg) for w8 in w8s], n * k),
         }
         for name, (calls, nbytes) in methods.items():

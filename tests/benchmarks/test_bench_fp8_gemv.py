@@ -22,6 +22,8 @@ def test_bench_fp8_gemv_smoke(tmp_path) -> None:
             assert row["fp8_gemv"]["max_rel_err_vs_w8a16_ref"] < 1e-5
             assert row["bf16_matmul"]["max_rel_err_vs_w8a16_ref"] < 0.1  # unquantized weights
             assert 0 < row["w8a8_scaled_mm"]["max_rel_err_vs_w8a16_ref"] < 0.1
+            # the one-launch quantize gives the torch ops' bits, so the same product
+            assert row["w8a8_fused_quant"]["max_rel_err_vs_w8a16_ref"] == row["w8a8_scaled_mm"]["max_rel_err_vs_w8a16_ref"]
             # the dense GEMV on the same unquantized weights: the matmul's result up to summation order
             assert abs(row["dense_gemv"]["max_rel_err_vs_w8a16_ref"] - row["bf16_matmul"]["max_rel_err_vs_w8a16_ref"]) < 1e-4
             assert all(row[k]["GB_s"] > 0 for k in bench_fp8_gemv.METHODS)
@@ -38,3 +40,5 @@ def test_sweep_configs_are_valid() -> None:
         assert len(cfgs) >= 8 and len(set(cfgs)) == len(cfgs)
         bm = 1 << (m - 1).bit_length()
         assert all(c.use_dot or bm * c.block_n * c.block_k <= 16384 for c in cfgs)
+    wide = {(c.block_n, c.block_k) for c in bench_fp8_gemv.sweep_configs(32) if c.use_dot}
+    assert {(128, 64), (128, 128)} <= wide  # 17-64 rows also try tiles that feed a whole x tile
