@@ -24,7 +24,7 @@ import torch
 
 from benchmarks.bench_fp8_accuracy import build_prompts
 from benchmarks.common import print_table, write_result
-from benchmarks.emulated_linear import EmulatedLinear, block_hadamard
+from benchmarks.emulated_linear import EmulatedLinear, block_hadamard, smooth_factors
 from runtime.layers.fp8_weight_scales import SEARCH_RATIOS
 
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
@@ -63,6 +63,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "w8a8_all_group64_acts": {g: ("group64", "amax") for g in ALL},
     "w8a8_all_down_hadamard": {**{g: ("token", "amax") for g in ALL}, "rot_down": True},
     "w8a8_all_down_hadamard_mse": {**{g: ("token", "mse") for g in ALL}, "rot_down": True},
+    # SmoothQuant: one s per group input (q/k/v share theirs, gate/up theirs), o_proj left unsmoothed (its
+    # input is the attention output; folding 1/s into v_proj would need one s per KV head's channels)
+    **{f"w8a8_all_smooth{a}_hmse": {**{g: ("token", "hmse") for g in ALL}, "smooth": a, "smooth_groups": ("qkv", "gate_up", "down")}
+       for a in (0.3, 0.5, 0.7)},
+    "w8a8_all_smooth0.5_amax": {**{g: ("token", "amax") for g in ALL}, "smooth": 0.5, "smooth_groups": ("qkv", "gate_up", "down")},
+    "w8a16_all_smooth0.5_hmse (the GEMV on smoothed weights)": {**{g: ("bf16", "hmse") for g in ALL}, "smooth": 0.5,
+                                                              "smooth_groups": ("qkv", "gate_up", "down")},
 }
 
 
@@ -98,6 +105,7 @@ class Harness:
         self.ref_top, self.ref_lp = self.forced()
         self.ref_margin = self.margin
         self.hessians: dict[str, torch.Tensor] = {}
+        self.amax: dict[str, torch.Tensor] = {}  # per projection input: amax per column over calibration text
 
     @torch.no_grad()
     def calibrate(self, prompts: list[list[int]]) -> None:
@@ -113,6 +121,8 @@ class Harness:
                 x = inp[0].float().reshape(-1, inp[0].shape[-1])
                 x = x[self._valid.reshape(-1)]
                 self.hessians[key] = self.hessians.get(key, 0) + x.t() @ x
+                amax = x.abs().amax(0)
+                self.amax[key] = torch.maximum(self.amax[key], amax) if key in self.amax else amax
                 if key.endswith("down_proj"):
                     xr = x @ block_hadamard(x.shape[1]).t()
                     self.hessians[key + "@rot"] = self.hessians.get(key + "@rot", 0) + xr.t() @ xr
@@ -172,7 +182,15 @@ class Harness:
     def apply(self, variant: dict[str, Any]) -> None:
         """Every projection back to bf16, then the variant's groups replaced by their emulation."""
         rot_down = variant.get("rot_down", False)
+        alpha, smooth_groups = variant.get("smooth"), variant.get("smooth_groups", ())
+        first = {"qkv": "q_proj", "o": "o_proj", "gate_up": "gate_proj", "down": "down_proj"}
         for layer_idx, layer in enumerate(self.model.model.layers):
+            smooth = {}
+            if alpha is not None:  # one s per group input, from every weight of the group
+                for group in smooth_groups:
+                    parent = "mlp" if group in ("gate_up", "down") else "self_attn"
+                    w = torch.cat([self.originals[f"{layer_idx}.{parent}.{n}"] for n in GROUPS[group]])
+                    smooth[group] = smooth_factors(self.amax[f"{layer_idx}.{first[group]}"], w, alpha)
             for parent in (layer.self_attn, layer.mlp):
                 for group, names in GROUPS.items():
                     for name in names:
@@ -184,7 +202,8 @@ class Harness:
                             rot = block_hadamard(w.shape[1]) if (rot_down and name == "down_proj") else None
                             key = f"{layer_idx}.{name}"
                             setattr(parent, name, EmulatedLinear(w, act, wmode, rot, ratios=RATIOS,
-                                                                 hessian=self.hessians.get(key + ("@rot" if rot is not None else ""))))
+                                                                 hessian=self.hessians.get(key + ("@rot" if rot is not None else "")),
+                                                                 smooth=smooth.get(group)))
                         else:
                             lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
                             lin.weight.data = w
@@ -239,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     hx.originals = {k: v.to(torch.bfloat16) for k, v in hx.originals.items()}
     hx.apply({})
     wanted = args.variants.split(",") if args.variants else None
-    if any("gptq" in k or "hmse" in k for k in VARIANTS if not wanted or any(w in k for w in wanted)):
+    if any("gptq" in k or "hmse" in k or "smooth" in k for k in VARIANTS if not wanted or any(w in k for w in wanted)):
         from transformers import AutoTokenizer
 
         texts = [t.format(c) for t in CALIB_TEMPLATES for c in CALIB_TOPICS]

@@ -10,7 +10,10 @@ once, as both kernels store it. A down-projection rotation multiplies the SiLU*u
 orthogonal block-Hadamard H and the weight by H^T (W x = (W H^T)(H x)) before either is rounded.
 Weight schemes: amax (amax / 448), mse (the landed search), mse_clip (that search plus clipping scales),
 hmse (the search weighted by the input's mean square per column, from calibration text), gptq / gptq_mse
-(GPTQ's error feedback through the calibration Hessian, on amax or hmse scales)."""
+(GPTQ's error feedback through the calibration Hessian, on amax or hmse scales).
+smooth (SmoothQuant, Xiao et al. 2022): a per-input-column s moves activation outliers into the weight,
+x' = x / s and W' = W s (served, 1/s would fold into the RMSNorm weight before q/k/v and gate/up, and into
+up_proj's rows before down); s_j = amax|x_j|^a / amax|W_:j|^(1-a) from calibration text."""
 
 from __future__ import annotations
 
@@ -86,16 +89,25 @@ class EmulatedLinear(nn.Module):
     """y = round_bf16(act(x @ R^T) @ (q(W R^T))^T): R an optional input rotation folded into W."""
 
     def __init__(self, weight: torch.Tensor, act: str, weight_mode: str, rot: torch.Tensor | None = None,
-                 ratios: torch.Tensor | None = None, hessian: torch.Tensor | None = None):
-        """hessian: X^T X of this layer's (rotated, when rot is given) input over calibration text."""
+                 ratios: torch.Tensor | None = None, hessian: torch.Tensor | None = None,
+                 smooth: torch.Tensor | None = None):
+        """hessian: X^T X of this layer's (rotated, when rot is given) input over calibration text.
+        smooth: SmoothQuant's per-input-column s (x / s, W s); the hessian stays that of the unsmoothed x."""
         super().__init__()
         w = weight.float()
         self.rot = rot
         if rot is not None:
             w = w @ rot.t()
         h = None if hessian is None else torch.diag(hessian)
+        self.smooth = smooth
+        if smooth is not None:
+            w = w * smooth[None, :]
+            if h is not None:
+                h = h / smooth.square()
+            if hessian is not None:
+                hessian = hessian / smooth[:, None] / smooth[None, :]
         if weight_mode == "bf16":
-            w_hat = weight.float() if rot is None else w
+            w_hat = weight.float() if rot is None and smooth is None else w
         elif weight_mode == "amax":
             w_hat = round_e4m3(w, weight_scale_amax(w))
         elif weight_mode == "mse":  # exactly what --quantization fp8 loads (runtime/layers/fp8_weight_scales.py)
@@ -116,7 +128,16 @@ class EmulatedLinear(nn.Module):
         xf = x.float()
         if self.rot is not None:
             xf = xf @ self.rot.t()
+        if self.smooth is not None:
+            xf = xf / self.smooth
         return (act_round(xf, self.act) @ self.w_hat.t()).to(x.dtype)
+
+
+def smooth_factors(x_amax: torch.Tensor, w: torch.Tensor, alpha: float) -> torch.Tensor:
+    """SmoothQuant's s per input column: amax|x_j|^alpha / amax|W_:j|^(1-alpha) (w: every weight that reads
+    this input, rows stacked), clamped away from zero."""
+    w_amax = w.float().abs().amax(0).clamp(min=1e-5)
+    return (x_amax.float().clamp(min=1e-5).pow(alpha) / w_amax.pow(1 - alpha)).clamp(min=1e-5)
 
 
 def gptq_e4m3(w: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, damp: float = 0.01,
