@@ -100,3 +100,19 @@ def test_emulation_rotation_is_exact_and_schemes_round() -> None:
         # e4m3 round-to-nearest: half an ulp, 2^-4 of |x| in the normal range, s * 2^-10 in the subnormals
         bound = torch.maximum(xg.abs() * 2.0 ** -4, s * 2.0 ** -10) * (1 + 1e-5)
         assert bool(((xq - xg).abs() <= bound).all()) and not torch.equal(xq, xg)
+
+
+def test_emulation_smoothing_is_exact_before_rounding() -> None:
+    """SmoothQuant's x / s and W s cancel exactly without rounding; s follows amax|x|^a / amax|W|^(1-a)."""
+    import torch
+
+    from benchmarks.emulated_linear import EmulatedLinear, smooth_factors
+
+    gen = torch.Generator().manual_seed(1)
+    w, x = torch.randn(24, 64, generator=gen) * 0.05, torch.randn(5, 64, generator=gen)
+    x[:, 3] *= 40  # an outlier channel
+    s = smooth_factors(x.abs().amax(0), w, 0.5)
+    assert int(s.argmax()) == 3
+    torch.testing.assert_close(s, (x.abs().amax(0).sqrt() / w.abs().amax(0).sqrt()), rtol=1e-6, atol=0)
+    torch.testing.assert_close(EmulatedLinear(w, "bf16", "bf16", smooth=s)(x), x @ w.t(), rtol=1e-5, atol=1e-5)
+    assert not torch.equal(EmulatedLinear(w, "token", "bf16", smooth=s)(x), x @ w.t())  # rounded when asked
