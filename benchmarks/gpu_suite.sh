@@ -9,6 +9,9 @@
 #   bash benchmarks/gpu_suite.sh part7 OUTDIR   # GPU tests with our bf16 DECODE the default; the svc workload ours vs flashinfer's
 #   bash benchmarks/gpu_suite.sh part8 OUTDIR   # FP8 weights at batch 32/64 (w8a16 GEMV vs w8a8 scaled_mm); 1000 x 1000 FP8 KV
 #   bash benchmarks/gpu_suite.sh part9 OUTDIR   # the static-vs-continuous burst: MIXED chunks and longest-output-first
+#   bash benchmarks/gpu_suite.sh part10 OUTDIR  # FP8 weights at batch 8/16 (gated GEMV now only to M 4) and the
+#                                               # GEMV tile sweep at 32/64 rows against w8a8
+#   bash benchmarks/gpu_suite.sh part11 OUTDIR  # issue 16 items 2 and 3 again: static vs continuous, 1000 x 1000 FP8 KV
 set -u
 part=$1 out=$2
 mkdir -p "$out"
@@ -91,4 +94,18 @@ if [ "$part" = part9 ]; then  # decodes riding along smaller prefill chunks, lon
     run timeout 80 $S --engine-arg enable_mixed_chunk=True --engine-arg chunked_prefill_size=$c \
       --engine-arg schedule_policy=lof --output-file "$out/svc_mixed_chunk${c}_lof.json"
   done
+fi
+if [ "$part" = part10 ]; then  # FP8 weights between 5 and 64 rows
+  TAIL=4 run timeout 150 python -m pytest -q -x -p no:cacheprovider tests/gpu/test_fp8_gemv_gpu.py tests/gpu/test_gpu_fp8.py
+  for mm in 4 16; do  # GEMV to M 4 (w8a8 above) vs to M 16 (the default; 5-16 now run SiLU-and-mul apart)
+    run timeout 150 env SHOAL_FP8_GEMV_MAX_M=$mm python -m benchmarks.profile_decode --modes fp8_weights \
+      --fusion on --batch 8 16 --output-file "$out/profile_decode_fp8w_bs8_16_gemv_max$mm.json"
+  done
+  run timeout 200 python benchmarks/bench_fp8_gemv.py --m 32 64 --sweep --output-file "$out/fp8_gemv_m32_64_sweep.json"
+fi
+if [ "$part" = part11 ]; then
+  run timeout 330 python -m benchmarks.bench_static_vs_continuous --model-config $M --hf-timeout 150 \
+    --output-file "$out/static_vs_continuous_llama8b_triton_decode.json"
+  run timeout 220 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests 1024 \
+    --kv-cache-dtype fp8_e4m3 --cuda-graph-max-bs 512 --output-file "$out/fp8_kv_1000x1000_graph512_gcfreeze.json"
 fi

@@ -6,8 +6,8 @@ small Triton kernel. Wrappers are planned once per batch (init_forward_metadata)
 An FP8 pool (spec.kv_dtype float8_e4m3fn) is planned with that kv_data_type and run with the pool's
 static per-layer k_scale/v_scale floats, which flashinfer applies as it reads. DECODE batches, over FP8 and
 16-bit pools alike, run our Triton split-KV kernel instead (runtime/attention/triton_decode.py says why:
-~30% faster reads of an FP8 pool, 7-9% of a bf16 one), which needs no plan: a captured graph replays with nothing to do on the host. decode_kernel() says
-which kernel runs DECODE for each pool and how to switch it.
+~30% faster reads of an FP8 pool, 7-9% of a bf16 one), which needs no plan: a captured graph replays with
+nothing to do on the host. decode_kernel() says which kernel runs DECODE for each pool and how to switch it.
 flashinfer is imported lazily here only: CPU installs do not have it."""
 
 from __future__ import annotations

@@ -102,7 +102,6 @@ class SymmMemAllReduce:
         staged.copy_(x.view(-1))
         return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name).view(x.shape)
 
-
     def can_add_rmsnorm(self, x: torch.Tensor) -> bool:
         """Whether add_rmsnorm should take x: switched on, what can_run asks, 2-D rows, room in the signal
         pads. A row-parallel linear and the norm after it both ask it of the same tensor, so they agree."""

@@ -105,7 +105,7 @@ class LlamaModel(nn.Module):
             hidden, residual = layer(positions, hidden, residual, fb)
         if residual is None:
             return self.norm(hidden)
-        return self.norm(hidden, residual, self.layers[-1].norm_group if len(self.layers) else None)[0]
+        return self.norm(hidden, residual, self.layers[-1].norm_group)[0]  # a residual: there were layers
 
 
 class LlamaForCausalLM(nn.Module):
