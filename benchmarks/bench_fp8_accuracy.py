@@ -58,6 +58,8 @@ MODES = {
     "fp8_weights_w8a8_amax_scales": {"quantization": "fp8", "fp8_weight_scales": "amax"},
     "fp8_weights_w8a16_amax_scales": {"quantization": "fp8", "fp8_weight_scales": "amax", "fp8_weight_only": True},
     "fp8_kv_and_weights": {"kv_cache_dtype": "fp8_e4m3", "quantization": "fp8"},
+    # w8a8 with two e4m3 terms per activation (--fp8-act-terms 2): one GEMM over twice the rows
+    "fp8_weights_act2": {"quantization": "fp8", "fp8_act_terms": 2},
 }
 TARGETS = {"fp8_kv": 0.97, "fp8_weights": 0.95}
 

@@ -63,6 +63,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "w8a8_all_group64_acts": {g: ("group64", "amax") for g in ALL},
     "w8a8_all_down_hadamard": {**{g: ("token", "amax") for g in ALL}, "rot_down": True},
     "w8a8_all_down_hadamard_mse": {**{g: ("token", "mse") for g in ALL}, "rot_down": True},
+    # two-term activations: x ~ q1 s1 + q2 s2 (the first rounding's residual rounded again), as one w8a8
+    # GEMM over 2M rows would serve it (the weight still read once)
+    "w8a8x2_all_hmse (two-term activations)": {g: ("token2", "hmse") for g in ALL},
+    "w8a8x2_all_mse (two-term activations)": {g: ("token2", "mse") for g in ALL},
     # SmoothQuant: one s per group input (q/k/v share theirs, gate/up theirs), o_proj left unsmoothed (its
     # input is the attention output; folding 1/s into v_proj would need one s per KV head's channels)
     **{f"w8a8_all_smooth{a}_hmse": {**{g: ("token", "hmse") for g in ALL}, "smooth": a, "smooth_groups": ("qkv", "gate_up", "down")}

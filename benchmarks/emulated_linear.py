@@ -56,6 +56,12 @@ def act_round(x: torch.Tensor, mode: str) -> torch.Tensor:
     if mode == "token":
         s = xf.abs().amax(-1, keepdim=True).clamp(min=1e-12) * (1.0 / F8_MAX)
         return round_e4m3(xf, s)
+    if mode in ("token2", "token2_bf16sum"):  # x = q1 s1 + q2 s2: the residual of one rounding rounded again
+        s1 = xf.abs().amax(-1, keepdim=True).clamp(min=1e-12) * (1.0 / F8_MAX)
+        x1 = round_e4m3(xf, s1)
+        r = xf - x1
+        s2 = r.abs().amax(-1, keepdim=True).clamp(min=1e-30) * (1.0 / F8_MAX)
+        return x1 + round_e4m3(r, s2)
     if mode.startswith("group"):
         g = int(mode[5:])
         shape = xf.shape

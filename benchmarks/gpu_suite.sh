@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu_suite.sh part10 OUTDIR  # FP8 weights at batch 8/16 (gated GEMV now only to M 4) and the
 #                                               # GEMV tile sweep at 32/64 rows against w8a8
 #   bash benchmarks/gpu_suite.sh part11 OUTDIR  # issue 16 items 2 and 3 again: static vs continuous, 1000 x 1000 FP8 KV
+#   bash benchmarks/gpu_suite.sh part12 OUTDIR  # --fp8-act-terms 2: its GPU tests and the decode step at bs 32/128
 set -u
 part=$1 out=$2
 mkdir -p "$out"
@@ -102,6 +103,11 @@ if [ "$part" = part10 ]; then  # FP8 weights between 5 and 64 rows
       --fusion on --batch 8 16 --output-file "$out/profile_decode_fp8w_bs8_16_gemv_max$mm.json"
   done
   run timeout 200 python benchmarks/bench_fp8_gemv.py --m 32 64 --sweep --output-file "$out/fp8_gemv_m32_64_sweep.json"
+fi
+if [ "$part" = part12 ]; then  # --fp8-act-terms 2 (issue 16 item 5): kernel bits on the GPU, its decode step cost
+  TAIL=4 run timeout 150 python -m pytest -q -x -p no:cacheprovider tests/gpu/test_fp8_act_quant_gpu.py
+  run timeout 300 python -m benchmarks.profile_decode --modes fp8_weights,fp8_weights_act2 --fusion on \
+    --batch 32 128 --output-file "$out/profile_decode_fp8w_act2_bs32_128.json"
 fi
 if [ "$part" = part11 ]; then
   run timeout 330 python -m benchmarks.bench_static_vs_continuous --model-config $M --hf-timeout 150 \

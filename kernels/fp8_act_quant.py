@@ -65,19 +65,34 @@ def _round_to_e4m3(q):
 
 
 @triton.jit
-def _quantize(x, scale, q_ptrs, mask):
+def _rounded(x, scale):
+    """x / scale saturated and rounded onto the e4m3 grid (fp32 values)."""
     q = tl.math.div_rn(x, scale)  # IEEE division like torch's; Triton's `/` on fp32 is approximate
     q = tl.clamp(q, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-    tl.store(q_ptrs, _round_to_e4m3(q).to(q_ptrs.dtype.element_ty), mask=mask)
+    return _round_to_e4m3(q)
 
 
 @triton.jit
-def _fp8_act_quant_kernel(X, Q, S, K, stride_xm, stride_qm, GATED: tl.constexpr, SINGLE_PASS: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+def _quantize(x, scale, q_ptrs, mask):
+    """Stores x's e4m3 codes; returns what they decode to (q * scale, fp32) for a second term."""
+    q = _rounded(x, scale)
+    tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
+    return q * scale
+
+
+@triton.jit
+def _row_scale(amax):
+    return tl.maximum(amax, MIN_AMAX, propagate_nan=tl.PropagateNan.ALL) * INV_FP8_MAX
+
+
+@triton.jit
+def _fp8_act_quant_kernel(X, Q, S, M, K, stride_xm, stride_qm, GATED: tl.constexpr, SINGLE_PASS: tl.constexpr,
+                          TWO_TERM: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
     x_row = X + row * stride_xm
     q_row = Q + row * stride_qm
+    q2_row = Q + (M + row) * stride_qm  # TWO_TERM: the residual's codes, M rows further down
     if SINGLE_PASS:
         mask = offs < K
         x = _load_row(x_row + offs, K, mask, GATED)
@@ -88,14 +103,29 @@ def _fp8_act_quant_kernel(X, Q, S, K, stride_xm, stride_qm, GATED: tl.constexpr,
             blk = _load_row(x_row + k + offs, K, (k + offs) < K, GATED)
             acc = tl.maximum(acc, tl.abs(blk), propagate_nan=tl.PropagateNan.ALL)
         amax = tl.reduce(acc, 0, _max_nan)
-    scale = tl.maximum(amax, MIN_AMAX, propagate_nan=tl.PropagateNan.ALL) * INV_FP8_MAX
+    scale = _row_scale(amax)
     tl.store(S + row, scale)
     if SINGLE_PASS:
-        _quantize(x, scale, q_row + offs, mask)
+        first = _quantize(x, scale, q_row + offs, mask)
+        if TWO_TERM:
+            resid = x - first
+            scale2 = _row_scale(tl.reduce(tl.abs(resid), 0, _max_nan))
+            tl.store(S + M + row, scale2)
+            _quantize(resid, scale2, q2_row + offs, mask)
     else:
+        if TWO_TERM:  # the residual's amax first (its codes need it), then both terms' codes
+            acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                blk = _load_row(x_row + k + offs, K, (k + offs) < K, GATED)
+                acc = tl.maximum(acc, tl.abs(blk - _rounded(blk, scale) * scale), propagate_nan=tl.PropagateNan.ALL)
+            scale2 = _row_scale(tl.reduce(acc, 0, _max_nan))
+            tl.store(S + M + row, scale2)
         for k in range(0, K, BLOCK_K):
             mask_k = (k + offs) < K
-            _quantize(_load_row(x_row + k + offs, K, mask_k, GATED), scale, q_row + k + offs, mask_k)
+            blk = _load_row(x_row + k + offs, K, mask_k, GATED)
+            first = _quantize(blk, scale, q_row + k + offs, mask_k)
+            if TWO_TERM:
+                _quantize(blk - first, scale2, q2_row + k + offs, mask_k)
 
 
 def act_quant_config(k: int) -> tuple[int, bool, int]:
@@ -107,9 +137,11 @@ def act_quant_config(k: int) -> tuple[int, bool, int]:
     return block, single, max(4, min(16, block // 512))
 
 
-def quantize_per_token_fp8(x: torch.Tensor, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_token_fp8(x: torch.Tensor, gated: bool = False,
+                           two_term: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] → (fp8 [M, K], fp32 scale [M, 1]) in one launch; gated: x is [M, 2K] = cat(gate, up) and
-    silu(gate) * up is quantized in its place."""
+    silu(gate) * up is quantized in its place. two_term: (fp8 [2M, K], scale [2M, 1]), rows M.. the
+    rounding of each row's residual (runtime.layers.fp8_linear.quantize_per_token_two_term's bits)."""
     if x.dim() != 2:
         raise ValueError(f"quantize_per_token_fp8: x must be 2-D [M, K], got shape {tuple(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -120,13 +152,14 @@ def quantize_per_token_fp8(x: torch.Tensor, gated: bool = False) -> tuple[torch.
     k = x.shape[1] // 2 if gated else x.shape[1]
     if k == 0:
         raise ValueError("quantize_per_token_fp8: x has no columns (a per-row amax needs at least one)")
-    xq = torch.empty((m, k), dtype=FP8, device=x.device)
-    xs = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    rows = 2 * m if two_term else m
+    xq = torch.empty((rows, k), dtype=FP8, device=x.device)
+    xs = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if m == 0:
         return xq, xs
     if x.stride(1) != 1:
         x = x.contiguous()
     block, single, warps = act_quant_config(k)
-    _fp8_act_quant_kernel[(m,)](x, xq, xs, k, x.stride(0), xq.stride(0), GATED=gated, SINGLE_PASS=single,
-                                BLOCK_K=block, num_warps=warps)
+    _fp8_act_quant_kernel[(m,)](x, xq, xs, m, k, x.stride(0), xq.stride(0), GATED=gated, SINGLE_PASS=single,
+                                TWO_TERM=two_term, BLOCK_K=block, num_warps=warps)
     return xq, xs

@@ -39,6 +39,9 @@ class ServerArgs:
                                   ("act_weighted", "mse", "amax"))
     fp8_weight_only: bool = _opt(False, "FP8 weights: never quantize activations (w8a16 at every batch size; more "
                                         "accurate, slower above 16 tokens a step, which then skip the FP8 GEMM)")
+    fp8_act_terms: int = _opt(1, "FP8 weights on the w8a8 path: activations as one e4m3 term per token (1) or two "
+                                 "(2: the first rounding's residual rounded again, the GEMM over twice the rows with "
+                                 "the weight read once; w8a16's accuracy)", (1, 2))
     # Memory and batching
     kv_cache_dtype: str = _opt("auto", "KV cache storage: auto = the model dtype; fp8_e4m3 halves the bytes per token",
                                ("auto", "fp8_e4m3"))
@@ -162,7 +165,7 @@ class ServerArgs:
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in (*choices, f.default):  # None: an optional flag left out
-                raise ServerArgsError(_flag(f.name), f"must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}")
+                raise ServerArgsError(_flag(f.name), f"must be one of {', '.join(map(str, choices))}, got {getattr(self, f.name)!r}")
         for name, allowed in (("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
             if getattr(self, name) is not None and getattr(self, name) not in allowed:
                 raise ServerArgsError(_flag(name), f"must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")

@@ -15,6 +15,13 @@ accumulate, one rounding): the w8a16 arithmetic, more accurate (benchmarks/READM
 w8a16 GEMM kernel for large M, slower there. On CPU it is how bench_fp8_accuracy measures what the GEMV
 serves at M <= 16 on a GPU; without it CPU runs the w8a8 path served above M 16.
 
+--fp8-act-terms 2 keeps the w8a8 GEMM but gives it each activation row twice: its e4m3 rounding, then the
+rounding of what that missed (quantize_per_token_two_term), as 2M rows of one GEMM whose halves are added:
+the weight is still read once (decode stays memory-bound) and the activations keep ~7 significant bits,
+which in an emulation on SmolLM2 recovered all of w8a8's loss against w8a16 (95.26 vs 95.29% top-1;
+fp8_weight_error_sources_two_term_cpu.json). On CUDA the one-launch quantize writes both terms
+(kernels/fp8_act_quant.py, two_term: the same bits as quantize_per_token_two_term).
+
 Both forwards replace the instance's forward after load, like cpu_linear's packed weights; the parameters
 keep their names (weight, now fp8; weight_scale [out, 1] fp32), so TP sharding is unchanged: column
 layers shard the scales with their rows, row layers keep every output channel and its scale."""
@@ -58,6 +65,16 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def quantize_per_token_two_term(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] → (fp8 [2M, K], fp32 scale [2M, 1]): rows 0..M-1 are quantize_per_token(x), rows M..2M-1 the
+    same of its residual x - q1 * s1 (fp32), so x ~ q1 s1 + q2 s2 with ~7 significant bits where one term
+    keeps 4. One GEMM over the 2M rows reads the weight once; the two halves of its output are summed."""
+    xq1, s1 = quantize_per_token(x)
+    resid = x.float() - xq1.float() * s1
+    xq2, s2 = quantize_per_token(resid)
+    return torch.cat([xq1, xq2]), torch.cat([s1, s2])
+
+
 def scaled_mm_supported(device: torch.device, out_dtype: torch.dtype) -> bool:
     """Whether torch._scaled_mm takes row-wise scales here: CUDA needs sm89+ and a bf16 output."""
     if device.type == "cuda":
@@ -78,10 +95,11 @@ def triton_act_quant_supported(device: torch.device) -> bool:
 
 def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
                use_scaled_mm: bool | None = None, fused_quant: bool | None = None,
-               weight_only: bool = False) -> torch.Tensor:
+               weight_only: bool = False, act_terms: int = 1) -> torch.Tensor:
     """x [..., K] (bf16/fp16/fp32) @ (w8 [N, K] fp8 * w_scale [N, 1])^T + bias → [..., N] in x's dtype.
     fused_quant: quantize x in one Triton launch (same bits as the torch ops); None asks the device and
-    SHOAL_DECODE_FUSION (layers decide once, at load). weight_only: x is never quantized (w8a16)."""
+    SHOAL_DECODE_FUSION (layers decide once, at load). weight_only: x is never quantized (w8a16).
+    act_terms 2: x in two e4m3 terms (quantize_per_token_two_term), one GEMM over twice the rows."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if use_small_m(x2, w8):  # fp8gemv hook (issue 16): decode-sized M on CUDA -> the w8a16 Triton GEMV
@@ -92,12 +110,21 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: t
         fused_quant = decode_fusion_enabled() and act_quant_kernel_enabled() and triton_act_quant_supported(x.device)
     if x2.shape[0] == 0:
         y = x2.new_empty((0, w8.shape[0]))
+    elif act_terms == 2:
+        xq, xs = quantize_per_token_fp8(x2, two_term=True) if fused_quant else quantize_per_token_two_term(x2)
+        y = _two_term_sum(_quantized_matmul(xq, xs, w8, w_scale, x.dtype, use_scaled_mm))
     else:
         xq, xs = quantize_per_token_fp8(x2) if fused_quant else quantize_per_token(x2)
         y = _quantized_matmul(xq, xs, w8, w_scale, x.dtype, use_scaled_mm)
     if bias is not None:  # kept apart: _scaled_mm's bias epilogue rounds once where this rounds twice
         y = y + bias
     return y.view(*shape[:-1], w8.shape[0])
+
+
+def _two_term_sum(y: torch.Tensor) -> torch.Tensor:
+    """The GEMM over [q1; q2] rows → (q1 s1 + q2 s2) W^T: its two halves added (in the output dtype)."""
+    m = y.shape[0] // 2
+    return y[:m] + y[m:]
 
 
 def _quantized_matmul(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
@@ -119,13 +146,13 @@ def fp8_linear_reference(xq: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, w
 
 def _column_forward(self: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
     y = fp8_linear(x, self.weight, self.weight_scale, self.bias, self.use_scaled_mm, self.fused_act_quant,
-                   self.weight_only)
+                   self.weight_only, self.act_terms)
     return self.group.all_gather(y, dim=-1) if self.gather_output else y
 
 
 def _row_forward(self: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
     y = fp8_linear(x, self.weight, self.weight_scale, None, self.use_scaled_mm, self.fused_act_quant,
-                   self.weight_only)
+                   self.weight_only, self.act_terms)
     return self._reduce(y)  # the all-reduce (or its deferral to the next norm), then the bias
 
 
@@ -140,8 +167,11 @@ def _row_forward_silu_mul(self: RowParallelLinear, gate_up: torch.Tensor,
     if small and gated_serves(x2.shape[0]):
         y = fp8_linear_small_m(x2, self.weight, self.weight_scale, gated=True)
     elif self.fused_act_quant and not self.weight_only and not small and x2.shape[0] > 0:
-        xq, xs = quantize_per_token_fp8(x2, gated=True)
+        two = self.act_terms == 2
+        xq, xs = quantize_per_token_fp8(x2, gated=True, two_term=two)
         y = _quantized_matmul(xq, xs, self.weight, self.weight_scale, x2.dtype, self.use_scaled_mm)
+        if two:
+            y = _two_term_sum(y)
     else:
         return self.forward(act_fn(gate_up))
     return self._reduce(y.view(*gate_up.shape[:-1], -1))
@@ -153,11 +183,15 @@ def fp8_linear_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
 
 
-def use_fp8_forward(module: nn.Module, act_dtype: torch.dtype, weight_only: bool = False) -> None:
+def use_fp8_forward(module: nn.Module, act_dtype: torch.dtype, weight_only: bool = False,
+                    act_terms: int = 1) -> None:
     """Swaps in the FP8 forward once the module holds an fp8 `weight` and its `weight_scale`; weight_only:
-    activations are never quantized (w8a16 at every M)."""
+    activations are never quantized (w8a16 at every M); act_terms: e4m3 terms per activation on w8a8."""
+    if act_terms not in (1, 2):
+        raise ValueError(f"--fp8-act-terms must be 1 or 2, got {act_terms}")
     module.use_scaled_mm = scaled_mm_supported(module.weight.device, act_dtype)
     module.weight_only = weight_only
+    module.act_terms = act_terms
     # read once at load, like every decode-path fusion: a captured CUDA graph never mixes the two paths
     module.fused_act_quant = (decode_fusion_enabled() and act_quant_kernel_enabled()
                               and triton_act_quant_supported(module.weight.device))

@@ -43,16 +43,19 @@ class Fp8Weights:
     layout: str  # "quantize-at-load" | "compressed-tensors" | "fbgemm_fp8"
     scales: str = "act_weighted"  # quantize-at-load's weight scales (--fp8-weight-scales)
     weight_only: bool = False  # --fp8-weight-only: activations never quantized
+    act_terms: int = 1  # --fp8-act-terms: e4m3 terms per activation on the w8a8 path
 
     @classmethod
     def resolve(cls, quantization: str | None, model_path: str | None, scales: str = "act_weighted",
-                weight_only: bool = False) -> Fp8Weights | None:
+                weight_only: bool = False, act_terms: int = 1) -> Fp8Weights | None:
         """What the checkpoint's config.json says, else what --quantization asks; None: plain weights."""
         qcfg = _read_quant_config(model_path)
         if qcfg is not None:
-            return cls(checkpoint_fp8=True, layout=_check_layout(qcfg), scales=scales, weight_only=weight_only)
+            return cls(checkpoint_fp8=True, layout=_check_layout(qcfg), scales=scales, weight_only=weight_only,
+                       act_terms=act_terms)
         if quantization == "fp8":
-            return cls(checkpoint_fp8=False, layout="quantize-at-load", scales=scales, weight_only=weight_only)
+            return cls(checkpoint_fp8=False, layout="quantize-at-load", scales=scales, weight_only=weight_only,
+                       act_terms=act_terms)
         return None
 
     def prepare(self, model: nn.Module) -> None:
@@ -84,7 +87,7 @@ class Fp8Weights:
                 w8, scale = quantize_weight(m.weight.data, method, col_ms.get(id(m)))
                 m.weight = nn.Parameter(w8, requires_grad=False)
                 m.weight_scale = nn.Parameter(scale, requires_grad=False)
-            use_fp8_forward(m, act_dtype, self.weight_only)
+            use_fp8_forward(m, act_dtype, self.weight_only, self.act_terms)
         if modules and modules[0][1].weight.device.type == "cuda":
             torch.cuda.empty_cache()  # the bf16 copies' memory goes back before the KV pool is sized
         logger.info("FP8 weights (%s%s): %d linear layers", self.layout,

@@ -117,7 +117,8 @@ class ModelRunner:
         with torch.device(self.device):
             model = get_model_class(cfg.architecture)(cfg, self.ctx)
         fp8 = Fp8Weights.resolve(self.args.quantization, None if self.args.load_format == "dummy" else model_path,
-                                 self.args.fp8_weight_scales, self.args.fp8_weight_only)
+                                 self.args.fp8_weight_scales, self.args.fp8_weight_only,
+                                 self.args.fp8_act_terms)
         if fp8 is not None:
             fp8.prepare(model)
         if self.args.load_format == "dummy":

@@ -93,6 +93,18 @@ def test_gated_bit_equal_to_silu_and_mul_then_quantize(m: int, dtype: torch.dtyp
     _same_bits(quantize_per_token_fp8(gate_up, gated=True), quantize_per_token(silu_and_mul(gate_up)))
 
 
+@pytest.mark.parametrize("k", WIDTHS_8B + [28672])
+@pytest.mark.parametrize("m", [17, 256])
+def test_two_terms_bit_equal_to_the_torch_reference(m: int, k: int) -> None:
+    """--fp8-act-terms 2 on the GPU: both terms' codes and scales, single pass and the loop past 16384."""
+    from kernels.fp8_act_quant import quantize_per_token_fp8
+    from runtime.layers.fp8_linear import quantize_per_token_two_term
+
+    _needs_sm89()
+    x = _rows(m, k, torch.bfloat16, seed=m + k)
+    _same_bits(quantize_per_token_fp8(x, two_term=True), quantize_per_token_two_term(x))
+
+
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
 def test_fp8_linear_same_output_eager_and_graph(n: int, k: int) -> None:
     from runtime.layers.fp8_linear import fp8_linear, quantize_per_channel

@@ -20,7 +20,13 @@ from kernels.activation import silu_and_mul
 from kernels.fp8_act_quant import act_quant_config, quantize_per_token_fp8
 from runtime.layers import fp8_linear as fp8_linear_mod
 from runtime.layers.activation import SiluAndMul
-from runtime.layers.fp8_linear import fp8_linear, fp8_linear_modules, quantize_per_channel, quantize_per_token
+from runtime.layers.fp8_linear import (
+    fp8_linear,
+    fp8_linear_modules,
+    quantize_per_channel,
+    quantize_per_token,
+    quantize_per_token_two_term,
+)
 
 F8 = torch.float8_e4m3fn
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -94,6 +100,23 @@ def test_gated_matches_silu_and_mul_then_quantize(dtype: torch.dtype, m: int, in
     _assert_same_bits(quantize_per_token_fp8(gate_up, gated=True), quantize_per_token(silu_and_mul(gate_up)))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "k"), [(1, 16), (5, 1000), (3, 5003), (2, 16385)])
+def test_two_terms_match_the_torch_reference_bit_for_bit(dtype: torch.dtype, m: int, k: int) -> None:
+    """--fp8-act-terms 2: the first M rows are the one-term codes, the next M the residual's (single pass
+    and, past 16384 columns, the loop path), the same bits as quantize_per_token_two_term."""
+    x = _rows(m, k, dtype, seed=7 * m + k)
+    got = quantize_per_token_fp8(x, two_term=True)
+    assert got[0].shape == (2 * m, k) and got[1].shape == (2 * m, 1)
+    _assert_same_bits(got, quantize_per_token_two_term(x))
+
+
+def test_two_terms_gated() -> None:
+    gate_up = _rows(3, 2 * 352, torch.float32, seed=11) + 0.01 * torch.randn(3, 2 * 352)
+    _assert_same_bits(quantize_per_token_fp8(gate_up, gated=True, two_term=True),
+                      quantize_per_token_two_term(silu_and_mul(gate_up)))
+
+
 def test_bad_input_gets_clear_errors() -> None:
     with pytest.raises(ValueError, match="2-D"):
         quantize_per_token_fp8(torch.randn(8))
@@ -113,9 +136,10 @@ def test_fp8_linear_same_output_with_the_kernel(dtype: torch.dtype) -> None:
     w8, ws = quantize_per_channel(torch.randn(40, 96, generator=gen) * 0.05)
     x, b = torch.randn(2, 9, 96, generator=gen).to(dtype), torch.randn(40, generator=gen).to(dtype)
     for use_scaled_mm in (True, False):
-        want = fp8_linear(x, w8, ws, b, use_scaled_mm, fused_quant=False)
-        got = fp8_linear(x, w8, ws, b, use_scaled_mm, fused_quant=True)
-        assert got.shape == (2, 9, 40) and torch.equal(got, want)
+        for terms in (1, 2):
+            want = fp8_linear(x, w8, ws, b, use_scaled_mm, fused_quant=False, act_terms=terms)
+            got = fp8_linear(x, w8, ws, b, use_scaled_mm, fused_quant=True, act_terms=terms)
+            assert got.shape == (2, 9, 40) and torch.equal(got, want)
 
 
 def _driver(path: Path, monkeypatch: pytest.MonkeyPatch, fusion: str, dtype: str):
@@ -162,17 +186,19 @@ except ImportError as e:
     sys.exit(0)
 from kernels.fp8_act_quant import _fp8_act_quant_kernel, act_quant_config
 out = []
-for xdt in ("bf16", "fp16", "fp32"):
-    for gated in (False, True):
-        for k in (4096, 14336, 28672):
+cases = [(xdt, gated, k, False) for xdt in ("bf16", "fp16", "fp32") for gated in (False, True)
+         for k in (4096, 14336, 28672)]
+cases += [("bf16", gated, k, True) for gated in (False, True) for k in (4096, 28672)]  # two terms
+for xdt, gated, k, two in cases:
             block, single, warps = act_quant_config(k)
-            sig = {"X": "*" + xdt, "Q": "*fp8e4nv", "S": "*fp32", "K": "i32", "stride_xm": "i64",
-                   "stride_qm": "i64", "GATED": "constexpr", "SINGLE_PASS": "constexpr", "BLOCK_K": "constexpr"}
-            consts = {"GATED": gated, "SINGLE_PASS": single, "BLOCK_K": block}
+            sig = {"X": "*" + xdt, "Q": "*fp8e4nv", "S": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i64",
+                   "stride_qm": "i64", "GATED": "constexpr", "SINGLE_PASS": "constexpr", "TWO_TERM": "constexpr",
+                   "BLOCK_K": "constexpr"}
+            consts = {"GATED": gated, "SINGLE_PASS": single, "TWO_TERM": two, "BLOCK_K": block}
             c = triton.compile(ASTSource(fn=_fp8_act_quant_kernel, signature=sig, constexprs=consts),
                                target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
             ptx = c.asm["ptx"]
-            out.append({"case": [xdt, gated, k], "cubin": len(c.asm["cubin"]), "div_rn": "div.rn.f32" in ptx,
+            out.append({"case": [xdt, gated, k, two], "cubin": len(c.asm["cubin"]), "div_rn": "div.rn.f32" in ptx,
                         "e4m3_cvt": "e4m3x2" in ptx, "approx_div": "div.full" in ptx or "div.approx" in ptx,
                         "nan_max": "max.NaN.f32" in ptx, "inv_448": "0f3B124925" in ptx,
                         "rne_add_sub": "0f4B400000" in ptx and "0fCB400000" in ptx})
@@ -192,7 +218,7 @@ def test_compiles_for_sm90() -> None:
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     if "skip" in report:
         pytest.skip(report["skip"])
-    assert len(report["results"]) == 18
+    assert len(report["results"]) == 22
     for r in report["results"]:
         # NaN-propagating max (torch's amax and clamp keep NaN) and the scale's multiply by fl32(1/448)
         # and the +- 1.5 * 2^23 rounding kept (not folded away as (a + c) - c == a)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from runner_driver import RunnerDriver
 
+from kernels.fp8_gemv import fp8_linear_small_m_ref
 from runtime.errors import UnsupportedQuantizationError, WeightLoadError
 from runtime.layers.fp8_linear import (
     FP8,
@@ -22,6 +23,7 @@ from runtime.layers.fp8_linear import (
     fp8_linear_reference,
     quantize_per_channel,
     quantize_per_token,
+    quantize_per_token_two_term,
 )
 from runtime.model_executor.forward_mode import ForwardMode
 
@@ -44,6 +46,37 @@ def test_fp8_gemm_matches_dequantized_reference() -> None:
     exact = x @ w.t() + b
     assert float((ref - exact).norm() / exact.norm()) < 0.05
     assert fp8_linear(x[:0], w8, ws, b).shape == (0, 40)  # an idle rank's empty batch
+
+
+def test_two_term_activations_are_one_gemm_and_nearly_w8a16() -> None:
+    """--fp8-act-terms 2: x ~ q1 s1 + q2 s2 (the second term rounds the first one's fp32 residual), the GEMM
+    runs over the stacked 2M rows and its halves are added; far closer to the unquantized-activation product
+    (w8a16, the GEMV's arithmetic) than one term."""
+    torch.manual_seed(1)
+    x, w = torch.randn(6, 128), torch.randn(48, 128) * 0.05
+    x[:, 5] *= 30  # an outlier channel: one term's per-token scale starves the rest of the row
+    w8, ws = quantize_per_channel(w)
+    xq, xs = quantize_per_token_two_term(x)
+    assert xq.shape == (12, 128) and xs.shape == (12, 1) and xq.dtype == FP8
+    q1, s1 = quantize_per_token(x)
+    assert torch.equal(xq[:6].view(torch.uint8), q1.view(torch.uint8)) and torch.equal(xs[:6], s1)
+    torch.testing.assert_close(xq[6:].float() * xs[6:], x - q1.float() * s1, rtol=0.07, atol=1e-6)
+    w8a16 = fp8_linear_small_m_ref(x, w8, ws)
+    one = fp8_linear(x, w8, ws, use_scaled_mm=False)
+    two = fp8_linear(x, w8, ws, use_scaled_mm=False, act_terms=2)
+    stacked = fp8_linear_reference(xq, xs, w8, ws, torch.float32)
+    torch.testing.assert_close(two, stacked[:6] + stacked[6:], rtol=0, atol=0)
+    err1, err2 = float((one - w8a16).abs().max()), float((two - w8a16).abs().max())
+    assert err2 < err1 / 8, (err1, err2)
+    assert fp8_linear(x[:0], w8, ws, act_terms=2).shape == (0, 48)
+
+
+def test_two_term_engine_runs_and_is_closer(tiny_llama) -> None:
+    ref, _ = _logits(tiny_llama)
+    one, _ = _logits(tiny_llama, quantization="fp8")
+    two, d = _logits(tiny_llama, quantization="fp8", fp8_act_terms=2)
+    assert d.runner.model.model.layers[0].mlp.down_proj.act_terms == 2
+    assert float((two - ref).abs().mean()) < float((one - ref).abs().mean())
 
 
 def _logits(path: Path, **kw) -> tuple[torch.Tensor, RunnerDriver]:

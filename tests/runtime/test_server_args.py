@@ -32,6 +32,7 @@ def _parse(argv: list[str]) -> ServerArgs:
     ({"min_new_token_ratio": 0.9}, "--min-new-token-ratio"),
     ({"dtype": "float64"}, "--dtype"),
     ({"attention_backend": "sdpa"}, "--attention-backend"),
+    ({"fp8_act_terms": 3}, "--fp8-act-terms"),  # an int choice: the message lists 1, 2
     ({"enable_dp_attention": True}, "--enable-dp-attention"),
 ])
 def test_invalid_values_name_the_flag(kwargs: dict[str, Any], flag: str) -> None:
