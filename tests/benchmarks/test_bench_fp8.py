@@ -21,8 +21,9 @@ def test_accuracy_bench_smoke(tiny_llama, tmp_path) -> None:
     assert set(modes) == {"fp8_kv", "fp8_kv_rotation_none", "fp8_kv_rotation_hadamard", "fp8_kv_static_scale_1", "fp8_weights", "fp8_kv_and_weights", "float32_no_fp8",
                           "fp8_weights@compressed-tensors-per-tensor", "fp8_weights_w8a16",
                           "fp8_weights_w8a8_mse_scales", "fp8_weights_w8a16_mse_scales",
-                          "fp8_weights_w8a8_amax_scales", "fp8_weights_w8a16_amax_scales"}
+                          "fp8_weights_w8a8_amax_scales", "fp8_weights_w8a16_amax_scales", "fp8_weights_act2"}
     assert modes["fp8_weights_w8a16"]["server_args"]["fp8_weight_only"] is True
+    assert modes["fp8_weights_act2"]["server_args"]["fp8_act_terms"] == 2
     assert all(m["target"] == 0.95 for k, m in modes.items() if k.startswith("fp8_weights"))
     assert modes["fp8_kv"]["kv_scales"]["source"] == "calibrate" and len(modes["fp8_kv"]["kv_scales"]["k"]) == 2
     assert modes["fp8_kv_static_scale_1"]["kv_scales"] == {"source": "static", "k": [1.0, 1.0], "v": [1.0, 1.0],

@@ -176,8 +176,8 @@ def test_down_projection_takes_gated_gemv_only_at_small_m(monkeypatch: pytest.Mo
     monkeypatch.setattr(fl, "fp8_linear_small_m", spy)
     gen = torch.Generator().manual_seed(m)
     w8, scale = fl.quantize_per_channel(torch.randn(24, 32, generator=gen))
-    layer = SimpleNamespace(weight=w8, weight_scale=scale, fused_act_quant=True, weight_only=False, use_scaled_mm=False,
-                            reduce_results=False, bias=None)
+    layer = SimpleNamespace(weight=w8, weight_scale=scale, fused_act_quant=True, weight_only=False, act_terms=1,
+                            use_scaled_mm=False, reduce_results=False, bias=None)
     layer.forward = MethodType(fl._row_forward, layer)
     layer._reduce = lambda y: y  # one rank: RowParallelLinear._reduce has nothing to sum
     gate_up = torch.randn(m, 64, generator=gen)
