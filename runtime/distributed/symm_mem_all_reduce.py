@@ -87,7 +87,12 @@ class SymmMemAllReduce:
         except Exception as e:
             logger.warning("symmetric-memory rendezvous failed, using NCCL: %s", e)
             made = None
-        return made if _all_agree(made is not None, group, device) else None
+        if not _all_agree(made is not None, group, device):
+            return None
+        # Every rank must take the same path at each norm (one fused launch meets the others' in its barrier,
+        # an NCCL all-reduce would wait forever for it): the switch counts only where all ranks set it.
+        made.fuse_norm = _all_agree(made.fuse_norm, group, device)
+        return made
 
     def can_run(self, x: torch.Tensor) -> bool:
         return (x.dtype == self.dtype and x.numel() <= self.max_numel and x.is_contiguous()
