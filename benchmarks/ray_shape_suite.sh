@@ -7,6 +7,9 @@
 #                                                    # --in-process, against the offline Engine
 #   bash benchmarks/ray_shape_suite.sh part5 OUTDIR  # the fused all-reduce + add + RMSNorm: its 2-GPU tests,
 #                                                    # TP=2 tokens with it on, bench_tp TP=2 on vs off
+#   bash benchmarks/ray_shape_suite.sh part6 OUTDIR  # the fused kernel with epoch flags, on by default: its tests,
+#                                                    # TP=2 tokens, bench_tp on vs SHOAL_FUSED_AR_NORM=0, then
+#                                                    # gpu_suite part12 and part10 on the first GPU
 #   bash benchmarks/ray_shape_suite.sh part4 OUTDIR  # 1 GPU, ~4 min: HTTP TTFT at concurrency 1 only, offline
 #                                                    # vs `shoal serve` over the link vs --disable-request-link
 set -u
@@ -49,4 +52,14 @@ if [ "$part" = part5 ]; then  # SHOAL_FUSED_AR_NORM=1: kernel tests, parity thro
   B="python benchmarks/bench_tp.py --batch 1 32 --repeats 1 --output-len 48 --num-prompts 0"
   run timeout 150 $B --paths inproc ray_tp2 --out "$out/tp_ray_2gpu_fused_off.json"
   run timeout 100 env SHOAL_FUSED_AR_NORM=1 $B --paths ray_tp2 --out "$out/tp_ray_2gpu_fused_on.json"
+fi
+if [ "$part" = part6 ]; then
+  TAIL=25 run timeout 150 python -m pytest -q -x tests/gpu/test_all_reduce_rmsnorm_gpu.py \
+    tests/gpu/test_symm_mem_all_reduce_gpu.py -p no:cacheprovider
+  TAIL=6 run timeout 150 python -m pytest -q -x tests/gpu/test_ray_tp_gpu.py -p no:cacheprovider
+  B="python benchmarks/bench_tp.py --batch 1 32 --repeats 2 --output-len 48 --num-prompts 0"
+  run timeout 200 $B --paths inproc ray_tp2 --out "$out/tp_ray_2gpu_fused_epoch.json"
+  run timeout 120 env SHOAL_FUSED_AR_NORM=0 $B --paths ray_tp2 --out "$out/tp_ray_2gpu_fused_off.json"
+  CUDA_VISIBLE_DEVICES=0 bash benchmarks/gpu_suite.sh part12 "$out"
+  CUDA_VISIBLE_DEVICES=0 bash benchmarks/gpu_suite.sh part10 "$out"
 fi

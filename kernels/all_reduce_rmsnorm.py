@@ -3,25 +3,31 @@ that follow it in a decoder layer (TP's o_proj / down_proj partial sums → post
 
 One launch replaces two (the one-shot all-reduce, then kernels/rmsnorm.py's fused add): each program copies
 its rows of this rank's partial sum into this rank's symmetric buffer, meets the same program on every peer
-at a barrier (signal pads, below), sums the rows of every rank's buffer in rank order in fp32, rounds the sum
-once to the activation dtype (what NCCL and torch's one-shot kernel give for two ranks: a + b correctly
-rounded), then adds the residual and normalises exactly as _rmsnorm_kernel does, so for two ranks the
-output and the new residual are bit-equal to all_reduce followed by fused_add_rmsnorm. Above two ranks the
-sum's order is fixed (rank 0 first) on every rank, so the ranks still agree with each other.
+at a barrier (below), sums the rows of every rank's buffer in rank order in fp32, rounds the sum once to
+the activation dtype (what NCCL and torch's one-shot kernel give for two ranks: a + b correctly rounded),
+then adds the residual and normalises exactly as _rmsnorm_kernel does, so for two ranks the output and the
+new residual are bit-equal to all_reduce followed by fused_add_rmsnorm. Above two ranks the sum's order is
+fixed (rank 0 first) on every rank, so the ranks still agree with each other.
 
-Synchronisation (the protocol torch's symmetric-memory kernels use; CUDA-graph safe because every pad
-returns to zero): signal pads are zero-filled int32 slots, [slot, peer]. To arrive, a program CASes 0 → 1
-into slot [s, my_rank] of each peer's pad (release, system scope; it spins while the peer has not yet
-consumed the previous signal); to wait it CASes 1 → 0 on [s, peer] of its own pad (acquire). A CTA barrier
-before the arrival publishes every thread's stores; one after the wait lets every thread read what the
-peers published. Two barriers per program: one before reading the peers' rows, one after (so no rank
-overwrites its buffer in a later call while a peer still reads it). Programs are persistent (at most
-MAX_PROGRAMS, each taking rows pid, pid + G, ...), so every program is resident and no barrier can wait on
-a program the GPU has not scheduled.
+Synchronisation: epoch flags, as vLLM's and SGLang's custom all-reduce kernels synchronise, rather than the
+0 → 1 → 0 compare-and-swaps torch's symmetric-memory kernels use: a remote CAS waits a full NVLink round
+trip for its old value, a flag write does not (its result is never read), and a decode step of a 32-layer
+model meets 128 barriers. Every rank owns a zero-filled int64 flag area in symmetric memory (flag_slots):
+arrival slots [program, peer] that peers write, then one local epoch counter per program. A call's program
+p reads its counter c and uses epochs c + 1 and c + 2 for its two barriers: to arrive it writes the epoch
+into slot [p, my rank] of each peer's area (release, system scope); to wait it reads its own slot [p, peer]
+(acquire) until the value is at least the epoch. Waiting for "at least" lets a peer run one barrier ahead
+and overwrite the slot without losing the arrival; the flags only grow (int64: no wrap), so nothing needs
+resetting and CUDA-graph replays stay in step. The ranks' counters agree because every rank makes the same
+calls with the same row counts (a collective). A CTA barrier before the arrival publishes every thread's
+stores; one after the wait lets every thread read what the peers published. Two barriers per program: one
+before reading the peers' rows, one after (so no rank overwrites its buffer in a later call while a peer
+still reads it). Programs are persistent (at most MAX_PROGRAMS, each taking rows pid, pid + G, ...), so
+every program is resident and no barrier can wait on a program the GPU has not scheduled.
 
 Under programmatic dependent launch the norm weight is loaded before the wait; nothing symmetric is
 touched before it. The Triton interpreter runs it on CPU (pointer casts and atomics work there), which
-the CPU test uses with a peer whose arrival is pre-signalled."""
+the CPU test uses with peers whose arrivals are pre-signalled."""
 
 from __future__ import annotations
 
@@ -34,28 +40,32 @@ from kernels.pdl import launch_options, pdl_enabled
 MAX_PROGRAMS = 128  # persistent programs: resident on any sm80+ GPU at once (one per SM at most)
 
 
+def flag_slots(world: int) -> int:
+    """int64 slots of one rank's flag area: arrivals [MAX_PROGRAMS, world], then MAX_PROGRAMS epochs."""
+    return MAX_PROGRAMS * (world + 1)
+
+
 @triton.jit
-def _arrive_and_wait(Pads, slot, RANK: tl.constexpr, WORLD: tl.constexpr):
-    """Meet the program with the same slot on every peer (see the module docstring)."""
+def _arrive_and_wait(Flags, pid, epoch, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """Meet the program with the same pid on every peer at `epoch` (see the module docstring)."""
     tl.debug_barrier()  # every thread's stores to the symmetric buffer precede the release below
-    my_pad = tl.load(Pads + RANK).to(tl.pointer_type(tl.int32))
     for r in tl.static_range(WORLD):
         if r != RANK:
-            peer_pad = tl.load(Pads + r).to(tl.pointer_type(tl.int32))
-            while tl.atomic_cas(peer_pad + slot * WORLD + RANK, 0, 1, sem="release", scope="sys") != 0:
-                pass
+            peer = tl.load(Flags + r).to(tl.pointer_type(tl.int64))
+            tl.atomic_xchg(peer + pid * WORLD + RANK, epoch, sem="release", scope="sys")
+    mine = tl.load(Flags + RANK).to(tl.pointer_type(tl.int64))
     for r in tl.static_range(WORLD):
         if r != RANK:
-            while tl.atomic_cas(my_pad + slot * WORLD + r, 1, 0, sem="acquire", scope="sys") != 1:
+            while tl.atomic_add(mine + pid * WORLD + r, 0, sem="acquire", scope="sys") < epoch:
                 pass
     tl.debug_barrier()  # the peers' rows, acquired by one thread, are visible to all of them
 
 
 @triton.jit
 def _all_reduce_add_rmsnorm_kernel(
-    X, Residual, W, Out, Bufs, Pads, M, stride_x, stride_r, stride_o, eps,
+    X, Residual, W, Out, Bufs, Flags, M, stride_x, stride_r, stride_o, eps,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
-    ADD_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
+    MAX_PROGS: tl.constexpr, ADD_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
@@ -66,11 +76,14 @@ def _all_reduce_add_rmsnorm_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     my_buf = tl.load(Bufs + RANK).to(tl.pointer_type(X.dtype.element_ty))
+    # This program's epoch counter: only this program of this rank touches it, one call after another.
+    counter = tl.load(Flags + RANK).to(tl.pointer_type(tl.int64)) + MAX_PROGS * WORLD + pid
+    epoch = tl.load(counter) + 1
     # 32-bit offsets: rows x hidden of a graph-sized batch stays far below 2**31.
     for row in range(pid, M, progs):
         x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
         tl.store(my_buf + row * HIDDEN + offs, x, mask=mask)
-    _arrive_and_wait(Pads, pid, RANK, WORLD)
+    _arrive_and_wait(Flags, pid, epoch, RANK, WORLD)
     for row in range(pid, M, progs):
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for r in tl.static_range(WORLD):
@@ -85,34 +98,30 @@ def _all_reduce_add_rmsnorm_kernel(
         variance = tl.sum(x * x, 0) / HIDDEN
         out = x * tl.rsqrt(variance + eps) * w
         tl.store(Out + row * stride_o + offs, out.to(Out.dtype.element_ty), mask=mask)
-    _arrive_and_wait(Pads, progs + pid, RANK, WORLD)  # every peer has read this program's rows of my buffer
+    _arrive_and_wait(Flags, pid, epoch + 1, RANK, WORLD)  # every peer has read this program's rows of my buffer
+    tl.store(counter, epoch + 1)
 
 
 def num_programs(rows: int) -> int:
     return max(1, min(rows, MAX_PROGRAMS))
 
 
-def signal_slots_needed(rows: int, world: int) -> int:
-    """int32 signal-pad slots one call uses: two barriers per program, one slot per peer each."""
-    return 2 * num_programs(rows) * world
-
-
 def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                           buffer_ptrs: torch.Tensor, signal_pad_ptrs: torch.Tensor, rank: int,
+                           buffer_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, rank: int,
                            world: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """out = rmsnorm(residual + sum over ranks of x) * weight, with residual updated in place to that sum
     (or, with residual None, out = rmsnorm(sum of x) * weight). x [M, hidden] is this rank's partial sum;
-    buffer_ptrs / signal_pad_ptrs: int64 tensors on x's device with every rank's symmetric buffer (room for
-    M x hidden of x's dtype at each) and signal pad (zero-filled, signal_slots_needed(M, world) int32 slots).
-    Collective: every rank calls it with the same M, in the same order."""
+    buffer_ptrs / flag_ptrs: int64 tensors on x's device with every rank's symmetric buffer (room for
+    M x hidden of x's dtype at each) and flag area (zero-filled at first, flag_slots(world) int64 slots,
+    used by nothing else). Collective: every rank calls it with the same M, in the same order."""
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [rows, hidden] and contiguous in hidden, got {tuple(x.shape)}")
     if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
         raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
     if weight.numel() != x.shape[1]:
         raise ValueError(f"norm weight has {weight.numel()} values for hidden size {x.shape[1]}")
-    if buffer_ptrs.numel() != world or signal_pad_ptrs.numel() != world or not 0 <= rank < world:
-        raise ValueError(f"rank {rank} of {world}: expected {world} buffer and signal-pad pointers")
+    if buffer_ptrs.numel() != world or flag_ptrs.numel() != world or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} of {world}: expected {world} buffer and flag-area pointers")
     m, hidden = x.shape
     if out is None:
         out = torch.empty_like(x)
@@ -121,8 +130,8 @@ def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weigh
     pdl = pdl_enabled(x)
     res = residual if residual is not None else x
     _all_reduce_add_rmsnorm_kernel[(num_programs(m),)](
-        x, res, weight, out, buffer_ptrs, signal_pad_ptrs, m, x.stride(0), res.stride(0), out.stride(0), eps,
-        HIDDEN=hidden, BLOCK=triton.next_power_of_2(hidden), RANK=rank, WORLD=world,
+        x, res, weight, out, buffer_ptrs, flag_ptrs, m, x.stride(0), res.stride(0), out.stride(0), eps,
+        HIDDEN=hidden, BLOCK=triton.next_power_of_2(hidden), RANK=rank, WORLD=world, MAX_PROGS=MAX_PROGRAMS,
         ADD_RESIDUAL=residual is not None, USE_PDL=pdl,
         num_warps=max(1, min(16, triton.next_power_of_2(hidden) // 256)), **launch_options(pdl),
     )

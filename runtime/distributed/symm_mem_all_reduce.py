@@ -12,10 +12,11 @@ Where this torch has one_shot_all_reduce_copy (2.8+), the kernel itself copies t
 shared buffer, which saves the staging copy's launch: 64 kernels of a 32-layer TP decode step.
 SHOAL_SYMM_MEM_COPY=0 keeps the separate copy (to measure one against the other).
 
-add_rmsnorm() runs kernels/all_reduce_rmsnorm.py over the same buffer: the all-reduce, the residual add
-and the RMSNorm after it in one launch (the building block of a TP decoder layer whose o_proj / down_proj
-leave their partial sums to the next norm). Llama-family models use it where SHOAL_FUSED_AR_NORM=1 (off by
-default until its 2-GPU test and a TP=2 measurement have run: tests/gpu/test_all_reduce_rmsnorm_gpu.py)."""
+add_rmsnorm() runs kernels/all_reduce_rmsnorm.py over the same buffer and a small symmetric flag area of
+its own: the all-reduce, the residual add and the RMSNorm after it in one launch (the building block of a
+TP decoder layer whose o_proj / down_proj leave their partial sums to the next norm). Llama-family models
+use it by default; SHOAL_FUSED_AR_NORM=0 keeps the separate all-reduce and norm (to measure one against the
+other; tests/gpu/test_all_reduce_rmsnorm_gpu.py checks the two give the same bits)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from kernels.all_reduce_rmsnorm import all_reduce_add_rmsnorm, signal_slots_needed
+from kernels.all_reduce_rmsnorm import all_reduce_add_rmsnorm, flag_slots
 
 logger = logging.getLogger(__name__)
 
@@ -35,25 +36,22 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)  # what torch's one_shot_all_
 
 class SymmMemAllReduce:
     def __init__(self, group_name: str, buffer: torch.Tensor, fused_copy: bool | None = None,
-                 handle: object | None = None):
+                 handle: object | None = None, flags: torch.Tensor | None = None, flags_handle: object | None = None):
         self.group_name = group_name
         self.buffer = buffer
         self.dtype = buffer.dtype
         self.max_numel = buffer.numel()
-        # Every rank's buffer and signal pad as device pointer arrays, for our own kernels; None without
-        # a rendezvous handle (tests that build one by hand).
+        # Every rank's buffer and flag area as device pointer arrays, for our own kernel; None without
+        # rendezvous handles (tests that build one by hand).
         self.rank = self.world = 0
-        self.buffer_ptrs = self.signal_pad_ptrs = None
-        self.signal_slots = 0
-        self.fuse_norm = os.environ.get("SHOAL_FUSED_AR_NORM", "0") == "1"
+        self.buffer_ptrs = self.flag_ptrs = None
+        self.fuse_norm = os.environ.get("SHOAL_FUSED_AR_NORM", "1") != "0"
         if handle is not None:
             self.rank, self.world = int(handle.rank), int(handle.world_size)
-            offset = buffer.data_ptr() - int(handle.buffer_ptrs[self.rank])  # the same on every rank
-            self.buffer_ptrs = torch.tensor([int(p) + offset for p in handle.buffer_ptrs], dtype=torch.int64,
-                                            device=buffer.device)
-            self.signal_pad_ptrs = torch.tensor([int(p) for p in handle.signal_pad_ptrs], dtype=torch.int64,
-                                                device=buffer.device)
-            self.signal_slots = int(handle.signal_pad_size) // 4
+            self.buffer_ptrs = _peer_ptrs(buffer, handle)
+            if flags is not None and flags_handle is not None:
+                self.flag_ptrs = _peer_ptrs(flags, flags_handle)
+        self.flags = flags  # kept alive: peers write into it
         if fused_copy is None:
             fused_copy = (hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy")
                           and os.environ.get("SHOAL_SYMM_MEM_COPY", "1") != "0")
@@ -66,7 +64,7 @@ class SymmMemAllReduce:
         None when this torch, device or topology cannot (no peer access, a rank seeing another's GPU...).
         The ranks agree before the (collective) rendezvous, so one rank lacking the basics never leaves the
         others waiting in it; a rendezvous that fails on one rank only can still stall the rest."""
-        buffer, name = None, ""
+        buffer, flags, name = None, None, ""
         if device.type == "cuda" and dtype in SUPPORTED_DTYPES and torch.cuda.get_device_capability(device)[0] >= 9:
             try:
                 import torch.distributed._symmetric_memory as symm_mem
@@ -77,13 +75,17 @@ class SymmMemAllReduce:
                         warnings.simplefilter("ignore", FutureWarning)
                         symm_mem.enable_symm_mem_for_group(name)
                 buffer = symm_mem.empty(max(max_bytes // dtype.itemsize, 1), dtype=dtype, device=device)
+                world = dist.get_world_size(group)
+                flags = symm_mem.empty(flag_slots(world), dtype=torch.int64, device=device).zero_()
+                torch.cuda.synchronize(device)  # zero before any peer can write an arrival (agreed below)
             except Exception as e:  # a capability this machine lacks: say why, fall back to NCCL
+                buffer = flags = None
                 logger.warning("symmetric-memory all-reduce unavailable, using NCCL: %s", e)
         if not _all_agree(buffer is not None, group, device):
             return None
         try:
             handle = symm_mem.rendezvous(buffer, name)
-            made = cls(name, buffer, handle=handle)
+            made = cls(name, buffer, handle=handle, flags=flags, flags_handle=symm_mem.rendezvous(flags, name))
         except Exception as e:
             logger.warning("symmetric-memory rendezvous failed, using NCCL: %s", e)
             made = None
@@ -108,18 +110,24 @@ class SymmMemAllReduce:
         return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name).view(x.shape)
 
     def can_add_rmsnorm(self, x: torch.Tensor) -> bool:
-        """Whether add_rmsnorm should take x: switched on, what can_run asks, 2-D rows, room in the signal
-        pads. A row-parallel linear and the norm after it both ask it of the same tensor, so they agree."""
-        return (self.fuse_norm and self.buffer_ptrs is not None and x.dim() == 2 and self.can_run(x)
-                and signal_slots_needed(x.shape[0], self.world) <= self.signal_slots)
+        """Whether add_rmsnorm should take x: switched on, a flag area, what can_run asks, 2-D rows. A
+        row-parallel linear and the norm after it both ask it of the same tensor, so they agree."""
+        return self.fuse_norm and self.flag_ptrs is not None and x.dim() == 2 and self.can_run(x)
 
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                     eps: float) -> torch.Tensor:
         """rmsnorm(residual + all-reduced x) * weight, residual updated in place (None: the norm of the
         sum). Collective; call only where can_add_rmsnorm(x) holds on every rank."""
-        assert self.buffer_ptrs is not None and self.signal_pad_ptrs is not None
-        return all_reduce_add_rmsnorm(x, residual, weight, eps, self.buffer_ptrs, self.signal_pad_ptrs,
+        assert self.buffer_ptrs is not None and self.flag_ptrs is not None
+        return all_reduce_add_rmsnorm(x, residual, weight, eps, self.buffer_ptrs, self.flag_ptrs,
                                       self.rank, self.world)
+
+
+def _peer_ptrs(t: torch.Tensor, handle: object) -> torch.Tensor:
+    """Every rank's address of `t` (a view into a symmetric allocation: the offset is the same on every rank)."""
+    offset = t.data_ptr() - int(handle.buffer_ptrs[int(handle.rank)])  # type: ignore[attr-defined]
+    return torch.tensor([int(p) + offset for p in handle.buffer_ptrs], dtype=torch.int64,  # type: ignore[attr-defined]
+                        device=t.device)
 
 
 def _all_agree(ok: bool, group: object, device: torch.device) -> bool:

@@ -1,8 +1,8 @@
 """The fused one-shot all-reduce + residual add + RMSNorm on 2 GPUs over torch symmetric memory: inside a
 CUDA graph of 32 back-to-back calls (a 32-layer decode step's post-attention norms), replayed with new
-inputs, every rank's output and residual equal NCCL's all-reduce followed by fused_add_rmsnorm bit for bit,
-and the signal pads come back to zero (a slot left set would make the next replay spin until the join
-timeout: three replays)."""
+inputs, every rank's output and residual equal NCCL's all-reduce followed by fused_add_rmsnorm bit for bit
+over three replays (the epoch flags carry on from one replay to the next; counters out of step would spin
+until the join timeout), and the flag counters end where 2 epochs per call put them."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def _rank(rank: int, world: int, port: int, rows: int, errors) -> None:
     from kernels.rmsnorm import fused_add_rmsnorm
     from runtime.distributed import ParallelGroup
 
+    os.environ["SHOAL_FUSED_AR_NORM"] = "1"  # the default, whatever the caller's environment says
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -64,6 +65,11 @@ def _rank(rank: int, world: int, port: int, rows: int, errors) -> None:
                 fused_add_rmsnorm(want, want_res, weight, EPS)
                 assert torch.equal(res[k], want_res), f"replay {replay} call {k}: residual"
                 assert torch.equal(outs[k], want), f"replay {replay} call {k}: output"
+        from kernels.all_reduce_rmsnorm import MAX_PROGRAMS
+
+        epochs = fast.flags[MAX_PROGRAMS * world:].cpu()
+        progs = min(rows, MAX_PROGRAMS)
+        assert epochs[:progs].tolist() == [2 * (1 + 3 * CALLS)] * progs, epochs[:progs].tolist()  # warm-up + 3 x 32
     except BaseException as e:
         errors.put(f"rank {rank}: {type(e).__name__}: {e}")
         raise

@@ -1,10 +1,11 @@
 """The fused one-shot all-reduce + residual add + RMSNorm (kernels/all_reduce_rmsnorm.py) in the Triton
 interpreter: the ranks of a group run one after another in this process over ordinary CPU tensors standing
 in for the symmetric buffers, each rank's peers that have not run yet "already arrived" (their rows copied
-into their buffers, their signals set in its pad). Checks every rank's output and residual against the
-reference (fp32 and fp16: the interpreter's bf16 rounding differs from torch's at ties; bf16 runs on 2 GPUs,
-tests/gpu/test_all_reduce_rmsnorm_gpu.py) and the signal pads' protocol: each barrier consumes the signals it
-waited for. The real cross-GPU ordering is only exercised on GPUs."""
+into their buffers, their epochs written in its flag area). Checks every rank's output and residual against
+the reference (fp32 and fp16: the interpreter's bf16 rounding differs from torch's at ties; bf16 runs on 2
+GPUs, tests/gpu/test_all_reduce_rmsnorm_gpu.py) and the flags' protocol over two calls (a graph replayed):
+each program's counter advances by two a call, and every peer's arrival slot holds its last epoch. The real
+cross-GPU ordering is only exercised on GPUs."""
 
 from __future__ import annotations
 
@@ -14,51 +15,78 @@ import torch
 from kernels.all_reduce_rmsnorm import (
     all_reduce_add_rmsnorm,
     all_reduce_add_rmsnorm_ref,
+    flag_slots,
     num_programs,
-    signal_slots_needed,
 )
 
 HIDDEN, EPS = 48, 1e-5
 
 
-def _simulate(world: int, rows: int, dtype: torch.dtype, with_residual: bool, seed: int = 0):
+def _simulate(world: int, rows: int, dtype: torch.dtype, with_residual: bool, seed: int = 0, calls: int = 1):
     gen = torch.Generator().manual_seed(seed)
     partials = [torch.randn(rows, HIDDEN, generator=gen).to(dtype) for _ in range(world)]
     residual = torch.randn(rows, HIDDEN, generator=gen).to(dtype) if with_residual else None
     weight = (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).to(dtype)
     bufs = [torch.zeros(rows * HIDDEN + 16, dtype=dtype) for _ in range(world)]
-    slots = signal_slots_needed(rows, world)
-    pads = [torch.zeros(slots, dtype=torch.int32) for _ in range(world)]
+    flags = [torch.zeros(flag_slots(world), dtype=torch.int64) for _ in range(world)]
     buf_ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
-    pad_ptrs = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64)
+    flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
     progs = num_programs(rows)
-    outs, residuals = [], []
-    for rank in range(world):
-        for later in range(rank + 1, world):  # peers yet to run: arrived, rows in place
-            bufs[later][: rows * HIDDEN].copy_(partials[later].reshape(-1))
-            pads[rank].view(2 * progs, world)[:, later] = 1
-        res = residual.clone() if residual is not None else None
-        outs.append(all_reduce_add_rmsnorm(partials[rank].clone(), res, weight, EPS, buf_ptrs, pad_ptrs, rank, world))
-        residuals.append(res)
-    return partials, residual, weight, outs, residuals, pads, progs
+    for call in range(calls):
+        outs, residuals = [], []
+        for rank in range(world):
+            for later in range(rank + 1, world):  # peers yet to run: arrived at both barriers, rows in place
+                bufs[later][: rows * HIDDEN].copy_(partials[later].reshape(-1))
+                _arrivals(flags[rank], world)[:progs, later] = 2 * (call + 1)
+            res = residual.clone() if residual is not None else None
+            outs.append(all_reduce_add_rmsnorm(partials[rank].clone(), res, weight, EPS, buf_ptrs, flag_ptrs,
+                                               rank, world))
+            residuals.append(res)
+    return partials, residual, weight, outs, residuals, flags, progs
+
+
+def _arrivals(flags: torch.Tensor, world: int) -> torch.Tensor:
+    from kernels import all_reduce_rmsnorm
+
+    return flags[: all_reduce_rmsnorm.MAX_PROGRAMS * world].view(-1, world)
+
+
+def _epochs(flags: torch.Tensor, world: int) -> torch.Tensor:
+    from kernels import all_reduce_rmsnorm
+
+    return flags[all_reduce_rmsnorm.MAX_PROGRAMS * world:]
 
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_every_rank_gets_the_reference(world: int, rows: int, dtype: torch.dtype) -> None:
-    partials, residual, weight, outs, residuals, pads, progs = _simulate(world, rows, dtype, True)
+    partials, residual, weight, outs, residuals, flags, progs = _simulate(world, rows, dtype, True)
     want_out, want_res = all_reduce_add_rmsnorm_ref(partials, residual, weight, EPS)
     for rank in range(world):
         assert torch.equal(residuals[rank], want_res), f"rank {rank} residual"
         torch.testing.assert_close(outs[rank], want_out, rtol=0, atol=2e-6 if dtype == torch.float32 else 1e-3)
         assert torch.equal(outs[rank], outs[0])  # the ranks agree bit for bit
-    # Every wait consumed its signal; what is left is each later rank's second (real) arrival at an earlier
-    # rank, which the simulation had already granted.
+    # Each program's epoch counter moved by two (its two barriers); every peer's arrival slot holds that
+    # epoch, its own slot nothing; programs that did not run left theirs at zero.
     for rank in range(world):
-        grid = pads[rank].view(2 * progs, world)
+        assert _epochs(flags[rank], world)[:progs].tolist() == [2] * progs
+        assert int(_epochs(flags[rank], world)[progs:].abs().sum()) == 0
+        grid = _arrivals(flags[rank], world)
         for peer in range(world):
-            assert int(grid[:, peer].sum()) == (2 * progs if peer > rank else 0), (rank, peer)
+            assert grid[:progs, peer].tolist() == [0 if peer == rank else 2] * progs, (rank, peer)
+        assert int(grid[progs:].abs().sum()) == 0
+
+
+def test_a_second_call_uses_the_next_epochs() -> None:
+    """A replayed graph: the same flag areas, the counters carry on (4 after two calls), outputs unchanged."""
+    partials, residual, weight, outs, residuals, flags, progs = _simulate(2, 3, torch.float32, True, calls=2)
+    want_out, want_res = all_reduce_add_rmsnorm_ref(partials, residual, weight, EPS)
+    for rank in range(2):
+        assert torch.equal(residuals[rank], want_res)
+        torch.testing.assert_close(outs[rank], want_out, rtol=0, atol=2e-6)
+        assert _epochs(flags[rank], 2)[:progs].tolist() == [4] * progs
+        assert _arrivals(flags[rank], 2)[:progs, 1 - rank].tolist() == [4] * progs
 
 
 def test_without_residual_is_the_plain_norm_of_the_sum() -> None:

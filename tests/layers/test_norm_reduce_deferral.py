@@ -1,9 +1,9 @@
-"""A row-parallel linear that leaves its partial sum to the RMSNorm after it (SHOAL_FUSED_AR_NORM=1 on a TP
-group with the symmetric-memory all-reduce): the linear and the norm ask the group the same question of the
-same tensor, so either the linear all-reduces and the norm only normalises, or the linear skips it and the
-norm's one launch reduces, adds and normalises; never both, never neither. A stand-in two-rank group whose
-peer holds the same partial (the sum is twice it) runs it on CPU; the real kernel is tested in
-tests/kernels/test_all_reduce_rmsnorm.py and on 2 GPUs."""
+"""A row-parallel linear that leaves its partial sum to the RMSNorm after it (the default on a TP group with
+the symmetric-memory all-reduce; SHOAL_FUSED_AR_NORM=0 turns it off): the linear and the norm ask the group
+the same question of the same tensor, so either the linear all-reduces and the norm only normalises, or the
+linear skips it and the norm's one launch reduces, adds and normalises; never both, never neither. A
+stand-in two-rank group whose peer holds the same partial (the sum is twice it) runs it on CPU; the real
+kernel is tested in tests/kernels/test_all_reduce_rmsnorm.py and on 2 GPUs."""
 
 from __future__ import annotations
 
