@@ -128,6 +128,14 @@ def _fp8_act_quant_kernel(X, Q, S, M, K, stride_xm, stride_qm, GATED: tl.constex
                 _quantize(blk - first, scale2, q2_row + k + offs, mask_k)
 
 
+def fp_fusion(two_term: bool) -> bool:
+    """Whether Triton may fuse a multiply and an add into one FMA. Not with two terms: the residual
+    x - q * s must round the product and the difference apart, as torch's two ops do (fused, the second
+    term's codes differed from the reference on an H100). One term's only candidate, the rounding's
+    mag * 2^k + c, has an exact product, so fused or not it gives the same bits."""
+    return not two_term
+
+
 def act_quant_config(k: int) -> tuple[int, bool, int]:
     """(BLOCK_K, single pass, num_warps) for a row of k values: ~16-32 values a thread, 4 to 16 warps."""
     block = max(16, triton.next_power_of_2(k))
@@ -161,5 +169,6 @@ def quantize_per_token_fp8(x: torch.Tensor, gated: bool = False,
         x = x.contiguous()
     block, single, warps = act_quant_config(k)
     _fp8_act_quant_kernel[(m,)](x, xq, xs, m, k, x.stride(0), xq.stride(0), GATED=gated, SINGLE_PASS=single,
-                                TWO_TERM=two_term, BLOCK_K=block, num_warps=warps)
+                                TWO_TERM=two_term, BLOCK_K=block, num_warps=warps,
+                                enable_fp_fusion=fp_fusion(two_term))
     return xq, xs

@@ -184,7 +184,7 @@ try:
 except ImportError as e:
     print(json.dumps({"skip": f"triton's compile API is unavailable: {e}"}))
     sys.exit(0)
-from kernels.fp8_act_quant import _fp8_act_quant_kernel, act_quant_config
+from kernels.fp8_act_quant import _fp8_act_quant_kernel, act_quant_config, fp_fusion
 out = []
 cases = [(xdt, gated, k, False) for xdt in ("bf16", "fp16", "fp32") for gated in (False, True)
          for k in (4096, 14336, 28672)]
@@ -196,12 +196,14 @@ for xdt, gated, k, two in cases:
                    "BLOCK_K": "constexpr"}
             consts = {"GATED": gated, "SINGLE_PASS": single, "TWO_TERM": two, "BLOCK_K": block}
             c = triton.compile(ASTSource(fn=_fp8_act_quant_kernel, signature=sig, constexprs=consts),
-                               target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+                               target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": warps, "enable_fp_fusion": fp_fusion(two)})
             ptx = c.asm["ptx"]
             out.append({"case": [xdt, gated, k, two], "cubin": len(c.asm["cubin"]), "div_rn": "div.rn.f32" in ptx,
                         "e4m3_cvt": "e4m3x2" in ptx, "approx_div": "div.full" in ptx or "div.approx" in ptx,
                         "nan_max": "max.NaN.f32" in ptx, "inv_448": "0f3B124925" in ptx,
-                        "rne_add_sub": "0f4B400000" in ptx and "0fCB400000" in ptx})
+                        "rne_add_sub": "0f4B400000" in ptx and "0fCB400000" in ptx,
+                        "fma": "fma.rn.f32" in ptx})
 print(json.dumps({"results": out}))
 """
 
@@ -209,7 +211,7 @@ print(json.dumps({"results": out}))
 def test_compiles_for_sm90() -> None:
     """The real compiler, not the interpreter (a fresh process without TRITON_INTERPRET): every variant
     builds an sm90 cubin, with IEEE division (div.rn) for x / scale, NaN-propagating max, the scale as a
-    multiply by fl32(1/448) (0x3B124925) and the hardware e4m3 cast."""
+    multiply by fl32(1/448) (0x3B124925) and the hardware e4m3 cast; two-term variants have no FMA."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).parents[2]
     proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=root, env=env, capture_output=True,
@@ -224,5 +226,7 @@ def test_compiles_for_sm90() -> None:
         # and the +- 1.5 * 2^23 rounding kept (not folded away as (a + c) - c == a)
         assert r["cubin"] > 0 and r["div_rn"] and r["e4m3_cvt"] and r["nan_max"] and r["inv_448"], r
         assert r["rne_add_sub"], r
+        if r["case"][3]:  # two terms: x - q * s rounded twice like torch's ops, never one FMA
+            assert not r["fma"], r
         if not r["case"][1]:  # gated: sigmoid's 1 / (1 + e) is approximate, as in kernels/activation.py
             assert not r["approx_div"], r
