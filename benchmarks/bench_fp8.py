@@ -26,6 +26,7 @@ from benchmarks.common import print_table, write_result
 MODES = {
     "bf16": {},
     "fp8_weights": {"quantization": "fp8"},
+    "fp8_weights_lm_head": {"quantization": "fp8", "fp8_lm_head": True},  # --fp8-lm-head
     "fp8_kv": {"kv_cache_dtype": "fp8_e4m3"},
     "fp8_weights_kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
     # FP8 KV without its default rotation (--kv-cache-rotation, runtime/mem_cache/kv_rotation.py): its cost
@@ -63,7 +64,7 @@ def _offline_argv(args: argparse.Namespace, kind: str, mode: str, out: Path) -> 
                  "--output-len", str(args.output_len or 1000), "--max-running-requests",
                  str(args.max_running_requests), "--cuda-graph-max-bs", str(args.cuda_graph_max_bs)]
     for k, v in MODES[mode].items():
-        argv += ["--" + k.replace("_", "-"), str(v)]
+        argv += ["--" + k.replace("_", "-")] + ([] if v is True else [str(v)])  # a switch takes no value
     if args.attention_backend != "auto":
         argv += ["--attention-backend", args.attention_backend]
     return argv

@@ -13,6 +13,10 @@
 #                                               # GEMV tile sweep at 32/64 rows against w8a8
 #   bash benchmarks/gpu_suite.sh part11 OUTDIR  # issue 16 items 2 and 3 again: static vs continuous, 1000 x 1000 FP8 KV
 #   bash benchmarks/gpu_suite.sh part12 OUTDIR  # --fp8-act-terms 2: its GPU tests and the decode step at bs 32/128
+#   bash benchmarks/gpu_suite.sh part13 OUTDIR  # --fp8-lm-head (issue 16 item 1): GPU tests (and the two-term
+#                                               # act quant's again), bench_fp8 decode and profile_decode at bs 1
+#   bash benchmarks/gpu_suite.sh part14 OUTDIR  # the two-term quantize's mismatch, the FP8 GEMV's bound at bs 2/4,
+#                                               # decode attention's max splits at bs 1/4 (input 512)
 set -u
 part=$1 out=$2
 mkdir -p "$out"
@@ -114,4 +118,23 @@ if [ "$part" = part11 ]; then
     --output-file "$out/static_vs_continuous_llama8b_triton_decode.json"
   run timeout 220 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests 1024 \
     --kv-cache-dtype fp8_e4m3 --cuda-graph-max-bs 512 --output-file "$out/fp8_kv_1000x1000_graph512_gcfreeze.json"
+fi
+if [ "$part" = part13 ]; then  # the FP8 LM head at batch 1, and the two-term quantize's bits after the FMA fix
+  TAIL=6 run timeout 150 python -m pytest -q -x -p no:cacheprovider tests/gpu/test_fp8_act_quant_gpu.py \
+    "tests/gpu/test_gpu_fp8.py::test_fp8_lm_head_on_gpu"
+  run timeout 200 python benchmarks/bench_fp8.py --part decode --modes bf16,fp8_weights,fp8_weights_lm_head \
+    --output-file "$out/fp8_decode_lm_head.json"
+  TAIL=40 run timeout 150 python -m benchmarks.profile_decode --modes fp8_weights,fp8_weights_lm_head --fusion on \
+    --batch 1 --output-file "$out/profile_decode_fp8w_lm_head_bs1.json"
+fi
+if [ "$part" = part14 ]; then
+  TAIL=20 run timeout 60 python .device/diag_two_term.py
+  for mm in 1 16; do  # w8a8 from M 2 vs the GEMV to 16 (the default), at bs 2 and 4
+    TAIL=14 run timeout 100 env SHOAL_FP8_GEMV_MAX_M=$mm python -m benchmarks.profile_decode --modes fp8_weights \
+      --fusion on --batch 2 4 --output-file "$out/profile_decode_fp8w_bs2_4_gemv_max$mm.json"
+  done
+  for sp in 2 4 8 16; do
+    TAIL=14 run timeout 100 env SHOAL_DECODE_MAX_SPLITS=$sp python -m benchmarks.profile_decode --modes fp8_weights \
+      --fusion on --batch 1 4 --input-len 512 --output-file "$out/profile_decode_fp8w_splits$sp.json"
+  done
 fi

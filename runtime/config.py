@@ -42,6 +42,9 @@ class ServerArgs:
     fp8_act_terms: int = _opt(1, "FP8 weights on the w8a8 path: activations as one e4m3 term per token (1) or two "
                                  "(2: the first rounding's residual rounded again, the GEMM over twice the rows with "
                                  "the weight read once; w8a16's accuracy)", (1, 2))
+    fp8_lm_head: bool = _opt(False, "FP8 weights: also quantize the LM head per vocabulary row (its read at "
+                                    "decode halves: ~0.2 ms of an 8B batch-1 step; costs top-1 agreement, see "
+                                    "benchmarks/README.md); the embedding keeps its 16-bit weights")
     # Memory and batching
     kv_cache_dtype: str = _opt("auto", "KV cache storage: auto = the model dtype; fp8_e4m3 halves the bytes per token",
                                ("auto", "fp8_e4m3"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,6 +11,19 @@ from torch import nn
 from runtime.distributed import ParallelGroup
 from runtime.errors import WeightLoadError
 from runtime.layers.dense_gemm import DenseGemm
+from runtime.layers.fp8_linear import fp8_linear, fused_act_quant_enabled, scaled_mm_supported
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Head:
+    """An LM head's fp8 weight [vocab slice, hidden], its fp32 per-row scales [vocab slice, 1], and how the
+    FP8 linears' path runs it (decided once, at load, like theirs)."""
+    weight: torch.Tensor
+    scale: torch.Tensor
+    use_scaled_mm: bool
+    weight_only: bool
+    act_terms: int
+    fused_act_quant: bool
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -43,9 +58,21 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden: int, group: ParallelGroup, dtype: torch.dtype | None = None):
         super().__init__(vocab_size, hidden, group, dtype)
         self.gemm = DenseGemm.from_env()
+        self.fp8: Fp8Head | None = None
+
+    def use_fp8(self, w8: torch.Tensor, scale: torch.Tensor, act_dtype: torch.dtype, weight_only: bool = False,
+                act_terms: int = 1) -> None:
+        """--fp8-lm-head: logits from this fp8 copy of the weight (per-row scales) through the FP8 linears'
+        path. The 16-bit weight stays: a tied embedding still looks rows up in it."""
+        self.fp8 = Fp8Head(w8, scale, scaled_mm_supported(w8.device, act_dtype), weight_only, act_terms,
+                           fused_act_quant_enabled(w8.device))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.device.type == "cpu" and hidden.dim() == 2 and 1 < hidden.shape[0] <= 64 \
+        if self.fp8 is not None:
+            f = self.fp8
+            logits = fp8_linear(hidden, f.weight, f.scale, None, f.use_scaled_mm, f.fused_act_quant, f.weight_only,
+                                f.act_terms)
+        elif hidden.device.type == "cpu" and hidden.dim() == 2 and 1 < hidden.shape[0] <= 64 \
                 and self.weight.dtype == torch.float32:
             # MKL's sgemm for a few rows against the ~50k-row weight is 2-4x slower than the weight-major
             # product (measured, SmolLM2's LM head, 5 rows: 38 → 17 ms); a speculative verify step has 5.

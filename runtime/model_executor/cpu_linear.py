@@ -94,6 +94,8 @@ def pack_linear_weights(model: nn.Module) -> int:
         elif isinstance(module, RowParallelLinear):
             forward = _row_forward
         elif isinstance(module, ParallelLMHead):
+            if module.fp8 is not None:  # --fp8-lm-head: its logits come from the fp8 rows
+                continue
             module.packed_weight = _pack(weight)
             module.compute_logits = MethodType(_lm_head_logits, module)
             count += 1

@@ -12,7 +12,8 @@ channel `weight_scale`, and runs runtime/layers/fp8_linear's forward):
   rows (so fused q/k/v or gate/up keep each part's own scale);
 - fbgemm_fp8 (Meta's FP8 Llama layout): fp8 weights with per-channel weight_scale [out, 1].
 Activations are always quantized dynamically per token; static input_scale tensors of a checkpoint are
-not used. Anything else in quantization_config raises UnsupportedQuantizationError naming the layout."""
+not used. The LM head stays 16-bit unless --fp8-lm-head asks for it too (then quantized at load from its
+16-bit weight, mse scales: the calibration covers the linear layers only). Anything else in quantization_config raises UnsupportedQuantizationError naming the layout."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.errors import UnsupportedQuantizationError, WeightLoadError
+from runtime.errors import ServerArgsError, UnsupportedQuantizationError, WeightLoadError
+from runtime.layers.embedding import ParallelLMHead
 from runtime.layers.fp8_linear import FP8, fp8_linear_modules, use_fp8_forward
 from runtime.layers.fp8_weight_scales import quantize_weight
 from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -44,18 +46,20 @@ class Fp8Weights:
     scales: str = "act_weighted"  # quantize-at-load's weight scales (--fp8-weight-scales)
     weight_only: bool = False  # --fp8-weight-only: activations never quantized
     act_terms: int = 1  # --fp8-act-terms: e4m3 terms per activation on the w8a8 path
+    lm_head: bool = False  # --fp8-lm-head: the LM head in FP8 too
 
     @classmethod
     def resolve(cls, quantization: str | None, model_path: str | None, scales: str = "act_weighted",
-                weight_only: bool = False, act_terms: int = 1) -> Fp8Weights | None:
+                weight_only: bool = False, act_terms: int = 1, lm_head: bool = False) -> Fp8Weights | None:
         """What the checkpoint's config.json says, else what --quantization asks; None: plain weights."""
         qcfg = _read_quant_config(model_path)
+        opts = {"scales": scales, "weight_only": weight_only, "act_terms": act_terms, "lm_head": lm_head}
         if qcfg is not None:
-            return cls(checkpoint_fp8=True, layout=_check_layout(qcfg), scales=scales, weight_only=weight_only,
-                       act_terms=act_terms)
+            return cls(checkpoint_fp8=True, layout=_check_layout(qcfg), **opts)
         if quantization == "fp8":
-            return cls(checkpoint_fp8=False, layout="quantize-at-load", scales=scales, weight_only=weight_only,
-                       act_terms=act_terms)
+            return cls(checkpoint_fp8=False, layout="quantize-at-load", **opts)
+        if lm_head:
+            raise ServerArgsError("--fp8-lm-head", "needs FP8 weights: --quantization fp8 or an FP8 checkpoint")
         return None
 
     def prepare(self, model: nn.Module) -> None:
@@ -88,10 +92,15 @@ class Fp8Weights:
                 m.weight = nn.Parameter(w8, requires_grad=False)
                 m.weight_scale = nn.Parameter(scale, requires_grad=False)
             use_fp8_forward(m, act_dtype, self.weight_only, self.act_terms)
+        heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)] if self.lm_head else []
+        for head in heads:
+            head.use_fp8(*quantize_weight(head.weight.data, "mse", None), act_dtype, self.weight_only,
+                         self.act_terms)
         if modules and modules[0][1].weight.device.type == "cuda":
             torch.cuda.empty_cache()  # the bf16 copies' memory goes back before the KV pool is sized
-        logger.info("FP8 weights (%s%s): %d linear layers", self.layout,
-                    "" if self.checkpoint_fp8 else f", {method} scales", len(modules))
+        logger.info("FP8 weights (%s%s): %d linear layers%s", self.layout,
+                    "" if self.checkpoint_fp8 else f", {method} scales", len(modules),
+                    " and the LM head" if heads else "")
 
 
 def _read_quant_config(model_path: str | None) -> dict[str, Any] | None:

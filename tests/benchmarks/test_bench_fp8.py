@@ -21,9 +21,11 @@ def test_accuracy_bench_smoke(tiny_llama, tmp_path) -> None:
     assert set(modes) == {"fp8_kv", "fp8_kv_rotation_none", "fp8_kv_rotation_hadamard", "fp8_kv_static_scale_1", "fp8_weights", "fp8_kv_and_weights", "float32_no_fp8",
                           "fp8_weights@compressed-tensors-per-tensor", "fp8_weights_w8a16",
                           "fp8_weights_w8a8_mse_scales", "fp8_weights_w8a16_mse_scales",
-                          "fp8_weights_w8a8_amax_scales", "fp8_weights_w8a16_amax_scales", "fp8_weights_act2"}
+                          "fp8_weights_w8a8_amax_scales", "fp8_weights_w8a16_amax_scales", "fp8_weights_act2", "fp8_weights_lm_head",
+                          "fp8_weights_w8a16_lm_head"}
     assert modes["fp8_weights_w8a16"]["server_args"]["fp8_weight_only"] is True
     assert modes["fp8_weights_act2"]["server_args"]["fp8_act_terms"] == 2
+    assert modes["fp8_weights_w8a16_lm_head"]["server_args"]["fp8_lm_head"] is True
     assert all(m["target"] == 0.95 for k, m in modes.items() if k.startswith("fp8_weights"))
     assert modes["fp8_kv"]["kv_scales"]["source"] == "calibrate" and len(modes["fp8_kv"]["kv_scales"]["k"]) == 2
     assert modes["fp8_kv_static_scale_1"]["kv_scales"] == {"source": "static", "k": [1.0, 1.0], "v": [1.0, 1.0],
@@ -117,3 +119,19 @@ def test_emulation_smoothing_is_exact_before_rounding() -> None:
     torch.testing.assert_close(s, (x.abs().amax(0).sqrt() / w.abs().amax(0).sqrt()), rtol=1e-6, atol=0)
     torch.testing.assert_close(EmulatedLinear(w, "bf16", "bf16", smooth=s)(x), x @ w.t(), rtol=1e-5, atol=1e-5)
     assert not torch.equal(EmulatedLinear(w, "token", "bf16", smooth=s)(x), x @ w.t())  # rounded when asked
+
+
+def test_gpu_bench_passes_switches_without_a_value() -> None:
+    """bench_fp8's modes become bench_offline flags: a boolean ServerArgs switch (--fp8-lm-head) goes alone."""
+    import argparse
+    from pathlib import Path
+
+    from benchmarks.bench_fp8 import _offline_argv
+    from benchmarks.bench_offline import parse_args as offline_args
+
+    ns = argparse.Namespace(model_config="Llama-3.1-8B-Instruct", input_len=None, output_len=None,
+                            attention_backend="auto")
+    argv = _offline_argv(ns, "batch1", "fp8_weights_lm_head", Path("/tmp/x.json"))
+    assert argv[argv.index("--quantization") + 1] == "fp8" and argv[-1] == "--fp8-lm-head"
+    parsed = offline_args(argv[3:])
+    assert parsed.fp8_lm_head is True and parsed.quantization == "fp8"

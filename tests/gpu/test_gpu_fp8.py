@@ -156,3 +156,24 @@ def test_engine_fp8_kv_and_weights_greedy(gpu_llama: Path, backend: str) -> None
         agree = sum(a[0] == b[0] for a, b in zip(runs["bf16"], runs[mode], strict=True))
         # 11 of 16 on an H100 for FP8 weights with act_weighted scales (12+ with amax): near-ties decide it.
         assert agree >= 9, (mode, agree)
+
+
+def test_fp8_lm_head_on_gpu(gpu_llama: Path) -> None:
+    """--fp8-lm-head with CUDA graphs: batch-1 and batch-20 logits are the FP8 linears' path over the head's
+    fp8 rows (the GEMV at M <= 2, w8a8 above), greedy requests complete and the pool is whole again."""
+    from runtime import Engine
+    from runtime.layers.fp8_linear import fp8_linear
+
+    with Engine(model_path=str(gpu_llama), dtype="bfloat16", quantization="fp8", fp8_lm_head=True,
+                max_total_tokens=8192, cuda_graph_max_bs=32, context_length=512) as engine:
+        head = engine.worker.runner.model.lm_head
+        assert head.fp8 is not None and head.fp8.weight.dtype == torch.float8_e4m3fn
+        for rows in (1, 20):
+            hidden = torch.randn(rows, head.weight.shape[1], device="cuda", dtype=torch.bfloat16)
+            want = fp8_linear(hidden, head.fp8.weight, head.fp8.scale, None, head.fp8.use_scaled_mm,
+                              head.fp8.fused_act_quant)[:, : head.vocab_size]
+            assert torch.equal(head.compute_logits(hidden), want)
+        outs = engine.generate(input_ids=[[5, 6, 7, 8] * 8, [9, 10] * 20],
+                               sampling_params={"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True})
+        assert all(len(o["output_ids"]) == 16 for o in outs)
+        assert engine.get_stats().num_used_tokens == 0

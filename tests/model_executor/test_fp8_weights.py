@@ -96,6 +96,31 @@ def test_quantize_at_load_close_to_full_precision(tiny_llama) -> None:
     assert float((got - ref).abs().max()) < 0.1 * float(ref.abs().max())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_lm_head_logits_are_the_fp8_gemm_of_its_quantized_rows(tiny_llama, dtype: torch.dtype) -> None:
+    """--fp8-lm-head: the head's logits are exactly fp8_linear over its per-row quantized weight (the 16-bit
+    weight kept for the embedding; in bf16 the CPU's packed-weight logits must not take over), close to the
+    unquantized head's."""
+    name = str(dtype).removeprefix("torch.")
+    ref, _ = _logits(tiny_llama, quantization="fp8", dtype=name)
+    got, d = _logits(tiny_llama, quantization="fp8", fp8_lm_head=True, dtype=name)
+    head = d.runner.model.lm_head
+    assert head.fp8 is not None and head.fp8.weight.dtype == FP8 and head.weight.dtype == dtype
+    assert head.fp8.scale.shape == (head.weight.shape[0], 1)
+    hidden = torch.randn(3, head.weight.shape[1], generator=torch.Generator().manual_seed(1)).to(dtype)
+    want = fp8_linear(hidden, head.fp8.weight, head.fp8.scale)[:, : head.vocab_size]
+    assert torch.equal(head.compute_logits(hidden), want)
+    assert not torch.equal(got, ref)  # the head did change
+    assert float((got - ref).abs().max()) < 0.05 * float(ref.abs().max())
+
+
+def test_fp8_lm_head_without_fp8_weights_is_refused(tiny_llama) -> None:
+    from runtime.errors import ServerArgsError
+
+    with pytest.raises(ServerArgsError, match="--fp8-lm-head: needs FP8 weights"):
+        RunnerDriver(tiny_llama, fp8_lm_head=True)
+
+
 @pytest.mark.parametrize("layout", ["compressed-tensors", "fbgemm_fp8"])
 def test_fp8_checkpoint_loads_the_quantize_at_load_model(tiny_llama, tmp_path, layout: str) -> None:
     ckpt = write_fp8_checkpoint(tiny_llama, tmp_path / layout, layout)
