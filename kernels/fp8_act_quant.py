@@ -130,9 +130,9 @@ def _fp8_act_quant_kernel(X, Q, S, M, K, stride_xm, stride_qm, GATED: tl.constex
 
 def fp_fusion(two_term: bool) -> bool:
     """Whether Triton may fuse a multiply and an add into one FMA. Not with two terms: the residual
-    x - q * s must round the product and the difference apart, as torch's two ops do (fused, the second
-    term's codes differed from the reference on an H100). One term's only candidate, the rounding's
-    mag * 2^k + c, has an exact product, so fused or not it gives the same bits."""
+    x - q * s must round the product and the difference apart, as torch's two ops do (an FMA rounds once,
+    so a residual could differ in its last bit). One term's only candidate, the rounding's mag * 2^k + c,
+    has an exact product, so fused or not it gives the same bits."""
     return not two_term
 
 

@@ -49,8 +49,12 @@ from kernels.pdl import launch_options, pdl_enabled
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 # The default M bound of the dispatch; SHOAL_FP8_GEMV_MAX_M overrides it (0 turns it off). Any M is computed
-# right (rows in tiles: _launch); the speed was measured up to 16.
-SMALL_M_MAX = 16
+# right (rows in tiles: _launch). FP8 8B decode step on one H100 (profile_decode, fusions on), GEMV vs w8a8
+# with the one-launch activation quantize: bs 2 5.09 vs 5.48 ms, bs 4 7.39 vs 5.23, bs 8 6.22 vs 5.59,
+# bs 16 6.33 vs 5.59 (benchmarks/results/profile_decode_fp8w_bs*_gemv_max*.json).
+SMALL_M_MAX = 2
+# --fp8-weight-only's bound: there the alternative is the dequantize-then-matmul reference, not w8a8's GEMM.
+WEIGHT_ONLY_M_MAX = 16
 DENSE_M_MAX = 1  # the same for 16-bit weights (SHOAL_DENSE_GEMV_MAX_M): measured ahead of cuBLAS at M = 1
 # gated=True only while M is this small: every N block recomputes silu(gate) * up over all of K from twice
 # the columns, so the redundant work grows with M x N blocks. FP8 8B at M = 32 with every linear on the
@@ -210,7 +214,8 @@ def _sm_count(device: torch.device) -> int:
 def pick_config(m: int, n: int, k: int, sm_count: int = _SM_COUNT_DEFAULT, weight_bytes: int = 1) -> GemvConfig:
     """The config for one shape. HBM latency needs ~16-32 KB of loads in flight per SM, so the weight tile
     stays ~4-8 KB and N is cut into >= 3 blocks per SM (narrower blocks before split-K, whose second
-    kernel costs a launch); multiply + sum for M <= 4, tl.dot (M padded to 16, pipelined) above.
+    kernel costs a launch); multiply + sum for M <= 4, tl.dot (M padded to 16, pipelined) above (served
+    only where SHOAL_FP8_GEMV_MAX_M asks: the default bound is 2).
     16-bit weights (weight_bytes 2) keep the 8-row, 8192-element tile (16 KB): within 2% of the best of an
     H100 sweep (block_n 4-32, block_k 256-1024, split-K, warps, stages; an uncommitted experiment) on every
     Llama-8B shape, TP=2 halves included."""

@@ -23,7 +23,7 @@ from kernels.verify_attention import MAX_ROWS as VERIFY_MAX_TOKENS
 from kernels.verify_attention import verify_attention_fwd, verify_attention_workspace
 from runtime.attention.base import AttentionBackend
 from runtime.attention.spec import AttentionSpec
-from runtime.attention.triton_decode import DEFAULT_NUM_KV_SPLITS, DecodeKernelConfig, TritonDecode
+from runtime.attention.triton_decode import DecodeKernelConfig, TritonDecode
 from runtime.mem_cache.kv_quant import dequantize_kv, gather_rows
 
 if TYPE_CHECKING:
@@ -38,13 +38,13 @@ class TritonAttnBackend(AttentionBackend):
     # lengths and offsets on device): it captures as is.
     supports_verify_cuda_graph = True
 
-    def __init__(self, spec: AttentionSpec, num_kv_splits: int = DEFAULT_NUM_KV_SPLITS):
+    def __init__(self, spec: AttentionSpec, num_kv_splits: int | None = None):
         self.device: torch.device = spec.device
         self.req_to_token: torch.Tensor = spec.req_to_token
         self.num_heads, self.head_dim = spec.num_heads, spec.head_dim
-        self.num_kv_splits = num_kv_splits
         kv_fp8 = spec.kv_dtype is not None and spec.kv_dtype.itemsize == 1
         self.decode = TritonDecode(spec, DecodeKernelConfig.for_kv(kv_fp8, num_kv_splits))
+        self.num_kv_splits = self.decode.config.max_splits
         # DECODE in one launch per layer (stage 2 merged in by the last split).
         self.fuse_merge = decode_fusion_enabled()
         # The captured verify graphs' scratch, sized once at capture (largest first); never replaced after.

@@ -17,6 +17,7 @@ allocated once where CUDA graphs are captured, so every graph sees the same memo
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from runtime.model_executor.forward_batch import ForwardBatch
 
 # The most splits of a sequence: enough programs to fill the GPU at batch 1 with a few KV heads (splits_for
-# takes fewer as the batch alone fills it).
+# takes fewer as the batch alone fills it). SHOAL_DECODE_MAX_SPLITS overrides it, to measure others.
 DEFAULT_NUM_KV_SPLITS = 8
 _SM_COUNT_DEFAULT = 132  # H100 SXM; where the device cannot be asked (CPU, interpreter)
 
@@ -46,7 +47,9 @@ class DecodeKernelConfig:
     adaptive_splits: bool  # fewer splits as the batch alone fills the GPU
 
     @classmethod
-    def for_kv(cls, kv_fp8: bool, num_kv_splits: int = DEFAULT_NUM_KV_SPLITS) -> DecodeKernelConfig:
+    def for_kv(cls, kv_fp8: bool, num_kv_splits: int | None = None) -> DecodeKernelConfig:
+        if num_kv_splits is None:
+            num_kv_splits = int(os.environ.get("SHOAL_DECODE_MAX_SPLITS", DEFAULT_NUM_KV_SPLITS))
         return cls(max_splits=num_kv_splits, block_n=128, num_warps=4, num_stages=3, f16_math=kv_fp8,
                    adaptive_splits=True)
 

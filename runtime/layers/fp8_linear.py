@@ -13,7 +13,7 @@ decode fusions; SHOAL_FP8_ACT_QUANT=0 or SHOAL_DECODE_FUSION=0 restores the torc
 serves, and above it (and on CPU) its torch reference (weight dequantized to fp32, x in its own dtype, fp32
 accumulate, one rounding): the w8a16 arithmetic, more accurate (benchmarks/README.md, FP8) and, without a
 w8a16 GEMM kernel for large M, slower there. On CPU it is how bench_fp8_accuracy measures what the GEMV
-serves at M <= 16 on a GPU; without it CPU runs the w8a8 path served above M 16.
+serves at M <= 2 on a GPU; without it CPU runs the w8a8 path served above M 2.
 
 --fp8-act-terms 2 keeps the w8a8 GEMM but gives it each activation row twice: its e4m3 rounding, then the
 rounding of what that missed (quantize_per_token_two_term), as 2M rows of one GEMM whose halves are added:
@@ -38,6 +38,7 @@ from torch import nn
 from kernels.decode_fusion import decode_fusion_enabled
 from kernels.fp8_act_quant import quantize_per_token_fp8
 from kernels.fp8_gemv import (  # fp8gemv hook (issue 16)
+    WEIGHT_ONLY_M_MAX,
     fp8_linear_small_m,
     fp8_linear_small_m_ref,
     gated_serves,
@@ -102,7 +103,8 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: t
     act_terms 2: x in two e4m3 terms (quantize_per_token_two_term), one GEMM over twice the rows."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if use_small_m(x2, w8):  # fp8gemv hook (issue 16): decode-sized M on CUDA -> the w8a16 Triton GEMV
+    # fp8gemv hook (issue 16): decode-sized M on CUDA -> the w8a16 Triton GEMV
+    if use_small_m(x2, w8, WEIGHT_ONLY_M_MAX if weight_only else None):
         return fp8_linear_small_m(x2, w8, w_scale, bias).view(*shape[:-1], w8.shape[0])
     if weight_only:  # the GEMV's arithmetic where the GEMV does not serve
         return fp8_linear_small_m_ref(x2, w8, w_scale, bias).view(*shape[:-1], w8.shape[0])
@@ -163,7 +165,7 @@ def _row_forward_silu_mul(self: RowParallelLinear, gate_up: torch.Tensor,
     applies it as it reads the row (the same bits either way, one launch less per layer). Between the two
     (GEMV at M > GATED_M_MAX) the SiLU-and-mul runs once, then the GEMV."""
     x2 = gate_up.reshape(-1, gate_up.shape[-1])
-    small = use_small_m(x2, self.weight)
+    small = use_small_m(x2, self.weight, WEIGHT_ONLY_M_MAX if self.weight_only else None)
     if small and gated_serves(x2.shape[0]):
         y = fp8_linear_small_m(x2, self.weight, self.weight_scale, gated=True)
     elif self.fused_act_quant and not self.weight_only and not small and x2.shape[0] > 0:
@@ -177,9 +179,14 @@ def _row_forward_silu_mul(self: RowParallelLinear, gate_up: torch.Tensor,
     return self._reduce(y.view(*gate_up.shape[:-1], -1))
 
 
+def fused_act_quant_enabled(device: torch.device) -> bool:
+    """Whether the w8a8 path quantizes activations in one Triton launch here (read once, at load)."""
+    return decode_fusion_enabled() and act_quant_kernel_enabled() and triton_act_quant_supported(device)
+
+
 def fp8_linear_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The tensor-parallel linear layers FP8 applies to (attention and MLP projections; never the
-    embedding or the LM head)."""
+    embedding, and the LM head only with --fp8-lm-head, through ParallelLMHead.use_fp8)."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
 
 
@@ -193,8 +200,7 @@ def use_fp8_forward(module: nn.Module, act_dtype: torch.dtype, weight_only: bool
     module.weight_only = weight_only
     module.act_terms = act_terms
     # read once at load, like every decode-path fusion: a captured CUDA graph never mixes the two paths
-    module.fused_act_quant = (decode_fusion_enabled() and act_quant_kernel_enabled()
-                              and triton_act_quant_supported(module.weight.device))
+    module.fused_act_quant = fused_act_quant_enabled(module.weight.device)
     forward = _row_forward if isinstance(module, RowParallelLinear) else _column_forward
     module.forward = MethodType(forward, module)
     if isinstance(module, RowParallelLinear):  # LlamaMLP calls it for down_proj when decode fusion is on

@@ -61,7 +61,7 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         # The down projection folds the activation into its decode GEMV where one serves (bf16 at M = 1,
-        # FP8 up to M = 16) and into FP8's activation quantize above.
+        # FP8 up to M = 2) and into FP8's activation quantize above.
         if self.fuse_act:
             return self.down_proj.forward_silu_mul(gate_up, self.act_fn)
         return self.down_proj(self.act_fn(gate_up))

@@ -1,6 +1,6 @@
 """The w8a16 FP8 GEMV (kernels/fp8_gemv.py) on the GPU: bf16 activations on Llama-8B and ragged shapes,
 every M in 1..16, each inner formulation and split-K, bit-close to the fp32 torch reference (at most one
-bf16 rounding flip); replayed from a captured CUDA graph; fp8_linear's dispatch (M <= 16 → GEMV, else
+bf16 rounding flip); replayed from a captured CUDA graph; fp8_linear's dispatch (M <= 2 → GEMV, else
 torch._scaled_mm); and the w8a16 error against the unquantized weights no larger than the w8a8 path's."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fp8_gemv import GemvConfig, fp8_linear_small_m, fp8_linear_small_m_ref, pick_config
+from kernels.fp8_gemv import GemvConfig, fp8_linear_small_m, fp8_linear_small_m_ref, pick_config, small_m_max
 from runtime.layers.fp8_linear import (
     fp8_linear,
     quantize_per_channel,
@@ -98,8 +98,9 @@ def test_cuda_graph_replay(m: int, split: bool) -> None:
 
 
 def test_fp8_linear_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """M <= 16 takes the GEMV (w8a16); M = 17 and a disabled threshold take the existing per-token
-    quantize + torch._scaled_mm path; 3-D inputs keep their leading shape."""
+    """M up to the bound (small_m_max(), 2 by default) takes the GEMV (w8a16); one row more, 17 rows and a
+    disabled threshold take the per-token quantize + torch._scaled_mm path; 3-D inputs keep their leading
+    shape."""
     if not scaled_mm_supported(torch.device("cuda"), BF16):
         pytest.skip("torch._scaled_mm with row-wise scales needs sm89+")
     x, _, w8, scale, b = _operands(17, 4096, 4096, bias=True)
@@ -108,12 +109,14 @@ def test_fp8_linear_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
         xq, xs = quantize_per_token(xm)
         return torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=BF16) + b
 
-    for m in (1, 16):
+    limit = small_m_max()
+    for m in (1, limit):
         assert torch.equal(fp8_linear(x[:m], w8, scale, b), fp8_linear_small_m(x[:m], w8, scale, b))
+    assert torch.equal(fp8_linear(x[: limit + 1], w8, scale, b), w8a8(x[: limit + 1]))
     assert torch.equal(fp8_linear(x, w8, scale, b), w8a8(x))
     monkeypatch.setenv("SHOAL_FP8_GEMV_MAX_M", "0")
-    assert torch.equal(fp8_linear(x[:16], w8, scale, b), w8a8(x[:16]))
-    monkeypatch.delenv("SHOAL_FP8_GEMV_MAX_M")
+    assert torch.equal(fp8_linear(x[:limit], w8, scale, b), w8a8(x[:limit]))
+    monkeypatch.setenv("SHOAL_FP8_GEMV_MAX_M", "16")
     y3 = fp8_linear(x[:8].view(2, 4, 4096), w8, scale, b)
     assert y3.shape == (2, 4, 4096)
     assert torch.equal(y3.view(8, 4096), fp8_linear_small_m(x[:8], w8, scale, b))

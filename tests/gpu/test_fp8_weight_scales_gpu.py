@@ -1,7 +1,7 @@
 """FP8 weight scales and the weight-only mode on the GPU: the searched per-channel scales
 (runtime/layers/fp8_weight_scales.py) on Llama-8B's shapes never round a row worse than amax / 448 and pick
 what the CPU picks (up to fp32 summation order), and how long the search takes at load (printed);
---fp8-weight-only sends M <= 16 to the GEMV and larger M to its torch reference (w8a16 at every M);
+--fp8-weight-only sends M <= 16 to the GEMV (its own bound: w8a8's is 2) and larger M to its torch reference (w8a16 at every M);
 and the Engine with --quantization fp8, CUDA graphs on, in both modes: every request completes, the KV pool
 is whole again, and first tokens mostly agree with bf16."""
 
