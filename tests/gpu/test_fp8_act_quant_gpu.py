@@ -142,9 +142,9 @@ def _generate(path: Path, fusion: str, monkeypatch: pytest.MonkeyPatch) -> tuple
     monkeypatch.setenv("SHOAL_FP8_ACT_QUANT", "1")
     rows: list[int] = []  # M of every kernel call (eager or captured): proves the path ran at batch 32+
 
-    def counted(x: torch.Tensor, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def counted(x: torch.Tensor, gated: bool = False, two_term: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         rows.append(x.shape[0])
-        return fp8_act_quant.quantize_per_token_fp8(x, gated)
+        return fp8_act_quant.quantize_per_token_fp8(x, gated, two_term)
 
     monkeypatch.setattr(fp8_linear_mod, "quantize_per_token_fp8", counted)
     rng = random.Random(0)
