@@ -67,6 +67,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # GEMM over 2M rows would serve it (the weight still read once)
     "w8a8x2_all_hmse (two-term activations)": {g: ("token2", "hmse") for g in ALL},
     "w8a8x2_all_mse (two-term activations)": {g: ("token2", "mse") for g in ALL},
+    # two terms for one group's input only (the rest one term): where the second term buys the most
+    **{f"w8a8x2_{g}_only_hmse": {**{h: ("token", "hmse") for h in ALL}, g: ("token2", "hmse")} for g in ALL},
+    "w8a8x2_qkv_gate_up_hmse (the two norm outputs)": {**{h: ("token", "hmse") for h in ALL},
+                                                       "qkv": ("token2", "hmse"), "gate_up": ("token2", "hmse")},
     # SmoothQuant: one s per group input (q/k/v share theirs, gate/up theirs), o_proj left unsmoothed (its
     # input is the attention output; folding 1/s into v_proj would need one s per KV head's channels)
     **{f"w8a8_all_smooth{a}_hmse": {**{g: ("token", "hmse") for g in ALL}, "smooth": a, "smooth_groups": ("qkv", "gate_up", "down")}
