@@ -27,6 +27,7 @@ from benchmarks.common import (
     special_token_ids,
     write_result,
 )
+from benchmarks.triton_compiles import TritonCompiles
 from runtime.config import ServerArgs
 
 # Set explicitly by this script (or resolved from --model-config), so not passed through as extras.
@@ -119,9 +120,10 @@ def run_throughput(engine: Any, args: argparse.Namespace, config: dict[str, Any]
     prompts, params = build_workload(args, config)
     before = stats_snapshot(engine)
     busy0 = getattr(engine.get_stats(), "device_busy_s", 0.0)
-    t0 = time.perf_counter()
-    outs = engine.generate(input_ids=prompts, sampling_params=params)
-    duration = time.perf_counter() - t0
+    with TritonCompiles() as compiles:
+        t0 = time.perf_counter()
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        duration = time.perf_counter() - t0
     modes = stats_delta(before, stats_snapshot(engine))
     busy = getattr(engine.get_stats(), "device_busy_s", 0.0) - busy0
     n_in = sum(o["usage"]["prompt_tokens"] for o in outs)
@@ -143,6 +145,7 @@ def run_throughput(engine: Any, args: argparse.Namespace, config: dict[str, Any]
         # Share of the run the device sat idle between batches (CUDA events; None on CPU).
         "device_idle_fraction": max(0.0, 1.0 - busy / duration) if busy > 0 else None,
         "max_total_tokens": getattr(engine.get_stats(), "max_total_tokens", None),  # KV pool size in tokens
+        "triton_compiles_in_run": compiles.summary(),  # JIT compiles inside the timed run (host stalls)
     }
 
 
