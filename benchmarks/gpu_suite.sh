@@ -17,6 +17,9 @@
 #                                               # act quant's again), bench_fp8 decode and profile_decode at bs 1
 #   bash benchmarks/gpu_suite.sh part14 OUTDIR  # the two-term quantize's mismatch, the FP8 GEMV's bound at bs 2/4,
 #                                               # decode attention's max splits at bs 1/4 (input 512)
+#   bash benchmarks/gpu_suite.sh part15 OUTDIR  # 462/256 x 500 twice in a row on a fresh machine (the slow-run
+#                                               # question: Triton compiles inside the run?), the FP8 GPU tests
+#                                               # the last run did not reach
 set -u
 part=$1 out=$2
 mkdir -p "$out"
@@ -137,4 +140,13 @@ if [ "$part" = part14 ]; then
     TAIL=14 run timeout 100 env SHOAL_DECODE_MAX_SPLITS=$sp python -m benchmarks.profile_decode --modes fp8_weights \
       --fusion on --batch 1 4 --input-len 512 --output-file "$out/profile_decode_fp8w_splits$sp.json"
   done
+fi
+if [ "$part" = part15 ]; then
+  T="--num-prompts 500 --input-len 462 --output-len 256 --cuda-graph-max-bs 256 --max-running-requests 512"
+  for i in 1 2; do
+    TAIL=12 run timeout 120 $OFF $T --output-file "$out/llama8b_462x256_run$i.json"
+    grep -o '"triton_compiles_in_run": {[^}]*}' "$out/llama8b_462x256_run$i.json"
+  done
+  TAIL=6 run timeout 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_weight_scales_gpu.py \
+    "tests/gpu/test_fp8_act_quant_gpu.py::test_engine_fp8_batch32_greedy_same_with_kernel_on_and_off"
 fi
