@@ -145,7 +145,8 @@ if [ "$part" = part15 ]; then
   T="--num-prompts 500 --input-len 462 --output-len 256 --cuda-graph-max-bs 256 --max-running-requests 512"
   for i in 1 2; do
     TAIL=12 run timeout 120 $OFF $T --output-file "$out/llama8b_462x256_run$i.json"
-    grep -o '"triton_compiles_in_run": {[^}]*}' "$out/llama8b_462x256_run$i.json"
+    python -c "import json, sys; print(json.load(open(sys.argv[1]))['results']['triton_compiles_in_run'])" \
+      "$out/llama8b_462x256_run$i.json"
   done
   TAIL=6 run timeout 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_weight_scales_gpu.py \
     "tests/gpu/test_fp8_act_quant_gpu.py::test_engine_fp8_batch32_greedy_same_with_kernel_on_and_off"
