@@ -13,7 +13,8 @@ channel `weight_scale`, and runs runtime/layers/fp8_linear's forward):
 - fbgemm_fp8 (Meta's FP8 Llama layout): fp8 weights with per-channel weight_scale [out, 1].
 Activations are always quantized dynamically per token; static input_scale tensors of a checkpoint are
 not used. The LM head stays 16-bit unless --fp8-lm-head asks for it too (then quantized at load from its
-16-bit weight, mse scales: the calibration covers the linear layers only). Anything else in quantization_config raises UnsupportedQuantizationError naming the layout."""
+16-bit weight, mse scales: the calibration covers the linear layers only). Anything else in
+quantization_config raises UnsupportedQuantizationError naming the layout."""
 
 from __future__ import annotations
 
