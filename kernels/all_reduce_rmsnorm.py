@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import launch_options, pdl_enabled
+from kernels.rmsnorm import fused_add_rmsnorm_ref, norm_row_entry, rmsnorm_ref
 
 MAX_PROGRAMS = 128  # persistent programs: resident on any sm80+ GPU at once (one per SM at most)
 
@@ -69,12 +70,7 @@ def _all_reduce_add_rmsnorm_kernel(
 ):
     pid = tl.program_id(0)
     progs = tl.num_programs(0)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < HIDDEN
-    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: safe ahead of the PDL wait
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    offs, mask, w = norm_row_entry(W, HIDDEN, BLOCK, USE_PDL)
     my_buf = tl.load(Bufs + RANK).to(tl.pointer_type(X.dtype.element_ty))
     # This program's epoch counter: only this program of this rank touches it, one call after another.
     counter = tl.load(Flags + RANK).to(tl.pointer_type(tl.int64)) + MAX_PROGS * WORLD + pid
@@ -142,8 +138,6 @@ def all_reduce_add_rmsnorm_ref(partials: list[torch.Tensor], residual: torch.Ten
                                eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The reference for every rank: the rank-ordered fp32 sum rounded once, then kernels/rmsnorm.py's
     reference (residual returned new, not updated)."""
-    from kernels.rmsnorm import fused_add_rmsnorm_ref, rmsnorm_ref
-
     acc = partials[0].float()
     for p in partials[1:]:
         acc = acc + p.float()

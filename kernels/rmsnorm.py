@@ -10,17 +10,25 @@ from kernels.pdl import launch_options, pdl_enabled
 
 
 @triton.jit
+def norm_row_entry(W, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """What a norm kernel starts with: the row's offsets and mask, the norm weight in fp32 (a weight, so
+    safe to load ahead of the PDL wait), then the wait. Returns (offs, mask, w)."""
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HIDDEN
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    return offs, mask, w
+
+
+@triton.jit
 def _rmsnorm_kernel(
     X, Residual, W, Out, stride_x, stride_r, stride_o, eps,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < HIDDEN
-    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: safe ahead of the PDL wait
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    offs, mask, w = norm_row_entry(W, HIDDEN, BLOCK, USE_PDL)
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if ADD_RESIDUAL:
         r = tl.load(Residual + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
