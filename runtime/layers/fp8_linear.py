@@ -109,7 +109,7 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: t
     if weight_only:  # the GEMV's arithmetic where the GEMV does not serve
         return fp8_linear_small_m_ref(x2, w8, w_scale, bias).view(*shape[:-1], w8.shape[0])
     if fused_quant is None:
-        fused_quant = decode_fusion_enabled() and act_quant_kernel_enabled() and triton_act_quant_supported(x.device)
+        fused_quant = fused_act_quant_enabled(x.device)
     if x2.shape[0] == 0:
         y = x2.new_empty((0, w8.shape[0]))
     elif act_terms == 2:
