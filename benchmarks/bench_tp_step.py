@@ -6,10 +6,12 @@ Per TP size it reports, on rank 0:
   device_ms       the step's CUDA-event time (what BatchResult.device_s reports to the scheduler)
   allreduce_us    one ParallelGroup all-reduce of the step's [batch, hidden] activations, eager (NCCL) and
                   inside a CUDA graph (64 in one graph, as a 32-layer decode graph holds), per call
-TP > 1 runs once per --variants entry: `nccl` (what serving uses) and `custom` (the groups given a
-SymmMemAllReduce for graph-captured all-reduces; no serving path turns it on yet: under Ray actors its
-first run failed, see benchmarks/README.md).
-Ray's own cost is then bench_tp's Ray step minus this step_ms.
+TP > 1 runs once per --variants entry: `custom` (serving's default: the runner gives its groups the
+symmetric-memory one-shot all-reduce for graph-captured all-reduces, fused with the residual add and
+RMSNorm unless SHOAL_FUSED_AR_NORM=0) and `nccl` (--disable-custom-all-reduce).
+Ray's own cost is then bench_tp's Ray step minus this step_ms. --profile-steps N adds, per batch size, a
+torch.profiler trace of N decode steps on rank 0 cut at the graph replays and classified by kernel name
+(benchmarks/trace_breakdown.py: gemm, attention, norm, all_reduce, ... and the gaps between them).
 
     python benchmarks/bench_tp_step.py --tp-sizes 1 2 --batch 1 --out benchmarks/results/tp_step_2gpu.json
 """
@@ -40,6 +42,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--variants", nargs="+", default=["custom", "nccl"], choices=["custom", "nccl"])
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="rank 0 also traces this many decode steps per batch size (trace_breakdown categories)")
     p.add_argument("--out", default="benchmarks/results/tp_step_2gpu.json")
     return p.parse_args(argv)
 
@@ -53,7 +57,7 @@ def greedy(n: int):
                          prompt_lens=[0] * n, blocked_token_ids=[[]] * n, top_logprobs_nums=[0] * n)
 
 
-def time_decode(runner, bs: int, ns: argparse.Namespace) -> dict[str, float]:
+def time_decode(runner, bs: int, ns: argparse.Namespace, trace: bool = False) -> dict[str, Any]:
     from runtime.messages import WorkerBatch
     from runtime.model_executor.forward_mode import ForwardMode
 
@@ -72,17 +76,47 @@ def time_decode(runner, bs: int, ns: argparse.Namespace) -> dict[str, float]:
                      seq_lens=seq, prefix_lens=[0] * bs, out_cache_loc=slots(ns.input_len * bs), sampling=greedy(bs))
     ids = runner.run_batch(wb).next_token_ids
     walls, devs = [], []
-    for step in range(ns.steps + 10):  # the first 10 warm up
+
+    def decode() -> Any:
+        nonlocal seq, ids
         seq = [s + 1 for s in seq]
-        wb = WorkerBatch(batch_id=step + 1, forward_mode=int(ForwardMode.DECODE), input_ids=ids, req_pool_indices=rows,
-                         seq_lens=seq, prefix_lens=[s - 1 for s in seq], out_cache_loc=slots(bs), sampling=greedy(bs))
-        t0 = time.perf_counter()
+        wb = WorkerBatch(batch_id=len(walls) + 1, forward_mode=int(ForwardMode.DECODE), input_ids=ids,
+                         req_pool_indices=rows, seq_lens=seq, prefix_lens=[s - 1 for s in seq],
+                         out_cache_loc=slots(bs), sampling=greedy(bs))
         res = runner.run_batch(wb)
+        ids = res.next_token_ids
+        return res
+
+    for _ in range(ns.steps + 10):  # the first 10 warm up
+        t0 = time.perf_counter()
+        res = decode()
         walls.append(time.perf_counter() - t0)
         devs.append(res.device_s)
-        ids = res.next_token_ids
     walls, devs = sorted(walls[10:]), sorted(devs[10:])
-    return {"step_ms": 1000 * walls[len(walls) // 2], "device_ms": 1000 * devs[len(devs) // 2]}
+    out: dict[str, Any] = {"step_ms": 1000 * walls[len(walls) // 2], "device_ms": 1000 * devs[len(devs) // 2]}
+    extra = ns.profile_steps + 3 if ns.profile_steps else 0  # every rank runs them: collectives stay in step
+    if trace:
+        out["profile"] = _trace(lambda: [decode() for _ in range(extra)], ns.profile_steps)
+    else:
+        for _ in range(extra):
+            decode()
+    return out
+
+
+def _trace(work: Any, steps: int) -> dict[str, Any]:
+    """A CUPTI trace of `work` cut into its graph replays (all ranks run the same steps; rank 0 is traced)."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+    from trace_breakdown import breakdown
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        work()
+    with tempfile.TemporaryDirectory(prefix="shoal-tp-trace-") as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    return breakdown(events, steps=steps, drop_last=2).as_dict()
 
 
 def time_allreduce(group, bs: int, hidden: int, device) -> dict[str, float]:
@@ -99,7 +133,6 @@ def rank_main(rank: int, tp: int, variant: str, port: int, folder: str, ns: argp
 
     from runtime.config import ServerArgs
     from runtime.distributed import ParallelGroup
-    from runtime.model_config import ModelConfig
     from runtime.model_executor.model_runner import ModelRunner
     from runtime.models.parallel_context import ParallelContext
 
@@ -111,18 +144,15 @@ def rank_main(rank: int, tp: int, variant: str, port: int, folder: str, ns: argp
                                 timeout=datetime.timedelta(seconds=120), device_id=device)
         group = ParallelGroup(rank, tp, dist.group.WORLD)
     args = ServerArgs(model_path=folder, load_format="dummy", dtype="bfloat16", device="cuda",
-                      max_total_tokens=max(ns.batch) * (ns.input_len + ns.steps + 20) + 64, context_length=4096,
+                      max_total_tokens=max(ns.batch) * (ns.input_len + ns.steps + ns.profile_steps + 23) + 64, context_length=4096,
                       cuda_graph_max_bs=max(max(ns.batch), 8), max_running_requests=max(max(ns.batch), 8),
-                      attention_backend=ns.attention_backend)
-    ctx = ParallelContext.tensor_parallel(group)
-    if variant == "custom":
-        hidden = ModelConfig.from_pretrained(folder, dtype="bfloat16").hidden_size
-        ctx = ctx.with_fast_all_reduce(torch.bfloat16, device, args.cuda_graph_max_bs, hidden)
-    runner = ModelRunner(args, folder, ctx, device)
+                      attention_backend=ns.attention_backend, disable_custom_all_reduce=variant == "nccl")
+    # The runner gives its groups the symmetric-memory all-reduce itself (serving's default); nccl opts out.
+    runner = ModelRunner(args, folder, ParallelContext.tensor_parallel(group), device)
     name = f"tp{tp}" if tp == 1 else f"tp{tp}_{variant}"
     res: dict[str, Any] = {}
     for bs in ns.batch:
-        r = time_decode(runner, bs, ns)
+        r = time_decode(runner, bs, ns, trace=rank == 0 and ns.profile_steps > 0)
         if tp > 1:
             r |= time_allreduce(runner.ctx.mlp, bs, runner.model_config.hidden_size, device)
             r["symm_mem_all_reduce"] = runner.ctx.mlp.fast is not None

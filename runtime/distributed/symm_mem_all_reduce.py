@@ -32,15 +32,19 @@ from kernels.all_reduce_rmsnorm import all_reduce_add_rmsnorm, flag_slots
 logger = logging.getLogger(__name__)
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)  # what torch's one_shot_all_reduce kernel dispatches on
+_PARTS = 3  # torch's staging part, then the fused kernel's two halves
 
 
 class SymmMemAllReduce:
     def __init__(self, group_name: str, buffer: torch.Tensor, fused_copy: bool | None = None,
                  handle: object | None = None, flags: torch.Tensor | None = None, flags_handle: object | None = None):
         self.group_name = group_name
-        self.buffer = buffer
+        # One symmetric allocation in three equal parts: torch's one-shot kernel stages in the first, our
+        # fused kernel alternates between the other two (kernels/all_reduce_rmsnorm.py: it has no closing
+        # barrier, so a peer may still read its previous call's part while torch's kernel runs).
+        self.max_numel = buffer.numel() // _PARTS
+        self.buffer = buffer[: self.max_numel]
         self.dtype = buffer.dtype
-        self.max_numel = buffer.numel()
         # Every rank's buffer and flag area as device pointer arrays, for our own kernel; None without
         # rendezvous handles (tests that build one by hand).
         self.rank = self.world = 0
@@ -48,7 +52,7 @@ class SymmMemAllReduce:
         self.fuse_norm = os.environ.get("SHOAL_FUSED_AR_NORM", "1") != "0"
         if handle is not None:
             self.rank, self.world = int(handle.rank), int(handle.world_size)
-            self.buffer_ptrs = _peer_ptrs(buffer, handle)
+            self.buffer_ptrs = _peer_ptrs(buffer[self.max_numel:], handle)
             if flags is not None and flags_handle is not None:
                 self.flag_ptrs = _peer_ptrs(flags, flags_handle)
         self.flags = flags  # kept alive: peers write into it
@@ -74,7 +78,7 @@ class SymmMemAllReduce:
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore", FutureWarning)
                         symm_mem.enable_symm_mem_for_group(name)
-                buffer = symm_mem.empty(max(max_bytes // dtype.itemsize, 1), dtype=dtype, device=device)
+                buffer = symm_mem.empty(_PARTS * max(max_bytes // dtype.itemsize, 1), dtype=dtype, device=device)
                 world = dist.get_world_size(group)
                 flags = symm_mem.empty(flag_slots(world), dtype=torch.int64, device=device).zero_()
                 torch.cuda.synchronize(device)  # zero before any peer can write an arrival (agreed below)
@@ -120,7 +124,7 @@ class SymmMemAllReduce:
         sum). Collective; call only where can_add_rmsnorm(x) holds on every rank."""
         assert self.buffer_ptrs is not None and self.flag_ptrs is not None
         return all_reduce_add_rmsnorm(x, residual, weight, eps, self.buffer_ptrs, self.flag_ptrs,
-                                      self.rank, self.world)
+                                      self.rank, self.world, self.max_numel)
 
 
 def _peer_ptrs(t: torch.Tensor, handle: object) -> torch.Tensor:

@@ -2,7 +2,9 @@
 CUDA graph of 32 back-to-back calls (a 32-layer decode step's post-attention norms), replayed with new
 inputs, every rank's output and residual equal NCCL's all-reduce followed by fused_add_rmsnorm bit for bit
 over three replays (the epoch flags carry on from one replay to the next; counters out of step would spin
-until the join timeout), and the flag counters end where 2 epochs per call put them."""
+until the join timeout), and the flag counters end where one epoch per call puts them. "mixed" changes the
+row count from call to call (1, 200, 32, 129, ...): the single-barrier protocol relies on each row
+belonging to the same program whatever the count, and on the two buffer halves alternating per program."""
 
 from __future__ import annotations
 
@@ -22,7 +24,10 @@ pytestmark = [
 CALLS, HIDDEN, EPS = 32, 4096, 1e-5
 
 
-def _rank(rank: int, world: int, port: int, rows: int, errors) -> None:
+MIXED = (1, 200, 32, 129, 3, 128)
+
+
+def _rank(rank: int, world: int, port: int, rows_arg: int | str, errors) -> None:
     import torch.distributed as dist
 
     from kernels.rmsnorm import fused_add_rmsnorm
@@ -34,6 +39,8 @@ def _rank(rank: int, world: int, port: int, rows: int, errors) -> None:
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60), device_id=device)
     try:
+        per_call = [MIXED[k % len(MIXED)] for k in range(CALLS)] if rows_arg == "mixed" else [int(rows_arg)] * CALLS
+        rows = max(per_call)
         dtype = torch.bfloat16
         group = ParallelGroup(rank, world, dist.group.WORLD).with_fast_all_reduce(dtype, device, rows * HIDDEN * 2)
         fast = group.fast
@@ -44,11 +51,11 @@ def _rank(rank: int, world: int, port: int, rows: int, errors) -> None:
         g, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            fast.add_rmsnorm(xs[0].clone(), res[0].clone(), weight, EPS)  # warm-up compile, eagerly
+            fast.add_rmsnorm(xs[0, :rows].clone(), res[0, :rows].clone(), weight, EPS)  # warm-up compile, eagerly
             torch.cuda.synchronize()
             with torch.cuda.graph(g, stream=stream):
                 assert fast.can_add_rmsnorm(xs[0])
-                outs = [fast.add_rmsnorm(xs[k], res[k], weight, EPS) for k in range(CALLS)]
+                outs = [fast.add_rmsnorm(xs[k, :n], res[k, :n], weight, EPS) for k, n in enumerate(per_call)]
         torch.cuda.synchronize()
         for replay in range(3):
             gen = torch.Generator().manual_seed(100 * replay + rank)
@@ -58,18 +65,20 @@ def _rank(rank: int, world: int, port: int, rows: int, errors) -> None:
             res.copy_(r_host)
             g.replay()
             torch.cuda.synchronize()
-            for k in range(CALLS):
-                want = x_host[k].to(device)
+            for k, n in enumerate(per_call):
+                want = x_host[k, :n].to(device)
                 dist.all_reduce(want)
-                want_res = r_host[k].to(device)
+                want_res = r_host[k, :n].to(device)
                 fused_add_rmsnorm(want, want_res, weight, EPS)
-                assert torch.equal(res[k], want_res), f"replay {replay} call {k}: residual"
+                assert torch.equal(res[k, :n], want_res), f"replay {replay} call {k}: residual"
                 assert torch.equal(outs[k], want), f"replay {replay} call {k}: output"
         from kernels.all_reduce_rmsnorm import MAX_PROGRAMS
 
         epochs = fast.flags[MAX_PROGRAMS * world:].cpu()
-        progs = min(rows, MAX_PROGRAMS)
-        assert epochs[:progs].tolist() == [2 * (1 + 3 * CALLS)] * progs, epochs[:progs].tolist()  # warm-up + 3 x 32
+        # One epoch per call a program took part in: the warm-up, then 3 replays of its calls in the graph.
+        want = [int(p < min(rows, MAX_PROGRAMS)) + 3 * sum(1 for n in per_call if p < min(n, MAX_PROGRAMS))
+                for p in range(MAX_PROGRAMS)]
+        assert epochs.tolist() == want, epochs.tolist()
     except BaseException as e:
         errors.put(f"rank {rank}: {type(e).__name__}: {e}")
         raise
@@ -77,13 +86,13 @@ def _rank(rank: int, world: int, port: int, rows: int, errors) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("rows", [1, 32, 200])
-def test_fused_all_reduce_rmsnorm_equals_nccl_then_norm(rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 32, 200, "mixed"])
+def test_fused_all_reduce_rmsnorm_equals_nccl_then_norm(rows: int | str) -> None:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    port = 29500 + os.getpid() % 1000 + rows % 97
+    port = 29500 + os.getpid() % 1000 + (rows if isinstance(rows, int) else 50) % 97
     procs = [ctx.Process(target=_rank, args=(r, 2, port, rows, errors)) for r in range(2)]
     for p in procs:
         p.start()
