@@ -44,7 +44,8 @@ class ServerArgs:
                                  "the weight read once; w8a16's accuracy)", (1, 2))
     fp8_lm_head: bool = _opt(False, "FP8 weights: also quantize the LM head per vocabulary row (its read at "
                                     "decode halves: ~0.2 ms of an 8B batch-1 step; costs top-1 agreement, see "
-                                    "benchmarks/README.md); the embedding keeps its 16-bit weights")
+                                    "benchmarks/README.md); the embedding keeps its 16-bit weights, and each "
+                                    "chunk's leading logit is recomputed from them")
     # Memory and batching
     kv_cache_dtype: str = _opt("auto", "KV cache storage: auto = the model dtype; fp8_e4m3 halves the bytes per token",
                                ("auto", "fp8_e4m3"))

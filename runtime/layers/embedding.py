@@ -12,6 +12,7 @@ from runtime.distributed import ParallelGroup
 from runtime.errors import WeightLoadError
 from runtime.layers.dense_gemm import DenseGemm
 from runtime.layers.fp8_linear import fp8_linear, fused_act_quant_enabled, scaled_mm_supported
+from runtime.layers.head_rescore import rescore_chunk_leaders, rescore_enabled
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +25,7 @@ class Fp8Head:
     weight_only: bool
     act_terms: int
     fused_act_quant: bool
+    rescore: bool = True  # each chunk's FP8 leader recomputed from the 16-bit rows (runtime/layers/head_rescore.py)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -63,15 +65,18 @@ class ParallelLMHead(VocabParallelEmbedding):
     def use_fp8(self, w8: torch.Tensor, scale: torch.Tensor, act_dtype: torch.dtype, weight_only: bool = False,
                 act_terms: int = 1) -> None:
         """--fp8-lm-head: logits from this fp8 copy of the weight (per-row scales) through the FP8 linears'
-        path. The 16-bit weight stays: a tied embedding still looks rows up in it."""
+        path. The 16-bit weight stays: a tied embedding still looks rows up in it, and each chunk's FP8
+        leader is recomputed from it (head_rescore.py)."""
         self.fp8 = Fp8Head(w8, scale, scaled_mm_supported(w8.device, act_dtype), weight_only, act_terms,
-                           fused_act_quant_enabled(w8.device))
+                           fused_act_quant_enabled(w8.device), rescore_enabled())
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:
             f = self.fp8
             logits = fp8_linear(hidden, f.weight, f.scale, None, f.use_scaled_mm, f.fused_act_quant, f.weight_only,
                                 f.act_terms)
+            if f.rescore and hidden.dim() == 2:
+                logits = rescore_chunk_leaders(logits, hidden, self.weight)
         elif hidden.device.type == "cpu" and hidden.dim() == 2 and 1 < hidden.shape[0] <= 64 \
                 and self.weight.dtype == torch.float32:
             # MKL's sgemm for a few rows against the ~50k-row weight is 2-4x slower than the weight-major

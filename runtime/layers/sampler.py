@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.argmax import argmax_rows, use_argmax_rows
 from runtime.host_to_device import to_device
 from runtime.layers.token_bitmask import apply_token_bitmask, bitmask_from_bytes
 from runtime.messages import SamplingBatch
@@ -59,8 +60,8 @@ class Sampler:
             dev = logits.device
             apply_token_bitmask(logits, bitmask_from_bytes(sb.grammar_mask, len(sb.grammar_rows), dev),
                                 to_device(sb.grammar_rows, torch.int64, dev))
-        if sb.all_greedy:
-            ids = logits.argmax(dim=-1)
+        if sb.all_greedy:  # the same index as torch's argmax; ours splits a row over many blocks (kernels/argmax.py)
+            ids = argmax_rows(logits) if use_argmax_rows(logits) else logits.argmax(dim=-1)
         else:
             ids = self._sample(logits, sb)
         out = SampleOutput(ids)

@@ -160,9 +160,12 @@ def test_engine_fp8_kv_and_weights_greedy(gpu_llama: Path, backend: str) -> None
 
 def test_fp8_lm_head_on_gpu(gpu_llama: Path) -> None:
     """--fp8-lm-head with CUDA graphs: batch-1 and batch-20 logits are the FP8 linears' path over the head's
-    fp8 rows (the GEMV at M <= 2, w8a8 above), greedy requests complete and the pool is whole again."""
+    fp8 rows (the GEMV at M <= 2, w8a8 above) with every chunk's leader rescored from the 16-bit rows,
+    greedy requests complete and the pool is whole again."""
+    from kernels.argmax import chunk_argmax
     from runtime import Engine
     from runtime.layers.fp8_linear import fp8_linear
+    from runtime.layers.head_rescore import candidate_block, rescore_chunk_leaders
 
     with Engine(model_path=str(gpu_llama), dtype="bfloat16", quantization="fp8", fp8_lm_head=True,
                 max_total_tokens=8192, cuda_graph_max_bs=32, context_length=512) as engine:
@@ -170,9 +173,16 @@ def test_fp8_lm_head_on_gpu(gpu_llama: Path) -> None:
         assert head.fp8 is not None and head.fp8.weight.dtype == torch.float8_e4m3fn
         for rows in (1, 20):
             hidden = torch.randn(rows, head.weight.shape[1], device="cuda", dtype=torch.bfloat16)
-            want = fp8_linear(hidden, head.fp8.weight, head.fp8.scale, None, head.fp8.use_scaled_mm,
-                              head.fp8.fused_act_quant)[:, : head.vocab_size]
-            assert torch.equal(head.compute_logits(hidden), want)
+            fp8 = fp8_linear(hidden, head.fp8.weight, head.fp8.scale, None, head.fp8.use_scaled_mm,
+                             head.fp8.fused_act_quant)
+            want = rescore_chunk_leaders(fp8.clone(), hidden, head.weight)[:, : head.vocab_size]
+            got = head.compute_logits(hidden)
+            assert torch.equal(got, want)
+            # The rescored leaders are the 16-bit rows' logits (to bf16 rounding); the rest stay FP8's.
+            cand = chunk_argmax(fp8, candidate_block(fp8.shape[1]))
+            exact = (hidden.float() @ head.weight.float().t()).to(torch.bfloat16)
+            torch.testing.assert_close(got.gather(1, cand).float(), exact.gather(1, cand).float(), rtol=2e-2,
+                                       atol=2e-2)
         outs = engine.generate(input_ids=[[5, 6, 7, 8] * 8, [9, 10] * 20],
                                sampling_params={"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True})
         assert all(len(o["output_ids"]) == 16 for o in outs)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from runner_driver import RunnerDriver
 
+from kernels.argmax import chunk_argmax
 from kernels.fp8_gemv import fp8_linear_small_m_ref
 from runtime.errors import UnsupportedQuantizationError, WeightLoadError
 from runtime.layers.fp8_linear import (
@@ -25,6 +26,7 @@ from runtime.layers.fp8_linear import (
     quantize_per_token,
     quantize_per_token_two_term,
 )
+from runtime.layers.head_rescore import candidate_block, rescore_chunk_leaders
 from runtime.model_executor.forward_mode import ForwardMode
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
@@ -98,9 +100,9 @@ def test_quantize_at_load_close_to_full_precision(tiny_llama) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_lm_head_logits_are_the_fp8_gemm_of_its_quantized_rows(tiny_llama, dtype: torch.dtype) -> None:
-    """--fp8-lm-head: the head's logits are exactly fp8_linear over its per-row quantized weight (the 16-bit
-    weight kept for the embedding; in bf16 the CPU's packed-weight logits must not take over), close to the
-    unquantized head's."""
+    """--fp8-lm-head: the head's logits are exactly fp8_linear over its per-row quantized weight with each
+    chunk's leader rescored from the 16-bit weight (kept for the embedding; in bf16 the CPU's packed-weight
+    logits must not take over), close to the unquantized head's."""
     name = str(dtype).removeprefix("torch.")
     ref, _ = _logits(tiny_llama, quantization="fp8", dtype=name)
     got, d = _logits(tiny_llama, quantization="fp8", fp8_lm_head=True, dtype=name)
@@ -108,8 +110,15 @@ def test_fp8_lm_head_logits_are_the_fp8_gemm_of_its_quantized_rows(tiny_llama, d
     assert head.fp8 is not None and head.fp8.weight.dtype == FP8 and head.weight.dtype == dtype
     assert head.fp8.scale.shape == (head.weight.shape[0], 1)
     hidden = torch.randn(3, head.weight.shape[1], generator=torch.Generator().manual_seed(1)).to(dtype)
-    want = fp8_linear(hidden, head.fp8.weight, head.fp8.scale)[:, : head.vocab_size]
+    fp8 = fp8_linear(hidden, head.fp8.weight, head.fp8.scale)
+    want = rescore_chunk_leaders(fp8.clone(), hidden, head.weight)[:, : head.vocab_size]
     assert torch.equal(head.compute_logits(hidden), want)
+    # Rescoring changed only each chunk's leader, to the 16-bit rows' logit.
+    cand = chunk_argmax(fp8, candidate_block(fp8.shape[1]))
+    moved = (want != fp8[:, : head.vocab_size]).nonzero().tolist()
+    assert all(c in cand[r].tolist() for r, c in moved)
+    torch.testing.assert_close(want.gather(1, cand).float(), (hidden.float() @ head.weight.float().t()).gather(
+        1, cand), rtol=1e-2, atol=1e-2)
     assert not torch.equal(got, ref)  # the head did change
     assert float((got - ref).abs().max()) < 0.05 * float(ref.abs().max())
 

@@ -1,0 +1,49 @@
+"""HeadRescore: an FP8 LM head's logits with every chunk's leader recomputed from the 16-bit rows.
+
+Why: an FP8 row (one scale per row) moves a logit by up to ~1% of its size, enough to swap near-tied
+leaders: on SmolLM2 the FP8 head cost ~3 points of greedy top-1 agreement with bf16 (w8a16 95.14% ->
+92.07%, benchmarks/results/fp8_lm_head_accuracy_cpu.json). The row's true leader is the leader of its
+chunk of columns, so recomputing each chunk's FP8 leader exactly (hidden . 16-bit row, which the head keeps
+for a tied embedding anyway) and writing it back over the FP8 value gives the greedy token bf16 gives,
+unless the true leader and a near-tie that FP8 ranks above it share a chunk. Sampling sees exact logits
+for the candidates and FP8 ones for the tail. SHOAL_FP8_HEAD_RESCORE=0 turns it off.
+The candidates' rows are read by kernels/logit_rescore.py on CUDA (no gathered copy), by a bounded torch
+gather elsewhere: MAX_CANDIDATES per row, so rows x 64 x hidden x 2 bytes a call (batch 1 on the 8B
+shape: 0.5 MB; batch 256: 128 MB, ~45 us of HBM against the 0.5 GB the FP8 head saves a step)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from kernels.argmax import chunk_argmax
+from kernels.logit_rescore import rescore_logits, rescore_logits_ref
+
+MAX_CANDIDATES = 64
+
+
+def rescore_enabled() -> bool:
+    return os.environ.get("SHOAL_FP8_HEAD_RESCORE", "1") != "0"
+
+
+def candidate_block(vocab: int) -> int:
+    """Columns per chunk: the power of two that leaves at most MAX_CANDIDATES chunks (at least 16 columns)."""
+    return max(16, triton.next_power_of_2(triton.cdiv(vocab, MAX_CANDIDATES)))
+
+
+def rescore_chunk_leaders(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] (from the FP8 rows) with each chunk's leading column replaced by hidden [B, K] . weight
+    [V, K] (the 16-bit rows), in place; returns logits."""
+    if logits.dim() != 2 or hidden.dim() != 2 or logits.shape[0] != hidden.shape[0]:
+        raise ValueError(f"rescore: logits {tuple(logits.shape)} and hidden {tuple(hidden.shape)} do not pair")
+    rows, vocab = logits.shape
+    if rows == 0:
+        return logits
+    cand = chunk_argmax(logits, candidate_block(vocab))
+    if logits.is_cuda:
+        rescore_logits(logits, cand, hidden, weight)
+    else:
+        rescore_logits_ref(logits, cand, hidden, weight)
+    return logits
