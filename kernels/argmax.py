@@ -2,11 +2,11 @@
 
 Why: torch's argmax reduces a row with one block, so a batch-1 decode step's argmax over Llama-3's 128,256
 logits took 28 us of device time on an H100 (benchmarks/results/tp_step_profile_bs1_2xh100.json); these
-two take ~3 us (profile_decode_bs1_argmax_h100.json). Here the first kernel gives every (row, chunk of BLOCK columns) its own
-program, which keeps the chunk's maximum and the first column holding it; the second takes, per row, the
-largest chunk maximum and the first column among the chunks holding it. The result is torch.argmax's:
-the first index of the maximum (NaN counts as +inf here; torch puts NaN above +inf, which only matters
-for a row that holds both)."""
+two take ~3 us (profile_decode_bs1_argmax_h100.json). The first kernel gives every (row, chunk of BLOCK
+columns) its own program, which keeps the chunk's maximum and the first column holding it; the second
+takes, per row, the largest chunk maximum and the first column among the chunks holding it. The result is
+torch.argmax's: the first index of the maximum (NaN counts as +inf here; torch puts NaN above +inf, which
+only matters for a row that holds both)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,20 @@ def _row_argmax_kernel(PartV, PartI, Out, CHUNKS: tl.constexpr, BLOCK_C: tl.cons
     tl.store(Out + row, tl.min(tl.where(v == best, i, 2147483647), 0).to(tl.int64))
 
 
+def _chunk_leaders(logits: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first stage on the GPU: each (row, chunk)'s maximum (fp32) and its first column (int32)."""
+    rows, vocab = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    chunks = triton.cdiv(vocab, block)
+    part_v = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
+    part_i = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
+    if rows:
+        _chunk_argmax_kernel[(rows, chunks)](logits, part_v, part_i, vocab, logits.stride(0), CHUNKS=chunks,
+                                             BLOCK=block, num_warps=min(8, max(1, block // 512)))
+    return part_v, part_i
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """int64 [B]: the first column of each row's maximum of a 2-D float tensor (torch.argmax(dim=-1))."""
     if logits.dim() != 2:
@@ -56,13 +70,8 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    chunks = triton.cdiv(vocab, BLOCK)
-    part_v = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
-    part_i = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
-    _chunk_argmax_kernel[(rows, chunks)](logits, part_v, part_i, vocab, logits.stride(0), CHUNKS=chunks,
-                                         BLOCK=BLOCK, num_warps=8)
+    part_v, part_i = _chunk_leaders(logits, BLOCK)
+    chunks = part_v.shape[1]
     _row_argmax_kernel[(rows,)](part_v, part_i, out, CHUNKS=chunks, BLOCK_C=triton.next_power_of_2(chunks),
                                 num_warps=1)
     return out
@@ -82,14 +91,7 @@ def chunk_argmax(logits: torch.Tensor, block: int) -> torch.Tensor:
         padded[:, :vocab] = logits.float().nan_to_num(nan=float("inf"))
         offsets = torch.arange(chunks, device=logits.device) * block
         return padded.view(rows, chunks, block).argmax(dim=-1) + offsets
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    part_v = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
-    part_i = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
-    if rows:
-        _chunk_argmax_kernel[(rows, chunks)](logits, part_v, part_i, vocab, logits.stride(0), CHUNKS=chunks,
-                                             BLOCK=block, num_warps=min(8, max(1, block // 512)))
-    return part_i.to(torch.int64)
+    return _chunk_leaders(logits, block)[1].to(torch.int64)
 
 
 def argmax_rows_ref(logits: torch.Tensor) -> torch.Tensor:
