@@ -82,6 +82,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default=None, help="comma-separated subset of the modes to run (e.g. fp8_kv,"
                    "fp8_kv_static_scale_1,float32_no_fp8); default: all")
     p.add_argument("--skip-checkpoint", action="store_true", help="skip the compressed-tensors per-tensor copy")
+    p.add_argument("--head-rows-as-small-batch", action="store_true",
+                   help="--fp8-lm-head: rescore every row with the candidates decode at batch <= 8 gets (each "
+                        "chunk's TOPK leaders; candidates are per row, so this is what a small batch sees)")
     p.add_argument("--output-file", default=None)
     return p.parse_args(argv)
 
@@ -228,6 +231,10 @@ def evaluate_main_model(args: argparse.Namespace, tmp: Path, write_fp8_checkpoin
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.head_rows_as_small_batch:
+        from runtime.layers import head_rescore
+
+        head_rescore.TOPK_ROWS = 1 << 30
     if args.device == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads()))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

@@ -21,16 +21,20 @@ _INT_MAX = 2**31 - 1
 
 
 @triton.jit
-def _chunk_argmax_kernel(X, PartV, PartI, V, stride_x, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+def _chunk_argmax_kernel(X, PartV, PartI, V, stride_x, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+                         TOPK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(X + row * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
     x = tl.where(x != x, float("inf"), x)  # NaN: +inf, so it is found rather than silently skipped
-    best = tl.max(x, 0)
-    first = tl.min(tl.where(x == best, offs, 2147483647), 0)
-    tl.store(PartV + row * CHUNKS + chunk, best)
-    tl.store(PartI + row * CHUNKS + chunk, first)
+    for t in tl.static_range(TOPK):  # the chunk's TOPK leaders, best first (a column twice if it runs short)
+        best = tl.max(x, 0)
+        first = tl.min(tl.where(x == best, offs, 2147483647), 0)
+        tl.store(PartV + (row * CHUNKS + chunk) * TOPK + t, best)
+        tl.store(PartI + (row * CHUNKS + chunk) * TOPK + t, first)
+        if TOPK > 1:
+            x = tl.where(offs == first, float("-inf"), x)
 
 
 @triton.jit
@@ -46,17 +50,18 @@ def _row_argmax_kernel(PartV, PartI, Out, CHUNKS: tl.constexpr, BLOCK_C: tl.cons
     tl.store(Out + row, tl.min(tl.where(v == best, i, 2147483647), 0).to(tl.int64))
 
 
-def _chunk_leaders(logits: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first stage on the GPU: each (row, chunk)'s maximum (fp32) and its first column (int32)."""
+def _chunk_leaders(logits: torch.Tensor, block: int, topk: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first stage on the GPU: each (row, chunk)'s `topk` largest values (fp32) and their first columns
+    (int32), [rows, chunks * topk]."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     chunks = triton.cdiv(vocab, block)
-    part_v = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
-    part_i = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
+    part_v = torch.empty(rows, chunks * topk, dtype=torch.float32, device=logits.device)
+    part_i = torch.empty(rows, chunks * topk, dtype=torch.int32, device=logits.device)
     if rows:
         _chunk_argmax_kernel[(rows, chunks)](logits, part_v, part_i, vocab, logits.stride(0), CHUNKS=chunks,
-                                             BLOCK=block, num_warps=min(8, max(1, block // 512)))
+                                             BLOCK=block, TOPK=topk, num_warps=min(8, max(1, block // 512)))
     return part_v, part_i
 
 
@@ -77,21 +82,24 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def chunk_argmax(logits: torch.Tensor, block: int) -> torch.Tensor:
-    """int64 [B, cdiv(vocab, block)]: each row's first column of the maximum within every `block` columns
-    (block a power of two). The first stage of argmax_rows on CUDA; torch's argmax over a padded view
-    elsewhere (same indices)."""
-    if logits.dim() != 2 or block < 1 or block & (block - 1):
-        raise ValueError(f"chunk_argmax takes [rows, vocab] logits and a power-of-two block, got "
-                         f"{tuple(logits.shape)} and {block}")
+def chunk_argmax(logits: torch.Tensor, block: int, topk: int = 1) -> torch.Tensor:
+    """int64 [B, cdiv(vocab, block) * topk]: the columns of each row's `topk` largest values within every
+    `block` columns (block a power of two; per chunk best first, the first column of a tie; a chunk with
+    fewer columns than topk repeats one). The first stage of argmax_rows on CUDA; torch over a padded view
+    elsewhere (the same columns, but for which of tied values beyond the first a chunk keeps)."""
+    if logits.dim() != 2 or block < 1 or block & (block - 1) or not 1 <= topk <= block:
+        raise ValueError(f"chunk_argmax takes [rows, vocab] logits, a power-of-two block and 1 <= topk <= "
+                         f"block, got {tuple(logits.shape)}, {block} and {topk}")
     rows, vocab = logits.shape
     chunks = triton.cdiv(vocab, block)
     if not logits.is_cuda:
         padded = torch.full((rows, chunks * block), float("-inf"), dtype=torch.float32, device=logits.device)
         padded[:, :vocab] = logits.float().nan_to_num(nan=float("inf"))
-        offsets = torch.arange(chunks, device=logits.device) * block
-        return padded.view(rows, chunks, block).argmax(dim=-1) + offsets
-    return _chunk_leaders(logits, block)[1].to(torch.int64)
+        view = padded.view(rows, chunks, block)
+        idx = view.argmax(dim=-1, keepdim=True) if topk == 1 else view.topk(topk, dim=-1).indices
+        idx = (idx + (torch.arange(chunks, device=logits.device) * block)[:, None]).clamp_max(vocab - 1)
+        return idx.reshape(rows, chunks * topk)
+    return _chunk_leaders(logits, block, topk)[1].to(torch.int64)
 
 
 def argmax_rows_ref(logits: torch.Tensor) -> torch.Tensor:

@@ -6,10 +6,12 @@ leaders: on SmolLM2 the FP8 head cost ~3 points of greedy top-1 agreement with b
 chunk of columns, so recomputing each chunk's FP8 leader exactly (hidden . 16-bit row, which the head keeps
 for a tied embedding anyway) and writing it back over the FP8 value gives the greedy token bf16 gives,
 unless the true leader and a near-tie that FP8 ranks above it share a chunk. Sampling sees exact logits
-for the candidates and FP8 ones for the tail. SHOAL_FP8_HEAD_RESCORE=0 turns it off.
+for the candidates and FP8 ones for the tail. While a call has at most TOPK_ROWS rows each chunk gives its
+TOPK leaders, since FP8's error often reorders a chunk's top few. SHOAL_FP8_HEAD_RESCORE=0 turns it off.
 The candidates' rows are read by kernels/logit_rescore.py on CUDA (no gathered copy), by a bounded torch
-gather elsewhere: MAX_CANDIDATES per row, so rows x 64 x hidden x 2 bytes a call (batch 1 on the 8B
-shape: 0.5 MB; batch 256: 128 MB, ~45 us of HBM against the 0.5 GB the FP8 head saves a step)."""
+gather elsewhere: MAX_CANDIDATES chunks a row, so rows x 64 (x TOPK up to TOPK_ROWS rows) x hidden x 2
+bytes a call (the 8B shape: 2 MB at batch 1; 128 MB at batch 256, ~45 us of HBM against the 0.5 GB the
+FP8 head saves a step)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,11 @@ import triton
 from kernels.argmax import chunk_argmax
 from kernels.logit_rescore import rescore_logits, rescore_logits_ref
 
-MAX_CANDIDATES = 64
+MAX_CANDIDATES = 64  # chunks a row
+# Leaders kept per chunk while a call has at most TOPK_ROWS rows (decode at batch 1-8): FP8's error on a
+# logit (median of a row's largest ~1.25 on SmolLM2's tied head, as large as the median top-1 margin) often
+# puts a neighbour above the true leader inside its chunk.
+TOPK, TOPK_ROWS = 4, 8
 
 
 def rescore_enabled() -> bool:
@@ -41,7 +47,7 @@ def rescore_chunk_leaders(logits: torch.Tensor, hidden: torch.Tensor, weight: to
     rows, vocab = logits.shape
     if rows == 0:
         return logits
-    cand = chunk_argmax(logits, candidate_block(vocab))
+    cand = chunk_argmax(logits, candidate_block(vocab), TOPK if rows <= TOPK_ROWS else 1)
     if logits.is_cuda:
         rescore_logits(logits, cand, hidden, weight)
     else:

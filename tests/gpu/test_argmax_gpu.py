@@ -70,3 +70,12 @@ def test_chunk_argmax_and_rescore_on_the_gpu(rows: int) -> None:
     rescore_logits(got, cand, hidden, weight)
     rescore_logits_ref(want, cand, hidden, weight)
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=5e-2)
+
+
+def test_chunk_top4_matches_the_cpu_path() -> None:
+    """The FP8 head's candidates at small batch: each chunk's four leaders, best first (fp32: no ties)."""
+    from kernels.argmax import chunk_argmax
+
+    logits = torch.randn(3, VOCAB, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9))
+    assert torch.equal(chunk_argmax(logits, 2048, 4).cpu(), chunk_argmax(logits.cpu(), 2048, 4))
+

@@ -58,3 +58,19 @@ def test_dispatch_is_cuda_and_large_vocab_only(monkeypatch: pytest.MonkeyPatch) 
         assert not use_argmax_rows(torch.zeros(1, BLOCK, device="cuda"))
         monkeypatch.setenv("SHOAL_FAST_ARGMAX", "0")
         assert not use_argmax_rows(torch.zeros(1, 4 * BLOCK, device="cuda"))
+
+
+def test_chunk_topk_leaders_best_first() -> None:
+    from kernels.argmax import _chunk_leaders, chunk_argmax
+
+    logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(3))
+    logits[1, 256:] = float("-inf")  # the last chunk (44 columns) holds nothing allowed
+    want = chunk_argmax(logits, 64, 4)  # torch's topk over the padded view (CPU path)
+    vals, got = _chunk_leaders(logits, 64, 4)  # the kernel in the interpreter
+    assert got.shape == want.shape == (2, 5 * 4)
+    for r in range(2):
+        for c in range(4):  # full chunks: the same four columns, best first
+            assert got[r, 4 * c:4 * c + 4].tolist() == want[r, 4 * c:4 * c + 4].tolist()
+            assert torch.equal(vals[r, 4 * c:4 * c + 4], logits[r, got[r, 4 * c:4 * c + 4].long()])
+    assert got[0, 16:].tolist() == want[0, 16:].tolist()
+    assert all(256 <= int(i) < 300 for i in got[1, 16:])  # -inf chunk: columns stay inside the row

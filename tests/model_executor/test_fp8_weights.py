@@ -18,6 +18,7 @@ from runner_driver import RunnerDriver
 from kernels.argmax import chunk_argmax
 from kernels.fp8_gemv import fp8_linear_small_m_ref
 from runtime.errors import UnsupportedQuantizationError, WeightLoadError
+from runtime.layers import head_rescore
 from runtime.layers.fp8_linear import (
     FP8,
     fp8_linear,
@@ -113,8 +114,8 @@ def test_fp8_lm_head_logits_are_the_fp8_gemm_of_its_quantized_rows(tiny_llama, d
     fp8 = fp8_linear(hidden, head.fp8.weight, head.fp8.scale)
     want = rescore_chunk_leaders(fp8.clone(), hidden, head.weight)[:, : head.vocab_size]
     assert torch.equal(head.compute_logits(hidden), want)
-    # Rescoring changed only each chunk's leader, to the 16-bit rows' logit.
-    cand = chunk_argmax(fp8, candidate_block(fp8.shape[1]))
+    # Rescoring changed only the chunks' leaders, to the 16-bit rows' logits.
+    cand = chunk_argmax(fp8, candidate_block(fp8.shape[1]), head_rescore.TOPK)  # 3 rows: TOPK leaders a chunk
     moved = (want != fp8[:, : head.vocab_size]).nonzero().tolist()
     assert all(c in cand[r].tolist() for r, c in moved)
     torch.testing.assert_close(want.gather(1, cand).float(), (hidden.float() @ head.weight.float().t()).gather(
