@@ -40,8 +40,8 @@ def candidate_block(vocab: int) -> int:
 
 
 def rescore_chunk_leaders(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] (from the FP8 rows) with each chunk's leading column replaced by hidden [B, K] . weight
-    [V, K] (the 16-bit rows), in place; returns logits."""
+    """logits [B, V] (from the FP8 rows) with each chunk's leading column (its TOPK leading columns at up to
+    TOPK_ROWS rows) replaced by hidden [B, K] . weight [V, K] (the 16-bit rows), in place; returns logits."""
     if logits.dim() != 2 or hidden.dim() != 2 or logits.shape[0] != hidden.shape[0]:
         raise ValueError(f"rescore: logits {tuple(logits.shape)} and hidden {tuple(hidden.shape)} do not pair")
     rows, vocab = logits.shape
