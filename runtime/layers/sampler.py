@@ -37,6 +37,11 @@ def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.
 
 
 
+def _greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax's index per row; on a GPU ours, which splits a row over many blocks (kernels/argmax.py)."""
+    return argmax_rows(logits) if use_argmax_rows(logits) else logits.argmax(dim=-1)
+
+
 @dataclass(slots=True)
 class SampleOutput:
     next_token_ids: torch.Tensor  # [B]
@@ -60,8 +65,8 @@ class Sampler:
             dev = logits.device
             apply_token_bitmask(logits, bitmask_from_bytes(sb.grammar_mask, len(sb.grammar_rows), dev),
                                 to_device(sb.grammar_rows, torch.int64, dev))
-        if sb.all_greedy:  # the same index as torch's argmax; ours splits a row over many blocks (kernels/argmax.py)
-            ids = argmax_rows(logits) if use_argmax_rows(logits) else logits.argmax(dim=-1)
+        if sb.all_greedy:
+            ids = _greedy_ids(logits)
         else:
             ids = self._sample(logits, sb)
         out = SampleOutput(ids)
@@ -126,4 +131,4 @@ class Sampler:
         steps = to_device(sb.steps, torch.int64, dev)
         noise = -torch.log(hash_uniform(seeds, steps, probs.shape[1]))  # Exp(1): argmax p/E draws from p
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        return torch.where(greedy, _greedy_ids(logits), sampled)
