@@ -20,6 +20,10 @@
 #   bash benchmarks/gpu_suite.sh part15 OUTDIR  # 462/256 x 500 twice in a row on a fresh machine (the slow-run
 #                                               # question: Triton compiles inside the run?), the FP8 GPU tests
 #                                               # the last run did not reach
+#   bash benchmarks/gpu_suite.sh part16 OUTDIR  # the GPU tests of the argmax kernel and the 4-leader FP8 head
+#                                               # rescoring, bench_fp8 decode at bs 1, 462/256 x 500 twice
+#   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
+#                                               # then bs-1 decode bf16 and FP8 with it off and on, and profiles
 set -u
 part=$1 out=$2
 mkdir -p "$out"
@@ -150,4 +154,23 @@ if [ "$part" = part15 ]; then
   done
   TAIL=40 run timeout 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_weight_scales_gpu.py \
     "tests/gpu/test_fp8_act_quant_gpu.py::test_engine_fp8_batch32_greedy_same_with_kernel_on_and_off"
+fi
+if [ "$part" = part16 ]; then
+  TAIL=8 run timeout 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_argmax_gpu.py \
+    "tests/gpu/test_gpu_fp8.py::test_fp8_lm_head_on_gpu"
+  run timeout 200 python benchmarks/bench_fp8.py --part decode --modes bf16,fp8_weights,fp8_weights_lm_head \
+    --output-file "$out/fp8_decode_lm_head_top4.json"
+  T="--num-prompts 500 --input-len 462 --output-len 256 --cuda-graph-max-bs 256 --max-running-requests 512"
+  for i in 1 2; do
+    TAIL=12 run timeout 120 $OFF $T --output-file "$out/llama8b_462x256_s30_run$i.json"
+  done
+fi
+if [ "$part" = part17 ]; then
+  TAIL=8 run timeout 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_dense_gemv_gpu.py -k "norm"
+  for ng in 0 1; do
+    run timeout 200 env SHOAL_NORM_GEMV=$ng python benchmarks/bench_fp8.py --part decode --modes bf16,fp8_weights \
+      --output-file "$out/fp8_decode_norm_gemv$ng.json"
+    TAIL=30 run timeout 150 env SHOAL_NORM_GEMV=$ng python -m benchmarks.profile_decode --modes bf16,fp8_weights \
+      --fusion on --batch 1 --output-file "$out/profile_decode_bs1_norm_gemv$ng.json"
+  done
 fi

@@ -33,6 +33,12 @@ before it waits for the previous kernel (PEEL; weights are constant), so the wei
 kernel's tail: with every Triton kernel of the step on PDL the bf16 bs-1 step went 6.02 → 5.50 ms on an
 H100 (benchmarks/README.md). GemvConfig.peel forces the peeled loop without PDL (the CPU test of its bits).
 
+NormInput (M = 1, plain GEMV only): the kernel takes rmsnorm(x [+ residual]) * g in x's place. Every
+program first reads the whole row (L2-resident: the previous kernel just wrote it) for 1 / rms, then
+normalises each x tile as it loads it, exactly as kernels/rmsnorm.py rounds it; one program stores the new
+residual. The decode step at batch 1 loses its 64 norm launches and their round trips (the decoder layers'
+`fuse_norm`, SHOAL_NORM_GEMV).
+
 The Triton interpreter (TRITON_INTERPRET=1) loads float8_e4m3fn tensors and widens them exactly; only its
 tl.dot on bf16 is wrong, so CPU tests use fp32/fp16 activations."""
 
@@ -95,8 +101,41 @@ def _gate(x_ptrs, X, K, mask, GATED: tl.constexpr, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _fp8_gemv_kernel(X, W, S, B, Out, Part, M, N, K, stride_xm, stride_wn, stride_om,
-                     GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
+def _norm_rstd(X, R, RO, K, eps, WRITE, NORM: tl.constexpr, KFULL: tl.constexpr):
+    """The norm prologue (NORM 1: rmsnorm(x); 2: the residual add first, kernels/rmsnorm.py's rounding):
+    1 / rms of the whole row, which every program reads (from L2: the previous kernel just wrote it).
+    WRITE: this program stores the new residual (x + r, rounded) to RO; the others recompute it."""
+    offs = tl.arange(0, KFULL)
+    mask = offs < K
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if NORM == 2:
+        s = (x + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
+        if WRITE:
+            tl.store(RO + offs, s, mask=mask)
+        x = s.to(tl.float32)
+    return tl.rsqrt(tl.sum(x * x, 0) / K + eps)
+
+
+@triton.jit
+def _normed(x, R, G, k_offs, mask, rstd, NORM: tl.constexpr, MASKED: tl.constexpr):
+    """The x tile as the norm kernel would have stored it: (x [+ r]) * rstd * g, rounded to x's dtype."""
+    xf = x.to(tl.float32)
+    if NORM == 2:
+        if MASKED:
+            r = tl.load(R + k_offs, mask=mask, other=0.0)
+        else:
+            r = tl.load(R + k_offs)
+        xf = (xf + r.to(tl.float32)).to(x.dtype).to(tl.float32)
+    if MASKED:
+        g = tl.load(G + k_offs, mask=mask, other=0.0)
+    else:
+        g = tl.load(G + k_offs)
+    return (xf * rstd * g.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def _fp8_gemv_kernel(X, W, S, B, Out, Part, R, G, RO, eps, M, N, K, stride_xm, stride_wn, stride_om,
+                     GATED: tl.constexpr, NORM: tl.constexpr, KFULL: tl.constexpr, HAS_SCALE: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -136,18 +175,27 @@ def _fp8_gemv_kernel(X, W, S, B, Out, Part, M, N, K, stride_xm, stride_wn, strid
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+        if NORM > 0:
+            rstd = _norm_rstd(X, R, RO, K, eps, (pid_n == 0) & (pid_k == 0), NORM, KFULL)
         x = _gate(x_ptrs, X, K, None, GATED, False)
+        if NORM > 0:
+            x = _normed(x, R, G, k_lo + offs_k, None, rstd, NORM, False)
         acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         k_start = k_lo + BLOCK_K
-    elif USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    else:
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        if NORM > 0:
+            rstd = _norm_rstd(X, R, RO, K, eps, (pid_n == 0) & (pid_k == 0), NORM, KFULL)
     for k in range(k_start, k_hi, BLOCK_K):
         if EVEN_K:
             if GEMV1:
                 x = _gate(x_ptrs, X, K, None, GATED, False)
+                if NORM > 0:
+                    x = _normed(x, R, G, k + offs_k, None, rstd, NORM, False)
             else:
                 x = _gate(x_ptrs, X, K, mask_m[:, None], GATED, True)
             if EVEN_N:
@@ -158,6 +206,8 @@ def _fp8_gemv_kernel(X, W, S, B, Out, Part, M, N, K, stride_xm, stride_wn, strid
             mask_k = (k + offs_k) < k_hi
             if GEMV1:
                 x = _gate(x_ptrs, X, K, mask_k, GATED, True)
+                if NORM > 0:
+                    x = _normed(x, R, G, k + offs_k, mask_k, rstd, NORM, True)
             else:
                 x = _gate(x_ptrs, X, K, mask_m[:, None] & mask_k[None, :], GATED, True)
             w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
@@ -242,8 +292,30 @@ def _check_operands(fn: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tenso
         raise ValueError(f"{fn}: bias has {bias.numel()} values for {w.shape[0]} output channels")
 
 
+@dataclass(frozen=True, slots=True)
+class NormInput:
+    """The GEMV's x is rmsnorm(x [+ residual]) * weight: the norm runs in its prologue (M = 1 only).
+    residual_out receives x + residual (rounded, as fused_add_rmsnorm leaves it); without a residual
+    it is unused."""
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None = None
+    residual_out: torch.Tensor | None = None
+
+
+def _check_norm(norm: NormInput, x: torch.Tensor, k: int, unserved: bool) -> None:
+    if unserved:
+        raise ValueError("the norm prologue serves one row on the multiply + sum GEMV only")
+    if norm.weight.numel() != k or not norm.weight.is_contiguous():
+        raise ValueError(f"norm weight: {norm.weight.numel()} contiguous values wanted for {k} columns")
+    if norm.residual is not None:
+        for name, t in (("residual", norm.residual), ("residual_out", norm.residual_out)):
+            if t is None or t.shape != x.shape or t.dtype != x.dtype or not t.is_contiguous():
+                raise ValueError(f"norm {name} must be a contiguous {x.dtype} tensor shaped like x {tuple(x.shape)}")
+
+
 def _launch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-            config: GemvConfig | None, gated: bool) -> torch.Tensor:
+            config: GemvConfig | None, gated: bool, norm: NormInput | None = None) -> torch.Tensor:
     m, n, k = x.shape[0], w.shape[0], w.shape[1]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
@@ -253,6 +325,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: 
     if w.stride(1) != 1:
         w = w.contiguous()
     cfg = config or pick_config(m, n, k, _sm_count(x.device), w.element_size())
+    if norm is not None:
+        _check_norm(norm, x, k, m != 1 or cfg.use_dot or gated)
     # Rows in tiles of BLOCK_M (a third grid axis; each tile streams the whole weight once): tl.dot takes
     # up to 64 rows a tile (16 at least), the multiply + sum register tile up to 16.
     pow2_m = triton.next_power_of_2(m)
@@ -273,9 +347,16 @@ def _launch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: 
     gemv1 = block_m == 1 and not cfg.use_dot
     even_k = k % (cfg.split_k * cfg.block_k) == 0
     peel = gemv1 and even_k and (pdl if cfg.peel is None else cfg.peel)
+    r_ptr = g_ptr = ro_ptr = x
+    if norm is not None:
+        g_ptr = norm.weight
+        if norm.residual is not None:
+            r_ptr, ro_ptr = norm.residual, norm.residual_out
     _fp8_gemv_kernel[grid](
-        x, w, s_ptr, b_ptr, out, part, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        GATED=gated, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
+        x, w, s_ptr, b_ptr, out, part, r_ptr, g_ptr, ro_ptr, norm.eps if norm is not None else 0.0,
+        m, n, k, x.stride(0), w.stride(0), out.stride(0), GATED=gated,
+        NORM=0 if norm is None else (1 if norm.residual is None else 2), KFULL=triton.next_power_of_2(k),
+        HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, SPLIT_K=cfg.split_k,
         USE_DOT=cfg.use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         EVEN_N=n % cfg.block_n == 0, EVEN_K=even_k,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PEEL=peel, USE_PDL=pdl,
@@ -291,9 +372,10 @@ def _launch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: 
 
 def fp8_linear_small_m(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
                        bias: torch.Tensor | None = None, config: GemvConfig | None = None,
-                       gated: bool = False) -> torch.Tensor:
+                       gated: bool = False, norm: NormInput | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) @ (w8 [N, K] fp8 * w_scale [N])^T + bias → [M, N] in x's dtype.
-    gated: x is [M, 2K] = cat(gate, up) and the product takes silu(gate) * up in its place."""
+    gated: x is [M, 2K] = cat(gate, up) and the product takes silu(gate) * up in its place.
+    norm (M = 1): the product takes rmsnorm(x [+ norm.residual]) * norm.weight in x's place."""
     _check_operands("fp8_linear_small_m", x, w8, bias, gated)
     if w8.dtype not in FP8_DTYPES:
         raise TypeError(f"fp8_linear_small_m: w8 must be float8_e4m3fn, got {w8.dtype}")
@@ -303,17 +385,18 @@ def fp8_linear_small_m(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
         scale = scale.expand(n)
     if scale.numel() != n:
         raise ValueError(f"fp8_linear_small_m: w_scale has {w_scale.numel()} values for {n} output channels")
-    return _launch(x, w8, scale.contiguous(), bias, config, gated)
+    return _launch(x, w8, scale.contiguous(), bias, config, gated, norm)
 
 
 def dense_linear_small_m(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                         config: GemvConfig | None = None, gated: bool = False) -> torch.Tensor:
+                         config: GemvConfig | None = None, gated: bool = False,
+                         norm: NormInput | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T + bias → [M, N] in x's dtype, for an unquantized weight (bf16/fp16 served,
-    fp32 too for tests), fp32 accumulation; gated as in fp8_linear_small_m."""
+    fp32 too for tests), fp32 accumulation; gated and norm as in fp8_linear_small_m."""
     _check_operands("dense_linear_small_m", x, w, bias, gated)
     if w.dtype in FP8_DTYPES:
         raise TypeError("dense_linear_small_m: an fp8 weight needs its scales (fp8_linear_small_m)")
-    return _launch(x, w, None, bias, config, gated)
+    return _launch(x, w, None, bias, config, gated, norm)
 
 
 def fp8_linear_small_m_ref(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
@@ -334,6 +417,14 @@ def gated_serves(m: int) -> bool:
     """Whether the GEMV should take the gate_up output itself (gated=True) at this M, rather than a
     separate SiLU-and-mul launch first (the same bits either way)."""
     return 1 <= m <= GATED_M_MAX
+
+
+def norm_gemv_enabled() -> bool:
+    """Whether a decode step at one row folds each decoder layer's RMSNorms into the GEMV after it
+    (SHOAL_NORM_GEMV=1; off by default until its cost is measured on a GPU). A kernel choice, not an
+    exact fusion: the prologue sums x^2 in the GEMV's layout (4 warps, the norm kernel 16), so 1 / rms may
+    differ from the norm kernel's in its last bit, and then a normed value's rounding."""
+    return os.environ.get("SHOAL_NORM_GEMV", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 def small_m_max() -> int:

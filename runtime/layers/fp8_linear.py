@@ -39,6 +39,7 @@ from kernels.decode_fusion import decode_fusion_enabled
 from kernels.fp8_act_quant import quantize_per_token_fp8
 from kernels.fp8_gemv import (  # fp8gemv hook (issue 16)
     WEIGHT_ONLY_M_MAX,
+    NormInput,
     fp8_linear_small_m,
     fp8_linear_small_m_ref,
     gated_serves,
@@ -152,6 +153,14 @@ def _column_forward(self: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor
     return self.group.all_gather(y, dim=-1) if self.gather_output else y
 
 
+def _column_gemv_serves(self: ColumnParallelLinear, x: torch.Tensor) -> bool:
+    return use_small_m(x, self.weight, WEIGHT_ONLY_M_MAX if self.weight_only else None)
+
+
+def _column_gemv_normed(self: ColumnParallelLinear, x: torch.Tensor, norm: NormInput) -> torch.Tensor:
+    return fp8_linear_small_m(x, self.weight, self.weight_scale, self.bias, norm=norm)
+
+
 def _row_forward(self: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
     y = fp8_linear(x, self.weight, self.weight_scale, None, self.use_scaled_mm, self.fused_act_quant,
                    self.weight_only, self.act_terms)
@@ -203,5 +212,8 @@ def use_fp8_forward(module: nn.Module, act_dtype: torch.dtype, weight_only: bool
     module.fused_act_quant = fused_act_quant_enabled(module.weight.device)
     forward = _row_forward if isinstance(module, RowParallelLinear) else _column_forward
     module.forward = MethodType(forward, module)
+    if isinstance(module, ColumnParallelLinear):  # the norm-in-GEMV path (ColumnParallelLinear.forward_normed)
+        module._gemv_serves = MethodType(_column_gemv_serves, module)
+        module._gemv_normed = MethodType(_column_gemv_normed, module)
     if isinstance(module, RowParallelLinear):  # LlamaMLP calls it for down_proj when decode fusion is on
         module.forward_silu_mul = MethodType(_row_forward_silu_mul, module)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from kernels.fp8_gemv import NormInput, dense_linear_small_m
 from runtime.distributed import ParallelGroup
 from runtime.errors import WeightLoadError
 from runtime.layers.dense_gemm import DenseGemm
@@ -55,6 +56,25 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.gemm(x, self.weight, self.bias)
         return self.group.all_gather(y, dim=-1) if self.gather_output else y
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None,
+                       norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(self(rmsnorm(x [+ residual]) * norm_weight), the new residual) with the norm in the GEMV's
+        prologue, one launch, where a GEMV serves this one row; None elsewhere (and whenever a forward hook
+        is on): the caller runs the norm, then the layer. x and residual are left as they are."""
+        if (self.gather_output or self._forward_pre_hooks or x.dim() != 2 or x.shape[0] != 1
+                or x.stride(-1) != 1 or not self._gemv_serves(x)):
+            return None
+        out = None if residual is None else torch.empty_like(residual)
+        y = self._gemv_normed(x, NormInput(norm_weight, eps, residual, out))
+        return y, (x if residual is None else out)
+
+    # FP8 layers swap both in (runtime/layers/fp8_linear.py), as they swap forward.
+    def _gemv_serves(self, x: torch.Tensor) -> bool:
+        return self.gemm.serves(x, self.weight)
+
+    def _gemv_normed(self, x: torch.Tensor, norm: NormInput) -> torch.Tensor:
+        return dense_linear_small_m(x, self.weight, self.bias, norm=norm)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from kernels.decode_fusion import decode_fusion_enabled
+from kernels.fp8_gemv import norm_gemv_enabled
 from runtime.errors import WeightLoadError
 from runtime.layers.activation import SiluAndMul
 from runtime.layers.attention import Attention
@@ -42,7 +43,11 @@ class LlamaAttention(nn.Module):
                               cfg.layer_sliding_window(layer_id))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.attend(positions, self.qkv_proj(hidden), fb)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """Everything after the qkv projection (which the decoder layer may have fused with its norm)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
@@ -59,7 +64,10 @@ class LlamaMLP(nn.Module):
         self.fuse_act = decode_fusion_enabled()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Everything after the gate_up projection (which the decoder layer may have fused with its norm)."""
         # The down projection folds the activation into its decode GEMV where one serves (bf16 at M = 1,
         # FP8 up to M = 2) and into FP8's activation quantize above.
         if self.fuse_act:
@@ -79,8 +87,15 @@ class LlamaDecoderLayer(nn.Module):
         # norm, or the model's final norm, for down_proj): both sides ask norm_group the same question.
         self.norm_group = ctx.norm_reduce_group
         self.self_attn.o_proj.defer_to_norm = self.mlp.down_proj.defer_to_norm = self.norm_group is not None
+        # One-row steps fold each norm into the GEMV after it (kernels/fp8_gemv.py, NormInput) where the
+        # linears reduce their own sums and the MLP runs on this rank's tokens.
+        self.fuse_norm = norm_gemv_enabled() and self.norm_group is None and not ctx.dp_attention
 
     def forward(self, positions, hidden, residual, fb: ForwardBatch):
+        if self.fuse_norm and hidden.shape[0] == 1:
+            fused = self._forward_norm_gemv(positions, hidden, residual, fb)
+            if fused is not None:
+                return fused
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
@@ -89,6 +104,24 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.self_attn(positions, hidden, fb)
         hidden, residual = self.post_attention_layernorm(hidden, residual, self.norm_group)
         return self.ctx.run_mlp(self.mlp, hidden, fb), residual
+
+    def _forward_norm_gemv(self, positions, hidden, residual, fb: ForwardBatch):
+        """forward with both norms inside the qkv and gate_up GEMVs; None where the qkv GEMV does not serve
+        (the gate_up one then does not either: same row, same kind of weight)."""
+        attn, mlp = self.self_attn, self.mlp
+        normed = attn.qkv_proj.forward_normed(hidden, residual, self.input_layernorm.weight,
+                                              self.input_layernorm.eps)
+        if normed is None:
+            return None
+        qkv, residual = normed
+        hidden = attn.attend(positions, qkv, fb)
+        normed = mlp.gate_up_proj.forward_normed(hidden, residual, self.post_attention_layernorm.weight,
+                                                 self.post_attention_layernorm.eps)
+        if normed is None:
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+            return mlp(hidden), residual
+        gate_up, residual = normed
+        return mlp.down(gate_up), residual
 
 
 class LlamaModel(nn.Module):

@@ -1,7 +1,9 @@
 """The 16-bit-weight GEMV on the GPU: bf16 at M = 1 on every Llama-8B shape (TP=2 halves and the LM head
 included) and ragged ones, bit-close to the fp32 product; gated bit-equal to SiLU-and-mul then the GEMV;
-replayed from a CUDA graph; DenseGemm's dispatch (M = 1 bf16 → GEMV; M = 2, fp32 → F.linear); and an
-Engine's batch-1 greedy decode with the GEMV on and off (SHOAL_DENSE_GEMV_MAX_M) on a bf16 Llama."""
+replayed from a CUDA graph; DenseGemm's dispatch (M = 1 bf16 → GEMV; M = 2, fp32 → F.linear); an
+Engine's batch-1 greedy decode with the GEMV on and off (SHOAL_DENSE_GEMV_MAX_M) on a bf16 Llama; and the
+norm prologue (NormInput, SHOAL_NORM_GEMV): against the norm kernel then the GEMV, in and out of a graph,
+and in the Engine."""
 
 from __future__ import annotations
 
@@ -87,10 +89,11 @@ def bf16_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_bf16_llama(tmp_path_factory.mktemp("dense_gemv_llama"), LLAMA_4L)
 
 
-def _decode_one_at_a_time(path: Path, max_m: str, monkeypatch: pytest.MonkeyPatch):
+def _decode_one_at_a_time(path: Path, max_m: str, monkeypatch: pytest.MonkeyPatch, norm_gemv: str = "0"):
     from runtime import Engine
 
     monkeypatch.setenv("SHOAL_DENSE_GEMV_MAX_M", max_m)  # read when the layers are built
+    monkeypatch.setenv("SHOAL_NORM_GEMV", norm_gemv)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 32000) for _ in range(rng.randrange(16, 200))] for _ in range(4)]
     params = {"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True, "return_logprob": True,
@@ -108,8 +111,59 @@ def test_engine_batch1_decode_gemv_on_off(bf16_llama: Path, monkeypatch: pytest.
     """Only the summation order differs: bf16 noise in the logprobs, and the same greedy path up to a
     near-tie (random weights have many, exact ties of three tokens among them: an H100 gave 60 of 128 tokens
     before the first splits, mean |dlogprob| 0.004), where the other run's token is within a hair of the top."""
-    on = _decode_one_at_a_time(bf16_llama, "1", monkeypatch)
-    off = _decode_one_at_a_time(bf16_llama, "0", monkeypatch)
+    _same_path_up_to_near_ties(_decode_one_at_a_time(bf16_llama, "1", monkeypatch),
+                               _decode_one_at_a_time(bf16_llama, "0", monkeypatch))
+
+
+def test_engine_batch1_decode_norm_gemv_on_off(bf16_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The norms folded into the GEMVs against the norm kernels (both on the GEMV): 1 / rms may differ in its
+    last bit, so the same rule as the GEMV's own on/off."""
+    _same_path_up_to_near_ties(_decode_one_at_a_time(bf16_llama, "1", monkeypatch, norm_gemv="1"),
+                               _decode_one_at_a_time(bf16_llama, "1", monkeypatch, norm_gemv="0"))
+
+
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (28672, 4096), (128256, 4096), (40, 72)])
+@pytest.mark.parametrize("add", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_norm_prologue_against_the_norm_kernel(n: int, k: int, add: bool, fp8: bool) -> None:
+    from kernels.fp8_gemv import NormInput, fp8_linear_small_m
+    from kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+    from runtime.layers.fp8_linear import quantize_per_channel
+
+    x, w, _ = _operands(n, k, seed=3)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    r = torch.randn(1, k, device="cuda", generator=gen).to(BF16) if add else None
+    g = (1 + 0.1 * torch.randn(k, device="cuda", generator=gen)).to(BF16)
+    if fp8:
+        w8, scale = quantize_per_channel(w)
+        gemv = lambda h, norm=None: fp8_linear_small_m(h, w8, scale, norm=norm)  # noqa: E731
+    else:
+        gemv = lambda h, norm=None: dense_linear_small_m(h, w, norm=norm)  # noqa: E731
+    if r is None:
+        want, want_res = gemv(rmsnorm(x, g, 1e-5)), None
+    else:
+        xc, want_res = x.clone(), r.clone()
+        fused_add_rmsnorm(xc, want_res, g, 1e-5)
+        want = gemv(xc)
+    res_out = torch.empty_like(r) if r is not None else None
+    x0 = x.clone()
+    got = gemv(x, NormInput(g, 1e-5, r, res_out))
+    assert torch.equal(x, x0)
+    if r is not None:
+        assert torch.equal(res_out, want_res)  # the add is elementwise: the same bits
+    torch.testing.assert_close(got.float(), want.float(), rtol=2.0 ** -6, atol=1e-3 * float(want.abs().max()))
+    assert (got != want).float().mean() < 0.05
+    # and from a CUDA graph
+    out = torch.empty_like(got)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(gemv(x, NormInput(g, 1e-5, r, res_out)))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got)
+
+
+def _same_path_up_to_near_ties(on, off) -> None:
     diffs = []
     for a, b in zip(on, off, strict=True):
         n = next((i for i, (x, y) in enumerate(zip(a["output_ids"], b["output_ids"])) if x != y), None)
