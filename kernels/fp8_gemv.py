@@ -51,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.norm_input import NormInput, check_norm, norm_rstd, normed_tile
 from kernels.pdl import launch_options, pdl_enabled
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -101,39 +102,6 @@ def _gate(x_ptrs, X, K, mask, GATED: tl.constexpr, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _norm_rstd(X, R, RO, K, eps, WRITE, NORM: tl.constexpr, KFULL: tl.constexpr):
-    """The norm prologue (NORM 1: rmsnorm(x); 2: the residual add first, kernels/rmsnorm.py's rounding):
-    1 / rms of the whole row, which every program reads (from L2: the previous kernel just wrote it).
-    WRITE: this program stores the new residual (x + r, rounded) to RO; the others recompute it."""
-    offs = tl.arange(0, KFULL)
-    mask = offs < K
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    if NORM == 2:
-        s = (x + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
-        if WRITE:
-            tl.store(RO + offs, s, mask=mask)
-        x = s.to(tl.float32)
-    return tl.rsqrt(tl.sum(x * x, 0) / K + eps)
-
-
-@triton.jit
-def _normed(x, R, G, k_offs, mask, rstd, NORM: tl.constexpr, MASKED: tl.constexpr):
-    """The x tile as the norm kernel would have stored it: (x [+ r]) * rstd * g, rounded to x's dtype."""
-    xf = x.to(tl.float32)
-    if NORM == 2:
-        if MASKED:
-            r = tl.load(R + k_offs, mask=mask, other=0.0)
-        else:
-            r = tl.load(R + k_offs)
-        xf = (xf + r.to(tl.float32)).to(x.dtype).to(tl.float32)
-    if MASKED:
-        g = tl.load(G + k_offs, mask=mask, other=0.0)
-    else:
-        g = tl.load(G + k_offs)
-    return (xf * rstd * g.to(tl.float32)).to(x.dtype)
-
-
-@triton.jit
 def _fp8_gemv_kernel(X, W, S, B, Out, Part, R, G, RO, eps, M, N, K, stride_xm, stride_wn, stride_om,
                      GATED: tl.constexpr, NORM: tl.constexpr, KFULL: tl.constexpr, HAS_SCALE: tl.constexpr,
                      HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
@@ -176,10 +144,10 @@ def _fp8_gemv_kernel(X, W, S, B, Out, Part, R, G, RO, eps, M, N, K, stride_xm, s
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         if NORM > 0:
-            rstd = _norm_rstd(X, R, RO, K, eps, (pid_n == 0) & (pid_k == 0), NORM, KFULL)
+            rstd = norm_rstd(X, R, RO, K, eps, (pid_n == 0) & (pid_k == 0), NORM, KFULL)
         x = _gate(x_ptrs, X, K, None, GATED, False)
         if NORM > 0:
-            x = _normed(x, R, G, k_lo + offs_k, None, rstd, NORM, False)
+            x = normed_tile(x, R, G, k_lo + offs_k, None, rstd, NORM, False)
         acc2 += w.to(tl.float32) * x.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -189,13 +157,13 @@ def _fp8_gemv_kernel(X, W, S, B, Out, Part, R, G, RO, eps, M, N, K, stride_xm, s
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         if NORM > 0:
-            rstd = _norm_rstd(X, R, RO, K, eps, (pid_n == 0) & (pid_k == 0), NORM, KFULL)
+            rstd = norm_rstd(X, R, RO, K, eps, (pid_n == 0) & (pid_k == 0), NORM, KFULL)
     for k in range(k_start, k_hi, BLOCK_K):
         if EVEN_K:
             if GEMV1:
                 x = _gate(x_ptrs, X, K, None, GATED, False)
                 if NORM > 0:
-                    x = _normed(x, R, G, k + offs_k, None, rstd, NORM, False)
+                    x = normed_tile(x, R, G, k + offs_k, None, rstd, NORM, False)
             else:
                 x = _gate(x_ptrs, X, K, mask_m[:, None], GATED, True)
             if EVEN_N:
@@ -207,7 +175,7 @@ def _fp8_gemv_kernel(X, W, S, B, Out, Part, R, G, RO, eps, M, N, K, stride_xm, s
             if GEMV1:
                 x = _gate(x_ptrs, X, K, mask_k, GATED, True)
                 if NORM > 0:
-                    x = _normed(x, R, G, k + offs_k, mask_k, rstd, NORM, True)
+                    x = normed_tile(x, R, G, k + offs_k, mask_k, rstd, NORM, True)
             else:
                 x = _gate(x_ptrs, X, K, mask_m[:, None] & mask_k[None, :], GATED, True)
             w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
@@ -292,28 +260,6 @@ def _check_operands(fn: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tenso
         raise ValueError(f"{fn}: bias has {bias.numel()} values for {w.shape[0]} output channels")
 
 
-@dataclass(frozen=True, slots=True)
-class NormInput:
-    """The GEMV's x is rmsnorm(x [+ residual]) * weight: the norm runs in its prologue (M = 1 only).
-    residual_out receives x + residual (rounded, as fused_add_rmsnorm leaves it); without a residual
-    it is unused."""
-    weight: torch.Tensor
-    eps: float
-    residual: torch.Tensor | None = None
-    residual_out: torch.Tensor | None = None
-
-
-def _check_norm(norm: NormInput, x: torch.Tensor, k: int, unserved: bool) -> None:
-    if unserved:
-        raise ValueError("the norm prologue serves one row on the multiply + sum GEMV only")
-    if norm.weight.numel() != k or not norm.weight.is_contiguous():
-        raise ValueError(f"norm weight: {norm.weight.numel()} contiguous values wanted for {k} columns")
-    if norm.residual is not None:
-        for name, t in (("residual", norm.residual), ("residual_out", norm.residual_out)):
-            if t is None or t.shape != x.shape or t.dtype != x.dtype or not t.is_contiguous():
-                raise ValueError(f"norm {name} must be a contiguous {x.dtype} tensor shaped like x {tuple(x.shape)}")
-
-
 def _launch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
             config: GemvConfig | None, gated: bool, norm: NormInput | None = None) -> torch.Tensor:
     m, n, k = x.shape[0], w.shape[0], w.shape[1]
@@ -326,7 +272,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: 
         w = w.contiguous()
     cfg = config or pick_config(m, n, k, _sm_count(x.device), w.element_size())
     if norm is not None:
-        _check_norm(norm, x, k, m != 1 or cfg.use_dot or gated)
+        check_norm(norm, x, k, m != 1 or cfg.use_dot or gated)
     # Rows in tiles of BLOCK_M (a third grid axis; each tile streams the whole weight once): tl.dot takes
     # up to 64 rows a tile (16 at least), the multiply + sum register tile up to 16.
     pow2_m = triton.next_power_of_2(m)

@@ -39,12 +39,12 @@ from kernels.decode_fusion import decode_fusion_enabled
 from kernels.fp8_act_quant import quantize_per_token_fp8
 from kernels.fp8_gemv import (  # fp8gemv hook (issue 16)
     WEIGHT_ONLY_M_MAX,
-    NormInput,
     fp8_linear_small_m,
     fp8_linear_small_m_ref,
     gated_serves,
     use_small_m,
 )
+from kernels.norm_input import NormInput
 from runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 FP8 = torch.float8_e4m3fn

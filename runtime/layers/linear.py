@@ -10,7 +10,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kernels.fp8_gemv import NormInput, dense_linear_small_m
+from kernels.fp8_gemv import dense_linear_small_m
+from kernels.norm_input import NormInput
 from runtime.distributed import ParallelGroup
 from runtime.errors import WeightLoadError
 from runtime.layers.dense_gemm import DenseGemm

@@ -126,7 +126,8 @@ def test_engine_batch1_decode_norm_gemv_on_off(bf16_llama: Path, monkeypatch: py
 @pytest.mark.parametrize("add", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_norm_prologue_against_the_norm_kernel(n: int, k: int, add: bool, fp8: bool) -> None:
-    from kernels.fp8_gemv import NormInput, fp8_linear_small_m
+    from kernels.fp8_gemv import fp8_linear_small_m
+    from kernels.norm_input import NormInput
     from kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
     from runtime.layers.fp8_linear import quantize_per_channel
 

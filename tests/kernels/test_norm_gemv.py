@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fp8_gemv import GemvConfig, NormInput, dense_linear_small_m, fp8_linear_small_m
+from kernels.fp8_gemv import GemvConfig, dense_linear_small_m, fp8_linear_small_m
+from kernels.norm_input import NormInput
 from kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from runtime.distributed import ParallelGroup
 from runtime.layers.dense_gemm import DenseGemm
