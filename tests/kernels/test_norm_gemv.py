@@ -48,23 +48,28 @@ def _unfused(x, r, g, gemv):
     return gemv(xc), rc
 
 
+def _check(x, r, g, gemv) -> None:
+    """gemv(h, norm=None) with the norm prologue against the norm kernel then gemv: the same bits, the new
+    residual too, and the inputs left as they were."""
+    x0, r0 = x.clone(), None if r is None else r.clone()
+    want, want_res = _unfused(x, r, g, gemv)
+    res_out = None if r is None else torch.empty_like(r)
+    got = gemv(x, NormInput(g, EPS, r, res_out))
+    assert torch.equal(got, want)
+    if r is not None:
+        assert torch.equal(res_out, want_res)
+        assert torch.equal(r, r0)
+    assert torch.equal(x, x0)
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("add", [False, True])
 @pytest.mark.parametrize(("n", "k", "dtype"), [(48, 128, torch.float32), (40, 96, torch.float16),
                                                (37, 256, torch.float16)])
 def test_dense_equals_norm_then_gemv(name: str, add: bool, n: int, k: int, dtype: torch.dtype) -> None:
     x, r, g, w, b = _operands(n, k, dtype, seed=n + k)
-    r = r if add else None
-    x0, r0 = x.clone(), None if r is None else r.clone()
     cfg = CONFIGS[name]
-    want, want_res = _unfused(x, r, g, lambda h: dense_linear_small_m(h, w, b, config=cfg))
-    res_out = None if r is None else torch.empty_like(r)
-    got = dense_linear_small_m(x, w, b, config=cfg, norm=NormInput(g, EPS, r, res_out))
-    assert torch.equal(got, want)
-    if add:
-        assert torch.equal(res_out, want_res)
-        assert torch.equal(r, r0)
-    assert torch.equal(x, x0)
+    _check(x, r if add else None, g, lambda h, norm=None: dense_linear_small_m(h, w, b, config=cfg, norm=norm))
 
 
 @pytest.mark.parametrize("add", [False, True])
@@ -72,14 +77,8 @@ def test_dense_equals_norm_then_gemv(name: str, add: bool, n: int, k: int, dtype
 def test_fp8_equals_norm_then_gemv(add: bool, name: str) -> None:
     x, r, g, w, _ = _operands(64, 256, torch.float16, seed=7)
     w8, scale = quantize_per_channel(w)
-    r = r if add else None
     cfg = CONFIGS[name]
-    want, want_res = _unfused(x, r, g, lambda h: fp8_linear_small_m(h, w8, scale, config=cfg))
-    res_out = None if r is None else torch.empty_like(r)
-    got = fp8_linear_small_m(x, w8, scale, config=cfg, norm=NormInput(g, EPS, r, res_out))
-    assert torch.equal(got, want)
-    if add:
-        assert torch.equal(res_out, want_res)
+    _check(x, r if add else None, g, lambda h, norm=None: fp8_linear_small_m(h, w8, scale, config=cfg, norm=norm))
 
 
 def test_norm_is_refused_where_the_prologue_cannot_run() -> None:
