@@ -27,6 +27,7 @@ from benchmarks.common import (
     special_token_ids,
     write_result,
 )
+from benchmarks.system_sampler import SystemSampler, visible_gpu_index
 from benchmarks.triton_compiles import TritonCompiles
 from runtime.config import ServerArgs
 
@@ -120,7 +121,7 @@ def run_throughput(engine: Any, args: argparse.Namespace, config: dict[str, Any]
     prompts, params = build_workload(args, config)
     before = stats_snapshot(engine)
     busy0 = getattr(engine.get_stats(), "device_busy_s", 0.0)
-    with TritonCompiles() as compiles:
+    with TritonCompiles() as compiles, SystemSampler(gpu_index=visible_gpu_index()) as system:
         t0 = time.perf_counter()
         outs = engine.generate(input_ids=prompts, sampling_params=params)
         duration = time.perf_counter() - t0
@@ -146,6 +147,7 @@ def run_throughput(engine: Any, args: argparse.Namespace, config: dict[str, Any]
         "device_idle_fraction": max(0.0, 1.0 - busy / duration) if busy > 0 else None,
         "max_total_tokens": getattr(engine.get_stats(), "max_total_tokens", None),  # KV pool size in tokens
         "triton_compiles_in_run": compiles.summary(),  # JIT compiles inside the timed run (host stalls)
+        "system_during_run": system.summary(),  # SM clock, throttling, power; host CPU busy / steal
     }
 
 
