@@ -20,7 +20,7 @@
 #   bash benchmarks/gpu_suite.sh part15 OUTDIR  # 462/256 x 500 twice in a row on a fresh machine (the slow-run
 #                                               # question: Triton compiles inside the run?), the FP8 GPU tests
 #                                               # the last run did not reach
-#   bash benchmarks/gpu_suite.sh part16 OUTDIR  # the GPU tests of the argmax kernel and the 4-leader FP8 head
+#   bash benchmarks/gpu_suite.sh part16 OUTDIR  # the GPU tests of the argmax kernel, the eager kernels' one compile, the 4-leader FP8 head
 #                                               # rescoring, bench_fp8 decode at bs 1, 462/256 x 500 twice
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
 #                                               # then bs-1 decode bf16 and FP8 with it off and on, and profiles
@@ -157,7 +157,7 @@ if [ "$part" = part15 ]; then
 fi
 if [ "$part" = part16 ]; then
   TAIL=8 run timeout 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_argmax_gpu.py \
-    "tests/gpu/test_gpu_fp8.py::test_fp8_lm_head_on_gpu"
+    tests/gpu/test_eager_kernel_compiles_gpu.py "tests/gpu/test_gpu_fp8.py::test_fp8_lm_head_on_gpu"
   run timeout 200 python benchmarks/bench_fp8.py --part decode --modes bf16,fp8_weights,fp8_weights_lm_head \
     --output-file "$out/fp8_decode_lm_head_top4.json"
   T="--num-prompts 500 --input-len 462 --output-len 256 --cuda-graph-max-bs 256 --max-running-requests 512"

@@ -15,7 +15,9 @@ from kernels.decode_fusion import decode_fusion_enabled
 _BLOCK = 1024
 
 
-@triton.jit
+# Eager before every decode step: n (the step's token count) and the ids' alignment (a slice of the
+# step's packed copy) stay unspecialized, so one compile serves every batch size.
+@triton.jit(do_not_specialize=("Ids", "n"))
 def _resolve_kernel(Ids, Future, Out, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n

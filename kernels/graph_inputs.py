@@ -12,6 +12,12 @@ import triton
 import triton.language as tl
 
 _BLOCK = 256
+# This kernel runs eagerly before every replay, so Triton's specializations would each compile in the middle
+# of serving: an int arg equal to 1 or a multiple of 16, and a source whose 16-byte alignment follows the
+# step's size (ForwardBatch's index tensors are slices of one packed copy). Each value is read once per
+# element, so one variant serves every batch size (as kernels/verify_attention.py does for its indices).
+_PER_STEP = ("S_ids", "S_pos", "S_loc", "S_rpi", "S_sl", "S_pl", "n_tok", "n_pad_tok", "bs", "padded",
+             "seq_fill", "prefix_fill")
 
 
 @triton.jit
@@ -25,7 +31,7 @@ def _copy_pad(Dst, Src, n_copy, n_total, fill, offs, COPY: tl.constexpr):
         tl.store(Dst + offs, tl.where(in_copy, vals, fill), mask=offs < n_total)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_STEP)
 def _stage_kernel(D_ids, S_ids, D_pos, S_pos, D_loc, S_loc, D_rpi, S_rpi, D_sl, S_sl, D_pl, S_pl,
                   n_tok, n_pad_tok, bs, padded, seq_fill, prefix_fill, BLOCK: tl.constexpr):
     field = tl.program_id(0)
