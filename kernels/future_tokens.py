@@ -15,9 +15,9 @@ from kernels.decode_fusion import decode_fusion_enabled
 _BLOCK = 1024
 
 
-# Eager before every decode step: n (the step's token count) and the ids' alignment (a slice of the
-# step's packed copy) stay unspecialized, so one compile serves every batch size.
-@triton.jit(do_not_specialize=("Ids", "n"))
+# Eager before every decode step: n (the step's token count) stays unspecialized, so one compile serves
+# every batch size (Triton would compile again for n == 1 and for multiples of 16).
+@triton.jit(do_not_specialize=("n",))
 def _resolve_kernel(Ids, Future, Out, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n

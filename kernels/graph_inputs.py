@@ -12,12 +12,11 @@ import triton
 import triton.language as tl
 
 _BLOCK = 256
-# This kernel runs eagerly before every replay, so Triton's specializations would each compile in the middle
-# of serving: an int arg equal to 1 or a multiple of 16, and a source whose 16-byte alignment follows the
-# step's size (ForwardBatch's index tensors are slices of one packed copy). Each value is read once per
-# element, so one variant serves every batch size (as kernels/verify_attention.py does for its indices).
-_PER_STEP = ("S_ids", "S_pos", "S_loc", "S_rpi", "S_sl", "S_pl", "n_tok", "n_pad_tok", "bs", "padded",
-             "seq_fill", "prefix_fill")
+# This kernel runs eagerly before every replay, so each of Triton's int specializations (an argument of 1,
+# or a multiple of 16) would compile in the middle of serving the first time a batch size brings it. Each
+# size is read once per program: one variant serves them all. (The sources are 16-byte aligned views:
+# runtime/host_to_device.to_device_fields.)
+_PER_STEP = ("n_tok", "n_pad_tok", "bs", "padded", "seq_fill", "prefix_fill")
 
 
 @triton.jit

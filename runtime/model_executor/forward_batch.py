@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runtime.host_to_device import to_device
+from runtime.host_to_device import to_device_fields
 from runtime.messages import SamplingBatch, WorkerBatch
 from runtime.model_executor.forward_mode import ForwardMode
 
@@ -64,11 +64,12 @@ class ForwardBatch:
                              f"KV slots for {acc} new tokens")
         positions = [p for s, pre in zip(seq_lens, prefix_lens) for p in range(pre, s)]
 
-        # One host→device copy for every index tensor of the step (eight small copies cost more).
+        # One host→device copy for every index tensor of the step (eight small copies cost more), each
+        # view 16-byte aligned whatever the sizes (one Triton specialization for every step).
         b, n = len(seq_lens), acc
-        flat = to_device(batch.input_ids + positions + batch.out_cache_loc + batch.req_pool_indices
-                         + seq_lens + prefix_lens + extend_lens + starts, torch.int64, device)
-        ids, pos, loc, rpi, sl, pl, el, st = flat.split([n, n, n, b, b, b, b, b])
+        ids, pos, loc, rpi, sl, pl, el, st = to_device_fields(
+            [batch.input_ids, positions, batch.out_cache_loc, batch.req_pool_indices, seq_lens, prefix_lens,
+             extend_lens, starts], torch.int64, device)
         return cls(
             forward_mode=mode, batch_size=b, input_ids=ids, positions=pos, out_cache_loc=loc,
             req_pool_indices=rpi, seq_lens=sl, extend_prefix_lens=pl, extend_seq_lens=el,

@@ -1,7 +1,8 @@
 """The kernels that run eagerly before every decode step (the graph replay's input staging, the overlap
-scheduler's placeholder ids) compile once for every batch size: their sizes and their sources' alignment
-(slices of the step's packed copy) are left unspecialized, so a new batch size never JIT-compiles in the
-middle of serving (a Ray TP=2 bench's first batch-32 steps stalled ~120 ms on both ranks)."""
+scheduler's placeholder ids) compile once for every batch size: their sizes are left unspecialized and
+their sources (views of the step's packed copy) always 16-byte aligned, so a new batch size never
+JIT-compiles in the middle of serving (a Ray TP=2 bench's first batch-32 steps stalled ~120 ms on both
+ranks)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from benchmarks.triton_compiles import TritonCompiles
 from kernels.future_tokens import resolve_future_ids_kernel
 from kernels.graph_inputs import stage_graph_inputs
+from runtime.host_to_device import to_device_fields
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,14 +23,15 @@ SIZES = [(1, 1), (2, 2), (3, 4), (5, 8), (16, 16), (17, 24), (32, 32), (33, 40)]
 
 
 def _step(bs: int, padded: int) -> None:
-    flat = torch.arange(8 * bs, device="cuda", dtype=torch.int64)  # the step's packed copy, sliced
-    ids, pos, loc, rpi, sl, pl, _, _ = flat.split([bs] * 8)
+    # the step's index tensors as ForwardBatch makes them: views of one packed copy
+    fields = [list(range(f * bs, (f + 1) * bs)) for f in range(6)] + [[-(i % 7) - 1 for i in range(bs)]]
+    ids, pos, loc, rpi, sl, pl, placeholders = to_device_fields(fields, torch.int64, torch.device("cuda"))
     dst = tuple(torch.zeros(64, device="cuda", dtype=torch.int64) for _ in range(6))
     stage_graph_inputs(dst, (ids, pos, loc, rpi, sl, pl), bs, padded, 1, 1)
     assert torch.equal(dst[0][:bs], ids) and bool((dst[2][bs:padded] == 0).all())
     future = torch.arange(100, 164, device="cuda", dtype=torch.int64)
-    placeholders = (-(flat % 7) - 1).split([bs] * 8)[1]  # a slice at the second field's offset, like input ids'
-    assert torch.equal(resolve_future_ids_kernel(placeholders, future), future[pos % 7])
+    want = future[torch.arange(bs, device="cuda") % 7]
+    assert torch.equal(resolve_future_ids_kernel(placeholders, future), want)
 
 
 def test_one_compile_serves_every_batch_size() -> None:
