@@ -34,7 +34,9 @@ def transform_halves(x1, x2, Mats, m_idx, stride_mm, D: tl.constexpr, IEEE: tl.c
     return y
 
 
-@triton.jit
+# num_tokens changes every step: unspecialized, one compile serves every count (not one more for 1
+# and for multiples of 16).
+@triton.jit(do_not_specialize=("num_tokens",))
 def _head_transform_kernel(
     X, Mats, HeadMap, num_tokens, stride_xt, stride_xh, stride_mm,
     D: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr,

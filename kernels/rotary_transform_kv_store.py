@@ -18,7 +18,9 @@ from kernels.head_transform import check_transform_args, transform_halves, trans
 from kernels.rotary import rotate_pair
 
 
-@triton.jit
+# num_tokens changes every step: unspecialized, one compile serves every count (not one more for 1
+# and for multiples of 16).
+@triton.jit(do_not_specialize=("num_tokens",))
 def _rotary_transform_kv_store_kernel(
     Positions, QKV, Cos_Sin, Mats, HeadMap, K_Buffer, V_Buffer, Loc, num_tokens,
     stride_t, stride_h, stride_cs, stride_mm, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
