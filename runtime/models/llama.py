@@ -87,7 +87,7 @@ class LlamaDecoderLayer(nn.Module):
         # norm, or the model's final norm, for down_proj): both sides ask norm_group the same question.
         self.norm_group = ctx.norm_reduce_group
         self.self_attn.o_proj.defer_to_norm = self.mlp.down_proj.defer_to_norm = self.norm_group is not None
-        # One-row steps fold each norm into the GEMV after it (kernels/fp8_gemv.py, NormInput) where the
+        # One-row steps fold each norm into the GEMV after it (kernels/norm_input.py) where the
         # linears reduce their own sums and the MLP runs on this rank's tokens.
         self.fuse_norm = norm_gemv_enabled() and self.norm_group is None and not ctx.dp_attention
 
