@@ -83,8 +83,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "fp8_kv_static_scale_1,float32_no_fp8); default: all")
     p.add_argument("--skip-checkpoint", action="store_true", help="skip the compressed-tensors per-tensor copy")
     p.add_argument("--head-rows-as-small-batch", action="store_true",
-                   help="--fp8-lm-head: rescore every row with the candidates decode at batch <= 8 gets (each "
-                        "chunk's TOPK leaders; candidates are per row, so this is what a small batch sees)")
+                   help="--fp8-lm-head: rescore every row with the candidates a call of <= TOPK_ROWS rows "
+                        "gets (each chunk's TOPK leaders; candidates are per row, so this is what such a batch sees)")
     p.add_argument("--output-file", default=None)
     return p.parse_args(argv)
 

@@ -10,8 +10,8 @@ for the candidates and FP8 ones for the tail. While a call has at most TOPK_ROWS
 TOPK leaders, since FP8's error often reorders a chunk's top few. SHOAL_FP8_HEAD_RESCORE=0 turns it off.
 The candidates' rows are read by kernels/logit_rescore.py on CUDA (no gathered copy), by a bounded torch
 gather elsewhere: MAX_CANDIDATES chunks a row, so rows x 64 (x TOPK up to TOPK_ROWS rows) x hidden x 2
-bytes a call (the 8B shape: 2 MB at batch 1; 128 MB at batch 256, ~45 us of HBM against the 0.5 GB the
-FP8 head saves a step)."""
+bytes a call (the 8B shape: 2 MB at batch 1, 132 MB at 64 rows with 4 leaders and at 256 rows with one,
+~45 us of HBM against the 0.5 GB the FP8 head saves a step)."""
 
 from __future__ import annotations
 
@@ -24,10 +24,13 @@ from kernels.argmax import chunk_argmax
 from kernels.logit_rescore import rescore_logits, rescore_logits_ref
 
 MAX_CANDIDATES = 64  # chunks a row
-# Leaders kept per chunk while a call has at most TOPK_ROWS rows (decode at batch 1-8): FP8's error on a
-# logit (median of a row's largest ~1.25 on SmolLM2's tied head, as large as the median top-1 margin) often
-# puts a neighbour above the true leader inside its chunk.
-TOPK, TOPK_ROWS = 4, 8
+# Leaders kept per chunk while a call has at most TOPK_ROWS rows: FP8's error on a logit (median of a row's
+# largest ~1.25 on SmolLM2's tied head, as large as the median top-1 margin) often puts a neighbour above
+# the true leader inside its chunk. SmolLM2, CPU: with 4 leaders the rescored argmax was the 16-bit head's
+# on all 4,096 rows, with one 90 rows differed (benchmarks/head_rescore_diag.py). Up to 64 rows the 4 x 63
+# rows a row read on Llama-3's head (132 MB at 64 rows, ~45 us) stay well under the ~0.5 GB the FP8 head
+# saves a step; above, one leader a chunk.
+TOPK, TOPK_ROWS = 4, 64
 
 
 def rescore_enabled() -> bool:

@@ -159,7 +159,7 @@ def test_engine_fp8_kv_and_weights_greedy(gpu_llama: Path, backend: str) -> None
 
 
 def test_fp8_lm_head_on_gpu(gpu_llama: Path) -> None:
-    """--fp8-lm-head with CUDA graphs: batch-1 and batch-20 logits are the FP8 linears' path over the head's
+    """--fp8-lm-head with CUDA graphs: 1-, 20- and 100-row logits are the FP8 linears' path over the head's
     fp8 rows (the GEMV at M <= 2, w8a8 above) with every chunk's leader rescored from the 16-bit rows,
     greedy requests complete and the pool is whole again."""
     from kernels.argmax import chunk_argmax
@@ -171,7 +171,7 @@ def test_fp8_lm_head_on_gpu(gpu_llama: Path) -> None:
                 max_total_tokens=8192, cuda_graph_max_bs=32, context_length=512) as engine:
         head = engine.worker.runner.model.lm_head
         assert head.fp8 is not None and head.fp8.weight.dtype == torch.float8_e4m3fn
-        for rows in (1, 20):
+        for rows in (1, 20, 100):  # 4 leaders a chunk up to head_rescore.TOPK_ROWS (64) rows, one above
             hidden = torch.randn(rows, head.weight.shape[1], device="cuda", dtype=torch.bfloat16)
             fp8 = fp8_linear(hidden, head.fp8.weight, head.fp8.scale, None, head.fp8.use_scaled_mm,
                              head.fp8.fused_act_quant)
