@@ -50,8 +50,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     def counting(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         rows = logits.shape[0]
-        topk = head_rescore.TOPK if rows <= head_rescore.TOPK_ROWS else 1
-        cand = head_rescore.chunk_argmax(logits, head_rescore.candidate_block(logits.shape[1]), topk)
+        cand = head_rescore.candidates(logits)  # before the rescoring overwrites the FP8 values
         exact = torch.nn.functional.linear(hidden, weight).float().argmax(-1)
         out = rescore(logits, hidden, weight)
         counts["rows"] += rows

@@ -42,15 +42,21 @@ def candidate_block(vocab: int) -> int:
     return max(16, triton.next_power_of_2(triton.cdiv(vocab, MAX_CANDIDATES)))
 
 
+def candidates(logits: torch.Tensor) -> torch.Tensor:
+    """int64 [B, C]: the columns rescore_chunk_leaders recomputes in these FP8 logits (each chunk's TOPK
+    leaders while the call has at most TOPK_ROWS rows, its leader above)."""
+    return chunk_argmax(logits, candidate_block(logits.shape[1]), TOPK if logits.shape[0] <= TOPK_ROWS else 1)
+
+
 def rescore_chunk_leaders(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """logits [B, V] (from the FP8 rows) with each chunk's leading column (its TOPK leading columns at up to
     TOPK_ROWS rows) replaced by hidden [B, K] . weight [V, K] (the 16-bit rows), in place; returns logits."""
     if logits.dim() != 2 or hidden.dim() != 2 or logits.shape[0] != hidden.shape[0]:
         raise ValueError(f"rescore: logits {tuple(logits.shape)} and hidden {tuple(hidden.shape)} do not pair")
-    rows, vocab = logits.shape
+    rows = logits.shape[0]
     if rows == 0:
         return logits
-    cand = chunk_argmax(logits, candidate_block(vocab), TOPK if rows <= TOPK_ROWS else 1)
+    cand = candidates(logits)
     if logits.is_cuda:
         rescore_logits(logits, cand, hidden, weight)
     else:
