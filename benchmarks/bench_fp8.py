@@ -25,8 +25,9 @@ from benchmarks.common import print_table, write_result
 
 MODES = {
     "bf16": {},
-    "fp8_weights": {"quantization": "fp8"},
-    "fp8_weights_lm_head": {"quantization": "fp8", "fp8_lm_head": True},  # --fp8-lm-head
+    "fp8_weights": {"quantization": "fp8"},  # the LM head in FP8 where the GEMV serves it (the default)
+    "fp8_weights_16bit_head": {"quantization": "fp8", "disable_fp8_lm_head": True},  # --disable-fp8-lm-head
+    "fp8_weights_lm_head": {"quantization": "fp8", "fp8_lm_head": True},  # --fp8-lm-head: every call
     "fp8_kv": {"kv_cache_dtype": "fp8_e4m3"},
     "fp8_weights_kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
     # FP8 KV without its default rotation (--kv-cache-rotation, runtime/mem_cache/kv_rotation.py): its cost

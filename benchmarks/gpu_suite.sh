@@ -22,6 +22,8 @@
 #                                               # the last run did not reach
 #   bash benchmarks/gpu_suite.sh part16 OUTDIR  # the GPU tests of the argmax kernel, the eager kernels' one compile, the 4-leader FP8 head
 #                                               # rescoring, bench_fp8 decode at bs 1, 462/256 x 500 twice
+#   bash benchmarks/gpu_suite.sh part18 OUTDIR  # the FP8 head by default: the GPU tests (all but Ray's), bs-1 decode
+#                                               # bf16 / FP8 weights / FP8 weights with the 16-bit head, a profile
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
 #                                               # then bs-1 decode bf16 and FP8 with it off and on, and profiles
 set -u
@@ -173,4 +175,11 @@ if [ "$part" = part17 ]; then
     TAIL=30 run timeout 150 env SHOAL_NORM_GEMV=$ng python -m benchmarks.profile_decode --modes bf16,fp8_weights \
       --fusion on --batch 1 --output-file "$out/profile_decode_bs1_norm_gemv$ng.json"
   done
+fi
+if [ "$part" = part18 ]; then
+  TAIL=12 run timeout 320 python -m pytest tests/gpu -q -p no:cacheprovider --ignore=tests/gpu/test_ray_tp_gpu.py
+  run timeout 150 python benchmarks/bench_fp8.py --part decode --modes bf16,fp8_weights,fp8_weights_16bit_head \
+    --output-file "$out/fp8_decode_default_fp8_head.json"
+  TAIL=20 run timeout 100 python -m benchmarks.profile_decode --modes fp8_weights --fusion on --batch 1 \
+    --output-file "$out/profile_decode_fp8w_default_head_bs1.json"
 fi

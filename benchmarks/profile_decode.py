@@ -38,6 +38,7 @@ from kernels.decode_fusion import ENV_VAR as FUSION_ENV  # noqa: E402
 MODES = {"bf16": {}, "fp8_weights": {"quantization": "fp8"},
          "fp8_weights_act2": {"quantization": "fp8", "fp8_act_terms": 2},
          "fp8_weights_lm_head": {"quantization": "fp8", "fp8_lm_head": True},
+         "fp8_weights_16bit_head": {"quantization": "fp8", "disable_fp8_lm_head": True},
          "fp8_weights_kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
          "fp8_kv": {"kv_cache_dtype": "fp8_e4m3"}}
 FUSION = {"on": ["1"], "off": ["0"], "both": ["0", "1"]}

@@ -11,7 +11,12 @@ from torch import nn
 from runtime.distributed import ParallelGroup
 from runtime.errors import WeightLoadError
 from runtime.layers.dense_gemm import DenseGemm
-from runtime.layers.fp8_linear import fp8_linear, fused_act_quant_enabled, scaled_mm_supported
+from runtime.layers.fp8_linear import (
+    fp8_gemv_serves,
+    fp8_linear,
+    fused_act_quant_enabled,
+    scaled_mm_supported,
+)
 from runtime.layers.head_rescore import rescore_chunk_leaders, rescore_enabled
 
 
@@ -26,6 +31,11 @@ class Fp8Head:
     act_terms: int
     fused_act_quant: bool
     rescore: bool = True  # each chunk's FP8 leader recomputed from the 16-bit rows (runtime/layers/head_rescore.py)
+    # --fp8-lm-head: every call. The default (FP8 weights without the flag) takes the FP8 rows only for the
+    # calls the w8a16 GEMV serves (decode at batch 1-2, or 1-16 with --fp8-weight-only): there the head's read
+    # is most of its cost and the rescored argmax matched the 16-bit head's on every row measured; a w8a8
+    # call quantizes the hidden state too and lost ~1 point of greedy agreement (benchmarks/README.md).
+    every_call: bool = True
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -63,15 +73,19 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.fp8: Fp8Head | None = None
 
     def use_fp8(self, w8: torch.Tensor, scale: torch.Tensor, act_dtype: torch.dtype, weight_only: bool = False,
-                act_terms: int = 1) -> None:
+                act_terms: int = 1, every_call: bool = True) -> None:
         """--fp8-lm-head: logits from this fp8 copy of the weight (per-row scales) through the FP8 linears'
         path. The 16-bit weight stays: a tied embedding still looks rows up in it, and each chunk's FP8
         leader is recomputed from it (head_rescore.py)."""
         self.fp8 = Fp8Head(w8, scale, scaled_mm_supported(w8.device, act_dtype), weight_only, act_terms,
-                           fused_act_quant_enabled(w8.device), rescore_enabled())
+                           fused_act_quant_enabled(w8.device), rescore_enabled(), every_call)
+
+    def _fp8_serves(self, hidden: torch.Tensor) -> bool:
+        f = self.fp8
+        return f is not None and (f.every_call or fp8_gemv_serves(hidden, f.weight, f.weight_only))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.fp8 is not None:
+        if self._fp8_serves(hidden):
             f = self.fp8
             logits = fp8_linear(hidden, f.weight, f.scale, None, f.use_scaled_mm, f.fused_act_quant, f.weight_only,
                                 f.act_terms)

@@ -153,8 +153,13 @@ def _column_forward(self: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor
     return self.group.all_gather(y, dim=-1) if self.gather_output else y
 
 
+def fp8_gemv_serves(x: torch.Tensor, w8: torch.Tensor, weight_only: bool) -> bool:
+    """Whether fp8_linear takes the w8a16 GEMV for these activations (else w8a8, or the torch reference)."""
+    return use_small_m(x.reshape(-1, x.shape[-1]), w8, WEIGHT_ONLY_M_MAX if weight_only else None)
+
+
 def _column_gemv_serves(self: ColumnParallelLinear, x: torch.Tensor) -> bool:
-    return use_small_m(x, self.weight, WEIGHT_ONLY_M_MAX if self.weight_only else None)
+    return fp8_gemv_serves(x, self.weight, self.weight_only)
 
 
 def _column_gemv_normed(self: ColumnParallelLinear, x: torch.Tensor, norm: NormInput) -> torch.Tensor:

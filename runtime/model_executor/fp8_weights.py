@@ -12,8 +12,10 @@ channel `weight_scale`, and runs runtime/layers/fp8_linear's forward):
   rows (so fused q/k/v or gate/up keep each part's own scale);
 - fbgemm_fp8 (Meta's FP8 Llama layout): fp8 weights with per-channel weight_scale [out, 1].
 Activations are always quantized dynamically per token; static input_scale tensors of a checkpoint are
-not used. The LM head stays 16-bit unless --fp8-lm-head asks for it too (then quantized at load from its
-16-bit weight, mse scales: the calibration covers the linear layers only). Anything else in
+not used. The LM head is quantized too (at load from its 16-bit weight, mse scales: the calibration covers
+the linear layers only) where the w8a16 GEMV can serve it, i.e. on CUDA sm89+; by default it takes the FP8
+rows only for the calls the GEMV serves (runtime/layers/embedding.Fp8Head.every_call); --fp8-lm-head takes
+them for every call, --disable-fp8-lm-head never. Anything else in
 quantization_config raises UnsupportedQuantizationError naming the layout."""
 
 from __future__ import annotations
@@ -47,11 +49,11 @@ class Fp8Weights:
     scales: str = "act_weighted"  # quantize-at-load's weight scales (--fp8-weight-scales)
     weight_only: bool = False  # --fp8-weight-only: activations never quantized
     act_terms: int = 1  # --fp8-act-terms: e4m3 terms per activation on the w8a8 path
-    lm_head: bool = False  # --fp8-lm-head: the LM head in FP8 too
+    lm_head: str = "auto"  # the LM head in FP8: "auto" (GEMV calls, CUDA sm89+), "on" (--fp8-lm-head), "off"
 
     @classmethod
     def resolve(cls, quantization: str | None, model_path: str | None, scales: str = "act_weighted",
-                weight_only: bool = False, act_terms: int = 1, lm_head: bool = False) -> Fp8Weights | None:
+                weight_only: bool = False, act_terms: int = 1, lm_head: str = "auto") -> Fp8Weights | None:
         """What the checkpoint's config.json says, else what --quantization asks; None: plain weights."""
         qcfg = _read_quant_config(model_path)
         opts = {"scales": scales, "weight_only": weight_only, "act_terms": act_terms, "lm_head": lm_head}
@@ -59,7 +61,7 @@ class Fp8Weights:
             return cls(checkpoint_fp8=True, layout=_check_layout(qcfg), **opts)
         if quantization == "fp8":
             return cls(checkpoint_fp8=False, layout="quantize-at-load", **opts)
-        if lm_head:
+        if lm_head == "on":
             raise ServerArgsError("--fp8-lm-head", "needs FP8 weights: --quantization fp8 or an FP8 checkpoint")
         return None
 
@@ -93,15 +95,22 @@ class Fp8Weights:
                 m.weight = nn.Parameter(w8, requires_grad=False)
                 m.weight_scale = nn.Parameter(scale, requires_grad=False)
             use_fp8_forward(m, act_dtype, self.weight_only, self.act_terms)
-        heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)] if self.lm_head else []
+        heads = [m for m in model.modules() if isinstance(m, ParallelLMHead) and self._fp8_head(m.weight)]
         for head in heads:
             head.use_fp8(*quantize_weight(head.weight.data, "mse", None), act_dtype, self.weight_only,
-                         self.act_terms)
+                         self.act_terms, every_call=self.lm_head == "on")
         if modules and modules[0][1].weight.device.type == "cuda":
             torch.cuda.empty_cache()  # the bf16 copies' memory goes back before the KV pool is sized
         logger.info("FP8 weights (%s%s): %d linear layers%s", self.layout,
                     "" if self.checkpoint_fp8 else f", {method} scales", len(modules),
                     " and the LM head" if heads else "")
+
+    def _fp8_head(self, weight: torch.Tensor) -> bool:
+        """Whether this LM head gets FP8 rows: always with --fp8-lm-head; by default where the GEMV can serve
+        it (elsewhere the copy would only cost memory)."""
+        if self.lm_head == "auto":
+            return weight.is_cuda and torch.cuda.get_device_capability(weight.device) >= (8, 9)
+        return self.lm_head == "on"
 
 
 def _read_quant_config(model_path: str | None) -> dict[str, Any] | None:

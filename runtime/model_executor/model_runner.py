@@ -118,7 +118,7 @@ class ModelRunner:
             model = get_model_class(cfg.architecture)(cfg, self.ctx)
         fp8 = Fp8Weights.resolve(self.args.quantization, None if self.args.load_format == "dummy" else model_path,
                                  self.args.fp8_weight_scales, self.args.fp8_weight_only,
-                                 self.args.fp8_act_terms, self.args.fp8_lm_head)
+                                 self.args.fp8_act_terms, self.args.fp8_lm_head_mode)
         if fp8 is not None:
             fp8.prepare(model)
         if self.args.load_format == "dummy":

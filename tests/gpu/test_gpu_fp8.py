@@ -158,6 +158,41 @@ def test_engine_fp8_kv_and_weights_greedy(gpu_llama: Path, backend: str) -> None
         assert agree >= 9, (mode, agree)
 
 
+def test_default_fp8_head_on_gpu(gpu_llama: Path) -> None:
+    """FP8 weights with no head flag: the head has FP8 rows; a 1- or 2-row call (the GEMV's) is the FP8
+    GEMV with every chunk's leaders rescored, a 20-row call (w8a8's) the 16-bit head bit for bit; greedy
+    batch-1 decode completes under CUDA graphs and frees the pool. --disable-fp8-lm-head keeps no copy."""
+    from runtime import Engine
+    from runtime.layers.fp8_linear import fp8_linear
+    from runtime.layers.head_rescore import rescore_chunk_leaders
+
+    with Engine(model_path=str(gpu_llama), dtype="bfloat16", quantization="fp8", max_total_tokens=8192,
+                cuda_graph_max_bs=32, context_length=512) as engine:
+        head = engine.worker.runner.model.lm_head
+        assert head.fp8 is not None and not head.fp8.every_call
+        for rows in (1, 2, 20):
+            hidden = torch.randn(rows, head.weight.shape[1], device="cuda", dtype=torch.bfloat16)
+            if rows <= 2:
+                fp8 = fp8_linear(hidden, head.fp8.weight, head.fp8.scale)
+                want = rescore_chunk_leaders(fp8, hidden, head.weight)[:, : head.vocab_size]
+            else:
+                want = head.gemm(hidden, head.weight)[:, : head.vocab_size]
+            assert torch.equal(head.compute_logits(hidden), want), rows
+        params = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+        out = engine.generate(input_ids=[[5, 6, 7, 8] * 8], sampling_params=params)
+        assert len(out[0]["output_ids"]) == 16
+        assert engine.get_stats().num_used_tokens == 0
+    with Engine(model_path=str(gpu_llama), dtype="bfloat16", quantization="fp8", disable_fp8_lm_head=True,
+                max_total_tokens=8192, cuda_graph_max_bs=32, context_length=512) as engine:
+        assert engine.worker.runner.model.lm_head.fp8 is None
+        plain = engine.generate(input_ids=[[5, 6, 7, 8] * 8], sampling_params=params)
+    # Rescored leaders make the greedy token the 16-bit head's unless a bf16 near-tie splits them (after a
+    # split the contexts differ, so only the common prefix says anything).
+    a, b = out[0]["output_ids"], plain[0]["output_ids"]
+    prefix = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+    assert prefix >= 4, (a, b)
+
+
 def test_fp8_lm_head_on_gpu(gpu_llama: Path) -> None:
     """--fp8-lm-head with CUDA graphs: 1-, 20- and 100-row logits are the FP8 linears' path over the head's
     fp8 rows (the GEMV at M <= 2, w8a8 above) with every chunk's leader rescored from the 16-bit rows,

@@ -124,6 +124,30 @@ def test_fp8_lm_head_logits_are_the_fp8_gemm_of_its_quantized_rows(tiny_llama, d
     assert float((got - ref).abs().max()) < 0.05 * float(ref.abs().max())
 
 
+def test_default_fp8_head_takes_fp8_rows_only_where_the_gemv_serves(tiny_llama) -> None:
+    """FP8 weights without a head flag: on CPU (no GEMV) the head keeps no FP8 copy at all; a head given FP8
+    rows in the default mode (every_call False) still answers a call the GEMV does not serve (here: CPU,
+    any rows) from its 16-bit weight, bit-equal to the plain head; --fp8-lm-head answers it from the FP8
+    rows; --disable-fp8-lm-head with --fp8-lm-head is refused."""
+    from runtime.config import ServerArgs
+    from runtime.errors import ServerArgsError
+
+    _, d = _logits(tiny_llama, quantization="fp8")
+    head = d.runner.model.lm_head
+    assert head.fp8 is None  # auto on CPU: no copy
+    hidden = torch.randn(3, head.weight.shape[1], generator=torch.Generator().manual_seed(2))
+    plain = head.compute_logits(hidden)
+    w8, scale = quantize_per_channel(head.weight.data)
+    head.use_fp8(w8, scale, torch.float32, every_call=False)
+    assert torch.equal(head.compute_logits(hidden), plain)
+    head.use_fp8(w8, scale, torch.float32, every_call=True)
+    assert not torch.equal(head.compute_logits(hidden), plain)
+    assert ServerArgs(quantization="fp8").fp8_lm_head_mode == "auto"
+    assert ServerArgs(disable_fp8_lm_head=True).fp8_lm_head_mode == "off"
+    with pytest.raises(ServerArgsError, match="--fp8-lm-head: contradicts --disable-fp8-lm-head"):
+        ServerArgs(quantization="fp8", fp8_lm_head=True, disable_fp8_lm_head=True)
+
+
 def test_fp8_lm_head_without_fp8_weights_is_refused(tiny_llama) -> None:
     from runtime.errors import ServerArgsError
 
