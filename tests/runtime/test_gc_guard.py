@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
 
 import pytest
 
@@ -28,6 +29,7 @@ def test_start_freezes_what_is_alive_and_stop_removes_the_callback() -> None:
     finally:
         guard.stop()
     assert guard._on_gc not in gc.callbacks
+    assert gc.get_threshold()[2] == 10  # CPython's own, given back after two starts
     assert gc.get_freeze_count() == 0  # handed back: a stopped engine's cycles can be collected
 
 
@@ -45,6 +47,66 @@ def test_collections_are_timed_and_slow_ones_logged(caplog: pytest.LogCaptureFix
     assert guard.pauses.collections >= 1 and guard.pauses.slow >= 1
     assert guard.pauses.total_s >= guard.pauses.max_s > 0.0
     assert any("generation-2 garbage collection" in r.getMessage() for r in caplog.records)
+
+
+def test_profile_switch_describes_what_a_slow_collection_walked(caplog: pytest.LogCaptureFixture,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """SHOAL_GC_PROFILE=1: the first slow collections also log the generations' sizes and generation 2's
+    most common types (here the 5,000 _Node objects kept alive and moved to generation 2)."""
+    monkeypatch.setenv("SHOAL_GC_PROFILE", "1")
+    kept = [_Node() for _ in range(5000)]
+    guard = GcGuard("test", warn_s=0.0)
+    try:
+        guard.start()
+        gc.unfreeze()  # the kept nodes must stay visible to the collector
+        with caplog.at_level(logging.WARNING, logger="runtime.gc_guard"):
+            gc.collect()
+    finally:
+        guard.stop()
+    described = [r.getMessage() for r in caplog.records if "most common types" in r.getMessage()]
+    assert described and re.search(r"_Node (\d+)", described[0])
+    assert int(re.search(r"_Node (\d+)", described[0]).group(1)) >= 5000
+    assert len(kept) == 5000
+
+
+def _full_collections_while_keeping(n_objects: int) -> int:
+    """Generation-2 collections the collector itself starts while n_objects new objects stay alive."""
+    full = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info.get("generation") == 2:
+            full.append(1)
+
+    kept: list[list[_Node]] = []
+    gc.callbacks.append(count)
+    try:
+        for _ in range(n_objects // 1000):
+            kept.append([_Node() for _ in range(1000)])
+    finally:
+        gc.callbacks.remove(count)
+    return len(full)
+
+
+def test_guard_makes_full_collections_rarer_and_gives_the_thresholds_back() -> None:
+    """While a guard runs, the collector starts a full collection after 100 generation-1 collections (not
+    10): the same allocations trigger far fewer of them; stop() restores the collector's thresholds."""
+    before = gc.get_threshold()
+    gc.collect()
+    gc.freeze()  # as the guard does: what the suite left alive would otherwise hold full collections back
+    try:
+        default_full = _full_collections_while_keeping(300_000)
+    finally:
+        gc.unfreeze()
+    guard = GcGuard("test")
+    try:
+        guard.start()
+        assert gc.get_threshold() == (before[0], before[1], max(before[2], 100))
+        guarded_full = _full_collections_while_keeping(300_000)
+    finally:
+        guard.stop()
+        gc.unfreeze()
+    assert gc.get_threshold() == before
+    assert default_full >= 3 and guarded_full <= default_full // 3, (default_full, guarded_full)
 
 
 def test_switch_keeps_start_up_objects_in_the_collector(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -96,9 +158,10 @@ def test_a_shut_down_engine_is_collected(tiny_llama) -> None:
 def test_generate_folds_every_request_s_deltas_as_they_arrive(tiny_llama, monkeypatch: pytest.MonkeyPatch) -> None:
     """Engine.generate over many requests takes each delta as it arrives, not request by request: the short
     requests behind a long first one are folded (and their deltas freed) before the long one ends, so a
-    1,000-request batch never holds every later request's deltas alive (they made each generation-2
-    collection walk ~2M objects). Results keep the prompts' order and equal single-request runs."""
-    from runtime import Engine, engine as engine_mod
+    1,000-request batch never holds every later request's deltas alive (~2M objects for 1,000 x 1,000
+    tokens, for every collection to walk). Results keep the prompts' order and equal single-request runs."""
+    from runtime import Engine
+    from runtime import engine as engine_mod
 
     order: list[tuple[str, bool]] = []
     add = engine_mod._Collector.add
