@@ -35,9 +35,12 @@ from benchmarks.common import (
     special_token_ids,
     write_result,
 )
+from benchmarks.system_sampler import SystemSampler, visible_gpu_index
+from benchmarks.triton_compiles import TritonCompiles
 from runtime.config import ServerArgs
 
 _OWN_FIELDS = ("model_path", "dtype", "load_format", "device")
+CASES = ("hf-static", "hf-continuous", "shoal")
 
 
 @dataclasses.dataclass
@@ -58,7 +61,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-range", type=int, nargs=2, default=[16, 512], metavar=("MIN", "MAX"))
     p.add_argument("--static-batch-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--skip", nargs="*", default=[], choices=["hf-static", "hf-continuous", "shoal"])
+    p.add_argument("--skip", nargs="*", default=[], choices=CASES)
+    p.add_argument("--order", nargs="+", default=list(CASES), choices=CASES,
+                   help="the cases' order (each once). The GPU's clock can differ after minutes of another "
+                        "case's load: each case records its clocks (system_during_run) to show it")
     p.add_argument("--hf-timeout", type=float, default=1800.0, help="give up on HF continuous batching after this")
     p.add_argument("--work-dir", default=None, help="where the shared checkpoint is written; default: a temp dir")
     p.add_argument("--output-file", default=None)
@@ -68,6 +74,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if (args.model_config is None) == (args.model_path is None):
         p.error("give exactly one of --model-config (random weights) and --model-path (a checkpoint)")
+    if len(set(args.order)) != len(args.order):
+        p.error("--order names each case once")
     if args.num_requests < 1 or args.static_batch_size < 1:
         p.error("--num-requests and --static-batch-size must be >= 1")
     if args.dtype == "auto":
@@ -131,6 +139,14 @@ def build_hf_model(args: argparse.Namespace, device: str, folder: Path) -> Any:
     model.eval()
     model.save_pretrained(folder)
     return model
+
+
+def load_hf_model(args: argparse.Namespace, device: str, folder: Path) -> Any:
+    """The checkpoint build_hf_model saved (or --model-path), on the device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, args.dtype)).to(device).eval()
 
 
 def run_hf_static(model: Any, w: Workload, batch_size: int, device: str, pad_id: int) -> dict[str, Any]:
@@ -212,9 +228,10 @@ def run_shoal(folder: Path, args: argparse.Namespace, w: Workload, device: str) 
                                                                   "ignore_eos": True})  # warmup
         before = stats_snapshot(engine)
         busy0 = getattr(engine.get_stats(), "device_busy_s", 0.0)
-        t0 = time.perf_counter()
-        outs = engine.generate(input_ids=w.prompts, sampling_params=params)
-        duration = time.perf_counter() - t0
+        with TritonCompiles() as compiles, SystemSampler(gpu_index=visible_gpu_index()) as system:
+            t0 = time.perf_counter()
+            outs = engine.generate(input_ids=w.prompts, sampling_params=params)
+            duration = time.perf_counter() - t0
         modes = stats_delta(before, stats_snapshot(engine))  # where the time went, by ForwardMode
         busy = getattr(engine.get_stats(), "device_busy_s", 0.0) - busy0
     finally:
@@ -222,7 +239,8 @@ def run_shoal(folder: Path, args: argparse.Namespace, w: Workload, device: str) 
     made = sum(int(o["usage"]["completion_tokens"]) for o in outs)
     return {"duration_s": duration, "useful_tokens": made, "useful_tok_per_s": made / duration,
             "expected_tokens": w.useful_tokens, "engine_extras": extras, "forward_modes": modes,
-            "device_idle_fraction": max(0.0, 1.0 - busy / duration) if busy > 0 else None}
+            "device_idle_fraction": max(0.0, 1.0 - busy / duration) if busy > 0 else None,
+            "triton_compiles_in_run": compiles.summary(), "system_during_run": system.summary()}
 
 
 def run_shoal_isolated(folder: Path, args: argparse.Namespace, w: Workload, device: str) -> dict[str, Any]:
@@ -262,17 +280,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"{len(w.prompts)} requests, {sum(map(len, w.prompts))} prompt tokens, {w.useful_tokens} useful "
               f"output tokens; static batches of {args.static_batch_size} generate "
               f"{padded_tokens(w, args.static_batch_size)}; device {device}, {args.dtype}")
-        if "hf-static" not in args.skip:
-            results["hf_static"] = run_hf_static(model, w, args.static_batch_size, device, pad_id)
-            print("hf_static:", results["hf_static"])
-        if "hf-continuous" not in args.skip:
-            results["hf_continuous"] = run_hf_continuous(model, w, device, pad_id, args.hf_timeout)
-            print("hf_continuous:", results["hf_continuous"])
-        del model  # the engine needs the memory; its weights come from the folder
-        release_memory(device)
-        if "shoal" not in args.skip:
-            results["shoal"] = run_shoal_isolated(folder, args, w, device)
-            print("shoal:", results["shoal"])
+        for case in (c for c in args.order if c not in args.skip):
+            if case == "shoal":
+                del model  # the engine needs the memory; its weights come from the folder
+                release_memory(device)
+                results["shoal"] = run_shoal_isolated(folder, args, w, device)
+                model = None
+            else:
+                if model is None:  # Shoal ran first: the same weights back from the folder
+                    model = load_hf_model(args, device, folder)
+                with SystemSampler(gpu_index=visible_gpu_index()) as system:
+                    if case == "hf-static":
+                        res = run_hf_static(model, w, args.static_batch_size, device, pad_id)
+                    else:
+                        res = run_hf_continuous(model, w, device, pad_id, args.hf_timeout)
+                results[case.replace("-", "_")] = res | {"system_during_run": system.summary()}
+            print(f"{case}:", results[case.replace("-", "_")])
     out: dict[str, Any] = {"cases": results, "ratios": ratios(results), "useful_tokens": w.useful_tokens,
                            "padded_tokens_static": padded_tokens(w, args.static_batch_size)}
     rows: list[tuple[str, Any]] = [(f"{k} useful tok/s:", v.get("useful_tok_per_s", v.get("skipped", "-")))

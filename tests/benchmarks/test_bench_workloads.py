@@ -125,6 +125,24 @@ def test_static_vs_continuous_cpu_smoke_hf_static_and_shoal(tmp_path):
     assert doc["versions"]["transformers"] and doc["config"]["resolved_device"] == "cpu"
 
 
+def test_static_vs_continuous_shoal_first_reloads_the_same_weights_for_hf(tmp_path):
+    """--order shoal hf-static: Shoal runs first (the HF model freed), then HF static on the weights
+    reloaded from the saved folder; both produce every useful token, and each case records the machine
+    during its run (host CPU at least on a CPU machine) and Shoal its JIT compiles."""
+    res = bench_static_vs_continuous.main([
+        "--model-config", "Tiny-Llama-smoke", "--device", "cpu", "--dtype", "float32", "--num-requests", "6",
+        "--input-range", "4", "12", "--output-range", "2", "6", "--static-batch-size", "4",
+        "--order", "shoal", "hf-static", "hf-continuous", "--skip", "hf-continuous", "--work-dir", str(tmp_path)])
+    assert list(res["cases"]) == ["shoal", "hf_static"]
+    static, shoal = res["cases"]["hf_static"], res["cases"]["shoal"]
+    assert static["useful_tokens"] == shoal["useful_tokens"] == res["useful_tokens"]
+    assert static["generated_tokens_incl_padding"] == res["padded_tokens_static"]
+    assert "span_s" in static["system_during_run"] and "span_s" in shoal["system_during_run"]
+    assert shoal["triton_compiles_in_run"]["count"] >= 0
+    with pytest.raises(SystemExit):
+        bench_static_vs_continuous.parse_args(["--model-config", "Tiny-Llama-smoke", "--order", "shoal", "shoal"])
+
+
 def test_result_writer_and_plot_tables(tmp_path, capsys, monkeypatch):
     results = {"request_throughput": 2.0, "output_throughput": 100.0, "failed": 1,
                "ttft_ms": {"p50": 10.0, "p99": math.nan}, "itl_ms": {"p50": 2.0, "p99": 5.0}}
