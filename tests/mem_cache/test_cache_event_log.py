@@ -24,7 +24,7 @@ def tree_pages(cache: RadixCache) -> set[int]:
     stack = [(c, []) for c in cache.root.children.values()]
     while stack:
         node, prefix = stack.pop()
-        path = prefix + node.key
+        path = prefix + list(node.key)
         out.update(page_hashes(path, page=PAGE))
         stack.extend((c, path) for c in node.children.values())
     return out

@@ -120,8 +120,8 @@ def test_split_mid_edge_preserves_values_and_sizes() -> None:
 
     m = h.cache.match_prefix([1, 2, 3, 9])
     upper = m.last_node
-    assert upper.key == [1, 2, 3] and torch.equal(upper.value, kv[:3])
-    assert leaf.key == [4, 5, 6] and torch.equal(leaf.value, kv[3:])
+    assert upper.key == (1, 2, 3) and torch.equal(upper.value, kv[:3])
+    assert leaf.key == (4, 5, 6) and torch.equal(leaf.value, kv[3:])
     assert leaf.parent is upper and upper.parent is h.cache.root
     assert upper.lock_ref == 1  # the lock on the leaf already covered these tokens
     assert (h.cache.evictable_size(), h.cache.protected_size()) == before
@@ -173,7 +173,7 @@ def test_branching_keys() -> None:
     _, b = h.cache_seq([1, 2, 4])
     _, c = h.cache_seq([5, 6])
     assert sorted(h.cache.root.children) == [1, 5]
-    assert h.cache.root.children[1].key == [1, 2]
+    assert h.cache.root.children[1].key == (1, 2)
     assert torch.equal(b[:2], a[:2])  # the second request reused the shared prefix
     for tokens, kv in (([1, 2, 3], a), ([1, 2, 4], b), ([5, 6], c)):
         assert torch.equal(h.cache.match_prefix(tokens).kv_indices, kv)
@@ -387,3 +387,19 @@ def test_random_ops_keep_accounting_and_values(seed: int) -> None:
     h.cache.reset()
     h.check()
     assert h.held == 0 and h.alloc.available_size() == h.alloc.size
+
+
+def test_keys_are_tuples_the_cyclic_collector_leaves_alone() -> None:
+    """Stored keys (and the halves of a split) are tuples of ints, which Python's collector untracks: a
+    cache of long prompts adds nothing to a full collection's walk (lists are walked element by element)."""
+    import gc
+
+    alloc = KVAllocator(64)
+    cache = RadixCache(alloc)
+    kv = alloc.alloc(12)
+    cache.insert(list(range(1, 13)), kv)
+    cache.insert([1, 2, 3, 99], torch.cat([kv[:3], alloc.alloc(1)]))  # splits the first edge after 3 tokens
+    gc.collect()
+    nodes = [cache.root.children[1], *cache.root.children[1].children.values()]
+    assert [n.key for n in nodes] == [(1, 2, 3), (4, 5, 6, 7, 8, 9, 10, 11, 12), (99,)]
+    assert not any(gc.is_tracked(n.key) for n in nodes)
