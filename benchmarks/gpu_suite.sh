@@ -24,6 +24,8 @@
 #                                               # rescoring, bench_fp8 decode at bs 1, 462/256 x 500 twice
 #   bash benchmarks/gpu_suite.sh part18 OUTDIR  # the FP8 head by default: the GPU tests (all but Ray's), bs-1 decode
 #                                               # bf16 / FP8 weights / FP8 weights with the 16-bit head, a profile
+#   bash benchmarks/gpu_suite.sh part19 OUTDIR  # greedy sampling in the decode graph: bs-1 FP8 decode A/B against
+#                                               # .baseline (the previous commit's tree), and its profile
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
@@ -184,6 +186,17 @@ if [ "$part" = part18 ]; then
     --output-file "$out/fp8_decode_default_fp8_head.json"
   TAIL=20 run timeout 100 python -m benchmarks.profile_decode --modes fp8_weights --fusion on --batch 1 \
     --output-file "$out/profile_decode_fp8w_default_head_bs1.json"
+fi
+if [ "$part" = part19 ]; then  # greedy sampling inside the decode graph: bs-1 FP8 decode against the previous
+  # commit's tree in .baseline (git archive, carried), alternating, then the profile of the new step
+  for i in 1 2; do
+    run timeout 150 python benchmarks/bench_fp8.py --part decode --modes fp8_weights \
+      --output-file "$out/fp8_decode_graph_sampling_run$i.json"
+    (cd .baseline && export PYTHONPATH=$OLDPWD/.site:$PWD && run timeout 150 python benchmarks/bench_fp8.py --part decode \
+      --modes fp8_weights --output-file "$out/fp8_decode_before_graph_sampling_run$i.json")
+  done
+  TAIL=20 run timeout 100 python -m benchmarks.profile_decode --modes fp8_weights --fusion on --batch 1 \
+    --output-file "$out/profile_decode_fp8w_graph_sampling_bs1.json"
 fi
 if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then
   files=$(ls tests/gpu/test_*.py | grep -v test_ray_tp_gpu.py)

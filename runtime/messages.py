@@ -112,6 +112,17 @@ class SamplingBatch(msgspec.Struct, kw_only=True):
     def all_greedy(self) -> bool:
         return all(t == 0.0 for t in self.temperatures)
 
+    @property
+    def edits_logits(self) -> bool:
+        """Penalties, biases, banned ids or a grammar change some row's logits before the choice."""
+        return (any(self.penalty_tokens) or any(self.blocked_token_ids) or any(self.logit_biases)
+                or bool(self.grammar_rows))
+
+    @property
+    def raw_argmax(self) -> bool:
+        """Every row's token is the argmax of its raw logits and nothing else is asked (no logprobs)."""
+        return self.all_greedy and not self.edits_logits and not self.return_logprob
+
 
 class PrefixWrite(msgspec.Struct, array_like=True):
     """KV slots of a cached prefix to copy into a request's row of the worker's token table."""

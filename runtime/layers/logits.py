@@ -21,6 +21,9 @@ class LogitsOutput:
     next_token_logits: torch.Tensor  # [B, V] float32; a TARGET_VERIFY's stay in the model dtype
     input_logprobs: list[list[float]] | None = None  # per request that asked; logprob of each new input token after the first
     input_top_logprobs: list[list[Tops]] | None = None  # per request where any asked top N: each such position's top N
+    # The argmax of each row of next_token_logits, taken inside a DECODE graph (which also wrote it to the
+    # runner's future-token buffer); None elsewhere.
+    greedy_ids: torch.Tensor | None = None
 
 
 class LogitsProcessor:

@@ -37,8 +37,9 @@ def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.
 
 
 
-def _greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """torch.argmax's index per row; on a GPU ours, which splits a row over many blocks (kernels/argmax.py)."""
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax's index per row; on a GPU ours, which splits a row over many blocks (kernels/argmax.py).
+    The one greedy choice: a decode graph's greedy tail calls it too, so both give the same ids."""
     return argmax_rows(logits) if use_argmax_rows(logits) else logits.argmax(dim=-1)
 
 
@@ -52,8 +53,7 @@ class SampleOutput:
 class Sampler:
     def __call__(self, logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
         # Penalties, biases and blocked ids edit rows in place: copy, so the caller's logits stay as computed.
-        edits = any(sb.penalty_tokens) or any(sb.blocked_token_ids) or any(sb.logit_biases) or bool(sb.grammar_rows)
-        logits = logits.to(torch.float32, copy=edits)
+        logits = logits.to(torch.float32, copy=sb.edits_logits)
         bsz, vocab = logits.shape
         raw_logprobs = torch.log_softmax(logits, dim=-1) if sb.return_logprob else None
         self._apply_logit_bias(logits, sb)  # before penalties, as vLLM
@@ -66,7 +66,7 @@ class Sampler:
             apply_token_bitmask(logits, bitmask_from_bytes(sb.grammar_mask, len(sb.grammar_rows), dev),
                                 to_device(sb.grammar_rows, torch.int64, dev))
         if sb.all_greedy:
-            ids = _greedy_ids(logits)
+            ids = greedy_ids(logits)
         else:
             ids = self._sample(logits, sb)
         out = SampleOutput(ids)
@@ -131,4 +131,4 @@ class Sampler:
         steps = to_device(sb.steps, torch.int64, dev)
         noise = -torch.log(hash_uniform(seeds, steps, probs.shape[1]))  # Exp(1): argmax p/E draws from p
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, _greedy_ids(logits), sampled)
+        return torch.where(greedy, greedy_ids(logits), sampled)

@@ -5,7 +5,16 @@ request (the last token and K drafts; logits of every token).
 All captured sizes share one memory pool and one set of static input buffers, captured largest first so
 the smaller graphs reuse the largest one's memory. A batch is padded up to the next captured size; padded
 rows write their K/V to slot 0 (the pool's scratch slot), read one token of request row 0, and their
-outputs are sliced away. Sampling stays outside the graph."""
+outputs are sliced away.
+
+With the decode fusions on (kernels/decode_fusion.py), a DECODE graph ends in a greedy tail: the argmax of
+every row (the Sampler's own greedy function, so the same ids) into a static buffer and into the runner's
+future-token buffer, padded rows into its scratch row. A batch with nothing to sample but the raw argmax
+(ModelRunner._sample) takes those ids and skips the sampler; any other batch samples after the replay and
+overwrites the future tokens. Before a DECODE replay, one staging launch may also resolve the placeholder
+ids and record the step's KV slots in the request→token table (`stage_inputs`). Together: six eager
+launches a greedy decode step fewer (the table write's two, the resolve, the argmax's two, the future-token
+write)."""
 
 from __future__ import annotations
 
@@ -19,6 +28,7 @@ import torch
 from kernels.decode_fusion import decode_fusion_enabled
 from kernels.graph_inputs import stage_graph_inputs
 from runtime.layers.logits import LogitsOutput
+from runtime.layers.sampler import greedy_ids
 from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.model_executor.forward_mode import ForwardMode
 
@@ -72,6 +82,11 @@ class CudaGraphRunner:
         self.verify_logits = torch.empty((verify_rows, vocab), dtype=runner.model_config.dtype, device=dev)
         self.pool = None
         self.stage_in_one = decode_fusion_enabled()  # the replay's input copies in one launch
+        self.greedy_tail = self.stage_in_one  # DECODE graphs end in the argmax (module docstring)
+        self.next_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        # The future-token buffer's row of each graph row: the request's, or the scratch row past the last.
+        self.scratch_row = runner.future_token_ids.numel() - 1
+        self.future_rows = torch.full((self.max_bs,), self.scratch_row, dtype=torch.int64, device=dev)
         if self.enabled:
             self.backend.init_cuda_graph_state(self.max_bs)
             self._capture_all()
@@ -95,7 +110,12 @@ class CudaGraphRunner:
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
         hidden = self.runner.model(fb.input_ids, fb.positions, fb)
-        return self.runner.logits_processor(hidden, fb.input_ids, fb).next_token_logits
+        logits = self.runner.logits_processor(hidden, fb.input_ids, fb).next_token_logits
+        if self.greedy_tail and fb.forward_mode.is_decode():
+            ids = greedy_ids(logits)
+            self.next_ids[:fb.batch_size].copy_(ids)
+            self.runner.future_token_ids[self.future_rows[:fb.batch_size]] = ids
+        return logits
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -132,16 +152,32 @@ class CudaGraphRunner:
         return (self.enabled and n is not None and 0 < fb.batch_size <= self.max_bs
                 and fb.extend_num_tokens == fb.batch_size * n and fb.global_num_tokens is None)
 
-    def replay(self, fb: ForwardBatch) -> LogitsOutput:
+    def stages_inputs(self, fb: ForwardBatch) -> bool:
+        """Whether replay(fb, stage_inputs=True) can take over the placeholder resolve and the request→token
+        table write (a DECODE on a captured graph, staged in one launch)."""
+        return self.stage_in_one and fb.forward_mode.is_decode() and self.can_run(fb)
+
+    def replay(self, fb: ForwardBatch, stage_inputs: bool = False) -> LogitsOutput:
+        """stage_inputs (see stages_inputs()): fb's input ids may hold placeholders and its KV slots are not
+        in the request→token table yet; the staging launch does both."""
         bs, mode = fb.batch_size, fb.forward_mode
         n = self.modes[mode]
         padded = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
         fill = max(self.fill_seq_len, n)
+        tail = self.greedy_tail and mode.is_decode()
+        if stage_inputs and not self.stages_inputs(fb):
+            raise ValueError(f"a {mode.name} batch of {bs} cannot stage its inputs into a graph")
         if self.stage_in_one:  # the same copies and padded-row resets as below, one launch
+            r = self.runner
             stage_graph_inputs((self.input_ids, self.positions, self.out_cache_loc, self.req_pool_indices,
                                 self.seq_lens, self.prefix_lens),
                                (fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices, fb.seq_lens,
-                                fb.extend_prefix_lens), bs, padded, n, fill)
+                                fb.extend_prefix_lens), bs, padded, n, fill,
+                               future=r.future_token_ids if stage_inputs else None,
+                               req_to_token=r.req_to_token_pool.req_to_token if stage_inputs else None,
+                               rows=self.future_rows if tail else None, scratch_row=self.scratch_row)
+            if stage_inputs:
+                fb.input_ids = self.input_ids[:bs * n]  # resolved
         else:
             if padded != bs:
                 # A larger earlier batch left real slots here: padded rows must write only the scratch slot.
@@ -161,4 +197,5 @@ class CudaGraphRunner:
             fb.seq_lens_sum + fill * (padded - bs), mode, seq_lens_cpu=seq_lens_cpu)
         self.graphs[mode, padded].replay()
         input_logprobs = [[] for _ in fb.return_input_logprob] if any(fb.return_input_logprob) else None
-        return LogitsOutput(self.logits[mode, padded][:bs * n], input_logprobs)
+        return LogitsOutput(self.logits[mode, padded][:bs * n], input_logprobs,
+                            greedy_ids=self.next_ids[:bs] if tail else None)

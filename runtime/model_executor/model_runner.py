@@ -108,7 +108,9 @@ class ModelRunner:
             has_sliding_window=self.model_config.has_sliding_window, kv_dtype=self.kv_dtype))
         self.logits_processor = LogitsProcessor(self.model.compute_logits)
         self.sampler = Sampler()
-        self.future_token_ids = torch.zeros(self.max_running_requests, dtype=torch.int64, device=self.device)
+        # Row r: the token just sampled for request row r (overlap scheduling); one scratch row past them
+        # for a CUDA graph's padded rows.
+        self.future_token_ids = torch.zeros(self.max_running_requests + 1, dtype=torch.int64, device=self.device)
         self.cuda_graph_runner = self._init_cuda_graphs()
 
     def _load_model(self, model_path: str) -> torch.nn.Module:
@@ -186,11 +188,14 @@ class ModelRunner:
         for w in batch.prefix_writes:
             self.req_to_token_pool.write(w.req_pool_idx, w.start, to_device(w.kv_indices, torch.int64, self.device))
 
-    def build_forward_batch(self, batch: WorkerBatch) -> ForwardBatch:
+    def build_forward_batch(self, batch: WorkerBatch, write_table: bool = True) -> ForwardBatch:
+        """write_table=False leaves the step's KV slots out of the request→token table (a staged graph
+        replay writes them)."""
         self.apply_prefix_writes(batch)
         fb = ForwardBatch.init_new(batch, self.req_to_token_pool, self.token_to_kv_pool, self.attn_backend,
                                    self.device)
-        fb.write_req_to_token()
+        if write_table:
+            fb.write_req_to_token()
         return fb
 
     @torch.inference_mode()
@@ -226,16 +231,19 @@ class ModelRunner:
         if self.device.type == "cuda":  # device busy time per batch, for the GPU idle fraction
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
-        fb = self.build_forward_batch(batch)
-        # A negative id -(r+1) stands for the token just sampled for request row r, which the scheduler
-        # has not seen yet (overlap scheduling): take it from the device-side buffer.
-        ids = fb.input_ids
-        fb.input_ids = resolve_future_ids(ids, self.future_token_ids)
+        fb = self.build_forward_batch(batch, write_table=False)
+        graphs = self.cuda_graph_runner
+        staged = graphs is not None and graphs.stages_inputs(fb)  # the replay's staging launch does both below
+        if not staged:
+            fb.write_req_to_token()
+            # A negative id -(r+1) stands for the token just sampled for request row r, which the scheduler
+            # has not seen yet (overlap scheduling): take it from the device-side buffer.
+            fb.input_ids = resolve_future_ids(fb.input_ids, self.future_token_ids)
         if fb.forward_mode.is_target_verify():  # drafts, one forward over them, acceptance: synchronous
             if self.spec is None:
                 raise ValueError("a TARGET_VERIFY batch needs a worker started with --speculative-algorithm")
             return self.spec.verify(batch, fb, t0)
-        out = self.forward(fb)
+        out = graphs.replay(fb, stage_inputs=True) if staged else self.forward(fb)
         if self.spec is not None:
             self.spec.mirror(batch)  # the draft model keeps its KV in step with the target's
         if fb.batch_size == 0 or batch.sampling is None:
@@ -245,7 +253,8 @@ class ModelRunner:
         if sample_later:
             launched.deferred = (batch.sampling, out.next_token_logits, fb.req_pool_indices)
             return launched
-        return self._sample(launched, batch.sampling, out.next_token_logits, fb.req_pool_indices, keep_on_device)
+        return self._sample(launched, batch.sampling, out.next_token_logits, fb.req_pool_indices, keep_on_device,
+                            out.greedy_ids)
 
     @torch.inference_mode()
     def sample_deferred(self, launched: LaunchedBatch, grammar_rows: list[int], grammar_mask: bytes) -> LaunchedBatch:
@@ -256,9 +265,16 @@ class ModelRunner:
         return self._sample(launched, sampling, logits, req_pool_indices)
 
     def _sample(self, launched: LaunchedBatch, sampling: SamplingBatch, logits: torch.Tensor,
-                req_pool_indices: torch.Tensor, keep_on_device: bool = False) -> LaunchedBatch:
-        sample = launched.sample = self.sampler(logits, sampling)
-        self.future_token_ids[req_pool_indices] = sample.next_token_ids
+                req_pool_indices: torch.Tensor, keep_on_device: bool = False,
+                greedy_ids: torch.Tensor | None = None) -> LaunchedBatch:
+        if greedy_ids is not None and sampling.raw_argmax:  # the graph's greedy tail chose them and wrote
+            # them to future_token_ids. They sit in the graphs' static buffer, which the next replay (launched
+            # before this batch is collected) overwrites: on CUDA the host copy below is queued ahead of it;
+            # elsewhere (tests' stand-in graphs) keep a copy.
+            sample = launched.sample = SampleOutput(greedy_ids if self.device.type == "cuda" else greedy_ids.clone())
+        else:
+            sample = launched.sample = self.sampler(logits, sampling)
+            self.future_token_ids[req_pool_indices] = sample.next_token_ids
         if launched.events is not None:
             launched.events[1].record()
         if self.device.type == "cuda" and not keep_on_device:

@@ -84,13 +84,14 @@ def gpu_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_bf16_llama(tmp_path_factory.mktemp("gpu_fusion_llama"), MODEL)
 
 
-def _generate(path: Path, fusion: str, monkeypatch: pytest.MonkeyPatch, **engine: object) -> list[dict]:
+def _generate(path: Path, fusion: str, monkeypatch: pytest.MonkeyPatch, params: object = None,
+              **engine: object) -> list[dict]:
     from runtime import Engine
 
     monkeypatch.setenv("SHOAL_DECODE_FUSION", fusion)  # read when the layers are built
     rng = random.Random(0)
     prompts = [[rng.randrange(3, MODEL["vocab_size"]) for _ in range(rng.randrange(8, 300))] for _ in range(12)]
-    params = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True, "return_logprob": True}
+    params = params or {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True, "return_logprob": True}
     with Engine(model_path=str(path), dtype="bfloat16", max_total_tokens=32768, context_length=1024,
                 cuda_graph_max_bs=16, max_running_requests=16, **engine) as e:
         outs = e.generate(input_ids=prompts, sampling_params=params)
@@ -119,6 +120,19 @@ def test_engine_fusion_on_equals_off(gpu_llama: Path, backend: str, config: str,
     assert [o["output_ids"] for o in on] == [o["output_ids"] for o in off]
     assert [o["logprobs"] for o in on] == [o["logprobs"] for o in off]
     assert all(len(o["output_ids"]) == 40 for o in on)
+
+
+@pytest.mark.parametrize("backend", ["triton"] + (["flashinfer"] if HAS_FLASHINFER else []))
+def test_engine_greedy_tail_equals_sampler(gpu_llama: Path, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy without logprobs: with the fusions on, a DECODE graph's greedy tail chooses the tokens (and the
+    staging launch resolves the placeholders and writes the token table); off, the Sampler after the replay.
+    Same tokens. Requests with a repetition penalty in the same batches take the Sampler in both runs."""
+    base = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+    for params in (base, [base | {"repetition_penalty": 1.3} if i % 3 == 0 else base for i in range(12)]):
+        on = _generate(gpu_llama, "1", monkeypatch, params, attention_backend=backend)
+        off = _generate(gpu_llama, "0", monkeypatch, params, attention_backend=backend)
+        assert [o["output_ids"] for o in on] == [o["output_ids"] for o in off]
+        assert all(len(o["output_ids"]) == 40 for o in on)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])

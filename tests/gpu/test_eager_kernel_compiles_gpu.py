@@ -30,12 +30,19 @@ def _step(bs: int, padded: int) -> None:
     stage_graph_inputs(dst, (ids, pos, loc, rpi, sl, pl), bs, padded, 1, 1)
     assert torch.equal(dst[0][:bs], ids) and bool((dst[2][bs:padded] == 0).all())
     future = torch.arange(100, 164, device="cuda", dtype=torch.int64)
+    # The decode replay's form (placeholders resolved, token table written, tail rows filled): the same variant.
+    table = torch.zeros(4 * 40, 1025, device="cuda", dtype=torch.int32)  # rows up to 4 * bs
+    rows = torch.zeros(64, device="cuda", dtype=torch.int64)
+    stage_graph_inputs(dst, (placeholders, pos, loc, rpi, sl, pl), bs, padded, 1, 1, future=future,
+                       req_to_token=table, rows=rows, scratch_row=63)
+    assert torch.equal(dst[0][:bs], future[torch.arange(bs, device="cuda") % 7])
+    assert torch.equal(table[rpi, pos], loc.to(torch.int32)) and bool((rows[bs:padded] == 63).all())
     want = future[torch.arange(bs, device="cuda") % 7]
     assert torch.equal(resolve_future_ids_kernel(placeholders, future), want)
 
 
 def test_one_compile_serves_every_batch_size() -> None:
-    _step(7, 8)  # compiles both kernels once
+    _step(7, 8)  # compiles both kernels once (the staging kernel: one variant for both of its forms)
     with TritonCompiles() as compiles:
         for bs, padded in SIZES:
             _step(bs, padded)

@@ -67,9 +67,9 @@ def _run(path: Path, prompts: list[list[int]], max_new: list[int], extra: dict |
         if runner is not None:
             replay = runner.replay
 
-            def counted(fb):
+            def counted(fb, **kw):
                 replays[fb.forward_mode.name] += 1
-                return replay(fb)
+                return replay(fb, **kw)
 
             runner.replay = counted
         params = [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True, **(extra or {})} for n in max_new]

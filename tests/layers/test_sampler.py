@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.layers.sampler import Sampler, hash_uniform
+from runtime.layers.sampler import Sampler, greedy_ids, hash_uniform
 from runtime.messages import SamplingBatch
 
 VOCAB = 300
@@ -194,3 +194,22 @@ def test_logit_bias_shifts_the_sampled_distribution() -> None:
     draws = _draws(row, 400, logit_biases=[(7, 5.0)])  # e^5 / (e^5 + 299) ≈ 0.33 of the draws
     share = (draws == 7).float().mean().item()
     assert 0.25 < share < 0.42
+
+
+@pytest.mark.parametrize(("overrides", "raw"), [
+    ({}, True),
+    ({"temperatures": [0.0, 0.7, 0.0]}, False),
+    ({"return_logprob": True}, False),
+    ({"penalty_tokens": [[], [5, 6], []], "repetition_penalties": [1.0, 1.2, 1.0]}, False),
+    ({"blocked_token_ids": [[], [], [2]]}, False),
+    ({"logit_biases": [[], [(3, 1.0)], []]}, False),
+    ({"grammar_rows": [1], "grammar_mask": b"\xff" * 40}, False),
+])
+def test_raw_argmax_only_when_nothing_edits_or_asks(overrides: dict[str, Any], raw: bool) -> None:
+    """A decode graph's greedy tail stands in for the Sampler only where the Sampler would return the argmax
+    of the raw logits and nothing else: then the two give the same ids."""
+    sb = _batch(3, **({"temperatures": [0.0] * 3} | overrides))
+    assert sb.raw_argmax is raw
+    if raw:
+        logits = _logits(3, seed=4)
+        assert torch.equal(Sampler()(logits, sb).next_token_ids, greedy_ids(logits))

@@ -49,9 +49,11 @@ def fake_graphs(monkeypatch):
                         lambda self: None if self.args.disable_cuda_graph else CudaGraphRunner(self))
     replay = CudaGraphRunner.replay
 
-    def counted(self, fb):
+    def counted(self, fb, **kw):
         replays.append(fb.forward_mode.name)
-        return replay(self, fb)
+        if kw.get("stage_inputs"):
+            replays.append("STAGED")  # the staging launch resolves placeholders and writes the token table
+        return replay(self, fb, **kw)
 
     monkeypatch.setattr(CudaGraphRunner, "replay", counted)
     assert cuda_graph_runner.capture_batch_sizes(2) == [1, 2]
@@ -80,3 +82,50 @@ def test_decode_and_verify_replays_match_eager(make_engine, tiny_llama, fake_gra
     outs = [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=params)]
     assert outs == expected
     assert "TARGET_VERIFY" in fake_graphs and "DECODE" in fake_graphs  # the draft model's steps replay too
+
+
+@pytest.mark.slow  # the triton interpreter
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+def test_decode_graph_greedy_tail_matches_eager(make_engine, tiny_llama, fake_graphs, monkeypatch, penalty):
+    """Greedy without logprobs, overlap scheduling on: the DECODE graph's own argmax (its greedy tail) gives
+    the tokens, and the staging launch resolves the placeholder ids (from the tail's future-token writes) and
+    writes the token table; the Sampler runs only for the prefills. With a repetition penalty the Sampler runs after every replay instead. Both
+    give the eager engine's tokens."""
+    from runtime.layers.sampler import Sampler
+
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True, "repetition_penalty": penalty}
+    eager = make_engine(tiny_llama, disable_cuda_graph=True)
+    expected = [o["output_ids"] for o in eager.generate(input_ids=PROMPTS, sampling_params=params)]
+    sampled: list[int] = []
+    call = Sampler.__call__
+
+    def counted_sampler(self, logits, sb):
+        sampled.append(logits.shape[0])
+        return call(self, logits, sb)
+
+    monkeypatch.setattr(Sampler, "__call__", counted_sampler)
+    # Overlap scheduling as on CUDA (a CPU engine runs without it): decode inputs arrive as placeholders.
+    from runtime.managers import scheduler_host
+
+    monkeypatch.setattr(scheduler_host, "overlap_wanted", lambda args, worker, info: True)
+    placeholders: list[int] = []
+    stage = cuda_graph_runner.stage_graph_inputs
+
+    def counted_stage(dst, src, *args, **kw):
+        placeholders.append(int((src[0] < 0).sum()) if kw.get("future") is not None else 0)
+        return stage(dst, src, *args, **kw)
+
+    monkeypatch.setattr(cuda_graph_runner, "stage_graph_inputs", counted_stage)
+    engine = make_engine(tiny_llama, attention_backend="triton", cuda_graph_max_bs=2, max_running_requests=2)
+    assert engine.worker.runner.cuda_graph_runner.greedy_tail
+    outs = [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=params)]
+    assert outs == expected
+    decodes = fake_graphs.count("DECODE")
+    assert decodes >= 5 and fake_graphs.count("STAGED") == decodes  # 6 tokens: the prefill's, then decodes
+    if penalty == 1.0:
+        assert sum(sampled) == len(PROMPTS)  # each prompt's first token only
+        assert sum(placeholders) > 0  # resolved by the staging launch
+    else:
+        assert len(sampled) >= decodes  # (penalties need the real tokens: no placeholders there)
+    with engine.scheduler.lock:
+        engine.scheduler.check_kv_invariant()
