@@ -26,6 +26,8 @@
 #                                               # bf16 / FP8 weights / FP8 weights with the 16-bit head, a profile
 #   bash benchmarks/gpu_suite.sh part19 OUTDIR  # greedy sampling in the decode graph: bs-1 FP8 decode A/B against
 #                                               # .baseline (the previous commit's tree), and its profile
+#   bash benchmarks/gpu_suite.sh part20 OUTDIR  # 1000 x 1000 FP8 KV, --reserve-known-output auto (on) vs off
+#   bash benchmarks/gpu_suite.sh part21 OUTDIR  # the same in bf16, then 462/256 x 500
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
@@ -197,6 +199,19 @@ if [ "$part" = part19 ]; then  # greedy sampling inside the decode graph: bs-1 F
   done
   TAIL=20 run timeout 100 python -m benchmarks.profile_decode --modes fp8_weights --fusion on --batch 1 \
     --output-file "$out/profile_decode_fp8w_graph_sampling_bs1.json"
+fi
+if [ "$part" = part20 ] || [ "$part" = part21 ]; then  # known-length requests reserve their whole output
+  # (--reserve-known-output, auto: on for a GPU) against the estimate, 1000 x 1000, same machine
+  K=fp8_kv_ X="--kv-cache-dtype fp8_e4m3"
+  [ "$part" = part21 ] && K=bf16_ X=""
+  for v in auto off; do
+    TAIL=6 run timeout 285 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests 1024 \
+      --cuda-graph-max-bs 512 $X --reserve-known-output $v --output-file "$out/${K}1000x1000_reserve_known_$v.json"
+  done
+  if [ "$part" = part21 ]; then
+    TAIL=6 run timeout 120 $OFF --num-prompts 500 --input-len 462 --output-len 256 --cuda-graph-max-bs 256 \
+      --max-running-requests 512 --output-file "$out/llama8b_462x256_reserve_known.json"
+  fi
 fi
 if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then
   files=$(ls tests/gpu/test_*.py | grep -v test_ray_tp_gpu.py)

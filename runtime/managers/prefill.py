@@ -45,7 +45,7 @@ class PrefillAdder:
                 return None, chunked
             self._extend(batch, chunked, slots)
             budget -= n
-            reserved += chunked.max_new_remaining * self.retractor.ratio
+            reserved += self.retractor.expected_new(chunked)
             if chunked.remaining_prefill > 0:
                 return batch, chunked
             chunked = None
@@ -57,7 +57,7 @@ class PrefillAdder:
             if not self.kv.admit(r):
                 break
             need = r.remaining_prefill
-            if self.kv.available() - reserved < need + r.max_new_remaining * self.retractor.ratio and (
+            if self.kv.available() - reserved < need + self.retractor.expected_new(r) and (
                     active or batch.reqs):
                 self.kv.release_retracted(r)  # not now: give back the row and the lock
                 break
@@ -75,7 +75,7 @@ class PrefillAdder:
             self._admitted(r)
             self._extend(batch, r, slots)
             budget -= n
-            reserved += r.max_new_remaining * self.retractor.ratio
+            reserved += self.retractor.expected_new(r)
             if r.remaining_prefill > 0:
                 chunked = r
                 break

@@ -32,6 +32,8 @@ class Req:
         self.seed = seed
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(params.stop_token_ids)
+        # Only max_new_tokens (or the context) can end it: its KV need is known at admission (Retractor).
+        self.length_known = not (self.eos_token_ids or self.stop_token_ids or params.stop or params.grammar)
         # Prompt logprobs (and their top N) need logits at every prompt position: such a request is
         # prefilled whole and never takes its prefix from the cache (see PrefillAdder, KVCacheManager).
         self.return_input_logprob = return_input_logprob or input_top_logprobs_num > 0

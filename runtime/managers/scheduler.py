@@ -49,7 +49,7 @@ class Scheduler:
                  sink: Callable[[list[RequestOutput]], None],
                  decode_text: Callable[[list[int], bool], str] | None = None,
                  overlap: bool = False, cache_events: CacheEventLog | None = None, pad_drafts: bool = False,
-                 grammar: GrammarCompiler | None = None):
+                 grammar: GrammarCompiler | None = None, reserve_known_output: bool = False):
         self.args, self.worker, self.sink, self.decode_text = args, worker, sink, decode_text
         self.context_len, self.vocab_size, self.eos_token_ids = context_len, vocab_size, eos_token_ids
         self.max_running = min(args.max_running_requests, max_reqs - 1)
@@ -57,7 +57,7 @@ class Scheduler:
                                  cache_events=cache_events)
         self.limits = RequestLimits(context_len, vocab_size, self.kv.size, args.speculative_algorithm is not None)
         self.policy = create_policy(args.schedule_policy, args.radix_cache_enabled)
-        self.retractor = Retractor(args)
+        self.retractor = Retractor(args, reserve_known_output)
         self.prefill = PrefillAdder(args, self.kv, self.policy, self.retractor)
         self.stats = ForwardModeStats(args.log_interval_s)
         self.intake = TokenIntake(self.kv, self.stats, context_len, decode_text)

@@ -30,6 +30,12 @@ def overlap_wanted(args: ServerArgs, worker: WorkerClient, info: WorkerInfo) -> 
     return not args.disable_overlap_schedule and worker.can_overlap and info.device.startswith("cuda")
 
 
+def reserve_known_wanted(args: ServerArgs, info: WorkerInfo) -> bool:
+    """--reserve-known-output: auto is on for a GPU worker (runtime/managers/retract.py says why)."""
+    mode = args.reserve_known_output
+    return mode == "on" or (mode == "auto" and info.device.startswith("cuda"))
+
+
 class SchedulerHost:
     def __init__(self, args: ServerArgs, worker: WorkerClient, info: WorkerInfo, eos_token_ids: frozenset[int],
                  sink: Callable[[list[RequestOutput]], None],
@@ -43,6 +49,7 @@ class SchedulerHost:
             args, worker, max_total_tokens=info.max_total_tokens, max_reqs=info.max_reqs,
             context_len=info.context_len, vocab_size=info.vocab_size, eos_token_ids=eos_token_ids, sink=sink,
             decode_text=decode_text, overlap=overlap_wanted(args, worker, info), cache_events=cache_events,
+            reserve_known_output=reserve_known_wanted(args, info),
             grammar=grammar,
             pad_drafts=info.device.startswith("cuda") and not args.disable_cuda_graph)  # graph-shaped verify steps
         self._stop = threading.Event()

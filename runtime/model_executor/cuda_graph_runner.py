@@ -51,6 +51,9 @@ class CudaGraphRunner:
         self.backend = runner.attn_backend
         # DP attention steps every rank with per-step token counts; graphs cannot follow those.
         self.enabled = not runner.ctx.dp_attention
+        # Up to what the running cap can batch (+ requests mid chunked prefill): a decode batch above the
+        # largest graph runs eager. 462/256 x 500 on an H100 (batches of 500): 42.06 req/s with graphs to
+        # 512, 37.7-38.2 with graphs to 256 (benchmarks/README.md); the default was SGLang's 160.
         self.max_bs = min(runner.args.cuda_graph_max_bs, runner.max_running_requests)
         self.batch_sizes = capture_batch_sizes(self.max_bs)
         self.fill_seq_len = self.backend.get_cuda_graph_seq_len_fill_value()

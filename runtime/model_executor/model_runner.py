@@ -70,7 +70,8 @@ class ModelRunner:
         if self.device.type == "cuda" and not (args.disable_custom_all_reduce or args.disable_cuda_graph):
             # Collective over the ranks: each gets a one-shot all-reduce for graph-sized activations,
             # or all fall back to NCCL together (e.g. ranks on different nodes).
-            self.ctx = self.ctx.with_fast_all_reduce(self.model_config.dtype, self.device, args.cuda_graph_max_bs,
+            graph_bs = min(args.cuda_graph_max_bs, args.max_running_requests + 4)  # CudaGraphRunner's bound
+            self.ctx = self.ctx.with_fast_all_reduce(self.model_config.dtype, self.device, graph_bs,
                                                      self.model_config.hidden_size)
             if self.ctx.mlp.size > 1:
                 logger.info("TP all-reduce inside CUDA graphs: %s",

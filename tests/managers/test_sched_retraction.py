@@ -142,3 +142,51 @@ def test_growth_below_one_is_refused() -> None:
 
     with pytest.raises(ServerArgsError, match="retract-ratio-growth"):
         ServerArgs(model_path="unused", retract_ratio_growth=0.5)
+
+
+def test_known_length_requests_reserve_their_whole_output(make_engine, tiny_llama, unconstrained, pool_full):
+    """--reserve-known-output on: ignore_eos requests (only their length ends them) are admitted against
+    their whole remaining output, so the 120-token pool that made the optimistic estimate retract above
+    never retracts; the tokens are the same."""
+    engine = make_engine(tiny_llama, max_total_tokens=120, init_new_token_ratio=0.2, min_new_token_ratio=0.05,
+                         reserve_known_output="on")
+    assert engine.scheduler.retractor.reserve_known  # "on" on a CPU too (auto is on only for a GPU)
+    outs = engine.generate(input_ids=workload(), sampling_params=PARAMS)
+    assert [o["output_ids"] for o in outs] == unconstrained
+    stats = engine.get_stats()
+    assert stats.retractions == 0
+    assert stats.forward_modes["EXTEND"].tokens == sum(len(p) for p in workload())  # nothing prefilled twice
+    pool_full(engine)
+
+
+def test_reserve_known_output_counts_only_requests_their_length_ends() -> None:
+    from runtime.config import ServerArgs
+    from runtime.managers.req import Req
+    from runtime.managers.retract import Retractor
+    from runtime.sampling.params import SamplingParams
+
+    def req(**params: object) -> Req:
+        r = Req("r", [1, 2, 3], SamplingParams(max_new_tokens=100, **params), seed=0, eos_token_ids=frozenset({2}))
+        r.output_ids = [5] * 20  # 80 still to come
+        return r
+
+    known = req(ignore_eos=True)
+    unknown = [req(), req(ignore_eos=True, stop_token_ids=[9]), req(ignore_eos=True, stop=["x"]),
+               req(ignore_eos=True, regex="a+")]
+    assert known.length_known and not any(r.length_known for r in unknown)
+    on = Retractor(ServerArgs(model_path="unused"), reserve_known=True)
+    off = Retractor(ServerArgs(model_path="unused"))
+    assert on.expected_new(known) == 80 and off.expected_new(known) == pytest.approx(80 * 0.7)
+    assert on.expected_new(unknown[0]) == pytest.approx(80 * 0.7)
+    assert on.reserved_tokens([known, *unknown]) == pytest.approx(80 + 4 * 80 * 0.7)
+    assert off.reserved_tokens([known, *unknown]) == pytest.approx(5 * 80 * 0.7)
+
+
+@pytest.mark.parametrize(("mode", "device", "want"), [("auto", "cuda:0", True), ("auto", "cpu", False),
+                                                        ("on", "cpu", True), ("off", "cuda:0", False)])
+def test_reserve_known_output_auto_is_on_for_a_gpu(mode: str, device: str, want: bool) -> None:
+    from runtime.config import ServerArgs
+    from runtime.managers.scheduler_host import reserve_known_wanted
+
+    info = SimpleNamespace(device=device)
+    assert reserve_known_wanted(ServerArgs(model_path="unused", reserve_known_output=mode), info) is want
