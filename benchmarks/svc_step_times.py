@@ -104,13 +104,13 @@ def run_one(args: argparse.Namespace, freeze: str) -> dict[str, Any]:
         forward = runner.forward
         cuda = runner.device.type == "cuda"
 
-        def timed_forward(fb: Any) -> Any:
+        def timed_forward(fb: Any, **kw: Any) -> Any:
             # CUDA: events in the stream (a host stall between them counts: the device waited); CPU: the
             # forward runs inside the call.
             start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
             if cuda:
                 start.record()
-            out = forward(fb)
+            out = forward(fb, **kw)
             end = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
             if cuda:
                 end.record()

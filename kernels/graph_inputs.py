@@ -77,13 +77,15 @@ def _stage_kernel(D_ids, S_ids, D_pos, S_pos, D_loc, S_loc, D_rpi, S_rpi, D_sl, 
 
 def stage_graph_inputs(dst: tuple[torch.Tensor, ...], src: tuple[torch.Tensor, ...], bs: int, padded: int,
                        tokens_per_req: int, seq_fill: int, *, future: torch.Tensor | None = None,
-                       req_to_token: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-                       scratch_row: int = 0) -> None:
+                       req_to_token: torch.Tensor | None = None, write_table: bool = True,
+                       rows: torch.Tensor | None = None, scratch_row: int = 0) -> None:
     """dst = the graph's (input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, prefix_lens),
     src = the batch's, all int64 and contiguous. Copies the bs requests' values; rows bs..padded get
     out_cache_loc 0, req_pool_indices 0, seq_lens seq_fill, prefix_lens seq_fill - tokens_per_req.
-    future: input ids -(r + 1) become future[r]. req_to_token (int32 [reqs, context]): each real token's
-    slot recorded at [its request's row, its position]. rows: [:bs] the request rows, [bs:padded] scratch_row."""
+    future: input ids -(r + 1) become future[r]. req_to_token (int32 [reqs, context]), if write_table: each
+    real token's slot recorded at [its request's row, its position]; a caller that stages both ways passes
+    its table either way (a pointer's dtype is part of the compiled variant). rows: [:bs] the request rows,
+    [bs:padded] scratch_row."""
     if len(dst) != 6 or len(src) != 6:
         raise ValueError("stage_graph_inputs takes the six index tensors, in order")
     extra = [t for t in (future, rows) if t is not None]
@@ -94,19 +96,21 @@ def stage_graph_inputs(dst: tuple[torch.Tensor, ...], src: tuple[torch.Tensor, .
         raise ValueError("req_to_token must be a row-major int32 table")
     n_tok, n_pad_tok = bs * tokens_per_req, padded * tokens_per_req
     grid = (8, triton.cdiv(max(n_pad_tok, padded), _BLOCK))
-    # An unused pointer still needs a tensor (None would be a constexpr: another compiled variant).
-    table = req_to_token if req_to_token is not None else dst[3]
+    # An unused pointer still needs a tensor of the used one's dtype (None would be a constexpr, another
+    # dtype another signature: either one more compiled variant, in the middle of serving).
+    table = req_to_token if req_to_token is not None else torch.empty((1, 1), dtype=torch.int32,
+                                                                      device=dst[0].device)
     _stage_kernel[grid](dst[0], src[0], dst[1], src[1], dst[2], src[2], dst[3], src[3], dst[4], src[4],
                         dst[5], src[5], future if future is not None else dst[0], table,
                         rows if rows is not None else dst[3], table.stride(0), n_tok, n_pad_tok, bs, padded,
                         seq_fill, seq_fill - tokens_per_req, tokens_per_req, scratch_row, int(future is not None),
-                        int(req_to_token is not None), int(rows is not None), BLOCK=_BLOCK)
+                        int(req_to_token is not None and write_table), int(rows is not None), BLOCK=_BLOCK)
 
 
 def stage_graph_inputs_ref(dst: tuple[torch.Tensor, ...], src: tuple[torch.Tensor, ...], bs: int, padded: int,
                            tokens_per_req: int, seq_fill: int, *, future: torch.Tensor | None = None,
-                           req_to_token: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-                           scratch_row: int = 0) -> None:
+                           req_to_token: torch.Tensor | None = None, write_table: bool = True,
+                           rows: torch.Tensor | None = None, scratch_row: int = 0) -> None:
     """The unfused sequence: the copies and padded-row resets CudaGraphRunner.replay runs, the placeholder
     resolve and ForwardBatch.write_req_to_token."""
     n, p = bs * tokens_per_req, padded * tokens_per_req
@@ -128,5 +132,5 @@ def stage_graph_inputs_ref(dst: tuple[torch.Tensor, ...], src: tuple[torch.Tenso
     if rows is not None:
         rows[:bs].copy_(src[3])
         rows[bs:padded].fill_(scratch_row)
-    if req_to_token is not None and n:
+    if req_to_token is not None and write_table and n:
         req_to_token[torch.repeat_interleave(src[3], tokens_per_req), src[1]] = src[2].to(torch.int32)

@@ -81,13 +81,14 @@ class ServerArgs:
     retract_ratio_growth: float = _opt(1.0, "after a retraction the estimate's floor rises to this many times "
                                        "the estimate that over-admitted (decaying 10x slower); 1: off (Shoal's own)")
     reserve_known_output: str = _opt("auto", "a request only max_new_tokens can end (ignore_eos, no stop ids, strings "
-                                     "or grammar) reserves KV for its whole output at admission, so it is never "
-                                     "retracted; auto: on a GPU", ("auto", "on", "off"))
+                                     "or grammar) reserves KV for its whole output at admission, and is retracted "
+                                     "only after every request that estimates its need; auto: on a GPU",
+                                     ("auto", "on", "off"))
     # Execution
     attention_backend: str = _opt("auto", "attention backend", ("auto", "torch_native", "triton", "flashinfer"))
     disable_cuda_graph: bool = _opt(False, "never capture CUDA graphs")
     cuda_graph_max_bs: int = _opt(512, "largest decode batch captured in a CUDA graph (never more than "
-                                       "--max-running-requests needs)")
+                                       "--max-running-requests)")
     disable_overlap_schedule: bool = _opt(False, "prepare the next batch only after the current one finishes")
     # Speculative decoding (runtime/speculative): drafts checked by one TARGET_VERIFY forward per step
     speculative_algorithm: str | None = _opt(None, "NGRAM: drafts from the request's own prompt and output; "

@@ -51,10 +51,10 @@ class CudaGraphRunner:
         self.backend = runner.attn_backend
         # DP attention steps every rank with per-step token counts; graphs cannot follow those.
         self.enabled = not runner.ctx.dp_attention
-        # Up to what the running cap can batch (+ requests mid chunked prefill): a decode batch above the
+        # Up to what the running cap can batch (a decode batch holds at most that many): one above the
         # largest graph runs eager. 462/256 x 500 on an H100 (batches of 500): 42.06 req/s with graphs to
         # 512, 37.7-38.2 with graphs to 256 (benchmarks/README.md); the default was SGLang's 160.
-        self.max_bs = min(runner.args.cuda_graph_max_bs, runner.max_running_requests)
+        self.max_bs = min(runner.args.cuda_graph_max_bs, runner.args.max_running_requests)
         self.batch_sizes = capture_batch_sizes(self.max_bs)
         self.fill_seq_len = self.backend.get_cuda_graph_seq_len_fill_value()
         # Tokens per request of each captured mode: TARGET_VERIFY has the last token + K drafts.
@@ -177,7 +177,7 @@ class CudaGraphRunner:
                                (fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices, fb.seq_lens,
                                 fb.extend_prefix_lens), bs, padded, n, fill,
                                future=r.future_token_ids if stage_inputs else None,
-                               req_to_token=r.req_to_token_pool.req_to_token if stage_inputs else None,
+                               req_to_token=r.req_to_token_pool.req_to_token, write_table=stage_inputs,
                                rows=self.future_rows if tail else None, scratch_row=self.scratch_row)
             if stage_inputs:
                 fb.input_ids = self.input_ids[:bs * n]  # resolved

@@ -70,7 +70,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not (args.disable_custom_all_reduce or args.disable_cuda_graph):
             # Collective over the ranks: each gets a one-shot all-reduce for graph-sized activations,
             # or all fall back to NCCL together (e.g. ranks on different nodes).
-            graph_bs = min(args.cuda_graph_max_bs, args.max_running_requests + 4)  # CudaGraphRunner's bound
+            graph_bs = min(args.cuda_graph_max_bs, args.max_running_requests)  # CudaGraphRunner's bound
             self.ctx = self.ctx.with_fast_all_reduce(self.model_config.dtype, self.device, graph_bs,
                                                      self.model_config.hidden_size)
             if self.ctx.mlp.size > 1:
@@ -200,9 +200,11 @@ class ModelRunner:
         return fb
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch) -> LogitsOutput:
+    def forward(self, fb: ForwardBatch, stage_inputs: bool = False) -> LogitsOutput:
+        """stage_inputs: a DECODE whose placeholders and token-table writes the graph replay's staging takes
+        over (CudaGraphRunner.stages_inputs() said it can)."""
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
-            return self.cuda_graph_runner.replay(fb)
+            return self.cuda_graph_runner.replay(fb, stage_inputs=stage_inputs)
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model(fb.input_ids, fb.positions, fb)
         return self.logits_processor(hidden, fb.input_ids, fb)
@@ -244,7 +246,7 @@ class ModelRunner:
             if self.spec is None:
                 raise ValueError("a TARGET_VERIFY batch needs a worker started with --speculative-algorithm")
             return self.spec.verify(batch, fb, t0)
-        out = graphs.replay(fb, stage_inputs=True) if staged else self.forward(fb)
+        out = self.forward(fb, stage_inputs=staged)
         if self.spec is not None:
             self.spec.mirror(batch)  # the draft model keeps its KV in step with the target's
         if fb.batch_size == 0 or batch.sampling is None:

@@ -125,14 +125,29 @@ def test_engine_fusion_on_equals_off(gpu_llama: Path, backend: str, config: str,
 @pytest.mark.parametrize("backend", ["triton"] + (["flashinfer"] if HAS_FLASHINFER else []))
 def test_engine_greedy_tail_equals_sampler(gpu_llama: Path, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy without logprobs: with the fusions on, a DECODE graph's greedy tail chooses the tokens (and the
-    staging launch resolves the placeholders and writes the token table); off, the Sampler after the replay.
-    Same tokens. Requests with a repetition penalty in the same batches take the Sampler in both runs."""
+    staging launch resolves the placeholders and writes the token table), so the Sampler sees only the
+    prefills; off, the Sampler after every replay. Same tokens. Then every fourth request also asks for
+    logprobs and stops early: its batches take the Sampler, the rest the tail once it is gone."""
+    from runtime.layers.sampler import Sampler
+
+    rows: list[int] = []
+    call = Sampler.__call__
+
+    def counted(self, logits, sb):
+        rows.append(logits.shape[0])
+        return call(self, logits, sb)
+
+    monkeypatch.setattr(Sampler, "__call__", counted)
     base = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True}
-    for params in (base, [base | {"repetition_penalty": 1.3} if i % 3 == 0 else base for i in range(12)]):
+    mixed = [base | {"return_logprob": True, "max_new_tokens": 12} if i % 4 == 0 else base for i in range(12)]
+    for params in (base, mixed):
+        rows.clear()
         on = _generate(gpu_llama, "1", monkeypatch, params, attention_backend=backend)
+        if params is base:
+            assert sum(rows) == 12  # each prompt's first token; every decode step's came from its graph
         off = _generate(gpu_llama, "0", monkeypatch, params, attention_backend=backend)
         assert [o["output_ids"] for o in on] == [o["output_ids"] for o in off]
-        assert all(len(o["output_ids"]) == 40 for o in on)
+        assert [len(o["output_ids"]) for o in on] == [12 if i % 4 == 0 and params is mixed else 40 for i in range(12)]
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])

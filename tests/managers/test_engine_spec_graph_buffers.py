@@ -94,8 +94,9 @@ def test_decode_graph_greedy_tail_matches_eager(make_engine, tiny_llama, fake_gr
     from runtime.layers.sampler import Sampler
 
     params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True, "repetition_penalty": penalty}
+    prompts = [*PROMPTS, [9, 8, 7, 6]]  # three: batches of 3 replay the 4-row graph (a padded row)
     eager = make_engine(tiny_llama, disable_cuda_graph=True)
-    expected = [o["output_ids"] for o in eager.generate(input_ids=PROMPTS, sampling_params=params)]
+    expected = [o["output_ids"] for o in eager.generate(input_ids=prompts, sampling_params=params)]
     sampled: list[int] = []
     call = Sampler.__call__
 
@@ -116,14 +117,17 @@ def test_decode_graph_greedy_tail_matches_eager(make_engine, tiny_llama, fake_gr
         return stage(dst, src, *args, **kw)
 
     monkeypatch.setattr(cuda_graph_runner, "stage_graph_inputs", counted_stage)
-    engine = make_engine(tiny_llama, attention_backend="triton", cuda_graph_max_bs=2, max_running_requests=2)
-    assert engine.worker.runner.cuda_graph_runner.greedy_tail
-    outs = [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=params)]
+    engine = make_engine(tiny_llama, attention_backend="triton", cuda_graph_max_bs=4, max_running_requests=4)
+    graphs = engine.worker.runner.cuda_graph_runner
+    assert graphs.greedy_tail and graphs.batch_sizes == [1, 2, 4]
+    outs = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
     assert outs == expected
+    # The padded row wrote its argmax to the scratch row past the requests' rows, not to a request's.
+    assert graphs.scratch_row == engine.worker.runner.max_running_requests
     decodes = fake_graphs.count("DECODE")
     assert decodes >= 5 and fake_graphs.count("STAGED") == decodes  # 6 tokens: the prefill's, then decodes
     if penalty == 1.0:
-        assert sum(sampled) == len(PROMPTS)  # each prompt's first token only
+        assert sum(sampled) == len(prompts)  # each prompt's first token only
         assert sum(placeholders) > 0  # resolved by the staging launch
     else:
         assert len(sampled) >= decodes  # (penalties need the real tokens: no placeholders there)

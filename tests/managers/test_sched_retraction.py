@@ -190,3 +190,20 @@ def test_reserve_known_output_auto_is_on_for_a_gpu(mode: str, device: str, want:
 
     info = SimpleNamespace(device=device)
     assert reserve_known_wanted(ServerArgs(model_path="unused", reserve_known_output=mode), info) is want
+
+
+def test_victims_are_estimated_requests_before_known_length_ones() -> None:
+    """With --reserve-known-output a known-length request reserved all it needs: retraction takes the
+    requests that estimated their need first (latest admitted first among each kind)."""
+    from runtime.config import ServerArgs
+    from runtime.managers.retract import Retractor
+
+    def req(seq: int, known: bool) -> SimpleNamespace:
+        return SimpleNamespace(admit_seq=seq, length_known=known, kv_len=1, cached_len=0)  # one slot back each
+
+    running = [req(1, False), req(2, True), req(3, False), req(4, True)]
+    on = Retractor(ServerArgs(model_path="unused"), reserve_known=True)
+    assert [v.admit_seq for v in on.pick_victims(running, need=4, available=0)] == [3, 1]
+    assert [v.admit_seq for v in on.pick_victims(running, need=6, available=0)] == [3, 1, 4]
+    off = Retractor(ServerArgs(model_path="unused"))
+    assert [v.admit_seq for v in off.pick_victims(running, need=4, available=0)] == [4, 3]
