@@ -15,9 +15,8 @@ the retractions (11 → 6) and cut prefill tokens 12%, at 2% less throughput (sm
 (Req.length_known: ignore_eos or no EOS, no stop ids or strings, no grammar) is expected to need its whole
 remaining output, not the estimate's share, and retraction takes it only after every request that
 estimates its need: a pool of known-length requests alone never retracts (speculative verify steps, which
-need K + 1 slots a request for a moment, aside). Where a decode
-step's cost grows with the batch's KV (a GPU whose pool binds), the smaller batch costs nothing and the
-re-prefills go: 1000 x (1000 in, 1000 out) with FP8 KV on one H100, 10,039 vs 9,221 output tok/s (no
+need K + 1 slots a request for a moment, aside). Where a decode step's cost grows with the batch's KV (a
+GPU whose pool binds), the smaller batch costs nothing and the re-prefills go: 1000 x (1000 in, 1000 out) with FP8 KV on one H100, 10,039 vs 9,221 output tok/s (no
 retraction against 162 and 267k tokens prefilled again; decode itself 75.5 vs 78.2 s). Where a step costs
 about the same at any batch (a tiny model on a CPU, 6,000-token pool) the larger batch is worth more than
 the re-prefills: 3,143 vs 4,099 tok/s there, so CPUs keep the estimate (benchmarks/README.md)."""
