@@ -26,3 +26,19 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model_dirs) -> Path:
     return tiny_model_dirs["llama"]
+
+
+@pytest.fixture
+def sampler_rows(monkeypatch) -> list[int]:
+    """The rows of every Sampler call from here on (which batches a decode graph's greedy tail served)."""
+    from runtime.layers.sampler import Sampler
+
+    rows: list[int] = []
+    call = Sampler.__call__
+
+    def counted(self, logits, sb):
+        rows.append(logits.shape[0])
+        return call(self, logits, sb)
+
+    monkeypatch.setattr(Sampler, "__call__", counted)
+    return rows

@@ -123,21 +123,13 @@ def test_engine_fusion_on_equals_off(gpu_llama: Path, backend: str, config: str,
 
 
 @pytest.mark.parametrize("backend", ["triton"] + (["flashinfer"] if HAS_FLASHINFER else []))
-def test_engine_greedy_tail_equals_sampler(gpu_llama: Path, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_greedy_tail_equals_sampler(gpu_llama: Path, backend: str, monkeypatch: pytest.MonkeyPatch,
+                                           sampler_rows: list[int]) -> None:
     """Greedy without logprobs: with the fusions on, a DECODE graph's greedy tail chooses the tokens (and the
     staging launch resolves the placeholders and writes the token table), so the Sampler sees only the
     prefills; off, the Sampler after every replay. Same tokens. Then every fourth request also asks for
     logprobs and stops early: its batches take the Sampler, the rest the tail once it is gone."""
-    from runtime.layers.sampler import Sampler
-
-    rows: list[int] = []
-    call = Sampler.__call__
-
-    def counted(self, logits, sb):
-        rows.append(logits.shape[0])
-        return call(self, logits, sb)
-
-    monkeypatch.setattr(Sampler, "__call__", counted)
+    rows = sampler_rows
     base = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True}
     mixed = [base | {"return_logprob": True, "max_new_tokens": 12} if i % 4 == 0 else base for i in range(12)]
     for params in (base, mixed):

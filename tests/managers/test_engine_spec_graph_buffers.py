@@ -86,25 +86,18 @@ def test_decode_and_verify_replays_match_eager(make_engine, tiny_llama, fake_gra
 
 @pytest.mark.slow  # the triton interpreter
 @pytest.mark.parametrize("penalty", [1.0, 1.3])
-def test_decode_graph_greedy_tail_matches_eager(make_engine, tiny_llama, fake_graphs, monkeypatch, penalty):
+def test_decode_graph_greedy_tail_matches_eager(make_engine, tiny_llama, fake_graphs, monkeypatch, penalty,
+                                                sampler_rows):
     """Greedy without logprobs, overlap scheduling on: the DECODE graph's own argmax (its greedy tail) gives
     the tokens, and the staging launch resolves the placeholder ids (from the tail's future-token writes) and
-    writes the token table; the Sampler runs only for the prefills. With a repetition penalty the Sampler runs after every replay instead. Both
-    give the eager engine's tokens."""
-    from runtime.layers.sampler import Sampler
-
+    writes the token table; the Sampler runs only for the prefills. With a repetition penalty the Sampler
+    runs after every replay instead. Both give the eager engine's tokens."""
     params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True, "repetition_penalty": penalty}
     prompts = [*PROMPTS, [9, 8, 7, 6]]  # three: batches of 3 replay the 4-row graph (a padded row)
     eager = make_engine(tiny_llama, disable_cuda_graph=True)
     expected = [o["output_ids"] for o in eager.generate(input_ids=prompts, sampling_params=params)]
-    sampled: list[int] = []
-    call = Sampler.__call__
-
-    def counted_sampler(self, logits, sb):
-        sampled.append(logits.shape[0])
-        return call(self, logits, sb)
-
-    monkeypatch.setattr(Sampler, "__call__", counted_sampler)
+    sampled = sampler_rows
+    sampled.clear()  # the graph engine's calls only
     # Overlap scheduling as on CUDA (a CPU engine runs without it): decode inputs arrive as placeholders.
     from runtime.managers import scheduler_host
 
