@@ -76,15 +76,27 @@ class DecodeCase:
 
     @classmethod
     def make(cls, hq: int, hkv: int, kv_dtype: Any, bs: int, ctx: int, device: str = "cuda",
-             layers: int = LAYERS) -> DecodeCase:
+             layers: int = LAYERS, layout: str = "contiguous") -> DecodeCase:
+        """layout: "contiguous" (each request's slots in one run), "decode" (the first half of each context in
+        one run, the rest a batch apart: a serving pool's decode tokens, one slot per request per step) or
+        "random" (every slot anywhere)."""
         import torch
 
         dev, slots = torch.device(device), bs * ctx + 1
+        table = torch.arange(bs * ctx, device=dev, dtype=torch.int32).view(bs, ctx) + 1
+        if layout == "decode":
+            half = ctx // 2
+            table[:, :half] = torch.arange(bs * half, device=dev, dtype=torch.int32).view(bs, half) + 1
+            table[:, half:] = (bs * half + 1 + torch.arange(ctx - half, device=dev, dtype=torch.int32)[None, :] * bs
+                               + torch.arange(bs, device=dev, dtype=torch.int32)[:, None])
+        elif layout == "random":
+            table = (torch.randperm(bs * ctx, device=dev).to(torch.int32) + 1).view(bs, ctx)
+        elif layout != "contiguous":
+            raise ValueError(f"unknown slot layout {layout!r}")
         kb = [torch.randn(slots, hkv, HEAD_DIM, device=dev).to(kv_dtype) for _ in range(layers)]
         vb = [torch.randn(slots, hkv, HEAD_DIM, device=dev).to(kv_dtype) for _ in range(layers)]
         q = torch.randn(bs, hq, HEAD_DIM, device=dev).to(torch.bfloat16)
-        return cls(hq, hkv, bs, ctx, kv_dtype, kb, vb, q, torch.empty_like(q),
-                   (torch.arange(bs * ctx, device=dev, dtype=torch.int32) + 1).view(bs, ctx),
+        return cls(hq, hkv, bs, ctx, kv_dtype, kb, vb, q, torch.empty_like(q), table,
                    torch.arange(bs, device=dev, dtype=torch.int32),
                    torch.full((bs,), ctx, device=dev, dtype=torch.int32))
 

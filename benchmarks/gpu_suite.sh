@@ -28,6 +28,12 @@
 #                                               # .baseline (the previous commit's tree), and its profile
 #   bash benchmarks/gpu_suite.sh part20 OUTDIR  # 1000 x 1000 FP8 KV, --reserve-known-output auto (on) vs off
 #   bash benchmarks/gpu_suite.sh part21 OUTDIR  # the same in bf16, then 462/256 x 500
+#   bash benchmarks/gpu_suite.sh part22 OUTDIR  # decode attention: grid order (heads first) x slot layout (decode
+#                                               # tokens a batch apart) sweeps, FP8 and bf16; 1000 x 1000 FP8 KV A/B
+#   bash benchmarks/gpu_suite.sh part23 OUTDIR  # decode attention with K/V as the dots' M side: sweeps, then (if it
+#                                               # wins by 5% at 400 x 1500 FP8) 1000 x 1000 FP8 KV and svc A/B
+#   bash benchmarks/gpu_suite.sh part24 OUTDIR  # the sweeps' picks as defaults (FP8: M side; 16-bit: heads first):
+#                                               # attention GPU tests, 1000 x 1000 FP8 KV and svc A/B
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
@@ -212,6 +218,63 @@ if [ "$part" = part20 ] || [ "$part" = part21 ]; then  # known-length requests r
     TAIL=6 run timeout 120 $OFF --num-prompts 500 --input-len 462 --output-len 256 --cuda-graph-max-bs 256 \
       --max-running-requests 512 --output-file "$out/llama8b_462x256_reserve_known.json"
   fi
+fi
+if [ "$part" = part22 ]; then  # does launching a request's KV-head programs side by side read the pool faster?
+  S="python -m benchmarks.sweep_decode_attention --layouts contiguous decode --grid-orders batch heads"
+  TAIL=8 run timeout 200 $S --cases 256x1500 400x1500 --tiles 64 128 256 --configs s1_bn128_w4_st3_f16 \
+    s1_bn128_w4_st2_f16 s1_bn256_w4_st2_f16 s1_bn256_w8_st2_f16 s1_bn256_w8_st3_f16 s1_bn64_w4_st3_f16 \
+    --output-file "$out/decode_attention_fp8_grid_layout.json"
+  TAIL=8 run timeout 150 $S --kv-dtype bfloat16 --cases 256x400 256x1500 --configs s1_bn128_w4_st3_bf16 \
+    s1_bn64_w4_st3_bf16 s1_bn128_w4_st2_bf16 s1_bn128_w8_st3_bf16 --output-file "$out/decode_attention_bf16_grid_layout.json"
+  for g in heads batch; do
+    TAIL=6 run timeout 230 env SHOAL_DECODE_GRID=$g $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 \
+      --max-running-requests 1024 --kv-cache-dtype fp8_e4m3 --output-file "$out/fp8_kv_1000x1000_grid_$g.json"
+  done
+fi
+if [ "$part" = part23 ]; then  # K/V tiles as the M side: the FP8 widening feeds the MMA from registers
+  S="python -m benchmarks.sweep_decode_attention --grid-orders batch heads --kv-sides n m"
+  TAIL=4 run timeout 200 $S --cases 400x1500 256x1500 --tiles 64 128 256 --configs s1_bn128_w4_st3_f16 \
+    s1_bn128_w4_st2_f16 s1_bn64_w4_st3_f16 s1_bn256_w4_st2_f16 s1_bn128_w8_st3_f16 \
+    --output-file "$out/decode_attention_fp8_kv_side.json"
+  TAIL=4 run timeout 150 $S --kv-dtype bfloat16 --cases 256x400 256x1500 --configs s1_bn128_w4_st3_bf16 \
+    s1_bn64_w4_st3_bf16 s1_bn128_w8_st3_bf16 s1_bn128_w4_st2_bf16 --output-file "$out/decode_attention_bf16_kv_side.json"
+  pick() {  # the faster grid order for the M-side form, if it beats the N side's default by 5%
+    python - "$1" "$2" "$3" <<'PY'
+import json, sys
+row = json.load(open(sys.argv[1]))["results"][sys.argv[2]]
+base = row[sys.argv[3]]["us"]
+m = {o: row.get(sys.argv[3] + ("_heads_first" if o == "heads" else "") + "_kv_m") for o in ("batch", "heads")}
+m = {o: r["us"] for o, r in m.items() if isinstance(r, dict)}
+best = min(m, key=m.get) if m else None
+print(best if best and m[best] < 0.95 * base else "none")
+PY
+  }
+  g=$(pick "$out/decode_attention_fp8_kv_side.json" "bs400 ctx1500" s1_bn128_w4_st3_f16); echo "FP8 M side: $g"
+  if [ "$g" != none ]; then
+    for v in "SHOAL_DECODE_KV_SIDE=m SHOAL_DECODE_GRID=$g" "SHOAL_DECODE_KV_SIDE=n"; do
+      TAIL=3 run timeout 230 env $v $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 \
+        --max-running-requests 1024 --kv-cache-dtype fp8_e4m3 --output-file "$out/fp8_kv_1000x1000_side_${v:21:1}.json"
+    done
+  fi
+  g=$(pick "$out/decode_attention_bf16_kv_side.json" "bs256 ctx400" s1_bn128_w4_st3_bf16); echo "bf16 M side: $g"
+  if [ "$g" != none ]; then
+    for v in "SHOAL_DECODE_KV_SIDE=m SHOAL_DECODE_GRID=$g" "SHOAL_DECODE_KV_SIDE=n"; do
+      TAIL=3 run timeout 120 env $v python -m benchmarks.svc_step_times --gc-freeze 1 \
+        --output-file "$out/svc_step_times_side_${v:21:1}.json"
+    done
+  fi
+fi
+if [ "$part" = part24 ]; then
+  TAIL=4 run timeout 170 python -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_attention_backends.py \
+    tests/gpu/test_gpu_fp8.py tests/gpu/test_kernels_gpu.py
+  for v in auto n; do
+    TAIL=3 run timeout 200 env SHOAL_DECODE_KV_SIDE=$v $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 \
+      --max-running-requests 1024 --kv-cache-dtype fp8_e4m3 --output-file "$out/fp8_kv_1000x1000_kv_side_$v.json"
+  done
+  for v in auto batch; do
+    TAIL=2 run timeout 100 env SHOAL_DECODE_GRID=$v python -m benchmarks.svc_step_times --gc-freeze 1 \
+      --output-file "$out/svc_step_times_grid_$v.json"
+  done
 fi
 if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then
   files=$(ls tests/gpu/test_*.py | grep -v test_ray_tp_gpu.py)

@@ -9,6 +9,10 @@ Picked from it: runtime/attention/triton_decode.DecodeKernelConfig.for_kv(fp8).
     python -m benchmarks.sweep_decode_attention --output-file benchmarks/results/decode_attention_fp8_sweep_h100.json
     python -m benchmarks.sweep_decode_attention --kv-dtype bfloat16 --cases 256x400 128x600 32x800
 
+--layouts contiguous decode random (bench_decode_attention.DecodeCase.make's slot layouts) and --grid-orders
+batch heads (heads: a request's KV-head programs launched next to each other) run every config per
+variant, and --kv-sides n m both forms of the dots (kernels/decode_attention.py's kv_rows_m); --configs limits the grid to the named configs (keys as in the output, e.g. s1_bn128_w4_st3_f16).
+
 GPU only (flashinfer)."""
 
 from __future__ import annotations
@@ -31,14 +35,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", default="32/8", help="q/kv heads per rank")
     p.add_argument("--kv-dtype", default="float8_e4m3fn", choices=["float8_e4m3fn", "bfloat16"])
     p.add_argument("--replays", type=int, default=10)
+    p.add_argument("--layouts", nargs="+", default=["contiguous"], choices=["contiguous", "decode", "random"])
+    p.add_argument("--grid-orders", nargs="+", default=["batch"], choices=["batch", "heads"])
+    p.add_argument("--kv-sides", nargs="+", default=["n"], choices=["n", "m"],
+                   help="K/V tiles as the dots' N side (scores [heads, tokens]) or M side ([tokens, heads])")
+    p.add_argument("--configs", nargs="+", default=None, help="only these configs (default: the whole grid)")
+    p.add_argument("--tiles", type=int, nargs="+", default=list(TILES))
     p.add_argument("--output-file", default=None)
     return p.parse_args(argv)
 
 
-def sweep_case(hq: int, hkv: int, bs: int, ctx: int, replays: int, kv_dtype: str) -> dict[str, Any]:
+def sweep_case(hq: int, hkv: int, bs: int, ctx: int, replays: int, kv_dtype: str, layout: str = "contiguous",
+               grid_orders: Sequence[str] = ("batch",), configs: Sequence[str] | None = None,
+               tiles: Sequence[int] = TILES, kv_sides: Sequence[str] = ("n",)) -> dict[str, Any]:
     import torch
 
-    case = DecodeCase.make(hq, hkv, getattr(torch, kv_dtype), bs, ctx)
+    case = DecodeCase.make(hq, hkv, getattr(torch, kv_dtype), bs, ctx, layout=layout)
     maths = (False, True) if case.kv_dtype.itemsize == 1 else (False,)
     mb = case.kv_mb_per_layer
     row: dict[str, Any] = {"kv_MB_per_layer": mb}
@@ -48,10 +60,19 @@ def sweep_case(hq: int, hkv: int, bs: int, ctx: int, replays: int, kv_dtype: str
     torch.cuda.synchronize()
     ref = case.o.float().clone()
     best: tuple[str, float] | None = None
-    for splits, tile, (warps, stages), f16 in itertools.product(SPLITS, TILES, WARPS_STAGES, maths):
-        layers = case.triton_layers(splits, block_n=tile, num_warps=warps, num_stages=stages, f16_math=f16)
-        key = f"splits{splits}_tile{tile}_warps{warps}_stages{stages}_{'fp16' if f16 else 'bf16'}"
-        us = graph_us(layers, replays)
+    for splits, tile, (warps, stages), f16, order, side in itertools.product(SPLITS, tiles, WARPS_STAGES, maths,
+                                                                               grid_orders, kv_sides):
+        key = f"s{splits}_bn{tile}_w{warps}_st{stages}_{'f16' if f16 else 'bf16'}"
+        if configs is not None and key not in configs:
+            continue
+        key += ("_heads_first" if order == "heads" else "") + ("_kv_m" if side == "m" else "")
+        layers = case.triton_layers(splits, block_n=tile, num_warps=warps, num_stages=stages, f16_math=f16,
+                                    heads_first=order == "heads", kv_rows_m=side == "m")
+        try:
+            us = graph_us(layers, replays)
+        except Exception as e:  # a config past the GPU's shared memory is reported, not fatal
+            row[key] = f"{type(e).__name__}: {str(e)[:160]}"
+            continue
         layers()
         torch.cuda.synchronize()
         row[key] = {"us": us, "TB_per_s": mb / us,
@@ -75,8 +96,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for case in args.cases:
         bs, ctx = (int(x) for x in case.split("x"))
-        results[f"bs{bs} ctx{ctx}"] = sweep_case(hq, hkv, bs, ctx, args.replays, args.kv_dtype)
-        print(case, results[f"bs{bs} ctx{ctx}"]["best"], flush=True)
+        for layout in args.layouts:
+            name = f"bs{bs} ctx{ctx}" + ("" if layout == "contiguous" else f" {layout}")
+            results[name] = sweep_case(hq, hkv, bs, ctx, args.replays, args.kv_dtype, layout, args.grid_orders,
+                                       args.configs, args.tiles, args.kv_sides)
+            print(name, results[name]["best"], flush=True)
+            torch.cuda.empty_cache()
         torch.cuda.empty_cache()
     if args.output_file:
         write_result(args.output_file, "sweep_decode_attention", results, vars(args),

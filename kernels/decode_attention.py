@@ -12,6 +12,13 @@ f16_math (FP8 KV with 16-bit queries) widens to fp16 instead (one instruction pe
 with the query clamped to fp16's range; with block_n / num_warps / num_stages it is the FP8 launch config
 of runtime/attention/triton_decode.py, measured ~30% faster than flashinfer's FP8 decode on an H100.
 
+kv_rows_m puts each K/V tile on the dots' M side (scores [tokens, heads], accumulator [head_dim, heads]): the
+widened FP8 tile then feeds the MMA as its register operand, ~4.5% faster over an FP8 pool at 400 x 1500
+on an H100 and ~35% slower over a bf16 one (benchmarks/results/decode_attention_{fp8,bf16}_kv_side_h100.json).
+heads_first orders the grid so a request's KV-head programs launch side by side and read each token's row
+together: 2-3% over a bf16 pool, nothing over FP8 (decode_attention_*_grid_layout_h100.json; those sweeps
+also found decode tokens a batch apart in the pool read as fast as contiguous ones).
+
 fuse_merge=True does stage 2 inside stage 1 (one launch per layer instead of two, kernels/decode_fusion.py):
 each program counts itself done on a per-(request, head block) counter, and the last of the splits to
 finish merges all of them with stage 2's arithmetic (so the output is bit-equal) and resets the counter
@@ -74,12 +81,18 @@ def _decode_stage1_kernel(
     FUSE_MERGE: tl.constexpr,
     F16_MATH: tl.constexpr,
     USE_PDL: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
+    KV_ROWS_M: tl.constexpr,
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    cur_batch = tl.program_id(0)
-    head_block = tl.program_id(1)
+    if HEADS_FIRST:  # a request's KV heads in neighbouring programs: they read one token row together
+        head_block = tl.program_id(0)
+        cur_batch = tl.program_id(1)
+    else:
+        cur_batch = tl.program_id(0)
+        head_block = tl.program_id(1)
     split_id = tl.program_id(2)
 
     # Each KV head's query group is covered by BLOCKS_PER_GROUP head blocks of VALID_H real heads.
@@ -101,53 +114,70 @@ def _decode_stage1_kernel(
     split_end = tl.minimum(split_start + kv_per_split, seq_len)
 
     if split_end > split_start:
-        q = tl.load(
-            Q + cur_batch * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
-            mask=mask_h[:, None] & mask_d[None, :],
-            other=0.0,
-        )
+        if KV_ROWS_M:  # K/V tiles as the dot's M side (rows of the pool), q as its N: [BLOCK_N, BLOCK_H] scores
+            q = tl.load(Q + cur_batch * stride_qb + offs_h[None, :] * stride_qh + offs_d[:, None],
+                        mask=mask_h[None, :] & mask_d[:, None], other=0.0)
+        else:
+            q = tl.load(Q + cur_batch * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
+                        mask=mask_h[:, None] & mask_d[None, :], other=0.0)
         if F16_MATH:  # FP8 KV widens to fp16 in one instruction per pair (to bf16 it takes several)
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)  # bf16's range exceeds fp16's
         e_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         e_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        if KV_ROWS_M:
+            acc = tl.zeros([BLOCK_D, BLOCK_H], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
         for start_n in range(split_start, split_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             mask_n = offs_n < split_end
             kv_loc = tl.load(Req_To_Token + req_row * stride_req + offs_n, mask=mask_n, other=0).to(tl.int64)
-            k = tl.load(
-                K_Buffer + kv_loc[None, :] * stride_kbs + cur_kv_head * stride_kh + offs_d[:, None],
-                mask=mask_n[None, :] & mask_d[:, None],
-                other=0.0,
-            )
-            if KV_FP8:
-                k = k.to(q.dtype)
-            # Scores are kept in the log2 domain (scale includes log2(e)) so exp2 can be used throughout.
-            qk = tl.dot(q, k) * qk_scale
-            qk = tl.where(mask_h[:, None] & mask_n[None, :], qk, float("-inf"))
-            v = tl.load(
-                V_Buffer + kv_loc[:, None] * stride_vbs + cur_kv_head * stride_vh + offs_d[None, :],
-                mask=mask_n[:, None] & mask_d[None, :],
-                other=0.0,
-            )
-            if KV_FP8:
-                v = v.to(q.dtype)
-            new_max = tl.maximum(tl.max(qk, 1), e_max)
-            # Padded head rows stay at -inf; subtracting a finite stand-in keeps them at 0 instead of NaN.
-            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-            rescale = tl.exp2(e_max - safe_max)
-            p = tl.exp2(qk - safe_max[:, None])
-            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
-            e_sum = e_sum * rescale + tl.sum(p, 1)
+            if KV_ROWS_M:
+                k = tl.load(K_Buffer + kv_loc[:, None] * stride_kbs + cur_kv_head * stride_kh + offs_d[None, :],
+                            mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+                if KV_FP8:
+                    k = k.to(q.dtype)
+                # Scores are kept in the log2 domain (scale includes log2(e)) so exp2 can be used throughout.
+                qk = tl.dot(k, q) * qk_scale
+                qk = tl.where(mask_n[:, None] & mask_h[None, :], qk, float("-inf"))
+                v = tl.load(V_Buffer + kv_loc[None, :] * stride_vbs + cur_kv_head * stride_vh + offs_d[:, None],
+                            mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+                if KV_FP8:
+                    v = v.to(q.dtype)
+                new_max = tl.maximum(tl.max(qk, 0), e_max)
+                safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+                rescale = tl.exp2(e_max - safe_max)
+                p = tl.exp2(qk - safe_max[None, :])
+                acc = acc * rescale[None, :] + tl.dot(v, p.to(v.dtype))
+                e_sum = e_sum * rescale + tl.sum(p, 0)
+            else:
+                k = tl.load(K_Buffer + kv_loc[None, :] * stride_kbs + cur_kv_head * stride_kh + offs_d[:, None],
+                            mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+                if KV_FP8:
+                    k = k.to(q.dtype)
+                qk = tl.dot(q, k) * qk_scale
+                qk = tl.where(mask_h[:, None] & mask_n[None, :], qk, float("-inf"))
+                v = tl.load(V_Buffer + kv_loc[:, None] * stride_vbs + cur_kv_head * stride_vh + offs_d[None, :],
+                            mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+                if KV_FP8:
+                    v = v.to(q.dtype)
+                new_max = tl.maximum(tl.max(qk, 1), e_max)
+                # Padded head rows stay at -inf; subtracting a finite stand-in keeps them at 0 instead of NaN.
+                safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+                rescale = tl.exp2(e_max - safe_max)
+                p = tl.exp2(qk - safe_max[:, None])
+                acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+                e_sum = e_sum * rescale + tl.sum(p, 1)
             e_max = new_max
 
         safe_sum = tl.where(e_sum > 0, e_sum, 1.0)
         mid_offs = cur_batch * stride_mid_b + offs_h * stride_mid_h + split_id * stride_mid_s
-        tl.store(
-            Mid + mid_offs[:, None] + offs_d[None, :],
-            acc / safe_sum[:, None] * v_scale,
-            mask=mask_h[:, None] & mask_d[None, :],
-        )
+        if KV_ROWS_M:
+            tl.store(Mid + mid_offs[None, :] + offs_d[:, None], acc / safe_sum[None, :] * v_scale,
+                     mask=mask_h[None, :] & mask_d[:, None])
+        else:
+            tl.store(Mid + mid_offs[:, None] + offs_d[None, :], acc / safe_sum[:, None] * v_scale,
+                     mask=mask_h[:, None] & mask_d[None, :])
         tl.store(Mid + mid_offs + HEAD_DIM, e_max + tl.log2(safe_sum), mask=mask_h)
 
     if FUSE_MERGE:
@@ -266,6 +296,8 @@ def decode_attention_fwd(
     num_warps: int = 4,
     num_stages: int = 2,
     f16_math: bool = False,
+    heads_first: bool = False,
+    kv_rows_m: bool = False,
 ) -> None:
     """Writes into `o` [B, Hq, D] the attention of q [B, Hq, D] over each request's first seq_lens[b]
     tokens (only the last `sliding_window` of them when > 0). FP8 buffers are read as stored * scale. `attn_logits` is an optional
@@ -292,12 +324,13 @@ def decode_attention_fwd(
     block_h = max(_MIN_BLOCK_H, triton.next_power_of_2(min(kv_group, _MIN_BLOCK_H)))
     blocks_per_group = triton.cdiv(kv_group, block_h)
     block_d = triton.next_power_of_2(head_dim)
-    grid1 = (batch, num_kv_heads * blocks_per_group, num_kv_splits)
+    head_blocks = num_kv_heads * blocks_per_group
+    grid1 = (head_blocks, batch, num_kv_splits) if heads_first else (batch, head_blocks, num_kv_splits)
     if fuse_merge:
         if counters is None:
             counters = decode_attention_counters(batch, num_heads, q.device)
-        elif counters.shape[0] < batch or counters.shape[1] < grid1[1] or counters.dtype != torch.int32:
-            raise ValueError(f"counters {tuple(counters.shape)} {counters.dtype} too small for [{batch}, {grid1[1]}]")
+        elif counters.shape[0] < batch or counters.shape[1] < head_blocks or counters.dtype != torch.int32:
+            raise ValueError(f"counters {tuple(counters.shape)} {counters.dtype} too small for [{batch}, {head_blocks}]")
     pdl = pdl_enabled(q)
     _decode_stage1_kernel[grid1](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits, o,
@@ -324,6 +357,8 @@ def decode_attention_fwd(
         FUSE_MERGE=fuse_merge,
         F16_MATH=f16_math and kv_fp8 and q.dtype in (torch.bfloat16, torch.float16),  # fp32 keeps fp32
         USE_PDL=pdl,
+        HEADS_FIRST=heads_first,
+        KV_ROWS_M=kv_rows_m,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_options(pdl),

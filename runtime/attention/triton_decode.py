@@ -11,6 +11,9 @@ launch config with bf16 math (rounding bf16 to fp16 is not exact): over a bf16 p
 at 256 x 400 and 128 x 600 where the fixed 8 splits and 64-token tiles it had before read 1.9-2.1 (159 vs
 218 and 115 vs 154 us per layer; flashinfer 172 and 126; sweep_decode_attention --kv-dtype bfloat16,
 H100). The split count does most of it: each split re-reads q and writes a partial that the merge reads.
+Then the kernel's two forms and grid orders (sweep_decode_attention --kv-sides n m --grid-orders batch heads):
+FP8 pools take K/V as the dots' M side (1000 x 1000 FP8 KV 10,241 vs 10,020 out tok/s, DECODE 73.4 vs 75.5 s),
+16-bit pools the heads-first grid (the 256-request burst's DECODE 5.086 vs 5.114 s); one H100, same machine.
 
 The workspace is one flat buffer sized for the largest batch and the most splits, viewed per launch, and
 allocated once where CUDA graphs are captured, so every graph sees the same memory."""
@@ -45,13 +48,28 @@ class DecodeKernelConfig:
     num_stages: int
     f16_math: bool
     adaptive_splits: bool  # fewer splits as the batch alone fills the GPU
+    heads_first: bool = False  # grid order: a request's KV-head programs launched side by side
+    kv_rows_m: bool = False  # K/V tiles as the dots' M side (scores [tokens, heads])
 
     @classmethod
     def for_kv(cls, kv_fp8: bool, num_kv_splits: int | None = None) -> DecodeKernelConfig:
+        """SHOAL_DECODE_GRID (batch / heads) and SHOAL_DECODE_KV_SIDE (n / m) override the measured picks,
+        to measure the others."""
         if num_kv_splits is None:
             num_kv_splits = int(os.environ.get("SHOAL_DECODE_MAX_SPLITS", DEFAULT_NUM_KV_SPLITS))
+        grid = _env_choice("SHOAL_DECODE_GRID", ("batch", "heads"), "batch" if kv_fp8 else "heads")
+        side = _env_choice("SHOAL_DECODE_KV_SIDE", ("n", "m"), "m" if kv_fp8 else "n")
         return cls(max_splits=num_kv_splits, block_n=128, num_warps=4, num_stages=3, f16_math=kv_fp8,
-                   adaptive_splits=True)
+                   adaptive_splits=True, heads_first=grid == "heads", kv_rows_m=side == "m")
+
+
+def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    value = os.environ.get(name, "auto")
+    if value == "auto":
+        return default
+    if value not in choices:
+        raise ValueError(f"{name} must be auto or one of {', '.join(choices)}, got {value!r}")
+    return value
 
 
 def splits_for(bs: int, num_kv_heads: int, max_splits: int, sm_count: int) -> int:
@@ -102,5 +120,6 @@ class TritonDecode:
                              layer.scaling, num_kv_splits=splits, attn_logits=ws,
                              sliding_window=layer.sliding_window, k_scale=k_scale, v_scale=v_scale,
                              fuse_merge=fuse_merge, counters=self._counters, block_n=cfg.block_n,
-                             num_warps=cfg.num_warps, num_stages=cfg.num_stages, f16_math=cfg.f16_math)
+                             num_warps=cfg.num_warps, num_stages=cfg.num_stages, f16_math=cfg.f16_math,
+                             heads_first=cfg.heads_first, kv_rows_m=cfg.kv_rows_m)
         return o.view(-1, layer.num_heads * layer.head_dim)

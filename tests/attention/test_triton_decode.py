@@ -31,6 +31,18 @@ def test_config_per_kv_dtype() -> None:
     bf16 = DecodeKernelConfig.for_kv(kv_fp8=False)  # the same launch config; bf16 math (bf16 → fp16 rounds)
     assert not bf16.f16_math and bf16.adaptive_splits and bf16.max_splits == DEFAULT_NUM_KV_SPLITS
     assert (bf16.block_n, bf16.num_warps, bf16.num_stages) == (fp8.block_n, fp8.num_warps, fp8.num_stages)
+    # The sweeps' picks: FP8 tiles as the M side in the batch-major grid, 16-bit ones as the N side heads first.
+    assert (fp8.kv_rows_m, fp8.heads_first, bf16.kv_rows_m, bf16.heads_first) == (True, False, False, True)
+
+
+def test_config_env_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHOAL_DECODE_GRID", "heads")
+    monkeypatch.setenv("SHOAL_DECODE_KV_SIDE", "n")
+    fp8 = DecodeKernelConfig.for_kv(kv_fp8=True)
+    assert fp8.heads_first and not fp8.kv_rows_m
+    monkeypatch.setenv("SHOAL_DECODE_KV_SIDE", "sideways")
+    with pytest.raises(ValueError, match="SHOAL_DECODE_KV_SIDE must be auto or one of n, m"):
+        DecodeKernelConfig.for_kv(kv_fp8=True)
 
 
 def _spec(max_bs: int, kv_dtype: torch.dtype | None) -> AttentionSpec:

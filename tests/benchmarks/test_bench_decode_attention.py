@@ -21,16 +21,22 @@ def test_defaults_cover_small_batches_and_both_kv_dtypes() -> None:
     assert [tuple(int(x) for x in h.split("/")) for h in args.heads] == [(32, 8), (16, 4)]
 
 
-def test_case_runs_our_kernel_in_the_interpreter() -> None:
-    """DecodeCase (shared with sweep_decode_attention) on CPU, 2 layers: our kernel's 32-layer callable
-    with the FP8 sweep's options writes the attention of the last layer's buffers."""
+@pytest.mark.parametrize("layout", ["contiguous", "decode", "random"])
+def test_case_runs_our_kernel_in_the_interpreter(layout: str) -> None:
+    """DecodeCase (shared with sweep_decode_attention) on CPU, 2 layers: every slot layout hands each token
+    its own slot (none the padding slot 0); our kernel's 32-layer callable with the FP8 sweep's options (and
+    the heads-first grid order for the scattered layouts) writes the attention of the last layer's buffers."""
     from kernels.decode_attention import decode_attention_ref
 
     torch.manual_seed(0)
-    case = bench_decode_attention.DecodeCase.make(4, 2, torch.float8_e4m3fn, 2, 40, device="cpu", layers=2)
+    case = bench_decode_attention.DecodeCase.make(4, 2, torch.float8_e4m3fn, 2, 40, device="cpu", layers=2,
+                                                  layout=layout)
+    assert torch.equal(case.req_to_token.flatten().sort().values, torch.arange(1, 81, dtype=torch.int32))
+    if layout == "decode":  # the second half of each context a batch apart
+        assert torch.equal(case.req_to_token[0, 20:].diff(), torch.full((19,), 2, dtype=torch.int32))
     case = bench_decode_attention.DecodeCase(**{**case.__dict__, "q": case.q.half(), "o": case.o.half()})
     assert case.kv_mb_per_layer == 2 * 40 * 2 * 128 * 2 / 1e6
-    case.triton_layers(2, block_n=128, num_stages=3, f16_math=True)()
+    case.triton_layers(2, block_n=128, num_stages=3, f16_math=True, heads_first=layout != "contiguous")()
     ref = decode_attention_ref(case.q.float(), case.kb[-1], case.vb[-1], case.req_to_token, case.rows, case.seq_lens,
                                128 ** -0.5, k_scale=0.5, v_scale=0.5)
     torch.testing.assert_close(case.o.float(), ref, atol=3e-3, rtol=3e-3)

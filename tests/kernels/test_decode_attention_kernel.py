@@ -10,12 +10,15 @@ def _decode_batch(paged_batch, seq_lens: list[int], hq: int, hkv: int, d: int):
 
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 2, 32), (4, 4, 32), (9, 3, 24)])
 @pytest.mark.parametrize("num_kv_splits", [1, 4])
-def test_decode_matches_reference(paged_batch, hq: int, hkv: int, d: int, num_kv_splits: int) -> None:
+@pytest.mark.parametrize("kv_rows_m", [False, True])
+def test_decode_matches_reference(paged_batch, hq: int, hkv: int, d: int, num_kv_splits: int, kv_rows_m: bool
+                                  ) -> None:
     # 1: a single token; 37/100: not multiples of the 32-token split granularity or 64-token block.
+    # kv_rows_m: the K/V tiles as the dots' M side (scores transposed), the same attention.
     pb = _decode_batch(paged_batch, [1, 37, 100, 64], hq, hkv, d)
     o = torch.full_like(pb.q, float("nan"))
     decode_attention_fwd(pb.q, pb.k_buffer, pb.v_buffer, o, pb.req_to_token, pb.req_pool_indices,
-                         pb.seq_lens, pb.sm_scale, num_kv_splits=num_kv_splits)
+                         pb.seq_lens, pb.sm_scale, num_kv_splits=num_kv_splits, kv_rows_m=kv_rows_m)
     ref = decode_attention_ref(pb.q, pb.k_buffer, pb.v_buffer, pb.req_to_token, pb.req_pool_indices,
                                pb.seq_lens, pb.sm_scale)
     torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
@@ -97,7 +100,8 @@ def test_decode_sliding_window_reference_is_attention_over_the_last_tokens(paged
 def test_fused_merge_is_bit_equal_to_two_stages(paged_batch, hq, hkv, d, window, splits) -> None:
     """fuse_merge (stage 2 done by the last split of each request and head block) gives the same bits as
     the two launches, with empty splits (short sequences, zero-length padding rows), a sliding window, GQA
-    groups over 16 heads, and the counters back at zero after each call so the next call reuses them."""
+    groups over 16 heads, and the counters back at zero after each call so the next call reuses them; the
+    heads-first grid order (last call) changes only which program runs where."""
     from kernels.decode_attention import decode_attention_counters
 
     pb = _decode_batch(paged_batch, [1, 37, 100, 64, 5], hq, hkv, d)
@@ -105,14 +109,14 @@ def test_fused_merge_is_bit_equal_to_two_stages(paged_batch, hq, hkv, d, window,
     seq_lens[-1] = 0
     counters = decode_attention_counters(8, hq, "cpu")
     outs = []
-    for fuse in (False, True, True):
+    for fuse, heads_first in ((False, False), (True, False), (True, False), (True, True)):
         o = torch.full_like(pb.q, float("nan"))
         decode_attention_fwd(pb.q, pb.k_buffer, pb.v_buffer, o, pb.req_to_token, pb.req_pool_indices, seq_lens,
                              pb.sm_scale, num_kv_splits=splits, sliding_window=window, fuse_merge=fuse,
-                             counters=counters)
+                             counters=counters, heads_first=heads_first)
         assert not counters.any()
         outs.append(o)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
     assert torch.equal(outs[1][-1], torch.zeros_like(outs[1][-1]))
 
 
