@@ -32,6 +32,7 @@
 #                                               # tokens a batch apart) sweeps, FP8 and bf16; 1000 x 1000 FP8 KV A/B
 #   bash benchmarks/gpu_suite.sh part23 OUTDIR  # decode attention with K/V as the dots' M side: sweeps, then (if it
 #                                               # wins by 5% at 400 x 1500 FP8) 1000 x 1000 FP8 KV and svc A/B
+#                                               # (it won by 4.5%: part24 ran the A/B with it as the default)
 #   bash benchmarks/gpu_suite.sh part24 OUTDIR  # the sweeps' picks as defaults (FP8: M side; 16-bit: heads first):
 #                                               # attention GPU tests, 1000 x 1000 FP8 KV and svc A/B
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call

@@ -9,9 +9,10 @@ Picked from it: runtime/attention/triton_decode.DecodeKernelConfig.for_kv(fp8).
     python -m benchmarks.sweep_decode_attention --output-file benchmarks/results/decode_attention_fp8_sweep_h100.json
     python -m benchmarks.sweep_decode_attention --kv-dtype bfloat16 --cases 256x400 128x600 32x800
 
---layouts contiguous decode random (bench_decode_attention.DecodeCase.make's slot layouts) and --grid-orders
-batch heads (heads: a request's KV-head programs launched next to each other) run every config per
-variant, and --kv-sides n m both forms of the dots (kernels/decode_attention.py's kv_rows_m); --configs limits the grid to the named configs (keys as in the output, e.g. s1_bn128_w4_st3_f16).
+--layouts contiguous decode random (bench_decode_attention.DecodeCase.make's slot layouts), --grid-orders
+batch heads (heads: a request's KV-head programs launched next to each other) and --kv-sides n m (the
+dots' two forms, kernels/decode_attention.py's kv_rows_m) run every config per variant; --configs limits
+the grid to the named configs (keys as in the output, e.g. s1_bn128_w4_st3_f16).
 
 GPU only (flashinfer)."""
 
@@ -49,6 +50,7 @@ def sweep_case(hq: int, hkv: int, bs: int, ctx: int, replays: int, kv_dtype: str
                grid_orders: Sequence[str] = ("batch",), configs: Sequence[str] | None = None,
                tiles: Sequence[int] = TILES, kv_sides: Sequence[str] = ("n",)) -> dict[str, Any]:
     import torch
+    from triton.runtime.errors import OutOfResources
 
     case = DecodeCase.make(hq, hkv, getattr(torch, kv_dtype), bs, ctx, layout=layout)
     maths = (False, True) if case.kv_dtype.itemsize == 1 else (False,)
@@ -70,7 +72,7 @@ def sweep_case(hq: int, hkv: int, bs: int, ctx: int, replays: int, kv_dtype: str
                                     heads_first=order == "heads", kv_rows_m=side == "m")
         try:
             us = graph_us(layers, replays)
-        except Exception as e:  # a config past the GPU's shared memory is reported, not fatal
+        except OutOfResources as e:  # a config past the GPU's shared memory is reported, not fatal
             row[key] = f"{type(e).__name__}: {str(e)[:160]}"
             continue
         layers()
@@ -88,6 +90,10 @@ def sweep_case(hq: int, hkv: int, bs: int, ctx: int, replays: int, kv_dtype: str
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    known = {f"s{s}_bn{t}_w{w}_st{st}_{m}" for s in SPLITS for t in args.tiles for w, st in WARPS_STAGES
+             for m in ("bf16", "f16")}
+    if args.configs is not None and set(args.configs) - known:
+        raise SystemExit(f"unknown --configs {sorted(set(args.configs) - known)} (with --tiles {args.tiles})")
     import torch
 
     if not torch.cuda.is_available():
@@ -102,7 +108,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                        args.configs, args.tiles, args.kv_sides)
             print(name, results[name]["best"], flush=True)
             torch.cuda.empty_cache()
-        torch.cuda.empty_cache()
     if args.output_file:
         write_result(args.output_file, "sweep_decode_attention", results, vars(args),
                      argv=["benchmarks/sweep_decode_attention.py", *(argv if argv is not None else sys.argv[1:])])

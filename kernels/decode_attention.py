@@ -12,12 +12,9 @@ f16_math (FP8 KV with 16-bit queries) widens to fp16 instead (one instruction pe
 with the query clamped to fp16's range; with block_n / num_warps / num_stages it is the FP8 launch config
 of runtime/attention/triton_decode.py, measured ~30% faster than flashinfer's FP8 decode on an H100.
 
-kv_rows_m puts each K/V tile on the dots' M side (scores [tokens, heads], accumulator [head_dim, heads]): the
-widened FP8 tile then feeds the MMA as its register operand, ~4.5% faster over an FP8 pool at 400 x 1500
-on an H100 and ~35% slower over a bf16 one (benchmarks/results/decode_attention_{fp8,bf16}_kv_side_h100.json).
-heads_first orders the grid so a request's KV-head programs launch side by side and read each token's row
-together: 2-3% over a bf16 pool, nothing over FP8 (decode_attention_*_grid_layout_h100.json; those sweeps
-also found decode tokens a batch apart in the pool read as fast as contiguous ones).
+kv_rows_m puts each K/V tile on the dots' M side (scores [tokens, heads]): the widened FP8 tile then feeds
+the MMA as its register operand. heads_first launches a request's KV-head programs side by side, so they read
+each token's row together. Where each pays: runtime/attention/triton_decode.py.
 
 fuse_merge=True does stage 2 inside stage 1 (one launch per layer instead of two, kernels/decode_fusion.py):
 each program counts itself done on a per-(request, head block) counter, and the last of the splits to
@@ -325,6 +322,7 @@ def decode_attention_fwd(
     blocks_per_group = triton.cdiv(kv_group, block_h)
     block_d = triton.next_power_of_2(head_dim)
     head_blocks = num_kv_heads * blocks_per_group
+    heads_first = heads_first and batch <= 65535  # a grid's y dimension holds at most 65535 programs
     grid1 = (head_blocks, batch, num_kv_splits) if heads_first else (batch, head_blocks, num_kv_splits)
     if fuse_merge:
         if counters is None:

@@ -25,7 +25,9 @@ def test_splits_fill_the_gpu_then_stop(bs: int, kv_heads: int, want: int) -> Non
     assert splits_for(bs, kv_heads, max_splits=8, sm_count=132) == want
 
 
-def test_config_per_kv_dtype() -> None:
+def test_config_per_kv_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("SHOAL_DECODE_GRID", "SHOAL_DECODE_KV_SIDE", "SHOAL_DECODE_MAX_SPLITS"):
+        monkeypatch.delenv(name, raising=False)
     fp8 = DecodeKernelConfig.for_kv(kv_fp8=True)
     assert fp8.f16_math and fp8.adaptive_splits and fp8.block_n == 128 and fp8.num_stages == 3
     bf16 = DecodeKernelConfig.for_kv(kv_fp8=False)  # the same launch config; bf16 math (bf16 → fp16 rounds)

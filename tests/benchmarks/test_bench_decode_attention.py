@@ -48,3 +48,10 @@ def test_sweep_refuses_without_a_gpu() -> None:
 
     with pytest.raises(SystemExit, match="CUDA GPU"):
         sweep_decode_attention.main(["--cases", "4x64"])
+
+
+def test_sweep_refuses_unknown_configs() -> None:
+    from benchmarks import sweep_decode_attention
+
+    with pytest.raises(SystemExit, match=r"unknown --configs \['s1_bn512_w4_st3_f16'\]"):
+        sweep_decode_attention.main(["--configs", "s1_bn128_w4_st3_f16", "s1_bn512_w4_st3_f16"])

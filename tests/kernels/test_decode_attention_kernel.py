@@ -65,13 +65,15 @@ def test_decode_rejects_mismatched_workspace(paged_batch) -> None:
                              attn_logits=decode_attention_workspace(1, 4, 16, 2, "cpu"))
 
 
-@pytest.mark.parametrize("window", [1, 5, 33, 64, 500])
-@pytest.mark.parametrize("num_kv_splits", [1, 4])
-def test_decode_sliding_window_matches_reference(paged_batch, window: int, num_kv_splits: int) -> None:
+@pytest.mark.parametrize(("window", "num_kv_splits", "kv_rows_m"), [
+    *((w, s, False) for w in (1, 5, 33, 64, 500) for s in (1, 4)), (1, 4, True), (33, 4, True), (500, 1, True)])
+def test_decode_sliding_window_matches_reference(paged_batch, window: int, num_kv_splits: int, kv_rows_m: bool
+                                                 ) -> None:
     pb = _decode_batch(paged_batch, [1, 37, 100, 64], 4, 2, 32)
     o = torch.full_like(pb.q, float("nan"))
     decode_attention_fwd(pb.q, pb.k_buffer, pb.v_buffer, o, pb.req_to_token, pb.req_pool_indices,
-                         pb.seq_lens, pb.sm_scale, num_kv_splits=num_kv_splits, sliding_window=window)
+                         pb.seq_lens, pb.sm_scale, num_kv_splits=num_kv_splits, sliding_window=window,
+                         kv_rows_m=kv_rows_m)
     ref = decode_attention_ref(pb.q, pb.k_buffer, pb.v_buffer, pb.req_to_token, pb.req_pool_indices,
                                pb.seq_lens, pb.sm_scale, sliding_window=window)
     torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
@@ -101,7 +103,8 @@ def test_fused_merge_is_bit_equal_to_two_stages(paged_batch, hq, hkv, d, window,
     """fuse_merge (stage 2 done by the last split of each request and head block) gives the same bits as
     the two launches, with empty splits (short sequences, zero-length padding rows), a sliding window, GQA
     groups over 16 heads, and the counters back at zero after each call so the next call reuses them; the
-    heads-first grid order (last call) changes only which program runs where."""
+    heads-first grid order (last call) changes only which program runs where. (The interpreter runs programs one
+    at a time: this checks the swapped indices, not the counters under concurrent splits; the GPU tests do.)"""
     from kernels.decode_attention import decode_attention_counters
 
     pb = _decode_batch(paged_batch, [1, 37, 100, 64, 5], hq, hkv, d)
