@@ -145,6 +145,36 @@ def test_sliding_window_attention_gpu(window: int) -> None:
     torch.testing.assert_close(o, expected, **ATTN_TOL)
 
 
+@pytest.mark.parametrize(("kv_rows_m", "heads_first"), [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_forms_and_grid_orders_gpu(kv_rows_m: bool, heads_first: bool, fp8: bool) -> None:
+    """Both dot forms and grid orders compiled for the GPU, with the split merge fused in (its counters
+    raced by concurrent splits), sliding windows and an FP8 pool with the production launch config: each
+    against the fp32 reference, and the fused counters left at zero for the next launch."""
+    from kernels.decode_attention import decode_attention_counters
+
+    hq, hkv, d = 32, 8, 128
+    seq_lens = [1, 100, 1024, 2048, 777, 3000, 64, 5000]
+    pb = _paged(seq_lens, [n - 1 for n in seq_lens], hq, hkv, d)
+    k_buf, v_buf, scale = pb["k_buffer"], pb["v_buffer"], 1.0
+    if fp8:
+        scale = 0.5
+        k_buf = (pb["k_buffer"].float() / scale).to(torch.float8_e4m3fn)
+        v_buf = (pb["v_buffer"].float() / scale).to(torch.float8_e4m3fn)
+    counters = decode_attention_counters(len(seq_lens), hq, "cuda")
+    for window in (0, 100, 4096):
+        o = torch.full_like(pb["q"], float("nan"))
+        decode_attention_fwd(pb["q"], k_buf, v_buf, o, pb["req_to_token"], pb["req_pool_indices"], pb["seq_lens"],
+                             pb["sm_scale"], num_kv_splits=8, sliding_window=window, k_scale=scale, v_scale=scale,
+                             fuse_merge=True, counters=counters, block_n=128, num_stages=3, f16_math=fp8,
+                             heads_first=heads_first, kv_rows_m=kv_rows_m)
+        expected = decode_attention_ref(pb["q"], k_buf, v_buf, pb["req_to_token"], pb["req_pool_indices"],
+                                        pb["seq_lens"], pb["sm_scale"], sliding_window=window, k_scale=scale,
+                                        v_scale=scale)
+        torch.testing.assert_close(o, expected, **ATTN_TOL)
+        assert not counters.any()
+
+
 def test_store_kv_gpu() -> None:
     t, hq, hkv, d, slots = 4096, 32, 8, 128, 20000
     qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=DTYPE)
