@@ -2,25 +2,19 @@
 
 Stage 1 splits each request's sequence into `num_kv_splits` chunks and computes, per chunk, the softmax-
 normalised partial output and its log-sum-exp; one program serves all query heads that share a KV head, so
-each K/V row is read once per group instead of once per query head. Stage 2 merges the chunks with their
-log-sum-exps. Every size the launch depends on is known on the host without reading device memory, so the
-whole call can be captured in a CUDA graph and replayed with new `seq_lens`/`req_to_token` contents.
-With a sliding window W the query sees only the last W tokens; the splits then cover just those.
-FP8 KV buffers (float8_e4m3fn, one static scale each for K and V) are widened to q's dtype tile by
-tile; the K scale is folded into the softmax scale and the V scale into each split's output.
-f16_math (FP8 KV with 16-bit queries) widens to fp16 instead (one instruction per pair; bf16 takes several)
-with the query clamped to fp16's range; with block_n / num_warps / num_stages it is the FP8 launch config
-of runtime/attention/triton_decode.py, measured ~30% faster than flashinfer's FP8 decode on an H100.
+each K/V row is read once per group. Stage 2 merges the chunks. Every launch size is known on the host, so
+the call can be captured in a CUDA graph and replayed with new `seq_lens`/`req_to_token` contents. A sliding
+window W limits the splits to the last W tokens. FP8 KV (float8_e4m3fn, a static scale each for K and V) is
+widened to q's dtype tile by tile, the K scale folded into the softmax scale and the V scale into each split's
+output; f16_math widens it to fp16 (one instruction per pair; bf16 takes several) with q clamped to fp16's
+range. kv_rows_m puts each K/V tile on the dots' M side (scores [tokens, heads]), so a widened FP8 tile feeds
+the MMA from registers; heads_first launches a request's KV-head programs side by side, so they read each
+token's row together (runtime/attention/triton_decode.py says where each pays, and its launch configs).
 
-kv_rows_m puts each K/V tile on the dots' M side (scores [tokens, heads]): the widened FP8 tile then feeds
-the MMA as its register operand. heads_first launches a request's KV-head programs side by side, so they read
-each token's row together. Where each pays: runtime/attention/triton_decode.py.
-
-fuse_merge=True does stage 2 inside stage 1 (one launch per layer instead of two, kernels/decode_fusion.py):
-each program counts itself done on a per-(request, head block) counter, and the last of the splits to
-finish merges all of them with stage 2's arithmetic (so the output is bit-equal) and resets the counter
-for the next launch. Ordering: a CTA barrier, then the counter's acq_rel atomic (release of every
-thread's partial, acquire for the merge), and the merge reads the partials past L1 (.cg).
+fuse_merge=True does stage 2 inside stage 1 (one launch per layer, kernels/decode_fusion.py): each program
+counts itself done on a per-(request, head block) counter, and the last split to finish merges them all with
+stage 2's arithmetic (bit-equal output) and resets the counter. Ordering: a CTA barrier, then the counter's
+acq_rel atomic (release of every thread's partial, acquire for the merge); the merge reads past L1 (.cg).
 """
 
 from __future__ import annotations
@@ -261,9 +255,8 @@ def _decode_stage2_kernel(
     tl.store(Out + cur_batch * stride_ob + cur_head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
 
 
-def decode_attention_workspace(
-    batch: int, num_heads: int, head_dim: int, num_kv_splits: int, device: torch.device | str
-) -> torch.Tensor:
+def decode_attention_workspace(batch: int, num_heads: int, head_dim: int, num_kv_splits: int,
+                               device: torch.device | str) -> torch.Tensor:
     """The stage-1 scratch buffer: per (request, head, split) the partial output and, last, its lse."""
     return torch.empty((batch, num_heads, num_kv_splits, head_dim + 1), dtype=torch.float32, device=device)
 
@@ -274,14 +267,8 @@ def decode_attention_counters(batch: int, num_heads: int, device: torch.device |
 
 
 def decode_attention_fwd(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    o: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sm_scale: float,
+    q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, o: torch.Tensor,
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
     num_kv_splits: int = 8,
     attn_logits: torch.Tensor | None = None,
     sliding_window: int = 0,
@@ -297,8 +284,8 @@ def decode_attention_fwd(
     kv_rows_m: bool = False,
 ) -> None:
     """Writes into `o` [B, Hq, D] the attention of q [B, Hq, D] over each request's first seq_lens[b]
-    tokens (only the last `sliding_window` of them when > 0). FP8 buffers are read as stored * scale. `attn_logits` is an optional
-    [>=B, Hq, num_kv_splits, D+1] fp32 workspace (pass a fixed one when capturing CUDA graphs to keep
+    tokens (only the last `sliding_window` of them when > 0). FP8 buffers are read as stored * scale.
+    `attn_logits` is an optional [>=B, Hq, num_kv_splits, D+1] fp32 workspace (pass a fixed one when capturing CUDA graphs to keep
     allocations out of the graph's pool). fuse_merge: one launch (stage 2 inside stage 1), with `counters`
     from decode_attention_counters (>= B rows, >= Hq columns; a fixed one under CUDA graphs)."""
     batch, num_heads, head_dim = q.shape
