@@ -285,9 +285,10 @@ def decode_attention_fwd(
 ) -> None:
     """Writes into `o` [B, Hq, D] the attention of q [B, Hq, D] over each request's first seq_lens[b]
     tokens (only the last `sliding_window` of them when > 0). FP8 buffers are read as stored * scale.
-    `attn_logits` is an optional [>=B, Hq, num_kv_splits, D+1] fp32 workspace (pass a fixed one when capturing CUDA graphs to keep
-    allocations out of the graph's pool). fuse_merge: one launch (stage 2 inside stage 1), with `counters`
-    from decode_attention_counters (>= B rows, >= Hq columns; a fixed one under CUDA graphs)."""
+    `attn_logits` is an optional [>=B, Hq, num_kv_splits, D+1] fp32 workspace (pass a fixed one when
+    capturing CUDA graphs to keep allocations out of the graph's pool). fuse_merge: one launch (stage 2
+    inside stage 1), with `counters` from decode_attention_counters (>= B rows, >= Hq columns; a fixed one
+    under CUDA graphs)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     if num_heads % num_kv_heads != 0:
@@ -315,7 +316,8 @@ def decode_attention_fwd(
         if counters is None:
             counters = decode_attention_counters(batch, num_heads, q.device)
         elif counters.shape[0] < batch or counters.shape[1] < head_blocks or counters.dtype != torch.int32:
-            raise ValueError(f"counters {tuple(counters.shape)} {counters.dtype} too small for [{batch}, {head_blocks}]")
+            raise ValueError(f"counters {tuple(counters.shape)} {counters.dtype} too small for "
+                             f"[{batch}, {head_blocks}]")
     pdl = pdl_enabled(q)
     _decode_stage1_kernel[grid1](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits, o,
