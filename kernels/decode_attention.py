@@ -1,15 +1,16 @@
 """Decode attention: one new query token per request over its paged KV (page size 1), flash-decoding style.
 
 Stage 1 splits each request's sequence into `num_kv_splits` chunks and computes, per chunk, the softmax-
-normalised partial output and its log-sum-exp; one program serves all query heads that share a KV head, so
-each K/V row is read once per group. Stage 2 merges the chunks. Every launch size is known on the host, so
-the call can be captured in a CUDA graph and replayed with new `seq_lens`/`req_to_token` contents. A sliding
-window W limits the splits to the last W tokens. FP8 KV (float8_e4m3fn, a static scale each for K and V) is
-widened to q's dtype tile by tile, the K scale folded into the softmax scale and the V scale into each split's
-output; f16_math widens it to fp16 (one instruction per pair; bf16 takes several) with q clamped to fp16's
-range. kv_rows_m puts each K/V tile on the dots' M side (scores [tokens, heads]), so a widened FP8 tile feeds
-the MMA from registers; heads_first launches a request's KV-head programs side by side, so they read each
-token's row together (runtime/attention/triton_decode.py says where each pays, and its launch configs).
+normalised partial output and its log-sum-exp; one program serves all query heads that share a KV head, so each
+K/V row is read once per group. Stage 2 merges the chunks (one chunk in the N-side form: stage 1 writes the
+output, no scratch). Every launch size is known on the host, so the call can be captured in a CUDA graph and
+replayed with new `seq_lens`/`req_to_token` contents. A sliding window W limits the splits to the last W
+tokens. FP8 KV (float8_e4m3fn, a static scale each for K and V) is widened to q's dtype tile by tile, the K
+scale folded into the softmax scale and the V scale into each split's output; f16_math widens it to fp16 (one
+instruction per pair; bf16 takes several) with q clamped to fp16's range. kv_rows_m puts each K/V tile on the
+dots' M side (scores [tokens, heads]), so a widened FP8 tile feeds the MMA from registers; heads_first launches
+a request's KV-head programs side by side, so they read each token's row together
+(runtime/attention/triton_decode.py says where each pays, and its launch configs).
 
 fuse_merge=True does stage 2 inside stage 1 (one launch per layer, kernels/decode_fusion.py): each program
 counts itself done on a per-(request, head block) counter, and the last split to finish merges them all with
@@ -33,46 +34,24 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _store_heads(ptr, head_offs, offs_d, val, mask_h, mask_d, D_BY_H: tl.constexpr):
+    """val [H, D] ([D, H] when D_BY_H) at ptr + head_offs[h] + d, in ptr's element type."""
+    if D_BY_H:
+        tl.store(ptr + head_offs[None, :] + offs_d[:, None], val.to(ptr.dtype.element_ty),
+                 mask=mask_h[None, :] & mask_d[:, None])
+    else:
+        tl.store(ptr + head_offs[:, None] + offs_d[None, :], val.to(ptr.dtype.element_ty),
+                 mask=mask_h[:, None] & mask_d[None, :])
+
+
+@triton.jit
 def _decode_stage1_kernel(
-    Q,
-    K_Buffer,
-    V_Buffer,
-    Req_To_Token,
-    Req_Pool_Indices,
-    Seq_Lens,
-    Mid,
-    Out,
-    Counter,
-    qk_scale,
-    v_scale,
-    stride_qb,
-    stride_qh,
-    stride_kbs,
-    stride_kh,
-    stride_vbs,
-    stride_vh,
-    stride_req,
-    stride_mid_b,
-    stride_mid_h,
-    stride_mid_s,
-    stride_ob,
-    stride_oh,
-    stride_cnt,
-    KV_GROUP: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    VALID_H: tl.constexpr,
-    BLOCKS_PER_GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MIN_BLOCK_KV: tl.constexpr,
-    WINDOW: tl.constexpr,
-    KV_FP8: tl.constexpr,
-    FUSE_MERGE: tl.constexpr,
-    F16_MATH: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    HEADS_FIRST: tl.constexpr,
+    Q, K_Buffer, V_Buffer, Req_To_Token, Req_Pool_Indices, Seq_Lens, Mid, Out, Counter, qk_scale, v_scale, stride_qb,
+    stride_qh, stride_kbs, stride_kh, stride_vbs, stride_vh, stride_req, stride_mid_b, stride_mid_h, stride_mid_s,
+    stride_ob, stride_oh, stride_cnt, KV_GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, VALID_H: tl.constexpr, BLOCKS_PER_GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, MIN_BLOCK_KV: tl.constexpr, WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
+    FUSE_MERGE: tl.constexpr, F16_MATH: tl.constexpr, USE_PDL: tl.constexpr, HEADS_FIRST: tl.constexpr,
     KV_ROWS_M: tl.constexpr,
 ):
     if USE_PDL:
@@ -85,6 +64,9 @@ def _decode_stage1_kernel(
         cur_batch = tl.program_id(0)
         head_block = tl.program_id(1)
     split_id = tl.program_id(2)
+    # One split stores its output itself; not in the M-side form, where that measured 3-7% slower a layer (FP8,
+    # 333-400 x 1500-1700, one H100: decode_attention_fp8_direct_*_h100.json).
+    DIRECT: tl.constexpr = NUM_SPLITS == 1 and not KV_ROWS_M
 
     # Each KV head's query group is covered by BLOCKS_PER_GROUP head blocks of VALID_H real heads.
     cur_kv_head = head_block // BLOCKS_PER_GROUP
@@ -162,16 +144,19 @@ def _decode_stage1_kernel(
             e_max = new_max
 
         safe_sum = tl.where(e_sum > 0, e_sum, 1.0)
-        mid_offs = cur_batch * stride_mid_b + offs_h * stride_mid_h + split_id * stride_mid_s
-        if KV_ROWS_M:
-            tl.store(Mid + mid_offs[None, :] + offs_d[:, None], acc / safe_sum[None, :] * v_scale,
-                     mask=mask_h[None, :] & mask_d[:, None])
+        if DIRECT:  # the one partial is the output (a merge scales it by exp2(0) / 1): no scratch
+            _store_heads(Out + cur_batch * stride_ob, offs_h * stride_oh, offs_d, acc / safe_sum[:, None] * v_scale,
+                         mask_h, mask_d, False)
         else:
-            tl.store(Mid + mid_offs[:, None] + offs_d[None, :], acc / safe_sum[:, None] * v_scale,
-                     mask=mask_h[:, None] & mask_d[None, :])
-        tl.store(Mid + mid_offs + HEAD_DIM, e_max + tl.log2(safe_sum), mask=mask_h)
+            mid_offs = cur_batch * stride_mid_b + offs_h * stride_mid_h + split_id * stride_mid_s
+            _store_heads(Mid, mid_offs, offs_d, acc / safe_sum[None, :] * v_scale if KV_ROWS_M
+                         else acc / safe_sum[:, None] * v_scale, mask_h, mask_d, KV_ROWS_M)
+            tl.store(Mid + mid_offs + HEAD_DIM, e_max + tl.log2(safe_sum), mask=mask_h)
+    elif DIRECT:  # a zero-length (padding) request: zeros, as a merge writes
+        _store_heads(Out + cur_batch * stride_ob, offs_h * stride_oh, offs_d,
+                     tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32), mask_h, mask_d, False)
 
-    if FUSE_MERGE:
+    if FUSE_MERGE and not DIRECT:
         tl.debug_barrier()  # every thread's partial is written before the release below
         counter = Counter + cur_batch * stride_cnt + head_block
         done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -350,7 +335,7 @@ def decode_attention_fwd(
         num_stages=num_stages,
         **launch_options(pdl),
     )
-    if fuse_merge:
+    if fuse_merge or (num_kv_splits == 1 and not kv_rows_m):  # one split (N side): stage 1 wrote the output
         return
     _decode_stage2_kernel[(batch, num_heads)](
         attn_logits, o, seq_lens,

@@ -45,12 +45,13 @@ def test_decode_large_gqa_group_and_caller_workspace(paged_batch) -> None:
     torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_decode_zero_length_padding_request_gives_zeros(paged_batch) -> None:
+@pytest.mark.parametrize("num_kv_splits", [1, 2])  # 1: stage 1 writes the output itself
+def test_decode_zero_length_padding_request_gives_zeros(paged_batch, num_kv_splits: int) -> None:
     pb = _decode_batch(paged_batch, [5, 9], 4, 2, 16)
     seq_lens = torch.tensor([5, 0])
     o = torch.full_like(pb.q, float("nan"))
     decode_attention_fwd(pb.q, pb.k_buffer, pb.v_buffer, o, pb.req_to_token, pb.req_pool_indices,
-                         seq_lens, pb.sm_scale, num_kv_splits=2)
+                         seq_lens, pb.sm_scale, num_kv_splits=num_kv_splits)
     assert torch.equal(o[1], torch.zeros_like(o[1]))
     ref = decode_attention_ref(pb.q, pb.k_buffer, pb.v_buffer, pb.req_to_token, pb.req_pool_indices,
                                seq_lens, pb.sm_scale)
@@ -121,6 +122,22 @@ def test_fused_merge_is_bit_equal_to_two_stages(paged_batch, hq, hkv, d, window,
         outs.append(o)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     assert torch.equal(outs[1][-1], torch.zeros_like(outs[1][-1]))
+
+
+@pytest.mark.parametrize("kv_rows_m", [False, True])
+def test_single_split_direct_store_is_bit_equal_to_a_merge(paged_batch, kv_rows_m: bool) -> None:
+    """One split stores its output straight from stage 1 (no scratch, counter or merge). At <= 32 tokens two
+    splits leave the second empty, so their merge (two launches, or fused) is of that same one partial: the
+    bits must agree."""
+    pb = _decode_batch(paged_batch, [1, 17, 32, 9], 8, 2, 32)
+    outs = []
+    for splits, fuse in ((1, False), (1, True), (2, False), (2, True)):
+        o = torch.full_like(pb.q, float("nan"))
+        decode_attention_fwd(pb.q, pb.k_buffer, pb.v_buffer, o, pb.req_to_token, pb.req_pool_indices,
+                             pb.seq_lens, pb.sm_scale, num_kv_splits=splits, fuse_merge=fuse, kv_rows_m=kv_rows_m)
+        outs.append(o)
+    assert not outs[0].isnan().any()
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
 def test_fused_merge_rejects_small_counters(paged_batch) -> None:
