@@ -18,7 +18,7 @@ Tops = list[tuple[int, float]]  # one position's top logprobs: (token id, logpro
 
 @dataclass(slots=True)
 class LogitsOutput:
-    next_token_logits: torch.Tensor  # [B, V] float32; a TARGET_VERIFY's stay in the model dtype
+    next_token_logits: torch.Tensor  # [B, V] float32; the model dtype in a captured graph's buffer and for TARGET_VERIFY
     input_logprobs: list[list[float]] | None = None  # per request that asked; logprob of each new input token after the first
     input_top_logprobs: list[list[Tops]] | None = None  # per request where any asked top N: each such position's top N
     # The argmax of each row of next_token_logits, taken inside a DECODE graph (which also wrote it to the
@@ -48,7 +48,7 @@ class LogitsProcessor:
             logits = self.compute_logits(hidden)
         else:
             logits = self.compute_logits(hidden[fb.extend_start_loc + fb.extend_seq_lens - 1])
-        if fb.logits_out is not None and not want_input:  # the fp32 cast writes into the caller's buffer
+        if fb.logits_out is not None and not want_input:  # into the caller's buffer, in its dtype
             return LogitsOutput(fb.logits_out[: logits.shape[0]].copy_(logits))
         logits = logits.float()
         if not want_input:

@@ -74,12 +74,15 @@ class CudaGraphRunner:
         self.start_locs = {m: torch.arange(self.max_bs, dtype=torch.int64, device=dev) * k for m, k in self.modes.items()}
         self.graphs: dict[tuple[ForwardMode, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[ForwardMode, int], torch.Tensor] = {}
-        # Every DECODE graph writes its fp32 logits into rows of this one buffer (replays run one at a time);
+        # Every DECODE graph writes its logits into rows of this one buffer (replays run one at a time);
         # a graph's own output would stay allocated per captured size (8 GB over the sizes up to 512 at a
-        # 128k vocabulary). TARGET_VERIFY graphs share one too, in the model dtype their logits have
-        # (bs * (K + 1) rows each: ~21 GB over the sizes up to 512 with K = 4 when each kept its own).
+        # 128k vocabulary). TARGET_VERIFY graphs share one too (bs * (K + 1) rows each: ~21 GB over the sizes
+        # up to 512 with K = 4 when each kept its own). Both hold the model dtype the LM head computes: the
+        # Sampler widens to fp32 itself (exactly), and the greedy tail's argmax reads half the bytes. An fp32
+        # decode buffer cost a widening copy in every step (~100 us at batch 256, 128k vocabulary, H100).
         vocab = runner.model_config.vocab_size
-        self.decode_logits = torch.empty((self.max_bs if self.enabled else 0, vocab), dtype=torch.float32, device=dev)
+        self.decode_logits = torch.empty((self.max_bs if self.enabled else 0, vocab), dtype=runner.model_config.dtype,
+                                         device=dev)
         verify_rows = self.max_bs * self.modes[ForwardMode.TARGET_VERIFY] if (
             self.enabled and ForwardMode.TARGET_VERIFY in self.modes) else 0
         self.verify_logits = torch.empty((verify_rows, vocab), dtype=runner.model_config.dtype, device=dev)

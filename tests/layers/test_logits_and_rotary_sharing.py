@@ -1,7 +1,8 @@
 """Two memory rules of the decode path: a DECODE's logits (a TARGET_VERIFY's too) go into the caller's
-buffer when one is given (CudaGraphRunner's one shared buffer per mode; each captured graph holding its own output cost ~8 GB over the
-captured sizes up to 512 at a 128k vocabulary on an H100), with or without the decode gather, with the same values as the fresh fp32 tensor; and one rotary
-table serves every layer of a Llama/Qwen model (Llama 3.1's 131072 positions are 64 MB a table)."""
+buffer when one is given (CudaGraphRunner's one shared buffer per mode, in the model dtype; each captured
+graph holding its own output cost ~8 GB over the captured sizes up to 512 at a 128k vocabulary on an H100),
+with or without the decode gather, with the same values as the fresh fp32 tensor; and one rotary table serves
+every layer of a Llama/Qwen model (Llama 3.1's 131072 positions are 64 MB a table)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,20 @@ def test_decode_logits_land_in_the_given_buffer() -> None:
     buf.fill_(float("nan"))
     out = proc(hidden, torch.zeros(3, dtype=torch.long), _fb(3, buf[:3])).next_token_logits
     assert out.data_ptr() == buf.data_ptr() and torch.equal(out, fresh)
+
+
+def test_decode_logits_in_a_model_dtype_buffer_widen_to_the_fresh_fp32_values() -> None:
+    """CudaGraphRunner's decode buffer holds the model dtype: the rows are the LM head's own values, so
+    widening them (as the Sampler does) gives exactly the fresh fp32 logits, and their argmax the same ids."""
+    w = torch.randn(50, 16, dtype=torch.bfloat16)
+    proc = LogitsProcessor(lambda h: h @ w.t())
+    hidden = torch.randn(3, 16, dtype=torch.bfloat16)
+    fresh = proc(hidden, torch.zeros(3, dtype=torch.long), _fb(3, None)).next_token_logits
+    buf = torch.full((8, 50), float("nan"), dtype=torch.bfloat16)
+    out = proc(hidden, torch.zeros(3, dtype=torch.long), _fb(3, buf[:3])).next_token_logits
+    assert out.dtype == torch.bfloat16 and out.data_ptr() == buf.data_ptr() and buf[3:].isnan().all()
+    assert fresh.dtype == torch.float32 and torch.equal(out.float(), fresh)
+    assert torch.equal(out.argmax(dim=-1), fresh.argmax(dim=-1))
 
 
 def test_verify_logits_land_in_the_given_buffer_in_the_model_dtype() -> None:

@@ -74,7 +74,7 @@ def test_decode_and_verify_replays_match_eager(make_engine, tiny_llama, fake_gra
     # Each mode's graphs write their logits into one shared buffer (rows of it), not outputs of their own.
     vocab = engine.worker.runner.model_config.vocab_size
     assert graphs.verify_logits.shape == (2 * 3, vocab) and graphs.decode_logits.shape == (2, vocab)
-    assert graphs.verify_logits.dtype == engine.worker.runner.model_config.dtype
+    assert graphs.verify_logits.dtype == graphs.decode_logits.dtype == engine.worker.runner.model_config.dtype
     for bs in (1, 2):
         verify_out = graphs._static_batch(bs, ForwardMode.TARGET_VERIFY).logits_out
         assert verify_out.shape[0] == bs * 3 and verify_out.data_ptr() == graphs.verify_logits.data_ptr()
