@@ -35,6 +35,14 @@
 #                                               # (it won by 4.5%: part24 ran the A/B with it as the default)
 #   bash benchmarks/gpu_suite.sh part24 OUTDIR  # the sweeps' picks as defaults (FP8: M side; 16-bit: heads first):
 #                                               # attention GPU tests, 1000 x 1000 FP8 KV and svc A/B
+#   bash benchmarks/gpu_suite.sh part25 OUTDIR  # one split stores its output from stage 1 (no scratch, counter or
+#                                               # merge): sweeps at svc-like shapes and svc A/B against .baseline
+#                                               # (git archive of the tree before it), alternating
+#   bash benchmarks/gpu_suite.sh part26 OUTDIR  # part25's kernel: its GPU tests, the bf16 decode sweep at svc shapes,
+#                                               # FP8 M-side A/B again, and cuBLAS vs cuBLASLt on the 8B shapes
+#   bash benchmarks/gpu_suite.sh part27 OUTDIR  # + the decode graphs' logits in the model dtype: engine GPU tests,
+#                                               # svc A/B against .baseline, alternating
+#   bash benchmarks/gpu_suite.sh part28 OUTDIR  # the same two changes on 1000 x 1000, bf16 and FP8 KV, A/B
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
@@ -275,6 +283,54 @@ if [ "$part" = part24 ]; then
   for v in auto batch; do
     TAIL=2 run timeout 100 env SHOAL_DECODE_GRID=$v python -m benchmarks.svc_step_times --gc-freeze 1 \
       --output-file "$out/svc_step_times_grid_$v.json"
+  done
+fi
+if [ "$part" = part25 ]; then
+  for tree in new base; do
+    dir=.; [ $tree = base ] && dir=.baseline
+    S="python -m benchmarks.sweep_decode_attention"
+    (cd $dir && TAIL=6 run timeout 120 $S --kv-dtype bfloat16 --grid-orders heads --cases 256x340 160x480 96x620 \
+      48x800 --configs s1_bn128_w4_st3_bf16 --output-file "$out/decode_attention_bf16_direct_$tree.json")
+    (cd $dir && TAIL=4 run timeout 120 $S --kv-sides m --cases 400x1500 256x1500 --configs s1_bn128_w4_st3_f16 \
+      --output-file "$out/decode_attention_fp8_direct_$tree.json")
+  done
+  for tree in new base new base; do
+    dir=.; [ $tree = base ] && dir=.baseline
+    n=$(ls "$out"/svc_step_times_direct_${tree}_*.json 2>/dev/null | wc -l)
+    (cd $dir && TAIL=2 run timeout 100 python -m benchmarks.svc_step_times --gc-freeze 1 \
+      --output-file "$out/svc_step_times_direct_${tree}_$((n + 1)).json")
+  done
+fi
+if [ "$part" = part26 ]; then
+  TAIL=4 run timeout 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py \
+    tests/gpu/test_gpu_attention_backends.py tests/gpu/test_decode_fusion_gpu.py
+  TAIL=8 run timeout 120 python -m benchmarks.sweep_decode_gemm --no-triton --blas cublas cublaslt \
+    --m 64 128 256 384 7424 --output-file "$out/decode_gemm_blas_libraries_h100.json"
+  TAIL=6 run timeout 150 python -m benchmarks.sweep_decode_attention --kv-dtype bfloat16 --grid-orders heads \
+    --cases 256x340 96x620 --output-file "$out/decode_attention_bf16_svc_shapes_sweep_h100.json"
+  for tree in new base new base; do
+    dir=.; [ $tree = base ] && dir=.baseline
+    n=$(ls "$out"/decode_attention_fp8_direct_${tree}_*.json 2>/dev/null | wc -l)
+    (cd $dir && TAIL=4 run timeout 100 python -m benchmarks.sweep_decode_attention --kv-sides m --cases 400x1500 \
+      333x1700 --configs s1_bn128_w4_st3_f16 --output-file "$out/decode_attention_fp8_direct_${tree}_$((n + 1)).json")
+  done
+fi
+if [ "$part" = part27 ]; then
+  TAIL=4 run timeout 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_engine.py
+  for tree in new base new base; do
+    dir=.; [ $tree = base ] && dir=.baseline
+    n=$(ls "$out"/svc_step_times_logits_${tree}_*.json 2>/dev/null | wc -l)
+    (cd $dir && TAIL=2 run timeout 100 python -m benchmarks.svc_step_times --gc-freeze 1 \
+      --output-file "$out/svc_step_times_logits_${tree}_$((n + 1)).json")
+  done
+fi
+if [ "$part" = part28 ]; then
+  for kv in auto fp8_e4m3; do
+    for tree in new base; do
+      dir=.; [ $tree = base ] && dir=.baseline
+      (cd $dir && TAIL=3 run timeout 140 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 \
+        --max-running-requests 1024 --kv-cache-dtype $kv --output-file "$out/1000x1000_${kv}_${tree}.json")
+    done
   done
 fi
 if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then

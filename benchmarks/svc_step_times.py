@@ -44,6 +44,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="an extra Engine argument, e.g. enable_mixed_chunk=True (repeatable)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--profile", action="store_true",
+                   help="also trace the run (torch.profiler) and sum kernel time per category, eager "
+                        "(EXTEND) and graph-replayed (DECODE) kernels apart; the trace slows the run")
     p.add_argument("--output-file", default=None)
     return p.parse_args(argv)
 
@@ -122,12 +125,14 @@ def run_one(args: argparse.Namespace, freeze: str) -> dict[str, Any]:
                                                                 "ignore_eos": True})
         timed.clear()
         gc0 = engine.get_stats()
-        t0 = time.perf_counter()
-        outs = engine.generate(input_ids=prompts, sampling_params=[
-            {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in out_lens])
-        duration = time.perf_counter() - t0
-        if cuda:
-            torch.cuda.synchronize()
+        prof = _profiler(args.profile and cuda)
+        with prof:
+            t0 = time.perf_counter()
+            outs = engine.generate(input_ids=prompts, sampling_params=[
+                {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in out_lens])
+            duration = time.perf_counter() - t0
+            if cuda:
+                torch.cuda.synchronize()
         stats = engine.get_stats()
         rows = [(mode, bs, start.elapsed_time(end) if cuda else 1e3 * (end - start)) for mode, bs, start, end in timed]
         made = sum(int(o["usage"]["completion_tokens"]) for o in outs)
@@ -136,9 +141,48 @@ def run_one(args: argparse.Namespace, freeze: str) -> dict[str, Any]:
                 "gc_pause_s": stats.gc_pause_s - gc0.gc_pause_s,
                 "gc_slow_pauses": stats.gc_slow_pauses - gc0.gc_slow_pauses,
                 "forward_device_s": sum(r[2] for r in rows) / 1e3, **summarize(rows),
-                "forwards": [list(r) for r in rows]}
+                "forwards": [list(r) for r in rows],
+                **({"kernel_profile": kernel_profile(prof)} if args.profile and cuda else {})}
     finally:
         engine.shutdown()
+
+
+def _profiler(on: bool) -> Any:
+    import contextlib
+
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CUDA]) if on else contextlib.nullcontext()
+
+
+def kernel_profile(prof: Any, top: int = 15) -> dict[str, Any]:
+    """Device time per kernel category (ms), kernels replayed by CUDA graphs (the decode steps) apart from
+    eager ones (prefill, and the host-side copies between steps), with each side's top kernels."""
+    import json
+
+    from benchmarks.trace_breakdown import classify_kernel, device_ops, graph_launch_correlations
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text()).get("traceEvents", [])
+    ops = device_ops(events)
+    graph = graph_launch_correlations(events, ops)
+    out: dict[str, Any] = {}
+    for side in ("eager", "graph"):
+        mine = [op for op in ops if (op.correlation in graph) == (side == "graph")]
+        cats: dict[str, float] = {}
+        names: dict[str, list[float]] = {}
+        for op in mine:
+            cats[classify_kernel(op.name)] = cats.get(classify_kernel(op.name), 0.0) + op.dur / 1e3
+            n = names.setdefault(op.name[:120], [0, 0.0])
+            n[0] += 1
+            n[1] += op.dur / 1e3
+        out[side] = {"ms": sum(cats.values()), "kernels": len(mine),
+                     "categories_ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
+                     "top": [{"name": k, "calls": int(v[0]), "ms": v[1]}
+                             for k, v in sorted(names.items(), key=lambda kv: -kv[1][1])[:top]]}
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
