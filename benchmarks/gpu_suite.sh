@@ -43,6 +43,8 @@
 #   bash benchmarks/gpu_suite.sh part27 OUTDIR  # + the decode graphs' logits in the model dtype: engine GPU tests,
 #                                               # svc A/B against .baseline, alternating
 #   bash benchmarks/gpu_suite.sh part28 OUTDIR  # the same two changes on 1000 x 1000, bf16 and FP8 KV, A/B
+#   bash benchmarks/gpu_suite.sh part29 OUTDIR  # the LM head writing the decode graphs' logits buffer itself: GPU
+#                                               # tests, svc A/B against .baseline (the tree before it)
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
@@ -331,6 +333,15 @@ if [ "$part" = part28 ]; then
       (cd $dir && TAIL=3 run timeout 140 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 \
         --max-running-requests 1024 --kv-cache-dtype $kv --output-file "$out/1000x1000_${kv}_${tree}.json")
     done
+  done
+fi
+if [ "$part" = part29 ]; then
+  TAIL=4 run timeout 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py tests/gpu/test_gpu_engine.py
+  for tree in new base new base; do
+    dir=.; [ $tree = base ] && dir=.baseline
+    n=$(ls "$out"/svc_step_times_lm_head_out_${tree}_*.json 2>/dev/null | wc -l)
+    (cd $dir && TAIL=2 run timeout 100 python -m benchmarks.svc_step_times --gc-freeze 1 \
+      --output-file "$out/svc_step_times_lm_head_out_${tree}_$((n + 1)).json")
   done
 fi
 if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then

@@ -23,8 +23,15 @@ class DenseGemm:
     def serves(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return self.max_m > 0 and x.dim() == 2 and use_dense_small_m(x, weight, self.max_m)
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return dense_linear_small_m(x, weight, bias) if self.serves(x, weight) else F.linear(x, weight, bias)
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """out (no bias): a [M, N] buffer cuBLAS may write the product into (the caller checks whether it did:
+        the GEMV's rows come back fresh). The same cuBLAS call as F.linear, so the same bits."""
+        if self.serves(x, weight):
+            return dense_linear_small_m(x, weight, bias)
+        if out is not None and bias is None:
+            return torch.matmul(x, weight.t(), out=out)
+        return F.linear(x, weight, bias)
 
     def silu_mul(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up @ W^T in one launch where the GEMV serves (the same bits as SiluAndMul then the

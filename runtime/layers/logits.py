@@ -3,6 +3,7 @@ request; every new token of requests that asked for input logprobs; every token 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,8 @@ class LogitsOutput:
 class LogitsProcessor:
     def __init__(self, compute_logits):
         self.compute_logits = compute_logits
+        # A model's compute_logits(hidden, out=...) may write a decode graph's buffer directly.
+        self.takes_out = "out" in inspect.signature(compute_logits).parameters
         self.skip_decode_gather = decode_fusion_enabled()
 
     def __call__(self, hidden: torch.Tensor, input_ids: torch.Tensor, fb: ForwardBatch) -> LogitsOutput:
@@ -45,11 +48,15 @@ class LogitsProcessor:
         if fb.forward_mode.is_decode() and self.skip_decode_gather and not want_input:
             # One new token per request: every row is a last token, so hidden[last] would be a copy of
             # hidden (three launches in the decode graph).
-            logits = self.compute_logits(hidden)
+            if fb.logits_out is not None and self.takes_out:
+                logits = self.compute_logits(hidden, out=fb.logits_out[: hidden.shape[0]])
+            else:
+                logits = self.compute_logits(hidden)
         else:
             logits = self.compute_logits(hidden[fb.extend_start_loc + fb.extend_seq_lens - 1])
         if fb.logits_out is not None and not want_input:  # into the caller's buffer, in its dtype
-            return LogitsOutput(fb.logits_out[: logits.shape[0]].copy_(logits))
+            dst = fb.logits_out[: logits.shape[0]]
+            return LogitsOutput(dst if _same_storage(dst, logits) else dst.copy_(logits))
         logits = logits.float()
         if not want_input:
             return LogitsOutput(logits)
@@ -71,3 +78,7 @@ class LogitsProcessor:
                 vals, idx = lp.topk(min(k, lp.shape[-1]), dim=-1)
                 input_tops[i] = [list(zip(ids, vs)) for ids, vs in zip(idx.tolist(), vals.tolist())]
         return LogitsOutput(logits, input_logprobs, input_tops)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()

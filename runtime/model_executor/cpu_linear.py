@@ -73,8 +73,8 @@ def _row_forward(self: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
     return y + self.bias if self.bias is not None else y
 
 
-def _lm_head_logits(self: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
-    return _linear(hidden, self.packed_weight, None)[..., : self.vocab_size]
+def _lm_head_logits(self: ParallelLMHead, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    return _linear(hidden, self.packed_weight, None)[..., : self.vocab_size]  # out unused: the caller copies
 
 
 def pack_linear_weights(model: nn.Module) -> int:

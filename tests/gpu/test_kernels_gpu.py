@@ -219,3 +219,22 @@ def test_rotary_gpu(is_neox: bool) -> None:
 def test_silu_and_mul_gpu() -> None:
     x = torch.randn(4096, 2 * 14336, device="cuda", dtype=DTYPE)
     torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x))
+
+
+@pytest.mark.parametrize("rows", [1, 8, 256])
+def test_lm_head_direct_buffer_write_is_bit_equal_gpu(rows: int) -> None:
+    """A decode graph's LM head writes its shared logits buffer through torch.matmul(out=): the same cuBLAS
+    call as F.linear, so the same bits (rows 1 takes the GEMV and comes back fresh, the caller copies)."""
+    from runtime.distributed import ParallelGroup
+    from runtime.layers.embedding import ParallelLMHead
+
+    torch.manual_seed(0)
+    head = ParallelLMHead(32000, 2048, ParallelGroup.single(), DTYPE).cuda()
+    head.weight.data.normal_(0, 0.02)
+    hidden = torch.randn(rows, 2048, device="cuda", dtype=DTYPE)
+    fresh = head.compute_logits(hidden)
+    buf = torch.full((rows, 32000), float("nan"), device="cuda", dtype=DTYPE)
+    out = head.compute_logits(hidden, out=buf)
+    assert (out.data_ptr() == buf.data_ptr()) == (rows > 1)
+    assert torch.equal(out, fresh)
+

@@ -73,3 +73,33 @@ def test_one_rotary_table_for_all_layers(tiny_model_dirs) -> None:
     model = LlamaForCausalLM(cfg, ParallelContext.tensor_parallel(ParallelGroup.single()))
     tables = {id(layer.self_attn.rotary_emb.cos_sin_cache) for layer in model.model.layers}
     assert len(model.model.layers) > 1 and len(tables) == 1
+
+
+def _lm_head(vocab: int = 50, hidden: int = 16):
+    from runtime.distributed import ParallelGroup
+    from runtime.layers.embedding import ParallelLMHead
+
+    head = ParallelLMHead(vocab, hidden, ParallelGroup.single(), torch.float32)
+    head.weight.data.copy_(torch.randn(vocab, hidden))
+    return head
+
+
+def test_lm_head_writes_a_decode_buffer_directly() -> None:
+    """compute_logits(hidden, out=buf) puts the product in buf itself (no copy in a decode graph); the
+    LogitsProcessor then hands buf back as is. Same values as the plain call; a buffer that does not fit
+    (wrong rows or dtype) is left alone and the processor copies into its rows as before."""
+    head = _lm_head()
+    hidden = torch.randn(70, 16)  # > 64 rows: the plain GEMM (CPU's weight-major trick serves 2-64)
+    fresh = head.compute_logits(hidden)
+    buf = torch.full((70, 50), float("nan"))
+    out = head.compute_logits(hidden, out=buf)
+    assert out.data_ptr() == buf.data_ptr() and torch.equal(out, fresh)
+    proc = LogitsProcessor(head.compute_logits)
+    assert proc.takes_out
+    buf.fill_(float("nan"))
+    got = proc(hidden, torch.zeros(70, dtype=torch.long), _fb(70, buf)).next_token_logits
+    assert got.data_ptr() == buf.data_ptr() and torch.equal(got, fresh)
+    wrong = torch.full((70, 50), float("nan"), dtype=torch.bfloat16)
+    assert head.compute_logits(hidden, out=wrong).data_ptr() != wrong.data_ptr() and wrong.isnan().all()
+    got = proc(hidden, torch.zeros(70, dtype=torch.long), _fb(70, wrong)).next_token_logits
+    assert got.data_ptr() == wrong.data_ptr() and torch.equal(got, fresh.to(torch.bfloat16))
