@@ -45,6 +45,10 @@
 #   bash benchmarks/gpu_suite.sh part28 OUTDIR  # the same two changes on 1000 x 1000, bf16 and FP8 KV, A/B
 #   bash benchmarks/gpu_suite.sh part29 OUTDIR  # the LM head writing the decode graphs' logits buffer itself: GPU
 #                                               # tests, svc A/B against .baseline (the tree before it)
+#   bash benchmarks/gpu_suite.sh part30 OUTDIR  # svc with the device time outside forwards, then 1000 x 1000 FP8 KV
+#                                               # and bf16 with this session's decode changes
+#   bash benchmarks/gpu_suite.sh part31 OUTDIR  # items 1 and 6 again with this session's decode changes: bs-1 decode
+#                                               # bf16 and FP8 weights, 462/256 x 500
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
@@ -343,6 +347,19 @@ if [ "$part" = part29 ]; then
     (cd $dir && TAIL=2 run timeout 100 python -m benchmarks.svc_step_times --gc-freeze 1 \
       --output-file "$out/svc_step_times_lm_head_out_${tree}_$((n + 1)).json")
   done
+fi
+if [ "$part" = part30 ]; then
+  TAIL=2 run timeout 100 python -m benchmarks.svc_step_times --gc-freeze 1 --output-file "$out/svc_step_times_gaps_h100.json"
+  for kv in fp8_e4m3 auto; do
+    TAIL=3 run timeout 200 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests 1024 \
+      --kv-cache-dtype $kv --output-file "$out/1000x1000_${kv}_ninth_session_h100.json"
+  done
+fi
+if [ "$part" = part31 ]; then
+  TAIL=12 run timeout 200 python benchmarks/bench_fp8.py --part decode --modes bf16,fp8_weights \
+    --output-file "$out/fp8_decode_ninth_session.json"
+  TAIL=4 run timeout 150 $OFF --num-prompts 500 --input-len 462 --output-len 256 --max-running-requests 512 \
+    --output-file "$out/llama8b_462x256_ninth_session.json"
 fi
 if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then
   files=$(ls tests/gpu/test_*.py | grep -v test_ray_tp_gpu.py)

@@ -6,6 +6,10 @@ on, each in its own spawned interpreter.
 
     python -m benchmarks.svc_step_times --output-file benchmarks/results/svc_step_times_gc_h100.json
 
+On CUDA it also splits the device time outside the forwards (before the first, between, after the last:
+`outside_forwards`); `--profile` traces the run and sums kernel time per category, DECODE's graph-replayed
+kernels apart from EXTEND's eager ones.
+
 What it found on an H100 (benchmarks/README.md): with start-up objects left in the collector, four
 ~12 ms decode steps took 100-140 ms and the last 436-621 ms (generation-2 collections stopping the
 scheduler thread); frozen, none over 30 ms and the run went 9.29 → 7.22 s."""
@@ -126,12 +130,16 @@ def run_one(args: argparse.Namespace, freeze: str) -> dict[str, Any]:
         timed.clear()
         gc0 = engine.get_stats()
         prof = _profiler(args.profile and cuda)
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else []
         with prof:
             t0 = time.perf_counter()
+            if cuda:
+                marks[0].record()
             outs = engine.generate(input_ids=prompts, sampling_params=[
                 {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in out_lens])
             duration = time.perf_counter() - t0
             if cuda:
+                marks[1].record()
                 torch.cuda.synchronize()
         stats = engine.get_stats()
         rows = [(mode, bs, start.elapsed_time(end) if cuda else 1e3 * (end - start)) for mode, bs, start, end in timed]
@@ -142,9 +150,22 @@ def run_one(args: argparse.Namespace, freeze: str) -> dict[str, Any]:
                 "gc_slow_pauses": stats.gc_slow_pauses - gc0.gc_slow_pauses,
                 "forward_device_s": sum(r[2] for r in rows) / 1e3, **summarize(rows),
                 "forwards": [list(r) for r in rows],
-                **({"kernel_profile": kernel_profile(prof)} if args.profile and cuda else {})}
+                **({"kernel_profile": kernel_profile(prof)} if args.profile and cuda else {}),
+                **({"outside_forwards": outside_forwards(timed, marks)} if cuda and timed else {})}
     finally:
         engine.shutdown()
+
+
+def outside_forwards(timed: list[tuple[str, int, Any, Any]], marks: list[Any], top: int = 8) -> dict[str, Any]:
+    """Device time (ms) outside the forwards: from the call's start to the first forward, between forwards
+    (the step's own sampling and copies, and any idle wait for the host), after the last; the largest gaps."""
+    gaps = [(i, timed[i - 1][0], timed[i][0], timed[i - 1][3].elapsed_time(timed[i][2])) for i in range(1, len(timed))]
+    return {"before_first_ms": marks[0].elapsed_time(timed[0][2]), "between_ms": sum(g[3] for g in gaps),
+            "after_last_ms": timed[-1][3].elapsed_time(marks[1]),
+            "between_by_pair_ms": {f"{a}->{b}": sum(g[3] for g in gaps if (g[1], g[2]) == (a, b))
+                                   for a, b in sorted({(g[1], g[2]) for g in gaps})},
+            "largest": [{"index": i, "after": a, "before": b, "ms": ms}
+                        for i, a, b, ms in sorted(gaps, key=lambda g: -g[3])[:top]]}
 
 
 def _profiler(on: bool) -> Any:

@@ -17,6 +17,26 @@ def test_summarize_buckets_and_slowest() -> None:
     assert s["slowest"][0] == {"index": 4, "mode": "DECODE", "batch": 1, "ms": 400.0}
 
 
+class _Mark:
+    """Stands in for a CUDA event: a device timestamp in ms."""
+
+    def __init__(self, t: float):
+        self.t = t
+
+    def elapsed_time(self, later: _Mark) -> float:
+        return later.t - self.t
+
+
+def test_outside_forwards_splits_before_between_after() -> None:
+    m = _Mark
+    timed = [("EXTEND", 4, m(2.0), m(50.0)), ("EXTEND", 2, m(50.5), m(80.0)), ("DECODE", 6, m(83.0), m(90.0)),
+             ("DECODE", 6, m(90.25), m(97.0))]
+    r = svc_step_times.outside_forwards(timed, [m(0.0), m(100.0)])
+    assert r["before_first_ms"] == 2.0 and r["after_last_ms"] == 3.0 and r["between_ms"] == 3.75
+    assert r["between_by_pair_ms"] == {"DECODE->DECODE": 0.25, "EXTEND->DECODE": 3.0, "EXTEND->EXTEND": 0.5}
+    assert r["largest"][0] == {"index": 2, "after": "EXTEND", "before": "DECODE", "ms": 3.0}
+
+
 def test_cpu_run_freeze_on_and_off(tmp_path) -> None:
     out = tmp_path / "steps.json"
     res = svc_step_times.main(["--model-config", "Tiny-Llama-smoke", "--device", "cpu", "--dtype", "float32",
