@@ -15,12 +15,11 @@ nothing)."""
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from benchmarks.bench_fp8_gemv import LAYERS, Timer
-from benchmarks.common import print_table, write_result
+from benchmarks.common import kernel_bench_device, print_table, write_result
 
 # name: (N, K, gated input)
 SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, False), "gate_up": (28672, 4096, False),
@@ -82,13 +81,7 @@ def summarize(shapes: dict[str, Any], ms: list[int]) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    import torch
-
-    if not torch.cuda.is_available():
-        if not args.smoke:
-            raise SystemExit("no CUDA device: run with --smoke for the CPU (interpreter) form")
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels/ is imported
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = kernel_bench_device(args.smoke)
     shapes_in = SMOKE_SHAPES if args.smoke else SHAPES
     timer = Timer(device, args.replays)
     shapes = {}

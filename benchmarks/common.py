@@ -130,6 +130,18 @@ def special_token_ids(config: dict[str, Any]) -> list[int]:
     return ids
 
 
+def kernel_bench_device(smoke: bool) -> Any:
+    """The device of a kernel benchmark: CUDA, or with `smoke` (and no GPU) the CPU under the Triton
+    interpreter, switched on here, before kernels/ is imported. Without either it exits with the reason."""
+    import torch
+
+    if not torch.cuda.is_available():
+        if not smoke:
+            raise SystemExit("no CUDA device: run with --smoke for the CPU (interpreter) form")
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def device_name() -> str:
     """The accelerator's name when torch sees one, else the CPU's (torch is imported only here and only
     if installed, so a pure HTTP client needs no torch)."""

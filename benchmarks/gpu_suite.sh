@@ -59,6 +59,18 @@ mkdir -p "$out"
 M=Llama-3.1-8B-Instruct
 OFF="python -m benchmarks.bench_offline --model-config $M"
 run() { echo "=== $*"; "$@" 2>&1 | grep -v "Loading\|it/s\]" | tail -${TAIL:-25}; }
+# ab TAG N CMD...: CMD in this tree, then in .baseline (a git archive of the tree before a change, carried),
+# N rounds alternating, each writing "$out/TAG_{new,base}_ROUND.json" (--output-file appended; OUTDIR absolute).
+ab() {
+  local tag=$1 rounds=$2 i tree dir
+  shift 2
+  for i in $(seq "$rounds"); do
+    for tree in new base; do
+      dir=.; [ $tree = base ] && dir=.baseline
+      (cd $dir && run "$@" --output-file "$out/${tag}_${tree}_$i.json")
+    done
+  done
+}
 . benchmarks/serve_bench.sh
 if [ "$part" = part1 ]; then
   TAIL=12 run timeout 240 python -m pytest tests/gpu -q -x --ignore=tests/gpu/test_ray_tp_gpu.py -p no:cacheprovider
@@ -292,20 +304,12 @@ if [ "$part" = part24 ]; then
   done
 fi
 if [ "$part" = part25 ]; then
-  for tree in new base; do
-    dir=.; [ $tree = base ] && dir=.baseline
-    S="python -m benchmarks.sweep_decode_attention"
-    (cd $dir && TAIL=6 run timeout 120 $S --kv-dtype bfloat16 --grid-orders heads --cases 256x340 160x480 96x620 \
-      48x800 --configs s1_bn128_w4_st3_bf16 --output-file "$out/decode_attention_bf16_direct_$tree.json")
-    (cd $dir && TAIL=4 run timeout 120 $S --kv-sides m --cases 400x1500 256x1500 --configs s1_bn128_w4_st3_f16 \
-      --output-file "$out/decode_attention_fp8_direct_$tree.json")
-  done
-  for tree in new base new base; do
-    dir=.; [ $tree = base ] && dir=.baseline
-    n=$(ls "$out"/svc_step_times_direct_${tree}_*.json 2>/dev/null | wc -l)
-    (cd $dir && TAIL=2 run timeout 100 python -m benchmarks.svc_step_times --gc-freeze 1 \
-      --output-file "$out/svc_step_times_direct_${tree}_$((n + 1)).json")
-  done
+  S="python -m benchmarks.sweep_decode_attention"
+  TAIL=6 ab decode_attention_bf16_direct 1 timeout 120 $S --kv-dtype bfloat16 --grid-orders heads \
+    --cases 256x340 160x480 96x620 48x800 --configs s1_bn128_w4_st3_bf16
+  TAIL=4 ab decode_attention_fp8_direct_400 1 timeout 120 $S --kv-sides m --cases 400x1500 256x1500 \
+    --configs s1_bn128_w4_st3_f16
+  TAIL=2 ab svc_step_times_direct 2 timeout 100 python -m benchmarks.svc_step_times --gc-freeze 1
 fi
 if [ "$part" = part26 ]; then
   TAIL=4 run timeout 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py \
@@ -314,39 +318,22 @@ if [ "$part" = part26 ]; then
     --m 64 128 256 384 7424 --output-file "$out/decode_gemm_blas_libraries_h100.json"
   TAIL=6 run timeout 150 python -m benchmarks.sweep_decode_attention --kv-dtype bfloat16 --grid-orders heads \
     --cases 256x340 96x620 --output-file "$out/decode_attention_bf16_svc_shapes_sweep_h100.json"
-  for tree in new base new base; do
-    dir=.; [ $tree = base ] && dir=.baseline
-    n=$(ls "$out"/decode_attention_fp8_direct_${tree}_*.json 2>/dev/null | wc -l)
-    (cd $dir && TAIL=4 run timeout 100 python -m benchmarks.sweep_decode_attention --kv-sides m --cases 400x1500 \
-      333x1700 --configs s1_bn128_w4_st3_f16 --output-file "$out/decode_attention_fp8_direct_${tree}_$((n + 1)).json")
-  done
+  TAIL=4 ab decode_attention_fp8_direct 2 timeout 100 python -m benchmarks.sweep_decode_attention --kv-sides m \
+    --cases 400x1500 333x1700 --configs s1_bn128_w4_st3_f16
 fi
 if [ "$part" = part27 ]; then
   TAIL=4 run timeout 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_engine.py
-  for tree in new base new base; do
-    dir=.; [ $tree = base ] && dir=.baseline
-    n=$(ls "$out"/svc_step_times_logits_${tree}_*.json 2>/dev/null | wc -l)
-    (cd $dir && TAIL=2 run timeout 100 python -m benchmarks.svc_step_times --gc-freeze 1 \
-      --output-file "$out/svc_step_times_logits_${tree}_$((n + 1)).json")
-  done
+  TAIL=2 ab svc_step_times_logits 2 timeout 100 python -m benchmarks.svc_step_times --gc-freeze 1
 fi
 if [ "$part" = part28 ]; then
   for kv in auto fp8_e4m3; do
-    for tree in new base; do
-      dir=.; [ $tree = base ] && dir=.baseline
-      (cd $dir && TAIL=3 run timeout 140 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 \
-        --max-running-requests 1024 --kv-cache-dtype $kv --output-file "$out/1000x1000_${kv}_${tree}.json")
-    done
+    TAIL=3 ab 1000x1000_$kv 1 timeout 140 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 \
+      --max-running-requests 1024 --kv-cache-dtype $kv
   done
 fi
 if [ "$part" = part29 ]; then
   TAIL=4 run timeout 200 python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py tests/gpu/test_gpu_engine.py
-  for tree in new base new base; do
-    dir=.; [ $tree = base ] && dir=.baseline
-    n=$(ls "$out"/svc_step_times_lm_head_out_${tree}_*.json 2>/dev/null | wc -l)
-    (cd $dir && TAIL=2 run timeout 100 python -m benchmarks.svc_step_times --gc-freeze 1 \
-      --output-file "$out/svc_step_times_lm_head_out_${tree}_$((n + 1)).json")
-  done
+  TAIL=2 ab svc_step_times_lm_head_out 2 timeout 100 python -m benchmarks.svc_step_times --gc-freeze 1
 fi
 if [ "$part" = part30 ]; then
   TAIL=2 run timeout 100 python -m benchmarks.svc_step_times --gc-freeze 1 --output-file "$out/svc_step_times_gaps_h100.json"

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.bench_fp8_gemv import LAYER_SHAPES, LAYERS, ROTATE_BYTES, SHAPES, SMOKE_SHAPES, Timer
-from benchmarks.common import print_table, write_result
+from benchmarks.common import kernel_bench_device, print_table, write_result
 
 # (block_m, block_n, block_k, warps, stages); swap_ab tiles name block_m the token side as well.
 PLAIN_TILES = [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 4, 3), (64, 256, 64, 8, 3),
@@ -135,16 +135,10 @@ def summarize(shapes: dict[str, Any], ms: list[int], blas: Sequence[str] = ("cub
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import os
-
     args = parse_args(argv)
     import torch
 
-    if not torch.cuda.is_available():
-        if not args.smoke:
-            raise SystemExit("no CUDA device: run with --smoke for the CPU (interpreter) form")
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels/ is imported
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = kernel_bench_device(args.smoke)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     ms = [m for m in args.m if not args.smoke or m <= 32]
     sm = args.sm_count or (torch.cuda.get_device_properties(device).multi_processor_count
