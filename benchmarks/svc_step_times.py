@@ -176,7 +176,7 @@ def _profiler(on: bool) -> Any:
     return profile(activities=[ProfilerActivity.CUDA]) if on else contextlib.nullcontext()
 
 
-def kernel_profile(prof: Any, top: int = 15) -> dict[str, Any]:
+def kernel_profile(prof: Any, top: int = 40) -> dict[str, Any]:
     """Device time per kernel category (ms), kernels replayed by CUDA graphs (the decode steps) apart from
     eager ones (prefill, and the host-side copies between steps), with each side's top kernels."""
     import json
