@@ -50,13 +50,8 @@
 #   bash benchmarks/gpu_suite.sh part31 OUTDIR  # items 1 and 6 again with this session's decode changes: bs-1 decode
 #                                               # bf16 and FP8 weights, 462/256 x 500
 #   bash benchmarks/gpu_suite.sh part33 OUTDIR  # decode attention at KV heads 8, 2, 1 (equal bytes), FP8 and bf16
-#   bash benchmarks/gpu_suite.sh part34 OUTDIR  # decode attention's dots over 4/8/16 head rows: sweeps, then
-#                                               # 1000 x 1000 FP8 KV with SHOAL_DECODE_MIN_BLOCK_H=${MBH:-4}
 #   bash benchmarks/gpu_suite.sh part35 OUTDIR  # profiles of one 1000 x 1000-shaped wave (1400 in, 200 out), FP8 / bf16
-#   bash benchmarks/gpu_suite.sh part36 OUTDIR  # FP8 decode attention, QK^T on the FP8 MMA (SHOAL_DECODE_FP8_QK):
-#                                               # sweep, then 1000 x 1000 FP8 KV with it on and off
 #   bash benchmarks/gpu_suite.sh part37 OUTDIR  # Nsight Compute sections of one FP8 and one bf16 decode-attention launch
-#   bash benchmarks/gpu_suite.sh part38 OUTDIR  # FP8 decode attention with its registers capped (SHOAL_DECODE_MAXNREG)
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
@@ -366,39 +361,11 @@ if [ "$part" = part33 ]; then  # is FP8 decode attention bound by 128-byte per-h
       --configs s1_bn128_w4_st3_bf16 --layouts contiguous random --output-file "$out/decode_attention_bf16_heads${t}_h100.json"
   done
 fi
-if [ "$part" = part34 ]; then  # decode attention with its dots over 4, 8 or 16 head rows (GQA 4 pads to 16 now)
-  S="python -m benchmarks.sweep_decode_attention"
-  TAIL=3 run timeout 150 $S --cases 256x1500 400x1500 --kv-sides m n --min-block-h 4 8 16 --tiles 64 128 256 \
-    --configs s1_bn128_w4_st3_f16 s1_bn128_w4_st2_f16 s1_bn256_w4_st2_f16 s1_bn128_w8_st3_f16 \
-    --output-file "$out/decode_attention_fp8_min_block_h_h100.json"
-  TAIL=3 run timeout 150 $S --kv-dtype bfloat16 --grid-orders heads --cases 256x340 256x1500 48x800 \
-    --min-block-h 4 8 16 --configs s1_bn128_w4_st3_bf16 s1_bn128_w4_st2_bf16 s2_bn128_w4_st3_bf16 \
-    --output-file "$out/decode_attention_bf16_min_block_h_h100.json"
-  TAIL=3 run timeout 200 env SHOAL_DECODE_MIN_BLOCK_H=${MBH:-4} $OFF --num-prompts 1000 --input-len 1000 \
-    --output-len 1000 --max-running-requests 1024 --kv-cache-dtype fp8_e4m3 \
-    --output-file "$out/fp8_kv_1000x1000_min_block_h${MBH:-4}_h100.json"
-fi
 if [ "$part" = part35 ]; then  # where a 1000 x 1000-shaped decode step goes: one wave at ~1500 tokens, FP8 KV and bf16
   P="python -m benchmarks.svc_step_times --gc-freeze 1 --profile --input-range 1400 1400 --output-range 200 200"
   TAIL=2 run timeout 150 $P --num-requests 414 --cuda-graph-max-bs 512 --engine-arg kv_cache_dtype=fp8_e4m3 \
     --output-file "$out/svc_step_times_profile_fp8_kv_wave_h100.json"
   TAIL=2 run timeout 150 $P --num-requests 203 --output-file "$out/svc_step_times_profile_bf16_wave_h100.json"
-fi
-if [ "$part" = part36 ]; then  # FP8 decode attention with QK^T on the FP8 MMA (q in e4m3): sweep, then 1000 x 1000
-  TAIL=3 run timeout 150 python -m benchmarks.sweep_decode_attention --cases 256x1500 400x1500 --kv-sides m n \
-    --fp8-qk 0 1 --configs s1_bn128_w4_st3_f16 s1_bn128_w4_st2_f16 s1_bn128_w8_st3_f16 s1_bn64_w4_st3_f16 \
-    --output-file "$out/decode_attention_fp8_qk8_h100.json"
-  # the model runs only where the kernel won >= 4% at 400 x 1500 (device time is scarce), in its best form
-  side=$(python -c "import json,sys; r=json.load(open(sys.argv[1]))['results']['bs400 ctx1500']
-t=lambda on: min((v['us'], k) for k, v in r.items() if k != 'best' and isinstance(v, dict) and ('_qk8' in k) == on)
-(a, ka), (b, kb) = t(True), t(False)
-print(ka, a, kb, b, file=sys.stderr); print('m' if '_kv_m' in ka else 'n') if a < 0.96 * b else sys.exit(1)" \
-    "$out/decode_attention_fp8_qk8_h100.json") &&
-  for v in 1 0; do
-    TAIL=3 run timeout 200 env SHOAL_DECODE_FP8_QK=$v SHOAL_DECODE_KV_SIDE=$side $OFF --num-prompts 1000 \
-      --input-len 1000 --output-len 1000 --max-running-requests 1024 --kv-cache-dtype fp8_e4m3 \
-      --output-file "$out/fp8_kv_1000x1000_fp8_qk${v}_side_$side.json"
-  done
 fi
 if [ "$part" = part37 ]; then  # Nsight Compute on one decode-attention launch: FP8 (M side) and bf16 (heads first, N side)
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -413,21 +380,6 @@ c = DecodeCase.make(32, 8, torch.$kv, 400, 1500, layers=1)
 f = c.triton_layers(1, block_n=128, num_warps=4, num_stages=3, f16_math=$m, kv_rows_m=$m, heads_first=not $m)
 [f() for _ in range(5)]; torch.cuda.synchronize()" > "$out/ncu_decode_$kv.txt" 2>&1
     grep -v "^==PROF==\|^ *-*$" "$out/ncu_decode_$kv.txt" | tail -90
-  done
-fi
-if [ "$part" = part38 ]; then  # FP8 decode attention with stage 1's registers capped (3 programs an SM at 168 registers)
-  TAIL=3 run timeout 150 python -m benchmarks.sweep_decode_attention --cases 256x1500 400x1500 --kv-sides m n \
-    --maxnreg 0 128 96 --configs s1_bn128_w4_st3_f16 s1_bn128_w4_st2_f16 s1_bn64_w4_st3_f16 \
-    --output-file "$out/decode_attention_fp8_maxnreg_h100.json"
-  pick=$(python -c "import json,sys; r=json.load(open(sys.argv[1]))['results']['bs400 ctx1500']
-t=lambda on: min((v['us'], k) for k, v in r.items() if k != 'best' and isinstance(v, dict) and ('_r' in k) == on)
-(a, ka), (b, kb) = t(True), t(False)
-print(ka, a, kb, b, file=sys.stderr); print(('m' if '_kv_m' in ka else 'n') + ' ' + ka.split('_r')[-1]) if a < 0.95 * b \
-else sys.exit(1)" "$out/decode_attention_fp8_maxnreg_h100.json") &&
-  for v in ${pick#* } 0; do
-    TAIL=3 run timeout 200 env SHOAL_DECODE_MAXNREG=$v SHOAL_DECODE_KV_SIDE=${pick%% *} $OFF --num-prompts 1000 \
-      --input-len 1000 --output-len 1000 --max-running-requests 1024 --kv-cache-dtype fp8_e4m3 \
-      --output-file "$out/fp8_kv_1000x1000_maxnreg${v}_side_${pick%% *}.json"
   done
 fi
 if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then

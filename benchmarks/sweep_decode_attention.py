@@ -12,8 +12,7 @@ Picked from it: runtime/attention/triton_decode.DecodeKernelConfig.for_kv(fp8).
 --layouts contiguous decode random (bench_decode_attention.DecodeCase.make's slot layouts), --grid-orders
 batch heads (heads: a request's KV-head programs launched next to each other) and --kv-sides n m (the
 dots' two forms, kernels/decode_attention.py's kv_rows_m) run every config per variant; --configs limits
-the grid to the named configs (keys as in the output, e.g. s1_bn128_w4_st3_f16); --min-block-h 4 8 16 runs
-each with its dots over at least that many head rows (a key's _h4 / _h8; 16 unmarked).
+the grid to the named configs (keys as in the output, e.g. s1_bn128_w4_st3_f16).
 
 GPU only (flashinfer)."""
 
@@ -43,21 +42,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="K/V tiles as the dots' N side (scores [heads, tokens]) or M side ([tokens, heads])")
     p.add_argument("--configs", nargs="+", default=None, help="only these configs (default: the whole grid)")
     p.add_argument("--tiles", type=int, nargs="+", default=list(TILES))
-    p.add_argument("--min-block-h", type=int, nargs="+", default=[16],
-                   help="decode_attention_fwd's min_block_h: head rows a program's dots take at least")
-    p.add_argument("--fp8-qk", type=int, nargs="+", default=[0], choices=[0, 1],
-                   help="1: decode_attention_fwd's fp8_qk (q in e4m3, QK^T on the FP8 MMA; FP8 pools), key _qk8")
-    p.add_argument("--maxnreg", type=int, nargs="+", default=[0],
-                   help="stage 1's register cap a thread (0: the compiler's choice), key _r{n}")
     p.add_argument("--output-file", default=None)
     return p.parse_args(argv)
 
 
 def sweep_case(hq: int, hkv: int, bs: int, ctx: int, replays: int, kv_dtype: str, layout: str = "contiguous",
                grid_orders: Sequence[str] = ("batch",), configs: Sequence[str] | None = None,
-               tiles: Sequence[int] = TILES, kv_sides: Sequence[str] = ("n",),
-               min_block_h: Sequence[int] = (16,), fp8_qk: Sequence[int] = (0,),
-               maxnreg: Sequence[int] = (0,)) -> dict[str, Any]:
+               tiles: Sequence[int] = TILES, kv_sides: Sequence[str] = ("n",)) -> dict[str, Any]:
     import torch
     from triton.runtime.errors import OutOfResources
 
@@ -71,18 +62,14 @@ def sweep_case(hq: int, hkv: int, bs: int, ctx: int, replays: int, kv_dtype: str
     torch.cuda.synchronize()
     ref = case.o.float().clone()
     best: tuple[str, float] | None = None
-    for splits, tile, (warps, stages), f16, order, side, mbh, qk8, nreg in itertools.product(
-            SPLITS, tiles, WARPS_STAGES, maths, grid_orders, kv_sides, min_block_h, fp8_qk, maxnreg):
+    for splits, tile, (warps, stages), f16, order, side in itertools.product(SPLITS, tiles, WARPS_STAGES, maths,
+                                                                               grid_orders, kv_sides):
         key = f"s{splits}_bn{tile}_w{warps}_st{stages}_{'f16' if f16 else 'bf16'}"
         if configs is not None and key not in configs:
             continue
         key += ("_heads_first" if order == "heads" else "") + ("_kv_m" if side == "m" else "")
-        if qk8 and case.kv_dtype.itemsize != 1:
-            continue
-        key += (f"_h{mbh}" if mbh != 16 else "") + ("_qk8" if qk8 else "") + (f"_r{nreg}" if nreg else "")
         layers = case.triton_layers(splits, block_n=tile, num_warps=warps, num_stages=stages, f16_math=f16,
-                                    heads_first=order == "heads", kv_rows_m=side == "m", min_block_h=mbh,
-                                    fp8_qk=bool(qk8), maxnreg=nreg or None)
+                                    heads_first=order == "heads", kv_rows_m=side == "m")
         try:
             us = graph_us(layers, replays)
         except OutOfResources as e:  # a config past the GPU's shared memory is reported, not fatal
@@ -118,8 +105,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for layout in args.layouts:
             name = f"bs{bs} ctx{ctx}" + ("" if layout == "contiguous" else f" {layout}")
             results[name] = sweep_case(hq, hkv, bs, ctx, args.replays, args.kv_dtype, layout, args.grid_orders,
-                                       args.configs, args.tiles, args.kv_sides, args.min_block_h, args.fp8_qk,
-                                       args.maxnreg)
+                                       args.configs, args.tiles, args.kv_sides)
             print(name, results[name]["best"], flush=True)
             torch.cuda.empty_cache()
     if args.output_file:

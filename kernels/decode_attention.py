@@ -52,7 +52,7 @@ def _decode_stage1_kernel(
     BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, VALID_H: tl.constexpr, BLOCKS_PER_GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_BLOCK_KV: tl.constexpr, WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
     FUSE_MERGE: tl.constexpr, F16_MATH: tl.constexpr, USE_PDL: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    KV_ROWS_M: tl.constexpr, FP8_QK: tl.constexpr,
+    KV_ROWS_M: tl.constexpr,
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -93,14 +93,6 @@ def _decode_stage1_kernel(
         else:
             q = tl.load(Q + cur_batch * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :],
                         mask=mask_h[:, None] & mask_d[None, :], other=0.0)
-        if FP8_QK:  # q in e4m3 too, a scale per head: the K tiles feed the MMA as stored, no widening
-            q_amax = tl.max(tl.abs(q.to(tl.float32)), 0 if KV_ROWS_M else 1)
-            q_s = tl.where(q_amax > 0, q_amax / 448.0, 1.0)
-            if KV_ROWS_M:
-                q8 = (q.to(tl.float32) / q_s[None, :]).to(K_Buffer.dtype.element_ty)
-            else:
-                q8 = (q.to(tl.float32) / q_s[:, None]).to(K_Buffer.dtype.element_ty)
-            qk_scale_h = qk_scale * q_s
         if F16_MATH:  # FP8 KV widens to fp16 in one instruction per pair (to bf16 it takes several)
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)  # bf16's range exceeds fp16's
         e_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -116,13 +108,10 @@ def _decode_stage1_kernel(
             if KV_ROWS_M:
                 k = tl.load(K_Buffer + kv_loc[:, None] * stride_kbs + cur_kv_head * stride_kh + offs_d[None, :],
                             mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+                if KV_FP8:
+                    k = k.to(q.dtype)
                 # Scores are kept in the log2 domain (scale includes log2(e)) so exp2 can be used throughout.
-                if FP8_QK:
-                    qk = tl.dot(k, q8) * qk_scale_h[None, :]
-                else:
-                    if KV_FP8:
-                        k = k.to(q.dtype)
-                    qk = tl.dot(k, q) * qk_scale
+                qk = tl.dot(k, q) * qk_scale
                 qk = tl.where(mask_n[:, None] & mask_h[None, :], qk, float("-inf"))
                 v = tl.load(V_Buffer + kv_loc[None, :] * stride_vbs + cur_kv_head * stride_vh + offs_d[:, None],
                             mask=mask_n[None, :] & mask_d[:, None], other=0.0)
@@ -137,12 +126,9 @@ def _decode_stage1_kernel(
             else:
                 k = tl.load(K_Buffer + kv_loc[None, :] * stride_kbs + cur_kv_head * stride_kh + offs_d[:, None],
                             mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-                if FP8_QK:
-                    qk = tl.dot(q8, k) * qk_scale_h[:, None]
-                else:
-                    if KV_FP8:
-                        k = k.to(q.dtype)
-                    qk = tl.dot(q, k) * qk_scale
+                if KV_FP8:
+                    k = k.to(q.dtype)
+                qk = tl.dot(q, k) * qk_scale
                 qk = tl.where(mask_h[:, None] & mask_n[None, :], qk, float("-inf"))
                 v = tl.load(V_Buffer + kv_loc[:, None] * stride_vbs + cur_kv_head * stride_vh + offs_d[None, :],
                             mask=mask_n[:, None] & mask_d[None, :], other=0.0)
@@ -281,19 +267,13 @@ def decode_attention_fwd(
     f16_math: bool = False,
     heads_first: bool = False,
     kv_rows_m: bool = False,
-    min_block_h: int = _MIN_BLOCK_H,
-    fp8_qk: bool = False,
-    maxnreg: int | None = None,
 ) -> None:
     """Writes into `o` [B, Hq, D] the attention of q [B, Hq, D] over each request's first seq_lens[b]
     tokens (only the last `sliding_window` of them when > 0). FP8 buffers are read as stored * scale.
     `attn_logits` is an optional [>=B, Hq, num_kv_splits, D+1] fp32 workspace (pass a fixed one when
     capturing CUDA graphs to keep allocations out of the graph's pool). fuse_merge: one launch (stage 2
     inside stage 1), with `counters` from decode_attention_counters (>= B rows, >= Hq columns; a fixed one
-    under CUDA graphs). min_block_h: the fewest head rows a program's dots take (a power of two; smaller GQA
-    groups are padded to it). fp8_qk (FP8 pools): q quantized to e4m3 with a scale per head, so QK^T runs on
-    the FP8 MMA over the K tiles as stored (not widened); P V stays in q's precision. maxnreg caps stage 1's
-    registers a thread (more programs an SM)."""
+    under CUDA graphs)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     if num_heads % num_kv_heads != 0:
@@ -311,9 +291,7 @@ def decode_attention_fwd(
             raise ValueError(f"{name} must be contiguous in its last dimension")
 
     kv_fp8 = k_buffer.element_size() == 1
-    if min_block_h < 1 or min_block_h & (min_block_h - 1):
-        raise ValueError(f"min_block_h must be a power of two, got {min_block_h}")
-    block_h = max(min_block_h, triton.next_power_of_2(min(kv_group, _MIN_BLOCK_H)))
+    block_h = max(_MIN_BLOCK_H, triton.next_power_of_2(min(kv_group, _MIN_BLOCK_H)))
     blocks_per_group = triton.cdiv(kv_group, block_h)
     block_d = triton.next_power_of_2(head_dim)
     head_blocks = num_kv_heads * blocks_per_group
@@ -353,11 +331,9 @@ def decode_attention_fwd(
         USE_PDL=pdl,
         HEADS_FIRST=heads_first,
         KV_ROWS_M=kv_rows_m,
-        FP8_QK=fp8_qk and kv_fp8,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_options(pdl),
-        **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if fuse_merge or (num_kv_splits == 1 and not kv_rows_m):  # one split (N side): stage 1 wrote the output
         return

@@ -51,25 +51,17 @@ class DecodeKernelConfig:
     adaptive_splits: bool  # fewer splits as the batch alone fills the GPU
     heads_first: bool = False  # grid order: a request's KV-head programs launched side by side
     kv_rows_m: bool = False  # K/V tiles as the dots' M side (scores [tokens, heads])
-    min_block_h: int = 16  # the fewest head rows a program's dots take (smaller GQA groups are padded to it)
-    fp8_qk: bool = False  # FP8 pools: q in e4m3, QK^T on the FP8 MMA (kernels/decode_attention.py)
-    maxnreg: int | None = None  # stage 1's register cap a thread
 
     @classmethod
     def for_kv(cls, kv_fp8: bool, num_kv_splits: int | None = None) -> DecodeKernelConfig:
-        """SHOAL_DECODE_GRID (batch / heads), SHOAL_DECODE_KV_SIDE (n / m) and SHOAL_DECODE_MIN_BLOCK_H (a
-        power of two) override the measured picks, to measure the others."""
+        """SHOAL_DECODE_GRID (batch / heads) and SHOAL_DECODE_KV_SIDE (n / m) override the measured picks,
+        to measure the others."""
         if num_kv_splits is None:
             num_kv_splits = int(os.environ.get("SHOAL_DECODE_MAX_SPLITS", DEFAULT_NUM_KV_SPLITS))
         grid = _env_choice("SHOAL_DECODE_GRID", ("batch", "heads"), "batch" if kv_fp8 else "heads")
         side = _env_choice("SHOAL_DECODE_KV_SIDE", ("n", "m"), "m" if kv_fp8 else "n")
-        min_block_h = int(os.environ.get("SHOAL_DECODE_MIN_BLOCK_H", "16"))
-        if min_block_h < 1 or min_block_h & (min_block_h - 1):
-            raise ValueError(f"SHOAL_DECODE_MIN_BLOCK_H must be a power of two, got {min_block_h}")
         return cls(max_splits=num_kv_splits, block_n=128, num_warps=4, num_stages=3, f16_math=kv_fp8,
-                   adaptive_splits=True, heads_first=grid == "heads", kv_rows_m=side == "m",
-                   min_block_h=min_block_h, fp8_qk=kv_fp8 and os.environ.get("SHOAL_DECODE_FP8_QK", "0") == "1",
-                   maxnreg=int(os.environ.get("SHOAL_DECODE_MAXNREG", "0")) or None)
+                   adaptive_splits=True, heads_first=grid == "heads", kv_rows_m=side == "m")
 
 
 def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
@@ -130,6 +122,5 @@ class TritonDecode:
                              sliding_window=layer.sliding_window, k_scale=k_scale, v_scale=v_scale,
                              fuse_merge=fuse_merge, counters=self._counters, block_n=cfg.block_n,
                              num_warps=cfg.num_warps, num_stages=cfg.num_stages, f16_math=cfg.f16_math,
-                             heads_first=cfg.heads_first, kv_rows_m=cfg.kv_rows_m, min_block_h=cfg.min_block_h,
-                             fp8_qk=cfg.fp8_qk, maxnreg=cfg.maxnreg)
+                             heads_first=cfg.heads_first, kv_rows_m=cfg.kv_rows_m)
         return o.view(-1, layer.num_heads * layer.head_dim)
