@@ -42,13 +42,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="K/V tiles as the dots' N side (scores [heads, tokens]) or M side ([tokens, heads])")
     p.add_argument("--configs", nargs="+", default=None, help="only these configs (default: the whole grid)")
     p.add_argument("--tiles", type=int, nargs="+", default=list(TILES))
+    p.add_argument("--v-widen-rows", type=int, nargs="+", default=[0], choices=[0, 1],
+                   help="1: decode_attention_fwd's v_widen_rows (FP8, M side), key _vrows")
     p.add_argument("--output-file", default=None)
     return p.parse_args(argv)
 
 
 def sweep_case(hq: int, hkv: int, bs: int, ctx: int, replays: int, kv_dtype: str, layout: str = "contiguous",
                grid_orders: Sequence[str] = ("batch",), configs: Sequence[str] | None = None,
-               tiles: Sequence[int] = TILES, kv_sides: Sequence[str] = ("n",)) -> dict[str, Any]:
+               tiles: Sequence[int] = TILES, kv_sides: Sequence[str] = ("n",),
+               v_widen_rows: Sequence[int] = (0,)) -> dict[str, Any]:
     import torch
     from triton.runtime.errors import OutOfResources
 
@@ -62,14 +65,17 @@ def sweep_case(hq: int, hkv: int, bs: int, ctx: int, replays: int, kv_dtype: str
     torch.cuda.synchronize()
     ref = case.o.float().clone()
     best: tuple[str, float] | None = None
-    for splits, tile, (warps, stages), f16, order, side in itertools.product(SPLITS, tiles, WARPS_STAGES, maths,
-                                                                               grid_orders, kv_sides):
+    for splits, tile, (warps, stages), f16, order, side, vrows in itertools.product(
+            SPLITS, tiles, WARPS_STAGES, maths, grid_orders, kv_sides, v_widen_rows):
         key = f"s{splits}_bn{tile}_w{warps}_st{stages}_{'f16' if f16 else 'bf16'}"
         if configs is not None and key not in configs:
             continue
+        if vrows and (side != "m" or case.kv_dtype.itemsize != 1):  # an FP8, M-side variant only
+            continue
         key += ("_heads_first" if order == "heads" else "") + ("_kv_m" if side == "m" else "")
+        key += "_vrows" if vrows else ""
         layers = case.triton_layers(splits, block_n=tile, num_warps=warps, num_stages=stages, f16_math=f16,
-                                    heads_first=order == "heads", kv_rows_m=side == "m")
+                                    heads_first=order == "heads", kv_rows_m=side == "m", v_widen_rows=bool(vrows))
         try:
             us = graph_us(layers, replays)
         except OutOfResources as e:  # a config past the GPU's shared memory is reported, not fatal
@@ -105,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for layout in args.layouts:
             name = f"bs{bs} ctx{ctx}" + ("" if layout == "contiguous" else f" {layout}")
             results[name] = sweep_case(hq, hkv, bs, ctx, args.replays, args.kv_dtype, layout, args.grid_orders,
-                                       args.configs, args.tiles, args.kv_sides)
+                                       args.configs, args.tiles, args.kv_sides, args.v_widen_rows)
             print(name, results[name]["best"], flush=True)
             torch.cuda.empty_cache()
     if args.output_file:

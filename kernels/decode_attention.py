@@ -12,6 +12,14 @@ dots' M side (scores [tokens, heads]), so a widened FP8 tile feeds the MMA from 
 a request's KV-head programs side by side, so they read each token's row together
 (runtime/attention/triton_decode.py says where each pays, and its launch configs).
 
+Why v_widen_rows (opt-in until measured on a GPU): compiled for sm90 (Triton 3.6, the GPU image's), the
+M-side FP8 loop reads its V tile from shared memory a byte at a time (128 LDS.U8 per thread per 128-token
+tile: the P V dot wants consecutive tokens of one channel paired in a register, and they sit a row apart),
+and Nsight Compute has that kernel issuing on 44% of cycles at 72% of DRAM peak (bf16: 19%, 91%). Widening
+the tile in the layout it is stored in and transposing the fp16 result turns those into 16 128-bit stores
+and 16 transposed ldmatrix loads (SASS of the loop: no LDS.U8; ~150 byte permutes to pair the halves);
+widening K is not the cost (QK^T on the FP8 MMA, K never widened, measured the same).
+
 fuse_merge=True does stage 2 inside stage 1 (one launch per layer, kernels/decode_fusion.py): each program
 counts itself done on a per-(request, head block) counter, and the last split to finish merges them all with
 stage 2's arithmetic (bit-equal output) and resets the counter. Ordering: a CTA barrier, then the counter's
@@ -52,7 +60,7 @@ def _decode_stage1_kernel(
     BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, VALID_H: tl.constexpr, BLOCKS_PER_GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_BLOCK_KV: tl.constexpr, WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
     FUSE_MERGE: tl.constexpr, F16_MATH: tl.constexpr, USE_PDL: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    KV_ROWS_M: tl.constexpr,
+    KV_ROWS_M: tl.constexpr, V_WIDEN_ROWS: tl.constexpr,
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -113,10 +121,15 @@ def _decode_stage1_kernel(
                 # Scores are kept in the log2 domain (scale includes log2(e)) so exp2 can be used throughout.
                 qk = tl.dot(k, q) * qk_scale
                 qk = tl.where(mask_n[:, None] & mask_h[None, :], qk, float("-inf"))
-                v = tl.load(V_Buffer + kv_loc[None, :] * stride_vbs + cur_kv_head * stride_vh + offs_d[:, None],
-                            mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-                if KV_FP8:
-                    v = v.to(q.dtype)
+                if V_WIDEN_ROWS:  # FP8: widen [tokens, D] rows as stored, then transpose the 16-bit tile
+                    v = tl.load(V_Buffer + kv_loc[:, None] * stride_vbs + cur_kv_head * stride_vh + offs_d[None, :],
+                                mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+                    v = tl.trans(v.to(q.dtype))
+                else:
+                    v = tl.load(V_Buffer + kv_loc[None, :] * stride_vbs + cur_kv_head * stride_vh + offs_d[:, None],
+                                mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+                    if KV_FP8:
+                        v = v.to(q.dtype)
                 new_max = tl.maximum(tl.max(qk, 0), e_max)
                 safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
                 rescale = tl.exp2(e_max - safe_max)
@@ -267,13 +280,16 @@ def decode_attention_fwd(
     f16_math: bool = False,
     heads_first: bool = False,
     kv_rows_m: bool = False,
+    v_widen_rows: bool = False,
 ) -> None:
     """Writes into `o` [B, Hq, D] the attention of q [B, Hq, D] over each request's first seq_lens[b]
     tokens (only the last `sliding_window` of them when > 0). FP8 buffers are read as stored * scale.
     `attn_logits` is an optional [>=B, Hq, num_kv_splits, D+1] fp32 workspace (pass a fixed one when
     capturing CUDA graphs to keep allocations out of the graph's pool). fuse_merge: one launch (stage 2
     inside stage 1), with `counters` from decode_attention_counters (>= B rows, >= Hq columns; a fixed one
-    under CUDA graphs)."""
+    under CUDA graphs). v_widen_rows (FP8, kv_rows_m): each V tile is read as stored ([tokens, D]), widened,
+    then transposed for the P V dot, so the 8-bit tile is never gathered into the dot's layout a byte at a
+    time (see the module docstring)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     if num_heads % num_kv_heads != 0:
@@ -331,6 +347,7 @@ def decode_attention_fwd(
         USE_PDL=pdl,
         HEADS_FIRST=heads_first,
         KV_ROWS_M=kv_rows_m,
+        V_WIDEN_ROWS=v_widen_rows and kv_rows_m and kv_fp8,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_options(pdl),

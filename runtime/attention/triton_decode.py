@@ -51,17 +51,19 @@ class DecodeKernelConfig:
     adaptive_splits: bool  # fewer splits as the batch alone fills the GPU
     heads_first: bool = False  # grid order: a request's KV-head programs launched side by side
     kv_rows_m: bool = False  # K/V tiles as the dots' M side (scores [tokens, heads])
+    v_widen_rows: bool = False  # FP8, M side: V widened as stored, then transposed (not yet measured)
 
     @classmethod
     def for_kv(cls, kv_fp8: bool, num_kv_splits: int | None = None) -> DecodeKernelConfig:
         """SHOAL_DECODE_GRID (batch / heads) and SHOAL_DECODE_KV_SIDE (n / m) override the measured picks,
-        to measure the others."""
+        to measure the others; SHOAL_DECODE_FP8_V_WIDEN=1 turns on v_widen_rows (opt-in until measured)."""
         if num_kv_splits is None:
             num_kv_splits = int(os.environ.get("SHOAL_DECODE_MAX_SPLITS", DEFAULT_NUM_KV_SPLITS))
         grid = _env_choice("SHOAL_DECODE_GRID", ("batch", "heads"), "batch" if kv_fp8 else "heads")
         side = _env_choice("SHOAL_DECODE_KV_SIDE", ("n", "m"), "m" if kv_fp8 else "n")
         return cls(max_splits=num_kv_splits, block_n=128, num_warps=4, num_stages=3, f16_math=kv_fp8,
-                   adaptive_splits=True, heads_first=grid == "heads", kv_rows_m=side == "m")
+                   adaptive_splits=True, heads_first=grid == "heads", kv_rows_m=side == "m",
+                   v_widen_rows=kv_fp8 and os.environ.get("SHOAL_DECODE_FP8_V_WIDEN", "0") == "1")
 
 
 def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
@@ -122,5 +124,5 @@ class TritonDecode:
                              sliding_window=layer.sliding_window, k_scale=k_scale, v_scale=v_scale,
                              fuse_merge=fuse_merge, counters=self._counters, block_n=cfg.block_n,
                              num_warps=cfg.num_warps, num_stages=cfg.num_stages, f16_math=cfg.f16_math,
-                             heads_first=cfg.heads_first, kv_rows_m=cfg.kv_rows_m)
+                             heads_first=cfg.heads_first, kv_rows_m=cfg.kv_rows_m, v_widen_rows=cfg.v_widen_rows)
         return o.view(-1, layer.num_heads * layer.head_dim)
