@@ -26,12 +26,15 @@ from typing import Any
 
 from benchmarks.common import write_result
 
-# name: (kv dtype, M side, fp16 math, v_widen_rows); 32/8 heads, head_dim 128, one split (the defaults' shapes)
+# name: (kv dtype, M side, fp16 math, v_widen_rows, qk_n_side); 32/8 heads, head_dim 128, one split (the
+# defaults' shapes)
 VARIANTS = {
-    "bf16_n_heads_first": ("bf16", False, False, False),
-    "fp8_m": ("fp8e4nv", True, True, False),
-    "fp8_m_v_widen_rows": ("fp8e4nv", True, True, True),
-    "fp8_n": ("fp8e4nv", False, True, False),
+    "bf16_n_heads_first": ("bf16", False, False, False, False),
+    "fp8_m": ("fp8e4nv", True, True, False, False),
+    "fp8_m_v_widen_rows": ("fp8e4nv", True, True, True, False),
+    "fp8_m_qk_n_side": ("fp8e4nv", True, True, False, True),
+    "fp8_m_qk_n_side_v_widen_rows": ("fp8e4nv", True, True, True, True),
+    "fp8_n": ("fp8e4nv", False, True, False, False),
 }
 _MIO = ("LDS", "STS", "LDSM", "SHFL")
 _ALIGNED = ("Q", "K_Buffer", "V_Buffer", "Req_To_Token", "Req_Pool_Indices", "Seq_Lens", "Mid", "Out", "Counter",
@@ -49,8 +52,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def compile_stage1(kv: str, m_side: bool, f16: bool, v_widen_rows: bool, block_n: int = 128, num_warps: int = 4,
-                   num_stages: int = 3) -> Any:
+def compile_stage1(kv: str, m_side: bool, f16: bool, v_widen_rows: bool, qk_n_side: bool, block_n: int = 128,
+                   num_warps: int = 4, num_stages: int = 3) -> Any:
     """The stage-1 kernel compiled for sm90 (no GPU needed)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -67,7 +70,8 @@ def compile_stage1(kv: str, m_side: bool, f16: bool, v_widen_rows: bool, block_n
     consts = {"KV_GROUP": 4, "NUM_SPLITS": 1, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16, "VALID_H": 4,
               "BLOCKS_PER_GROUP": 1, "BLOCK_N": block_n, "MIN_BLOCK_KV": _MIN_BLOCK_KV, "WINDOW": 0,
               "KV_FP8": kv != "bf16", "FUSE_MERGE": False, "F16_MATH": f16, "USE_PDL": False,
-              "HEADS_FIRST": not m_side, "KV_ROWS_M": m_side, "V_WIDEN_ROWS": v_widen_rows}
+              "HEADS_FIRST": not m_side, "KV_ROWS_M": m_side, "V_WIDEN_ROWS": v_widen_rows,
+              "QK_N_SIDE": qk_n_side}
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in _ALIGNED}
     return triton.compile(ASTSource(fn=_decode_stage1_kernel, signature=sig, constexprs=consts, attrs=attrs),
@@ -116,9 +120,9 @@ def main_loop(sass: str) -> list[str]:
     return ops
 
 
-def describe(kv: str, m_side: bool, f16: bool, v_widen_rows: bool, block_n: int, num_warps: int,
+def describe(kv: str, m_side: bool, f16: bool, v_widen_rows: bool, qk_n_side: bool, block_n: int, num_warps: int,
              num_stages: int) -> dict[str, Any]:
-    c = compile_stage1(kv, m_side, f16, v_widen_rows, block_n, num_warps, num_stages)
+    c = compile_stage1(kv, m_side, f16, v_widen_rows, qk_n_side, block_n, num_warps, num_stages)
     ops = main_loop(disassemble(c.asm["cubin"]))
     hist = collections.Counter(ops)
     mio = sum(n for op, n in hist.items() if op.split(".")[0] in _MIO)

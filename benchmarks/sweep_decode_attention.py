@@ -44,6 +44,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiles", type=int, nargs="+", default=list(TILES))
     p.add_argument("--v-widen-rows", type=int, nargs="+", default=[0], choices=[0, 1],
                    help="1: decode_attention_fwd's v_widen_rows (FP8, M side), key _vrows")
+    p.add_argument("--qk-n-side", type=int, nargs="+", default=[0], choices=[0, 1],
+                   help="1: decode_attention_fwd's qk_n_side (M side), key _qkn")
     p.add_argument("--output-file", default=None)
     return p.parse_args(argv)
 
@@ -51,7 +53,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def sweep_case(hq: int, hkv: int, bs: int, ctx: int, replays: int, kv_dtype: str, layout: str = "contiguous",
                grid_orders: Sequence[str] = ("batch",), configs: Sequence[str] | None = None,
                tiles: Sequence[int] = TILES, kv_sides: Sequence[str] = ("n",),
-               v_widen_rows: Sequence[int] = (0,)) -> dict[str, Any]:
+               v_widen_rows: Sequence[int] = (0,), qk_n_side: Sequence[int] = (0,)) -> dict[str, Any]:
     import torch
     from triton.runtime.errors import OutOfResources
 
@@ -65,17 +67,18 @@ def sweep_case(hq: int, hkv: int, bs: int, ctx: int, replays: int, kv_dtype: str
     torch.cuda.synchronize()
     ref = case.o.float().clone()
     best: tuple[str, float] | None = None
-    for splits, tile, (warps, stages), f16, order, side, vrows in itertools.product(
-            SPLITS, tiles, WARPS_STAGES, maths, grid_orders, kv_sides, v_widen_rows):
+    for splits, tile, (warps, stages), f16, order, side, vrows, qkn in itertools.product(
+            SPLITS, tiles, WARPS_STAGES, maths, grid_orders, kv_sides, v_widen_rows, qk_n_side):
         key = f"s{splits}_bn{tile}_w{warps}_st{stages}_{'f16' if f16 else 'bf16'}"
         if configs is not None and key not in configs:
             continue
-        if vrows and (side != "m" or case.kv_dtype.itemsize != 1):  # an FP8, M-side variant only
+        if (vrows and case.kv_dtype.itemsize != 1) or ((vrows or qkn) and side != "m"):  # M-side variants
             continue
         key += ("_heads_first" if order == "heads" else "") + ("_kv_m" if side == "m" else "")
-        key += "_vrows" if vrows else ""
+        key += ("_vrows" if vrows else "") + ("_qkn" if qkn else "")
         layers = case.triton_layers(splits, block_n=tile, num_warps=warps, num_stages=stages, f16_math=f16,
-                                    heads_first=order == "heads", kv_rows_m=side == "m", v_widen_rows=bool(vrows))
+                                    heads_first=order == "heads", kv_rows_m=side == "m", v_widen_rows=bool(vrows),
+                                    qk_n_side=bool(qkn))
         try:
             us = graph_us(layers, replays)
         except OutOfResources as e:  # a config past the GPU's shared memory is reported, not fatal
@@ -111,7 +114,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for layout in args.layouts:
             name = f"bs{bs} ctx{ctx}" + ("" if layout == "contiguous" else f" {layout}")
             results[name] = sweep_case(hq, hkv, bs, ctx, args.replays, args.kv_dtype, layout, args.grid_orders,
-                                       args.configs, args.tiles, args.kv_sides, args.v_widen_rows)
+                                       args.configs, args.tiles, args.kv_sides, args.v_widen_rows,
+                                       args.qk_n_side)
             print(name, results[name]["best"], flush=True)
             torch.cuda.empty_cache()
     if args.output_file:

@@ -52,18 +52,21 @@ class DecodeKernelConfig:
     heads_first: bool = False  # grid order: a request's KV-head programs launched side by side
     kv_rows_m: bool = False  # K/V tiles as the dots' M side (scores [tokens, heads])
     v_widen_rows: bool = False  # FP8, M side: V widened as stored, then transposed (not yet measured)
+    qk_n_side: bool = False  # M side: QK^T with K as the dot's N side (not yet measured)
 
     @classmethod
     def for_kv(cls, kv_fp8: bool, num_kv_splits: int | None = None) -> DecodeKernelConfig:
         """SHOAL_DECODE_GRID (batch / heads) and SHOAL_DECODE_KV_SIDE (n / m) override the measured picks,
-        to measure the others; SHOAL_DECODE_FP8_V_WIDEN=1 turns on v_widen_rows (opt-in until measured)."""
+        to measure the others; SHOAL_DECODE_FP8_V_WIDEN=1 and SHOAL_DECODE_FP8_QK_N=1 turn on v_widen_rows and
+        qk_n_side for FP8 pools (opt-in until measured)."""
         if num_kv_splits is None:
             num_kv_splits = int(os.environ.get("SHOAL_DECODE_MAX_SPLITS", DEFAULT_NUM_KV_SPLITS))
         grid = _env_choice("SHOAL_DECODE_GRID", ("batch", "heads"), "batch" if kv_fp8 else "heads")
         side = _env_choice("SHOAL_DECODE_KV_SIDE", ("n", "m"), "m" if kv_fp8 else "n")
         return cls(max_splits=num_kv_splits, block_n=128, num_warps=4, num_stages=3, f16_math=kv_fp8,
                    adaptive_splits=True, heads_first=grid == "heads", kv_rows_m=side == "m",
-                   v_widen_rows=kv_fp8 and os.environ.get("SHOAL_DECODE_FP8_V_WIDEN", "0") == "1")
+                   v_widen_rows=kv_fp8 and os.environ.get("SHOAL_DECODE_FP8_V_WIDEN", "0") == "1",
+                   qk_n_side=kv_fp8 and os.environ.get("SHOAL_DECODE_FP8_QK_N", "0") == "1")
 
 
 def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
@@ -124,5 +127,6 @@ class TritonDecode:
                              sliding_window=layer.sliding_window, k_scale=k_scale, v_scale=v_scale,
                              fuse_merge=fuse_merge, counters=self._counters, block_n=cfg.block_n,
                              num_warps=cfg.num_warps, num_stages=cfg.num_stages, f16_math=cfg.f16_math,
-                             heads_first=cfg.heads_first, kv_rows_m=cfg.kv_rows_m, v_widen_rows=cfg.v_widen_rows)
+                             heads_first=cfg.heads_first, kv_rows_m=cfg.kv_rows_m, v_widen_rows=cfg.v_widen_rows,
+                             qk_n_side=cfg.qk_n_side)
         return o.view(-1, layer.num_heads * layer.head_dim)

@@ -26,7 +26,8 @@ def test_splits_fill_the_gpu_then_stop(bs: int, kv_heads: int, want: int) -> Non
 
 
 def test_config_per_kv_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("SHOAL_DECODE_GRID", "SHOAL_DECODE_KV_SIDE", "SHOAL_DECODE_MAX_SPLITS", "SHOAL_DECODE_FP8_V_WIDEN"):
+    for name in ("SHOAL_DECODE_GRID", "SHOAL_DECODE_KV_SIDE", "SHOAL_DECODE_MAX_SPLITS", "SHOAL_DECODE_FP8_V_WIDEN",
+                 "SHOAL_DECODE_FP8_QK_N"):
         monkeypatch.delenv(name, raising=False)
     fp8 = DecodeKernelConfig.for_kv(kv_fp8=True)
     assert fp8.f16_math and fp8.adaptive_splits and fp8.block_n == 128 and fp8.num_stages == 3
@@ -35,7 +36,7 @@ def test_config_per_kv_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (bf16.block_n, bf16.num_warps, bf16.num_stages) == (fp8.block_n, fp8.num_warps, fp8.num_stages)
     # The sweeps' picks: FP8 tiles as the M side in the batch-major grid, 16-bit ones as the N side heads first.
     assert (fp8.kv_rows_m, fp8.heads_first, bf16.kv_rows_m, bf16.heads_first) == (True, False, False, True)
-    assert not fp8.v_widen_rows and not bf16.v_widen_rows  # opt-in until measured on a GPU
+    assert not (fp8.v_widen_rows or bf16.v_widen_rows or fp8.qk_n_side or bf16.qk_n_side)  # opt-in until measured
 
 
 def test_config_env_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -48,8 +49,9 @@ def test_config_env_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
         DecodeKernelConfig.for_kv(kv_fp8=True)
     monkeypatch.delenv("SHOAL_DECODE_KV_SIDE")
     monkeypatch.setenv("SHOAL_DECODE_FP8_V_WIDEN", "1")  # FP8 pools only
-    assert DecodeKernelConfig.for_kv(kv_fp8=True).v_widen_rows
-    assert not DecodeKernelConfig.for_kv(kv_fp8=False).v_widen_rows
+    monkeypatch.setenv("SHOAL_DECODE_FP8_QK_N", "1")
+    fp8, bf16 = DecodeKernelConfig.for_kv(kv_fp8=True), DecodeKernelConfig.for_kv(kv_fp8=False)
+    assert fp8.v_widen_rows and fp8.qk_n_side and not (bf16.v_widen_rows or bf16.qk_n_side)
 
 
 def _spec(max_bs: int, kv_dtype: torch.dtype | None) -> AttentionSpec:

@@ -1,7 +1,7 @@
 """benchmarks/sass_decode_attention.py: the decode-attention stage 1 compiled for sm90 by the real compiler (a
-fresh process without TRITON_INTERPRET), its main loop found in the SASS and counted; v_widen_rows' reason to
-exist checked there: its FP8 M-side loop has no byte-wise shared loads and fewer shared-memory instructions
-than the default's."""
+fresh process without TRITON_INTERPRET), its main loop found in the SASS and counted; the M-side variants'
+reason to exist checked there: with v_widen_rows the FP8 loop has no byte-wise shared loads and fewer
+shared-memory instructions than the default's, and fewer still with qk_n_side too."""
 
 from __future__ import annotations
 
@@ -49,12 +49,13 @@ def test_v_widen_rows_drops_the_byte_loads_in_sm90_sass(tmp_path: Path) -> None:
     out = tmp_path / "sass.json"
     root = Path(__file__).parents[2]
     proc = subprocess.run([sys.executable, "-m", "benchmarks.sass_decode_attention", "--variants", "fp8_m",
-                           "fp8_m_v_widen_rows", "--output-file", str(out)], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)
+                           "fp8_m_v_widen_rows", "fp8_m_qk_n_side_v_widen_rows", "--output-file", str(out)],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())["results"]
-    base, widen = r["fp8_m"], r["fp8_m_v_widen_rows"]
-    for v in (base, widen):  # the KV loop was found: the M-side dots are wgmma, 32 a tile
+    base, widen, both = r["fp8_m"], r["fp8_m_v_widen_rows"], r["fp8_m_qk_n_side_v_widen_rows"]
+    for v in (base, widen, both):  # the KV loop was found: its P V dot is wgmma on the M side
         assert v["loop_top"].get("HGMMA.64", 0) >= 16 and v["loop_instructions"] > 200, v
-    assert widen["loop_byte_loads"] == 0, widen
-    assert widen["loop_mio"] < base["loop_mio"], (base["loop_mio"], widen["loop_mio"])
+    assert widen["loop_byte_loads"] == 0 and both["loop_byte_loads"] == 0, (widen, both)
+    assert both["loop_mio"] < widen["loop_mio"] < base["loop_mio"], (base["loop_mio"], widen["loop_mio"],
+                                                                      both["loop_mio"])
