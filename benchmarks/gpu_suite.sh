@@ -52,8 +52,10 @@
 #   bash benchmarks/gpu_suite.sh part33 OUTDIR  # decode attention at KV heads 8, 2, 1 (equal bytes), FP8 and bf16
 #   bash benchmarks/gpu_suite.sh part35 OUTDIR  # profiles of one 1000 x 1000-shaped wave (1400 in, 200 out), FP8 / bf16
 #   bash benchmarks/gpu_suite.sh part37 OUTDIR  # Nsight Compute sections of one FP8 and one bf16 decode-attention launch
-#   bash benchmarks/gpu_suite.sh part39 OUTDIR  # the FP8 M-side variants (v_widen_rows, qk_n_side): GPU test, sweep,
-#                                               # then 1000 x 1000 FP8 KV with the best and without if it won
+#   bash benchmarks/gpu_suite.sh part40 OUTDIR  # decode attention past num_stages 4 (two shared KV buffers): FP8 and
+#                                               # bf16 sweeps, then 1000 x 1000 FP8 KV with the best and the default
+#   bash benchmarks/gpu_suite.sh part41 OUTDIR  # FP8 at stages 5 N-side as the default: GPU test, small batches
+#                                               # with splits, 1000 x 1000 FP8 KV against .baseline (the old pick)
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
@@ -384,23 +386,33 @@ f = c.triton_layers(1, block_n=128, num_warps=4, num_stages=3, f16_math=$m, kv_r
     grep -v "^==PROF==\|^ *-*$" "$out/ncu_decode_$kv.txt" | tail -90
   done
 fi
-if [ "$part" = part39 ]; then  # the FP8 M-side variants (SHOAL_DECODE_FP8_V_WIDEN, SHOAL_DECODE_FP8_QK_N): GPU test, sweep,
-  # then 1000 x 1000 FP8 KV with the best variant and without, where it won >= 3% at 400 x 1500 (device time is scarce)
-  TAIL=4 run timeout 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py -k "forms_and_grid"
-  TAIL=3 run timeout 200 python -m benchmarks.sweep_decode_attention --cases 256x1500 400x1500 96x1500 --kv-sides m \
-    --v-widen-rows 0 1 --qk-n-side 0 1 --configs s1_bn128_w4_st3_f16 s1_bn128_w4_st2_f16 s1_bn64_w4_st3_f16 \
-    s2_bn128_w4_st3_f16 --output-file "$out/decode_attention_fp8_m_variants_h100.json"
+if [ "$part" = part40 ]; then  # the KV loop double-buffers only from num_stages 5 (sass_decode_attention.py)
+  C="s1_bn128_w4_st3_f16 s1_bn128_w4_st5_f16 s1_bn64_w4_st3_f16 s1_bn64_w4_st5_f16 s1_bn64_w4_st7_f16 \
+s1_bn128_w8_st5_f16 s2_bn128_w4_st5_f16"
+  TAIL=3 run timeout 240 python -m benchmarks.sweep_decode_attention --cases 256x1500 400x1500 96x1500 \
+    --kv-sides m n --configs $C --output-file "$out/decode_attention_fp8_stages_h100.json"
+  TAIL=3 run timeout 120 python -m benchmarks.sweep_decode_attention --kv-dtype bfloat16 --cases 203x1500 256x400 \
+    --grid-orders heads --configs s1_bn128_w4_st3_bf16 s1_bn64_w4_st5_bf16 s1_bn64_w4_st6_bf16 s1_bn32_w4_st7_bf16 \
+    --output-file "$out/decode_attention_bf16_stages_h100.json"
   pick=$(python -c "import json,sys; r=json.load(open(sys.argv[1]))['results']['bs400 ctx1500']
-t=lambda on: min((v['us'], k) for k, v in r.items() if k != 'best' and isinstance(v, dict)
-                 and ('_vrows' in k or '_qkn' in k) == on)
-(a, ka), (b, kb) = t(True), t(False)
-print(ka, a, kb, b, file=sys.stderr)
-print(f\"SHOAL_DECODE_FP8_V_WIDEN={int('_vrows' in ka)} SHOAL_DECODE_FP8_QK_N={int('_qkn' in ka)}\") if a < 0.97 * b \
-else sys.exit(1)" "$out/decode_attention_fp8_m_variants_h100.json") &&
-  for v in "$pick" "SHOAL_DECODE_FP8_V_WIDEN=0"; do
+base = r['s1_bn128_w4_st3_f16_kv_m']['us']
+us, k = min((v['us'], k) for k, v in r.items() if k.startswith('s1_') and isinstance(v, dict) and 'us' in v)
+print(k, us, 'default', base, file=sys.stderr)
+t = k.split('_')
+print(f'SHOAL_DECODE_LAUNCH={t[1]}_{t[2]}_{t[3]} SHOAL_DECODE_KV_SIDE={\"m\" if k.endswith(\"_kv_m\") else \"n\"}') \
+if us < 0.97 * base else sys.exit(1)" "$out/decode_attention_fp8_stages_h100.json") &&
+  for v in "$pick" "SHOAL_DECODE_LAUNCH=auto"; do
     TAIL=3 run timeout 200 env $v $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 \
       --max-running-requests 1024 --kv-cache-dtype fp8_e4m3 --output-file "$out/fp8_kv_1000x1000_$(echo $v | tr ' =' '_-').json"
   done
+fi
+if [ "$part" = part41 ]; then
+  TAIL=4 run timeout 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py -k "forms_and_grid"
+  TAIL=3 run timeout 120 python -m benchmarks.sweep_decode_attention --cases 1x2048 8x2048 32x1500 --kv-sides m n \
+    --configs s8_bn128_w4_st3_f16 s8_bn128_w4_st5_f16 s2_bn128_w4_st3_f16 s2_bn128_w4_st5_f16 \
+    --output-file "$out/decode_attention_fp8_stages_small_h100.json"
+  TAIL=3 ab fp8_kv_1000x1000_stages5 1 timeout 200 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 \
+    --max-running-requests 1024 --kv-cache-dtype fp8_e4m3
 fi
 if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then
   files=$(ls tests/gpu/test_*.py | grep -v test_ray_tp_gpu.py)

@@ -8,7 +8,13 @@ says why without device time: the shared-memory (MIO) instructions that move a t
 layout, and how many instructions each KB of KV costs. Shared memory per program matches what Nsight
 Compute reports on the device (41,472 B FP8, 74,240 B bf16 with the GPU image's Triton 3.6).
 
-    python -m benchmarks.sass_decode_attention --output-file benchmarks/results/sass_decode_attention_triton36.json
+What it found: the instruction mix was not the limit (two variants that cut the FP8 loop's shared-memory
+instructions from 260 to 96 a tile measured 0-30% slower; commit 03ee9a3), the pipeline depth is. The
+KV loads hang off the slot-index load, so Triton's pipeliner keeps ONE shared buffer per K/V tile at
+num_stages 2-4 and waits for the next tile's copy before any of this tile's math overlaps it; num_stages 5
+gives two (kv_buffers below). A program of 16-bit KV still has 64 KB in flight, an FP8 one only 32 KB.
+
+    python -m benchmarks.sass_decode_attention --output-file benchmarks/results/sass_decode_attention_stages_triton36.json
 
 The loop is the largest backward branch's body (the software-pipelined KV loop). CPU only is fine."""
 
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import os
 import re
 import subprocess
@@ -26,15 +33,11 @@ from typing import Any
 
 from benchmarks.common import write_result
 
-# name: (kv dtype, M side, fp16 math, v_widen_rows, qk_n_side); 32/8 heads, head_dim 128, one split (the
-# defaults' shapes)
+# name: (kv dtype, M side, fp16 math); 32/8 heads, head_dim 128, one split (the defaults' shapes)
 VARIANTS = {
-    "bf16_n_heads_first": ("bf16", False, False, False, False),
-    "fp8_m": ("fp8e4nv", True, True, False, False),
-    "fp8_m_v_widen_rows": ("fp8e4nv", True, True, True, False),
-    "fp8_m_qk_n_side": ("fp8e4nv", True, True, False, True),
-    "fp8_m_qk_n_side_v_widen_rows": ("fp8e4nv", True, True, True, True),
-    "fp8_n": ("fp8e4nv", False, True, False, False),
+    "bf16_n_heads_first": ("bf16", False, False),
+    "fp8_m": ("fp8e4nv", True, True),
+    "fp8_n": ("fp8e4nv", False, True),
 }
 _MIO = ("LDS", "STS", "LDSM", "SHFL")
 _ALIGNED = ("Q", "K_Buffer", "V_Buffer", "Req_To_Token", "Req_Pool_Indices", "Seq_Lens", "Mid", "Out", "Counter",
@@ -47,13 +50,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--block-n", type=int, default=128)
     p.add_argument("--num-warps", type=int, default=4)
-    p.add_argument("--num-stages", type=int, default=3)
+    p.add_argument("--num-stages", type=int, nargs="+", default=[3, 5], help="each gives keys NAME_stN")
     p.add_argument("--output-file", default=None)
     return p.parse_args(argv)
 
 
-def compile_stage1(kv: str, m_side: bool, f16: bool, v_widen_rows: bool, qk_n_side: bool, block_n: int = 128,
-                   num_warps: int = 4, num_stages: int = 3) -> Any:
+def compile_stage1(kv: str, m_side: bool, f16: bool, block_n: int = 128, num_warps: int = 4,
+                   num_stages: int = 3) -> Any:
     """The stage-1 kernel compiled for sm90 (no GPU needed)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -70,8 +73,7 @@ def compile_stage1(kv: str, m_side: bool, f16: bool, v_widen_rows: bool, qk_n_si
     consts = {"KV_GROUP": 4, "NUM_SPLITS": 1, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16, "VALID_H": 4,
               "BLOCKS_PER_GROUP": 1, "BLOCK_N": block_n, "MIN_BLOCK_KV": _MIN_BLOCK_KV, "WINDOW": 0,
               "KV_FP8": kv != "bf16", "FUSE_MERGE": False, "F16_MATH": f16, "USE_PDL": False,
-              "HEADS_FIRST": not m_side, "KV_ROWS_M": m_side, "V_WIDEN_ROWS": v_widen_rows,
-              "QK_N_SIDE": qk_n_side}
+              "HEADS_FIRST": not m_side, "KV_ROWS_M": m_side}
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in _ALIGNED}
     return triton.compile(ASTSource(fn=_decode_stage1_kernel, signature=sig, constexprs=consts, attrs=attrs),
@@ -120,14 +122,22 @@ def main_loop(sass: str) -> list[str]:
     return ops
 
 
-def describe(kv: str, m_side: bool, f16: bool, v_widen_rows: bool, qk_n_side: bool, block_n: int, num_warps: int,
-             num_stages: int) -> dict[str, Any]:
-    c = compile_stage1(kv, m_side, f16, v_widen_rows, qk_n_side, block_n, num_warps, num_stages)
+def kv_buffers(ttgir: str, block_n: int) -> int:
+    """How many tiles of K the software pipeline keeps in shared memory: the leading dimension of the K tile's
+    buffer (1: the next tile's copy is waited for before any of this one's math overlaps it, in one program)."""
+    found = re.findall(r"local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x(\d+)x(\d+)x", ttgir)
+    depths = [int(n) for n, a, b in found if block_n in (int(a), int(b))]
+    return max(depths, default=0)
+
+
+def describe(kv: str, m_side: bool, f16: bool, block_n: int, num_warps: int, num_stages: int) -> dict[str, Any]:
+    c = compile_stage1(kv, m_side, f16, block_n, num_warps, num_stages)
     ops = main_loop(disassemble(c.asm["cubin"]))
     hist = collections.Counter(ops)
     mio = sum(n for op, n in hist.items() if op.split(".")[0] in _MIO)
     tile_kb = 2 * block_n * 128 * (1 if kv != "bf16" else 2) / 1024  # K + V of one KV head
-    return {"shared_bytes": c.metadata.shared, "loop_instructions": len(ops), "loop_mio": mio,
+    return {"shared_bytes": c.metadata.shared, "kv_buffers": kv_buffers(c.asm["ttgir"], block_n),
+            "loop_instructions": len(ops), "loop_mio": mio,
             "loop_byte_loads": hist.get("LDS.U8", 0), "instructions_per_kb": len(ops) / tile_kb,
             "mio_per_kb": mio / tile_kb, "tile_kb_per_program": tile_kb,
             "loop_top": dict(hist.most_common(24))}
@@ -138,10 +148,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     import triton
 
     results: dict[str, Any] = {"triton": triton.__version__}
-    for name in args.variants:
-        results[name] = describe(*VARIANTS[name], args.block_n, args.num_warps, args.num_stages)
-        r = results[name]
-        print(f"{name}: shared {r['shared_bytes']} B, loop {r['loop_instructions']} instructions "
+    for name, stages in itertools.product(args.variants, args.num_stages):
+        key = f"{name}_st{stages}"
+        results[key] = r = describe(*VARIANTS[name], args.block_n, args.num_warps, stages)
+        print(f"{key}: shared {r['shared_bytes']} B, {r['kv_buffers']} KV buffers, loop {r['loop_instructions']} instructions "
               f"({r['instructions_per_kb']:.1f}/KB), MIO {r['loop_mio']} ({r['mio_per_kb']:.1f}/KB), "
               f"LDS.U8 {r['loop_byte_loads']}", flush=True)
     if args.output_file:

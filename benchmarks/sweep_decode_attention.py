@@ -12,7 +12,7 @@ Picked from it: runtime/attention/triton_decode.DecodeKernelConfig.for_kv(fp8).
 --layouts contiguous decode random (bench_decode_attention.DecodeCase.make's slot layouts), --grid-orders
 batch heads (heads: a request's KV-head programs launched next to each other) and --kv-sides n m (the
 dots' two forms, kernels/decode_attention.py's kv_rows_m) run every config per variant; --configs limits
-the grid to the named configs (keys as in the output, e.g. s1_bn128_w4_st3_f16).
+the sweep to the named configs (keys as in the output, e.g. s1_bn128_w4_st5_f16; any stages, past the grid's).
 
 GPU only (flashinfer)."""
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -40,20 +41,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grid-orders", nargs="+", default=["batch"], choices=["batch", "heads"])
     p.add_argument("--kv-sides", nargs="+", default=["n"], choices=["n", "m"],
                    help="K/V tiles as the dots' N side (scores [heads, tokens]) or M side ([tokens, heads])")
-    p.add_argument("--configs", nargs="+", default=None, help="only these configs (default: the whole grid)")
+    p.add_argument("--configs", nargs="+", default=None, type=parse_config,
+                   help="only these configs, any s{splits}_bn{tile}_w{warps}_st{stages}_{bf16|f16} (default: the grid)")
     p.add_argument("--tiles", type=int, nargs="+", default=list(TILES))
-    p.add_argument("--v-widen-rows", type=int, nargs="+", default=[0], choices=[0, 1],
-                   help="1: decode_attention_fwd's v_widen_rows (FP8, M side), key _vrows")
-    p.add_argument("--qk-n-side", type=int, nargs="+", default=[0], choices=[0, 1],
-                   help="1: decode_attention_fwd's qk_n_side (M side), key _qkn")
     p.add_argument("--output-file", default=None)
     return p.parse_args(argv)
 
 
+def parse_config(key: str) -> tuple[int, int, int, int, bool]:
+    """s1_bn128_w4_st5_f16 → (splits, tile, warps, stages, fp16 math); configs past the grid are allowed (the
+    grid's stages stop at 4, where the FP8 M-side loop still keeps one shared buffer per K/V tile)."""
+    m = re.fullmatch(r"s([1-9]\d*)_bn(16|32|64|128|256)_w(1|2|4|8)_st([1-9])_(bf16|f16)", key)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"config {key!r} is not s{{splits}}_bn{{tile}}_w{{warps}}_st{{stages}}_"
+                                         "{bf16|f16}")
+    return int(m[1]), int(m[2]), int(m[3]), int(m[4]), m[5] == "f16"
+
+
 def sweep_case(hq: int, hkv: int, bs: int, ctx: int, replays: int, kv_dtype: str, layout: str = "contiguous",
-               grid_orders: Sequence[str] = ("batch",), configs: Sequence[str] | None = None,
-               tiles: Sequence[int] = TILES, kv_sides: Sequence[str] = ("n",),
-               v_widen_rows: Sequence[int] = (0,), qk_n_side: Sequence[int] = (0,)) -> dict[str, Any]:
+               grid_orders: Sequence[str] = ("batch",),
+               configs: Sequence[tuple[int, int, int, int, bool]] | None = None,
+               tiles: Sequence[int] = TILES, kv_sides: Sequence[str] = ("n",)) -> dict[str, Any]:
     import torch
     from triton.runtime.errors import OutOfResources
 
@@ -67,18 +75,15 @@ def sweep_case(hq: int, hkv: int, bs: int, ctx: int, replays: int, kv_dtype: str
     torch.cuda.synchronize()
     ref = case.o.float().clone()
     best: tuple[str, float] | None = None
-    for splits, tile, (warps, stages), f16, order, side, vrows, qkn in itertools.product(
-            SPLITS, tiles, WARPS_STAGES, maths, grid_orders, kv_sides, v_widen_rows, qk_n_side):
+    grid = configs if configs is not None else [
+        (s, t, w, st, f16) for s, t, (w, st), f16 in itertools.product(SPLITS, tiles, WARPS_STAGES, maths)]
+    for (splits, tile, warps, stages, f16), order, side in itertools.product(grid, grid_orders, kv_sides):
+        if f16 and case.kv_dtype.itemsize != 1:
+            continue  # rounding a 16-bit pool to fp16 is not exact
         key = f"s{splits}_bn{tile}_w{warps}_st{stages}_{'f16' if f16 else 'bf16'}"
-        if configs is not None and key not in configs:
-            continue
-        if (vrows and case.kv_dtype.itemsize != 1) or ((vrows or qkn) and side != "m"):  # M-side variants
-            continue
         key += ("_heads_first" if order == "heads" else "") + ("_kv_m" if side == "m" else "")
-        key += ("_vrows" if vrows else "") + ("_qkn" if qkn else "")
         layers = case.triton_layers(splits, block_n=tile, num_warps=warps, num_stages=stages, f16_math=f16,
-                                    heads_first=order == "heads", kv_rows_m=side == "m", v_widen_rows=bool(vrows),
-                                    qk_n_side=bool(qkn))
+                                    heads_first=order == "heads", kv_rows_m=side == "m")
         try:
             us = graph_us(layers, replays)
         except OutOfResources as e:  # a config past the GPU's shared memory is reported, not fatal
@@ -99,10 +104,6 @@ def sweep_case(hq: int, hkv: int, bs: int, ctx: int, replays: int, kv_dtype: str
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    known = {f"s{s}_bn{t}_w{w}_st{st}_{m}" for s in SPLITS for t in args.tiles for w, st in WARPS_STAGES
-             for m in ("bf16", "f16")}
-    if args.configs is not None and set(args.configs) - known:
-        raise SystemExit(f"unknown --configs {sorted(set(args.configs) - known)} (with --tiles {args.tiles})")
     import torch
 
     if not torch.cuda.is_available():
@@ -114,8 +115,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for layout in args.layouts:
             name = f"bs{bs} ctx{ctx}" + ("" if layout == "contiguous" else f" {layout}")
             results[name] = sweep_case(hq, hkv, bs, ctx, args.replays, args.kv_dtype, layout, args.grid_orders,
-                                       args.configs, args.tiles, args.kv_sides, args.v_widen_rows,
-                                       args.qk_n_side)
+                                       args.configs, args.tiles, args.kv_sides)
             print(name, results[name]["best"], flush=True)
             torch.cuda.empty_cache()
     if args.output_file:

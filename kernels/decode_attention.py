@@ -12,14 +12,6 @@ dots' M side (scores [tokens, heads]), so a widened FP8 tile feeds the MMA from 
 a request's KV-head programs side by side, so they read each token's row together
 (runtime/attention/triton_decode.py says where each pays, and its launch configs).
 
-The M-side form's variants, opt-in until measured on a GPU (benchmarks/sass_decode_attention.py reads their
-sm90 SASS): its FP8 loop reads V from shared memory a byte at a time (128 LDS.U8 per thread and 128-token
-tile: the P V dot pairs consecutive tokens of a channel, a pool row apart), and Nsight Compute has it issuing
-on 44% of cycles at 72% of DRAM peak (bf16: 19%, 91%). v_widen_rows widens each V tile as stored and
-transposes the fp16 tile (16 128-bit stores, 16 transposed ldmatrix); qk_n_side computes QK^T with K as the
-dot's N side, as the N-side form reads it (16-byte async copies). Together: 96 shared-memory instructions a
-tile instead of 260, 914 in all instead of 1,010.
-
 fuse_merge=True does stage 2 inside stage 1 (one launch per layer, kernels/decode_fusion.py): each program
 counts itself done on a per-(request, head block) counter, and the last split to finish merges them all with
 stage 2's arithmetic (bit-equal output) and resets the counter. Ordering: a CTA barrier, then the counter's
@@ -60,7 +52,7 @@ def _decode_stage1_kernel(
     BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, VALID_H: tl.constexpr, BLOCKS_PER_GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_BLOCK_KV: tl.constexpr, WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
     FUSE_MERGE: tl.constexpr, F16_MATH: tl.constexpr, USE_PDL: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    KV_ROWS_M: tl.constexpr, V_WIDEN_ROWS: tl.constexpr, QK_N_SIDE: tl.constexpr,
+    KV_ROWS_M: tl.constexpr,
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -103,8 +95,6 @@ def _decode_stage1_kernel(
                         mask=mask_h[:, None] & mask_d[None, :], other=0.0)
         if F16_MATH:  # FP8 KV widens to fp16 in one instruction per pair (to bf16 it takes several)
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)  # bf16's range exceeds fp16's
-        if QK_N_SIDE:  # M-side form, but QK^T with K as the dot's N side: q as [heads, D]
-            q_hd = tl.trans(q)
         e_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         e_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
         if KV_ROWS_M:
@@ -116,30 +106,17 @@ def _decode_stage1_kernel(
             mask_n = offs_n < split_end
             kv_loc = tl.load(Req_To_Token + req_row * stride_req + offs_n, mask=mask_n, other=0).to(tl.int64)
             if KV_ROWS_M:
-                if QK_N_SIDE:  # scores [heads, tokens], then transposed for the M-side softmax and P V
-                    k = tl.load(K_Buffer + kv_loc[None, :] * stride_kbs + cur_kv_head * stride_kh + offs_d[:, None],
-                                mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-                    if KV_FP8:
-                        k = k.to(q.dtype)
-                    s_hn = tl.dot(q_hd, k) * qk_scale
-                    qk = tl.trans(tl.where(mask_h[:, None] & mask_n[None, :], s_hn, float("-inf")))
-                else:
-                    k = tl.load(K_Buffer + kv_loc[:, None] * stride_kbs + cur_kv_head * stride_kh + offs_d[None, :],
-                                mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-                    if KV_FP8:
-                        k = k.to(q.dtype)
-                    # Scores are kept in the log2 domain (scale includes log2(e)) so exp2 can be used throughout.
-                    qk = tl.dot(k, q) * qk_scale
-                    qk = tl.where(mask_n[:, None] & mask_h[None, :], qk, float("-inf"))
-                if V_WIDEN_ROWS:  # FP8: widen [tokens, D] rows as stored, then transpose the 16-bit tile
-                    v = tl.load(V_Buffer + kv_loc[:, None] * stride_vbs + cur_kv_head * stride_vh + offs_d[None, :],
-                                mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-                    v = tl.trans(v.to(q.dtype))
-                else:
-                    v = tl.load(V_Buffer + kv_loc[None, :] * stride_vbs + cur_kv_head * stride_vh + offs_d[:, None],
-                                mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-                    if KV_FP8:
-                        v = v.to(q.dtype)
+                k = tl.load(K_Buffer + kv_loc[:, None] * stride_kbs + cur_kv_head * stride_kh + offs_d[None, :],
+                            mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+                if KV_FP8:
+                    k = k.to(q.dtype)
+                # Scores are kept in the log2 domain (scale includes log2(e)) so exp2 can be used throughout.
+                qk = tl.dot(k, q) * qk_scale
+                qk = tl.where(mask_n[:, None] & mask_h[None, :], qk, float("-inf"))
+                v = tl.load(V_Buffer + kv_loc[None, :] * stride_vbs + cur_kv_head * stride_vh + offs_d[:, None],
+                            mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+                if KV_FP8:
+                    v = v.to(q.dtype)
                 new_max = tl.maximum(tl.max(qk, 0), e_max)
                 safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
                 rescale = tl.exp2(e_max - safe_max)
@@ -211,8 +188,19 @@ def _decode_stage1_kernel(
 
 @triton.jit
 def _decode_stage2_kernel(
-    Mid, Out, Seq_Lens, stride_mid_b, stride_mid_h, stride_mid_s, stride_ob, stride_oh, NUM_SPLITS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MIN_BLOCK_KV: tl.constexpr, WINDOW: tl.constexpr,
+    Mid,
+    Out,
+    Seq_Lens,
+    stride_mid_b,
+    stride_mid_h,
+    stride_mid_s,
+    stride_ob,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MIN_BLOCK_KV: tl.constexpr,
+    WINDOW: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
@@ -279,18 +267,13 @@ def decode_attention_fwd(
     f16_math: bool = False,
     heads_first: bool = False,
     kv_rows_m: bool = False,
-    v_widen_rows: bool = False,
-    qk_n_side: bool = False,
 ) -> None:
     """Writes into `o` [B, Hq, D] the attention of q [B, Hq, D] over each request's first seq_lens[b]
     tokens (only the last `sliding_window` of them when > 0). FP8 buffers are read as stored * scale.
     `attn_logits` is an optional [>=B, Hq, num_kv_splits, D+1] fp32 workspace (pass a fixed one when
     capturing CUDA graphs to keep allocations out of the graph's pool). fuse_merge: one launch (stage 2
     inside stage 1), with `counters` from decode_attention_counters (>= B rows, >= Hq columns; a fixed one
-    under CUDA graphs). v_widen_rows (FP8, kv_rows_m): each V tile is read as stored ([tokens, D]), widened,
-    then transposed for the P V dot, so the 8-bit tile is never gathered into the dot's layout a byte at a
-    time (see the module docstring). qk_n_side (kv_rows_m): QK^T takes each K tile as the dot's N side, as the
-    N-side form does, and P V stays on the M side."""
+    under CUDA graphs)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     if num_heads % num_kv_heads != 0:
@@ -332,21 +315,40 @@ def decode_attention_fwd(
         req_to_token.stride(0),
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
         o.stride(0), o.stride(1), counters.stride(0) if fuse_merge else 0,
-        KV_GROUP=kv_group, NUM_SPLITS=num_kv_splits, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h,
-        VALID_H=min(block_h, kv_group), BLOCKS_PER_GROUP=blocks_per_group,
-        BLOCK_N=block_n or (32 if block_d > 128 else 64), MIN_BLOCK_KV=_MIN_BLOCK_KV, WINDOW=max(sliding_window, 0),
-        KV_FP8=kv_fp8, FUSE_MERGE=fuse_merge,
+        KV_GROUP=kv_group,
+        NUM_SPLITS=num_kv_splits,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_H=block_h,
+        VALID_H=min(block_h, kv_group),
+        BLOCKS_PER_GROUP=blocks_per_group,
+        BLOCK_N=block_n or (32 if block_d > 128 else 64),
+        MIN_BLOCK_KV=_MIN_BLOCK_KV,
+        WINDOW=max(sliding_window, 0),
+        KV_FP8=kv_fp8,
+        FUSE_MERGE=fuse_merge,
         F16_MATH=f16_math and kv_fp8 and q.dtype in (torch.bfloat16, torch.float16),  # fp32 keeps fp32
-        USE_PDL=pdl, HEADS_FIRST=heads_first, KV_ROWS_M=kv_rows_m,
-        V_WIDEN_ROWS=v_widen_rows and kv_rows_m and kv_fp8, QK_N_SIDE=qk_n_side and kv_rows_m,
-        num_warps=num_warps, num_stages=num_stages, **launch_options(pdl),
+        USE_PDL=pdl,
+        HEADS_FIRST=heads_first,
+        KV_ROWS_M=kv_rows_m,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **launch_options(pdl),
     )
     if fuse_merge or (num_kv_splits == 1 and not kv_rows_m):  # one split (N side): stage 1 wrote the output
         return
     _decode_stage2_kernel[(batch, num_heads)](
-        attn_logits, o, seq_lens, attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
-        o.stride(0), o.stride(1), NUM_SPLITS=num_kv_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        MIN_BLOCK_KV=_MIN_BLOCK_KV, WINDOW=max(sliding_window, 0), USE_PDL=pdl, num_warps=4, **launch_options(pdl),
+        attn_logits, o, seq_lens,
+        attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
+        o.stride(0), o.stride(1),
+        NUM_SPLITS=num_kv_splits,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        MIN_BLOCK_KV=_MIN_BLOCK_KV,
+        WINDOW=max(sliding_window, 0),
+        USE_PDL=pdl,
+        num_warps=4,
+        **launch_options(pdl),
     )
 
 

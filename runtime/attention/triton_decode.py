@@ -4,17 +4,22 @@ backend for DECODE over an FP8 pool.
 
 Why the flashinfer backend borrows it: over an FP8 pool flashinfer's tensor-core decode reads the KV at
 ~1.8 TB/s on an H100 (the fp8 → bf16 widening in its FA2 kernel), while this kernel with the FP8 config
-below (fp16 math: e4m3 widens to fp16 in one instruction per pair; 128-token tiles, 3 stages, one split
-once the batch fills the GPU) reads it at ~2.4 TB/s: 325 vs 419 us per layer at batch 256 x 1500 tokens,
+below (fp16 math: e4m3 widens to fp16 in one instruction per pair; 128-token tiles, one split once the
+batch fills the GPU; with 3 stages then) reads it at ~2.4 TB/s: 325 vs 419 us per layer at batch 256 x 1500 tokens,
 108 vs 153 at 64 x 2048 (benchmarks/bench_decode_attention.py --fp8-configs). 16-bit KV takes the same
 launch config with bf16 math (rounding bf16 to fp16 is not exact): over a bf16 pool it reads 2.6-2.7 TB/s
 at 256 x 400 and 128 x 600 where the fixed 8 splits and 64-token tiles it had before read 1.9-2.1 (159 vs
 218 and 115 vs 154 us per layer; flashinfer 172 and 126; sweep_decode_attention --kv-dtype bfloat16,
 H100). The split count does most of it: each split re-reads q and writes a partial that the merge reads.
 Then the kernel's two forms and grid orders (sweep_decode_attention --kv-sides n m --grid-orders batch heads):
-FP8 pools take K/V as the dots' M side (-4.5% a layer at 400 x 1500; 1000 x 1000 FP8 KV 10,241 vs 10,020 out
-tok/s, one H100, same machine), 16-bit pools the heads-first grid (-1.3 to -3.6% a layer in the sweep; in
-the model within noise, and it changes no output bit). Over bf16 the M-side form is 11-34% slower.
+16-bit pools take the heads-first grid (-1.3 to -3.6% a layer in the sweep; in the model within noise, and it
+changes no output bit); over bf16 the M-side form is 11-34% slower. Then the pipeline's depth: the KV loads
+hang off the slot-index load, so Triton keeps one shared buffer per K/V tile up to num_stages 4 and two from 5
+(benchmarks/sass_decode_attention.py). A 16-bit program has a 64 KB tile in flight, an FP8 one 32 KB; FP8
+takes stages 5 in the N-side form, batch-major: 460 vs 480 us a layer at 400 x 1500 (2.67 vs 2.56 TB/s; the
+M-side form with stages 3 was the pick before, it slows with 5), 1000 x 1000 FP8 KV 10,420 vs 10,252 out tok/s
+(one H100, same machine, decode_attention_fp8_stages_h100.json). 16-bit pools stay at 3 (5 costs a third
+CTA per SM: -7%).
 
 The workspace is one flat buffer sized for the largest batch and the most splits, viewed per launch, and
 allocated once where CUDA graphs are captured, so every graph sees the same memory."""
@@ -22,6 +27,7 @@ allocated once where CUDA graphs are captured, so every graph sees the same memo
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,22 +57,31 @@ class DecodeKernelConfig:
     adaptive_splits: bool  # fewer splits as the batch alone fills the GPU
     heads_first: bool = False  # grid order: a request's KV-head programs launched side by side
     kv_rows_m: bool = False  # K/V tiles as the dots' M side (scores [tokens, heads])
-    v_widen_rows: bool = False  # FP8, M side: V widened as stored, then transposed (not yet measured)
-    qk_n_side: bool = False  # M side: QK^T with K as the dot's N side (not yet measured)
 
     @classmethod
     def for_kv(cls, kv_fp8: bool, num_kv_splits: int | None = None) -> DecodeKernelConfig:
-        """SHOAL_DECODE_GRID (batch / heads) and SHOAL_DECODE_KV_SIDE (n / m) override the measured picks,
-        to measure the others; SHOAL_DECODE_FP8_V_WIDEN=1 and SHOAL_DECODE_FP8_QK_N=1 turn on v_widen_rows and
-        qk_n_side for FP8 pools (opt-in until measured)."""
+        """SHOAL_DECODE_GRID (batch / heads), SHOAL_DECODE_KV_SIDE (n / m) and SHOAL_DECODE_LAUNCH
+        (bn{tile}_w{warps}_st{stages}) override the measured picks, to measure the others."""
         if num_kv_splits is None:
             num_kv_splits = int(os.environ.get("SHOAL_DECODE_MAX_SPLITS", DEFAULT_NUM_KV_SPLITS))
         grid = _env_choice("SHOAL_DECODE_GRID", ("batch", "heads"), "batch" if kv_fp8 else "heads")
-        side = _env_choice("SHOAL_DECODE_KV_SIDE", ("n", "m"), "m" if kv_fp8 else "n")
-        return cls(max_splits=num_kv_splits, block_n=128, num_warps=4, num_stages=3, f16_math=kv_fp8,
-                   adaptive_splits=True, heads_first=grid == "heads", kv_rows_m=side == "m",
-                   v_widen_rows=kv_fp8 and os.environ.get("SHOAL_DECODE_FP8_V_WIDEN", "0") == "1",
-                   qk_n_side=kv_fp8 and os.environ.get("SHOAL_DECODE_FP8_QK_N", "0") == "1")
+        side = _env_choice("SHOAL_DECODE_KV_SIDE", ("n", "m"), "n")
+        # FP8 tiles are half the bytes: two shared buffers (stages 5; 2-4 keep one) put as many in flight as
+        # a 16-bit program has with one.
+        block_n, warps, stages = _env_launch("SHOAL_DECODE_LAUNCH", (128, 4, 5 if kv_fp8 else 3))
+        return cls(max_splits=num_kv_splits, block_n=block_n, num_warps=warps, num_stages=stages, f16_math=kv_fp8,
+                   adaptive_splits=True, heads_first=grid == "heads", kv_rows_m=side == "m")
+
+
+def _env_launch(name: str, default: tuple[int, int, int]) -> tuple[int, int, int]:
+    value = os.environ.get(name, "auto")
+    if value == "auto":
+        return default
+    m = re.fullmatch(r"bn(16|32|64|128|256)_w(1|2|4|8)_st([1-9])", value)
+    if m is None:
+        raise ValueError(f"{name} must be auto or bn{{tile}}_w{{warps}}_st{{stages}} (e.g. bn128_w4_st5), "
+                         f"got {value!r}")
+    return int(m[1]), int(m[2]), int(m[3])
 
 
 def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
@@ -127,6 +142,5 @@ class TritonDecode:
                              sliding_window=layer.sliding_window, k_scale=k_scale, v_scale=v_scale,
                              fuse_merge=fuse_merge, counters=self._counters, block_n=cfg.block_n,
                              num_warps=cfg.num_warps, num_stages=cfg.num_stages, f16_math=cfg.f16_math,
-                             heads_first=cfg.heads_first, kv_rows_m=cfg.kv_rows_m, v_widen_rows=cfg.v_widen_rows,
-                             qk_n_side=cfg.qk_n_side)
+                             heads_first=cfg.heads_first, kv_rows_m=cfg.kv_rows_m)
         return o.view(-1, layer.num_heads * layer.head_dim)

@@ -26,32 +26,32 @@ def test_splits_fill_the_gpu_then_stop(bs: int, kv_heads: int, want: int) -> Non
 
 
 def test_config_per_kv_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("SHOAL_DECODE_GRID", "SHOAL_DECODE_KV_SIDE", "SHOAL_DECODE_MAX_SPLITS", "SHOAL_DECODE_FP8_V_WIDEN",
-                 "SHOAL_DECODE_FP8_QK_N"):
+    for name in ("SHOAL_DECODE_GRID", "SHOAL_DECODE_KV_SIDE", "SHOAL_DECODE_MAX_SPLITS", "SHOAL_DECODE_LAUNCH"):
         monkeypatch.delenv(name, raising=False)
     fp8 = DecodeKernelConfig.for_kv(kv_fp8=True)
-    assert fp8.f16_math and fp8.adaptive_splits and fp8.block_n == 128 and fp8.num_stages == 3
-    bf16 = DecodeKernelConfig.for_kv(kv_fp8=False)  # the same launch config; bf16 math (bf16 → fp16 rounds)
+    assert fp8.f16_math and fp8.adaptive_splits and (fp8.block_n, fp8.num_warps, fp8.num_stages) == (128, 4, 5)
+    bf16 = DecodeKernelConfig.for_kv(kv_fp8=False)  # bf16 math (bf16 → fp16 rounds); one shared KV buffer
     assert not bf16.f16_math and bf16.adaptive_splits and bf16.max_splits == DEFAULT_NUM_KV_SPLITS
-    assert (bf16.block_n, bf16.num_warps, bf16.num_stages) == (fp8.block_n, fp8.num_warps, fp8.num_stages)
-    # The sweeps' picks: FP8 tiles as the M side in the batch-major grid, 16-bit ones as the N side heads first.
-    assert (fp8.kv_rows_m, fp8.heads_first, bf16.kv_rows_m, bf16.heads_first) == (True, False, False, True)
-    assert not (fp8.v_widen_rows or bf16.v_widen_rows or fp8.qk_n_side or bf16.qk_n_side)  # opt-in until measured
+    assert (bf16.block_n, bf16.num_warps, bf16.num_stages) == (128, 4, 3)
+    # The sweeps' picks: both as the dots' N side; FP8 in the batch-major grid, 16-bit heads first.
+    assert (fp8.kv_rows_m, fp8.heads_first, bf16.kv_rows_m, bf16.heads_first) == (False, False, False, True)
 
 
 def test_config_env_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SHOAL_DECODE_GRID", "heads")
-    monkeypatch.setenv("SHOAL_DECODE_KV_SIDE", "n")
+    monkeypatch.setenv("SHOAL_DECODE_KV_SIDE", "m")
     fp8 = DecodeKernelConfig.for_kv(kv_fp8=True)
-    assert fp8.heads_first and not fp8.kv_rows_m
+    assert fp8.heads_first and fp8.kv_rows_m
     monkeypatch.setenv("SHOAL_DECODE_KV_SIDE", "sideways")
     with pytest.raises(ValueError, match="SHOAL_DECODE_KV_SIDE must be auto or one of n, m"):
         DecodeKernelConfig.for_kv(kv_fp8=True)
     monkeypatch.delenv("SHOAL_DECODE_KV_SIDE")
-    monkeypatch.setenv("SHOAL_DECODE_FP8_V_WIDEN", "1")  # FP8 pools only
-    monkeypatch.setenv("SHOAL_DECODE_FP8_QK_N", "1")
-    fp8, bf16 = DecodeKernelConfig.for_kv(kv_fp8=True), DecodeKernelConfig.for_kv(kv_fp8=False)
-    assert fp8.v_widen_rows and fp8.qk_n_side and not (bf16.v_widen_rows or bf16.qk_n_side)
+    monkeypatch.setenv("SHOAL_DECODE_LAUNCH", "bn64_w8_st5")
+    bf16 = DecodeKernelConfig.for_kv(kv_fp8=False)
+    assert (bf16.block_n, bf16.num_warps, bf16.num_stages) == (64, 8, 5)
+    monkeypatch.setenv("SHOAL_DECODE_LAUNCH", "bn100_w4_st3")
+    with pytest.raises(ValueError, match="SHOAL_DECODE_LAUNCH must be auto or bn"):
+        DecodeKernelConfig.for_kv(kv_fp8=True)
 
 
 def _spec(max_bs: int, kv_dtype: torch.dtype | None) -> AttentionSpec:

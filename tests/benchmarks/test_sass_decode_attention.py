@@ -1,7 +1,7 @@
 """benchmarks/sass_decode_attention.py: the decode-attention stage 1 compiled for sm90 by the real compiler (a
-fresh process without TRITON_INTERPRET), its main loop found in the SASS and counted; the M-side variants'
-reason to exist checked there: with v_widen_rows the FP8 loop has no byte-wise shared loads and fewer
-shared-memory instructions than the default's, and fewer still with qk_n_side too."""
+fresh process without TRITON_INTERPRET), its main loop found in the SASS and counted, and the KV pipeline's
+depth read from the TTGIR: the reason the FP8 config takes num_stages 5 (two shared buffers per K/V tile, where
+2-4 give one)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.sass_decode_attention import main_loop, parse_args
+from benchmarks.sass_decode_attention import kv_buffers, main_loop, parse_args
 
 
 def test_main_loop_is_the_largest_backward_branch() -> None:
@@ -32,12 +32,21 @@ def test_main_loop_is_the_largest_backward_branch() -> None:
     assert main_loop(sass) == ["HGMMA.64", "LDS.U16", "FADD", "BRA"]  # opcodes up to a lowercase shape
 
 
+def test_kv_buffers_reads_the_tile_buffers_leading_dimension() -> None:
+    ir = """
+    %a = ttg.local_alloc : () -> !ttg.memdesc<2x128xi32, #shared1, #smem, mutable> loc(#loc1)
+    %b = ttg.local_alloc : () -> !ttg.memdesc<2x128x128xf8E4M3FN, #shared2, #smem, mutable> loc(#loc2)
+    %c = ttg.local_alloc : () -> !ttg.memdesc<2x128x64xf8E4M3FN, #shared3, #smem, mutable> loc(#loc3)
+    """
+    assert kv_buffers(ir, 128) == 2 and kv_buffers(ir, 256) == 0
+
+
 def test_parse_args_defaults() -> None:
     args = parse_args([])
-    assert args.block_n == 128 and args.num_stages == 3 and "fp8_m_v_widen_rows" in args.variants
+    assert args.block_n == 128 and args.num_stages == [3, 5] and "fp8_m" in args.variants
 
 
-def test_v_widen_rows_drops_the_byte_loads_in_sm90_sass(tmp_path: Path) -> None:
+def test_fp8_kv_pipeline_depth_in_sm90_compile(tmp_path: Path) -> None:
     try:
         import triton
         from triton.compiler import ASTSource  # noqa: F401
@@ -49,13 +58,12 @@ def test_v_widen_rows_drops_the_byte_loads_in_sm90_sass(tmp_path: Path) -> None:
     out = tmp_path / "sass.json"
     root = Path(__file__).parents[2]
     proc = subprocess.run([sys.executable, "-m", "benchmarks.sass_decode_attention", "--variants", "fp8_m",
-                           "fp8_m_v_widen_rows", "fp8_m_qk_n_side_v_widen_rows", "--output-file", str(out)],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+                           "--num-stages", "3", "5", "--output-file", str(out)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())["results"]
-    base, widen, both = r["fp8_m"], r["fp8_m_v_widen_rows"], r["fp8_m_qk_n_side_v_widen_rows"]
-    for v in (base, widen, both):  # the KV loop was found: its P V dot is wgmma on the M side
+    three, five = r["fp8_m_st3"], r["fp8_m_st5"]
+    for v in (three, five):  # the KV loop was found: the M-side dots are wgmma, 32 a tile
         assert v["loop_top"].get("HGMMA.64", 0) >= 16 and v["loop_instructions"] > 200, v
-    assert widen["loop_byte_loads"] == 0 and both["loop_byte_loads"] == 0, (widen, both)
-    assert both["loop_mio"] < widen["loop_mio"] < base["loop_mio"], (base["loop_mio"], widen["loop_mio"],
-                                                                      both["loop_mio"])
+    assert (three["kv_buffers"], five["kv_buffers"]) == (1, 2), (three["kv_buffers"], five["kv_buffers"])
+    assert five["shared_bytes"] > three["shared_bytes"] + 2 * 16384  # K and V tiles double-buffered

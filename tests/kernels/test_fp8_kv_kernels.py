@@ -107,31 +107,6 @@ def test_decode_fp8_f16_math_config_matches_reference(paged_batch, splits: int, 
     assert torch.equal(o16, o16_plain)
 
 
-@pytest.mark.parametrize(("splits", "fuse", "window"), [(1, False, 0), (2, True, 0), (4, True, 0), (2, True, 100)])
-def test_decode_m_side_variants_give_the_same_bits(paged_batch, splits: int, fuse: bool, window: int) -> None:
-    """The M-side form's variants against its default (ragged lengths, a one-token request and a window
-    included): v_widen_rows (V widened in its stored [tokens, D] layout, then transposed; FP8 only, 16-bit
-    pools ignore it) is the same arithmetic, so the same bits; qk_n_side (scores computed as [heads, tokens]
-    with K as the dot's N side, then transposed) sums each score in another order (the interpreter's matmul),
-    so it is within fp16 rounding, and the same bits with or without v_widen_rows."""
-    pb = paged_batch([1, 37, 300, 129], [0, 36, 299, 128], 8, 2, 32)
-    pb.q = pb.q.half()
-    scale = 0.5
-    k8, v8 = _fp8_batch(pb, scale)
-    for k, v in ((k8, v8), (pb.k_buffer.half(), pb.v_buffer.half())):
-        outs = []
-        for widen, qkn in ((False, False), (True, False), (False, True), (True, True)):
-            o = torch.full_like(pb.q, float("nan"))
-            decode_attention_fwd(pb.q, k, v, o, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.sm_scale,
-                                 num_kv_splits=splits, k_scale=scale, v_scale=scale, fuse_merge=fuse, block_n=64,
-                                 num_stages=3, f16_math=True, kv_rows_m=True, v_widen_rows=widen, qk_n_side=qkn,
-                                 sliding_window=window)
-            outs.append(o)
-        assert not any(o.isnan().any() for o in outs)
-        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[2], outs[3])
-        torch.testing.assert_close(outs[2], outs[0], atol=2e-3, rtol=2e-3)
-
-
 def test_decode_fp8_f16_math_clamps_queries_beyond_fp16(paged_batch) -> None:
     """A bf16 query beyond fp16's range saturates instead of turning the scores into inf/NaN."""
     pb = paged_batch([5, 40], [4, 39], 4, 2, 32)
