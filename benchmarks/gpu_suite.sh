@@ -56,6 +56,8 @@
 #                                               # bf16 sweeps, then 1000 x 1000 FP8 KV with the best and the default
 #   bash benchmarks/gpu_suite.sh part41 OUTDIR  # FP8 at stages 5 N-side as the default: GPU test, small batches
 #                                               # with splits, 1000 x 1000 FP8 KV against .baseline (the old pick)
+#   bash benchmarks/gpu_suite.sh part42 OUTDIR  # FP8 v_perm (V's channels permuted: word loads): GPU test, sweep,
+#                                               # 1000 x 1000 FP8 KV with it and without where it won >= 2%
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
@@ -413,6 +415,21 @@ if [ "$part" = part41 ]; then
     --output-file "$out/decode_attention_fp8_stages_small_h100.json"
   TAIL=3 ab fp8_kv_1000x1000_stages5 1 timeout 200 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 \
     --max-running-requests 1024 --kv-cache-dtype fp8_e4m3
+fi
+if [ "$part" = part42 ]; then
+  TAIL=4 run timeout 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py -k "forms_and_grid"
+  TAIL=3 run timeout 120 python -m benchmarks.sweep_decode_attention --cases 256x1500 400x1500 96x1500 \
+    --configs s1_bn128_w4_st5_f16 s1_bn64_w4_st5_f16 s1_bn128_w4_st3_f16 --v-perm 0 1 \
+    --output-file "$out/decode_attention_fp8_v_perm_h100.json"
+  TAIL=3 run timeout 60 python -m benchmarks.sweep_decode_attention --cases 1x2048 8x2048 \
+    --configs s8_bn128_w4_st5_f16 s2_bn128_w4_st5_f16 --v-perm 0 1 --output-file "$out/decode_attention_fp8_v_perm_small_h100.json"
+  python -c "import json,sys; r=json.load(open(sys.argv[1]))['results']['bs400 ctx1500']
+a, b = r['s1_bn128_w4_st5_f16_vperm']['us'], r['s1_bn128_w4_st5_f16']['us']
+print('v_perm', a, 'without', b, file=sys.stderr); sys.exit(a >= 0.98 * b)" "$out/decode_attention_fp8_v_perm_h100.json" &&
+  for v in 1 0; do
+    TAIL=3 run timeout 200 env SHOAL_DECODE_V_PERM=$v $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 \
+      --max-running-requests 1024 --kv-cache-dtype fp8_e4m3 --output-file "$out/fp8_kv_1000x1000_v_perm$v.json"
+  done
 fi
 if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then
   files=$(ls tests/gpu/test_*.py | grep -v test_ray_tp_gpu.py)

@@ -33,11 +33,12 @@ from typing import Any
 
 from benchmarks.common import write_result
 
-# name: (kv dtype, M side, fp16 math); 32/8 heads, head_dim 128, one split (the defaults' shapes)
+# name: (kv dtype, M side, fp16 math, v_perm); 32/8 heads, head_dim 128, one split (the defaults' shapes)
 VARIANTS = {
-    "bf16_n_heads_first": ("bf16", False, False),
-    "fp8_m": ("fp8e4nv", True, True),
-    "fp8_n": ("fp8e4nv", False, True),
+    "bf16_n_heads_first": ("bf16", False, False, False),
+    "fp8_m": ("fp8e4nv", True, True, False),
+    "fp8_n": ("fp8e4nv", False, True, False),
+    "fp8_n_v_perm": ("fp8e4nv", False, True, True),
 }
 _MIO = ("LDS", "STS", "LDSM", "SHFL")
 _ALIGNED = ("Q", "K_Buffer", "V_Buffer", "Req_To_Token", "Req_Pool_Indices", "Seq_Lens", "Mid", "Out", "Counter",
@@ -55,7 +56,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def compile_stage1(kv: str, m_side: bool, f16: bool, block_n: int = 128, num_warps: int = 4,
+def compile_stage1(kv: str, m_side: bool, f16: bool, v_perm: bool = False, block_n: int = 128, num_warps: int = 4,
                    num_stages: int = 3) -> Any:
     """The stage-1 kernel compiled for sm90 (no GPU needed)."""
     import triton
@@ -73,7 +74,7 @@ def compile_stage1(kv: str, m_side: bool, f16: bool, block_n: int = 128, num_war
     consts = {"KV_GROUP": 4, "NUM_SPLITS": 1, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 16, "VALID_H": 4,
               "BLOCKS_PER_GROUP": 1, "BLOCK_N": block_n, "MIN_BLOCK_KV": _MIN_BLOCK_KV, "WINDOW": 0,
               "KV_FP8": kv != "bf16", "FUSE_MERGE": False, "F16_MATH": f16, "USE_PDL": False,
-              "HEADS_FIRST": not m_side, "KV_ROWS_M": m_side}
+              "HEADS_FIRST": not m_side, "KV_ROWS_M": m_side, "V_PERM": v_perm}
     sig.update({k: "constexpr" for k in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n in _ALIGNED}
     return triton.compile(ASTSource(fn=_decode_stage1_kernel, signature=sig, constexprs=consts, attrs=attrs),
@@ -130,8 +131,9 @@ def kv_buffers(ttgir: str, block_n: int) -> int:
     return max(depths, default=0)
 
 
-def describe(kv: str, m_side: bool, f16: bool, block_n: int, num_warps: int, num_stages: int) -> dict[str, Any]:
-    c = compile_stage1(kv, m_side, f16, block_n, num_warps, num_stages)
+def describe(kv: str, m_side: bool, f16: bool, v_perm: bool, block_n: int, num_warps: int, num_stages: int
+             ) -> dict[str, Any]:
+    c = compile_stage1(kv, m_side, f16, v_perm, block_n, num_warps, num_stages)
     ops = main_loop(disassemble(c.asm["cubin"]))
     hist = collections.Counter(ops)
     mio = sum(n for op, n in hist.items() if op.split(".")[0] in _MIO)

@@ -44,6 +44,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", nargs="+", default=None, type=parse_config,
                    help="only these configs, any s{splits}_bn{tile}_w{warps}_st{stages}_{bf16|f16} (default: the grid)")
     p.add_argument("--tiles", type=int, nargs="+", default=list(TILES))
+    p.add_argument("--v-perm", type=int, nargs="+", default=[0], choices=[0, 1],
+                   help="1: decode_attention_fwd's v_perm (FP8, N side), key _vperm")
     p.add_argument("--output-file", default=None)
     return p.parse_args(argv)
 
@@ -61,7 +63,8 @@ def parse_config(key: str) -> tuple[int, int, int, int, bool]:
 def sweep_case(hq: int, hkv: int, bs: int, ctx: int, replays: int, kv_dtype: str, layout: str = "contiguous",
                grid_orders: Sequence[str] = ("batch",),
                configs: Sequence[tuple[int, int, int, int, bool]] | None = None,
-               tiles: Sequence[int] = TILES, kv_sides: Sequence[str] = ("n",)) -> dict[str, Any]:
+               tiles: Sequence[int] = TILES, kv_sides: Sequence[str] = ("n",),
+               v_perms: Sequence[int] = (0,)) -> dict[str, Any]:
     import torch
     from triton.runtime.errors import OutOfResources
 
@@ -77,13 +80,18 @@ def sweep_case(hq: int, hkv: int, bs: int, ctx: int, replays: int, kv_dtype: str
     best: tuple[str, float] | None = None
     grid = configs if configs is not None else [
         (s, t, w, st, f16) for s, t, (w, st), f16 in itertools.product(SPLITS, tiles, WARPS_STAGES, maths)]
-    for (splits, tile, warps, stages, f16), order, side in itertools.product(grid, grid_orders, kv_sides):
+    for (splits, tile, warps, stages, f16), order, side, v_perm in itertools.product(grid, grid_orders, kv_sides,
+                                                                                      v_perms):
         if f16 and case.kv_dtype.itemsize != 1:
             continue  # rounding a 16-bit pool to fp16 is not exact
+        if v_perm and (case.kv_dtype.itemsize != 1 or side != "n"):
+            continue
         key = f"s{splits}_bn{tile}_w{warps}_st{stages}_{'f16' if f16 else 'bf16'}"
         key += ("_heads_first" if order == "heads" else "") + ("_kv_m" if side == "m" else "")
+        key += "_vperm" if v_perm else ""
         layers = case.triton_layers(splits, block_n=tile, num_warps=warps, num_stages=stages, f16_math=f16,
-                                    heads_first=order == "heads", kv_rows_m=side == "m")
+                                    heads_first=order == "heads", kv_rows_m=side == "m",
+                                    v_perm=bool(v_perm))
         try:
             us = graph_us(layers, replays)
         except OutOfResources as e:  # a config past the GPU's shared memory is reported, not fatal
@@ -115,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for layout in args.layouts:
             name = f"bs{bs} ctx{ctx}" + ("" if layout == "contiguous" else f" {layout}")
             results[name] = sweep_case(hq, hkv, bs, ctx, args.replays, args.kv_dtype, layout, args.grid_orders,
-                                       args.configs, args.tiles, args.kv_sides)
+                                       args.configs, args.tiles, args.kv_sides, args.v_perm)
             print(name, results[name]["best"], flush=True)
             torch.cuda.empty_cache()
     if args.output_file:

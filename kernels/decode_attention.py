@@ -52,7 +52,7 @@ def _decode_stage1_kernel(
     BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, VALID_H: tl.constexpr, BLOCKS_PER_GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_BLOCK_KV: tl.constexpr, WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
     FUSE_MERGE: tl.constexpr, F16_MATH: tl.constexpr, USE_PDL: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    KV_ROWS_M: tl.constexpr,
+    KV_ROWS_M: tl.constexpr, V_PERM: tl.constexpr,
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -132,6 +132,9 @@ def _decode_stage1_kernel(
                 qk = tl.where(mask_h[:, None] & mask_n[None, :], qk, float("-inf"))
                 v = tl.load(V_Buffer + kv_loc[:, None] * stride_vbs + cur_kv_head * stride_vh + offs_d[None, :],
                             mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+                if V_PERM:  # column j * D/4 + c holds channel 4c + j: see the module docstring
+                    v = tl.reshape(tl.permute(tl.reshape(v, (BLOCK_N, BLOCK_D // 4, 4)), (0, 2, 1)),
+                                   (BLOCK_N, BLOCK_D))
                 if KV_FP8:
                     v = v.to(q.dtype)
                 new_max = tl.maximum(tl.max(qk, 1), e_max)
@@ -144,13 +147,17 @@ def _decode_stage1_kernel(
             e_max = new_max
 
         safe_sum = tl.where(e_sum > 0, e_sum, 1.0)
+        offs_o = offs_d  # the channel each acc column holds
+        if V_PERM:
+            offs_o = (offs_d % (BLOCK_D // 4)) * 4 + offs_d // (BLOCK_D // 4)
+        mask_o = offs_o < HEAD_DIM
         if DIRECT:  # the one partial is the output (a merge scales it by exp2(0) / 1): no scratch
-            _store_heads(Out + cur_batch * stride_ob, offs_h * stride_oh, offs_d, acc / safe_sum[:, None] * v_scale,
-                         mask_h, mask_d, False)
+            _store_heads(Out + cur_batch * stride_ob, offs_h * stride_oh, offs_o, acc / safe_sum[:, None] * v_scale,
+                         mask_h, mask_o, False)
         else:
             mid_offs = cur_batch * stride_mid_b + offs_h * stride_mid_h + split_id * stride_mid_s
-            _store_heads(Mid, mid_offs, offs_d, acc / safe_sum[None, :] * v_scale if KV_ROWS_M
-                         else acc / safe_sum[:, None] * v_scale, mask_h, mask_d, KV_ROWS_M)
+            _store_heads(Mid, mid_offs, offs_o, acc / safe_sum[None, :] * v_scale if KV_ROWS_M
+                         else acc / safe_sum[:, None] * v_scale, mask_h, mask_o, KV_ROWS_M)
             tl.store(Mid + mid_offs + HEAD_DIM, e_max + tl.log2(safe_sum), mask=mask_h)
     elif DIRECT:  # a zero-length (padding) request: zeros, as a merge writes
         _store_heads(Out + cur_batch * stride_ob, offs_h * stride_oh, offs_d,
@@ -267,6 +274,7 @@ def decode_attention_fwd(
     f16_math: bool = False,
     heads_first: bool = False,
     kv_rows_m: bool = False,
+    v_perm: bool = False,
 ) -> None:
     """Writes into `o` [B, Hq, D] the attention of q [B, Hq, D] over each request's first seq_lens[b]
     tokens (only the last `sliding_window` of them when > 0). FP8 buffers are read as stored * scale.
@@ -331,6 +339,7 @@ def decode_attention_fwd(
         USE_PDL=pdl,
         HEADS_FIRST=heads_first,
         KV_ROWS_M=kv_rows_m,
+        V_PERM=v_perm and kv_fp8 and not kv_rows_m and block_d % 4 == 0,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_options(pdl),

@@ -57,11 +57,13 @@ class DecodeKernelConfig:
     adaptive_splits: bool  # fewer splits as the batch alone fills the GPU
     heads_first: bool = False  # grid order: a request's KV-head programs launched side by side
     kv_rows_m: bool = False  # K/V tiles as the dots' M side (scores [tokens, heads])
+    v_perm: bool = False  # FP8, N side: V's channels permuted in registers (word loads; see the kernel)
 
     @classmethod
     def for_kv(cls, kv_fp8: bool, num_kv_splits: int | None = None) -> DecodeKernelConfig:
         """SHOAL_DECODE_GRID (batch / heads), SHOAL_DECODE_KV_SIDE (n / m) and SHOAL_DECODE_LAUNCH
-        (bn{tile}_w{warps}_st{stages}) override the measured picks, to measure the others."""
+        (bn{tile}_w{warps}_st{stages}) override the measured picks, to measure the others; SHOAL_DECODE_V_PERM
+        (0 / 1) turns v_perm off or on for FP8 pools."""
         if num_kv_splits is None:
             num_kv_splits = int(os.environ.get("SHOAL_DECODE_MAX_SPLITS", DEFAULT_NUM_KV_SPLITS))
         grid = _env_choice("SHOAL_DECODE_GRID", ("batch", "heads"), "batch" if kv_fp8 else "heads")
@@ -70,7 +72,8 @@ class DecodeKernelConfig:
         # a 16-bit program has with one.
         block_n, warps, stages = _env_launch("SHOAL_DECODE_LAUNCH", (128, 4, 5 if kv_fp8 else 3))
         return cls(max_splits=num_kv_splits, block_n=block_n, num_warps=warps, num_stages=stages, f16_math=kv_fp8,
-                   adaptive_splits=True, heads_first=grid == "heads", kv_rows_m=side == "m")
+                   adaptive_splits=True, heads_first=grid == "heads", kv_rows_m=side == "m",
+                   v_perm=kv_fp8 and _env_choice("SHOAL_DECODE_V_PERM", ("0", "1"), "0") == "1")
 
 
 def _env_launch(name: str, default: tuple[int, int, int]) -> tuple[int, int, int]:
@@ -142,5 +145,5 @@ class TritonDecode:
                              sliding_window=layer.sliding_window, k_scale=k_scale, v_scale=v_scale,
                              fuse_merge=fuse_merge, counters=self._counters, block_n=cfg.block_n,
                              num_warps=cfg.num_warps, num_stages=cfg.num_stages, f16_math=cfg.f16_math,
-                             heads_first=cfg.heads_first, kv_rows_m=cfg.kv_rows_m)
+                             heads_first=cfg.heads_first, kv_rows_m=cfg.kv_rows_m, v_perm=cfg.v_perm)
         return o.view(-1, layer.num_heads * layer.head_dim)

@@ -1,7 +1,7 @@
 """benchmarks/sass_decode_attention.py: the decode-attention stage 1 compiled for sm90 by the real compiler (a
 fresh process without TRITON_INTERPRET), its main loop found in the SASS and counted, and the KV pipeline's
 depth read from the TTGIR: the reason the FP8 config takes num_stages 5 (two shared buffers per K/V tile, where
-2-4 give one)."""
+2-4 give one), and v_perm's: the N-side FP8 loop without byte-wise shared loads."""
 
 from __future__ import annotations
 
@@ -57,8 +57,8 @@ def test_fp8_kv_pipeline_depth_in_sm90_compile(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "sass.json"
     root = Path(__file__).parents[2]
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.sass_decode_attention", "--variants", "fp8_m",
-                           "--num-stages", "3", "5", "--output-file", str(out)], cwd=root, env=env,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.sass_decode_attention", "--variants", "fp8_m", "fp8_n",
+                           "fp8_n_v_perm", "--num-stages", "3", "5", "--output-file", str(out)], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())["results"]
@@ -67,3 +67,6 @@ def test_fp8_kv_pipeline_depth_in_sm90_compile(tmp_path: Path) -> None:
         assert v["loop_top"].get("HGMMA.64", 0) >= 16 and v["loop_instructions"] > 200, v
     assert (three["kv_buffers"], five["kv_buffers"]) == (1, 2), (three["kv_buffers"], five["kv_buffers"])
     assert five["shared_bytes"] > three["shared_bytes"] + 2 * 16384  # K and V tiles double-buffered
+    plain, perm = r["fp8_n_st5"], r["fp8_n_v_perm_st5"]
+    assert plain["loop_byte_loads"] == 128 and perm["loop_byte_loads"] == 0, (plain, perm)
+    assert perm["loop_mio"] < plain["loop_mio"] and perm["kv_buffers"] == 2

@@ -146,12 +146,14 @@ def test_sliding_window_attention_gpu(window: int) -> None:
 
 
 @pytest.mark.parametrize(("kv_rows_m", "heads_first"), [(False, False), (True, False), (False, True), (True, True)])
-@pytest.mark.parametrize(("fp8", "num_stages"), [(False, 3), (True, 3), (True, 5)])
-def test_decode_forms_and_grid_orders_gpu(kv_rows_m: bool, heads_first: bool, fp8: bool, num_stages: int) -> None:
+@pytest.mark.parametrize(("fp8", "num_stages", "v_perm"), [(False, 3, False), (True, 3, False), (True, 5, False),
+                                                           (True, 5, True)])
+def test_decode_forms_and_grid_orders_gpu(kv_rows_m: bool, heads_first: bool, fp8: bool, num_stages: int,
+                                          v_perm: bool) -> None:
     """Both dot forms and grid orders compiled for the GPU, with the split merge fused in (its counters
     raced by concurrent splits), sliding windows and an FP8 pool with the production launch configs (stages
-    5: two shared buffers per KV tile): each against the fp32 reference, and the fused counters left at zero
-    for the next launch."""
+    5: two shared buffers per KV tile; v_perm, which the M side ignores): each against the fp32 reference, and
+    the fused counters left at zero for the next launch."""
     from kernels.decode_attention import decode_attention_counters
 
     hq, hkv, d = 32, 8, 128
@@ -168,7 +170,7 @@ def test_decode_forms_and_grid_orders_gpu(kv_rows_m: bool, heads_first: bool, fp
         decode_attention_fwd(pb["q"], k_buf, v_buf, o, pb["req_to_token"], pb["req_pool_indices"], pb["seq_lens"],
                              pb["sm_scale"], num_kv_splits=8, sliding_window=window, k_scale=scale, v_scale=scale,
                              fuse_merge=True, counters=counters, block_n=128, num_stages=num_stages, f16_math=fp8,
-                             heads_first=heads_first, kv_rows_m=kv_rows_m)
+                             heads_first=heads_first, kv_rows_m=kv_rows_m, v_perm=v_perm)
         expected = decode_attention_ref(pb["q"], k_buf, v_buf, pb["req_to_token"], pb["req_pool_indices"],
                                         pb["seq_lens"], pb["sm_scale"], sliding_window=window, k_scale=scale,
                                         v_scale=scale)

@@ -117,3 +117,24 @@ def test_decode_fp8_f16_math_clamps_queries_beyond_fp16(paged_batch) -> None:
     decode_attention_fwd(q, k8, v8, o, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.sm_scale,
                          num_kv_splits=1, f16_math=True)
     assert torch.isfinite(o).all()
+
+
+@pytest.mark.parametrize(("d", "splits", "fuse", "window"), [(32, 1, False, 0), (32, 2, True, 0), (24, 4, False, 50),
+                                                              (24, 1, False, 0)])
+def test_decode_fp8_v_perm_gives_the_same_bits(paged_batch, d: int, splits: int, fuse: bool, window: int) -> None:
+    """v_perm (FP8, N side): each V tile's channels are permuted in registers so a thread's P V operand is whole
+    32-bit words instead of bytes, and the output columns un-permuted at the store: the same arithmetic per
+    channel, so the same bits, with one split (stored directly) or several (merged, fused or not), a window,
+    and a head size padded to the tile (24 in 32)."""
+    pb = paged_batch([1, 37, 300, 129], [0, 36, 299, 128], 8, 2, d)
+    pb.q = pb.q.half()
+    k8, v8 = _fp8_batch(pb, 0.5)
+    outs = []
+    for v_perm in (False, True):
+        o = torch.full_like(pb.q, float("nan"))
+        decode_attention_fwd(pb.q, k8, v8, o, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.sm_scale,
+                             num_kv_splits=splits, sliding_window=window, k_scale=0.5, v_scale=0.5, fuse_merge=fuse,
+                             block_n=128, num_stages=5, f16_math=True, v_perm=v_perm)
+        outs.append(o)
+    assert not outs[1].isnan().any()
+    assert torch.equal(outs[0], outs[1])
