@@ -58,6 +58,7 @@
 #                                               # with splits, 1000 x 1000 FP8 KV against .baseline (the old pick)
 #   bash benchmarks/gpu_suite.sh part42 OUTDIR  # FP8 v_perm (V's channels permuted: word loads): GPU test, sweep,
 #                                               # 1000 x 1000 FP8 KV with it and without where it won >= 2%
+#   bash benchmarks/gpu_suite.sh part43 OUTDIR  # 1000 x 1000 FP8 KV with v_perm (the default now) and without
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
@@ -426,6 +427,12 @@ if [ "$part" = part42 ]; then
   python -c "import json,sys; r=json.load(open(sys.argv[1]))['results']['bs400 ctx1500']
 a, b = r['s1_bn128_w4_st5_f16_vperm']['us'], r['s1_bn128_w4_st5_f16']['us']
 print('v_perm', a, 'without', b, file=sys.stderr); sys.exit(a >= 0.98 * b)" "$out/decode_attention_fp8_v_perm_h100.json" &&
+  for v in 1 0; do
+    TAIL=3 run timeout 200 env SHOAL_DECODE_V_PERM=$v $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 \
+      --max-running-requests 1024 --kv-cache-dtype fp8_e4m3 --output-file "$out/fp8_kv_1000x1000_v_perm$v.json"
+  done
+fi
+if [ "$part" = part43 ]; then
   for v in 1 0; do
     TAIL=3 run timeout 200 env SHOAL_DECODE_V_PERM=$v $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 \
       --max-running-requests 1024 --kv-cache-dtype fp8_e4m3 --output-file "$out/fp8_kv_1000x1000_v_perm$v.json"

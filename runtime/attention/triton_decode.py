@@ -19,7 +19,10 @@ hang off the slot-index load, so Triton keeps one shared buffer per K/V tile up 
 takes stages 5 in the N-side form, batch-major: 460 vs 480 us a layer at 400 x 1500 (2.67 vs 2.56 TB/s; the
 M-side form with stages 3 was the pick before, it slows with 5), 1000 x 1000 FP8 KV 10,420 vs 10,252 out tok/s
 (one H100, same machine, decode_attention_fp8_stages_h100.json). 16-bit pools stay at 3 (5 costs a third
-CTA per SM: -7%).
+CTA per SM: -7%). And v_perm for FP8 (the P V operand as 32-bit words instead of bytes, kernels/
+decode_attention.py) where one split serves a request, i.e. where the batch fills the GPU: 452 vs 460 us a
+layer at 400 x 1500, 297 vs 301 at 256, 117 vs 120 at 96; with 2-8 splits at batch 1-8 it cost 0.2-0.5 us a
+layer (decode_attention_fp8_v_perm{,_small}_h100.json).
 
 The workspace is one flat buffer sized for the largest batch and the most splits, viewed per launch, and
 allocated once where CUDA graphs are captured, so every graph sees the same memory."""
@@ -57,13 +60,13 @@ class DecodeKernelConfig:
     adaptive_splits: bool  # fewer splits as the batch alone fills the GPU
     heads_first: bool = False  # grid order: a request's KV-head programs launched side by side
     kv_rows_m: bool = False  # K/V tiles as the dots' M side (scores [tokens, heads])
-    v_perm: bool = False  # FP8, N side: V's channels permuted in registers (word loads; see the kernel)
+    v_perm: bool = False  # FP8, N side, one-split launches: V's channels permuted in registers (word loads)
 
     @classmethod
     def for_kv(cls, kv_fp8: bool, num_kv_splits: int | None = None) -> DecodeKernelConfig:
         """SHOAL_DECODE_GRID (batch / heads), SHOAL_DECODE_KV_SIDE (n / m) and SHOAL_DECODE_LAUNCH
         (bn{tile}_w{warps}_st{stages}) override the measured picks, to measure the others; SHOAL_DECODE_V_PERM
-        (0 / 1) turns v_perm off or on for FP8 pools."""
+        (0 / 1) turns v_perm off or on for FP8 pools (on by default: see the module docstring)."""
         if num_kv_splits is None:
             num_kv_splits = int(os.environ.get("SHOAL_DECODE_MAX_SPLITS", DEFAULT_NUM_KV_SPLITS))
         grid = _env_choice("SHOAL_DECODE_GRID", ("batch", "heads"), "batch" if kv_fp8 else "heads")
@@ -73,7 +76,7 @@ class DecodeKernelConfig:
         block_n, warps, stages = _env_launch("SHOAL_DECODE_LAUNCH", (128, 4, 5 if kv_fp8 else 3))
         return cls(max_splits=num_kv_splits, block_n=block_n, num_warps=warps, num_stages=stages, f16_math=kv_fp8,
                    adaptive_splits=True, heads_first=grid == "heads", kv_rows_m=side == "m",
-                   v_perm=kv_fp8 and _env_choice("SHOAL_DECODE_V_PERM", ("0", "1"), "0") == "1")
+                   v_perm=kv_fp8 and _env_choice("SHOAL_DECODE_V_PERM", ("0", "1"), "1") == "1")
 
 
 def _env_launch(name: str, default: tuple[int, int, int]) -> tuple[int, int, int]:
@@ -145,5 +148,6 @@ class TritonDecode:
                              sliding_window=layer.sliding_window, k_scale=k_scale, v_scale=v_scale,
                              fuse_merge=fuse_merge, counters=self._counters, block_n=cfg.block_n,
                              num_warps=cfg.num_warps, num_stages=cfg.num_stages, f16_math=cfg.f16_math,
-                             heads_first=cfg.heads_first, kv_rows_m=cfg.kv_rows_m, v_perm=cfg.v_perm)
+                             heads_first=cfg.heads_first, kv_rows_m=cfg.kv_rows_m,
+                             v_perm=cfg.v_perm and splits == 1)
         return o.view(-1, layer.num_heads * layer.head_dim)

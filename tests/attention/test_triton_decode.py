@@ -26,7 +26,8 @@ def test_splits_fill_the_gpu_then_stop(bs: int, kv_heads: int, want: int) -> Non
 
 
 def test_config_per_kv_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("SHOAL_DECODE_GRID", "SHOAL_DECODE_KV_SIDE", "SHOAL_DECODE_MAX_SPLITS", "SHOAL_DECODE_LAUNCH"):
+    for name in ("SHOAL_DECODE_GRID", "SHOAL_DECODE_KV_SIDE", "SHOAL_DECODE_MAX_SPLITS", "SHOAL_DECODE_LAUNCH",
+                 "SHOAL_DECODE_V_PERM"):
         monkeypatch.delenv(name, raising=False)
     fp8 = DecodeKernelConfig.for_kv(kv_fp8=True)
     assert fp8.f16_math and fp8.adaptive_splits and (fp8.block_n, fp8.num_warps, fp8.num_stages) == (128, 4, 5)
@@ -35,6 +36,7 @@ def test_config_per_kv_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (bf16.block_n, bf16.num_warps, bf16.num_stages) == (128, 4, 3)
     # The sweeps' picks: both as the dots' N side; FP8 in the batch-major grid, 16-bit heads first.
     assert (fp8.kv_rows_m, fp8.heads_first, bf16.kv_rows_m, bf16.heads_first) == (False, False, False, True)
+    assert fp8.v_perm and not bf16.v_perm  # V's channels permuted: FP8 only (16-bit tiles load by ldmatrix)
 
 
 def test_config_env_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -52,6 +54,9 @@ def test_config_env_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SHOAL_DECODE_LAUNCH", "bn100_w4_st3")
     with pytest.raises(ValueError, match="SHOAL_DECODE_LAUNCH must be auto or bn"):
         DecodeKernelConfig.for_kv(kv_fp8=True)
+    monkeypatch.delenv("SHOAL_DECODE_LAUNCH")
+    monkeypatch.setenv("SHOAL_DECODE_V_PERM", "0")
+    assert not DecodeKernelConfig.for_kv(kv_fp8=True).v_perm
 
 
 def _spec(max_bs: int, kv_dtype: torch.dtype | None) -> AttentionSpec:
@@ -81,3 +86,33 @@ def test_call_matches_reference_and_workspace_grows(fp8: bool) -> None:
                                    fb.seq_lens, 0.25, k_scale=0.5, v_scale=0.5)
         torch.testing.assert_close(o.view(bs, 4, 16), ref, atol=1e-5, rtol=1e-5)
     assert decode.max_bs == 3 and decode._workspace.numel() == 3 * 4 * DEFAULT_NUM_KV_SPLITS * 17
+
+
+@pytest.mark.parametrize(("max_splits", "want_perm"), [(1, True), (8, False)])
+def test_fp8_call_permutes_v_only_in_one_split_launches(monkeypatch: pytest.MonkeyPatch, max_splits: int,
+                                                        want_perm: bool) -> None:
+    """v_perm goes to the kernel where one split serves a request (where it measured faster), and the output
+    still matches the reference."""
+    import runtime.attention.triton_decode as td
+
+    monkeypatch.delenv("SHOAL_DECODE_V_PERM", raising=False)
+    seen: list[bool] = []
+    real = td.decode_attention_fwd
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["v_perm"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(td, "decode_attention_fwd", spy)
+    spec = _spec(max_bs=2, kv_dtype=torch.float8_e4m3fn)
+    decode = TritonDecode(spec, DecodeKernelConfig.for_kv(True, num_kv_splits=max_splits))
+    gen = torch.Generator().manual_seed(1)
+    k_buf, v_buf = (torch.randn(4 * 64 + 1, 2, 16, generator=gen).to(torch.float8_e4m3fn) for _ in range(2))
+    layer = SimpleNamespace(num_heads=4, head_dim=16, scaling=0.25, sliding_window=0)
+    fb = SimpleNamespace(req_pool_indices=torch.arange(2), seq_lens=torch.tensor([64, 33]))
+    q = torch.randn(2, 4 * 16, generator=gen).to(torch.bfloat16)
+    o = decode(q, k_buf, v_buf, layer, fb, 0.5, 0.5, fuse_merge=True)
+    ref = decode_attention_ref(q.view(2, 4, 16), k_buf, v_buf, spec.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                               0.25, k_scale=0.5, v_scale=0.5)
+    assert seen == [want_perm]
+    torch.testing.assert_close(o.view(2, 4, 16).float(), ref.float(), atol=2e-2, rtol=2e-2)
