@@ -13,6 +13,8 @@ instructions from 260 to 96 a tile measured 0-30% slower; commit 03ee9a3), the p
 KV loads hang off the slot-index load, so Triton's pipeliner keeps ONE shared buffer per K/V tile at
 num_stages 2-4 and waits for the next tile's copy before any of this tile's math overlaps it; num_stages 5
 gives two (kv_buffers below). A program of 16-bit KV still has 64 KB in flight, an FP8 one only 32 KB.
+Then V: fp8_n_v_perm (V's channels permuted so the P V operand is whole words) has no LDS.U8 and half the
+shared-memory instructions of fp8_n. Both measured faster on an H100 (benchmarks/README.md, eleventh session).
 
     python -m benchmarks.sass_decode_attention --output-file benchmarks/results/sass_decode_attention_stages_triton36.json
 

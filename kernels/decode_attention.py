@@ -12,6 +12,12 @@ dots' M side (scores [tokens, heads]), so a widened FP8 tile feeds the MMA from 
 a request's KV-head programs side by side, so they read each token's row together
 (runtime/attention/triton_decode.py says where each pays, and its launch configs).
 
+v_perm (FP8, N side): the P V dot wants two consecutive tokens of one channel in each operand register, and
+those sit a pool row apart, so an 8-bit V tile reaches the registers a byte at a time (LDS.U8; 16-bit tiles
+use ldmatrix.trans). The dot's output columns can be in any order, though: V's tile is reshaped to
+[tokens, D/4, 4] and permuted, so acc column j*D/4 + c holds channel 4c + j and a thread's four columns of one
+token are one 32-bit word; the stores un-permute (offs_o). Same arithmetic per channel, so the same bits.
+
 fuse_merge=True does stage 2 inside stage 1 (one launch per layer, kernels/decode_fusion.py): each program
 counts itself done on a per-(request, head block) counter, and the last split to finish merges them all with
 stage 2's arithmetic (bit-equal output) and resets the counter. Ordering: a CTA barrier, then the counter's
