@@ -59,6 +59,8 @@
 #   bash benchmarks/gpu_suite.sh part42 OUTDIR  # FP8 v_perm (V's channels permuted: word loads): GPU test, sweep,
 #                                               # 1000 x 1000 FP8 KV with it and without where it won >= 2%
 #   bash benchmarks/gpu_suite.sh part43 OUTDIR  # 1000 x 1000 FP8 KV with v_perm (the default now) and without
+#   bash benchmarks/gpu_suite.sh part44 OUTDIR  # the splits rule at batch 4-64 (FP8 at stages 5 took 18.6 us with 2
+#                                               # splits at 8 x 2048 where the rule's 8 take 26.3): FP8 and bf16
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
@@ -437,6 +439,15 @@ if [ "$part" = part43 ]; then
     TAIL=3 run timeout 200 env SHOAL_DECODE_V_PERM=$v $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 \
       --max-running-requests 1024 --kv-cache-dtype fp8_e4m3 --output-file "$out/fp8_kv_1000x1000_v_perm$v.json"
   done
+fi
+if [ "$part" = part44 ]; then
+  S="4x2048 8x2048 16x2048 32x1500 48x1500 64x1500"
+  TAIL=8 run timeout 200 python -m benchmarks.sweep_decode_attention --cases $S --v-perm 0 1 \
+    --configs s1_bn128_w4_st5_f16 s2_bn128_w4_st5_f16 s4_bn128_w4_st5_f16 s8_bn128_w4_st5_f16 \
+    --output-file "$out/decode_attention_fp8_splits_h100.json"
+  TAIL=8 run timeout 150 python -m benchmarks.sweep_decode_attention --kv-dtype bfloat16 --cases $S --grid-orders heads \
+    --configs s1_bn128_w4_st3_bf16 s2_bn128_w4_st3_bf16 s4_bn128_w4_st3_bf16 s8_bn128_w4_st3_bf16 \
+    --output-file "$out/decode_attention_bf16_splits_h100.json"
 fi
 if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then
   files=$(ls tests/gpu/test_*.py | grep -v test_ray_tp_gpu.py)
