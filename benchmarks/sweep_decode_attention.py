@@ -42,7 +42,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-sides", nargs="+", default=["n"], choices=["n", "m"],
                    help="K/V tiles as the dots' N side (scores [heads, tokens]) or M side ([tokens, heads])")
     p.add_argument("--configs", nargs="+", default=None, type=parse_config,
-                   help="only these configs, any s{splits}_bn{tile}_w{warps}_st{stages}_{bf16|f16} (default: the grid)")
+                   help="only these configs, any s{splits}_bn{tile}_w{warps}_st{stages}_{bf16|f16} (default: the grid; "
+                   "--tiles applies to the grid only)")
     p.add_argument("--tiles", type=int, nargs="+", default=list(TILES))
     p.add_argument("--v-perm", type=int, nargs="+", default=[0], choices=[0, 1],
                    help="1: decode_attention_fwd's v_perm (FP8, N side), key _vperm")
@@ -52,7 +53,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def parse_config(key: str) -> tuple[int, int, int, int, bool]:
     """s1_bn128_w4_st5_f16 → (splits, tile, warps, stages, fp16 math); configs past the grid are allowed (the
-    grid's stages stop at 4, where the FP8 M-side loop still keeps one shared buffer per K/V tile)."""
+    grid's stages stop at 4, where the KV loop, any form, still keeps one shared buffer per K/V tile)."""
     m = re.fullmatch(r"s([1-9]\d*)_bn(16|32|64|128|256)_w(1|2|4|8)_st([1-9])_(bf16|f16)", key)
     if m is None:
         raise argparse.ArgumentTypeError(f"config {key!r} is not s{{splits}}_bn{{tile}}_w{{warps}}_st{{stages}}_"
@@ -104,7 +105,8 @@ def sweep_case(hq: int, hkv: int, bs: int, ctx: int, replays: int, kv_dtype: str
         if best is None or us < best[1]:
             best = (key, us)
         print(key, round(us, 1), flush=True)
-    assert best is not None
+    if best is None:
+        raise SystemExit(f"no config applies to a {case.kv_dtype} pool (fp16 math and v_perm need an FP8 one)")
     row["best"] = {"config": best[0], "us": best[1], "TB_per_s": mb / best[1],
                    "flashinfer_TB_per_s": mb / row["flashinfer_us"]}
     return row
@@ -127,7 +129,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             print(name, results[name]["best"], flush=True)
             torch.cuda.empty_cache()
     if args.output_file:
-        write_result(args.output_file, "sweep_decode_attention", results, vars(args),
+        keys = None if args.configs is None else [f"s{s}_bn{t}_w{w}_st{st}_{'f16' if f16 else 'bf16'}"
+                                                  for s, t, w, st, f16 in args.configs]
+        write_result(args.output_file, "sweep_decode_attention", results, {**vars(args), "configs": keys},
                      argv=["benchmarks/sweep_decode_attention.py", *(argv if argv is not None else sys.argv[1:])])
     return results
 

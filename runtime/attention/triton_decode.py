@@ -6,8 +6,8 @@ Why the flashinfer backend borrows it: over an FP8 pool flashinfer's tensor-core
 ~1.8 TB/s on an H100 (the fp8 → bf16 widening in its FA2 kernel), while this kernel with the FP8 config
 below (fp16 math: e4m3 widens to fp16 in one instruction per pair; 128-token tiles, one split once the
 batch fills the GPU; with 3 stages then) reads it at ~2.4 TB/s: 325 vs 419 us per layer at batch 256 x 1500 tokens,
-108 vs 153 at 64 x 2048 (benchmarks/bench_decode_attention.py --fp8-configs). 16-bit KV takes the same
-launch config with bf16 math (rounding bf16 to fp16 is not exact): over a bf16 pool it reads 2.6-2.7 TB/s
+108 vs 153 at 64 x 2048 (benchmarks/bench_decode_attention.py). 16-bit KV takes the same tile and warps
+with bf16 math (rounding bf16 to fp16 is not exact) and 3 stages: over a bf16 pool it reads 2.6-2.7 TB/s
 at 256 x 400 and 128 x 600 where the fixed 8 splits and 64-token tiles it had before read 1.9-2.1 (159 vs
 218 and 115 vs 154 us per layer; flashinfer 172 and 126; sweep_decode_attention --kv-dtype bfloat16,
 H100). The split count does most of it: each split re-reads q and writes a partial that the merge reads.
@@ -76,7 +76,7 @@ class DecodeKernelConfig:
         block_n, warps, stages = _env_launch("SHOAL_DECODE_LAUNCH", (128, 4, 5 if kv_fp8 else 3))
         return cls(max_splits=num_kv_splits, block_n=block_n, num_warps=warps, num_stages=stages, f16_math=kv_fp8,
                    adaptive_splits=True, heads_first=grid == "heads", kv_rows_m=side == "m",
-                   v_perm=kv_fp8 and _env_choice("SHOAL_DECODE_V_PERM", ("0", "1"), "1") == "1")
+                   v_perm=kv_fp8 and side == "n" and _env_choice("SHOAL_DECODE_V_PERM", ("0", "1"), "1") == "1")
 
 
 def _env_launch(name: str, default: tuple[int, int, int]) -> tuple[int, int, int]:

@@ -1,5 +1,7 @@
 """The kernels/ checks again on CUDA, in bf16 and at realistic sizes, plus CUDA-graph replay of decode."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -165,12 +167,13 @@ def test_decode_forms_and_grid_orders_gpu(kv_rows_m: bool, heads_first: bool, fp
         k_buf = (pb["k_buffer"].float() / scale).to(torch.float8_e4m3fn)
         v_buf = (pb["v_buffer"].float() / scale).to(torch.float8_e4m3fn)
     counters = decode_attention_counters(len(seq_lens), hq, "cuda")
-    for window in (0, 100, 4096):
+    # 8 fused splits, and one split as a full batch runs it (where v_perm is on; stored directly on the N side)
+    for (splits, fuse), window in itertools.product(((8, True), (1, False)), (0, 100, 4096)):
         o = torch.full_like(pb["q"], float("nan"))
         decode_attention_fwd(pb["q"], k_buf, v_buf, o, pb["req_to_token"], pb["req_pool_indices"], pb["seq_lens"],
-                             pb["sm_scale"], num_kv_splits=8, sliding_window=window, k_scale=scale, v_scale=scale,
-                             fuse_merge=True, counters=counters, block_n=128, num_stages=num_stages, f16_math=fp8,
-                             heads_first=heads_first, kv_rows_m=kv_rows_m, v_perm=v_perm)
+                             pb["sm_scale"], num_kv_splits=splits, sliding_window=window, k_scale=scale,
+                             v_scale=scale, fuse_merge=fuse, counters=counters, block_n=128, num_stages=num_stages,
+                             f16_math=fp8, heads_first=heads_first, kv_rows_m=kv_rows_m, v_perm=v_perm)
         expected = decode_attention_ref(pb["q"], k_buf, v_buf, pb["req_to_token"], pb["req_pool_indices"],
                                         pb["seq_lens"], pb["sm_scale"], sliding_window=window, k_scale=scale,
                                         v_scale=scale)

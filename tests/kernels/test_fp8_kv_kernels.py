@@ -85,9 +85,9 @@ def test_extend_fp8_prefix_matches_reference(paged_batch) -> None:
                                                         (1, True, True), (2, True, True)])
 def test_decode_fp8_f16_math_config_matches_reference(paged_batch, splits: int, fuse: bool, kv_rows_m: bool
                                                       ) -> None:
-    """The FP8 launch config (runtime/attention/triton_decode.py: fp16 math, 128-token tiles, 3 stages; K/V
-    tiles on either side of the dots) against the fp32 reference: q and the probabilities rounded to fp16
-    (11 bits) on the way in."""
+    """The FP8 launch config (runtime/attention/triton_decode.py: fp16 math, 128-token tiles, 5 stages, V's
+    channels permuted in one-split N-side launches; K/V tiles on either side of the dots) against the fp32
+    reference: q and the probabilities rounded to fp16 (11 bits) on the way in."""
     pb = paged_batch([1, 37, 300, 129], [0, 36, 299, 128], 8, 2, 32)
     pb.q = pb.q.half()  # fp16 math serves 16-bit queries (fp32 ones keep fp32 math)
     scale = 0.5
@@ -95,7 +95,7 @@ def test_decode_fp8_f16_math_config_matches_reference(paged_batch, splits: int, 
     o = torch.full_like(pb.q, float("nan"))
     decode_attention_fwd(pb.q, k8, v8, o, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.sm_scale,
                          num_kv_splits=splits, k_scale=scale, v_scale=scale, fuse_merge=fuse, block_n=128,
-                         num_stages=3, f16_math=True, kv_rows_m=kv_rows_m)
+                         num_stages=5, f16_math=True, kv_rows_m=kv_rows_m, v_perm=splits == 1 and not kv_rows_m)
     ref = decode_attention_ref(pb.q, k8, v8, pb.req_to_token, pb.req_pool_indices, pb.seq_lens, pb.sm_scale,
                                k_scale=scale, v_scale=scale)
     torch.testing.assert_close(o.float(), ref.float(), atol=3e-3, rtol=3e-3)
