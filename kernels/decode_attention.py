@@ -287,7 +287,8 @@ def decode_attention_fwd(
     `attn_logits` is an optional [>=B, Hq, num_kv_splits, D+1] fp32 workspace (pass a fixed one when
     capturing CUDA graphs to keep allocations out of the graph's pool). fuse_merge: one launch (stage 2
     inside stage 1), with `counters` from decode_attention_counters (>= B rows, >= Hq columns; a fixed one
-    under CUDA graphs)."""
+    under CUDA graphs). v_perm (FP8 pools, N side; ignored elsewhere): V's channels permuted in registers so
+    the P V operand loads whole words (the module docstring); the same bits as without it."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     if num_heads % num_kv_heads != 0:
