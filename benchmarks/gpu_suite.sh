@@ -60,7 +60,8 @@
 #                                               # 1000 x 1000 FP8 KV with it and without where it won >= 2%
 #   bash benchmarks/gpu_suite.sh part43 OUTDIR  # 1000 x 1000 FP8 KV with v_perm (the default now) and without
 #   bash benchmarks/gpu_suite.sh part44 OUTDIR  # the splits rule at batch 4-64 (FP8 at stages 5 took 18.6 us with 2
-#                                               # splits at 8 x 2048 where the rule's 8 take 26.3): FP8 and bf16
+#                                               # splits at 8 x 2048 where the rule's 8 take 26.3): FP8 and bf16; then
+#                                               # v_perm at tiles and stages the SASS tool says hold more programs
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
@@ -448,6 +449,11 @@ if [ "$part" = part44 ]; then
   TAIL=8 run timeout 150 python -m benchmarks.sweep_decode_attention --kv-dtype bfloat16 --cases $S --grid-orders heads \
     --configs s1_bn128_w4_st3_bf16 s2_bn128_w4_st3_bf16 s4_bn128_w4_st3_bf16 s8_bn128_w4_st3_bf16 \
     --output-file "$out/decode_attention_bf16_splits_h100.json"
+  # occupancy (sass_decode_attention.py, Triton 3.6): v_perm at 64-token tiles holds 4 programs an SM, stages 7
+  # three buffers each (192 KB an SM in flight); 128-token tiles at stages 3 hold 4 with one buffer
+  TAIL=4 run timeout 120 python -m benchmarks.sweep_decode_attention --cases 256x1500 400x1500 96x1500 --v-perm 1 \
+    --configs s1_bn128_w4_st5_f16 s1_bn128_w4_st3_f16 s1_bn64_w4_st5_f16 s1_bn64_w4_st7_f16 s1_bn64_w4_st6_f16 \
+    --output-file "$out/decode_attention_fp8_v_perm_tiles_h100.json"
 fi
 if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then
   files=$(ls tests/gpu/test_*.py | grep -v test_ray_tp_gpu.py)

@@ -15,6 +15,9 @@ num_stages 2-4 and waits for the next tile's copy before any of this tile's math
 gives two (kv_buffers below). A program of 16-bit KV still has 64 KB in flight, an FP8 one only 32 KB.
 Then V: fp8_n_v_perm (V's channels permuted so the P V operand is whole words) has no LDS.U8 and half the
 shared-memory instructions of fp8_n. Both measured faster on an H100 (benchmarks/README.md, eleventh session).
+Occupancy too, from the cubin: registers a thread (its ELF's EIATTR_REGCOUNT), programs an SM by registers
+and shared memory, and the KV bytes in flight an SM that gives (programs x buffers x tile). With Triton 3.6
+fp8_n at stages 5 takes 202 registers (2 programs an SM), fp8_n_v_perm 114 (3, by shared memory).
 
     python -m benchmarks.sass_decode_attention --output-file benchmarks/results/sass_decode_attention_stages_triton36.json
 
@@ -27,6 +30,7 @@ import collections
 import itertools
 import os
 import re
+import struct
 import subprocess
 import sys
 import tempfile
@@ -51,7 +55,7 @@ _ALIGNED = ("Q", "K_Buffer", "V_Buffer", "Req_To_Token", "Req_Pool_Indices", "Se
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--block-n", type=int, default=128)
+    p.add_argument("--block-n", type=int, nargs="+", default=[128], help="tiles other than 128 add _bnN to keys")
     p.add_argument("--num-warps", type=int, default=4)
     p.add_argument("--num-stages", type=int, nargs="+", default=[3, 5], help="each gives keys NAME_stN")
     p.add_argument("--output-file", default=None)
@@ -133,6 +137,32 @@ def kv_buffers(ttgir: str, block_n: int) -> int:
     return max(depths, default=0)
 
 
+def register_count(cubin: bytes) -> int:
+    """Registers a thread of the (one) kernel in a cubin: its .nv.info section's EIATTR_REGCOUNT (attribute
+    0x2f, format 0x04: a function index and the count), read from the ELF without a driver."""
+    sh_off = struct.unpack_from("<Q", cubin, 0x28)[0]
+    sh_size, sh_num, sh_strndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, sh_off + i * sh_size) for i in range(sh_num)]
+    names = sections[sh_strndx][4]
+    for name, *_, offset, size, _link, _info, _align, _entsize in sections:
+        if cubin[names + name:cubin.index(b"\0", names + name)] != b".nv.info":
+            continue
+        p = offset
+        while p + 4 <= offset + size:
+            fmt, attr, length = cubin[p], cubin[p + 1], struct.unpack_from("<H", cubin, p + 2)[0]
+            if fmt == 0x04 and attr == 0x2F:
+                return struct.unpack_from("<I", cubin, p + 8)[0]
+            p += 4 + (length if fmt == 0x04 else 0)  # formats 1-3 keep their value in the header
+    raise ValueError("no EIATTR_REGCOUNT in the cubin's .nv.info")
+
+
+def programs_per_sm(registers: int, num_warps: int, shared_bytes: int) -> int:
+    """Resident programs an H100 SM holds: 64K registers (allocated per warp in 256-register units), 228 KB of
+    shared memory (1 KB reserved per program), 64 warps, 32 programs."""
+    per_warp = -(-registers * 32 // 256) * 256
+    return min(65536 // (per_warp * num_warps), 233472 // (shared_bytes + 1024), 64 // num_warps, 32)
+
+
 def describe(kv: str, m_side: bool, f16: bool, v_perm: bool, block_n: int, num_warps: int, num_stages: int
              ) -> dict[str, Any]:
     c = compile_stage1(kv, m_side, f16, v_perm, block_n, num_warps, num_stages)
@@ -140,7 +170,10 @@ def describe(kv: str, m_side: bool, f16: bool, v_perm: bool, block_n: int, num_w
     hist = collections.Counter(ops)
     mio = sum(n for op, n in hist.items() if op.split(".")[0] in _MIO)
     tile_kb = 2 * block_n * 128 * (1 if kv != "bf16" else 2) / 1024  # K + V of one KV head
-    return {"shared_bytes": c.metadata.shared, "kv_buffers": kv_buffers(c.asm["ttgir"], block_n),
+    regs, buffers = register_count(c.asm["cubin"]), kv_buffers(c.asm["ttgir"], block_n)
+    programs = programs_per_sm(regs, num_warps, c.metadata.shared)
+    return {"shared_bytes": c.metadata.shared, "kv_buffers": buffers, "registers": regs,
+            "programs_per_sm": programs, "kv_kb_in_flight_per_sm": programs * buffers * tile_kb,
             "loop_instructions": len(ops), "loop_mio": mio,
             "loop_byte_loads": hist.get("LDS.U8", 0), "instructions_per_kb": len(ops) / tile_kb,
             "mio_per_kb": mio / tile_kb, "tile_kb_per_program": tile_kb,
@@ -152,10 +185,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     import triton
 
     results: dict[str, Any] = {"triton": triton.__version__}
-    for name, stages in itertools.product(args.variants, args.num_stages):
-        key = f"{name}_st{stages}"
-        results[key] = r = describe(*VARIANTS[name], args.block_n, args.num_warps, stages)
-        print(f"{key}: shared {r['shared_bytes']} B, {r['kv_buffers']} KV buffers, loop {r['loop_instructions']} instructions "
+    for name, block_n, stages in itertools.product(args.variants, args.block_n, args.num_stages):
+        key = f"{name}{'' if block_n == 128 else f'_bn{block_n}'}_st{stages}"
+        results[key] = r = describe(*VARIANTS[name], block_n, args.num_warps, stages)
+        print(f"{key}: shared {r['shared_bytes']} B, {r['registers']} registers, {r['programs_per_sm']} programs "
+              f"an SM, {r['kv_buffers']} KV buffers ({r['kv_kb_in_flight_per_sm']:.0f} KB an SM), "
+              f"loop {r['loop_instructions']} instructions "
               f"({r['instructions_per_kb']:.1f}/KB), MIO {r['loop_mio']} ({r['mio_per_kb']:.1f}/KB), "
               f"LDS.U8 {r['loop_byte_loads']}", flush=True)
     if args.output_file:

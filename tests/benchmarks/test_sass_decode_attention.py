@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.sass_decode_attention import kv_buffers, main_loop, parse_args
+from benchmarks.sass_decode_attention import kv_buffers, main_loop, parse_args, programs_per_sm
 
 
 def test_main_loop_is_the_largest_backward_branch() -> None:
@@ -43,7 +43,16 @@ def test_kv_buffers_reads_the_tile_buffers_leading_dimension() -> None:
 
 def test_parse_args_defaults() -> None:
     args = parse_args([])
-    assert args.block_n == 128 and args.num_stages == [3, 5] and "fp8_m" in args.variants
+    assert args.block_n == [128] and args.num_stages == [3, 5] and "fp8_m" in args.variants
+
+
+def test_programs_per_sm_matches_what_nsight_compute_reported() -> None:
+    # ncu on an H100 (results/ncu_decode_attention_h100.json): 141 and 168 registers, 74 KB and 41 KB, 4 warps:
+    # 3 programs an SM each, by registers.
+    assert programs_per_sm(141, 4, 74240) == 3 and programs_per_sm(168, 4, 41472) == 3
+    assert programs_per_sm(114, 4, 74752) == 3  # registers would allow 4; shared memory holds 3
+    assert programs_per_sm(106, 4, 56832) == 4 and programs_per_sm(64, 4, 0) == 8  # 8 by registers
+    assert programs_per_sm(32, 1, 0) == 32
 
 
 def test_fp8_kv_pipeline_depth_in_sm90_compile(tmp_path: Path) -> None:
@@ -72,3 +81,6 @@ def test_fp8_kv_pipeline_depth_in_sm90_compile(tmp_path: Path) -> None:
     plain, perm = r["fp8_n_st5"], r["fp8_n_v_perm_st5"]
     assert plain["loop_byte_loads"] == 128 and perm["loop_byte_loads"] == 0, (plain, perm)
     assert perm["loop_mio"] < plain["loop_mio"] and perm["kv_buffers"] == 2
+    for v in r.values():  # the ELF's register count: within what a thread can have, and occupancy from it
+        if isinstance(v, dict):
+            assert 32 <= v["registers"] <= 255 and 1 <= v["programs_per_sm"] <= 8, v
