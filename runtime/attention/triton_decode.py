@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import triton
 
 from kernels.decode_attention import decode_attention_counters, decode_attention_fwd
 from runtime.attention.spec import AttentionSpec
@@ -100,10 +99,12 @@ def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
 
 
 def splits_for(bs: int, num_kv_heads: int, max_splits: int, sm_count: int) -> int:
-    """The fewest power-of-two splits giving ~2 programs per SM, at most max_splits (each split re-reads q
-    and costs a partial write; a batch of 64 x 8 KV heads needs none)."""
-    want = triton.cdiv(2 * sm_count, max(1, bs * num_kv_heads))
-    return max(1, min(max_splits, triton.next_power_of_2(want)))
+    """The most power-of-two splits that keep the launch to one program per SM, at least one and at most
+    max_splits. Measured on an H100 at 1.5-2k tokens (benchmarks/README.md, twelfth session): the fewer
+    splits win once the programs fill the SMs once (each split re-reads q, writes a partial and lengthens
+    the merge), e.g. 8 x 2048 FP8 18.6 us a layer at 2 splits against 26.3 at the ~2-programs rule's 8."""
+    fit = sm_count // max(1, bs * num_kv_heads)
+    return max(1, min(max_splits, 1 << (fit.bit_length() - 1) if fit else 1))
 
 
 class TritonDecode:

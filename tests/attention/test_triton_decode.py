@@ -19,8 +19,9 @@ from runtime.attention.triton_decode import (
 )
 
 
-@pytest.mark.parametrize(("bs", "kv_heads", "want"), [(1, 8, 8), (4, 8, 8), (16, 8, 4), (32, 8, 2), (64, 8, 1),
-                                                      (256, 8, 1), (1, 1, 8), (33, 4, 2)])
+@pytest.mark.parametrize(("bs", "kv_heads", "want"), [(1, 8, 8), (2, 8, 8), (4, 8, 4), (8, 8, 2), (9, 8, 1),
+                                                      (16, 8, 1), (64, 8, 1), (256, 8, 1), (1, 1, 8), (33, 4, 1),
+                                                      (32, 4, 1), (16, 4, 2)])
 def test_splits_fill_the_gpu_then_stop(bs: int, kv_heads: int, want: int) -> None:
     assert splits_for(bs, kv_heads, max_splits=8, sm_count=132) == want
 
