@@ -33,8 +33,12 @@ def _rotate_heads(
 
 @triton.jit
 def rotate_pair(x1, x2, cos, sin):
-    """The rotation itself, in fp32; shared with kernels/rotary_kv_store.py so both round identically."""
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    """The rotation itself, in fp32; shared with kernels/rotary_kv_store.py and rotary_transform_kv_store.py
+    so all round identically. The FMAs are explicit: left to the compiler, `a*b - c*d` fuses whichever
+    product the surrounding code's instruction order suggests, and that differed between kernels (on an
+    H100 the fused rotary + transform + store and the in-place rotary disagreed in a last bit at 300+
+    tokens, 2026-11-28)."""
+    return tl.fma(x1, cos, -(x2 * sin)), tl.fma(x2, cos, x1 * sin)
 
 
 @triton.jit

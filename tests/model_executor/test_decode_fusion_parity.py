@@ -10,11 +10,24 @@ import torch
 from runner_driver import RunnerDriver
 from transformers import AutoModelForCausalLM
 
+from kernels.rotary import apply_rotary
 from runtime.layers.attention import Attention
+from runtime.layers.rotary import RotaryEmbedding
 from runtime.model_executor.forward_mode import ForwardMode
 
 PROMPTS = [[5, 17, 33, 101, 250, 7, 9], [42], [300, 12, 12, 12, 88, 64, 3, 200, 150, 99, 10, 11, 270]]
 NEW_TOKENS = 6
+
+
+def _cuda_rotary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's code path on CPU: the kernels in the Triton interpreter, the unfused rotary too (CUDA's
+    in-place kernel, whose explicit FMAs round unlike torch's two products)."""
+    def rotary_in_place(self, positions, q, k):
+        apply_rotary(positions, q, k, self.cos_sin_cache, self.head_dim, is_neox=True)
+        return q, k
+
+    monkeypatch.setattr(Attention, "_kernel_device", staticmethod(lambda q: True))
+    monkeypatch.setattr(RotaryEmbedding, "forward", rotary_in_place)
 
 
 def _greedy(path, fusion: str, monkeypatch: pytest.MonkeyPatch, **args) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -38,7 +51,7 @@ def _greedy(path, fusion: str, monkeypatch: pytest.MonkeyPatch, **args) -> tuple
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_fused_decode_matches_hf_and_unfused(tiny_model_dirs, arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tiny_model_dirs[arch]
-    monkeypatch.setattr(Attention, "_kernel_device", staticmethod(lambda q: True))
+    _cuda_rotary(monkeypatch)
     fused, fused_logits = _greedy(path, "1", monkeypatch)
     unfused, unfused_logits = _greedy(path, "0", monkeypatch)
     assert fused == unfused
@@ -54,7 +67,7 @@ def test_fused_decode_matches_hf_and_unfused(tiny_model_dirs, arch: str, monkeyp
 @pytest.mark.parametrize("scales", [{"kv_cache_scale": 0.5}, {}], ids=["static", "per_layer_calibrated"])
 def test_fused_decode_fp8_pool_equals_unfused(tiny_model_dirs, monkeypatch: pytest.MonkeyPatch, scales) -> None:
     """Every Triton kernel (store, rotary + store, extend, decode) gets each layer's own scales."""
-    monkeypatch.setattr(Attention, "_kernel_device", staticmethod(lambda q: True))
+    _cuda_rotary(monkeypatch)
     path = tiny_model_dirs["llama"]
     fused, fused_logits = _greedy(path, "1", monkeypatch, kv_cache_dtype="fp8_e4m3", **scales)
     unfused, unfused_logits = _greedy(path, "0", monkeypatch, kv_cache_dtype="fp8_e4m3", **scales)
