@@ -62,6 +62,11 @@
 #   bash benchmarks/gpu_suite.sh part44 OUTDIR  # the splits rule at batch 4-64 (FP8 at stages 5 took 18.6 us with 2
 #                                               # splits at 8 x 2048 where the rule's 8 take 26.3): FP8 and bf16; then
 #                                               # v_perm at tiles and stages the SASS tool says hold more programs
+#   bash benchmarks/gpu_suite.sh part45 OUTDIR  # splits: one program an SM (fewer at batch 4-31); EXTEND's fused
+#                                               # rotary + (rotation +) store: GPU tests, svc A/B against .baseline
+#   bash benchmarks/gpu_suite.sh part46 OUTDIR  # the rotation GPU tests with their fusion on/off numbers; 1000 x 1000
+#                                               # FP8 KV against .baseline (EXTEND's fused rotary + rotation + store)
+#   bash benchmarks/gpu_suite.sh part47 OUTDIR  # the rotary's explicit FMAs: rotation and rotary GPU tests
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
@@ -442,6 +447,7 @@ if [ "$part" = part43 ]; then
   done
 fi
 if [ "$part" = part44 ]; then
+  TAIL=6 run timeout 100 python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py -k forms_and_grid
   S="4x2048 8x2048 16x2048 32x1500 48x1500 64x1500"
   TAIL=8 run timeout 200 python -m benchmarks.sweep_decode_attention --cases $S --v-perm 0 1 \
     --configs s1_bn128_w4_st5_f16 s2_bn128_w4_st5_f16 s4_bn128_w4_st5_f16 s8_bn128_w4_st5_f16 \
@@ -454,6 +460,22 @@ if [ "$part" = part44 ]; then
   TAIL=4 run timeout 120 python -m benchmarks.sweep_decode_attention --cases 256x1500 400x1500 96x1500 --v-perm 1 \
     --configs s1_bn128_w4_st5_f16 s1_bn128_w4_st3_f16 s1_bn64_w4_st5_f16 s1_bn64_w4_st7_f16 s1_bn64_w4_st6_f16 \
     --output-file "$out/decode_attention_fp8_v_perm_tiles_h100.json"
+fi
+if [ "$part" = part45 ]; then  # the splits rule (one program an SM) and the fused rotary + store in EXTEND
+  TAIL=8 run timeout 330 python -m pytest -q -p no:cacheprovider tests/gpu/test_decode_fusion_gpu.py \
+    tests/gpu/test_gpu_kv_rotation.py tests/gpu/test_kernels_gpu.py -k "fusion or rotat or forms_and_grid or prestored"
+  TAIL=2 ab svc_step_times_splits 2 timeout 100 python -m benchmarks.svc_step_times --gc-freeze 1
+fi
+if [ "$part" = part46 ]; then  # part45's rotation failures with their numbers, then 1000 x 1000 FP8 KV A/B
+  timeout 240 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_kv_rotation.py > "$out/rotation_tests.log" 2>&1
+  grep -E "fusion on vs off|^(triton|flashinfer) \{|passed|failed|FAILED|Error" "$out/rotation_tests.log" | tail -30
+  TAIL=3 ab fp8_kv_1000x1000_extend_fusion 1 timeout 200 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 \
+    --max-running-requests 1024 --kv-cache-dtype fp8_e4m3
+fi
+if [ "$part" = part47 ]; then  # rotate_pair's explicit FMAs: the rotation tests (fused = three launches, bit for bit?)
+  timeout 300 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_kv_rotation.py tests/gpu/test_decode_fusion_gpu.py \
+    tests/gpu/test_kernels_gpu.py -k "rotat or rotary" > "$out/rotation_tests.log" 2>&1
+  grep -E "fusion on vs off|^(triton|flashinfer) \{|passed|failed|FAILED|Error" "$out/rotation_tests.log" | tail -30
 fi
 if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then
   files=$(ls tests/gpu/test_*.py | grep -v test_ray_tp_gpu.py)

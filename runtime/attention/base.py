@@ -17,18 +17,30 @@ class AttentionBackend(ABC):
     supports_cuda_graph: bool = False
     supports_verify_cuda_graph: bool = False  # TARGET_VERIFY (K + 1 tokens per request) captured too
 
+    def extend_reads_kv_from_pool(self, fb: ForwardBatch) -> bool:
+        """Whether this batch's pure-EXTEND attention reads the new tokens' K/V back from the pool, so the
+        caller may store them first (k = v = None), as in DECODE."""
+        return False
+
+    def stores_first_ok(self, fb: ForwardBatch) -> bool:
+        """Whether forward takes k = v = None (the caller stored the new K/V) for this batch."""
+        mode = fb.forward_mode
+        return mode.is_decode() or (mode.is_pure_extend() and self.extend_reads_kv_from_pool(fb))
+
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Once per batch, before the layers run (plan kernels, build index tensors)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: Attention,
                 fb: ForwardBatch) -> torch.Tensor:
         """q [T, Hq*D], k/v [T, Hkv*D] → o [T, Hq*D]. Stores K/V at fb.out_cache_loc first; k = v = None
-        (DECODE only) says the caller already stored them (Attention.forward_rotary's fused kernel)."""
+        (DECODE; a pure EXTEND too where extend_reads_kv_from_pool) says the caller already stored them
+        (Attention.forward_rotary's fused kernel)."""
         if fb.forward_mode.is_idle():
             return q.new_empty((0, layer.num_heads * layer.head_dim))
-        if (k is None) != (v is None) or (k is None and not fb.forward_mode.is_decode()):
-            raise ValueError(f"k and v may be None (already stored) together and only in DECODE, not "
-                             f"{fb.forward_mode.name}")
+        if (k is None) != (v is None) or (k is None and not self.stores_first_ok(fb)):
+            where = "DECODE or EXTEND" if self.extend_reads_kv_from_pool(fb) else "DECODE"
+            raise ValueError(f"k and v may be None (already stored) together and only in {where}, not "
+                             f"{fb.forward_mode.name} ({type(self).__name__})")
         if fb.forward_mode.is_decode():
             return self.forward_decode(q, k, v, layer, fb)
         return self.forward_extend(q, k, v, layer, fb)

@@ -168,7 +168,7 @@ class FlashInferAttnBackend(AttentionBackend):
     def _store(k: torch.Tensor | None, v: torch.Tensor | None, layer: Attention, fb: ForwardBatch
                ) -> tuple[torch.Tensor, torch.Tensor, float, float]:
         """The layer's KV buffers and scales, with the new K/V stored first (None: stored by the fused rotary
-        + KV store, DECODE)."""
+        + KV store)."""
         pool = fb.token_to_kv_pool
         k_buf, v_buf = pool.get_kv(layer.layer_id)
         k_scale, v_scale = pool.layer_scales(layer.layer_id)
@@ -185,6 +185,9 @@ class FlashInferAttnBackend(AttentionBackend):
         scales = {"k_scale": k_scale, "v_scale": v_scale} if fb.token_to_kv_pool.is_fp8 else {}
         self._wrapper.run(q3, (k_buf.unsqueeze(1), v_buf.unsqueeze(1)), out=o, **scales)
         return o.view(-1, layer.num_heads * layer.head_dim)
+
+    def extend_reads_kv_from_pool(self, fb: ForwardBatch) -> bool:
+        return True  # one paged prefill over every key, the new ones included
 
     def forward_extend(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
         return self._run(q, k, v, layer, fb)

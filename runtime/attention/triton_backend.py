@@ -80,11 +80,17 @@ class TritonAttnBackend(AttentionBackend):
             self._verify_workspace = ws
         return ws  # an eager step larger than every graph: its own scratch, the graphs keep theirs
 
+    def extend_reads_kv_from_pool(self, fb: ForwardBatch) -> bool:
+        return fb.token_to_kv_pool.is_fp8  # the new tokens as the pool holds them (forward_extend)
+
     def forward_extend(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
         if fb.forward_mode.is_target_verify() and 0 < max(self._max_extend_len, self._verify_rows) <= VERIFY_MAX_TOKENS:
             return self._forward_verify(q, k, v, layer, fb)
-        k3, v3, k_buf, v_buf = self._store(k, v, layer, fb)
         pool = fb.token_to_kv_pool
+        if k is None:  # FP8: stored by the fused rotary + KV store, and read back below as always
+            k_buf, v_buf = pool.get_kv(layer.layer_id)
+        else:
+            k3, v3, k_buf, v_buf = self._store(k, v, layer, fb)
         k_scale, v_scale = pool.layer_scales(layer.layer_id)
         if pool.is_fp8:  # the new tokens as the pool holds them, as every later read (and torch_native) sees them
             k3 = dequantize_kv(gather_rows(k_buf, fb.out_cache_loc), k_scale, q.dtype)

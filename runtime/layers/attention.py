@@ -3,7 +3,10 @@
 forward_rotary also applies the rotary embedding. In a DECODE step on CUDA (unless SHOAL_DECODE_FUSION=0)
 it does so with kernels/rotary_kv_store: q rotated in place, k rotated and v copied straight into this
 layer's KV pool slots in one launch, and the backend is told the new K/V are already stored (k = v = None).
-Elsewhere (EXTEND, MIXED, TARGET_VERIFY, CPU) the rotary runs on its own and the backend stores.
+A pure EXTEND does the same where the backend's extend reads the new K/V back from the pool anyway
+(AttentionBackend.extend_reads_kv_from_pool: flashinfer's, Triton's over FP8 pools), saving the rotary's
+and the store's own passes over the prefill. Elsewhere (MIXED, TARGET_VERIFY, other extends, CPU) the
+rotary runs on its own and the backend stores.
 
 An FP8 pool with a KVRotation (--kv-cache-rotation) holds K/V in a rotated basis: q/k/v are rotated after
 the rotary and the output rotated back, around whichever backend runs. Its fused DECODE path is
@@ -43,7 +46,8 @@ class Attention(nn.Module):
         pool = fb.token_to_kv_pool
         rotation = pool.rotation if pool is not None else None  # None: KVCalibrator's pool-less prefill
         on_device = self._kernel_device(q)
-        fuse = self.fuse_decode and on_device and fb.forward_mode.is_decode() and rotary.fusable(self.head_dim)
+        fuse = (self.fuse_decode and on_device and pool is not None and fb.attn_backend.stores_first_ok(fb)
+                and rotary.fusable(self.head_dim))
         if rotation is not None:
             if fuse and rotation.rotary_rotate_and_store(self.layer_id, positions, q, k, v, rotary.cos_sin_cache,
                                                          *pool.get_kv(self.layer_id), fb.out_cache_loc,

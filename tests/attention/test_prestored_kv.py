@@ -1,6 +1,7 @@
 """DECODE with K/V already in the pool (k = v = None: what Attention.forward_rotary passes after the
 fused rotary + KV store kernel) against the backend storing them itself: same outputs, same pool, for
-the torch_native and Triton backends on CPU (Triton interpreter), fp32 and FP8 pools.
+the torch_native and Triton backends on CPU (Triton interpreter), fp32 and FP8 pools; a pure EXTEND the
+same where the backend reads the new K/V back from the pool (Triton over FP8).
 flashinfer's branch is the same `k is None` test; tests/gpu/test_decode_fusion_gpu.py runs it."""
 
 from __future__ import annotations
@@ -73,5 +74,40 @@ def test_prestored_kv_only_in_decode(mode: ForwardMode) -> None:
     wb = _batch(runner, mode, [12, 9], [5, 8])
     backend = TorchNativeAttnBackend(runner.spec)
     fb = ForwardBatch.init_new(wb, runner.req_to_token_pool, runner.token_to_kv_pool, backend, runner.device)
-    with pytest.raises(ValueError, match="only in DECODE"):
+    with pytest.raises(ValueError, match="only in DECODE, not"):
         backend.forward(torch.randn(8, HQ * D), None, None, runner.layer, fb)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_prestored_kv_in_extend_where_the_backend_reads_the_pool(fp8: bool) -> None:
+    """Triton's extend reads an FP8 pool's new K/V back from the pool, so a pure EXTEND may come with them
+    stored (same output and pool as the backend storing them); over a 16-bit pool, and in MIXED, it may not."""
+    wb_args = ([12, 9], [5, 8])
+    results = []
+    for fused in (False, True):
+        runner = (_fp8_runner if fp8 else _runner)(seed=3)
+        wb = _batch(runner, ForwardMode.EXTEND, *wb_args)
+        backend = TritonAttnBackend(runner.spec)
+        fb = ForwardBatch.init_new(wb, runner.req_to_token_pool, runner.token_to_kv_pool, backend, runner.device)
+        fb.write_req_to_token()
+        backend.init_forward_metadata(fb)
+        assert backend.stores_first_ok(fb) == fp8
+        torch.manual_seed(7)
+        q, k, v = torch.randn(8, HQ * D), torch.randn(8, HKV * D), torch.randn(8, HKV * D)
+        pool = runner.token_to_kv_pool
+        if not fp8:
+            with pytest.raises(ValueError, match="only in DECODE, not EXTEND"):
+                backend.forward(q, None, None, runner.layer, fb)
+            return
+        if fused:
+            backend._store(k, v, runner.layer, fb)  # what the fused kernel leaves in the pool
+            out = backend.forward(q, None, None, runner.layer, fb)
+        else:
+            out = backend.forward(q, k, v, runner.layer, fb)
+        results.append((out, pool.k_buffers[0].float().clone(), pool.v_buffers[0].float().clone()))
+    (out_a, k_a, v_a), (out_b, k_b, v_b) = results
+    assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b) and torch.equal(out_a, out_b)
+    mixed = _batch(runner, ForwardMode.MIXED, *wb_args)
+    fb = ForwardBatch.init_new(mixed, runner.req_to_token_pool, runner.token_to_kv_pool, backend, runner.device)
+    with pytest.raises(ValueError, match="only in DECODE or EXTEND, not MIXED"):
+        backend.forward(q, None, None, runner.layer, fb)

@@ -222,9 +222,10 @@ def _interpreted_cuda_path(monkeypatch: pytest.MonkeyPatch, fusion: str) -> dict
 @pytest.mark.parametrize("arch", ["llama_d32", "qwen3"])
 def test_triton_rotation_in_the_model_equals_the_torch_path(tiny_model_dirs, llama_d32, arch: str,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the decode fusion on, Llama's DECODE rotates q, k and v and stores K/V in one launch
-    (rotary_transform_kv_store) and EXTEND transforms q, k and v in one head_transform_ launch; Qwen3's
-    normed q/k are new tensors: one launch each. The logits equal the torch path's (fp32)."""
+    """With the decode fusion on, Llama's DECODE and EXTEND (the Triton backend reads an FP8 pool's new
+    K/V back from the pool) rotate q, k and v and store K/V in one launch (rotary_transform_kv_store);
+    Qwen3's normed q/k are new tensors: one head_transform_ launch each. The logits equal the torch path's
+    (fp32)."""
     path = llama_d32 if arch == "llama_d32" else tiny_model_dirs[arch]
     calls = _interpreted_cuda_path(monkeypatch, "1")
     logits = {}
@@ -234,17 +235,18 @@ def test_triton_rotation_in_the_model_equals_the_torch_path(tiny_model_dirs, lla
         logits[fused] = greedy(d, n=3)[1]
     cfg = d.runner.model_config
     hq, hkv, layers = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers
-    if arch == "llama_d32":  # per layer: EXTEND qkv + output, then per DECODE step fused + output
-        assert calls["fused"] == [hq + 2 * hkv] * layers * 2
-        assert calls["transform"] == [hq + 2 * hkv, hq] * layers + [hq] * layers * 2
+    if arch == "llama_d32":  # per layer and step (EXTEND, then two DECODEs): fused + output
+        assert calls["fused"] == [hq + 2 * hkv] * layers * 3
+        assert calls["transform"] == [hq] * layers * 3
     else:
         assert not calls["fused"] and calls["transform"] == [hq, hkv, hkv, hq] * layers * 3
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)
 
 
 def test_fused_rotated_decode_equals_unfused_bit_for_bit(llama_d32, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A rotated pool never reaches the unrotated rotary + KV store kernel; its own fused decode
-    (rotary_transform_kv_store) gives the same bits as rotary + head_transform_ + store_kv."""
+    """A rotated pool never reaches the unrotated rotary + KV store kernel; its own fused path
+    (rotary_transform_kv_store, in the EXTEND and the DECODE steps) gives the same bits as rotary +
+    head_transform_ + store_kv."""
     logits = {}
     for fusion in ("1", "0"):
         calls = _interpreted_cuda_path(monkeypatch, fusion)
