@@ -67,6 +67,8 @@
 #   bash benchmarks/gpu_suite.sh part46 OUTDIR  # the rotation GPU tests with their fusion on/off numbers; 1000 x 1000
 #                                               # FP8 KV against .baseline (EXTEND's fused rotary + rotation + store)
 #   bash benchmarks/gpu_suite.sh part47 OUTDIR  # the rotary's explicit FMAs: rotation and rotary GPU tests
+#   bash benchmarks/gpu_suite.sh part48 OUTDIR  # the V rotation folded into the weights: rotation GPU tests, then
+#                                               # 1000 x 1000 FP8 KV with SHOAL_KV_V_FOLD=1 and 0 on one machine
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
@@ -476,6 +478,14 @@ if [ "$part" = part47 ]; then  # rotate_pair's explicit FMAs: the rotation tests
   timeout 300 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_kv_rotation.py tests/gpu/test_decode_fusion_gpu.py \
     tests/gpu/test_kernels_gpu.py -k "rotat or rotary" > "$out/rotation_tests.log" 2>&1
   grep -E "fusion on vs off|^(triton|flashinfer) \{|passed|failed|FAILED|Error" "$out/rotation_tests.log" | tail -30
+fi
+if [ "$part" = part48 ]; then  # V's rotation folded into W_v / W_o: GPU rotation tests, 1000 x 1000 FP8 KV fold on/off
+  timeout 200 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_kv_rotation.py > "$out/rotation_tests.log" 2>&1
+  grep -E "fusion on vs off|^(triton|flashinfer) \{|passed|failed|FAILED|Error" "$out/rotation_tests.log" | tail -30
+  for v in 1 0; do
+    TAIL=3 run timeout 200 env SHOAL_KV_V_FOLD=$v $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 \
+      --max-running-requests 1024 --kv-cache-dtype fp8_e4m3 --output-file "$out/fp8_kv_1000x1000_v_fold$v.json"
+  done
 fi
 if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then
   files=$(ls tests/gpu/test_*.py | grep -v test_ray_tp_gpu.py)

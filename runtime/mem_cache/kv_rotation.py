@@ -14,7 +14,9 @@ Modes (`--kv-cache-rotation`):
   U the eigenvectors of S, then Mq = A U H and Mk = A^-1 U H. The Hadamard turns S's eigenvalues into a
   flat diagonal, so every channel of q' and of k' has the same second moment, which minimises
   E[sum_c q'_c^2 k'_c^2] over all such transforms. Not orthonormal, but Mq Mk^T = I all the same.
-Both rotate V by H as well (orthonormal: o = sum_i p_i v_i, so the backend's output is rotated back by H^T).
+Both rotate V by H as well (orthonormal: o = sum_i p_i v_i, so the backend's output is rotated back by H^T);
+`v_in_weights` says the V projection already yields v H and o_proj takes o' (runtime/model_executor/
+v_rotation_fold.py), so neither V transform runs.
 
 Measured on SmolLM2-135M (benchmarks/README.md, FP8 section): top-1 agreement with bf16 95.2% unrotated,
 ~96.3-96.9% hadamard, ~97.1% calibrated.
@@ -75,12 +77,12 @@ class KVRotation:
     (Qwen3's normed q/k), besides the rotary and the backend's store; on the CPU one matmul per tensor."""
 
     def __init__(self, mode: str, num_heads: int, q_mats: Sequence[torch.Tensor], k_mats: Sequence[torch.Tensor],
-                 v_mat: torch.Tensor, fused: bool | None = None):
+                 v_mat: torch.Tensor, fused: bool | None = None, v_in_weights: bool = False):
         if mode not in ROTATION_MODES:
             raise ValueError(f"unknown KV cache rotation {mode!r} (one of {', '.join(ROTATION_MODES)})")
         if len(q_mats) != len(k_mats):
             raise ValueError(f"KV rotation: {len(q_mats)} q matrices but {len(k_mats)} k matrices")
-        self.mode, self.num_heads = mode, num_heads
+        self.mode, self.num_heads, self.v_in_weights = mode, num_heads, v_in_weights
         self.q_mats, self.k_mats = tuple(q_mats), tuple(k_mats)  # each [Hkv, D, D]
         self.v_mat, self.o_mat = v_mat, v_mat.T.contiguous()
         self.head_dim = v_mat.shape[0]
@@ -90,8 +92,11 @@ class KVRotation:
         # The Triton transform splits a head into halves for tl.dot, which needs 16 or more per side.
         self.fused = (v_mat.is_cuda if fused is None else fused) and self.head_dim >= 32
         # For the one-launch transform: per layer [q mats (Hkv), k mats (Hkv), v mat] and which one each of
-        # the Hq + 2 Hkv heads of a qkv row uses.
-        self.qkv_mats = tuple(torch.cat([qm, km, v_mat[None]]).contiguous() for qm, km in zip(self.q_mats, self.k_mats))
+        # the Hq + 2 Hkv heads of a qkv row uses. V in the weights: the identity, which the fused decode
+        # kernel's dot reproduces exactly (x * 1 and x * 0 summed in fp32).
+        stored_v = torch.eye(self.head_dim, dtype=v_mat.dtype, device=v_mat.device) if v_in_weights else v_mat
+        self.qkv_mats = tuple(torch.cat([qm, km, stored_v[None]]).contiguous()
+                              for qm, km in zip(self.q_mats, self.k_mats))
         group = num_heads // hkv
         heads = [h // group for h in range(num_heads)] + [hkv + j for j in range(hkv)] + [2 * hkv] * hkv
         self.qkv_head_map = torch.tensor(heads, dtype=torch.int32, device=v_mat.device)
@@ -120,6 +125,11 @@ class KVRotation:
             k_mats.append(torch.stack([p[1] for p in pairs]).to(device=device, dtype=dtype))
         return cls("calibrated", num_heads, q_mats, k_mats, h.to(device=device, dtype=dtype), fused)
 
+    def with_v_in_weights(self) -> KVRotation:
+        """The same rotation for a model whose V projection and o_proj carry V's change of basis."""
+        return KVRotation(self.mode, self.num_heads, self.q_mats, self.k_mats, self.v_mat, self.fused,
+                          v_in_weights=True)
+
     @property
     def num_layers(self) -> int:
         return len(self.q_mats)
@@ -141,22 +151,25 @@ class KVRotation:
         return self._per_head(k, m, self.head_dim)
 
     def rotate_v(self, v: torch.Tensor) -> torch.Tensor:
+        """v in the model's basis → the pool's (v H), whether or not the weights already do it (rotate)."""
         return self._per_head(v, self.v_mat, self.head_dim)
 
     def rotate(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q', k', v'). Fused, when q, k and v are adjacent views of one qkv row (the projection's output,
+        """(q', k', v') (v as it is where the weights rotate it). Fused, when q, k and v are adjacent views of one qkv row (the projection's output,
         rotary applied in place), all three are transformed in place in one launch."""
         if not (self.fused and all(x.dim() == 2 and x.stride(-1) == 1 and x.dtype == self.v_mat.dtype
                                    for x in (q, k, v))):
-            return self.rotate_q(layer_id, q), self.rotate_k(layer_id, k), self.rotate_v(v)
+            return self.rotate_q(layer_id, q), self.rotate_k(layer_id, k), v if self.v_in_weights else self.rotate_v(v)
         qkv, mats = self._qkv_view(q, k, v), self.qkv_mats[layer_id]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if qkv is not None:
-            head_transform_(qkv, mats, self.qkv_head_map)
+            heads = hq + hkv if self.v_in_weights else hq + 2 * hkv
+            head_transform_(qkv[:, :heads], mats, self.qkv_head_map[:heads])
             return q, k, v
         # Separate tensors (Qwen3's normed q/k): one in-place launch each, same matrices.
-        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        for x, heads in ((q, slice(0, hq)), (k, slice(hq, hq + hkv)), (v, slice(hq + hkv, hq + 2 * hkv))):
+        parts = ((q, slice(0, hq)), (k, slice(hq, hq + hkv)), (v, slice(hq + hkv, hq + 2 * hkv)))
+        for x, heads in parts[:2] if self.v_in_weights else parts:
             head_transform_(x.view(x.shape[0], -1, d), mats, self.qkv_head_map[heads])
         return q, k, v
 
@@ -174,7 +187,10 @@ class KVRotation:
         return True
 
     def restore_output(self, o: torch.Tensor) -> torch.Tensor:
-        """The backend's output in the rotated V basis → the model's (o' H^T); in place when fused."""
+        """The backend's output in the rotated V basis → the model's (o' H^T); in place when fused; as it is
+        where o_proj takes the rotated basis (v_in_weights)."""
+        if self.v_in_weights:
+            return o
         if self.fused and o.dim() == 2 and o.stride(-1) == 1:
             head_transform_(o.view(o.shape[0], -1, self.head_dim), self.o_mats, self.o_head_map)
             return o
@@ -195,4 +211,5 @@ class KVRotation:
         return q.as_strided((q.shape[0], width, d), (q.stride(0), d, 1))
 
     def summary(self) -> str:
-        return f"{self.mode} ({self.head_dim}x{self.head_dim} per head, {self.num_layers} layers; V by Hadamard)"
+        where = "folded into W_v / W_o" if self.v_in_weights else "a transform"
+        return f"{self.mode} ({self.head_dim}x{self.head_dim} per head, {self.num_layers} layers; V by Hadamard, {where})"

@@ -23,6 +23,7 @@ from runtime.mem_cache.kv_rotation import KVRotation
 from runtime.mem_cache.kv_scales import KVScales
 from runtime.model_executor.checkpoint_kv_scales import CheckpointKVScales
 from runtime.model_executor.kv_calibrator import KVCalibrator
+from runtime.model_executor.v_rotation_fold import fold_v_rotation
 
 if TYPE_CHECKING:
     from runtime.config import ServerArgs
@@ -66,6 +67,8 @@ class KVCacheFormat:
             elif scales is None:
                 scales, rotation = calibrator.calibrate_rotation(calibration_ids(),
                                                                  "calibrated" if rot == "auto" else rot, cfg.dtype)
+        if rotation is not None:  # V's change of basis into the weights: two launches a layer fewer
+            rotation = fold_v_rotation(model, rotation)
         if device.type == "cuda":  # calibration activations would otherwise count as used when sizing the pool
             torch.cuda.empty_cache()
         if ctx.attn.rank == 0 and ctx.mlp.rank == 0:

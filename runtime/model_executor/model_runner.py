@@ -85,12 +85,13 @@ class ModelRunner:
                            self.model_config.max_position_embeddings)
             self.model_config = dataclasses.replace(self.model_config, max_position_embeddings=self.context_len)
         self.model = self._load_model(model_path)
-        if self.device.type == "cpu":
-            cpu_config.prepare_model(self.model)
         self.kv_dtype = kv_storage_dtype(args.kv_cache_dtype, self.model_config.dtype)
-        # Scales and rotation before the pool and graphs: kernels take the scales as floats.
+        # Scales and rotation before the pool and graphs: kernels take the scales as floats. Before the CPU's
+        # packed weights too: a KV rotation may fold V's change of basis into W_v / W_o.
         kv_format = KVCacheFormat.resolve(args, self.model, self.model_config, self.kv_dtype, model_path,
                                           self.context_len, self.ctx, self.device)
+        if self.device.type == "cpu":
+            cpu_config.prepare_model(self.model)
         self.max_total_tokens = kv_pool_size or self._kv_pool_size()
         self.max_running_requests = args.max_running_requests + 4  # + requests mid chunked prefill
         self.req_to_token_pool = req_to_token_pool or ReqToTokenPool(self.max_running_requests,

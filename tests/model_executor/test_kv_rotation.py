@@ -22,6 +22,7 @@ from runtime.mem_cache.kv_pool import TokenToKVPool
 from runtime.mem_cache.kv_quant import dequantize_kv, quantize_kv
 from runtime.mem_cache.kv_rotation import KVRotation, balanced_qk_transform, hadamard_matrix
 from runtime.mem_cache.kv_scales import KVScales
+from runtime.model_executor.forward_mode import ForwardMode
 from runtime.model_executor.kv_calibrator import CALIBRATION_HEADROOM, KVCalibrator
 
 F8 = torch.float8_e4m3fn
@@ -223,7 +224,7 @@ def _interpreted_cuda_path(monkeypatch: pytest.MonkeyPatch, fusion: str) -> dict
 def test_triton_rotation_in_the_model_equals_the_torch_path(tiny_model_dirs, llama_d32, arch: str,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """With the decode fusion on, Llama's DECODE and EXTEND (the Triton backend reads an FP8 pool's new
-    K/V back from the pool) rotate q, k and v and store K/V in one launch (rotary_transform_kv_store);
+    K/V back from the pool) rotate q and k and store K/V in one launch (rotary_transform_kv_store);
     Qwen3's normed q/k are new tensors: one head_transform_ launch each. The logits equal the torch path's
     (fp32)."""
     path = llama_d32 if arch == "llama_d32" else tiny_model_dirs[arch]
@@ -235,11 +236,12 @@ def test_triton_rotation_in_the_model_equals_the_torch_path(tiny_model_dirs, lla
         logits[fused] = greedy(d, n=3)[1]
     cfg = d.runner.model_config
     hq, hkv, layers = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers
-    if arch == "llama_d32":  # per layer and step (EXTEND, then two DECODEs): fused + output
+    # V is folded into W_v / W_o (v_rotation_fold.py): no output transform, and Qwen3 transforms q and k only.
+    if arch == "llama_d32":  # per layer and step (EXTEND, then two DECODEs): the fused kernel only
         assert calls["fused"] == [hq + 2 * hkv] * layers * 3
-        assert calls["transform"] == [hq] * layers * 3
+        assert calls["transform"] == []
     else:
-        assert not calls["fused"] and calls["transform"] == [hq, hkv, hkv, hq] * layers * 3
+        assert not calls["fused"] and calls["transform"] == [hq, hkv] * layers * 3
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)
 
 
@@ -255,3 +257,66 @@ def test_fused_rotated_decode_equals_unfused_bit_for_bit(llama_d32, monkeypatch:
         logits[fusion] = greedy(d, n=3)[1]
         assert bool(calls["fused"]) == (fusion == "1")
     assert torch.equal(logits["1"], logits["0"])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # qwen2: q/k/v biases; qwen3: normed q/k
+def test_v_rotation_folded_into_the_weights(tiny_model_dirs, arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """V's change of basis in W_v, b_v and W_o (runtime/model_executor/v_rotation_fold.py) instead of two
+    transforms a layer: the same pool scales and logits as the transforms (fp32), the weights as derived."""
+    from runtime.model_executor.v_rotation_fold import fold_v_rotation
+
+    runs = {}
+    for fold in ("1", "0"):
+        monkeypatch.setenv("SHOAL_KV_V_FOLD", fold)
+        d = RunnerDriver(tiny_model_dirs[arch], kv_cache_dtype="fp8_e4m3", kv_cache_rotation="hadamard")
+        rot = d.runner.token_to_kv_pool.rotation
+        assert rot is not None and rot.v_in_weights == (fold == "1")
+        assert ("folded into W_v / W_o" in rot.summary()) == (fold == "1")
+        runs[fold] = (d, greedy(d)[1])
+    (folded, got), (plain, want) = runs["1"], runs["0"]
+    assert folded.runner.token_to_kv_pool.v_scales == pytest.approx(plain.runner.token_to_kv_pool.v_scales)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    h = plain.runner.token_to_kv_pool.rotation.v_mat.float()
+    for a, b in zip(folded.runner.model.model.layers, plain.runner.model.model.layers, strict=True):
+        fa, pa = a.self_attn, b.self_attn
+        start, d = fa.q_size + fa.kv_size, fa.head_dim
+        w_v = pa.qkv_proj.weight[start:].view(-1, d, pa.qkv_proj.weight.shape[1])
+        torch.testing.assert_close(fa.qkv_proj.weight[start:].view_as(w_v), h.T @ w_v)
+        assert torch.equal(fa.qkv_proj.weight[:start], pa.qkv_proj.weight[:start])  # q and k untouched
+        if pa.qkv_proj.bias is not None:
+            torch.testing.assert_close(fa.qkv_proj.bias[start:], (pa.qkv_proj.bias[start:].view(-1, d) @ h).flatten())
+        w_o = pa.o_proj.weight.view(pa.o_proj.weight.shape[0], -1, d)
+        torch.testing.assert_close(fa.o_proj.weight.view_as(w_o), w_o @ h)
+    rot = folded.runner.token_to_kv_pool.rotation
+    assert fold_v_rotation(folded.runner.model, rot) is rot  # folded once; a second call changes nothing
+
+
+def test_v_rotation_stays_a_transform_over_fp8_weights(tiny_llama, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8 weights carry a scale per output channel, which H would mix: V keeps its transforms."""
+    monkeypatch.delenv("SHOAL_KV_V_FOLD", raising=False)
+    d = RunnerDriver(tiny_llama, kv_cache_dtype="fp8_e4m3", kv_cache_rotation="hadamard", quantization="fp8")
+    rot = d.runner.token_to_kv_pool.rotation
+    assert rot is not None and not rot.v_in_weights
+    greedy(d)
+
+
+def test_v_fold_lands_before_the_cpus_packed_weights(tiny_llama, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 model on the CPU gets packed linear weights after loading (cpu_config.prepare_model); the fold
+    comes first, so the packed W_v / W_o carry it: the pool holds the rotated V either way. (Folded after
+    packing, W_v and W_o both ignored it, V reached the pool unrotated and nothing turned the output back:
+    consistent logits, wrong pool.)"""
+    pools, logits = {}, {}
+    for fold in ("1", "0"):
+        monkeypatch.setenv("SHOAL_KV_V_FOLD", fold)
+        d = RunnerDriver(tiny_llama, kv_cache_dtype="fp8_e4m3", kv_cache_rotation="calibrated", dtype="bfloat16")
+        assert d.runner.token_to_kv_pool.rotation.v_in_weights == (fold == "1")
+        row = d.new_row()
+        _, out = d.step(ForwardMode.EXTEND, [row], [PROMPT])
+        pool = d.runner.token_to_kv_pool
+        slots = torch.tensor(d.slots[row])
+        pools[fold] = torch.stack([dequantize_kv(pool.v_buffers[i][slots], pool.v_scales[i], torch.float32)
+                                   for i in range(len(pool.v_buffers))])
+        logits[fold] = out.next_token_logits.float()
+    v1, v0 = pools["1"], pools["0"]
+    assert float((v1 - v0).abs().mean()) < 0.05 * float(v0.abs().mean())  # FP8 / bf16 rounding apart
+    assert float((logits["1"] - logits["0"]).abs().max()) < 0.02 * float(logits["0"].abs().max())

@@ -1,0 +1,59 @@
+"""fold_v_rotation: the FP8 KV rotation's V side moved into the attention weights, once, after calibration.
+
+KVRotation (runtime/mem_cache/kv_rotation.py) stores v' = v H per head and turns the backend's output back
+with o = o' H^T: one more launch per layer and step over the whole attention output (on an H100, ~0.7% of a
+1000 x 1000 FP8 KV run's DECODE time and ~1.3% of its EXTEND). V has no rotary, so the same change of basis
+can live in the weights instead (row vectors, per KV head h and query head g):
+
+    v' = x W_v[h]^T H + b_v[h] H       →   W_v[h] ← H^T W_v[h],   b_v[h] ← b_v[h] H
+    y  = sum_g o'_g H^T W_o[:, g]^T    →   W_o[:, g] ← W_o[:, g] H
+
+(H the rotation's own matrix in the model dtype, products in fp32, rounded once to the weight dtype). Both
+shards are per head under tensor parallelism (QKV rows, o_proj input columns), so each rank folds its own.
+Where any layer's q/k/v or o projection is not a 16/32-bit dense weight (FP8 weights: rows of a head would
+mix channels with their own scales) nothing is folded and the rotation keeps its transforms.
+SHOAL_KV_V_FOLD=0 keeps them too (to measure the difference)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from runtime.mem_cache.kv_rotation import KVRotation
+
+logger = logging.getLogger(__name__)
+
+_DENSE = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _foldable(attn: torch.nn.Module) -> bool:
+    projections = (getattr(attn, "qkv_proj", None), getattr(attn, "o_proj", None))
+    return all(p is not None and isinstance(getattr(p, "weight", None), torch.Tensor) and p.weight.dtype in _DENSE
+               and not hasattr(p, "weight_scale") for p in projections)
+
+
+@torch.no_grad()
+def fold_v_rotation(model: torch.nn.Module, rotation: KVRotation) -> KVRotation:
+    """The rotation with V in the weights (`model`'s attention layers changed in place), or `rotation`
+    itself where it cannot or should not be folded."""
+    if rotation.v_in_weights or os.environ.get("SHOAL_KV_V_FOLD", "1") == "0":
+        return rotation
+    layers = [layer.self_attn for layer in getattr(getattr(model, "model", None), "layers", ())]
+    if not layers or len(layers) != rotation.num_layers or not all(_foldable(a) for a in layers):
+        logger.info("KV rotation: V stays a transform (a projection is not a 16/32-bit dense weight)")
+        return rotation
+    h = rotation.v_mat.float()
+    d = rotation.head_dim
+    for attn in layers:
+        qkv, o = attn.qkv_proj, attn.o_proj
+        start, n = attn.q_size + attn.kv_size, attn.kv_size // d
+        w_v = qkv.weight[start:start + attn.kv_size].view(n, d, -1)
+        w_v.copy_(torch.einsum("ed,hei->hdi", h, w_v.float()).to(w_v.dtype))  # H^T W_v[h]
+        if qkv.bias is not None:
+            b_v = qkv.bias[start:start + attn.kv_size].view(n, d)
+            b_v.copy_((b_v.float() @ h).to(b_v.dtype))
+        w_o = o.weight.view(o.weight.shape[0], -1, d)  # [out, local q heads, D]
+        w_o.copy_(torch.einsum("ogd,de->oge", w_o.float(), h).to(w_o.dtype))
+    return rotation.with_v_in_weights()
