@@ -67,8 +67,9 @@
 #   bash benchmarks/gpu_suite.sh part46 OUTDIR  # the rotation GPU tests with their fusion on/off numbers; 1000 x 1000
 #                                               # FP8 KV against .baseline (EXTEND's fused rotary + rotation + store)
 #   bash benchmarks/gpu_suite.sh part47 OUTDIR  # the rotary's explicit FMAs: rotation and rotary GPU tests
-#   bash benchmarks/gpu_suite.sh part48 OUTDIR  # the V rotation folded into the weights: rotation GPU tests, then
-#                                               # 1000 x 1000 FP8 KV with SHOAL_KV_V_FOLD=1 and 0 on one machine
+#   bash benchmarks/gpu_suite.sh part48 OUTDIR  # the V rotation folded into the weights: rotation GPU tests, the
+#                                               # splits rule at 16-32k tokens, then 1000 x 1000 FP8 KV with
+#                                               # SHOAL_KV_V_FOLD=1 and 0 on one machine
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
@@ -482,6 +483,10 @@ fi
 if [ "$part" = part48 ]; then  # V's rotation folded into W_v / W_o: GPU rotation tests, 1000 x 1000 FP8 KV fold on/off
   timeout 200 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_kv_rotation.py > "$out/rotation_tests.log" 2>&1
   grep -E "fusion on vs off|^(triton|flashinfer) \{|passed|failed|FAILED|Error" "$out/rotation_tests.log" | tail -30
+  # the splits rule (one program an SM) was measured at <= 2k tokens only: long contexts at batch 4-16
+  TAIL=8 run timeout 120 python -m benchmarks.sweep_decode_attention --cases 4x32768 8x16384 16x16384 --v-perm 1 \
+    --configs s1_bn128_w4_st5_f16 s2_bn128_w4_st5_f16 s4_bn128_w4_st5_f16 s8_bn128_w4_st5_f16 \
+    --output-file "$out/decode_attention_fp8_splits_long_h100.json"
   for v in 1 0; do
     TAIL=3 run timeout 200 env SHOAL_KV_V_FOLD=$v $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 \
       --max-running-requests 1024 --kv-cache-dtype fp8_e4m3 --output-file "$out/fp8_kv_1000x1000_v_fold$v.json"

@@ -264,6 +264,11 @@ def decode_attention_counters(batch: int, num_heads: int, device: torch.device |
     return torch.zeros((batch, num_heads), dtype=torch.int32, device=device)
 
 
+def decode_head_block(kv_group: int) -> int:
+    """Query heads one program takes of a KV head's group (the dots' 16-row minimum; groups above split)."""
+    return max(_MIN_BLOCK_H, triton.next_power_of_2(min(kv_group, _MIN_BLOCK_H)))
+
+
 def decode_attention_fwd(
     q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, o: torch.Tensor,
     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
@@ -306,7 +311,7 @@ def decode_attention_fwd(
             raise ValueError(f"{name} must be contiguous in its last dimension")
 
     kv_fp8 = k_buffer.element_size() == 1
-    block_h = max(_MIN_BLOCK_H, triton.next_power_of_2(min(kv_group, _MIN_BLOCK_H)))
+    block_h = decode_head_block(kv_group)
     blocks_per_group = triton.cdiv(kv_group, block_h)
     block_d = triton.next_power_of_2(head_dim)
     head_blocks = num_kv_heads * blocks_per_group

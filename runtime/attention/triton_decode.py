@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.decode_attention import decode_attention_counters, decode_attention_fwd
+from kernels.decode_attention import decode_attention_counters, decode_attention_fwd, decode_head_block
 from runtime.attention.spec import AttentionSpec
 
 if TYPE_CHECKING:
@@ -98,12 +98,13 @@ def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
     return value
 
 
-def splits_for(bs: int, num_kv_heads: int, max_splits: int, sm_count: int) -> int:
-    """The most power-of-two splits that keep the launch to one program per SM, at least one and at most
-    max_splits. Measured on an H100 at 1.5-2k tokens (benchmarks/README.md, twelfth session): the fewer
-    splits win once the programs fill the SMs once (each split re-reads q, writes a partial and lengthens
-    the merge), e.g. 8 x 2048 FP8 18.6 us a layer at 2 splits against 26.3 at the ~2-programs rule's 8."""
-    fit = sm_count // max(1, bs * num_kv_heads)
+def splits_for(bs: int, head_programs: int, max_splits: int, sm_count: int) -> int:
+    """The most power-of-two splits that keep the launch to one program per SM (bs x head_programs x splits,
+    head_programs = KV heads x 16-head blocks of a group), at least one and at most max_splits. Measured on an
+    H100 at 1.5-2k tokens (benchmarks/README.md, twelfth session): the fewer splits win once the programs
+    fill the SMs once (each split re-reads q, writes a partial and lengthens the merge), e.g. 8 x 2048 FP8
+    18.6 us a layer at 2 splits against 26.3 at the ~2-programs rule's 8. Not measured past 2k tokens."""
+    fit = sm_count // max(1, bs * head_programs)
     return max(1, min(max_splits, 1 << (fit.bit_length() - 1) if fit else 1))
 
 
@@ -116,13 +117,16 @@ class TritonDecode:
         self.sm_count = (torch.cuda.get_device_properties(spec.device).multi_processor_count
                          if spec.device.type == "cuda" else _SM_COUNT_DEFAULT)
         self.max_bs = spec.max_bs
+        # Programs a request's split takes: each KV head's query group in blocks of up to 16 heads (the kernel's).
+        group = self.num_heads // self.num_kv_heads
+        self.head_programs = self.num_kv_heads * -(-group // decode_head_block(group))
         self._workspace: torch.Tensor | None = None
         self._counters: torch.Tensor | None = None
 
     def splits(self, bs: int) -> int:
         if not self.config.adaptive_splits:
             return self.config.max_splits
-        return splits_for(bs, self.num_kv_heads, self.config.max_splits, self.sm_count)
+        return splits_for(bs, self.head_programs, self.config.max_splits, self.sm_count)
 
     def reserve(self, bs: int) -> None:
         """Scratch for batches up to bs (grows for a larger eager batch; graphs reserve their largest first)."""

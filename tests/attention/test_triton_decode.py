@@ -4,6 +4,7 @@ against the reference."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +25,15 @@ from runtime.attention.triton_decode import (
                                                       (32, 4, 1), (16, 4, 2)])
 def test_splits_fill_the_gpu_then_stop(bs: int, kv_heads: int, want: int) -> None:
     assert splits_for(bs, kv_heads, max_splits=8, sm_count=132) == want
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "programs"), [(32, 8, 8), (4, 2, 2), (32, 1, 2), (64, 2, 4), (48, 1, 3)])
+def test_splits_count_a_groups_head_blocks(num_heads: int, num_kv_heads: int, programs: int) -> None:
+    """A program takes up to 16 query heads of a KV head's group, so a group of 32 takes two a split."""
+    spec = dataclasses.replace(_spec(4, None), num_heads=num_heads, num_kv_heads=num_kv_heads)
+    decode = TritonDecode(spec, DecodeKernelConfig.for_kv(False))
+    assert decode.head_programs == programs
+    assert decode.splits(40) == splits_for(40, programs, decode.config.max_splits, decode.sm_count)
 
 
 def test_config_per_kv_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
