@@ -108,6 +108,11 @@ class ModelConfig:
             raise ModelConfigError(f"config field 'hidden_act' must be 'silu', got {act!r}")
         if raw.get("mlp_bias"):  # the MLP layers carry no bias: loading would silently drop the checkpoint's
             raise ModelConfigError("config field 'mlp_bias' is true; MLP biases are not supported")
+        # Llama's and Qwen3's attention_bias puts a bias on o_proj too (Qwen2's is q/k/v only), which our
+        # o_proj lacks: loading would drop it silently.
+        if raw.get("attention_bias") and model_type in ("llama", "qwen3"):
+            raise ModelConfigError(f"config field 'attention_bias' is true for a {model_type} model, whose o_proj "
+                                   "then has a bias; o_proj biases are not supported (Qwen2's q/k/v biases are)")
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         return cls(

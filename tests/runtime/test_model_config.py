@@ -113,6 +113,8 @@ def test_other_bad_fields(tiny_llama) -> None:
         ModelConfig.from_dict({**_raw(tiny_llama), "dtype": "float64"})
     with pytest.raises(ModelConfigError, match="mlp_bias"):
         ModelConfig.from_dict({**_raw(tiny_llama), "mlp_bias": True})
+    with pytest.raises(ModelConfigError, match="attention_bias.*o_proj"):  # HF gives its o_proj a bias too
+        ModelConfig.from_dict({**_raw(tiny_llama), "attention_bias": True})
 
 
 def test_missing_or_broken_config_json(tmp_path) -> None:
