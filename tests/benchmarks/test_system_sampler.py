@@ -46,8 +46,10 @@ def test_bench_offline_reports_the_system_during_its_run(tmp_path) -> None:
     from benchmarks import bench_offline
 
     out = tmp_path / "offline.json"
+    # Long enough for /proc/stat's clock ticks (10 ms) to move: 4 x 4 tokens once finished in 0.01 s, and a
+    # span without a tick has no CPU shares to report.
     results = bench_offline.main(["--model-config", "Tiny-Llama-smoke", "--device", "cpu", "--dtype", "float32",
-                                  "--num-prompts", "4", "--input-len", "8", "--output-len", "4",
+                                  "--num-prompts", "8", "--input-len", "8", "--output-len", "64",
                                   "--output-file", str(out)])
     system = results["system_during_run"]
     assert system["span_s"] > 0 and 0 <= system["cpu_busy_pct"] <= 100
