@@ -34,8 +34,9 @@ from kernels.pdl import launch_options, pdl_enabled
 
 # Chunks are rounded up to this many tokens so short sequences do not get split into tiny pieces.
 _MIN_BLOCK_KV = 32
-# tl.dot needs at least 16 rows on tensor cores; smaller GQA groups are padded up to it with masked rows.
-_MIN_BLOCK_H = 16
+# Query heads one program takes of a KV head's group: tl.dot needs at least 16 rows on tensor cores, so
+# smaller GQA groups are padded up to it with masked rows, and larger ones take several programs.
+HEAD_BLOCK = 16
 _LOG2E = 1.4426950408889634
 
 
@@ -264,11 +265,6 @@ def decode_attention_counters(batch: int, num_heads: int, device: torch.device |
     return torch.zeros((batch, num_heads), dtype=torch.int32, device=device)
 
 
-def decode_head_block(kv_group: int) -> int:
-    """Query heads one program takes of a KV head's group (the dots' 16-row minimum; groups above split)."""
-    return max(_MIN_BLOCK_H, triton.next_power_of_2(min(kv_group, _MIN_BLOCK_H)))
-
-
 def decode_attention_fwd(
     q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, o: torch.Tensor,
     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
@@ -311,7 +307,7 @@ def decode_attention_fwd(
             raise ValueError(f"{name} must be contiguous in its last dimension")
 
     kv_fp8 = k_buffer.element_size() == 1
-    block_h = decode_head_block(kv_group)
+    block_h = HEAD_BLOCK
     blocks_per_group = triton.cdiv(kv_group, block_h)
     block_d = triton.next_power_of_2(head_dim)
     head_blocks = num_kv_heads * blocks_per_group

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.decode_attention import decode_attention_counters, decode_attention_fwd, decode_head_block
+from kernels.decode_attention import HEAD_BLOCK, decode_attention_counters, decode_attention_fwd
 from runtime.attention.spec import AttentionSpec
 
 if TYPE_CHECKING:
@@ -117,9 +117,8 @@ class TritonDecode:
         self.sm_count = (torch.cuda.get_device_properties(spec.device).multi_processor_count
                          if spec.device.type == "cuda" else _SM_COUNT_DEFAULT)
         self.max_bs = spec.max_bs
-        # Programs a request's split takes: each KV head's query group in blocks of up to 16 heads (the kernel's).
-        group = self.num_heads // self.num_kv_heads
-        self.head_programs = self.num_kv_heads * -(-group // decode_head_block(group))
+        # Programs a request's split takes: each KV head's query group in blocks of HEAD_BLOCK heads.
+        self.head_programs = self.num_kv_heads * -(-(self.num_heads // self.num_kv_heads) // HEAD_BLOCK)
         self._workspace: torch.Tensor | None = None
         self._counters: torch.Tensor | None = None
 
