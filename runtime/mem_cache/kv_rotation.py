@@ -156,11 +156,13 @@ class KVRotation:
 
     def rotate(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q', k', v') (v as it is where the weights rotate it). Fused, when q, k and v are adjacent views of one qkv row (the projection's output,
-        rotary applied in place), all three are transformed in place in one launch."""
+        """(q', k', v'), v as it is where the weights rotate it (v_in_weights). Fused, when q, k and v are
+        adjacent views of one qkv row (the projection's output, rotary applied in place), all three are
+        transformed in place in one launch."""
         if not (self.fused and all(x.dim() == 2 and x.stride(-1) == 1 and x.dtype == self.v_mat.dtype
                                    for x in (q, k, v))):
-            return self.rotate_q(layer_id, q), self.rotate_k(layer_id, k), v if self.v_in_weights else self.rotate_v(v)
+            v_out = v if self.v_in_weights else self.rotate_v(v)
+            return self.rotate_q(layer_id, q), self.rotate_k(layer_id, k), v_out
         qkv, mats = self._qkv_view(q, k, v), self.qkv_mats[layer_id]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if qkv is not None:
@@ -212,4 +214,5 @@ class KVRotation:
 
     def summary(self) -> str:
         where = "folded into W_v / W_o" if self.v_in_weights else "a transform"
-        return f"{self.mode} ({self.head_dim}x{self.head_dim} per head, {self.num_layers} layers; V by Hadamard, {where})"
+        return (f"{self.mode} ({self.head_dim}x{self.head_dim} per head, {self.num_layers} layers; "
+                f"V by Hadamard, {where})")
