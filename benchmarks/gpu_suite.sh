@@ -70,6 +70,10 @@
 #   bash benchmarks/gpu_suite.sh part48 OUTDIR  # the V rotation folded into the weights: rotation GPU tests, the
 #                                               # splits rule at 16-32k tokens, then 1000 x 1000 FP8 KV with
 #                                               # SHOAL_KV_V_FOLD=1 and 0 on one machine
+#   bash benchmarks/gpu_suite.sh part49 OUTDIR  # FP8 decode at 414 x 1500 over three slot layouts and both grid
+#                                               # orders; the 414 x 1400/200 wave profiled with today's kernels
+#   bash benchmarks/gpu_suite.sh part50 OUTDIR  # flashinfer's ragged prefill: backend GPU tests; FP8 decode grid
+#                                               # orders at batch 1-256; 1000 x 1000 FP8 KV ragged on / off
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
@@ -490,6 +494,27 @@ if [ "$part" = part48 ]; then  # V's rotation folded into W_v / W_o: GPU rotatio
   for v in 1 0; do
     TAIL=3 run timeout 200 env SHOAL_KV_V_FOLD=$v $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 \
       --max-running-requests 1024 --kv-cache-dtype fp8_e4m3 --output-file "$out/fp8_kv_1000x1000_v_fold$v.json"
+  done
+fi
+if [ "$part" = part49 ]; then  # how much the pool's slot layout costs the FP8 kernel, and where a wave's step goes now
+  TAIL=12 run timeout 150 python -m benchmarks.sweep_decode_attention --cases 414x1500 --v-perm 1 \
+    --layouts contiguous decode random --grid-orders batch heads --configs s1_bn128_w4_st5_f16 \
+    --output-file "$out/decode_attention_fp8_layouts_h100.json"
+  TAIL=6 run timeout 200 python -m benchmarks.svc_step_times --gc-freeze 1 --profile --input-range 1400 1400 \
+    --output-range 200 200 --num-requests 414 --cuda-graph-max-bs 512 --engine-arg kv_cache_dtype=fp8_e4m3 \
+    --output-file "$out/svc_step_times_profile_fp8_kv_wave_v_perm_h100.json"
+fi
+if [ "$part" = part50 ]; then  # the ragged prefill (new tokens' K/V as computed, fa3) and the FP8 decode grid order
+  timeout 300 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_fp8.py tests/gpu/test_gpu_attention_backends.py \
+    tests/gpu/test_gpu_engine.py -k "matches_torch_native or flashinfer and (parity or fp8_kv_and_weights)" \
+    > "$out/ragged_tests.log" 2>&1
+  grep -E "\[parity\]|passed|failed|FAILED|Error" "$out/ragged_tests.log" | tail -12
+  TAIL=4 run timeout 150 python -m benchmarks.sweep_decode_attention --cases 1x2048 8x2048 32x1500 64x1500 256x1500 \
+    --v-perm 0 1 --grid-orders batch heads --configs s1_bn128_w4_st5_f16 s2_bn128_w4_st5_f16 s4_bn128_w4_st5_f16 \
+    s8_bn128_w4_st5_f16 --output-file "$out/decode_attention_fp8_grid_orders_h100.json"
+  for r in auto 0; do
+    TAIL=3 run timeout 280 env SHOAL_DECODE_GRID=heads SHOAL_PREFILL_RAGGED=$r $OFF --num-prompts 1000 --input-len 1000 \
+      --output-len 1000 --max-running-requests 1024 --kv-cache-dtype fp8_e4m3 --output-file "$out/fp8_kv_1000x1000_ragged_$r.json"
   done
 fi
 if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then

@@ -23,6 +23,7 @@ import triton.language as tl
 from kernels.decode_fusion import decode_fusion_enabled
 from kernels.kv_store import store_kv
 from runtime.attention.base import AttentionBackend
+from runtime.attention.ragged_prefill import RaggedPrefill, ragged_prefill_choice, serves
 from runtime.attention.spec import AttentionSpec
 from runtime.attention.triton_decode import DecodeKernelConfig, TritonDecode
 
@@ -79,9 +80,14 @@ def build_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
 
 
 def _indptr(lens: list[int]) -> torch.Tensor:
+    return _pinned(torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32))
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
     # Pinned: flashinfer's plan copies it to the device, and a copy from pageable memory waits for the
-    # stream to drain — which would stall overlap scheduling behind the batch still running.
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32).pin_memory()
+    # stream to drain — which would stall overlap scheduling behind the batch still running. (CPU tests run
+    # the planning with a stand-in flashinfer and no device to pin for.)
+    return t.pin_memory() if torch.cuda.is_available() else t
 
 
 # Head sizes flashinfer's prefill/decode kernels are built for (its own dispatch refuses the rest at the
@@ -118,6 +124,11 @@ class FlashInferAttnBackend(AttentionBackend):
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend=FLASHINFER_KERNEL_BACKEND)
         self.decode_wrapper = self._decode_wrapper()
+        choice = ragged_prefill_choice()
+        self.ragged = None if choice == "0" else RaggedPrefill(
+            flashinfer, self.workspace, self.prefill_wrapper, choice, self.num_heads, self.num_kv_heads,
+            self.head_dim, self.sm_scale, self.dtype, self.kv_dtype, self.device)
+        self._ragged_batch = False
         self._wrapper: Any = None
         self._graph_wrappers: dict[int, Any] = {}
         # Which kernel runs DECODE (None: flashinfer's decode wrapper), read once here so captured graphs
@@ -135,8 +146,12 @@ class FlashInferAttnBackend(AttentionBackend):
     # ---- per batch ------------------------------------------------------------------------------------
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         mode = fb.forward_mode
+        self._ragged_batch = False
         if mode.is_idle() or fb.batch_size == 0:
             self._wrapper = None
+            return
+        if self.ragged is not None and serves(fb):
+            self._plan_ragged(fb)
             return
         if mode.is_decode() and self.triton_decode is not None:
             self.triton_decode.reserve(fb.batch_size)
@@ -146,7 +161,7 @@ class FlashInferAttnBackend(AttentionBackend):
         kv_indptr = kv_indptr_cpu.to(self.device, non_blocking=True)
         kv_indices = torch.empty(fb.seq_lens_sum, dtype=torch.int32, device=self.device)
         build_kv_indices(self.req_to_token, fb.req_pool_indices, fb.seq_lens, kv_indptr, kv_indices)
-        last_page_len = torch.ones(fb.batch_size, dtype=torch.int32).pin_memory()
+        last_page_len = _pinned(torch.ones(fb.batch_size, dtype=torch.int32))
         if mode.is_decode():
             self._plan_decode(self.decode_wrapper, kv_indptr_cpu, kv_indices, last_page_len)
             self._wrapper = self.decode_wrapper
@@ -157,6 +172,18 @@ class FlashInferAttnBackend(AttentionBackend):
             self.num_heads, self.num_kv_heads, self.head_dim, 1, causal=True, sm_scale=self.sm_scale,
             q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         self._wrapper = self.prefill_wrapper
+
+    def _plan_ragged(self, fb: ForwardBatch) -> None:
+        prefix_indptr = prefix_indices = None
+        if any(fb.extend_prefix_lens_cpu):
+            prefix_indptr = _indptr(fb.extend_prefix_lens_cpu)
+            prefix_indices = torch.empty(int(prefix_indptr[-1]), dtype=torch.int32, device=self.device)
+            build_kv_indices(self.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens,
+                             prefix_indptr.to(self.device, non_blocking=True), prefix_indices)
+        last_page_len = _pinned(torch.ones(fb.batch_size, dtype=torch.int32))
+        self.ragged.plan(fb, _indptr(fb.extend_seq_lens_cpu), prefix_indptr, prefix_indices, last_page_len)
+        self._ragged_batch = True
+        self._wrapper = None
 
     def _plan_decode(self, wrapper: Any, kv_indptr_cpu: torch.Tensor, kv_indices: torch.Tensor,
                      last_page_len: torch.Tensor) -> None:
@@ -187,10 +214,18 @@ class FlashInferAttnBackend(AttentionBackend):
         return o.view(-1, layer.num_heads * layer.head_dim)
 
     def extend_reads_kv_from_pool(self, fb: ForwardBatch) -> bool:
-        return True  # one paged prefill over every key, the new ones included
+        # The paged prefill reads every key from the pool; the ragged one takes the new tokens' K/V as given.
+        return self.ragged is None or not serves(fb)
 
     def forward_extend(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
-        return self._run(q, k, v, layer, fb)
+        if not self._ragged_batch:
+            return self._run(q, k, v, layer, fb)
+        k_buf, v_buf, k_scale, v_scale = self._store(k, v, layer, fb)
+        scales = {"k_scale": k_scale, "v_scale": v_scale} if fb.token_to_kv_pool.is_fp8 else {}
+        d = layer.head_dim
+        o = self.ragged.run(q.reshape(-1, layer.num_heads, d), k.view(-1, layer.num_kv_heads, d),
+                            v.view(-1, layer.num_kv_heads, d), k_buf, v_buf, scales)
+        return o.view(-1, layer.num_heads * d)
 
     def forward_decode(self, q, k, v, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
         if self.triton_decode is None:

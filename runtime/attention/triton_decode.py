@@ -16,13 +16,15 @@ Then the kernel's two forms and grid orders (sweep_decode_attention --kv-sides n
 changes no output bit); over bf16 the M-side form is 11-34% slower. Then the pipeline's depth: the KV loads
 hang off the slot-index load, so Triton keeps one shared buffer per K/V tile up to num_stages 4 and two from 5
 (benchmarks/sass_decode_attention.py). A 16-bit program has a 64 KB tile in flight, an FP8 one 32 KB; FP8
-takes stages 5 in the N-side form, batch-major: 460 vs 480 us a layer at 400 x 1500 (2.67 vs 2.56 TB/s; the
+takes stages 5 in the N-side form: 460 vs 480 us a layer at 400 x 1500 (2.67 vs 2.56 TB/s; the
 M-side form with stages 3 was the pick before, it slows with 5), 1000 x 1000 FP8 KV 10,420 vs 10,252 out tok/s
 (one H100, same machine, decode_attention_fp8_stages_h100.json). 16-bit pools stay at 3 (5 costs a third
 CTA per SM: -7%). And v_perm for FP8 (the P V operand as 32-bit words instead of bytes, kernels/
 decode_attention.py) where one split serves a request, i.e. where the batch fills the GPU: 452 vs 460 us a
 layer at 400 x 1500, 297 vs 301 at 256, 117 vs 120 at 96; with 2-8 splits at batch 1-8 it cost 0.2-0.5 us a
-layer (decode_attention_fp8_v_perm{,_small}_h100.json).
+layer (decode_attention_fp8_v_perm{,_small}_h100.json). FP8 then takes the heads-first grid too: 453.7 vs
+468.4 us a layer at 414 x 1500, 287.3 vs 296.6 at 256, equal or up to 1.6% faster at batch 1-64 (one H100,
+decode_attention_fp8_{layouts,grid_orders}_h100.json); 1000 x 1000 FP8 KV DECODE 67.8 s against 69.3.
 
 The workspace is one flat buffer sized for the largest batch and the most splits, viewed per launch, and
 allocated once where CUDA graphs are captured, so every graph sees the same memory."""
@@ -68,7 +70,7 @@ class DecodeKernelConfig:
         (0 / 1) turns v_perm off or on for FP8 pools (on by default: see the module docstring)."""
         if num_kv_splits is None:
             num_kv_splits = int(os.environ.get("SHOAL_DECODE_MAX_SPLITS", DEFAULT_NUM_KV_SPLITS))
-        grid = _env_choice("SHOAL_DECODE_GRID", ("batch", "heads"), "batch" if kv_fp8 else "heads")
+        grid = _env_choice("SHOAL_DECODE_GRID", ("batch", "heads"), "heads")
         side = _env_choice("SHOAL_DECODE_KV_SIDE", ("n", "m"), "n")
         # FP8 tiles are half the bytes: two shared buffers (stages 5; 2-4 keep one) put as many in flight as
         # a 16-bit program has with one.

@@ -37,6 +37,7 @@ def backend_cls(monkeypatch: pytest.MonkeyPatch):
     fake = types.ModuleType("flashinfer")
     fake.BatchPrefillWithPagedKVCacheWrapper = _Wrapper
     fake.BatchDecodeWithPagedKVCacheWrapper = _Wrapper
+    fake.BatchPrefillWithRaggedKVCacheWrapper = _Wrapper
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
     monkeypatch.setattr("runtime.attention.flashinfer_backend.WORKSPACE_BYTES", 1024)
     from runtime.attention.flashinfer_backend import FlashInferAttnBackend

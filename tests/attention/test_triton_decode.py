@@ -45,16 +45,16 @@ def test_config_per_kv_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     bf16 = DecodeKernelConfig.for_kv(kv_fp8=False)  # bf16 math (bf16 → fp16 rounds); one shared KV buffer
     assert not bf16.f16_math and bf16.adaptive_splits and bf16.max_splits == DEFAULT_NUM_KV_SPLITS
     assert (bf16.block_n, bf16.num_warps, bf16.num_stages) == (128, 4, 3)
-    # The sweeps' picks: both as the dots' N side; FP8 in the batch-major grid, 16-bit heads first.
-    assert (fp8.kv_rows_m, fp8.heads_first, bf16.kv_rows_m, bf16.heads_first) == (False, False, False, True)
+    # The sweeps' picks: both as the dots' N side, in the heads-first grid.
+    assert (fp8.kv_rows_m, fp8.heads_first, bf16.kv_rows_m, bf16.heads_first) == (False, True, False, True)
     assert fp8.v_perm and not bf16.v_perm  # V's channels permuted: FP8 only (16-bit tiles load by ldmatrix)
 
 
 def test_config_env_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SHOAL_DECODE_GRID", "heads")
+    monkeypatch.setenv("SHOAL_DECODE_GRID", "batch")
     monkeypatch.setenv("SHOAL_DECODE_KV_SIDE", "m")
     fp8 = DecodeKernelConfig.for_kv(kv_fp8=True)
-    assert fp8.heads_first and fp8.kv_rows_m
+    assert not fp8.heads_first and fp8.kv_rows_m
     monkeypatch.setenv("SHOAL_DECODE_KV_SIDE", "sideways")
     with pytest.raises(ValueError, match="SHOAL_DECODE_KV_SIDE must be auto or one of n, m"):
         DecodeKernelConfig.for_kv(kv_fp8=True)

@@ -1,0 +1,84 @@
+"""RaggedPrefill: the flashinfer backend's EXTEND / MIXED attention as SGLang runs it: the new tokens attend
+to each other through flashinfer's ragged prefill over their K/V as the layer computed them (fa3 on Hopper),
+and to each request's cached prefix through the paged prefill over the pool's prefix slots only; the two
+partial results merge by their log-sum-exp.
+
+Why: the paged prefill over every key (the new ones read back from the pool) is flashinfer's FA2 kernel with
+page size 1, which ran a 1,400-token prompt wave at ~170 TFLOP/s over an FP8 pool and ~220 over bf16 (one
+H100, svc_step_times_profile_{fp8_kv,bf16}_wave_h100.json: 1.23 s of a 14.1 s FP8 prefill). The new tokens'
+own attention is most of a prompt's: it runs on contiguous bf16 K/V, where FA3 applies. Over an FP8 pool the
+new tokens then see each other's bf16 K/V (the stored FP8 copy serves every later step), as in SGLang.
+
+SHOAL_PREFILL_RAGGED: auto (default; flashinfer picks fa3 where it applies), fa2, fa3, or 0 (the paged
+prefill over every key, as before)."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from runtime.model_executor.forward_batch import ForwardBatch
+
+CHOICES = ("auto", "fa2", "fa3", "0")
+
+
+def ragged_prefill_choice() -> str:
+    choice = os.environ.get("SHOAL_PREFILL_RAGGED", "auto")
+    if choice not in CHOICES:
+        raise ValueError(f"SHOAL_PREFILL_RAGGED={choice!r}: expected one of {', '.join(CHOICES)}")
+    return choice
+
+
+def serves(fb: ForwardBatch) -> bool:
+    """Batches it runs: a plain prefill and a prefill with decode rows (one new token each). Speculative
+    modes keep the paged prefill (their graphs and masks are planned there)."""
+    mode = fb.forward_mode
+    return mode.is_pure_extend() or mode.is_mixed()
+
+
+class RaggedPrefill:
+    """Plans once per batch (plan), runs per layer (run). The paged wrapper is the backend's own, planned
+    here over the prefixes only when some request has one."""
+
+    def __init__(self, flashinfer: Any, workspace: torch.Tensor, paged_wrapper: Any, kernel_backend: str,
+                 num_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float, dtype: torch.dtype,
+                 kv_dtype: torch.dtype, device: torch.device):
+        self._fi = flashinfer
+        self.wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=kernel_backend)
+        self.paged = paged_wrapper
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.sm_scale, self.dtype, self.kv_dtype, self.device = sm_scale, dtype, kv_dtype, device
+        self._prefix_rows: torch.Tensor | None = None  # [T] bool: the tokens whose request has a prefix
+
+    def plan(self, fb: ForwardBatch, qo_indptr: torch.Tensor, prefix_indptr: torch.Tensor | None,
+             prefix_indices: torch.Tensor | None, last_page_len: torch.Tensor) -> None:
+        """qo_indptr: pinned host offsets of each request's new tokens; prefix_indptr (pinned host) and
+        prefix_indices (device) list each request's cached prefix slots, None when no request has one."""
+        self.wrapper.plan(qo_indptr, qo_indptr, self.num_heads, self.num_kv_heads, self.head_dim, causal=True,
+                          sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=self.dtype)
+        if prefix_indptr is None:
+            self._prefix_rows = None
+            return
+        # Every new token sees its request's whole prefix: no mask on this part.
+        self.paged.plan(qo_indptr, prefix_indptr, prefix_indices, last_page_len, self.num_heads,
+                        self.num_kv_heads, self.head_dim, 1, causal=False, sm_scale=self.sm_scale,
+                        q_data_type=self.dtype, kv_data_type=self.kv_dtype)
+        rows = torch.tensor([p > 0 for p in fb.extend_prefix_lens_cpu], dtype=torch.bool).repeat_interleave(
+            torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64))
+        self._prefix_rows = rows.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" \
+            else rows
+
+    def run(self, q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+            scales: dict[str, float]) -> torch.Tensor:
+        """q3 [T, Hq, D], k3/v3 [T, Hkv, D] (the new tokens, in q's dtype) → o [T, Hq, D]; k_buf/v_buf the
+        layer's pool (the prefixes), read with `scales` when FP8."""
+        o, lse = self.wrapper.run(q3, k3, v3, return_lse=True)
+        if self._prefix_rows is not None:
+            o_prefix, lse_prefix = self.paged.run(q3, (k_buf.unsqueeze(1), v_buf.unsqueeze(1)), return_lse=True,
+                                                  **scales)
+            # Rows without a prefix keep their ragged result as it is (their paged part is empty).
+            self._fi.merge_state_in_place(o, lse, o_prefix, lse_prefix, mask=self._prefix_rows)
+        return o
