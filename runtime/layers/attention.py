@@ -11,7 +11,9 @@ rotary runs on its own and the backend stores.
 An FP8 pool with a KVRotation (--kv-cache-rotation) holds K/V in a rotated basis: q/k/v are rotated after
 the rotary and the output rotated back, around whichever backend runs. Its fused DECODE path is
 kernels/rotary_transform_kv_store (rotary, rotation and store in one launch, the same bits as the
-unfused rotary, KVRotation.rotate and the backend's store); rotary_kv_store would store unrotated K."""
+unfused rotary, KVRotation.rotate and the backend's store); rotary_kv_store would store unrotated K. Where
+the backend stores (flashinfer's ragged prefill takes the new K/V as given), rotary and rotation still run
+as one in-place launch of the same kernel (KVRotation.rotary_rotate_)."""
 
 from __future__ import annotations
 
@@ -53,8 +55,12 @@ class Attention(nn.Module):
                                                          *pool.get_kv(self.layer_id), fb.out_cache_loc,
                                                          *pool.layer_scales(self.layer_id)):
                 return rotation.restore_output(fb.attn_backend.forward(q, None, None, self, fb))
-            q, k = rotary(positions, q, k)
-            q, k, v = rotation.rotate(self.layer_id, q, k, v)
+            # The backend stores the new K/V itself (and may attend to them as given): rotary and rotation
+            # in one launch where they fuse.
+            if not (self.fuse_decode and on_device and rotary.fusable(self.head_dim)
+                    and rotation.rotary_rotate_(self.layer_id, positions, q, k, v, rotary.cos_sin_cache)):
+                q, k = rotary(positions, q, k)
+                q, k, v = rotation.rotate(self.layer_id, q, k, v)
             return rotation.restore_output(fb.attn_backend.forward(q, k, v, self, fb))
         if fuse:
             k_buf, v_buf = pool.get_kv(self.layer_id)

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 
 from kernels.head_transform import head_transform_
-from kernels.rotary_transform_kv_store import rotary_transform_kv_store
+from kernels.rotary_transform_kv_store import rotary_transform_, rotary_transform_kv_store
 
 ROTATION_MODES = ("hadamard", "calibrated")
 
@@ -185,7 +185,21 @@ class KVRotation:
         if qkv is None:
             return False
         rotary_transform_kv_store(positions, qkv, cos_sin_cache, self.qkv_mats[layer_id], self.qkv_head_map,
-                                  self.num_heads, k_buffer, v_buffer, loc, k_scale, v_scale)
+                                  self.num_heads, k_buffer, v_buffer, loc, k_scale, v_scale,
+                                  v_as_is=self.v_in_weights)
+        return True
+
+    def rotary_rotate_(self, layer_id: int, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, cos_sin_cache: torch.Tensor) -> bool:
+        """Where the backend takes the new K/V as given (flashinfer's ragged prefill): q and k rotary +
+        transform, v's transform (none when in the weights), in place in one launch, the bits of the rotary
+        followed by rotate(). False (nothing done) where q/k/v are not one qkv row or not fused."""
+        qkv = self._qkv_view(q, k, v) if self.fused else None
+        if qkv is None:
+            return False
+        heads = self.num_heads + self.num_kv_heads * (1 if self.v_in_weights else 2)
+        rotary_transform_(positions, qkv[:, :heads], cos_sin_cache, self.qkv_mats[layer_id],
+                          self.qkv_head_map[:heads], self.num_heads, self.num_kv_heads)
         return True
 
     def restore_output(self, o: torch.Tensor) -> torch.Tensor:

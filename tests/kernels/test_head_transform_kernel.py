@@ -16,7 +16,7 @@ import torch
 from kernels.head_transform import head_transform_
 from kernels.kv_store import store_kv
 from kernels.rotary import apply_rotary
-from kernels.rotary_transform_kv_store import rotary_transform_kv_store
+from kernels.rotary_transform_kv_store import rotary_transform_, rotary_transform_kv_store
 from runtime.layers.rotary import RotaryEmbedding
 from runtime.mem_cache.kv_rotation import KVRotation
 from runtime.model_config import RopeConfig
@@ -105,6 +105,56 @@ def test_fused_rotary_transform_store_equals_the_three_launches(tokens: int) -> 
     assert got_kv[0][loc].float().abs().sum() > 0 and got_kv[0][0].float().abs().sum() == 0
 
 
+
+@pytest.mark.parametrize("tokens", [1, 20])
+def test_fused_store_with_v_as_is_skips_v_transform(tokens: int) -> None:
+    """v_as_is (V's rotation folded into the weights): q/k as before, v heads stored as they are."""
+    hq, hkv, slots = 4, 2, 64
+    g = torch.Generator().manual_seed(tokens)
+    rot = RotaryEmbedding(D, 512, RopeConfig(theta=10000.0))
+    mats = torch.randn(2 * hkv + 1, D, D, generator=g) / D ** 0.5
+    head_map = torch.tensor([0, 0, 1, 1, 2, 3, 4, 4], dtype=torch.int32)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * D, generator=g) * 3
+    positions = torch.randint(0, 500, (tokens,), generator=g)
+    loc = torch.randperm(slots - 1, generator=g)[:tokens] + 1
+    want_kv = [torch.zeros(slots, hkv, D, dtype=torch.float8_e4m3fn) for _ in range(2)]
+    ref = qkv.clone()
+    q, k, v = ref.split([hq * D, hkv * D, hkv * D], dim=-1)
+    apply_rotary(positions, q, k, rot.cos_sin_cache, D)
+    head_transform_(ref.view(tokens, -1, D)[:, :hq + hkv], mats, head_map[:hq + hkv])
+    store_kv(*want_kv, loc, k.view(tokens, hkv, D), v.view(tokens, hkv, D), 0.05, 0.02)
+    got_kv = [torch.zeros_like(b) for b in want_kv]
+    rotary_transform_kv_store(positions, qkv.view(tokens, -1, D), rot.cos_sin_cache, mats, head_map, hq,
+                              *got_kv, loc, 0.05, 0.02, v_as_is=True)
+    assert torch.equal(qkv[:, : hq * D], ref[:, : hq * D])
+    for got, want in zip(got_kv, want_kv):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("with_v", [False, True])
+@pytest.mark.parametrize("tokens", [3, 70])
+def test_in_place_rotary_transform_equals_rotary_then_transform(tokens: int, with_v: bool) -> None:
+    """rotary_transform_: the rotary then head_transform_ over q, k (and v) heads in place, one launch;
+    heads past those given are not touched."""
+    hq, hkv = 4, 2
+    heads = hq + hkv * (2 if with_v else 1)
+    g = torch.Generator().manual_seed(tokens)
+    rot = RotaryEmbedding(D, 512, RopeConfig(theta=10000.0))
+    mats = torch.randn(2 * hkv + 1, D, D, generator=g) / D ** 0.5
+    head_map = torch.tensor([0, 0, 1, 1, 2, 3, 4, 4], dtype=torch.int32)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * D, generator=g) * 3
+    positions = torch.randint(0, 500, (tokens,), generator=g)
+    ref = qkv.clone()
+    q, k, _ = ref.split([hq * D, hkv * D, hkv * D], dim=-1)
+    apply_rotary(positions, q, k, rot.cos_sin_cache, D)
+    head_transform_(ref.view(tokens, -1, D)[:, :heads], mats, head_map[:heads])
+    rotary_transform_(positions, qkv.view(tokens, -1, D)[:, :heads], rot.cos_sin_cache, mats, head_map[:heads],
+                      hq, hkv)
+    assert torch.equal(qkv, ref)
+    with pytest.raises(ValueError, match="neither 4 q"):
+        rotary_transform_(positions, qkv.view(tokens, -1, D)[:, :hq + 1], rot.cos_sin_cache, mats, head_map[:hq + 1],
+                          hq, hkv)
+
 _COMPILE_SCRIPT = """
 import json, sys
 try:
@@ -131,13 +181,16 @@ for d in (64, 128):
            "K_Buffer": "*fp8e4nv", "V_Buffer": "*fp8e4nv", "Loc": "*i64", "num_tokens": "i32",
            **{n: "i64" for n in ("stride_t", "stride_h", "stride_cs", "stride_mm", "stride_kbs", "stride_kbh",
                                  "stride_vbs", "stride_vbh")}, "inv_k_scale": "fp32", "inv_v_scale": "fp32",
-           **{n: "constexpr" for n in ("NUM_Q_HEADS", "NUM_KV_HEADS", "D", "BLOCK_T", "IEEE", "QUANT")}}
-    consts = {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "D": d, "BLOCK_T": 16, "IEEE": False, "QUANT": True}
-    c = triton.compile(ASTSource(fn=_rotary_transform_kv_store_kernel, signature=sig, constexprs=consts),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 if d <= 64 else 8})
-    ptx = c.asm["ptx"]
-    out.append({"case": ["bf16", d, "fused"], "cubin": len(c.asm["cubin"]),
-                "mma": "wgmma" in ptx or "mma.sync" in ptx, "tf32": ".tf32" in ptx})
+           **{n: "constexpr" for n in ("NUM_Q_HEADS", "NUM_KV_HEADS", "D", "BLOCK_T", "IEEE", "QUANT", "IN_PLACE",
+                                       "V_AS_IS")}}
+    for in_place, v_as_is in ((False, False), (False, True), (True, False)):
+        consts = {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "D": d, "BLOCK_T": 16, "IEEE": False, "QUANT": not in_place,
+                  "IN_PLACE": in_place, "V_AS_IS": v_as_is}
+        c = triton.compile(ASTSource(fn=_rotary_transform_kv_store_kernel, signature=sig, constexprs=consts),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 if d <= 64 else 8})
+        ptx = c.asm["ptx"]
+        out.append({"case": ["bf16", d, "fused", in_place, v_as_is], "cubin": len(c.asm["cubin"]),
+                    "mma": "wgmma" in ptx or "mma.sync" in ptx, "tf32": ".tf32" in ptx})
 print(json.dumps({"results": out}))
 """
 

@@ -207,9 +207,9 @@ def _interpreted_cuda_path(monkeypatch: pytest.MonkeyPatch, fusion: str) -> dict
         calls["transform"].append(x.shape[1])
         return ht.head_transform_(x, mats, head_map)
 
-    def fused(positions, qkv, *args):
+    def fused(positions, qkv, *args, **kwargs):
         calls["fused"].append(qkv.shape[1])
-        return fused_kernel.rotary_transform_kv_store(positions, qkv, *args)
+        return fused_kernel.rotary_transform_kv_store(positions, qkv, *args, **kwargs)
 
     monkeypatch.setenv("SHOAL_DECODE_FUSION", fusion)  # read as the layers are built
     monkeypatch.setattr(Attention, "_kernel_device", staticmethod(lambda q: True))
