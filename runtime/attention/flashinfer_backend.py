@@ -23,7 +23,13 @@ import triton.language as tl
 from kernels.decode_fusion import decode_fusion_enabled
 from kernels.kv_store import store_kv
 from runtime.attention.base import AttentionBackend
-from runtime.attention.ragged_prefill import RaggedPrefill, ragged_prefill_choice, serves
+from runtime.attention.ragged_prefill import (
+    PrefixSpan,
+    RaggedPrefill,
+    prefix_span,
+    ragged_prefill_choice,
+    serves,
+)
 from runtime.attention.spec import AttentionSpec
 from runtime.attention.triton_decode import DecodeKernelConfig, TritonDecode
 
@@ -174,14 +180,16 @@ class FlashInferAttnBackend(AttentionBackend):
         self._wrapper = self.prefill_wrapper
 
     def _plan_ragged(self, fb: ForwardBatch) -> None:
-        prefix_indptr = prefix_indices = None
-        if any(fb.extend_prefix_lens_cpu):
-            prefix_indptr = _indptr(fb.extend_prefix_lens_cpu)
-            prefix_indices = torch.empty(int(prefix_indptr[-1]), dtype=torch.int32, device=self.device)
-            build_kv_indices(self.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens,
-                             prefix_indptr.to(self.device, non_blocking=True), prefix_indices)
-        last_page_len = _pinned(torch.ones(fb.batch_size, dtype=torch.int32))
-        self.ragged.plan(fb, _indptr(fb.extend_seq_lens_cpu), prefix_indptr, prefix_indices, last_page_len)
+        span = None
+        requests = prefix_span(fb.extend_prefix_lens_cpu)
+        if requests is not None:
+            first, last = requests
+            kv_indptr = _indptr(fb.extend_prefix_lens_cpu[first:last])
+            kv_indices = torch.empty(int(kv_indptr[-1]), dtype=torch.int32, device=self.device)
+            build_kv_indices(self.req_to_token, fb.req_pool_indices[first:last], fb.extend_prefix_lens[first:last],
+                             kv_indptr.to(self.device, non_blocking=True), kv_indices)
+            span = PrefixSpan(requests, kv_indptr, kv_indices, _pinned(torch.ones(last - first, dtype=torch.int32)))
+        self.ragged.plan(fb, _indptr(fb.extend_seq_lens_cpu), span)
         self._ragged_batch = True
         self._wrapper = None
 

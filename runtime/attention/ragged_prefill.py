@@ -15,6 +15,7 @@ prefill over every key, as before)."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,34 +52,56 @@ class RaggedPrefill:
         self.paged = paged_wrapper
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.sm_scale, self.dtype, self.kv_dtype, self.device = sm_scale, dtype, kv_dtype, device
-        self._prefix_rows: torch.Tensor | None = None  # [T] bool: the tokens whose request has a prefix
+        self._span: PrefixSpan | None = None
+        self._tokens = (0, 0)  # the span's new tokens
+        self._rows = torch.empty(0, dtype=torch.bool)  # which of them belong to a request with a prefix
 
-    def plan(self, fb: ForwardBatch, qo_indptr: torch.Tensor, prefix_indptr: torch.Tensor | None,
-             prefix_indices: torch.Tensor | None, last_page_len: torch.Tensor) -> None:
-        """qo_indptr: pinned host offsets of each request's new tokens; prefix_indptr (pinned host) and
-        prefix_indices (device) list each request's cached prefix slots, None when no request has one."""
+    def plan(self, fb: ForwardBatch, qo_indptr: torch.Tensor, span: PrefixSpan | None) -> None:
+        """qo_indptr: pinned host offsets of each request's new tokens; span: the requests with a cached
+        prefix (prefix_span) and their slots, None when no request has one."""
         self.wrapper.plan(qo_indptr, qo_indptr, self.num_heads, self.num_kv_heads, self.head_dim, causal=True,
                           sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=self.dtype)
-        if prefix_indptr is None:
-            self._prefix_rows = None
+        self._span = span
+        if span is None:
             return
-        # Every new token sees its request's whole prefix: no mask on this part.
-        self.paged.plan(qo_indptr, prefix_indptr, prefix_indices, last_page_len, self.num_heads,
+        # Only the span's tokens go through the paged prefill, and each sees its request's whole prefix.
+        first, last = span.requests
+        span_qo = qo_indptr[first:last + 1] - qo_indptr[first]
+        self.paged.plan(span_qo, span.kv_indptr, span.kv_indices, span.last_page_len, self.num_heads,
                         self.num_kv_heads, self.head_dim, 1, causal=False, sm_scale=self.sm_scale,
                         q_data_type=self.dtype, kv_data_type=self.kv_dtype)
-        rows = torch.tensor([p > 0 for p in fb.extend_prefix_lens_cpu], dtype=torch.bool).repeat_interleave(
-            torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64))
-        self._prefix_rows = rows.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" \
-            else rows
+        self._tokens = (int(qo_indptr[first]), int(qo_indptr[last]))
+        lens = fb.extend_seq_lens_cpu[first:last]
+        rows = torch.tensor([p > 0 for p in fb.extend_prefix_lens_cpu[first:last]], dtype=torch.bool)
+        rows = rows.repeat_interleave(torch.tensor(lens, dtype=torch.int64))
+        self._rows = rows.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else rows
 
     def run(self, q3: torch.Tensor, k3: torch.Tensor, v3: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
             scales: dict[str, float]) -> torch.Tensor:
         """q3 [T, Hq, D], k3/v3 [T, Hkv, D] (the new tokens, in q's dtype) → o [T, Hq, D]; k_buf/v_buf the
         layer's pool (the prefixes), read with `scales` when FP8."""
         o, lse = self.wrapper.run(q3, k3, v3, return_lse=True)
-        if self._prefix_rows is not None:
-            o_prefix, lse_prefix = self.paged.run(q3, (k_buf.unsqueeze(1), v_buf.unsqueeze(1)), return_lse=True,
-                                                  **scales)
-            # Rows without a prefix keep their ragged result as it is (their paged part is empty).
-            self._fi.merge_state_in_place(o, lse, o_prefix, lse_prefix, mask=self._prefix_rows)
+        if self._span is not None:
+            a, b = self._tokens
+            o_prefix, lse_prefix = self.paged.run(q3[a:b], (k_buf.unsqueeze(1), v_buf.unsqueeze(1)),
+                                                  return_lse=True, **scales)
+            # Rows without a prefix inside the span keep their ragged result (their paged part is empty).
+            self._fi.merge_state_in_place(o[a:b], lse[a:b], o_prefix, lse_prefix, mask=self._rows)
         return o
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixSpan:
+    """Requests first..last-1 (every request with a cached prefix lies among them) and their prefixes' slots:
+    kv_indptr pinned on the host, kv_indices on the device, last_page_len ones (page size 1)."""
+    requests: tuple[int, int]
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    last_page_len: torch.Tensor
+
+
+def prefix_span(prefix_lens: list[int]) -> tuple[int, int] | None:
+    """(first, last + 1) of the requests with a prefix (a chunked prefill's continued request usually
+    leads the batch, so the paged part covers it alone), or None."""
+    with_prefix = [i for i, p in enumerate(prefix_lens) if p > 0]
+    return (with_prefix[0], with_prefix[-1] + 1) if with_prefix else None

@@ -2,8 +2,8 @@
 stand-in flashinfer that computes what the real wrappers compute (causal masks aligned to the end of the
 keys, log2 log-sum-exp, merge_state_in_place with a row mask): each new token attends to its request's cached
 prefix as the FP8 pool holds it and to the new tokens up to itself as the layer computed them; the new K/V are
-stored in the pool too; requests without a prefix skip the paged part; SHOAL_PREFILL_RAGGED=0 keeps the paged
-prefill over every key."""
+stored in the pool too; the paged part covers only the requests from the first to the last with a prefix;
+SHOAL_PREFILL_RAGGED=0 keeps the paged prefill over every key."""
 
 from __future__ import annotations
 
@@ -140,17 +140,21 @@ def _reference(fb, qkv, pool_before, req_to_token, rows) -> torch.Tensor:
     return torch.cat(outs).reshape(-1, HQ * D)
 
 
-@pytest.mark.parametrize("case", ["prefix_and_not", "no_prefix"])
+@pytest.mark.parametrize("case", ["prefix_and_not", "no_prefix", "middle_prefix"])
 def test_ragged_prefill_attends_prefix_from_pool_and_new_tokens_as_given(backend_cls, case: str,
                                                                          monkeypatch) -> None:
     monkeypatch.delenv("SHOAL_PREFILL_RAGGED", raising=False)
-    seq_lens, prefix_lens = {"prefix_and_not": ([9, 5, 12], [4, 0, 11]), "no_prefix": ([6, 3], [0, 0])}[case]
+    seq_lens, prefix_lens = {"prefix_and_not": ([9, 5, 12], [4, 0, 11]), "no_prefix": ([6, 3], [0, 0]),
+                             "middle_prefix": ([6, 9, 4], [0, 5, 0])}[case]
     spec, fb, layer, qkv, (k_buf, v_buf), req_to_token, rows = _setup(seq_lens, prefix_lens)
     backend = backend_cls(spec)
     assert not backend.extend_reads_kv_from_pool(fb) and not backend.stores_first_ok(fb)
     before = (k_buf.clone(), v_buf.clone())
     backend.init_forward_metadata(fb)
     assert backend.prefill_wrapper.plans == (1 if any(prefix_lens) else 0)
+    if any(prefix_lens):  # the paged part covers the requests from the first to the last with a prefix only
+        with_prefix = [i for i, p in enumerate(prefix_lens) if p > 0]
+        assert len(backend.prefill_wrapper.qo) == with_prefix[-1] - with_prefix[0] + 2
     out = backend.forward(*qkv, layer, fb)
     torch.testing.assert_close(out, _reference(fb, qkv, before, req_to_token, rows), atol=1e-5, rtol=1e-5)
     # The new tokens' K/V reached the pool, quantized as store_kv does (the Triton interpreter's own e4m3
