@@ -135,6 +135,8 @@ class FlashInferAttnBackend(AttentionBackend):
             flashinfer, self.workspace, self.prefill_wrapper, choice, self.num_heads, self.num_kv_heads,
             self.head_dim, self.sm_scale, self.dtype, self.kv_dtype, self.device)
         self._ragged_batch = False
+        if self.ragged is not None:
+            self.ragged.load_modules(_indptr([1]), torch.ones(1, dtype=torch.int32, device=self.device))
         self._wrapper: Any = None
         self._graph_wrappers: dict[int, Any] = {}
         # Which kernel runs DECODE (None: flashinfer's decode wrapper), read once here so captured graphs

@@ -56,6 +56,15 @@ class RaggedPrefill:
         self._tokens = (0, 0)  # the span's new tokens
         self._rows = torch.empty(0, dtype=torch.bool)  # which of them belong to a request with a prefix
 
+    def load_modules(self, one: torch.Tensor, slot: torch.Tensor) -> None:
+        """Plans a one-token batch on both wrappers, which loads (on a machine's first use JIT-compiles, 10-75
+        s each) the kernels every batch needs: at start-up, not when the first cached prefix shows up mid-run
+        (one H100 run stalled 28 s there). one: pinned host indptr [0, 1]; slot: a device index [1]."""
+        self.wrapper.plan(one, one, self.num_heads, self.num_kv_heads, self.head_dim, causal=True,
+                          sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=self.dtype)
+        self.paged.plan(one, one, slot, one[1:], self.num_heads, self.num_kv_heads, self.head_dim, 1, causal=False,
+                        sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=self.kv_dtype)
+
     def plan(self, fb: ForwardBatch, qo_indptr: torch.Tensor, span: PrefixSpan | None) -> None:
         """qo_indptr: pinned host offsets of each request's new tokens; span: the requests with a cached
         prefix (prefix_span) and their slots, None when no request has one."""

@@ -150,8 +150,11 @@ def test_ragged_prefill_attends_prefix_from_pool_and_new_tokens_as_given(backend
     backend = backend_cls(spec)
     assert not backend.extend_reads_kv_from_pool(fb) and not backend.stores_first_ok(fb)
     before = (k_buf.clone(), v_buf.clone())
+    # Start-up planned both wrappers once (loading, on a GPU JIT-compiling, their kernels); a batch plans the
+    # paged one only where some request has a prefix.
+    assert backend.prefill_wrapper.plans == 1 and backend.ragged.wrapper.qo == [0, 1]
     backend.init_forward_metadata(fb)
-    assert backend.prefill_wrapper.plans == (1 if any(prefix_lens) else 0)
+    assert backend.prefill_wrapper.plans == (2 if any(prefix_lens) else 1)
     if any(prefix_lens):  # the paged part covers the requests from the first to the last with a prefix only
         with_prefix = [i for i, p in enumerate(prefix_lens) if p > 0]
         assert len(backend.prefill_wrapper.qo) == with_prefix[-1] - with_prefix[0] + 2
@@ -184,7 +187,7 @@ def test_ragged_off_keeps_the_paged_prefill_over_every_key(backend_cls, monkeypa
     backend = backend_cls(spec)
     assert backend.ragged is None and backend.extend_reads_kv_from_pool(fb)
     backend.init_forward_metadata(fb)
-    assert backend.prefill_wrapper.plans == 1 and backend.prefill_wrapper.causal
+    assert backend.prefill_wrapper.plans == 1 and backend.prefill_wrapper.causal  # no start-up plan: no ragged
 
 
 def test_ragged_choice_is_checked(backend_cls, monkeypatch) -> None:
