@@ -20,11 +20,13 @@ takes stages 5 in the N-side form: 460 vs 480 us a layer at 400 x 1500 (2.67 vs 
 M-side form with stages 3 was the pick before, it slows with 5), 1000 x 1000 FP8 KV 10,420 vs 10,252 out tok/s
 (one H100, same machine, decode_attention_fp8_stages_h100.json). 16-bit pools stay at 3 (5 costs a third
 CTA per SM: -7%). And v_perm for FP8 (the P V operand as 32-bit words instead of bytes, kernels/
-decode_attention.py) where one split serves a request, i.e. where the batch fills the GPU: 452 vs 460 us a
-layer at 400 x 1500, 297 vs 301 at 256, 117 vs 120 at 96; with 2-8 splits at batch 1-8 it cost 0.2-0.5 us a
-layer (decode_attention_fp8_v_perm{,_small}_h100.json). FP8 then takes the heads-first grid too: 453.7 vs
-468.4 us a layer at 414 x 1500, 287.3 vs 296.6 at 256, equal or up to 1.6% faster at batch 1-64 (one H100,
-decode_attention_fp8_{layouts,grid_orders}_h100.json); 1000 x 1000 FP8 KV DECODE 67.8 s against 69.3.
+decode_attention.py) where one split serves a request and the programs fill the SMs 4 times over
+(V_PERM_MIN_PROGRAMS_PER_SM): 452 vs 460 us a layer at 400 x 1500, 297 vs 301 at 256, 117 vs 120 at 96, but
+94.0 vs 79.8 at 64 and 47.6 vs 41.7 at 32; with 2-8 splits at batch 1-8 it cost 0.2-0.5 us a layer
+(decode_attention_fp8_{v_perm,v_perm_small,grid_orders}_h100.json). FP8 then takes the heads-first grid too:
+453.7 vs 468.4 us a layer at 414 x 1500, 287.3 vs 296.6 at 256, equal or up to 1.6% faster at batch 1-64 (one
+H100, decode_attention_fp8_{layouts,grid_orders}_h100.json); 1000 x 1000 FP8 KV DECODE 67.8 s against 69.3
+(another machine).
 
 The workspace is one flat buffer sized for the largest batch and the most splits, viewed per launch, and
 allocated once where CUDA graphs are captured, so every graph sees the same memory."""
@@ -110,6 +112,13 @@ def splits_for(bs: int, head_programs: int, max_splits: int, sm_count: int) -> i
     return max(1, min(max_splits, 1 << (fit.bit_length() - 1) if fit else 1))
 
 
+# v_perm (FP8) pays where the launch is several rounds of programs over the SMs and costs where it is one or
+# two: H100, one split, heads-first, us a layer: 400 x 1500 452 vs 460, 256 x 1500 287.4 vs 287.3, but 64 x 1500
+# 94.0 vs 79.8 and 32 x 1500 47.6 vs 41.7 (decode_attention_fp8_grid_orders_h100.json; it fits 3 programs an SM
+# where the plain form fits 2, so a short launch splits into waves differently).
+V_PERM_MIN_PROGRAMS_PER_SM = 4
+
+
 class TritonDecode:
     def __init__(self, spec: AttentionSpec, config: DecodeKernelConfig):
         self.config = config
@@ -128,6 +137,10 @@ class TritonDecode:
         if not self.config.adaptive_splits:
             return self.config.max_splits
         return splits_for(bs, self.head_programs, self.config.max_splits, self.sm_count)
+
+    def uses_v_perm(self, bs: int, splits: int) -> bool:
+        return (self.config.v_perm and splits == 1
+                and bs * self.head_programs >= V_PERM_MIN_PROGRAMS_PER_SM * self.sm_count)
 
     def reserve(self, bs: int) -> None:
         """Scratch for batches up to bs (grows for a larger eager batch; graphs reserve their largest first)."""
@@ -155,5 +168,5 @@ class TritonDecode:
                              fuse_merge=fuse_merge, counters=self._counters, block_n=cfg.block_n,
                              num_warps=cfg.num_warps, num_stages=cfg.num_stages, f16_math=cfg.f16_math,
                              heads_first=cfg.heads_first, kv_rows_m=cfg.kv_rows_m,
-                             v_perm=cfg.v_perm and splits == 1)
+                             v_perm=self.uses_v_perm(bs, splits))
         return o.view(-1, layer.num_heads * layer.head_dim)

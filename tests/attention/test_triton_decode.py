@@ -99,11 +99,11 @@ def test_call_matches_reference_and_workspace_grows(fp8: bool) -> None:
     assert decode.max_bs == 3 and decode._workspace.numel() == 3 * 4 * DEFAULT_NUM_KV_SPLITS * 17
 
 
-@pytest.mark.parametrize(("max_splits", "want_perm"), [(1, True), (8, False)])
+@pytest.mark.parametrize(("max_splits", "sm_count", "want_perm"), [(1, 1, True), (8, 132, False), (1, 132, False)])
 def test_fp8_call_permutes_v_only_in_one_split_launches(monkeypatch: pytest.MonkeyPatch, max_splits: int,
-                                                        want_perm: bool) -> None:
-    """v_perm goes to the kernel where one split serves a request (where it measured faster), and the output
-    still matches the reference."""
+                                                        sm_count: int, want_perm: bool) -> None:
+    """v_perm goes to the kernel where one split serves a request and the programs fill the SMs at least 4
+    times over (where it measured faster), and the output still matches the reference."""
     import runtime.attention.triton_decode as td
 
     monkeypatch.delenv("SHOAL_DECODE_V_PERM", raising=False)
@@ -117,6 +117,7 @@ def test_fp8_call_permutes_v_only_in_one_split_launches(monkeypatch: pytest.Monk
     monkeypatch.setattr(td, "decode_attention_fwd", spy)
     spec = _spec(max_bs=2, kv_dtype=torch.float8_e4m3fn)
     decode = TritonDecode(spec, DecodeKernelConfig.for_kv(True, num_kv_splits=max_splits))
+    decode.sm_count = sm_count  # 2 requests x 2 KV heads: 4 programs, 4 an SM on one SM
     gen = torch.Generator().manual_seed(1)
     k_buf, v_buf = (torch.randn(4 * 64 + 1, 2, 16, generator=gen).to(torch.float8_e4m3fn) for _ in range(2))
     layer = SimpleNamespace(num_heads=4, head_dim=16, scaling=0.25, sliding_window=0)
