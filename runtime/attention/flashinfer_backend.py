@@ -190,7 +190,8 @@ class FlashInferAttnBackend(AttentionBackend):
             kv_indices = torch.empty(int(kv_indptr[-1]), dtype=torch.int32, device=self.device)
             build_kv_indices(self.req_to_token, fb.req_pool_indices[first:last], fb.extend_prefix_lens[first:last],
                              kv_indptr.to(self.device, non_blocking=True), kv_indices)
-            span = PrefixSpan(requests, kv_indptr, kv_indices, _pinned(torch.ones(last - first, dtype=torch.int32)))
+            span = PrefixSpan(requests, _indptr(fb.extend_seq_lens_cpu[first:last]), kv_indptr, kv_indices,
+                              _pinned(torch.ones(last - first, dtype=torch.int32)))
         self.ragged.plan(fb, _indptr(fb.extend_seq_lens_cpu), span)
         self._ragged_batch = True
         self._wrapper = None

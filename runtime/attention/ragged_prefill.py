@@ -7,7 +7,9 @@ Why: the paged prefill over every key (the new ones read back from the pool) is 
 page size 1, which ran a 1,400-token prompt wave at ~170 TFLOP/s over an FP8 pool and ~220 over bf16 (one
 H100, svc_step_times_profile_{fp8_kv,bf16}_wave_h100.json: 1.23 s of a 14.1 s FP8 prefill). The new tokens'
 own attention is most of a prompt's: it runs on contiguous bf16 K/V, where FA3 applies. Over an FP8 pool the
-new tokens then see each other's bf16 K/V (the stored FP8 copy serves every later step), as in SGLang.
+new tokens then see each other's bf16 K/V (the stored FP8 copy serves every later step), as in SGLang: closer
+to bf16, but an FP8 run's prompt now reads FP8 only where a chunk boundary or a cache hit splits it, so its
+outputs depend on those splits (prompt logprobs of an unsplit prompt carry no FP8 error at all).
 
 SHOAL_PREFILL_RAGGED: auto (default; flashinfer picks fa3 where it applies), fa2, fa3, or 0 (the paged
 prefill over every key, as before)."""
@@ -75,8 +77,7 @@ class RaggedPrefill:
             return
         # Only the span's tokens go through the paged prefill, and each sees its request's whole prefix.
         first, last = span.requests
-        span_qo = qo_indptr[first:last + 1] - qo_indptr[first]
-        self.paged.plan(span_qo, span.kv_indptr, span.kv_indices, span.last_page_len, self.num_heads,
+        self.paged.plan(span.qo_indptr, span.kv_indptr, span.kv_indices, span.last_page_len, self.num_heads,
                         self.num_kv_heads, self.head_dim, 1, causal=False, sm_scale=self.sm_scale,
                         q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         self._tokens = (int(qo_indptr[first]), int(qo_indptr[last]))
@@ -101,9 +102,13 @@ class RaggedPrefill:
 
 @dataclass(frozen=True, slots=True)
 class PrefixSpan:
-    """Requests first..last-1 (every request with a cached prefix lies among them) and their prefixes' slots:
-    kv_indptr pinned on the host, kv_indices on the device, last_page_len ones (page size 1)."""
+    """Requests first..last-1 (every request with a cached prefix lies among them): their new tokens'
+    offsets (qo_indptr) and their prefixes' slots (kv_indptr), both pinned on the host; kv_indices on the
+    device; last_page_len ones (page size 1). flashinfer's planner counts (pages - 1, clamped at 0) +
+    last_page_len keys, so a request without a prefix inside the span reads one stray key: its rows are
+    masked out of the merge (a 0 there would give the kernel a length of -1; ones are what ran on a GPU)."""
     requests: tuple[int, int]
+    qo_indptr: torch.Tensor
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
     last_page_len: torch.Tensor

@@ -4,9 +4,9 @@ forward_rotary also applies the rotary embedding. In a DECODE step on CUDA (unle
 it does so with kernels/rotary_kv_store: q rotated in place, k rotated and v copied straight into this
 layer's KV pool slots in one launch, and the backend is told the new K/V are already stored (k = v = None).
 A pure EXTEND does the same where the backend's extend reads the new K/V back from the pool anyway
-(AttentionBackend.extend_reads_kv_from_pool: flashinfer's, Triton's over FP8 pools), saving the rotary's
-and the store's own passes over the prefill. Elsewhere (MIXED, TARGET_VERIFY, other extends, CPU) the
-rotary runs on its own and the backend stores.
+(AttentionBackend.extend_reads_kv_from_pool: Triton's over FP8 pools, flashinfer's with its ragged prefill
+off), saving the rotary's and the store's own passes over the prefill. Elsewhere (flashinfer's ragged
+prefill, MIXED, TARGET_VERIFY, other extends, CPU) the rotary runs on its own and the backend stores.
 
 An FP8 pool with a KVRotation (--kv-cache-rotation) holds K/V in a rotated basis: q/k/v are rotated after
 the rotary and the output rotated back, around whichever backend runs. Its fused DECODE path is

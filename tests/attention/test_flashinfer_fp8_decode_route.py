@@ -61,9 +61,11 @@ def test_fp8_decode_runs_our_kernel_without_a_plan(backend_cls) -> None:
                            is_fp8=True)
     fb = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=3, token_to_kv_pool=pool,
                          req_pool_indices=torch.tensor([2, 0, 1]), seq_lens=torch.tensor([7, 50, 1]))
-    prefill_plans = backend.prefill_wrapper.plans  # start-up's one (the ragged prefill loads its modules)
+    # Start-up planned the prefill wrappers once each (the ragged prefill loads its modules); DECODE none.
+    plans = (backend.prefill_wrapper.plans, backend.ragged.wrapper.plans)
+    assert plans == (1, 1)
     backend.init_forward_metadata(fb)
-    assert backend.decode_wrapper.plans == 0 and backend.prefill_wrapper.plans == prefill_plans
+    assert backend.decode_wrapper.plans == 0 and (backend.prefill_wrapper.plans, backend.ragged.wrapper.plans) == plans
     layer = SimpleNamespace(layer_id=0, num_heads=HQ, num_kv_heads=HKV, head_dim=D, scaling=D ** -0.5,
                             sliding_window=0)
     q = torch.randn(3, HQ * D, generator=gen)

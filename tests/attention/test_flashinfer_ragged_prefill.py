@@ -42,7 +42,9 @@ class _Ragged:
     def __init__(self, workspace, layout, backend="auto") -> None:
         self.backend = backend
 
-    def plan(self, qo_indptr, kv_indptr, hq, hkv, d, causal=False, sm_scale=None, **kwargs) -> None:
+    def plan(self, qo_indptr, kv_indptr, hq, hkv, d, causal=False, sm_scale=None, q_data_type=None,
+             kv_data_type=None) -> None:
+        assert kv_data_type == q_data_type  # the new tokens' K/V as computed, never the pool's dtype
         self.qo, self.kv, self.causal, self.sm_scale = qo_indptr.tolist(), kv_indptr.tolist(), causal, sm_scale
 
     def run(self, q, k, v, return_lse=False):
@@ -60,12 +62,14 @@ class _Paged:
         self.plans += 1
         self.qo, self.kv, self.causal, self.sm_scale = qo_indptr.tolist(), kv_indptr.tolist(), causal, sm_scale
         self.indices = kv_indices.long()
+        # flashinfer's key count: (pages - 1) * page_size + last_page_len, the pages clamped at 0 (page size 1).
+        self.kv_lens = [max(e - c - 1, 0) + int(n) for c, e, n in zip(self.kv, self.kv[1:], last_page_len.tolist())]
 
     def run(self, q, kv_cache, out=None, return_lse=False, k_scale=1.0, v_scale=1.0):
         k_cache, v_cache = (c.squeeze(1) for c in kv_cache)
         outs = []
-        for a, b, c, e in zip(self.qo, self.qo[1:], self.kv, self.kv[1:]):
-            slots = self.indices[c:e]
+        for a, b, c, n in zip(self.qo, self.qo[1:], self.kv, self.kv_lens):
+            slots = self.indices[c:c + n]
             outs.append(_attend(q[a:b], k_cache[slots].float() * k_scale, v_cache[slots].float() * v_scale,
                                 self.sm_scale, self.causal))
         o, lse = torch.cat([o for o, _ in outs]), torch.cat([s for _, s in outs])
