@@ -76,7 +76,8 @@
 #                                               # orders at batch 1-256; 1000 x 1000 FP8 KV ragged on / off
 #   bash benchmarks/gpu_suite.sh part51 OUTDIR  # rotary + rotation as one in-place launch where the backend stores
 #                                               # (ragged prefill), v stored as is when folded: 1000 x 1000 FP8 KV,
-#                                               # rotation GPU tests, then the svc workload
+#                                               # rotation GPU tests, then the svc workload (the first run
+#                                               # JIT-compiles flashinfer's prefill modules at start-up: ~1-2 min)
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
@@ -521,7 +522,7 @@ if [ "$part" = part50 ]; then  # the ragged prefill (new tokens' K/V as computed
   done
 fi
 if [ "$part" = part51 ]; then  # the in-place rotary + rotation (ragged EXTEND) and v as is (fold): tests, then runs
-  TAIL=3 run timeout 250 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests 1024 \
+  TAIL=3 run timeout 330 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests 1024 \
     --kv-cache-dtype fp8_e4m3 --output-file "$out/fp8_kv_1000x1000_final_h100.json"
   timeout 200 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_kv_rotation.py > "$out/rotation_tests.log" 2>&1
   grep -E "fusion on vs off|passed|failed|FAILED|Error" "$out/rotation_tests.log" | tail -12
