@@ -5,12 +5,11 @@ keeps flashinfer's decode wrapper for FP8, and SHOAL_DECODE_KERNEL forces either
 
 from __future__ import annotations
 
-import sys
-import types
 from types import SimpleNamespace
 
 import pytest
 import torch
+from flashinfer_stub import flashinfer_backend_cls
 
 from kernels.decode_attention import decode_attention_ref
 from runtime.attention.spec import AttentionSpec
@@ -34,15 +33,9 @@ class _Wrapper:
 
 @pytest.fixture
 def backend_cls(monkeypatch: pytest.MonkeyPatch):
-    fake = types.ModuleType("flashinfer")
-    fake.BatchPrefillWithPagedKVCacheWrapper = _Wrapper
-    fake.BatchDecodeWithPagedKVCacheWrapper = _Wrapper
-    fake.BatchPrefillWithRaggedKVCacheWrapper = _Wrapper
-    monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    monkeypatch.setattr("runtime.attention.flashinfer_backend.WORKSPACE_BYTES", 1024)
-    from runtime.attention.flashinfer_backend import FlashInferAttnBackend
-
-    return FlashInferAttnBackend
+    return flashinfer_backend_cls(monkeypatch, BatchPrefillWithPagedKVCacheWrapper=_Wrapper,
+                                  BatchDecodeWithPagedKVCacheWrapper=_Wrapper,
+                                  BatchPrefillWithRaggedKVCacheWrapper=_Wrapper)
 
 
 def _spec(kv_dtype: torch.dtype | None) -> AttentionSpec:

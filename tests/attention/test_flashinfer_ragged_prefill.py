@@ -7,12 +7,11 @@ SHOAL_PREFILL_RAGGED=0 keeps the paged prefill over every key."""
 
 from __future__ import annotations
 
-import sys
-import types
 from types import SimpleNamespace
 
 import pytest
 import torch
+from flashinfer_stub import flashinfer_backend_cls
 
 from kernels.kv_store import store_kv_ref
 from runtime.attention.spec import AttentionSpec
@@ -89,16 +88,10 @@ def _merge_state_in_place(v, s, v_other, s_other, mask=None) -> None:
 
 @pytest.fixture
 def backend_cls(monkeypatch: pytest.MonkeyPatch):
-    fake = types.ModuleType("flashinfer")
-    fake.BatchPrefillWithPagedKVCacheWrapper = _Paged
-    fake.BatchDecodeWithPagedKVCacheWrapper = _Paged
-    fake.BatchPrefillWithRaggedKVCacheWrapper = _Ragged
-    fake.merge_state_in_place = _merge_state_in_place
-    monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    monkeypatch.setattr("runtime.attention.flashinfer_backend.WORKSPACE_BYTES", 1024)
-    from runtime.attention.flashinfer_backend import FlashInferAttnBackend
-
-    return FlashInferAttnBackend
+    return flashinfer_backend_cls(monkeypatch, BatchPrefillWithPagedKVCacheWrapper=_Paged,
+                                  BatchDecodeWithPagedKVCacheWrapper=_Paged,
+                                  BatchPrefillWithRaggedKVCacheWrapper=_Ragged,
+                                  merge_state_in_place=_merge_state_in_place)
 
 
 def _setup(seq_lens: list[int], prefix_lens: list[int], mode: ForwardMode = ForwardMode.EXTEND):

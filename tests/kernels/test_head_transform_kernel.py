@@ -77,58 +77,51 @@ def test_rotation_one_launch_equals_per_tensor_path(mode: str) -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 20])
-def test_fused_rotary_transform_store_equals_the_three_launches(tokens: int) -> None:
-    """One launch (rotary of q/k, each head times its matrix, k/v quantized into FP8 slots) against
-    apply_rotary + head_transform_ + store_kv on the same qkv row: the same q bits and the same pool bytes."""
-    hq, hkv, slots = 4, 2, 64
+HQ, HKV, SLOTS = 4, 2, 64
+
+
+def _fused_case(tokens: int) -> tuple:
+    """A qkv row of HQ + 2 HKV heads, its positions and slots, and per-head matrices (q heads share their KV
+    head's, v heads one)."""
     g = torch.Generator().manual_seed(tokens)
     rot = RotaryEmbedding(D, 512, RopeConfig(theta=10000.0))
-    mats = torch.randn(2 * hkv + 1, D, D, generator=g) / D ** 0.5
+    mats = torch.randn(2 * HKV + 1, D, D, generator=g) / D ** 0.5
     head_map = torch.tensor([0, 0, 1, 1, 2, 3, 4, 4], dtype=torch.int32)
-    qkv = torch.randn(tokens, (hq + 2 * hkv) * D, generator=g) * 3
+    qkv = torch.randn(tokens, (HQ + 2 * HKV) * D, generator=g) * 3
     positions = torch.randint(0, 500, (tokens,), generator=g)
-    loc = torch.randperm(slots - 1, generator=g)[:tokens] + 1
-    k_scale, v_scale = 0.05, 0.02
-    want_kv = [torch.zeros(slots, hkv, D, dtype=torch.float8_e4m3fn) for _ in range(2)]
+    loc = torch.randperm(SLOTS - 1, generator=g)[:tokens] + 1
+    return rot, mats, head_map, qkv, positions, loc
+
+
+def _rotary_then_transform(qkv: torch.Tensor, positions: torch.Tensor, rot: RotaryEmbedding, mats: torch.Tensor,
+                           head_map: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:
+    """apply_rotary, then head_transform_ of the first `heads` heads, on a copy: (row, q, k, v) views."""
     ref = qkv.clone()
-    q, k, v = ref.split([hq * D, hkv * D, hkv * D], dim=-1)
+    q, k, v = ref.split([HQ * D, HKV * D, HKV * D], dim=-1)
     apply_rotary(positions, q, k, rot.cos_sin_cache, D)
-    head_transform_(ref.view(tokens, -1, D), mats, head_map)
-    store_kv(*want_kv, loc, k.view(tokens, hkv, D), v.view(tokens, hkv, D), k_scale, v_scale)
+    head_transform_(ref.view(ref.shape[0], -1, D)[:, :heads], mats, head_map[:heads])
+    return ref, q, k, v
+
+
+@pytest.mark.parametrize("v_as_is", [False, True])
+@pytest.mark.parametrize("tokens", [1, 3, 20])
+def test_fused_rotary_transform_store_equals_the_three_launches(tokens: int, v_as_is: bool) -> None:
+    """One launch (rotary of q/k, each head times its matrix, k/v quantized into FP8 slots) against
+    apply_rotary + head_transform_ + store_kv on the same qkv row: the same q bits and the same pool bytes.
+    v_as_is (V's rotation folded into the weights): v heads stored as they are."""
+    rot, mats, head_map, qkv, positions, loc = _fused_case(tokens)
+    tokens = qkv.shape[0]
+    k_scale, v_scale = 0.05, 0.02
+    want_kv = [torch.zeros(SLOTS, HKV, D, dtype=torch.float8_e4m3fn) for _ in range(2)]
+    ref, _, k, v = _rotary_then_transform(qkv, positions, rot, mats, head_map, HQ + HKV * (1 if v_as_is else 2))
+    store_kv(*want_kv, loc, k.view(tokens, HKV, D), v.view(tokens, HKV, D), k_scale, v_scale)
     got_kv = [torch.zeros_like(b) for b in want_kv]
-    rotary_transform_kv_store(positions, qkv.view(tokens, -1, D), rot.cos_sin_cache, mats, head_map, hq,
-                              *got_kv, loc, k_scale, v_scale)
-    assert torch.equal(qkv[:, : hq * D], ref[:, : hq * D])
+    rotary_transform_kv_store(positions, qkv.view(tokens, -1, D), rot.cos_sin_cache, mats, head_map, HQ,
+                              *got_kv, loc, k_scale, v_scale, v_as_is=v_as_is)
+    assert torch.equal(qkv[:, : HQ * D], ref[:, : HQ * D])
     for got, want in zip(got_kv, want_kv):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert got_kv[0][loc].float().abs().sum() > 0 and got_kv[0][0].float().abs().sum() == 0
-
-
-
-@pytest.mark.parametrize("tokens", [1, 20])
-def test_fused_store_with_v_as_is_skips_v_transform(tokens: int) -> None:
-    """v_as_is (V's rotation folded into the weights): q/k as before, v heads stored as they are."""
-    hq, hkv, slots = 4, 2, 64
-    g = torch.Generator().manual_seed(tokens)
-    rot = RotaryEmbedding(D, 512, RopeConfig(theta=10000.0))
-    mats = torch.randn(2 * hkv + 1, D, D, generator=g) / D ** 0.5
-    head_map = torch.tensor([0, 0, 1, 1, 2, 3, 4, 4], dtype=torch.int32)
-    qkv = torch.randn(tokens, (hq + 2 * hkv) * D, generator=g) * 3
-    positions = torch.randint(0, 500, (tokens,), generator=g)
-    loc = torch.randperm(slots - 1, generator=g)[:tokens] + 1
-    want_kv = [torch.zeros(slots, hkv, D, dtype=torch.float8_e4m3fn) for _ in range(2)]
-    ref = qkv.clone()
-    q, k, v = ref.split([hq * D, hkv * D, hkv * D], dim=-1)
-    apply_rotary(positions, q, k, rot.cos_sin_cache, D)
-    head_transform_(ref.view(tokens, -1, D)[:, :hq + hkv], mats, head_map[:hq + hkv])
-    store_kv(*want_kv, loc, k.view(tokens, hkv, D), v.view(tokens, hkv, D), 0.05, 0.02)
-    got_kv = [torch.zeros_like(b) for b in want_kv]
-    rotary_transform_kv_store(positions, qkv.view(tokens, -1, D), rot.cos_sin_cache, mats, head_map, hq,
-                              *got_kv, loc, 0.05, 0.02, v_as_is=True)
-    assert torch.equal(qkv[:, : hq * D], ref[:, : hq * D])
-    for got, want in zip(got_kv, want_kv):
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 @pytest.mark.parametrize("with_v", [False, True])
@@ -136,24 +129,14 @@ def test_fused_store_with_v_as_is_skips_v_transform(tokens: int) -> None:
 def test_in_place_rotary_transform_equals_rotary_then_transform(tokens: int, with_v: bool) -> None:
     """rotary_transform_: the rotary then head_transform_ over q, k (and v) heads in place, one launch;
     heads past those given are not touched."""
-    hq, hkv = 4, 2
-    heads = hq + hkv * (2 if with_v else 1)
-    g = torch.Generator().manual_seed(tokens)
-    rot = RotaryEmbedding(D, 512, RopeConfig(theta=10000.0))
-    mats = torch.randn(2 * hkv + 1, D, D, generator=g) / D ** 0.5
-    head_map = torch.tensor([0, 0, 1, 1, 2, 3, 4, 4], dtype=torch.int32)
-    qkv = torch.randn(tokens, (hq + 2 * hkv) * D, generator=g) * 3
-    positions = torch.randint(0, 500, (tokens,), generator=g)
-    ref = qkv.clone()
-    q, k, _ = ref.split([hq * D, hkv * D, hkv * D], dim=-1)
-    apply_rotary(positions, q, k, rot.cos_sin_cache, D)
-    head_transform_(ref.view(tokens, -1, D)[:, :heads], mats, head_map[:heads])
-    rotary_transform_(positions, qkv.view(tokens, -1, D)[:, :heads], rot.cos_sin_cache, mats, head_map[:heads],
-                      hq, hkv)
+    heads = HQ + HKV * (2 if with_v else 1)
+    rot, mats, head_map, qkv, positions, _ = _fused_case(tokens)
+    ref = _rotary_then_transform(qkv, positions, rot, mats, head_map, heads)[0]
+    view = qkv.view(tokens, -1, D)
+    rotary_transform_(positions, view[:, :heads], rot.cos_sin_cache, mats, head_map[:heads], HQ, HKV)
     assert torch.equal(qkv, ref)
     with pytest.raises(ValueError, match="neither 4 q"):
-        rotary_transform_(positions, qkv.view(tokens, -1, D)[:, :hq + 1], rot.cos_sin_cache, mats, head_map[:hq + 1],
-                          hq, hkv)
+        rotary_transform_(positions, view[:, :HQ + 1], rot.cos_sin_cache, mats, head_map[:HQ + 1], HQ, HKV)
 
 _COMPILE_SCRIPT = """
 import json, sys
