@@ -35,6 +35,14 @@ def ragged_prefill_choice() -> str:
     return choice
 
 
+def check_kernel_backend(choice: str, capability: tuple[int, int] | None) -> None:
+    """fa3 is Hopper's (sm90) kernel family: asked for elsewhere, say so at start-up rather than in
+    flashinfer's first plan. capability None: no CUDA device to ask."""
+    if choice == "fa3" and capability is not None and capability[0] != 9:
+        raise ValueError(f"SHOAL_PREFILL_RAGGED=fa3 needs a Hopper GPU (sm90); this one is sm{capability[0]}"
+                         f"{capability[1]}: use auto (what it picks) or fa2")
+
+
 def serves(fb: ForwardBatch) -> bool:
     """Batches it runs: a plain prefill and a prefill with decode rows (one new token each). Speculative
     modes keep the paged prefill (their graphs and masks are planned there)."""
@@ -49,6 +57,8 @@ class RaggedPrefill:
     def __init__(self, flashinfer: Any, workspace: torch.Tensor, paged_wrapper: Any, kernel_backend: str,
                  num_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float, dtype: torch.dtype,
                  kv_dtype: torch.dtype, device: torch.device):
+        check_kernel_backend(kernel_backend, torch.cuda.get_device_capability(device) if device.type == "cuda"
+                             else None)
         self._fi = flashinfer
         self.wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=kernel_backend)
         self.paged = paged_wrapper

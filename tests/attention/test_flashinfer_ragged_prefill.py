@@ -191,3 +191,12 @@ def test_ragged_choice_is_checked(backend_cls, monkeypatch) -> None:
     monkeypatch.setenv("SHOAL_PREFILL_RAGGED", "fa4")
     with pytest.raises(ValueError, match="SHOAL_PREFILL_RAGGED"):
         backend_cls(_setup([3], [0])[0])
+
+
+def test_fa3_outside_hopper_is_refused_by_name() -> None:
+    from runtime.attention.ragged_prefill import check_kernel_backend
+
+    with pytest.raises(ValueError, match="fa3 needs a Hopper GPU"):
+        check_kernel_backend("fa3", (8, 0))
+    for choice, capability in (("fa3", (9, 0)), ("fa3", None), ("auto", (8, 0)), ("fa2", (8, 9))):
+        check_kernel_backend(choice, capability)
