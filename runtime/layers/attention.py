@@ -48,8 +48,8 @@ class Attention(nn.Module):
         pool = fb.token_to_kv_pool
         rotation = pool.rotation if pool is not None else None  # None: KVCalibrator's pool-less prefill
         on_device = self._kernel_device(q)
-        fuse = (self.fuse_decode and on_device and pool is not None and fb.attn_backend.stores_first_ok(fb)
-                and rotary.fusable(self.head_dim))
+        fusable = self.fuse_decode and on_device and rotary.fusable(self.head_dim)
+        fuse = fusable and pool is not None and fb.attn_backend.stores_first_ok(fb)
         if rotation is not None:
             if fuse and rotation.rotary_rotate_and_store(self.layer_id, positions, q, k, v, rotary.cos_sin_cache,
                                                          *pool.get_kv(self.layer_id), fb.out_cache_loc,
@@ -57,8 +57,7 @@ class Attention(nn.Module):
                 return rotation.restore_output(fb.attn_backend.forward(q, None, None, self, fb))
             # The backend stores the new K/V itself (and may attend to them as given): rotary and rotation
             # in one launch where they fuse.
-            if not (self.fuse_decode and on_device and rotary.fusable(self.head_dim)
-                    and rotation.rotary_rotate_(self.layer_id, positions, q, k, v, rotary.cos_sin_cache)):
+            if not (fusable and rotation.rotary_rotate_(self.layer_id, positions, q, k, v, rotary.cos_sin_cache)):
                 q, k = rotary(positions, q, k)
                 q, k, v = rotation.rotate(self.layer_id, q, k, v)
             return rotation.restore_output(fb.attn_backend.forward(q, k, v, self, fb))

@@ -92,11 +92,9 @@ class KVRotation:
         # The Triton transform splits a head into halves for tl.dot, which needs 16 or more per side.
         self.fused = (v_mat.is_cuda if fused is None else fused) and self.head_dim >= 32
         # For the one-launch transform: per layer [q mats (Hkv), k mats (Hkv), v mat] and which one each of
-        # the Hq + 2 Hkv heads of a qkv row uses. V in the weights: the identity, which the fused decode
-        # kernel's dot reproduces exactly (x * 1 and x * 0 summed in fp32).
-        stored_v = torch.eye(self.head_dim, dtype=v_mat.dtype, device=v_mat.device) if v_in_weights else v_mat
-        self.qkv_mats = tuple(torch.cat([qm, km, stored_v[None]]).contiguous()
-                              for qm, km in zip(self.q_mats, self.k_mats))
+        # the Hq + 2 Hkv heads of a qkv row uses (with V in the weights no launch reads the v mat: the v heads
+        # are left out or stored as they are).
+        self.qkv_mats = tuple(torch.cat([qm, km, v_mat[None]]).contiguous() for qm, km in zip(self.q_mats, self.k_mats))
         group = num_heads // hkv
         heads = [h // group for h in range(num_heads)] + [hkv + j for j in range(hkv)] + [2 * hkv] * hkv
         self.qkv_head_map = torch.tensor(heads, dtype=torch.int32, device=v_mat.device)
