@@ -78,6 +78,10 @@
 #                                               # (ragged prefill), v stored as is when folded: 1000 x 1000 FP8 KV,
 #                                               # rotation GPU tests, then the svc workload (the first run
 #                                               # JIT-compiles flashinfer's prefill modules at start-up: ~1-2 min)
+#   bash benchmarks/gpu_suite.sh part52 OUTDIR  # part51's checks on an H200 (the only kind lent 2026-11-28): rotation
+#                                               # and ragged GPU tests, 1000 x 1000 FP8 KV, the svc workload
+#   bash benchmarks/gpu_suite.sh part53 OUTDIR  # issue 16's other items on an H200: 1000 x 1000 bf16, bs-1 decode
+#                                               # bf16 / FP8 weights, 462/256 x 500
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
@@ -527,6 +531,23 @@ if [ "$part" = part51 ]; then  # the in-place rotary + rotation (ragged EXTEND) 
   timeout 200 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_kv_rotation.py > "$out/rotation_tests.log" 2>&1
   grep -E "fusion on vs off|passed|failed|FAILED|Error" "$out/rotation_tests.log" | tail -12
   TAIL=2 run timeout 120 python -m benchmarks.svc_step_times --gc-freeze 1 --output-file "$out/svc_step_times_final_h100.json"
+fi
+if [ "$part" = part52 ]; then  # the CPU-only changes of 2026-11-28 checked on an H200, then item 3 (FP8 KV) and item 2
+  timeout 240 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_kv_rotation.py tests/gpu/test_gpu_fp8.py \
+    tests/gpu/test_gpu_attention_backends.py tests/gpu/test_gpu_engine.py \
+    -k "rotation or rotary or matches_torch_native or flashinfer and (parity or fp8_kv_and_weights)" > "$out/tests.log" 2>&1
+  grep -E "fusion on vs off|\[parity\]|passed|failed|FAILED|Error" "$out/tests.log" | tail -14
+  TAIL=3 run timeout 240 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests 1024 \
+    --kv-cache-dtype fp8_e4m3 --output-file "$out/fp8_kv_1000x1000_h200.json"
+  TAIL=2 run timeout 90 python -m benchmarks.svc_step_times --gc-freeze 1 --output-file "$out/svc_step_times_h200.json"
+fi
+if [ "$part" = part53 ]; then  # issue 16's other items on an H200
+  TAIL=3 run timeout 240 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests 1024 \
+    --output-file "$out/bf16_1000x1000_h200.json"
+  TAIL=12 run timeout 200 python benchmarks/bench_fp8.py --part decode --modes bf16,fp8_weights \
+    --output-file "$out/fp8_decode_h200.json"
+  TAIL=4 run timeout 150 $OFF --num-prompts 500 --input-len 462 --output-len 256 --max-running-requests 512 \
+    --output-file "$out/llama8b_462x256_h200.json"
 fi
 if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then
   files=$(ls tests/gpu/test_*.py | grep -v test_ray_tp_gpu.py)
