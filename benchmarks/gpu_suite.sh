@@ -82,6 +82,8 @@
 #                                               # and ragged GPU tests, 1000 x 1000 FP8 KV, the svc workload
 #   bash benchmarks/gpu_suite.sh part53 OUTDIR  # issue 16's other items on an H200: 1000 x 1000 bf16, bs-1 decode
 #                                               # bf16 / FP8 weights, 462/256 x 500
+#   bash benchmarks/gpu_suite.sh part54 OUTDIR  # item 2 on an H200: Shoal against HF static and HF continuous in one
+#                                               # run, and a profile of the svc workload
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
@@ -548,6 +550,12 @@ if [ "$part" = part53 ]; then  # issue 16's other items on an H200
     --output-file "$out/fp8_decode_h200.json"
   TAIL=4 run timeout 150 $OFF --num-prompts 500 --input-len 462 --output-len 256 --max-running-requests 512 \
     --output-file "$out/llama8b_462x256_h200.json"
+fi
+if [ "$part" = part54 ]; then  # issue 16 item 2 on an H200: the ratios in one run, and where the svc run's steps go
+  run timeout 360 python -m benchmarks.bench_static_vs_continuous --model-config $M --hf-timeout 150 \
+    --output-file "$out/static_vs_continuous_h200.json"
+  TAIL=6 run timeout 120 python -m benchmarks.svc_step_times --gc-freeze 1 --profile \
+    --output-file "$out/svc_step_times_profile_h200.json"
 fi
 if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then
   files=$(ls tests/gpu/test_*.py | grep -v test_ray_tp_gpu.py)
