@@ -69,13 +69,19 @@ class RaggedPrefill:
         self._rows = torch.empty(0, dtype=torch.bool)  # which of them belong to a request with a prefix
 
     def load_modules(self, one: torch.Tensor, slot: torch.Tensor) -> None:
-        """Plans a one-token batch on both wrappers, which loads (on a machine's first use JIT-compiles, 10-75
-        s each) the kernels every batch needs: at start-up, not when the first cached prefix shows up mid-run
-        (one H100 run stalled 28 s there). one: pinned host indptr [0, 1]; slot: a device index [1]."""
+        """Plans a one-token batch on both wrappers and merges one row, which loads (on a machine's first use
+        JIT-compiles, 10-75 s each) the kernels every batch needs: at start-up, not when the first cached
+        prefix shows up mid-run (one H100 run stalled 28 s there on the paged module; an H200 run's prefill
+        took 10 s longer with the merge's module compiled mid-run). one: pinned host indptr [0, 1]; slot: a
+        device index [1]."""
         self.wrapper.plan(one, one, self.num_heads, self.num_kv_heads, self.head_dim, causal=True,
                           sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=self.dtype)
         self.paged.plan(one, one, slot, one[1:], self.num_heads, self.num_kv_heads, self.head_dim, 1, causal=False,
                         sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=self.kv_dtype)
+        o = torch.zeros(1, self.num_heads, self.head_dim, dtype=self.dtype, device=self.device)
+        lse = torch.zeros(1, self.num_heads, dtype=torch.float32, device=self.device)
+        self._fi.merge_state_in_place(o, lse, o.clone(), lse.clone(),
+                                      mask=torch.ones(1, dtype=torch.bool, device=self.device))
 
     def plan(self, fb: ForwardBatch, qo_indptr: torch.Tensor, span: PrefixSpan | None) -> None:
         """qo_indptr: pinned host offsets of each request's new tokens; span: the requests with a cached

@@ -35,7 +35,8 @@ class _Wrapper:
 def backend_cls(monkeypatch: pytest.MonkeyPatch):
     return flashinfer_backend_cls(monkeypatch, BatchPrefillWithPagedKVCacheWrapper=_Wrapper,
                                   BatchDecodeWithPagedKVCacheWrapper=_Wrapper,
-                                  BatchPrefillWithRaggedKVCacheWrapper=_Wrapper)
+                                  BatchPrefillWithRaggedKVCacheWrapper=_Wrapper,
+                                  merge_state_in_place=lambda *args, **kwargs: None)
 
 
 def _spec(kv_dtype: torch.dtype | None) -> AttentionSpec:

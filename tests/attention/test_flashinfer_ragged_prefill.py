@@ -86,12 +86,23 @@ def _merge_state_in_place(v, s, v_other, s_other, mask=None) -> None:
     s[keep] = (m + torch.log2(w + w_other))[keep]
 
 
+class _CountedMerge:
+    """merge_state_in_place, counting its calls (the first one loads flashinfer's cascade module)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, v, s, v_other, s_other, mask=None) -> None:
+        self.calls += 1
+        _merge_state_in_place(v, s, v_other, s_other, mask)
+
+
 @pytest.fixture
 def backend_cls(monkeypatch: pytest.MonkeyPatch):
     return flashinfer_backend_cls(monkeypatch, BatchPrefillWithPagedKVCacheWrapper=_Paged,
                                   BatchDecodeWithPagedKVCacheWrapper=_Paged,
                                   BatchPrefillWithRaggedKVCacheWrapper=_Ragged,
-                                  merge_state_in_place=_merge_state_in_place)
+                                  merge_state_in_place=_CountedMerge())
 
 
 def _setup(seq_lens: list[int], prefix_lens: list[int], mode: ForwardMode = ForwardMode.EXTEND):
@@ -147,15 +158,17 @@ def test_ragged_prefill_attends_prefix_from_pool_and_new_tokens_as_given(backend
     backend = backend_cls(spec)
     assert not backend.extend_reads_kv_from_pool(fb) and not backend.stores_first_ok(fb)
     before = (k_buf.clone(), v_buf.clone())
-    # Start-up planned both wrappers once (loading, on a GPU JIT-compiling, their kernels); a batch plans the
-    # paged one only where some request has a prefix.
-    assert backend.prefill_wrapper.plans == 1 and backend.ragged.wrapper.qo == [0, 1]
+    # Start-up planned both wrappers once and merged one row (loading, on a GPU JIT-compiling, their kernels);
+    # a batch plans the paged one and merges only where some request has a prefix.
+    merges = backend.ragged._fi.merge_state_in_place
+    assert backend.prefill_wrapper.plans == 1 and backend.ragged.wrapper.qo == [0, 1] and merges.calls == 1
     backend.init_forward_metadata(fb)
     assert backend.prefill_wrapper.plans == (2 if any(prefix_lens) else 1)
     if any(prefix_lens):  # the paged part covers the requests from the first to the last with a prefix only
         with_prefix = [i for i, p in enumerate(prefix_lens) if p > 0]
         assert len(backend.prefill_wrapper.qo) == with_prefix[-1] - with_prefix[0] + 2
     out = backend.forward(*qkv, layer, fb)
+    assert merges.calls == (2 if any(prefix_lens) else 1)
     torch.testing.assert_close(out, _reference(fb, qkv, before, req_to_token, rows), atol=1e-5, rtol=1e-5)
     # The new tokens' K/V reached the pool, quantized as store_kv does (the Triton interpreter's own e4m3
     # cast rounds a few values toward zero: tests/kernels/test_fp8_kv_kernels.py), nothing else changed.
