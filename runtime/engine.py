@@ -115,7 +115,7 @@ class Engine(EngineClient):
                 raise InvalidRequestError("give a prompt string or input_ids", param="prompt")
             input_ids = self._tokenizer.encode(prompt)
         req = GenerateRequest(rid=rid or f"engine-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
-                              input_ids=list(input_ids), sampling_params=params,
+                              input_ids=tuple(input_ids), sampling_params=params,
                               return_input_logprob=return_input_logprob,
                               input_top_logprobs_num=input_top_logprobs_num)
         req = self.validate(req)

@@ -11,7 +11,10 @@ from runtime.sampling.params import SamplingParams
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
     rid: str
-    input_ids: list[int]
+    # A tuple (a list given is made one): CPython stops tracking a tuple of ints at the first collection it
+    # survives, so the prompts a gateway or engine holds while requests run are not walked by every full
+    # collection, which stops the process (runtime/gc_guard.py).
+    input_ids: tuple[int, ...]
     sampling_params: SamplingParams
     return_input_logprob: bool = False
     # Top N of each prompt position after the first (0 = none); implies return_input_logprob, since the
@@ -22,6 +25,10 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     # scheduler starts it as if retracted with them (sampling positions, penalties, stop checks and
     # max_new_tokens all count them) and streams only what comes after.
     resumed_output_ids: list[int] = []
+
+    def __post_init__(self) -> None:
+        if type(self.input_ids) is not tuple:
+            self.input_ids = tuple(self.input_ids)
 
 
 class FinishReason(msgspec.Struct, frozen=True):

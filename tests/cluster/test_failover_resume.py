@@ -77,7 +77,7 @@ def test_live_stream_resumes_from_what_it_handed_over():
         for ids in ([4, 5], [], [6]):
             st.put(RequestOutput(rid="r", new_token_ids=ids))
         resumed = st.resumed_request()
-        assert resumed.resumed_output_ids == [4, 5, 6] and resumed.input_ids == [1, 2, 3]
+        assert resumed.resumed_output_ids == [4, 5, 6] and resumed.input_ids == (1, 2, 3)
         assert resumed.sampling_params == req.sampling_params and not st.finished
         loop.run_until_complete(asyncio.sleep(0))
         assert st.queue.qsize() == 3
