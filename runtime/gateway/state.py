@@ -155,7 +155,8 @@ class GatewayState:
         """n requests per prompt (choice index = prompt * n + i), each validated before any is sent so
         a bad one leaves nothing running. A given seed becomes seed + i: choices differ, reproducibly."""
         reqs = []
-        for p, ids in enumerate(prompts):
+        for p, prompt in enumerate(prompts):
+            ids = tuple(prompt)  # one copy shared by the n choices (GenerateRequest makes a list a tuple)
             for i in range(n):
                 pi = params
                 if params.seed is not None and i:
