@@ -84,6 +84,9 @@
 #                                               # bf16 / FP8 weights, 462/256 x 500
 #   bash benchmarks/gpu_suite.sh part54 OUTDIR  # item 2 on an H200: Shoal against HF static and HF continuous in one
 #                                               # run, and a profile of the svc workload
+#   bash benchmarks/gpu_suite.sh part55 OUTDIR  # first on a FRESH machine: 1000 x 1000 FP8 KV with graphs to 1024
+#                                               # (EXTEND ~22.8 s on an H200 unless a flashinfer module still
+#                                               # builds mid-run), then the ragged/flashinfer GPU tests
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
@@ -556,6 +559,14 @@ if [ "$part" = part54 ]; then  # issue 16 item 2 on an H200: the ratios in one r
     --output-file "$out/static_vs_continuous_h200.json"
   TAIL=6 run timeout 120 python -m benchmarks.svc_step_times --gc-freeze 1 --profile \
     --output-file "$out/svc_step_times_profile_h200.json"
+fi
+if [ "$part" = part55 ]; then  # the cascade module at start-up and prompts as tuples, measured; graphs past 512
+  TAIL=3 run timeout 300 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests 1024 \
+    --kv-cache-dtype fp8_e4m3 --cuda-graph-max-bs 1024 --output-file "$out/fp8_kv_1000x1000_graph1024.json"
+  timeout 240 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_fp8.py tests/gpu/test_gpu_attention_backends.py \
+    tests/gpu/test_gpu_engine.py -k "matches_torch_native or flashinfer and (parity or fp8_kv_and_weights)" \
+    > "$out/ragged_tests.log" 2>&1
+  grep -E "\[parity\]|passed|failed|FAILED|Error" "$out/ragged_tests.log" | tail -12
 fi
 if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then
   files=$(ls tests/gpu/test_*.py | grep -v test_ray_tp_gpu.py)
