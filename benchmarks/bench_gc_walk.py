@@ -70,7 +70,8 @@ class Sampler:
         if not self.samples:
             return {"samples": 0}
         ms = sorted(m for _, m in self.samples)
-        return {"samples": len(ms), "peak_list_elements": max(e["list"] for e, _ in self.samples),
+        lists = sorted(e["list"] for e, _ in self.samples)
+        return {"samples": len(ms), "peak_list_elements": lists[-1], "median_list_elements": lists[len(lists) // 2],
                 "peak_tuple_elements": max(e["tuple"] for e, _ in self.samples),
                 "full_collection_ms_median": ms[len(ms) // 2], "full_collection_ms_max": ms[-1]}
 

@@ -19,8 +19,9 @@ generation 2 held ~28k objects (16.8k lists), yet 18 full collections took 57-95
 SHOAL_GC_PROFILE below) with nothing to collect. Young cycles are still freed at once; older ones later.
 Prompts are held as tuples (GenerateRequest.input_ids, Req.origin_input_ids), which CPython stops tracking
 once they survive a collection, so a full walk skips them: 500 requests of 1,000 prompt tokens in flight on
-the CPU (benchmarks/bench_gc_walk.py, a tiny model) left 993k elements in the engine's tracked lists before,
-108k after (outputs and the last prefill batch), and a full collection took 6.4 ms before, 1.7 after.
+the CPU (benchmarks/bench_gc_walk.py, a tiny model) left 993k elements in the engine's tracked lists at the
+peak before, 102k after (outputs and the last prefill batch), and a full collection took 6.5 ms before, 1.5
+after (medians).
 
 SHOAL_GC_PROFILE=1 also logs, for the first few slow collections,
 how many objects each generation holds and the most common types among the oldest (what the walk visited)."""

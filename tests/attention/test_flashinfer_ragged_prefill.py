@@ -93,6 +93,11 @@ class _CountedMerge:
         self.calls = 0
 
     def __call__(self, v, s, v_other, s_other, mask=None) -> None:
+        # flashinfer's contract: v [n, H, D], s [n, H] float32 (both pairs alike), mask bool [n]
+        n, h, _ = v.shape
+        assert v_other.shape == v.shape and v_other.dtype == v.dtype
+        assert s.shape == s_other.shape == (n, h) and s.dtype == s_other.dtype == torch.float32
+        assert mask is not None and mask.dtype == torch.bool and mask.shape == (n,)
         self.calls += 1
         _merge_state_in_place(v, s, v_other, s_other, mask)
 
