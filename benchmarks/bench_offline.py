@@ -27,6 +27,7 @@ from benchmarks.common import (
     special_token_ids,
     write_result,
 )
+from benchmarks.device_memory import device_memory
 from benchmarks.system_sampler import SystemSampler, visible_gpu_index
 from benchmarks.triton_compiles import TritonCompiles
 from runtime.config import ServerArgs
@@ -148,6 +149,7 @@ def run_throughput(engine: Any, args: argparse.Namespace, config: dict[str, Any]
         "max_total_tokens": getattr(engine.get_stats(), "max_total_tokens", None),  # KV pool size in tokens
         "triton_compiles_in_run": compiles.summary(),  # JIT compiles inside the timed run (host stalls)
         "system_during_run": system.summary(),  # SM clock, throttling, power; host CPU busy / steal
+        "device_memory": device_memory(engine),  # pool, weights, and the peak of everything else (GiB)
     }
 
 

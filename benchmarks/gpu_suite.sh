@@ -87,6 +87,9 @@
 #   bash benchmarks/gpu_suite.sh part55 OUTDIR  # first on a FRESH machine: 1000 x 1000 FP8 KV with graphs to 1024
 #                                               # (EXTEND ~22.8 s on an H200 unless a flashinfer module still
 #                                               # builds mid-run), then the ragged/flashinfer GPU tests
+#   bash benchmarks/gpu_suite.sh part56 OUTDIR  # part55's runs with the memory report (device_memory) and the compiled
+#                                               # variants, then 1000 x 1000 bf16 the same way
+#   bash benchmarks/gpu_suite.sh part57 OUTDIR  # the ragged/flashinfer GPU tests; 1000 x 1000 bf16 at MEMFRAC
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
@@ -567,6 +570,30 @@ if [ "$part" = part55 ]; then  # the cascade module at start-up and prompts as t
     tests/gpu/test_gpu_engine.py -k "matches_torch_native or flashinfer and (parity or fp8_kv_and_weights)" \
     > "$out/ragged_tests.log" 2>&1
   grep -E "\[parity\]|passed|failed|FAILED|Error" "$out/ragged_tests.log" | tail -12
+fi
+if [ "$part" = part56 ]; then  # where the memory outside pool and weights goes; which variant compiles mid-run
+  TAIL=3 run timeout 280 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests 1024 \
+    --kv-cache-dtype fp8_e4m3 --cuda-graph-max-bs 1024 --output-file "$out/fp8_kv_1000x1000_graph1024.json"
+  TAIL=3 run timeout 260 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests 1024 \
+    --output-file "$out/bf16_1000x1000.json"
+  python - "$out" <<'PY'
+import json, pathlib, sys
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
+    r = json.loads(f.read_text())["results"]
+    print(f.name, round(r["output_throughput"]), r["forward_modes"].get("EXTEND"), r["forward_modes"].get("DECODE"),
+          r["max_total_tokens"], r["device_memory"], r["triton_compiles_in_run"], r["device_idle_fraction"])
+PY
+fi
+if [ "$part" = part57 ]; then  # part55's GPU tests; then bf16 1000 x 1000 with the pool at MEMFRAC
+  timeout 240 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_fp8.py tests/gpu/test_gpu_attention_backends.py \
+    tests/gpu/test_gpu_engine.py -k "matches_torch_native or flashinfer and (parity or fp8_kv_and_weights)" \
+    > "$out/ragged_tests.log" 2>&1
+  grep -E "\[parity\]|passed|failed|FAILED|Error" "$out/ragged_tests.log" | tail -12
+  TAIL=3 run timeout 300 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests 1024 \
+    --mem-fraction-static "${MEMFRAC:-0.92}" --output-file "$out/bf16_1000x1000_memfrac.json"
+  python -c "import json,sys; r=json.load(open(sys.argv[1]))['results']; print(round(r['output_throughput']), \
+r['forward_modes'].get('DECODE'), r['max_total_tokens'], r['device_memory'], r['triton_compiles_in_run'])" \
+    "$out/bf16_1000x1000_memfrac.json"
 fi
 if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then
   files=$(ls tests/gpu/test_*.py | grep -v test_ray_tp_gpu.py)

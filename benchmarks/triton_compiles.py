@@ -14,6 +14,7 @@ from typing import Any
 class TritonCompiles:
     def __init__(self) -> None:
         self.kernels: list[str] = []
+        self.reprs: list[str] = []  # name[options](arg: type and specialization, ...): which variant compiled
         self._knobs: Any = None
         self._previous: Any = None
 
@@ -35,7 +36,9 @@ class TritonCompiles:
     def _hook(self, *args: Any, **kwargs: Any) -> Any:
         fn = kwargs.get("fn")
         self.kernels.append(str(getattr(fn, "name", None) or getattr(fn, "__name__", "?")))
+        self.reprs.append(str(kwargs.get("repr") or ""))
         return self._previous(*args, **kwargs) if self._previous is not None else None
 
     def summary(self) -> dict[str, Any]:
-        return {"count": len(self.kernels), "kernels": sorted(set(self.kernels))[:20]}
+        return {"count": len(self.kernels), "kernels": sorted(set(self.kernels))[:20],
+                "variants": [r for r in self.reprs if r][:20]}

@@ -85,6 +85,13 @@ def build_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                                     req_to_token.stride(0), BLOCK=512)
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy of it where its data is not 16-byte aligned. Triton compiles a kernel once per pointer
+    alignment, so a slice starting at an odd request (the requests with a prefix when one is not first)
+    would JIT-compile a second _build_kv_indices_kernel mid-run."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def _indptr(lens: list[int]) -> torch.Tensor:
     return _pinned(torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32))
 
@@ -188,8 +195,9 @@ class FlashInferAttnBackend(AttentionBackend):
             first, last = requests
             kv_indptr = _indptr(fb.extend_prefix_lens_cpu[first:last])
             kv_indices = torch.empty(int(kv_indptr[-1]), dtype=torch.int32, device=self.device)
-            build_kv_indices(self.req_to_token, fb.req_pool_indices[first:last], fb.extend_prefix_lens[first:last],
-                             kv_indptr.to(self.device, non_blocking=True), kv_indices)
+            build_kv_indices(self.req_to_token, _aligned(fb.req_pool_indices[first:last]),
+                             _aligned(fb.extend_prefix_lens[first:last]), kv_indptr.to(self.device, non_blocking=True),
+                             kv_indices)
             span = PrefixSpan(requests, _indptr(fb.extend_seq_lens_cpu[first:last]), kv_indptr, kv_indices,
                               _pinned(torch.ones(last - first, dtype=torch.int32)))
         self.ragged.plan(fb, _indptr(fb.extend_seq_lens_cpu), span)

@@ -218,3 +218,16 @@ def test_fa3_outside_hopper_is_refused_by_name() -> None:
         check_kernel_backend("fa3", (8, 0))
     for choice, capability in (("fa3", (9, 0)), ("fa3", None), ("auto", (8, 0)), ("fa2", (8, 9))):
         check_kernel_backend(choice, capability)
+
+
+def test_kv_index_inputs_are_16_byte_aligned() -> None:
+    """A slice from an odd request is copied (Triton compiles a kernel once per pointer alignment, so a
+    misaligned one JIT-compiles a second variant mid-run); an aligned tensor passes as is."""
+    from runtime.attention.flashinfer_backend import _aligned
+
+    t = torch.arange(8, dtype=torch.int64)
+    assert t.data_ptr() % 16 == 0 and _aligned(t) is t
+    odd = t[1:4]
+    assert odd.data_ptr() % 16 == 8
+    got = _aligned(odd)
+    assert got.data_ptr() % 16 == 0 and got.tolist() == [1, 2, 3]

@@ -25,11 +25,12 @@ def test_counts_compiles_and_restores_the_previous_hook(monkeypatch: pytest.Monk
         hook = knobs.runtime.jit_post_compile_hook
         assert hook is not previous
         for name in ("_rmsnorm_kernel", "_decode_stage1_kernel", "_rmsnorm_kernel"):
-            hook(key=None, repr="", fn=SimpleNamespace(name=name), compile={}, is_manual_warmup=False,
+            hook(key=None, repr=f"{name}[num_warps=4](X: *i64:16)" if name[1] == "d" else "", fn=SimpleNamespace(name=name), compile={}, is_manual_warmup=False,
                  already_compiled=False)
     assert knobs.runtime.jit_post_compile_hook is previous
     assert seen == ["_rmsnorm_kernel", "_decode_stage1_kernel", "_rmsnorm_kernel"]
-    assert compiles.summary() == {"count": 3, "kernels": ["_decode_stage1_kernel", "_rmsnorm_kernel"]}
+    assert compiles.summary() == {"count": 3, "kernels": ["_decode_stage1_kernel", "_rmsnorm_kernel"],
+                                  "variants": ["_decode_stage1_kernel[num_warps=4](X: *i64:16)"]}
 
 
 def test_nothing_compiled_is_an_empty_summary(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -37,4 +38,4 @@ def test_nothing_compiled_is_an_empty_summary(monkeypatch: pytest.MonkeyPatch) -
     with TritonCompiles() as compiles:
         pass
     assert knobs.runtime.jit_post_compile_hook is None
-    assert compiles.summary() == {"count": 0, "kernels": []}
+    assert compiles.summary() == {"count": 0, "kernels": [], "variants": []}
