@@ -90,6 +90,9 @@
 #   bash benchmarks/gpu_suite.sh part56 OUTDIR  # part55's runs with the memory report (device_memory) and the compiled
 #                                               # variants, then 1000 x 1000 bf16 the same way
 #   bash benchmarks/gpu_suite.sh part57 OUTDIR  # the ragged/flashinfer GPU tests; 1000 x 1000 bf16 at MEMFRAC
+#   bash benchmarks/gpu_suite.sh part58 OUTDIR  # first next session: the two GPU tests fixed unrun (kv scales with the
+#                                               # paged prefill; FP8 weights' first tokens as near-ties), then
+#                                               # 1000 x 1000 FP8 KV with graphs to 1024 (memory report, variants)
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
@@ -594,6 +597,16 @@ if [ "$part" = part57 ]; then  # part55's GPU tests; then bf16 1000 x 1000 with 
   python -c "import json,sys; r=json.load(open(sys.argv[1]))['results']; print(round(r['output_throughput']), \
 r['forward_modes'].get('DECODE'), r['max_total_tokens'], r['device_memory'], r['triton_compiles_in_run'])" \
     "$out/bf16_1000x1000_memfrac.json"
+fi
+if [ "$part" = part58 ]; then
+  timeout 200 python -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_kv_scales.py \
+    tests/gpu/test_fp8_weight_scales_gpu.py::test_engine_fp8_weight_scales_and_weight_only > "$out/fixed_tests.log" 2>&1
+  grep -E "first tokens|passed|failed|FAILED|Error" "$out/fixed_tests.log" | tail -12
+  TAIL=3 run timeout 400 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests 1024 \
+    --kv-cache-dtype fp8_e4m3 --cuda-graph-max-bs 1024 --output-file "$out/fp8_kv_1000x1000_graph1024.json"
+  python -c "import json,sys; r=json.load(open(sys.argv[1]))['results']; print(round(r['output_throughput']), \
+r['forward_modes'], r['device_memory'], r['triton_compiles_in_run'], r['device_idle_fraction'])" \
+    "$out/fp8_kv_1000x1000_graph1024.json"
 fi
 if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then
   files=$(ls tests/gpu/test_*.py | grep -v test_ray_tp_gpu.py)

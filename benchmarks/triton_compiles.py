@@ -36,9 +36,20 @@ class TritonCompiles:
     def _hook(self, *args: Any, **kwargs: Any) -> Any:
         fn = kwargs.get("fn")
         self.kernels.append(str(getattr(fn, "name", None) or getattr(fn, "__name__", "?")))
-        self.reprs.append(str(kwargs.get("repr") or ""))
+        self.reprs.append(variant(kwargs))
         return self._previous(*args, **kwargs) if self._previous is not None else None
 
     def summary(self) -> dict[str, Any]:
         return {"count": len(self.kernels), "kernels": sorted(set(self.kernels))[:20],
                 "variants": [r for r in self.reprs if r][:20]}
+
+
+def variant(hook_kwargs: dict[str, Any]) -> str:
+    """What tells one compiled variant of a kernel from another: the argument types (signature) and the
+    specialization attributes (16-byte alignment, ints equal to 1) from the hook's `compile` dict; the
+    hook's own `repr` where those are missing (its argument part came out as "()" on triton 3.6)."""
+    compile_ = hook_kwargs.get("compile")
+    if isinstance(compile_, dict) and compile_.get("signature") is not None:
+        configs = compile_.get("configs") or [None]
+        return f"{compile_['signature']} {configs[0]}"[:600]
+    return str(hook_kwargs.get("repr") or "")[:600]

@@ -39,3 +39,12 @@ def test_nothing_compiled_is_an_empty_summary(monkeypatch: pytest.MonkeyPatch) -
         pass
     assert knobs.runtime.jit_post_compile_hook is None
     assert compiles.summary() == {"count": 0, "kernels": [], "variants": []}
+
+
+def test_variant_names_the_signature_and_the_specialization() -> None:
+    from benchmarks.triton_compiles import variant
+
+    sig = {"X": "*i64", "n": "i32", "BLOCK": "constexpr"}
+    attrs = {(0,): [["tt.divisibility", 16]]}
+    assert variant({"repr": "k(X: ())", "compile": {"signature": sig, "configs": [attrs]}}) == f"{sig} {attrs}"
+    assert variant({"repr": "k[num_warps=4](X: *i64:16)", "compile": {}}) == "k[num_warps=4](X: *i64:16)"

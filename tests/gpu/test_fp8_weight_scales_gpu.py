@@ -83,11 +83,16 @@ def gpu_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_engine_fp8_weight_scales_and_weight_only(gpu_llama: Path) -> None:
+    """First tokens mostly agree with bf16, and where one does not the two were a near-tie under FP8: bf16's
+    token is in FP8's top 5, within a small gap of FP8's own. A random checkpoint's first-token logits are
+    nearly flat (an H200 gave 15 of 24 equal with act_weighted scales, an H100 at least 16 before), so a
+    count alone reads noise; a wrong kernel puts bf16's token far down or out of the list."""
     from runtime import Engine
 
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 32000) for _ in range(rng.randrange(16, 300))] for _ in range(24)]
-    params = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+    params = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True, "return_logprob": True,
+              "top_logprobs_num": 5}
     runs = {}
     fp8 = {"quantization": "fp8"}
     for mode, extra in {"bf16": {}, "fp8_act_weighted": fp8, "fp8_mse": {**fp8, "fp8_weight_scales": "mse"},
@@ -98,8 +103,15 @@ def test_engine_fp8_weight_scales_and_weight_only(gpu_llama: Path) -> None:
             outs = engine.generate(input_ids=prompts, sampling_params=params)
             assert engine.get_stats().num_used_tokens == 0
         assert all(len(o["output_ids"]) == 16 for o in outs)
-        runs[mode] = [o["output_ids"] for o in outs]
+        runs[mode] = outs
     for mode in ("fp8_act_weighted", "fp8_mse", "fp8_amax", "fp8_weight_only"):
-        agree = sum(a[0] == b[0] for a, b in zip(runs["bf16"], runs[mode], strict=True))
-        print(f"{mode}: first tokens equal to bf16 in {agree}/24")
-        assert agree >= 16, (mode, agree)
+        gaps = []
+        for ref, got in zip(runs["bf16"], runs[mode], strict=True):
+            top = dict((int(t), float(lp)) for t, lp in got["top_logprobs"][0])
+            want = ref["output_ids"][0]
+            gaps.append(max(top.values()) - top[want] if want in top else float("inf"))
+        agree = sum(g == 0.0 for g in gaps)
+        print(f"{mode}: first tokens equal to bf16 in {agree}/24; FP8's gap to bf16's token where they differ: "
+              f"{sorted(round(g, 3) for g in gaps if g > 0)}")
+        assert agree >= 12, (mode, agree)
+        assert max(gaps) < 1.0, (mode, gaps)
