@@ -120,6 +120,9 @@ def run_throughput(engine: Any, args: argparse.Namespace, config: dict[str, Any]
         engine.generate(input_ids=warm_prompts, sampling_params=[p | {"max_new_tokens": min(16, p["max_new_tokens"])}
                                                                   for p in warm_params])
     prompts, params = build_workload(args, config)
+    # Tuples, as the HTTP gateway holds prompts: the Engine's scheduler thread shares this process, and a
+    # full collection (which stops it) walks every element of every tracked list: 1M here at 1000 x 1000.
+    prompts = [tuple(p) for p in prompts]
     before = stats_snapshot(engine)
     busy0 = getattr(engine.get_stats(), "device_busy_s", 0.0)
     with TritonCompiles() as compiles, SystemSampler(gpu_index=visible_gpu_index()) as system:

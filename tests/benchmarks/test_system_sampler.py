@@ -54,3 +54,4 @@ def test_bench_offline_reports_the_system_during_its_run(tmp_path) -> None:
     system = results["system_during_run"]
     assert system["span_s"] > 0 and 0 <= system["cpu_busy_pct"] <= 100
     assert '"system_during_run"' in out.read_text()
+    assert results["device_memory"] is None and results["total_output_tokens"] == 8 * 64  # CPU: no device report
