@@ -231,3 +231,16 @@ def test_kv_index_inputs_are_16_byte_aligned() -> None:
     assert odd.data_ptr() % 16 == 8
     got = _aligned(odd)
     assert got.data_ptr() % 16 == 0 and got.tolist() == [1, 2, 3]
+
+
+def test_start_up_compiles_the_kv_index_kernel(backend_cls, monkeypatch) -> None:
+    """Built once at start-up with the argument types the ragged prefill's prefix part passes (int64 rows and
+    lengths, int32 offsets and output): its first batch then finds the kernel compiled."""
+    import runtime.attention.flashinfer_backend as fb_mod
+
+    calls = []
+    real = fb_mod.build_kv_indices
+    monkeypatch.setattr(fb_mod, "build_kv_indices", lambda *a: (calls.append([t.dtype for t in a]), real(*a)))
+    spec, *_ = _setup([6, 9], [0, 5])
+    backend_cls(spec)
+    assert calls == [[torch.int32, torch.int64, torch.int64, torch.int32, torch.int32]]

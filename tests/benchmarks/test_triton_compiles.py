@@ -25,12 +25,12 @@ def test_counts_compiles_and_restores_the_previous_hook(monkeypatch: pytest.Monk
         hook = knobs.runtime.jit_post_compile_hook
         assert hook is not previous
         for name in ("_rmsnorm_kernel", "_decode_stage1_kernel", "_rmsnorm_kernel"):
-            hook(key=None, repr=f"{name}[num_warps=4](X: *i64:16)" if name[1] == "d" else "", fn=SimpleNamespace(name=name), compile={}, is_manual_warmup=False,
+            hook(key=None, repr="", fn=SimpleNamespace(name=name), compile={}, is_manual_warmup=False,
                  already_compiled=False)
     assert knobs.runtime.jit_post_compile_hook is previous
     assert seen == ["_rmsnorm_kernel", "_decode_stage1_kernel", "_rmsnorm_kernel"]
     assert compiles.summary() == {"count": 3, "kernels": ["_decode_stage1_kernel", "_rmsnorm_kernel"],
-                                  "variants": ["_decode_stage1_kernel[num_warps=4](X: *i64:16)"]}
+                                  "variants": ["_rmsnorm_kernel", "_decode_stage1_kernel", "_rmsnorm_kernel"]}
 
 
 def test_nothing_compiled_is_an_empty_summary(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -44,7 +44,9 @@ def test_nothing_compiled_is_an_empty_summary(monkeypatch: pytest.MonkeyPatch) -
 def test_variant_names_the_signature_and_the_specialization() -> None:
     from benchmarks.triton_compiles import variant
 
+    fn = SimpleNamespace(name="_k")
     sig = {"X": "*i64", "n": "i32", "BLOCK": "constexpr"}
     attrs = {(0,): [["tt.divisibility", 16]]}
-    assert variant({"repr": "k(X: ())", "compile": {"signature": sig, "configs": [attrs]}}) == f"{sig} {attrs}"
-    assert variant({"repr": "k[num_warps=4](X: *i64:16)", "compile": {}}) == "k[num_warps=4](X: *i64:16)"
+    got = variant({"fn": fn, "compile": {"signature": sig, "constants": {(2,): 512}, "configs": [attrs]}})
+    assert got == f"_k {sig} constants={{(2,): 512}} attrs={attrs}"
+    assert variant({"fn": fn, "repr": "k(X: ())", "compile": {}}) == "_k"

@@ -83,16 +83,17 @@ def gpu_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_engine_fp8_weight_scales_and_weight_only(gpu_llama: Path) -> None:
-    """First tokens mostly agree with bf16, and where one does not the two were a near-tie under FP8: bf16's
-    token is in FP8's top 5, within a small gap of FP8's own. A random checkpoint's first-token logits are
-    nearly flat (an H200 gave 15 of 24 equal with act_weighted scales, an H100 at least 16 before), so a
-    count alone reads noise; a wrong kernel puts bf16's token far down or out of the list."""
+    """First tokens mostly agree with bf16, and where one does not, bf16's token is among FP8's top 20 (of
+    32,000) and under 1 nat below FP8's own. A random checkpoint's first-token logits are nearly flat (std
+    ~0.6; an H200 gave 15 of 24 equal with act_weighted scales, an H100 at least 16 before), so a count alone
+    reads noise, and the top 20 span well under a nat: the list is the real check, the gap a loose bound. A
+    wrong kernel puts bf16's token far down the vocabulary."""
     from runtime import Engine
 
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 32000) for _ in range(rng.randrange(16, 300))] for _ in range(24)]
     params = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True, "return_logprob": True,
-              "top_logprobs_num": 5}
+              "top_logprobs_num": 20}
     runs = {}
     fp8 = {"quantization": "fp8"}
     for mode, extra in {"bf16": {}, "fp8_act_weighted": fp8, "fp8_mse": {**fp8, "fp8_weight_scales": "mse"},
