@@ -2,8 +2,8 @@
 
 Why: `--mem-fraction-static` sizes the KV pool as a share of the whole device, leaving the rest for
 activations, CUDA graphs, workspaces and the CUDA context. 0.85 of an H200 leaves ~21 GiB, of an H100
-~12 GiB, whatever the model needs. How much of that a run really touched (the torch allocator's peak
-plus what lives outside it) says how much pool was left on the table, in the run that uses the pool."""
+~12 GiB, whatever the model needs. How much of that the process touched, start-up included (the torch
+allocator's peak plus what lives outside it), says how much pool was left on the table."""
 
 from __future__ import annotations
 

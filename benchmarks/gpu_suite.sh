@@ -93,6 +93,9 @@
 #   bash benchmarks/gpu_suite.sh part58 OUTDIR  # first next session: the two GPU tests fixed unrun (kv scales with the
 #                                               # paged prefill; FP8 weights' first tokens as near-ties), then
 #                                               # 1000 x 1000 FP8 KV with graphs to 1024 (memory report, variants)
+#   bash benchmarks/gpu_suite.sh part59 OUTDIR  # ON AN H100 ONLY: item 3 bf16 at the default, then with one wave
+#                                               # fewer (250 requests a wave: a ~500k-token pool, graphs to 256,
+#                                               # 4,096-token chunks, MEMFRAC, default 0.975); the memory report
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
@@ -607,6 +610,16 @@ if [ "$part" = part58 ]; then
   python -c "import json,sys; r=json.load(open(sys.argv[1]))['results']; print(round(r['output_throughput']), \
 r['forward_modes'], r['device_memory'], r['triton_compiles_in_run'], r['device_idle_fraction'])" \
     "$out/fp8_kv_1000x1000_graph1024.json"
+fi
+if [ "$part" = part59 ]; then  # bf16 1000 x 1000 on an H100: 5 waves of ~203 against 4 of 250
+  for cfg in default fewer_waves; do
+    extra=""
+    [ $cfg = fewer_waves ] && extra="--mem-fraction-static ${MEMFRAC:-0.975} --cuda-graph-max-bs 256 --chunked-prefill-size 4096"
+    TAIL=3 run timeout 280 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests 1024 \
+      $extra --output-file "$out/bf16_1000x1000_$cfg.json"
+    python -c "import json,sys; r=json.load(open(sys.argv[1]))['results']; print(sys.argv[1], round(r['output_throughput']), \
+r['forward_modes'], r['max_total_tokens'], r['device_memory'])" "$out/bf16_1000x1000_$cfg.json"
+  done
 fi
 if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then
   files=$(ls tests/gpu/test_*.py | grep -v test_ray_tp_gpu.py)
