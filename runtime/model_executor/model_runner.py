@@ -32,6 +32,7 @@ from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.model_executor.fp8_weights import Fp8Weights
 from runtime.model_executor.kv_cache_format import KVCacheFormat
 from runtime.model_executor.kv_calibrator import KVCalibrator
+from runtime.model_executor.memory_report import MemoryReport
 from runtime.model_executor.weight_loader import dummy_checkpoint, iterate_safetensors
 from runtime.models.parallel_context import ParallelContext
 from runtime.models.registry import get_model_class
@@ -114,6 +115,10 @@ class ModelRunner:
         # for a CUDA graph's padded rows.
         self.future_token_ids = torch.zeros(self.max_running_requests + 1, dtype=torch.int64, device=self.device)
         self.cuda_graph_runner = self._init_cuda_graphs()
+        if self.ctx.attn.rank == 0 and self.ctx.mlp.rank == 0:
+            pool = self.token_to_kv_pool
+            logger.info("%s", MemoryReport.of(self.max_total_tokens, [*pool.k_buffers, *pool.v_buffers], self.kv_dtype,
+                                              self.model, self.context_len, self.device).line())
 
     def _load_model(self, model_path: str) -> torch.nn.Module:
         cfg = self.model_config
