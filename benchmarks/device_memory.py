@@ -9,11 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-GIB = 1024 ** 3
-
-
-def tensor_bytes(tensors: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+from runtime.model_executor.memory_report import GIB, tensor_bytes
 
 
 def summarize(total: int, free: int, reserved: int, peak_reserved: int, peak_allocated: int,

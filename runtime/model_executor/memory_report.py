@@ -9,12 +9,17 @@ until a benchmark measured it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 GIB = 1024 ** 3
 MIB = 1024 ** 2
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def size(nbytes: int) -> str:
@@ -36,13 +41,12 @@ class MemoryReport:
     @staticmethod
     def of(pool_tokens: int, kv_buffers: list[torch.Tensor], kv_dtype: torch.dtype, model: torch.nn.Module,
            context_len: int, device: torch.device) -> MemoryReport:
-        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         free = total = None
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             free, total = torch.cuda.mem_get_info(device)
-        return MemoryReport(pool_tokens, nbytes(kv_buffers), kv_dtype,
-                            nbytes(model.parameters()) + nbytes(model.buffers()), context_len, free, total)
+        return MemoryReport(pool_tokens, tensor_bytes(kv_buffers), kv_dtype,
+                            tensor_bytes(model.parameters()) + tensor_bytes(model.buffers()), context_len, free, total)
 
     def line(self) -> str:
         dtype = str(self.kv_dtype).removeprefix("torch.")
