@@ -93,9 +93,12 @@
 #   bash benchmarks/gpu_suite.sh part58 OUTDIR  # first next session: the two GPU tests fixed unrun (kv scales with the
 #                                               # paged prefill; FP8 weights' first tokens as near-ties), then
 #                                               # 1000 x 1000 FP8 KV with graphs to 1024 (memory report, variants)
+#   bash benchmarks/gpu_suite.sh part60 OUTDIR  # the waves lever measured on an H200: pool 407k tokens (an H100's 5 waves) vs 500k (4)
+#   bash benchmarks/gpu_suite.sh part61 OUTDIR  # part60's 500k pool with the token table, graphs and chunks cut: its peak against an H100's 79.2 GiB
 #   bash benchmarks/gpu_suite.sh part59 OUTDIR  # ON AN H100 ONLY: item 3 bf16 at the default, then with one wave
-#                                               # fewer (250 requests a wave: a ~500k-token pool, graphs to 256,
-#                                               # 4,096-token chunks, MEMFRAC, default 0.975); the memory report
+#                                               # fewer (250 requests a wave: a 500k-token pool, context 2,048,
+#                                               # graphs to 256, 2,048-token chunks, MEMFRAC, default 0.985); the
+#                                               # memory report (part61's 4,096-token chunks peaked 0.15 GiB over)
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
@@ -614,12 +617,29 @@ fi
 if [ "$part" = part59 ]; then  # bf16 1000 x 1000 on an H100: 5 waves of ~203 against 4 of 250
   for cfg in default fewer_waves; do
     extra=""
-    [ $cfg = fewer_waves ] && extra="--mem-fraction-static ${MEMFRAC:-0.975} --cuda-graph-max-bs 256 --chunked-prefill-size 4096"
+    # 250 requests of 2,000 tokens at once; part61 peaked at 79.31 GiB with 4,096-token chunks (H100: 79.16)
+    [ $cfg = fewer_waves ] && extra="--mem-fraction-static ${MEMFRAC:-0.985} --max-total-tokens 500000 \
+      --context-length 2048 --cuda-graph-max-bs 256 --chunked-prefill-size 2048"
     TAIL=3 run timeout 280 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests 1024 \
       $extra --output-file "$out/bf16_1000x1000_$cfg.json"
     python -c "import json,sys; r=json.load(open(sys.argv[1]))['results']; print(sys.argv[1], round(r['output_throughput']), \
 r['forward_modes'], r['max_total_tokens'], r['device_memory'])" "$out/bf16_1000x1000_$cfg.json"
   done
+fi
+if [ "$part" = part60 ]; then  # the waves lever on an H200: bf16 1000 x 1000 with an H100-sized pool (5 waves) vs 500k (4)
+  for pool in 407042 500000; do
+    TAIL=3 run timeout 250 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests 1024 \
+      --max-total-tokens $pool --output-file "$out/bf16_1000x1000_pool$pool.json"
+    python -c "import json,sys; r=json.load(open(sys.argv[1]))['results']; print(sys.argv[1], round(r['output_throughput']), \
+r['forward_modes'], r['max_total_tokens'], r['device_memory'])" "$out/bf16_1000x1000_pool$pool.json"
+  done
+fi
+if [ "$part" = part61 ]; then  # part60's 4 waves in what an H100 holds (79.2 GiB): table, graphs and chunks cut to this workload
+  TAIL=3 run timeout 250 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests 1024 \
+    --max-total-tokens 500000 --context-length 2048 --cuda-graph-max-bs 256 --chunked-prefill-size 4096 \
+    --output-file "$out/bf16_1000x1000_pool500000_h100fit.json"
+  python -c "import json,sys; r=json.load(open(sys.argv[1]))['results']; print(sys.argv[1], round(r['output_throughput']), \
+r['forward_modes'], r['max_total_tokens'], r['device_memory'])" "$out/bf16_1000x1000_pool500000_h100fit.json"
 fi
 if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then
   files=$(ls tests/gpu/test_*.py | grep -v test_ray_tp_gpu.py)
