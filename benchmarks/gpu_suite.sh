@@ -95,9 +95,10 @@
 #                                               # 1000 x 1000 FP8 KV with graphs to 1024 (memory report, variants)
 #   bash benchmarks/gpu_suite.sh part60 OUTDIR  # the waves lever measured on an H200: pool 407k tokens (an H100's 5 waves) vs 500k (4)
 #   bash benchmarks/gpu_suite.sh part61 OUTDIR  # part60's 500k pool with the token table, graphs and chunks cut: its peak against an H100's 79.2 GiB
+#   bash benchmarks/gpu_suite.sh part62 OUTDIR  # bf16 1000 x 1000, default pool, 3 balanced waves of 334 (--max-running-requests 334)
 #   bash benchmarks/gpu_suite.sh part59 OUTDIR  # ON AN H100 ONLY: item 3 bf16 at the default, then with one wave
 #                                               # fewer (250 requests a wave: a 500k-token pool, context 2,048,
-#                                               # graphs to 256, 2,048-token chunks, MEMFRAC, default 0.985); the
+#                                               # graphs to 256, 2,048-token chunks, 256 running, MEMFRAC, default 0.985); the
 #                                               # memory report (part61's 4,096-token chunks peaked 0.15 GiB over)
 #   bash benchmarks/gpu_suite.sh gputests1 OUTDIR  # the GPU tests but Ray's, in two halves that each fit one call
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
@@ -618,8 +619,9 @@ if [ "$part" = part59 ]; then  # bf16 1000 x 1000 on an H100: 5 waves of ~203 ag
   for cfg in default fewer_waves; do
     extra=""
     # 250 requests of 2,000 tokens at once; part61 peaked at 79.31 GiB with 4,096-token chunks (H100: 79.16)
+    # (at 1,024 running, Triton decode's split workspace alone is 136 MB; 256 is enough for waves of 250)
     [ $cfg = fewer_waves ] && extra="--mem-fraction-static ${MEMFRAC:-0.985} --max-total-tokens 500000 \
-      --context-length 2048 --cuda-graph-max-bs 256 --chunked-prefill-size 2048"
+      --context-length 2048 --cuda-graph-max-bs 256 --chunked-prefill-size 2048 --max-running-requests 256"
     TAIL=3 run timeout 280 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests 1024 \
       $extra --output-file "$out/bf16_1000x1000_$cfg.json"
     python -c "import json,sys; r=json.load(open(sys.argv[1]))['results']; print(sys.argv[1], round(r['output_throughput']), \
@@ -640,6 +642,12 @@ if [ "$part" = part61 ]; then  # part60's 4 waves in what an H100 holds (79.2 Gi
     --output-file "$out/bf16_1000x1000_pool500000_h100fit.json"
   python -c "import json,sys; r=json.load(open(sys.argv[1]))['results']; print(sys.argv[1], round(r['output_throughput']), \
 r['forward_modes'], r['max_total_tokens'], r['device_memory'])" "$out/bf16_1000x1000_pool500000_h100fit.json"
+fi
+if [ "$part" = part62 ]; then  # balanced waves: the default pool's 414 / 414 / 172 against 3 waves of 334 (a running cap)
+  TAIL=3 run timeout 250 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests 334 \
+    --output-file "$out/bf16_1000x1000_cap334.json"
+  python -c "import json,sys; r=json.load(open(sys.argv[1]))['results']; print(sys.argv[1], round(r['output_throughput']), \
+r['forward_modes'], r['max_total_tokens'])" "$out/bf16_1000x1000_cap334.json"
 fi
 if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then
   files=$(ls tests/gpu/test_*.py | grep -v test_ray_tp_gpu.py)
