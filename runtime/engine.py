@@ -10,13 +10,13 @@ import itertools
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from runtime.config import ServerArgs
 from runtime.default_model import resolve_model
 from runtime.engine_client import EngineClient
-from runtime.errors import EngineUnavailableError, InvalidRequestError
+from runtime.errors import EngineUnavailableError, InvalidRequestError, ServerArgsError
 from runtime.logging_setup import setup_logging
 from runtime.managers.scheduler_host import SchedulerHost
 from runtime.messages import FinishReason, GenerateRequest, RequestOutput, SchedulerStats
@@ -32,6 +32,11 @@ class Engine(EngineClient):
     def __init__(self, model_path: str | None = None, *, server_args: ServerArgs | None = None, **kwargs: Any):
         if server_args is None:
             server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        if server_args.uses_ray:  # silently serving one rank of a tp=2 request would be a wrong answer
+            raise ServerArgsError("--tp-size/--dp-size/--use-ray/--address",
+                                  "Engine runs one replica of one rank in this process; for tensor or data "
+                                  "parallelism over Ray serve with `shoal serve` (or runtime.cluster's "
+                                  "create_ray_engine_client)")
         self.args = server_args
         setup_logging(server_args.log_level)
         self.model_path, self.model_name = resolve_model(server_args.model_path, server_args.served_model_name)
@@ -93,8 +98,11 @@ class Engine(EngineClient):
                 if running:
                     self.host.abort(req.rid)
 
-    async def abort(self, rid: str) -> None:
+    def abort(self, rid: str) -> Awaitable[None]:
+        """Aborts now, called plainly from Python (`engine.abort(rid)`) or awaited as the gateway's
+        EngineClient does: an `async def` would do nothing until awaited. Unknown or finished rids are ignored."""
         self.host.abort(rid)
+        return _DONE
 
     async def stats(self) -> SchedulerStats:
         return await asyncio.to_thread(self.get_stats)  # waits for the step in progress: not on the loop
@@ -125,41 +133,67 @@ class Engine(EngineClient):
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_input_logprob: bool = False,
-                 input_top_logprobs_num: int = 0) -> dict | list[dict]:
-        """Blocking generation for one prompt or a list (returned in the same order)."""
+                 input_top_logprobs_num: int = 0, rid: str | list[str] | None = None) -> dict | list[dict]:
+        """Blocking generation for one prompt or a list (returned in the same order). rid: the request id
+        (one per prompt), for `abort(rid)` from another thread; each result carries its own as "rid"."""
         reqs, single = self._make_requests(prompt, sampling_params, input_ids, return_input_logprob,
-                                           input_top_logprobs_num)
+                                           input_top_logprobs_num, rid)
         # One queue for the whole call, drained as deltas arrive: per-request queues read in request order
         # let every later request's deltas pile up (1,000 x 1,000 tokens: up to ~2M live objects for every
         # generation-2 collection to walk while the scheduler thread waits). svc workload on an H100: the
         # run's time outside forwards 0.31 -> 0.07 s.
         inbox: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         collectors = {r.rid: _Collector(self._tokenizer, r) for r in reqs}
-        for r in reqs:
-            self._consumers[r.rid] = inbox.put
+        with self._consumers_lock:  # a caller's rid may be in use by another thread's request
+            taken = next((r.rid for r in reqs if r.rid in self._consumers), None)
+            if taken is not None:
+                raise InvalidRequestError(f"request id {taken!r} is already in use", param="rid")
+            for r in reqs:
+                self._consumers[r.rid] = inbox.put
         self._check_ready([r.rid for r in reqs])
         for r in reqs:
             self.host.submit(r)
         pending = len(reqs)
-        while pending:
-            o = inbox.get()
-            c = collectors[o.rid]
-            c.add(o)
-            pending -= c.finished
+        try:
+            while pending:
+                o = inbox.get()
+                c = collectors[o.rid]
+                c.add(o)
+                pending -= c.finished
+        finally:
+            if pending:  # interrupted (KeyboardInterrupt in a notebook): nobody reads the rest, free their KV
+                self._abandon([r.rid for r in reqs if not collectors[r.rid].finished], inbox.put)
         results = [collectors[r.rid].result() for r in reqs]
         return results[0] if single else results
 
+    def _abandon(self, rids: list[str], consumer: Callable[[RequestOutput], None]) -> None:
+        """Aborts the requests whose outputs still go to `consumer`, keeping each rid taken (its outputs
+        discarded) until its final output, as a stream closed early does."""
+        with self._consumers_lock:
+            running = [rid for rid in rids if self._consumers.get(rid) == consumer]
+            for rid in running:
+                self._consumers[rid] = _discard
+        for rid in running:
+            self.host.abort(rid)
+
     def async_generate(self, prompt: str | None = None, sampling_params: dict | None = None,
                        input_ids: list[int] | None = None, stream: bool = False,
-                       return_input_logprob: bool = False, input_top_logprobs_num: int = 0) -> _AsyncCall:
+                       return_input_logprob: bool = False, input_top_logprobs_num: int = 0,
+                       rid: str | None = None) -> _AsyncCall:
         """`await engine.async_generate(...)` gives the result dict; with stream=True,
         `async for delta in engine.async_generate(..., stream=True)` gives text deltas as they come."""
-        req = self.make_request(prompt, input_ids, sampling_params, return_input_logprob,
+        req = self.make_request(prompt, input_ids, sampling_params, return_input_logprob, rid=rid,
                                 input_top_logprobs_num=input_top_logprobs_num)
         return _AsyncCall(self, req)
 
-    def _make_requests(self, prompt, sampling_params, input_ids, return_input_logprob, input_top_logprobs_num=0):
-        single = isinstance(prompt, str) or (input_ids is not None and input_ids and isinstance(input_ids[0], int))
+    def _make_requests(self, prompt, sampling_params, input_ids, return_input_logprob, input_top_logprobs_num=0,
+                       rid=None):
+        if prompt is not None and not isinstance(prompt, (str, list, tuple)):
+            raise InvalidRequestError(f"prompt must be a string or a list of strings, not {type(prompt).__name__}",
+                                      param="prompt")
+        if input_ids is not None:
+            input_ids = _as_id_lists(input_ids)
+        single = isinstance(prompt, str) or (input_ids is not None and bool(input_ids) and isinstance(input_ids[0], int))
         prompts = [prompt] if isinstance(prompt, str) else prompt
         ids = [input_ids] if single and input_ids is not None else input_ids
         n = len(prompts) if prompts is not None else len(ids or [])
@@ -168,8 +202,12 @@ class Engine(EngineClient):
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
         if len(params) != n:
             raise InvalidRequestError(f"{len(params)} sampling_params for {n} prompts", param="sampling_params")
+        rids = [rid] if isinstance(rid, str) else rid
+        if rids is not None and (len(rids) != n or len(set(rids)) != n):
+            raise InvalidRequestError(f"rid needs {n} distinct ids, one per prompt", param="rid")
         reqs = [self.make_request(prompts[i] if prompts is not None else None, ids[i] if ids is not None else None,
-                                  params[i], return_input_logprob, input_top_logprobs_num=input_top_logprobs_num)
+                                  params[i], return_input_logprob, rid=rids[i] if rids else None,
+                                  input_top_logprobs_num=input_top_logprobs_num)
                 for i in range(n)]
         return reqs, single
 
@@ -215,6 +253,27 @@ class Engine(EngineClient):
         self.shutdown()
 
 
+class _Done:
+    """An awaitable that is already done (what Engine.abort returns)."""
+
+    __slots__ = ()
+
+    def __await__(self):
+        return iter(())
+
+
+_DONE = _Done()
+
+
+def _as_id_lists(input_ids: Any) -> Any:
+    """numpy / torch integer arrays and scalars as Python ints (ids are checked as ints after this)."""
+    if hasattr(input_ids, "tolist") and not isinstance(input_ids, (list, tuple)):
+        return input_ids.tolist()
+    if isinstance(input_ids, (list, tuple)):
+        return [_as_id_lists(x) if isinstance(x, (list, tuple)) or hasattr(x, "tolist") else x for x in input_ids]
+    return input_ids
+
+
 class _AsyncConsumer:
     """Where one stream's deltas go: a queue read on the consumer's own event loop."""
 
@@ -246,8 +305,7 @@ class _Collector(OutputAccumulator):
         out = {
             "rid": self.rid, "text": self.text, "output_ids": self.ids,
             "finish_reason": fr.kind if fr else None, "matched_stop": fr.matched if fr else None,
-            "usage": {"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
-                      "cached_tokens": o.cached_tokens},
+            "usage": dict(zip(("prompt_tokens", "completion_tokens", "cached_tokens"), self.usage)),
         }
         if fr is not None and fr.message:
             out["error"] = fr.message

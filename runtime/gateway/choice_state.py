@@ -54,8 +54,9 @@ class ChoiceState:
             self._last_token_at = now
         if o.finished:
             self.metrics.e2e.observe(now - self.arrival)
-            self.metrics.prompt_tokens.inc(o.prompt_tokens)
         text = self.out.add(o)
+        if o.finished:
+            self.metrics.prompt_tokens.inc(self.out.usage[0])
         return "" if self.hide_output else text
 
     # The accumulated answer, read by the route handlers.
@@ -121,15 +122,15 @@ class ChoiceState:
 
     @property
     def prompt_tokens(self) -> int:
-        return self.last.prompt_tokens if self.last is not None else len(self.req.input_ids)
+        return self.out.usage[0]
 
     @property
     def completion_tokens(self) -> int:
-        return self.last.completion_tokens if self.last is not None and not self.hide_output else 0
+        return 0 if self.hide_output else self.out.usage[1]
 
     @property
     def cached_tokens(self) -> int:
-        return self.last.cached_tokens if self.last is not None else 0
+        return self.out.usage[2]
 
 
 def usage_info(choices: list[ChoiceState], n: int) -> UsageInfo:

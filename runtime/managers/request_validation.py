@@ -24,7 +24,8 @@ class RequestLimits:
 
 
 def validate_request(limits: RequestLimits, req: GenerateRequest) -> GenerateRequest:
-    """Returns the request, with max_new_tokens clipped to the context; InvalidRequestError otherwise.
+    """Returns the request, with max_new_tokens clipped to the context and the KV pool; InvalidRequestError
+    otherwise.
     Checks the sampling parameters too: a client may build them directly, skipping from_dict's check."""
     req.sampling_params.validate()
     n = len(req.input_ids)
@@ -46,7 +47,9 @@ def validate_request(limits: RequestLimits, req: GenerateRequest) -> GenerateReq
     if limits.speculative and grammar is not None:
         raise InvalidRequestError(f"structured output ({grammar[0]}) cannot be combined with speculative decoding, "
                                   "which this server runs (--speculative-algorithm)", param=grammar[0])
-    room = limits.context_len - n
+    # A pool smaller than the context caps the output too (as SGLang does): a request alone in the pool can
+    # always finish, with finish_reason "length", instead of failing once its KV outgrows the pool.
+    room = min(limits.context_len, limits.kv_size) - n
     if req.sampling_params.max_new_tokens > room:
         params = msgspec.structs.replace(req.sampling_params, max_new_tokens=room,
                                          min_new_tokens=min(req.sampling_params.min_new_tokens, room))
@@ -55,9 +58,10 @@ def validate_request(limits: RequestLimits, req: GenerateRequest) -> GenerateReq
 
 
 def _check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    # min/max run in C: a long prompt costs well under a millisecond (the scheduler checks every request).
+    # min/max/sum run in C: a long prompt costs well under a millisecond (the scheduler checks every request).
+    # The sum's type catches floats, which min/max would pass as numbers (2.9 read as token 2).
     try:
-        in_range = not ids or (min(ids) >= 0 and max(ids) < vocab_size)
+        in_range = not ids or (min(ids) >= 0 and max(ids) < vocab_size and isinstance(sum(ids), int))
     except TypeError:
         in_range = False
     if in_range:

@@ -1,5 +1,5 @@
 """OutputAccumulator: one request's RequestOutput deltas folded into what a caller returns — the
-detokenized text (stop strings cut), token ids, logprobs and the last delta's counters. The gateway's
+detokenized text (stop strings cut), token ids, logprobs and the counters of the last delta that has them. The gateway's
 ChoiceState and the Engine's Python API both build their answers on it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from runtime.text.tokenizer import NullTokenizer, Tokenizer
 
 class OutputAccumulator:
     __slots__ = ("detok", "text", "ids", "logprobs", "top_logprobs", "input_logprobs", "input_top_logprobs",
-                 "last")
+                 "last", "usage")
 
     def __init__(self, req: GenerateRequest, tokenizer: Tokenizer | NullTokenizer):
         p = req.sampling_params
@@ -23,6 +23,9 @@ class OutputAccumulator:
         self.input_logprobs: list[float | None] | None = None
         self.input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
         self.last: RequestOutput | None = None
+        # (prompt, completion, cached) tokens. An end made up outside the scheduler (the engine shutting down
+        # with the request in flight) carries zeros: the scheduler's last counts stand, or the prompt's length.
+        self.usage: tuple[int, int, int] = (len(req.input_ids), 0, 0)
 
     @property
     def finished(self) -> bool:
@@ -31,6 +34,8 @@ class OutputAccumulator:
     def add(self, o: RequestOutput) -> str:
         """Takes one delta; returns the text it made safe to show."""
         self.last = o
+        if o.prompt_tokens:
+            self.usage = (o.prompt_tokens, o.completion_tokens, o.cached_tokens)
         self.ids.extend(o.new_token_ids)
         if o.new_logprobs:
             self.logprobs.extend(o.new_logprobs)

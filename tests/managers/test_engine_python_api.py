@@ -1,0 +1,122 @@
+"""The Python API as a user of vLLM's LLM or SGLang's Engine calls it: abort without await, a blocking
+generate() left early, usage when the engine shuts down mid-request, token ids from numpy, caller rids,
+and tensor/data parallel settings it cannot honour in one process."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from runtime import Engine
+from runtime.engine import _Collector
+from runtime.errors import InvalidRequestError, ServerArgsError
+
+LONG = {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}
+SHORT = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+
+
+def _abort_when_running(engine: Engine, rid: str) -> threading.Thread:
+    def run() -> None:
+        deadline = time.monotonic() + 30
+        while engine.get_stats().num_running_reqs == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        engine.abort(rid)  # a plain call, as the README lists it next to get_stats() and shutdown()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_plain_abort_stops_a_blocking_generate(make_engine, tiny_llama, pool_full):
+    engine = make_engine(tiny_llama)
+    t = _abort_when_running(engine, "mine")
+    out = engine.generate(input_ids=list(range(10, 40)), sampling_params=LONG, rid="mine")
+    t.join(5)
+    assert out["rid"] == "mine" and out["finish_reason"] == "abort"
+    assert 0 < len(out["output_ids"]) < LONG["max_new_tokens"]
+    assert out["usage"] == {"prompt_tokens": 30, "completion_tokens": len(out["output_ids"]), "cached_tokens": 0}
+    pool_full(engine)
+    assert engine.generate(input_ids=[5, 6, 7], sampling_params=SHORT)["finish_reason"] == "length"
+
+
+def test_rids_of_a_batch(make_engine, tiny_llama):
+    engine = make_engine(tiny_llama)
+    outs = engine.generate(input_ids=[[5, 6], [7, 8]], sampling_params=SHORT, rid=["a", "b"])
+    assert [o["rid"] for o in outs] == ["a", "b"]
+    for rid in (["a"], ["a", "a"]):
+        with pytest.raises(InvalidRequestError) as ei:
+            engine.generate(input_ids=[[5, 6], [7, 8]], sampling_params=SHORT, rid=rid)
+        assert ei.value.param == "rid"
+
+
+class _Interrupted(Exception):
+    """Stands in for a KeyboardInterrupt arriving while generate() waits (a real one would stop pytest)."""
+
+
+def test_generate_left_early_aborts_its_requests(make_engine, tiny_llama, pool_full, monkeypatch):
+    engine = make_engine(tiny_llama)
+    seen = []
+    add = _Collector.add
+
+    def add_then_interrupt(self, o):
+        seen.append(o)
+        add(self, o)
+        if len(seen) == 3:
+            raise _Interrupted
+
+    monkeypatch.setattr(_Collector, "add", add_then_interrupt)
+    with pytest.raises(_Interrupted):
+        engine.generate(input_ids=[list(range(10, 30)), list(range(40, 60))], sampling_params=LONG)
+    monkeypatch.setattr(_Collector, "add", add)
+    pool_full(engine)  # both requests aborted: KV free, no consumer left registered
+    assert engine.generate(input_ids=[5, 6, 7], sampling_params=SHORT)["finish_reason"] == "length"
+
+
+def test_shutdown_mid_request_keeps_the_usage(make_engine, tiny_llama):
+    engine = make_engine(tiny_llama)
+    results: list[dict] = []
+    worker = threading.Thread(target=lambda: results.append(
+        engine.generate(input_ids=list(range(10, 22)), sampling_params=LONG)), daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 30
+    while engine.get_stats().num_running_reqs == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    engine.shutdown()
+    worker.join(5)
+    [out] = results
+    assert out["finish_reason"] == "abort" and 0 < len(out["output_ids"]) < LONG["max_new_tokens"]
+    assert out["usage"]["prompt_tokens"] == 12
+    assert out["usage"]["completion_tokens"] == len(out["output_ids"])
+
+
+def test_token_ids_from_numpy_and_bad_types(make_engine, tiny_llama):
+    engine = make_engine(tiny_llama)
+    ref = engine.generate(input_ids=[5, 6, 7, 8], sampling_params=SHORT)["output_ids"]
+    assert engine.generate(input_ids=np.array([5, 6, 7, 8]), sampling_params=SHORT)["output_ids"] == ref
+    assert engine.generate(input_ids=list(np.array([5, 6, 7, 8])), sampling_params=SHORT)["output_ids"] == ref
+    batch = engine.generate(input_ids=np.array([[5, 6, 7, 8], [5, 6, 7, 8]]), sampling_params=SHORT)
+    assert [o["output_ids"] for o in batch] == [ref, ref]
+    with pytest.raises(InvalidRequestError, match="integers"):
+        engine.generate(input_ids=[7, 2.9, 3, 4], sampling_params=SHORT)  # min/max alone read 2.9 as a token
+    with pytest.raises(InvalidRequestError) as ei:
+        engine.generate(5, SHORT)
+    assert ei.value.param == "prompt"
+
+
+def test_output_capped_by_a_pool_smaller_than_the_context(make_engine, tiny_llama, pool_full):
+    engine = make_engine(tiny_llama, max_total_tokens=48)
+    assert engine.context_len > 48
+    out = engine.generate(input_ids=list(range(10, 30)), sampling_params={**LONG, "max_new_tokens": 100})
+    assert out["finish_reason"] == "length" and len(out["output_ids"]) == 48 - 20
+    pool_full(engine)
+
+
+@pytest.mark.parametrize("kwargs", [{"tp_size": 2}, {"dp_size": 2}, {"use_ray": True}])
+def test_parallel_settings_are_refused_not_ignored(tiny_llama, kwargs):
+    with pytest.raises(ServerArgsError, match="shoal serve"):
+        Engine(str(tiny_llama), device="cpu", **kwargs)
