@@ -16,10 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from runtime.cluster import placement
+from runtime.cluster.remote_error import remote_cause
 from runtime.cluster.replica_group import ReplicaGroup
 from runtime.config import ServerArgs
 from runtime.engine_client import EngineClient
-from runtime.errors import ServerArgsError
+from runtime.errors import EngineUnavailableError, ServerArgsError
 
 logger = logging.getLogger(__name__)
 
@@ -190,5 +191,9 @@ def launch_gateway_actor(args: ServerArgs, *, port: int | None = None, name: str
     if detached:
         options["lifetime"] = "detached"
     handle = ray.remote(GatewayActor).options(**options).remote(args, port)
-    ray.get(handle.url.remote())
+    try:
+        ray.get(handle.url.remote())
+    except ray.exceptions.RayActorError as e:  # its constructor raised: say why in one line, not Ray's traceback
+        ray.kill(handle)
+        raise EngineUnavailableError(f"the gateway actor did not start: {remote_cause(e)}") from None
     return handle

@@ -29,7 +29,12 @@ def serve_gateway_actor(args: ServerArgs, stop: threading.Event | None = None) -
             signal.signal(sig, lambda *_: stop.set())
     owned = not ray.is_initialized()
     logger.info("starting the gateway actor and its replicas on Ray (the port opens once they are loaded)")
-    handle = launch_gateway_actor(args, port=args.port, on_this_node=True)
+    try:
+        handle = launch_gateway_actor(args, port=args.port, on_this_node=True)
+    except BaseException:
+        if owned and ray.is_initialized():
+            ray.shutdown()
+        raise
     try:
         url = ray.get(handle.url.remote())
         logger.info("Shoal is ready: the gateway actor serves at %s (OpenAI API: %s/v1)", url, url)

@@ -42,6 +42,7 @@ ready), GET /health_generate (runs a one-token generation).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -54,6 +55,7 @@ from aiohttp import web
 
 from runtime.config import ServerArgs
 from runtime.engine_client import EngineClient
+from runtime.errors import ServerArgsError
 from runtime.gateway.app import build_app, gateway_state
 from runtime.gateway.state import ClientProvider
 from runtime.gc_guard import GcGuard
@@ -118,7 +120,11 @@ async def _serve_until_stopped(app: web.Application, args: ServerArgs, loader: _
         loop.add_signal_handler(sig, stop.set)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, args.host, args.port).start()
+    try:
+        await _start_site(runner, args.host, args.port)
+    except ServerArgsError:
+        await runner.cleanup()
+        raise
     url = f"http://{args.host}:{args.port}"
     logger.info("listening at %s; loading the model (routes answer 503 until ready)", url)
     threading.Thread(target=loader.load, name="shoal-engine-loader", daemon=True).start()
@@ -147,6 +153,16 @@ async def _serve_until_stopped(app: web.Application, args: ServerArgs, loader: _
     logger.info("stopped")
 
 
+async def _start_site(runner: web.AppRunner, host: str, port: int) -> None:
+    """Listens on host:port; a port in use (or a host this machine lacks) is the user's flag to fix, said
+    in one line rather than as the socket's traceback."""
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as e:
+        raise ServerArgsError("--port" if e.errno == errno.EADDRINUSE else "--host",
+                              f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+
+
 class ServerHandle:
     """A gateway running on its own event loop in a thread. url: http://HOST:PORT; stop() ends it."""
 
@@ -168,8 +184,7 @@ class ServerHandle:
         asyncio.set_event_loop(self._loop)
         try:
             self._loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, host, port)
-            self._loop.run_until_complete(site.start())
+            self._loop.run_until_complete(_start_site(self._runner, host, port))
             bound = self._runner.addresses[0][1]
             self.url = f"http://{host}:{bound}"
         except BaseException as e:

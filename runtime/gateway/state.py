@@ -203,7 +203,12 @@ class GatewayState:
         return rids
 
     async def admit(self, client: EngineClient, reqs: list[GenerateRequest]) -> None:
-        """429 with Retry-After when the engine's queue could not start these soon (AdmissionController)."""
+        """429 with Retry-After when the engine's queue could not start these soon (AdmissionController);
+        400 for a request that could never fit the queue, which a retry would only repeat."""
+        limit = self.admission.max_waiting_requests
+        if len(reqs) > limit:
+            raise bad_request(f"this request has {len(reqs)} choices (prompts x n); the server queues at most "
+                              f"{limit} (--max-waiting-requests): send it in parts", param="prompt")
         refusal = await self.admission.check(client, reqs)
         if refusal is not None:
             self.metrics.refused(refusal.reason)

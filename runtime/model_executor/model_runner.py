@@ -18,6 +18,7 @@ from kernels.future_tokens import resolve_future_ids
 from runtime.attention.registry import create_attention_backend, resolve_backend_name
 from runtime.attention.spec import AttentionSpec
 from runtime.config import ServerArgs
+from runtime.errors import ServerArgsError
 from runtime.host_to_device import to_device
 from runtime.layers.logits import LogitsOutput, LogitsProcessor
 from runtime.layers.sampler import SampleOutput, Sampler
@@ -49,6 +50,9 @@ CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():  # else an assertion deep in the first layer
+        raise ServerArgsError("--device", "cuda was asked for, but torch sees no CUDA device here "
+                              f"(torch {torch.__version__}); use --device cpu or auto")
     return torch.device(name)
 
 

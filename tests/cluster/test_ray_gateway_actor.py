@@ -32,6 +32,18 @@ def test_gateway_actor_serves(ray_local, tiny_llama):
         ray.kill(gateway)
 
 
+def test_gateway_actor_that_cannot_start_says_why(ray_local, tmp_path):
+    # Its constructor's ModelConfigError reaches the caller only as Ray's ActorDiedError text.
+    from runtime.cluster.launch import launch_gateway_actor
+    from runtime.errors import EngineUnavailableError
+
+    args = ServerArgs(model_path=str(tmp_path / "missing"), use_ray=True, device="cpu", max_total_tokens=1024)
+    with pytest.raises(EngineUnavailableError) as ei:
+        launch_gateway_actor(args, port=0)
+    assert str(ei.value).startswith("the gateway actor did not start: ModelConfigError: no config.json")
+    assert "Traceback" not in str(ei.value)
+
+
 def test_cli_serves_through_a_gateway_actor(ray_local, tiny_llama):
     """`shoal serve` on Ray (serve_gateway_actor): the gateway actor, pinned to this node, answers at
     --host:--port with cache-aware routing over DP=2 and admission on; stopping the CLI takes it down."""

@@ -47,3 +47,17 @@ def test_requests_past_the_limit_get_429(gw_engine, monkeypatch):
         [line] = [ln for ln in metrics.splitlines() if ln.startswith("shoal:requests_rejected_total ")]
         assert float(line.split()[1]) >= 1  # the 429 above, and any while the aborted ones were ending
     wait_kv_full(gw_engine)
+
+
+def test_batch_larger_than_the_queue_is_a_400_not_a_429(gw_engine):
+    # A 429 would tell the client to retry a request that can never fit the queue, however idle the server.
+    args = GATEWAY_ARGS.replace(max_waiting_requests=4)
+    with serve_in_thread(gw_engine, args, port=0) as server:
+        status, body = http(server.url + "/v1/completions", "POST",
+                            {"prompt": [[5, 6, 7]] * 5, "max_tokens": 1})
+        assert status == 400, body
+        assert body["error"]["param"] == "prompt" and "at most 4" in body["error"]["message"]
+        status, body = http(server.url + "/v1/completions", "POST",
+                            {"prompt": [[5, 6, 7]] * 4, "max_tokens": 1})
+        assert status == 200 and len(body["choices"]) == 4
+    wait_kv_full(gw_engine)

@@ -46,3 +46,25 @@ def test_bad_choice_is_an_argparse_error(tiny_llama, capsys):
         main(["generate", "--model-path", str(tiny_llama), "--schedule-policy", "random"])
     assert ei.value.code == 2
     assert "--schedule-policy" in capsys.readouterr().err
+
+
+def test_serve_on_a_busy_port_is_one_line(tiny_llama, capsys):
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        rc = main(["serve", "--model-path", str(tiny_llama), "--device", "cpu", "--port", str(port),
+                   "--log-level", "warning"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert err[-1].startswith("shoal: error: --port: cannot listen on 127.0.0.1:") and "Traceback" not in "\n".join(err)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_a_gpu_is_one_line(tiny_llama, capsys):
+    rc = main(["generate", "--model-path", str(tiny_llama), "--device", "cuda", "--max-new-tokens", "2",
+               "--log-level", "warning"])
+    assert rc == 2
+    assert "shoal: error: --device: cuda was asked for, but torch sees no CUDA device" in capsys.readouterr().err

@@ -1,0 +1,24 @@
+"""remote_cause: the one line that says why a Ray actor died, out of the error Ray hands the caller.
+
+An actor whose constructor raises dies, and every later call on it raises ActorDiedError. That keeps the
+constructor's exception only as text: the remote traceback, ending in "ModelConfigError: no config.json
+in /models/x". That last line is what the user needs, not a 100-line traceback."""
+
+from __future__ import annotations
+
+import re
+
+# "runtime.errors.ModelConfigError: no config.json ..." or "OSError: [Errno 98] ...", at the start of a line
+_EXC_LINE = re.compile(r"^\s*(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception)): (.+)$")
+
+
+def remote_cause(exc: BaseException) -> str:
+    """'ExcType: message' of the innermost exception the error's text names, or the text's first line."""
+    text = str(exc)
+    found = [m for m in map(_EXC_LINE.match, text.splitlines()) if m is not None]
+    # Ray's own wrappers (RayTaskError, ActorDiedError) come first; the cause's line is the last one.
+    inner = [m for m in found if not m[1].startswith(("Ray", "ActorDied"))]
+    if inner:
+        return f"{inner[-1][1]}: {inner[-1][2].strip()}"
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
+    return first
