@@ -117,8 +117,8 @@ def _template_tool_call(k: int, i: int, call: Any) -> dict[str, Any]:
 def chat_logprobs(tokenizer: Tokenizer, ids: list[int], logprobs: list[float],
                   tops: list[list[tuple[int, float]]] | None) -> ChatChoiceLogprobs:
     def text(t: int) -> tuple[str, list[int]]:
-        s = tokenizer.id_to_token_text(t)
-        return s, list(s.encode("utf-8"))
+        # The token's own bytes, not its text's: a token holding part of a character decodes to "\ufffd".
+        return tokenizer.id_to_token_text(t), list(tokenizer.id_to_token_bytes(t))
 
     content = []
     for k, (t, lp) in enumerate(zip(ids, logprobs)):

@@ -9,6 +9,7 @@ from typing import Any
 
 from runtime.errors import InvalidRequestError, ServerArgsError
 from runtime.text.chat_template import read_chat_template
+from runtime.text.token_bytes import TokenBytes
 
 try:
     from tokenizers.decoders import DecodeStream
@@ -31,6 +32,7 @@ class Tokenizer:
         self.eos_token_ids = frozenset(eos)
         self.vocab_size = len(self.hf)
         self.has_chat_template = bool(getattr(self.hf, "chat_template", None))
+        self.id_to_token_bytes = TokenBytes(self.hf)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
@@ -90,6 +92,9 @@ class NullTokenizer:
 
     def id_to_token_text(self, token_id: int) -> str:
         return ""
+
+    def id_to_token_bytes(self, token_id: int) -> bytes:
+        return b""
 
 
 def load_tokenizer(path: str | Path, eos_token_ids: tuple[int, ...],
