@@ -13,6 +13,8 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import msgspec
+
 from runtime.config import ServerArgs
 from runtime.default_model import resolve_model
 from runtime.engine_client import EngineClient
@@ -117,6 +119,9 @@ class Engine(EngineClient):
         """Tokenizes and validates one request (InvalidRequestError on anything wrong).
         input_top_logprobs_num N > 0: each prompt position after the first also lists its top N tokens
         (and return_input_logprob is implied)."""
+        sampling_params, n = self._split_n(sampling_params)
+        if n > 1:
+            raise InvalidRequestError("n > 1 gives several results: pass it to generate()", param="n")
         params = SamplingParams.from_dict(sampling_params)
         if input_ids is None:
             if not isinstance(prompt, str):
@@ -181,7 +186,8 @@ class Engine(EngineClient):
                        return_input_logprob: bool = False, input_top_logprobs_num: int = 0,
                        rid: str | None = None) -> _AsyncCall:
         """`await engine.async_generate(...)` gives the result dict; with stream=True,
-        `async for delta in engine.async_generate(..., stream=True)` gives text deltas as they come."""
+        `async for delta in engine.async_generate(..., stream=True)` gives text deltas as they come.
+        One choice: n > 1 is generate()'s (or n calls)."""
         req = self.make_request(prompt, input_ids, sampling_params, return_input_logprob, rid=rid,
                                 input_top_logprobs_num=input_top_logprobs_num)
         return _AsyncCall(self, req)
@@ -205,11 +211,34 @@ class Engine(EngineClient):
         rids = [rid] if isinstance(rid, str) else rid
         if rids is not None and (len(rids) != n or len(set(rids)) != n):
             raise InvalidRequestError(f"rid needs {n} distinct ids, one per prompt", param="rid")
-        reqs = [self.make_request(prompts[i] if prompts is not None else None, ids[i] if ids is not None else None,
-                                  params[i], return_input_logprob, rid=rids[i] if rids else None,
-                                  input_top_logprobs_num=input_top_logprobs_num)
-                for i in range(n)]
+        reqs = []
+        for i in range(n):
+            p, copies = self._split_n(params[i])
+            req = self.make_request(prompts[i] if prompts is not None else None, ids[i] if ids is not None else None,
+                                    p, return_input_logprob, rid=(rids[i] if copies == 1 else f"{rids[i]}-0")
+                                    if rids else None, input_top_logprobs_num=input_top_logprobs_num)
+            reqs.append(req)
+            # Choice j samples with seed + j (as the gateway does): the copies differ, reproducibly.
+            seed = req.sampling_params.seed
+            for j in range(1, copies):
+                pj = req.sampling_params if seed is None else msgspec.structs.replace(
+                    req.sampling_params, seed=(seed + j) % 2**63)
+                reqs.append(msgspec.structs.replace(req, sampling_params=pj, rid=f"{rids[i]}-{j}" if rids else
+                                                    f"{req.rid}-{j}"))
+            single = single and copies == 1
         return reqs, single
+
+    def _split_n(self, params: Any) -> tuple[Any, int]:
+        """(the params without n, n): n choices of one prompt come back as n results, prompt by prompt
+        (SGLang's Engine does the same; vLLM nests them in one RequestOutput)."""
+        if not isinstance(params, dict) or "n" not in params:
+            return params, 1
+        params = dict(params)
+        n = params.pop("n")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.args.max_n:
+            raise InvalidRequestError(f"n must be an integer in [1, {self.args.max_n}] (--max-n), got {n!r}",
+                                      param="n")
+        return params, n
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         with self._consumers_lock:

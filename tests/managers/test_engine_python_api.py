@@ -120,3 +120,24 @@ def test_output_capped_by_a_pool_smaller_than_the_context(make_engine, tiny_llam
 def test_parallel_settings_are_refused_not_ignored(tiny_llama, kwargs):
     with pytest.raises(ServerArgsError, match="shoal serve"):
         Engine(str(tiny_llama), device="cpu", **kwargs)
+
+
+def test_n_choices_per_prompt(make_engine, tiny_llama, pool_full):
+    engine = make_engine(tiny_llama)
+    sampled = {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True, "seed": 7}
+    outs = engine.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params={**sampled, "n": 3})
+    assert len(outs) == 6  # prompt by prompt, n each
+    first = [o["output_ids"] for o in outs[:3]]
+    assert len({tuple(ids) for ids in first}) > 1  # choice j samples with seed + j
+    for j in range(3):  # ... and is the same as asking for that seed alone
+        alone = engine.generate(input_ids=[5, 6, 7], sampling_params={**sampled, "seed": 7 + j})
+        assert alone["output_ids"] == first[j]
+    one = engine.generate(input_ids=[5, 6, 7], sampling_params={**sampled, "n": 2})
+    assert isinstance(one, list) and [o["output_ids"] for o in one] == first[:2]
+    for bad in (0, 17, "2", True):
+        with pytest.raises(InvalidRequestError) as ei:
+            engine.generate(input_ids=[5, 6, 7], sampling_params={**sampled, "n": bad})
+        assert ei.value.param == "n"
+    with pytest.raises(InvalidRequestError, match="generate"):
+        engine.async_generate(input_ids=[5, 6, 7], sampling_params={**sampled, "n": 2})
+    pool_full(engine)
