@@ -75,11 +75,13 @@ class Engine(EngineClient):
             await self.grammar.check_async(key)
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        if req.rid in self._consumers:  # a second consumer would steal the first one's outputs
-            raise InvalidRequestError(f"request id {req.rid!r} is already in use", param="rid")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        consumer = self._consumers[req.rid] = _AsyncConsumer(loop, q)
+        consumer = _AsyncConsumer(loop, q)
+        with self._consumers_lock:  # a second consumer would steal the first one's outputs
+            if req.rid in self._consumers:
+                raise InvalidRequestError(f"request id {req.rid!r} is already in use", param="rid")
+            self._consumers[req.rid] = consumer
         self._check_ready([req.rid])
         self.host.submit(req)
         done = False
@@ -123,6 +125,8 @@ class Engine(EngineClient):
         if n > 1:
             raise InvalidRequestError("n > 1 gives several results: pass it to generate()", param="n")
         params = SamplingParams.from_dict(sampling_params)
+        if input_ids is not None:
+            input_ids = _as_id_lists(input_ids)
         if input_ids is None:
             if not isinstance(prompt, str):
                 raise InvalidRequestError("give a prompt string or input_ids", param="prompt")
@@ -214,17 +218,19 @@ class Engine(EngineClient):
         reqs = []
         for i in range(n):
             p, copies = self._split_n(params[i])
+            if rids and copies > 1:  # abort(rid) must stop what rid names: one request, not a family
+                raise InvalidRequestError("rid names one request: with n > 1 leave rid out, or send the prompt "
+                                          "n times with n rids and seeds", param="rid")
             req = self.make_request(prompts[i] if prompts is not None else None, ids[i] if ids is not None else None,
-                                    p, return_input_logprob, rid=(rids[i] if copies == 1 else f"{rids[i]}-0")
-                                    if rids else None, input_top_logprobs_num=input_top_logprobs_num)
+                                    p, return_input_logprob, rid=rids[i] if rids else None,
+                                    input_top_logprobs_num=input_top_logprobs_num)
             reqs.append(req)
             # Choice j samples with seed + j (as the gateway does): the copies differ, reproducibly.
             seed = req.sampling_params.seed
             for j in range(1, copies):
                 pj = req.sampling_params if seed is None else msgspec.structs.replace(
                     req.sampling_params, seed=(seed + j) % 2**63)
-                reqs.append(msgspec.structs.replace(req, sampling_params=pj, rid=f"{rids[i]}-{j}" if rids else
-                                                    f"{req.rid}-{j}"))
+                reqs.append(msgspec.structs.replace(req, sampling_params=pj, rid=f"{req.rid}-{j}"))
             single = single and copies == 1
         return reqs, single
 
@@ -367,8 +373,7 @@ class _AsyncCall:
         c = _Collector(self.engine.tokenizer, self.req)
         async with contextlib.aclosing(self.engine.stream(self.req)) as stream:
             async for o in stream:
-                delta = c.detok.add(o.new_token_ids, finished=o.finished)
+                delta = c.add(o)
                 yield {"text": delta, "output_ids": o.new_token_ids, "finished": o.finished,
                        "finish_reason": o.finish_reason.kind if o.finish_reason else None,
-                       "usage": {"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
-                                 "cached_tokens": o.cached_tokens}}
+                       "usage": dict(zip(("prompt_tokens", "completion_tokens", "cached_tokens"), c.usage))}

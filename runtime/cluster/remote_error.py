@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import re
 
-# "runtime.errors.ModelConfigError: no config.json ..." or "OSError: [Errno 98] ...", at the start of a line
-_EXC_LINE = re.compile(r"^\s*(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception)): (.+)$")
+# "runtime.errors.ModelConfigError: no config.json ...", "OSError: [Errno 98] ..." or a bare
+# "KeyboardInterrupt", alone on its line as a traceback ends
+_EXC_LINE = re.compile(r"^\s*(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit))(?:: (.*))?$")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the actor's name in its messages
 
 
 def remote_cause(exc: BaseException) -> str:
     """'ExcType: message' of the innermost exception the error's text names, or the text's first line."""
-    text = str(exc)
+    text = _ANSI.sub("", str(exc))
     found = [m for m in map(_EXC_LINE.match, text.splitlines()) if m is not None]
     # Ray's own wrappers (RayTaskError, ActorDiedError) come first; the cause's line is the last one.
     inner = [m for m in found if not m[1].startswith(("Ray", "ActorDied"))]
     if inner:
-        return f"{inner[-1][1]}: {inner[-1][2].strip()}"
-    first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
-    return first
+        name, message = inner[-1][1], (inner[-1][2] or "").strip()
+        return f"{name}: {message}" if message else name
+    return next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)

@@ -42,6 +42,7 @@ ready), GET /health_generate (runs a one-token generation).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -159,7 +160,7 @@ async def _start_site(runner: web.AppRunner, host: str, port: int) -> None:
     try:
         await web.TCPSite(runner, host, port).start()
     except OSError as e:
-        raise ServerArgsError("--port" if e.errno == errno.EADDRINUSE else "--host",
+        raise ServerArgsError("--port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "--host",
                               f"cannot listen on {host}:{port}: {e.strerror or e}") from e
 
 
@@ -189,6 +190,9 @@ class ServerHandle:
             self.url = f"http://{host}:{bound}"
         except BaseException as e:
             self._error = e
+            with contextlib.suppress(Exception):  # the runner may not have been set up
+                self._loop.run_until_complete(self._runner.cleanup())
+            self._loop.close()
             self._started.set()
             return
         self._started.set()

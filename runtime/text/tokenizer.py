@@ -9,7 +9,7 @@ from typing import Any
 
 from runtime.errors import InvalidRequestError, ServerArgsError
 from runtime.text.chat_template import read_chat_template
-from runtime.text.token_bytes import TokenBytes
+from runtime.text.token_spelling import TokenSpelling
 
 try:
     from tokenizers.decoders import DecodeStream
@@ -32,7 +32,7 @@ class Tokenizer:
         self.eos_token_ids = frozenset(eos)
         self.vocab_size = len(self.hf)
         self.has_chat_template = bool(getattr(self.hf, "chat_template", None))
-        self.id_to_token_bytes = TokenBytes(self.hf)
+        self.spelling = TokenSpelling(self.hf)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
@@ -62,7 +62,10 @@ class Tokenizer:
         return lambda token_id: stream.step(backend, token_id)
 
     def id_to_token_text(self, token_id: int) -> str:
-        return self.hf.decode([token_id], skip_special_tokens=False)
+        return self.spelling.text(token_id)
+
+    def id_to_token_bytes(self, token_id: int) -> bytes:
+        return self.spelling.bytes(token_id)
 
 
 class NullTokenizer:

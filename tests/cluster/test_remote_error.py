@@ -26,3 +26,12 @@ def test_os_error_and_plain_text():
     assert remote_cause(RuntimeError("OSError: [Errno 98] address already in use")) == \
         "OSError: [Errno 98] address already in use"
     assert remote_cause(RuntimeError("\nsomething odd happened\nmore")) == "something odd happened"
+
+
+def test_cause_without_a_message_and_ray_colours():
+    text = ("The actor died because of an error raised in its creation task, \x1b[36mray::GatewayActor.__init__()"
+            "\x1b[39m (pid=1)\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+            "runtime.errors.ModelConfigError")
+    assert remote_cause(RuntimeError(text)) == "ModelConfigError"
+    assert remote_cause(RuntimeError("Traceback:\nKeyboardInterrupt")) == "KeyboardInterrupt"
+    assert "\x1b" not in remote_cause(RuntimeError("\x1b[36mray::A()\x1b[39m died"))

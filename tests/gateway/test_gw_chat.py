@@ -87,6 +87,9 @@ def test_chat_logprobs(oai):
         for x in (t, *t.top_logprobs):  # a token holding part of a character shows U+FFFD but its own bytes
             assert x.bytes == list(x.token.encode()) if x.token != "\ufffd" else x.bytes and min(x.bytes) >= 0x80
         assert math.isclose(t.top_logprobs[0].logprob, t.logprob, abs_tol=1e-4)
+    # The tokens' own bytes rebuild the answer (U+FFFD's bytes would not).
+    joined = bytes(b for t in content for b in t.bytes).decode("utf-8", errors="replace")
+    assert joined == r.choices[0].message.content
     plain = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0)
     assert plain.choices[0].logprobs is None
 

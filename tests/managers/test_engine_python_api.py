@@ -4,6 +4,7 @@ and tensor/data parallel settings it cannot honour in one process."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from runtime import Engine
-from runtime.engine import _Collector
+from runtime.engine import _Collector, _discard
 from runtime.errors import InvalidRequestError, ServerArgsError
 
 LONG = {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}
@@ -69,11 +70,19 @@ def test_generate_left_early_aborts_its_requests(make_engine, tiny_llama, pool_f
             raise _Interrupted
 
     monkeypatch.setattr(_Collector, "add", add_then_interrupt)
+    decoded_before = _decode_tokens(engine)
     with pytest.raises(_Interrupted):
         engine.generate(input_ids=[list(range(10, 30)), list(range(40, 60))], sampling_params=LONG)
     monkeypatch.setattr(_Collector, "add", add)
-    pool_full(engine)  # both requests aborted: KV free, no consumer left registered
+    assert all(c is _discard for c in engine._consumers.values())  # nobody waits on them any more
+    pool_full(engine)  # KV free, no consumer left registered
+    # Aborted, not run to the end: 2 x 399 decode tokens had they finished.
+    assert _decode_tokens(engine) - decoded_before < 100
     assert engine.generate(input_ids=[5, 6, 7], sampling_params=SHORT)["finish_reason"] == "length"
+
+
+def _decode_tokens(engine: Engine) -> int:
+    return sum(m.tokens for k, m in engine.get_stats().forward_modes.items() if str(getattr(k, "name", k)) == "DECODE")
 
 
 def test_shutdown_mid_request_keeps_the_usage(make_engine, tiny_llama):
@@ -99,6 +108,10 @@ def test_token_ids_from_numpy_and_bad_types(make_engine, tiny_llama):
     ref = engine.generate(input_ids=[5, 6, 7, 8], sampling_params=SHORT)["output_ids"]
     assert engine.generate(input_ids=np.array([5, 6, 7, 8]), sampling_params=SHORT)["output_ids"] == ref
     assert engine.generate(input_ids=list(np.array([5, 6, 7, 8])), sampling_params=SHORT)["output_ids"] == ref
+    async def one() -> dict:
+        return await engine.async_generate(input_ids=np.array([5, 6, 7, 8]), sampling_params=SHORT)
+
+    assert asyncio.run(one())["output_ids"] == ref
     batch = engine.generate(input_ids=np.array([[5, 6, 7, 8], [5, 6, 7, 8]]), sampling_params=SHORT)
     assert [o["output_ids"] for o in batch] == [ref, ref]
     with pytest.raises(InvalidRequestError, match="integers"):
@@ -140,4 +153,7 @@ def test_n_choices_per_prompt(make_engine, tiny_llama, pool_full):
         assert ei.value.param == "n"
     with pytest.raises(InvalidRequestError, match="generate"):
         engine.async_generate(input_ids=[5, 6, 7], sampling_params={**sampled, "n": 2})
+    with pytest.raises(InvalidRequestError) as ei:  # abort(rid) could not stop a family of choices
+        engine.generate(input_ids=[5, 6, 7], sampling_params={**sampled, "n": 2}, rid="x")
+    assert ei.value.param == "rid"
     pool_full(engine)
