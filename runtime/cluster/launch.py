@@ -35,7 +35,10 @@ def init_ray(args: ServerArgs, num_bundles: int = 1) -> bool:
     if ray.is_initialized():
         return False
     if args.address is not None:
-        ray.init(address=args.address, log_to_driver=True)
+        try:
+            ray.init(address=args.address, log_to_driver=True)
+        except ConnectionError as e:  # --address auto with no cluster running: one line, not Ray's traceback
+            raise EngineUnavailableError(f"cannot join the Ray cluster at --address {args.address}: {e}") from None
         return True
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # without it Ray binds the machine's own interface address, not loopback
     # Ray starts its workers at nice 15 (below its raylet and GCS, as background jobs); ours are the server

@@ -23,18 +23,20 @@ def serve_gateway_actor(args: ServerArgs, stop: threading.Event | None = None) -
     from runtime.cluster.launch import launch_gateway_actor
 
     setup_logging(args.log_level)
-    if stop is None:
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
     owned = not ray.is_initialized()
     logger.info("starting the gateway actor and its replicas on Ray (the port opens once they are loaded)")
-    try:
+    try:  # Ctrl-C while the replicas load: KeyboardInterrupt here, and Ray goes down with it
         handle = launch_gateway_actor(args, port=args.port, on_this_node=True)
     except BaseException:
         if owned and ray.is_initialized():
             ray.shutdown()
         raise
+    if stop is None:
+        # After ray.init, which installs its own SIGTERM handler (sys.exit): docker stop and Kubernetes send
+        # SIGTERM, and that handler cut in-flight streams and exited non-zero instead of draining them.
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
     try:
         url = ray.get(handle.url.remote())
         logger.info("Shoal is ready: the gateway actor serves at %s (OpenAI API: %s/v1)", url, url)

@@ -35,7 +35,7 @@ class ShoalDeployment:
         from runtime.gateway.server import serve_in_thread
         from runtime.gc_guard import GcGuard
 
-        self.args = ServerArgs.from_kwargs(**server_args)
+        self.args = replica_args(server_args)
         self.client = create_engine_client(self.args)
         self.gateway = serve_in_thread(self.client, self.args, host="127.0.0.1", port=0)
         if not isinstance(self.client, Engine):  # an in-process Engine's scheduler host has frozen this process
@@ -85,6 +85,14 @@ class ShoalDeployment:
             self.client.shutdown()
         except Exception:  # interpreter teardown
             pass
+
+
+def replica_args(server_args: dict[str, Any]) -> ServerArgs:
+    """A replica's ServerArgs. tp = dp = 1 without use_ray runs the Engine inside the replica, which holds
+    the GPU its ray_actor_options ask for (shoal serve would start a scheduler actor on a GPU machine, and
+    that actor would need a second GPU the replica's pod does not have)."""
+    args = ServerArgs.from_kwargs(**server_args)
+    return args if args.uses_ray or args.in_process else dataclasses.replace(args, in_process=True)
 
 
 def build_app(args: dict[str, Any] | ServerArgs | None = None) -> Any:
