@@ -42,3 +42,21 @@ def run_all(client, reqs: list[GenerateRequest]) -> list[tuple[list[int], Reques
         return await asyncio.gather(*(collect(client, r) for r in reqs))
 
     return asyncio.run(main())
+
+
+def wait_healthy(url: str, timeout_s: float = 120, alive=lambda: True, why=lambda: "") -> None:
+    """Polls url/health until a 200 (a gateway on Ray opens its port only once the replicas are loaded);
+    fails after timeout_s or once alive() says the server process is gone, with why() in the message."""
+    import time
+
+    import requests
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if requests.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        assert alive() and time.monotonic() < deadline, f"{url} never answered /health: {why()}"
+        time.sleep(0.5)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from ray_helpers import wait_healthy
 
 pytestmark = pytest.mark.ray
 REPO = Path(__file__).resolve().parents[2]
@@ -33,15 +34,7 @@ def test_sigterm_drains_streams_and_exits_0(tiny_llama, tmp_path):
                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 150
-        while True:
-            try:
-                if requests.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
+        wait_healthy(url, 150, alive=lambda: proc.poll() is None, why=lambda: log.read_text()[-3000:])
         events: list[str] = []
 
         def stream() -> None:

@@ -4,6 +4,7 @@ OpenAI API, and /metrics reflects the replicas' summed scheduler stats."""
 from __future__ import annotations
 
 import pytest
+from ray_helpers import wait_healthy
 
 from runtime.config import ServerArgs
 
@@ -49,7 +50,6 @@ def test_cli_serves_through_a_gateway_actor(ray_local, tiny_llama):
     --host:--port with cache-aware routing over DP=2 and admission on; stopping the CLI takes it down."""
     import socket
     import threading
-    import time
 
     import requests
 
@@ -64,15 +64,7 @@ def test_cli_serves_through_a_gateway_actor(ray_local, tiny_llama):
     runner.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if requests.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert time.monotonic() < deadline, "the gateway actor never answered"
-            time.sleep(0.5)
+        wait_healthy(url, 120)
         body = {"prompt": "Hello there, how are you? " * 6, "max_tokens": 4, "temperature": 0}  # a few pages
         for _ in range(2):
             r = requests.post(url + "/v1/completions", json=body, timeout=60)
