@@ -301,11 +301,17 @@ _DONE = _Done()
 
 
 def _as_id_lists(input_ids: Any) -> Any:
-    """numpy / torch integer arrays and scalars as Python ints (ids are checked as ints after this)."""
-    if hasattr(input_ids, "tolist") and not isinstance(input_ids, (list, tuple)):
-        return input_ids.tolist()
-    if isinstance(input_ids, (list, tuple)):
-        return [_as_id_lists(x) if isinstance(x, (list, tuple)) or hasattr(x, "tolist") else x for x in input_ids]
+    """numpy / torch integer arrays and scalars as Python ints (ids are checked as ints after this). Looks
+    at each sequence's first element only: a batch of 1,000 x 1,000 plain ids must not cost a walk."""
+    if not isinstance(input_ids, (list, tuple)):
+        return input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids
+    if not input_ids:
+        return input_ids
+    first = input_ids[0]
+    if isinstance(first, (list, tuple)) or (hasattr(first, "tolist") and getattr(first, "ndim", 0) > 0):
+        return [_as_id_lists(row) for row in input_ids]  # a batch
+    if hasattr(first, "tolist"):  # numpy / torch scalars
+        return [x.tolist() if hasattr(x, "tolist") else x for x in input_ids]
     return input_ids
 
 
