@@ -95,12 +95,7 @@ class Engine(EngineClient):
                 # Keep the rid taken until its final output arrives, so a retry with the same rid can
                 # neither receive this request's abort nor start while this one still runs. If that final
                 # output was already claimed (it waits unread in q), the request is over: nothing to do.
-                with self._consumers_lock:
-                    running = self._consumers.get(req.rid) is consumer
-                    if running:
-                        self._consumers[req.rid] = _discard
-                if running:
-                    self.host.abort(req.rid)
+                self._abandon([req.rid], consumer)
 
     def abort(self, rid: str) -> Awaitable[None]:
         """Aborts now, called plainly from Python (`engine.abort(rid)`) or awaited as the gateway's
@@ -179,7 +174,7 @@ class Engine(EngineClient):
         """Aborts the requests whose outputs still go to `consumer`, keeping each rid taken (its outputs
         discarded) until its final output, as a stream closed early does."""
         with self._consumers_lock:
-            running = [rid for rid in rids if self._consumers.get(rid) == consumer]
+            running = [rid for rid in rids if self._consumers.get(rid) == consumer]  # == : bound methods differ by id
             for rid in running:
                 self._consumers[rid] = _discard
         for rid in running:
@@ -331,6 +326,10 @@ def _discard(o: RequestOutput) -> None:
     """Consumer of a request nobody reads any more (it was aborted); its last output ends it."""
 
 
+def _usage_dict(usage: tuple[int, int, int]) -> dict[str, int]:
+    return dict(zip(("prompt_tokens", "completion_tokens", "cached_tokens"), usage))
+
+
 class _Collector(OutputAccumulator):
     """A request's deltas folded into the Python API's result dict."""
 
@@ -346,7 +345,7 @@ class _Collector(OutputAccumulator):
         out = {
             "rid": self.rid, "text": self.text, "output_ids": self.ids,
             "finish_reason": fr.kind if fr else None, "matched_stop": fr.matched if fr else None,
-            "usage": dict(zip(("prompt_tokens", "completion_tokens", "cached_tokens"), self.usage)),
+            "usage": _usage_dict(self.usage),
         }
         if fr is not None and fr.message:
             out["error"] = fr.message
@@ -382,4 +381,4 @@ class _AsyncCall:
                 delta = c.add(o)
                 yield {"text": delta, "output_ids": o.new_token_ids, "finished": o.finished,
                        "finish_reason": o.finish_reason.kind if o.finish_reason else None,
-                       "usage": dict(zip(("prompt_tokens", "completion_tokens", "cached_tokens"), c.usage))}
+                       "usage": _usage_dict(c.usage)}
