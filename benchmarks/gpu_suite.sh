@@ -95,7 +95,10 @@
 #                                               # 1000 x 1000 FP8 KV with graphs to 1024 (memory report, variants)
 #   bash benchmarks/gpu_suite.sh part60 OUTDIR  # the waves lever measured on an H200: pool 407k tokens (an H100's 5 waves) vs 500k (4)
 #   bash benchmarks/gpu_suite.sh part61 OUTDIR  # part60's 500k pool with the token table, graphs and chunks cut: its peak against an H100's 79.2 GiB
-#   bash benchmarks/gpu_suite.sh part62 OUTDIR  # bf16 1000 x 1000, default pool, 3 balanced waves of 334 (--max-running-requests 334)
+#   bash benchmarks/gpu_suite.sh part62 OUTDIR  # bf16 1000 x 1000, default pool: 3 balanced waves of 334 (--max-running-requests 334), then the default
+#   bash benchmarks/gpu_suite.sh part63 OUTDIR  # part62 for FP8 KV in an H100's FP8 pool (828,869 tokens)
+#   bash benchmarks/gpu_suite.sh part64 OUTDIR  # ON AN H100 ONLY: item 3 FP8 KV, graphs to 1024, the default against
+#                                               # 3 balanced waves (--max-running-requests 334: +1.2% on an H200)
 #   bash benchmarks/gpu_suite.sh part59 OUTDIR  # ON AN H100 ONLY: item 3 bf16 at the default, then with one wave
 #                                               # fewer (250 requests a wave: a 500k-token pool, context 2,048,
 #                                               # graphs to 256, 2,048-token chunks, 256 running, MEMFRAC, default 0.985); the
@@ -644,10 +647,29 @@ if [ "$part" = part61 ]; then  # part60's 4 waves in what an H100 holds (79.2 Gi
 r['forward_modes'], r['max_total_tokens'], r['device_memory'])" "$out/bf16_1000x1000_pool500000_h100fit.json"
 fi
 if [ "$part" = part62 ]; then  # balanced waves: the default pool's 414 / 414 / 172 against 3 waves of 334 (a running cap)
-  TAIL=3 run timeout 250 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests 334 \
-    --output-file "$out/bf16_1000x1000_cap334.json"
-  python -c "import json,sys; r=json.load(open(sys.argv[1]))['results']; print(sys.argv[1], round(r['output_throughput']), \
-r['forward_modes'], r['max_total_tokens'])" "$out/bf16_1000x1000_cap334.json"
+  for cap in 334 1024; do  # same run, same machine: the cap against the default
+    TAIL=3 run timeout 250 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests $cap \
+      --output-file "$out/bf16_1000x1000_cap$cap.json"
+    python -c "import json,sys; r=json.load(open(sys.argv[1]))['results']; print(sys.argv[1], round(r['output_throughput']), \
+r['forward_modes'], r['max_total_tokens'])" "$out/bf16_1000x1000_cap$cap.json"
+  done
+fi
+if [ "$part" = part63 ]; then  # part62 for FP8 KV in an H100's FP8 pool (828,869 tokens: the same 414 / 414 / 172 shape)
+  for cap in 334 1024; do
+    TAIL=3 run timeout 250 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests $cap \
+      --kv-cache-dtype fp8_e4m3 --cuda-graph-max-bs 1024 --max-total-tokens 828869 \
+      --output-file "$out/fp8_kv_1000x1000_pool828869_cap$cap.json"
+    python -c "import json,sys; r=json.load(open(sys.argv[1]))['results']; print(sys.argv[1], round(r['output_throughput']), \
+r['forward_modes'], r['max_total_tokens'])" "$out/fp8_kv_1000x1000_pool828869_cap$cap.json"
+  done
+fi
+if [ "$part" = part64 ]; then  # item 3 FP8 KV on an H100: its pool (~828k tokens) fills in 414 / 414 / 172
+  for cap in 1024 334; do
+    TAIL=3 run timeout 280 $OFF --num-prompts 1000 --input-len 1000 --output-len 1000 --max-running-requests $cap \
+      --kv-cache-dtype fp8_e4m3 --cuda-graph-max-bs 1024 --output-file "$out/fp8_kv_1000x1000_cap${cap}_h100.json"
+    python -c "import json,sys; r=json.load(open(sys.argv[1]))['results']; print(sys.argv[1], round(r['output_throughput']), \
+r['forward_modes'], r['max_total_tokens'], r['device_memory'])" "$out/fp8_kv_1000x1000_cap${cap}_h100.json"
+  done
 fi
 if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then
   files=$(ls tests/gpu/test_*.py | grep -v test_ray_tp_gpu.py)
