@@ -293,6 +293,7 @@ class RoutingStats(msgspec.Struct, kw_only=True):
     cache_routed: int = 0  # cache_aware decisions the prefix cache made
     load_routed: int = 0  # cache_aware decisions load made (no better prefix, or too imbalanced)
     inflight: list[int] = []  # per routing target, this client's requests on it now
+    alive: list[bool] = []  # per routing target: routed to now (False while its group is down or relaunching)
 
 
 class LinkHello(msgspec.Struct, tag="hello", kw_only=True):

@@ -153,7 +153,7 @@ class RayEngineClient(EngineClient):
         return RoutingStats(failovers=self.failovers, failover_errors=self.failover_errors, restarts=self.restarts,
                             cache_routed=policy.cache_routed if policy else 0,
                             load_routed=policy.load_routed if policy else 0,
-                            inflight=[r.inflight for r in self.replicas])
+                            inflight=[r.inflight for r in self.replicas], alive=[r.alive for r in self.replicas])
 
     # ---- routing bookkeeping (under _route_lock) ------------------------------------------------
     def _assign(self, st: LiveStream, target: ReplicaLoad) -> None:

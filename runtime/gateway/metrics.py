@@ -127,6 +127,11 @@ class _AdmissionRoutingCollector(Collector):
             for i, n in enumerate(r.inflight):
                 g.add_metric([str(i)], n)
             yield g
+            up = GaugeMetricFamily("shoal:replica_up", "1 while a replica takes requests, 0 while it is down or "
+                                   "relaunching", labels=["replica"])
+            for i, alive in enumerate(r.alive):
+                up.add_metric([str(i)], 1.0 if alive else 0.0)
+            yield up
 
 
 class GatewayMetrics:

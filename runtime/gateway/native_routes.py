@@ -128,9 +128,17 @@ async def abort_request(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    if state.current_client() is None:
+    client = state.current_client()
+    if client is None:
         raise ApiError(503, "not ready: the engine is starting or shutting down", code="engine_not_ready")
-    return _json({"status": "ok"})
+    routing = client.routing_stats()
+    if routing is None or not routing.alive:
+        return _json({"status": "ok"})
+    # Still 200 while any replica serves (a load balancer should keep sending here); the body tells a probe
+    # or an operator that some replica is down or relaunching.
+    up = sum(routing.alive)
+    status = "ok" if up == len(routing.alive) else "degraded"
+    return _json({"status": status, "replicas_up": up, "replicas": len(routing.alive)})
 
 
 async def health_generate(request: web.Request) -> web.Response:

@@ -36,7 +36,8 @@ openai client::
         print(chunk.choices[0].text, end="", flush=True)
 
 Other routes: POST /abort_request {"rid": "<response id or request id>"}, GET /health (200 when
-ready), GET /health_generate (runs a one-token generation).
+ready; with several replicas on Ray its body says "degraded" and how many are up while one relaunches),
+GET /health_generate (runs a one-token generation).
 """
 
 from __future__ import annotations

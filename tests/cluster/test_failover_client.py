@@ -192,3 +192,32 @@ def test_no_live_replica_ends_the_stream_with_a_clear_error():
         assert client.failover_errors == 1 and not client.is_ready()
     finally:
         threading.Thread(target=client.shutdown, daemon=True).start()  # relaunches keep failing: don't wait
+
+
+def test_health_and_metrics_say_a_replica_is_down():
+    """While one replica is down (its relaunch failing), /health stays 200 — the other one serves — but
+    says "degraded" with the count, and /metrics' shoal:replica_up shows which."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from runtime.gateway.app import build_app
+
+    client = make_client(fail_relaunch=True)
+    try:
+        async def probe() -> tuple[dict, dict, str]:
+            async with TestClient(TestServer(build_app(client, ServerArgs(dp_size=2)))) as http:
+                before = await (await http.get("/health")).json()
+                client.groups[0].schedulers[0].dead = True
+                deadline = time.monotonic() + 10
+                while client.routing_stats().alive != [False, True]:
+                    assert time.monotonic() < deadline, client.routing_stats()
+                    await asyncio.sleep(0.02)
+                resp = await http.get("/health")
+                assert resp.status == 200
+                return before, await resp.json(), await (await http.get("/metrics")).text()
+
+        before, after, metrics = asyncio.run(probe())
+        assert before == {"status": "ok", "replicas_up": 2, "replicas": 2}
+        assert after == {"status": "degraded", "replicas_up": 1, "replicas": 2}
+        assert 'shoal:replica_up{replica="0"} 0.0' in metrics and 'shoal:replica_up{replica="1"} 1.0' in metrics
+    finally:
+        threading.Thread(target=client.shutdown, daemon=True).start()  # relaunches keep failing: don't wait
