@@ -94,9 +94,12 @@ class ReplicaLauncher:
             self.use_gpu = ray.cluster_resources().get("GPU", 0) > 0
         else:
             self.use_gpu = args.device == "cuda"
+        extras = [replica_resources[g] if replica_resources else None for g in range(self.num_groups)]
+        placement.check_capacity([placement.bundle_resources(self.use_gpu, extra) for extra in extras
+                                  for _ in range(self.ranks)], ray.cluster_resources())
         self.pgs = [placement.create_placement_group(
-            self.ranks, args.placement, self.use_gpu, name=f"shoal-replica-{g}-{os.getpid()}",
-            extra=replica_resources[g] if replica_resources else None) for g in range(self.num_groups)]
+            self.ranks, args.placement, self.use_gpu, name=f"shoal-replica-{g}-{os.getpid()}", extra=extra)
+            for g, extra in enumerate(extras)]
 
     def launch_all(self) -> list[ReplicaGroup]:
         with ThreadPoolExecutor(self.num_groups) as pool:

@@ -6,12 +6,17 @@ resources per replica (e.g. {"node:rack-a": 0.01}) pin replicas to nodes that ad
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 from runtime.errors import EngineUnavailableError
 
+logger = logging.getLogger(__name__)
+
 STRATEGIES = {"pack": "PACK", "spread": "SPREAD"}
 PLACEMENT_TIMEOUT_S = 120.0
+WAIT_LOG_S = 15.0  # how often a placement that waits on busy resources says so
 
 
 def bundle_resources(use_gpu: bool, extra: dict[str, float] | None = None) -> dict[str, float]:
@@ -20,6 +25,29 @@ def bundle_resources(use_gpu: bool, extra: dict[str, float] | None = None) -> di
         bundle["GPU"] = 1.0
     bundle.update(extra or {})
     return bundle
+
+
+def plain_resources(resources: dict[str, float]) -> dict[str, float]:
+    """Resources as an operator names them: without Ray's per-placement-group keys (CPU_group_<id>...),
+    per-node keys (node:<ip>) and byte counts."""
+    return {k: v for k, v in sorted(resources.items())
+            if "_group_" not in k and not k.startswith("node:") and k not in ("memory", "object_store_memory")}
+
+
+def check_capacity(bundles: list[dict[str, float]], cluster: dict[str, float]) -> None:
+    """Fails at once when the cluster's total resources (free or not) cannot hold the bundles: waiting
+    for them would only time out. Sums per resource, so a shortfall names what to add."""
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for key, amount in bundle.items():
+            need[key] = need.get(key, 0.0) + amount
+    short = [f"{need[k]:g} {k} (the cluster has {cluster.get(k, 0.0):g})" for k in sorted(need)
+             if cluster.get(k, 0.0) + 1e-9 < need[k]]
+    if short:
+        raise EngineUnavailableError(
+            f"the Ray cluster cannot hold {len(bundles)} rank(s) (one bundle of {bundles[0]} each): they need "
+            f"{', '.join(short)}; add nodes (`ray start --address <head>:6379`) or ask for fewer ranks "
+            f"(--tp-size, --dp-size)")
 
 
 def create_placement_group(num_bundles: int, placement: str, use_gpu: bool, name: str,
@@ -33,12 +61,17 @@ def create_placement_group(num_bundles: int, placement: str, use_gpu: bool, name
         raise ValueError(f"placement must be one of {', '.join(STRATEGIES)}, got {placement!r}")
     bundles = [bundle_resources(use_gpu, extra) for _ in range(num_bundles)]
     pg = placement_group(bundles, strategy=STRATEGIES[placement], name=name)
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-    if not ready:
-        remove_placement_group(pg)
-        raise EngineUnavailableError(
-            f"cannot place {name}: {num_bundles} x {bundles[0]} ({placement}) does not fit in the cluster's "
-            f"free resources {ray.available_resources()} within {timeout_s:.0f} s")
+    # The cluster is big enough (check_capacity), but other jobs may hold what we need: wait, and say so.
+    deadline = time.monotonic() + timeout_s
+    while not ray.wait([pg.ready()], timeout=min(WAIT_LOG_S, max(deadline - time.monotonic(), 0.0)))[0]:
+        free = plain_resources(ray.available_resources())
+        if time.monotonic() >= deadline:
+            remove_placement_group(pg)
+            raise EngineUnavailableError(
+                f"cannot place {name}: {num_bundles} x {bundles[0]} ({placement}) did not fit in the cluster's "
+                f"free resources {free} within {timeout_s:.0f} s (other jobs hold the rest; `ray status` shows them)")
+        logger.warning("waiting for the Ray cluster to free %d x %s for %s (free now: %s)", num_bundles,
+                       bundles[0], name, free)
     return pg
 
 

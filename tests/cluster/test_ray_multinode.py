@@ -78,3 +78,32 @@ def test_tp2_spread_across_nodes(two_nodes, tiny_llama, expected):
         assert run(client) == expected
     finally:
         client.shutdown()
+
+
+def test_too_few_cpus_fail_at_once_naming_what_is_missing(two_nodes, tiny_llama):
+    """Three replicas on a two-CPU cluster can never be placed: one line at once that says 3 CPU against 2,
+    not a 120 s wait ending in Ray's per-group resource keys."""
+    import time
+
+    from runtime.cluster.launch import create_ray_engine_client
+    from runtime.errors import EngineUnavailableError
+
+    start = time.monotonic()
+    with pytest.raises(EngineUnavailableError) as info:
+        create_ray_engine_client(ServerArgs(model_path=str(tiny_llama), dp_size=3, device="cpu", max_total_tokens=1024))
+    message = str(info.value)
+    assert "3 CPU (the cluster has 2)" in message and "_group_" not in message, message
+    assert time.monotonic() - start < 30  # no placement wait
+
+
+def test_placement_helpers():
+    from runtime.cluster import placement
+    from runtime.errors import EngineUnavailableError
+
+    raw = {"CPU": 2.0, "CPU_group_0_abc": 1.0, "GPU": 1.0, "node:10.0.0.1": 1.0, "memory": 1e9, "rack_a": 1.0}
+    assert placement.plain_resources(raw) == {"CPU": 2.0, "GPU": 1.0, "rack_a": 1.0}
+    bundles = [placement.bundle_resources(True, {"rack_a": 0.5})] * 2
+    placement.check_capacity(bundles, raw | {"GPU": 2.0})  # fits exactly: no error
+    with pytest.raises(EngineUnavailableError, match=r"2 GPU \(the cluster has 1\)") as info:
+        placement.check_capacity(bundles, raw)
+    assert "CPU (" not in str(info.value)  # only what is short is named
