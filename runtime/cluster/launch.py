@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -27,6 +28,22 @@ logger = logging.getLogger(__name__)
 LOCAL_OBJECT_STORE_BYTES = 512 << 20  # only small messages travel: the 30%-of-RAM default is waste
 
 
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """For --address host:port (or ray://host:port): fails in seconds when nothing listens there, where
+    ray.init would retry the GCS connection for minutes. 'auto' and 'local' are Ray's to resolve."""
+    target = address.removeprefix("ray://")
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise EngineUnavailableError(
+            f"cannot join the Ray cluster at --address {address}: nothing answers at {host}:{port} ({e}); "
+            f"start the head there (`ray start --head --port {port}`) or give the address `ray start --head` "
+            f"printed") from None
+
+
 def init_ray(args: ServerArgs, num_bundles: int = 1) -> bool:
     """Connects to args.address ('auto' joins the running cluster) or starts a local one bound to
     loopback. Returns True when it started Ray (its owner shuts it down)."""
@@ -35,6 +52,7 @@ def init_ray(args: ServerArgs, num_bundles: int = 1) -> bool:
     if ray.is_initialized():
         return False
     if args.address is not None:
+        check_reachable(args.address)
         try:
             ray.init(address=args.address, log_to_driver=True)
         except ConnectionError as e:  # --address auto with no cluster running: one line, not Ray's traceback
