@@ -99,6 +99,8 @@
 #   bash benchmarks/gpu_suite.sh part63 OUTDIR  # part62 for FP8 KV in an H100's FP8 pool (828,869 tokens)
 #   bash benchmarks/gpu_suite.sh part64 OUTDIR  # ON AN H100 ONLY: item 3 FP8 KV, graphs to 1024, the default against
 #                                               # 3 balanced waves (--max-running-requests 334: +1.2% on an H200)
+#   bash benchmarks/gpu_suite.sh part65 OUTDIR  # attention beside GEMMs on two streams (bench_overlap): one layer's
+#                                               # pieces at 203 / 334 / 414 requests, serial against overlapped
 #   bash benchmarks/gpu_suite.sh part59 OUTDIR  # ON AN H100 ONLY: item 3 bf16 at the default, then with one wave
 #                                               # fewer (250 requests a wave: a 500k-token pool, context 2,048,
 #                                               # graphs to 256, 2,048-token chunks, 256 running, MEMFRAC, default 0.985); the
@@ -670,6 +672,9 @@ if [ "$part" = part64 ]; then  # item 3 FP8 KV on an H100: its pool (~828k token
     python -c "import json,sys; r=json.load(open(sys.argv[1]))['results']; print(sys.argv[1], round(r['output_throughput']), \
 r['forward_modes'], r['max_total_tokens'], r['device_memory'])" "$out/fp8_kv_1000x1000_cap${cap}_h100.json"
   done
+fi
+if [ "$part" = part65 ]; then  # would a two-stream overlap (half-batch attention beside GEMMs) pay? item 3 bf16
+  TAIL=8 run timeout 300 python -m benchmarks.bench_overlap --output-file "$out/overlap.json"
 fi
 if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then
   files=$(ls tests/gpu/test_*.py | grep -v test_ray_tp_gpu.py)
