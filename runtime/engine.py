@@ -155,10 +155,11 @@ class Engine(EngineClient):
             for r in reqs:
                 self._consumers[r.rid] = inbox.put
         self._check_ready([r.rid for r in reqs])
-        for r in reqs:
-            self.host.submit(r)
-        pending = len(reqs)
+        pending, submitted = len(reqs), 0
         try:
+            for r in reqs:
+                self.host.submit(r)
+                submitted += 1
             while pending:
                 o = inbox.get()
                 c = collectors[o.rid]
@@ -166,9 +167,17 @@ class Engine(EngineClient):
                 pending -= c.finished
         finally:
             if pending:  # interrupted (KeyboardInterrupt in a notebook): nobody reads the rest, free their KV
-                self._abandon([r.rid for r in reqs if not collectors[r.rid].finished], inbox.put)
+                self._withdraw([r.rid for r in reqs[submitted:]])
+                self._abandon([r.rid for r in reqs[:submitted] if not collectors[r.rid].finished], inbox.put)
         results = [collectors[r.rid].result() for r in reqs]
         return results[0] if single else results
+
+    def _withdraw(self, rids: list[str]) -> None:
+        """Frees the rids of requests an interrupt kept from being submitted. No abort: the scheduler keeps an
+        unknown rid's abort for a request still on its way, and would abort the rid's next use."""
+        with self._consumers_lock:
+            for rid in rids:
+                self._consumers.pop(rid, None)
 
     def _abandon(self, rids: list[str], consumer: Callable[[RequestOutput], None]) -> None:
         """Aborts the requests whose outputs still go to `consumer`, keeping each rid taken (its outputs

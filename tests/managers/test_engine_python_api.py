@@ -81,6 +81,32 @@ def test_generate_left_early_aborts_its_requests(make_engine, tiny_llama, pool_f
     assert engine.generate(input_ids=[5, 6, 7], sampling_params=SHORT)["finish_reason"] == "length"
 
 
+def test_generate_interrupted_while_submitting(make_engine, tiny_llama, pool_full, monkeypatch):
+    """An interrupt between two submits: the submitted request is aborted, the rest never run, and no rid
+    stays taken (the same rids work again)."""
+    engine = make_engine(tiny_llama)
+    submit, calls = engine.host.submit, []
+
+    def submit_then_interrupt(req):
+        calls.append(req.rid)
+        if len(calls) == 2:
+            raise _Interrupted
+        submit(req)
+
+    monkeypatch.setattr(engine.host, "submit", submit_then_interrupt)
+    decoded_before = _decode_tokens(engine)
+    with pytest.raises(_Interrupted):
+        engine.generate(input_ids=[list(range(10, 30)), list(range(40, 60)), [7, 8]], sampling_params=LONG,
+                        rid=["a", "b", "c"])
+    monkeypatch.setattr(engine.host, "submit", submit)
+    assert set(engine._consumers) <= {"a"} and all(c is _discard for c in engine._consumers.values())
+    pool_full(engine)
+    assert not engine._consumers  # "a" ended by its abort, "b" and "c" never registered with the scheduler
+    assert _decode_tokens(engine) - decoded_before < 100  # "a" aborted, not run through its 399 tokens
+    outs = engine.generate(input_ids=[[5, 6], [7, 8], [9, 10]], sampling_params=SHORT, rid=["a", "b", "c"])
+    assert [o["finish_reason"] for o in outs] == ["length"] * 3
+
+
 def _decode_tokens(engine: Engine) -> int:
     return sum(m.tokens for k, m in engine.get_stats().forward_modes.items() if str(getattr(k, "name", k)) == "DECODE")
 
