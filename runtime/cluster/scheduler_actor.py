@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from runtime.cluster.tp_rank import RankSpec, TpRank, endpoint
+from runtime.cluster.tp_rank import RankSpec, TpRank, endpoint, local_model_path
 from runtime.config import ServerArgs
 from runtime.errors import EngineUnavailableError
 from runtime.messages import (
@@ -58,6 +58,7 @@ class SchedulerActor:
         return endpoint()
 
     def init(self, master_addr: str, master_port: int) -> WorkerInfo:
+        self.model_path = local_model_path(self.args, self.model_path)
         self.rank = TpRank.join(self.args, self.model_path, self.spec, master_addr, master_port)
         return self.rank.worker.info()
 

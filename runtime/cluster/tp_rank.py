@@ -21,6 +21,17 @@ from runtime.model_executor.tp_worker import TpWorker
 COLLECTIVE_TIMEOUT_S = 120
 
 
+def local_model_path(args: ServerArgs, model_path: str) -> str:
+    """The folder this rank loads. The launcher resolved the embedded default model (no --model-path) in its
+    own node's cache, which another node may lack: there each rank finds or builds it in its node's cache
+    (the build is file-locked, so a node's ranks share one)."""
+    if args.model_path is not None:
+        return model_path
+    from runtime.default_model import ensure_default_model
+
+    return str(ensure_default_model())
+
+
 @dataclass(frozen=True, slots=True)
 class RankSpec:
     rank: int

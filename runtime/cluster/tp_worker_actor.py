@@ -18,7 +18,7 @@ import time
 import msgspec
 
 from runtime.cluster.step_trace import StepTrace
-from runtime.cluster.tp_rank import RankSpec, TpRank, endpoint
+from runtime.cluster.tp_rank import RankSpec, TpRank, endpoint, local_model_path
 from runtime.config import ServerArgs
 from runtime.gc_guard import GcGuard
 from runtime.messages import WorkerBatch, WorkerInfo
@@ -36,6 +36,7 @@ class TpWorkerActor:
         return endpoint()
 
     def init(self, master_addr: str, master_port: int) -> WorkerInfo:
+        self.model_path = local_model_path(self.args, self.model_path)
         self.rank = TpRank.join(self.args, self.model_path, self.spec, master_addr, master_port)
         return self.rank.worker.info()
 

