@@ -136,6 +136,11 @@ class ServerArgs:
                                          "queue (from waiting tokens, free KV and recent rates) exceeds this")
     max_waiting_requests: int = _opt(4096, "refuse a request (429 + Retry-After) when more requests than this "
                                            "already wait to be scheduled")
+    allowed_origins: str = _opt("*", "CORS: comma-separated origins a browser page may call the API from "
+                                     "('*': any; '' turns CORS off)")
+    shutdown_timeout_s: float = _opt(25.0, "on SIGINT/SIGTERM, seconds in-flight requests may run on before they "
+                                           "are aborted (a second signal aborts them at once); under Kubernetes' "
+                                           "30 s default grace period")
     log_level: str = _opt("info", "log level", ("debug", "info", "warning", "error"))
     log_interval_s: float = _opt(10.0, "seconds between scheduler stats log lines")
 
@@ -175,6 +180,8 @@ class ServerArgs:
             raise ServerArgsError("--port", f"must be in 1..65535, got {self.port}")
         if not self.retract_ratio_growth >= 1.0:  # NaN too
             raise ServerArgsError("--retract-ratio-growth", f"must be >= 1 (1 turns it off), got {self.retract_ratio_growth}")
+        if not 0 <= self.shutdown_timeout_s < float("inf"):
+            raise ServerArgsError("--shutdown-timeout-s", f"must be >= 0 seconds, got {self.shutdown_timeout_s}")
         if not 0.0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0:
             raise ServerArgsError("--min-new-token-ratio", "need 0 <= min ratio <= init ratio <= 1")
         for f in dataclasses.fields(self):
