@@ -25,6 +25,8 @@ class GatewayActor:
     def ready(self) -> bool:
         return self.client.is_ready()
 
-    def shutdown(self) -> None:
-        self.server.stop()
+    def shutdown(self, grace_s: float | None = None) -> None:
+        """grace_s (default --shutdown-timeout-s): how long requests in flight may finish before they are
+        aborted; 0 aborts them at once."""
+        self.server.stop(self.args.shutdown_timeout_s if grace_s is None else grace_s)
         self.client.shutdown()

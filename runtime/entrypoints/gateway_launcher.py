@@ -31,6 +31,7 @@ def serve_gateway_actor(args: ServerArgs, stop: threading.Event | None = None) -
         if owned and ray.is_initialized():
             ray.shutdown()
         raise
+    signals = stop is None
     if stop is None:
         # After ray.init, which installs its own SIGTERM handler (sys.exit): docker stop and Kubernetes send
         # SIGTERM, and that handler cut in-flight streams and exited non-zero instead of draining them.
@@ -41,10 +42,16 @@ def serve_gateway_actor(args: ServerArgs, stop: threading.Event | None = None) -
         url = ray.get(handle.url.remote())
         logger.info("Shoal is ready: the gateway actor serves at %s (OpenAI API: %s/v1)", url, url)
         stop.wait()
-        logger.info("shutting down")
+        logger.info("shutting down: requests in flight may finish for up to %.0f s%s", args.shutdown_timeout_s,
+                    " (Ctrl-C again to stop now)" if signals else "")
     finally:
+        if signals:  # a second signal while the actor drains: stop waiting for it
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.default_int_handler)
         try:
-            ray.get(handle.shutdown.remote(), timeout=60)
+            ray.get(handle.shutdown.remote(), timeout=args.shutdown_timeout_s + 30)
+        except KeyboardInterrupt:
+            logger.warning("stopping now: requests still in flight are cut")
         except Exception:
             logger.warning("the gateway actor did not shut down cleanly", exc_info=True)
         ray.kill(handle)

@@ -8,7 +8,9 @@ Start a server (the embedded SmolLM2-135M-Instruct when no --model-path is given
     shoal serve --model-path /models/Llama-3.2-1B-Instruct --api-key sk-local --max-n 4
 
 It listens at once; /health and the model routes answer 503 until the model is loaded, then the log
-says "Shoal is ready ... at http://HOST:PORT". Ctrl-C or SIGTERM shuts it down cleanly.
+says "Shoal is ready ... at http://HOST:PORT". Ctrl-C or SIGTERM shuts it down: new requests get 503,
+those in flight may finish for --shutdown-timeout-s (25 s), then are aborted; a second Ctrl-C aborts them
+at once.
 
 curl::
 
@@ -59,6 +61,7 @@ from runtime.config import ServerArgs
 from runtime.engine_client import EngineClient
 from runtime.errors import ServerArgsError
 from runtime.gateway.app import build_app, gateway_state
+from runtime.gateway.drain import ABORTED_WRITE_S, drain
 from runtime.gateway.state import ClientProvider
 from runtime.gc_guard import GcGuard
 from runtime.logging_setup import setup_logging
@@ -117,9 +120,13 @@ async def _serve_until_stopped(app: web.Application, args: ServerArgs, loader: _
     """gc_guard: freeze start-up objects once the client is ready (in-process, the Engine's scheduler host
     already did, for the same interpreter)."""
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
+    stop, hurry = asyncio.Event(), asyncio.Event()  # the first signal drains, a second ends the drain
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
@@ -143,7 +150,7 @@ async def _serve_until_stopped(app: web.Application, args: ServerArgs, loader: _
     elif loader.error is not None:
         logger.error("the engine failed to load: %s", loader.error)
     logger.info("shutting down")
-    gateway_state(app).shutting_down = True  # new requests get 503 while in-flight ones drain
+    await drain(app, args.shutdown_timeout_s, hurry)  # new requests get 503 while in-flight ones finish
     await runner.cleanup()
     if not loader.done.is_set():
         # A load cannot be interrupted; its thread is a daemon and dies with the process.
@@ -201,10 +208,19 @@ class ServerHandle:
         self._loop.run_until_complete(self._runner.cleanup())
         self._loop.close()
 
-    def stop(self) -> None:
-        if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
+    def stop(self, grace_s: float | None = None) -> None:
+        """grace_s: drain first (requests in flight may finish for that long, then are aborted); None stops
+        the loop at once (tests)."""
+        if not self._thread.is_alive():
+            return
+        if grace_s is not None:
+            done = asyncio.run_coroutine_threadsafe(drain(self.app, grace_s), self._loop)
+            try:
+                done.result(grace_s + ABORTED_WRITE_S + 5)
+            except Exception:
+                logger.warning("the gateway's drain did not finish", exc_info=True)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
 
     def __enter__(self) -> ServerHandle:
         return self
