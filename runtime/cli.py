@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
             out = engine.generate(prompt=None if ids else ns.prompt, input_ids=ids,
                                   sampling_params={"max_new_tokens": ns.max_new_tokens,
                                                    "temperature": ns.temperature})
+        if out["finish_reason"] in ("error", "abort"):  # a failed step: say why, not an empty line and 0
+            print(f"shoal: error: the request ended with {out['finish_reason']}: "
+                  f"{out.get('error') or 'no reason given'}", file=sys.stderr)
+            return 1
         print(out["text"])
         return 0
     except ShoalError as e:

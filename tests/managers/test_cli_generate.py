@@ -68,3 +68,20 @@ def test_cuda_without_a_gpu_is_one_line(tiny_llama, capsys):
                "--log-level", "warning"])
     assert rc == 2
     assert "shoal: error: --device: cuda was asked for, but torch sees no CUDA device" in capsys.readouterr().err
+
+
+def test_generate_whose_step_fails_exits_1_saying_why(tiny_llama, capsys, monkeypatch):
+    """A request the engine failed (here every forward raises) is an error on stderr and exit code 1, not an
+    empty line and 0."""
+    from runtime.model_executor.model_runner import ModelRunner
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("0 active drivers")
+
+    monkeypatch.setattr(ModelRunner, "forward", broken)
+    rc = main(["generate", "--model-path", str(tiny_llama), "--device", "cpu", "--max-new-tokens", "3",
+               "--max-total-tokens", "1024", "--log-level", "error"])
+    captured = capsys.readouterr()
+    assert rc == 1 and captured.out == ""
+    last = captured.err.strip().splitlines()[-1]  # after the scheduler's own log of the failed step
+    assert last.startswith("shoal: error: the request ended with error:"), captured.err
