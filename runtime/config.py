@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,6 +146,7 @@ class ServerArgs:
     log_interval_s: float = _opt(10.0, "seconds between scheduler stats log lines")
 
     def __post_init__(self) -> None:
+        self._check_types()
         positive = ("mem_fraction_static", "max_running_requests", "max_prefill_tokens", "tp_size",
                     "dp_size", "cuda_graph_max_bs", "max_request_bytes", "max_n", "init_new_token_ratio",
                     "max_queue_wait_s", "max_waiting_requests", "balance_rel_threshold", "grammar_compile_timeout_s")
@@ -231,6 +233,22 @@ class ServerArgs:
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)
+
+    def _check_types(self) -> None:
+        """Engine(**kwargs) hands values over as given (the CLI converts them): "4" for an int compared
+        later as a raw TypeError, and "false" for a bool was truthy and turned the feature on."""
+        for f in dataclasses.fields(self):
+            kind, optional = str(f.type).removesuffix(" | None"), str(f.type).endswith(" | None")
+            value = getattr(self, f.name)
+            if value is None and optional:
+                continue
+            ok = {"bool": lambda v: isinstance(v, bool),  # numpy's integers are Integral, its bool_ is not
+                  "int": lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool),
+                  "float": lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool),
+                  "str": lambda v: isinstance(v, str)}.get(kind)
+            if ok is not None and not ok(value):
+                raise ServerArgsError(_flag(f.name), f"must be {'a' if kind != 'int' else 'an'} {kind}"
+                                                     f"{' or None' if optional else ''}, got {value!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:

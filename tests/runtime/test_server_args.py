@@ -93,3 +93,23 @@ def test_cli_rejects_bad_choice_and_bad_value(capsys) -> None:
     assert "--attention-backend" in capsys.readouterr().err
     with pytest.raises(ServerArgsError, match="--max-running-requests"):
         _parse(["--max-running-requests", "0"])
+
+
+@pytest.mark.parametrize(("kwargs", "flag", "says"), [
+    ({"max_running_requests": "4"}, "--max-running-requests", "must be an int, got '4'"),
+    ({"disable_radix_cache": "false"}, "--disable-radix-cache", "must be a bool, got 'false'"),
+    ({"context_length": 1.5}, "--context-length", "must be an int or None, got 1.5"),
+    ({"chunked_prefill_size": None}, "--chunked-prefill-size", "must be an int, got None"),
+    ({"port": True}, "--port", "must be an int, got True"),
+    ({"mem_fraction_static": "0.5"}, "--mem-fraction-static", "must be a float, got '0.5'"),
+])
+def test_kwargs_of_the_wrong_type_name_the_flag(kwargs, flag, says):
+    """Engine(**kwargs) values are not converted as the CLI's are: a wrong type is refused by name, not a
+    raw TypeError later (or, for "false" given to a bool, a feature silently turned on)."""
+    with pytest.raises(ServerArgsError, match=says) as info:
+        ServerArgs.from_kwargs(**kwargs)
+    assert info.value.flag == flag
+
+
+def test_an_int_is_a_float():
+    assert ServerArgs(mem_fraction_static=1).mem_fraction_static == 1
