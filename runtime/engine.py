@@ -10,7 +10,7 @@ import itertools
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -120,6 +120,8 @@ class Engine(EngineClient):
         if n > 1:
             raise InvalidRequestError("n > 1 gives several results: pass it to generate()", param="n")
         params = SamplingParams.from_dict(sampling_params)
+        if input_ids is not None and prompt is not None:
+            raise InvalidRequestError("give prompt or input_ids, not both", param="input_ids")
         if input_ids is not None:
             input_ids = _as_id_lists(input_ids)
         if input_ids is None:
@@ -189,22 +191,40 @@ class Engine(EngineClient):
         for rid in running:
             self.host.abort(rid)
 
-    def async_generate(self, prompt: str | None = None, sampling_params: dict | None = None,
-                       input_ids: list[int] | None = None, stream: bool = False,
+    def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                       input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
                        return_input_logprob: bool = False, input_top_logprobs_num: int = 0,
-                       rid: str | None = None) -> _AsyncCall:
-        """`await engine.async_generate(...)` gives the result dict; with stream=True,
-        `async for delta in engine.async_generate(..., stream=True)` gives text deltas as they come.
-        One choice: n > 1 is generate()'s (or n calls)."""
-        req = self.make_request(prompt, input_ids, sampling_params, return_input_logprob, rid=rid,
-                                input_top_logprobs_num=input_top_logprobs_num)
-        return _AsyncCall(self, req)
+                       rid: str | list[str] | None = None) -> Coroutine[Any, Any, dict | list[dict]] | _AsyncStream:
+        """`await engine.async_generate(...)` gives what generate() gives (a list for a batch or n > 1) and is
+        a coroutine (asyncio.create_task takes it); with stream=True, `async for delta in
+        engine.async_generate(..., stream=True)` gives one prompt's text deltas as they come. Bad input
+        raises here, before anything is queued."""
+        reqs, single = self._make_requests(prompt, sampling_params, input_ids, return_input_logprob,
+                                           input_top_logprobs_num, rid)
+        if stream:
+            if len(reqs) != 1:
+                raise InvalidRequestError("stream=True streams one prompt and one choice (n = 1): call once per "
+                                          "prompt, or leave stream out for a batch", param="prompt")
+            return _AsyncStream(self, reqs[0])
+        return self._collect_all(reqs, single)
+
+    async def _collect_all(self, reqs: list[GenerateRequest], single: bool) -> dict | list[dict]:
+        # A TaskGroup: one failing (or the caller cancelled) cancels the others, whose streams then abort.
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(_collect(self, r)) for r in reqs]
+        results = [t.result() for t in tasks]
+        return results[0] if single else results
 
     def _make_requests(self, prompt, sampling_params, input_ids, return_input_logprob, input_top_logprobs_num=0,
                        rid=None):
         if prompt is not None and not isinstance(prompt, (str, list, tuple)):
             raise InvalidRequestError(f"prompt must be a string or a list of strings, not {type(prompt).__name__}",
                                       param="prompt")
+        if prompt is not None and input_ids is not None:  # one would be dropped silently
+            raise InvalidRequestError("give prompt or input_ids, not both", param="input_ids")
+        if rid is not None and not (isinstance(rid, str) or (isinstance(rid, (list, tuple))
+                                                             and all(isinstance(r, str) for r in rid))):
+            raise InvalidRequestError(f"rid must be a string or a list of strings, got {rid!r}", param="rid")
         if input_ids is not None:
             input_ids = _as_id_lists(input_ids)
         single = isinstance(prompt, str) or (input_ids is not None and bool(input_ids) and isinstance(input_ids[0], int))
@@ -368,20 +388,20 @@ class _Collector(OutputAccumulator):
         return out
 
 
-class _AsyncCall:
+async def _collect(engine: Engine, req: GenerateRequest) -> dict:
+    c = _Collector(engine.tokenizer, req)
+    # aclosing: a cancelled caller must abort the request now, not when the GC finalizes the stream.
+    async with contextlib.aclosing(engine.stream(req)) as stream:
+        async for o in stream:
+            c.add(o)
+    return c.result()
+
+
+class _AsyncStream:
+    """async_generate(..., stream=True): iterate it for the deltas; .req is the request (its rid)."""
+
     def __init__(self, engine: Engine, req: GenerateRequest):
         self.engine, self.req = engine, req
-
-    def __await__(self):
-        return self._collect().__await__()
-
-    async def _collect(self) -> dict:
-        c = _Collector(self.engine.tokenizer, self.req)
-        # aclosing: a cancelled caller must abort the request now, not when the GC finalizes the stream.
-        async with contextlib.aclosing(self.engine.stream(self.req)) as stream:
-            async for o in stream:
-                c.add(o)
-        return c.result()
 
     async def __aiter__(self):
         c = _Collector(self.engine.tokenizer, self.req)

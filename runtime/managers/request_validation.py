@@ -61,7 +61,9 @@ def _check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
     # min/max/sum run in C: a long prompt costs well under a millisecond (the scheduler checks every request).
     # The sum's type catches floats, which min/max would pass as numbers (2.9 read as token 2).
     try:
-        in_range = not ids or (min(ids) >= 0 and max(ids) < vocab_size and isinstance(sum(ids), int))
+        # ... and a first element's bool type, which the sum would not show ([True, False] read as 1, 0).
+        in_range = not ids or (min(ids) >= 0 and max(ids) < vocab_size and isinstance(sum(ids), int)
+                               and not isinstance(ids[0], bool))
     except TypeError:
         in_range = False
     if in_range:

@@ -177,9 +177,47 @@ def test_n_choices_per_prompt(make_engine, tiny_llama, pool_full):
         with pytest.raises(InvalidRequestError) as ei:
             engine.generate(input_ids=[5, 6, 7], sampling_params={**sampled, "n": bad})
         assert ei.value.param == "n"
-    with pytest.raises(InvalidRequestError, match="generate"):
-        engine.async_generate(input_ids=[5, 6, 7], sampling_params={**sampled, "n": 2})
+    together = asyncio.run(engine.async_generate(input_ids=[5, 6, 7], sampling_params={**sampled, "n": 2}))
+    assert [o["output_ids"] for o in together] == first[:2]  # the same choices as generate()'s
+    with pytest.raises(InvalidRequestError, match="stream=True streams one prompt and one choice"):
+        engine.async_generate(input_ids=[5, 6, 7], sampling_params={**sampled, "n": 2}, stream=True)
     with pytest.raises(InvalidRequestError) as ei:  # abort(rid) could not stop a family of choices
         engine.generate(input_ids=[5, 6, 7], sampling_params={**sampled, "n": 2}, rid="x")
     assert ei.value.param == "rid"
     pool_full(engine)
+
+
+def test_async_generate_is_a_coroutine_and_takes_a_batch(make_engine, tiny_llama, pool_full):
+    """SGLang-style use: asyncio.create_task / TaskGroup take it (a coroutine), a batch gives a list in order
+    (generate()'s results), stream=True is the only streaming form and refuses a batch."""
+    engine = make_engine(tiny_llama)
+    prompts = [[5, 6, 7], list(range(20, 40)), [9]]
+    expected = engine.generate(input_ids=prompts, sampling_params=SHORT)
+
+    async def run():
+        single = await asyncio.create_task(engine.async_generate(input_ids=prompts[0], sampling_params=SHORT))
+        batch = await engine.async_generate(input_ids=prompts, sampling_params=SHORT)
+        deltas = [d async for d in engine.async_generate(input_ids=prompts[1], sampling_params=SHORT, stream=True)]
+        return single, batch, deltas
+
+    single, batch, deltas = asyncio.run(run())
+    assert single["output_ids"] == expected[0]["output_ids"]
+    assert [o["output_ids"] for o in batch] == [o["output_ids"] for o in expected]
+    assert [t for d in deltas for t in d["output_ids"]] == expected[1]["output_ids"]
+    with pytest.raises(InvalidRequestError, match="one prompt"):
+        engine.async_generate(input_ids=prompts, sampling_params=SHORT, stream=True)
+    pool_full(engine)
+
+
+@pytest.mark.parametrize(("kwargs", "param", "says"), [
+    ({"prompt": "Hello", "input_ids": [1, 2, 3]}, "input_ids", "not both"),
+    ({"prompt": ["a", "b"], "input_ids": [[1, 2], [3, 4]]}, "input_ids", "not both"),
+    ({"prompt": "a", "rid": 5}, "rid", "rid must be a string"),
+    ({"input_ids": [True, False, True]}, "prompt", "token ids must be integers, got True"),  # as for floats
+])
+def test_ambiguous_or_mistyped_inputs_are_refused(make_engine, tiny_llama, kwargs, param, says):
+    engine = make_engine(tiny_llama)
+    for call in (engine.generate, engine.async_generate):
+        with pytest.raises(InvalidRequestError, match=says) as ei:
+            call(sampling_params=SHORT, **kwargs)
+        assert ei.value.param == param
