@@ -2,7 +2,9 @@
 --reasoning-parser), content, and tool_calls (tool_choice auto with --tool-call-parser, "required" or
 a named function) — both as the finished message and as stream deltas. The stream is the same parse
 of the growing text, sent as differences: a call's id, type and name in its first delta, its arguments
-in the pieces that follow, so the deltas concatenate to the non-streamed message."""
+in the pieces that follow, so the deltas concatenate to the non-streamed message. A call in the model's
+own format (tool_choice "auto") goes out only once it settled (ToolParser.streams_partial_calls): one
+the output ends inside is content in the end, and a stream cannot take back a delta it sent."""
 
 from __future__ import annotations
 
@@ -46,9 +48,10 @@ class ChatOutput:
         delta = ChatDelta(reasoning[self._sent_reasoning:], parsed.content[self._sent_content:])
         self._sent_reasoning = max(self._sent_reasoning, len(reasoning))
         self._sent_content = max(self._sent_content, len(parsed.content))
+        partial_ok = self.tool_parser is not None and self.tool_parser.streams_partial_calls
         for i, call in enumerate(parsed.calls):
-            if call.name is None:
-                break  # nothing of a call goes out before its name
+            if call.name is None or not (call.complete or partial_ok):
+                break  # nothing of a call goes out before its name, nor before it settled where it may not
             if i == len(self._calls):
                 self._calls.append(_SentCall(f"call_{uuid.uuid4().hex[:24]}"))
                 delta.tool_calls.append(DeltaToolCall(index=i, id=self._calls[i].id, type="function",

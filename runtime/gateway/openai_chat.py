@@ -1,8 +1,10 @@
 """POST /v1/chat/completions: OpenAI chat — messages (tool calls and tool results included) through the
 model's chat template with the request's tools, n choices, logprobs/top_logprobs, structured output
-(response_format, regex, ebnf), tool calls (tool_choice none / auto / required / named) and reasoning
-content (--reasoning-parser), streaming (the role with the first delta, content / reasoning_content /
-tool_calls deltas, finish chunk, optional usage, [DONE]).
+(response_format, regex, ebnf, vLLM's guided_* / structured_outputs), tool calls (tool_choice none / auto
+/ required / named) and reasoning content (--reasoning-parser), streaming (the role with the first delta,
+content / reasoning_content / tool_calls deltas, finish chunk, optional usage, [DONE]). vLLM's chat
+extensions: chat_template_kwargs, add_generation_prompt, continue_final_message, truncate_prompt_tokens,
+include_stop_str_in_output.
 OpenAI features Shoal lacks (legacy functions, audio output) are a 400, never silently ignored; fields
 Shoal does not know at all are ignored (protocol.py)."""
 
@@ -12,6 +14,7 @@ import json
 import time
 from typing import Any
 
+import msgspec
 from aiohttp import web
 from msgspec import UNSET
 
@@ -22,6 +25,7 @@ from runtime.gateway.errors import bad_request, from_shoal_error, not_supported
 from runtime.gateway.generation import Generation
 from runtime.gateway.openai_responder import OpenAIResponder
 from runtime.gateway.output_constraint import OutputConstraint
+from runtime.gateway.prompt_input import truncate_prompt
 from runtime.gateway.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -52,6 +56,12 @@ def check_unsupported(body: ChatCompletionRequest) -> None:
         raise not_supported(f"output modalities {body.modalities} (only ['text'])", "modalities")
     if body.audio is not None:
         raise not_supported("audio output (audio)", "audio")
+    if (field := body.unhonoured_field()) is not None:
+        raise not_supported(field, field)
+    if body.continue_final_message and body.add_generation_prompt:
+        # vLLM's rule: a continued message gets no assistant header after it, and the default is true.
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true: set "
+                          "add_generation_prompt to false", param="continue_final_message")
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -140,17 +150,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
     tools = ToolRequest.from_body(body.tools, body.tool_choice, body.parallel_tool_calls, state.args.tool_call_parser)
-    constraint = OutputConstraint.from_body(body.response_format, body.regex, body.ebnf)
+    constraint = OutputConstraint.from_body(body)
     tool_constraint = tools.constraint() if tools is not None else None
     if constraint is not None and tool_constraint is not None:
         raise bad_request(f"{constraint.param} cannot be combined with tool_choice {tools.mode!r}",
                           param=constraint.param)
     constraint = constraint or tool_constraint
     try:
-        ids = client.tokenizer.apply_chat_template(template_messages(body.messages),
-                                                   tools=tools.template_tools() if tools is not None else None)
+        ids = client.tokenizer.apply_chat_template(
+            template_messages(body.messages), add_generation_prompt=body.add_generation_prompt,
+            tools=tools.template_tools() if tools is not None else None,
+            continue_final_message=body.continue_final_message, template_kwargs=body.chat_template_kwargs)
     except ShoalError as e:
         raise from_shoal_error(e) from None
+    ids = truncate_prompt(ids, body.truncate_prompt_tokens, client.context_len)
     max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_new = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_new is None:
@@ -158,6 +171,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     want_lp = bool(body.logprobs)
     params = state.sampling_params(body, max_new, return_logprob=want_lp, top_logprobs_num=body.top_logprobs or 0,
                                    logprob_param="top_logprobs", max_param=max_param)
+    if body.include_stop_str_in_output:
+        params = msgspec.structs.replace(params, include_stop_str_in_output=True)
     if constraint is not None:
         params = constraint.apply(params)
     base = state.new_id("chatcmpl")

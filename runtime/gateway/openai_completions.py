@@ -1,6 +1,7 @@
 """POST /v1/completions: OpenAI text completions — prompts as text or token ids (one or a batch), n
 choices each, logprobs with text offsets, echo (with prompt logprobs), structured output
-(response_format, regex, ebnf), streaming with optional usage.
+(response_format, regex, ebnf, vLLM's guided_* / structured_outputs), vLLM's truncate_prompt_tokens and
+include_stop_str_in_output, streaming with optional usage.
 
 logprobs follow vLLM's shape: each position's top_logprobs holds the top N and the chosen token even
 when it is not among them (so logprobs: 0 names the chosen token); an echoed prompt position holds its
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 from aiohttp import web
 
 from runtime.gateway.choice_state import ChoiceState
@@ -78,14 +80,19 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise not_supported("suffix", "suffix")
     if body.best_of is not None and body.best_of != n:
         raise not_supported("best_of other than n", "best_of")
-    prompts = PromptInput.parse(body.prompt, client.tokenizer.encode)
+    if (field := body.unhonoured_field()) is not None:
+        raise not_supported(field, field)
+    constraint = OutputConstraint.from_body(body)
+    prompts = PromptInput.parse(body.prompt, client.tokenizer.encode).truncated(body.truncate_prompt_tokens,
+                                                                                client.context_len)
     scoring = bool(body.echo) and body.max_tokens == 0  # the engine makes one token; nobody sees it
     max_new = 1 if scoring else body.max_tokens
     if max_new is None:
         max_new = max(1, client.context_len - min(len(p) for p in prompts.ids))
     want_lp = body.logprobs is not None
     params = state.sampling_params(body, max_new, return_logprob=want_lp, top_logprobs_num=body.logprobs or 0)
-    constraint = OutputConstraint.from_body(body.response_format, body.regex, body.ebnf)
+    if body.include_stop_str_in_output:
+        params = msgspec.structs.replace(params, include_stop_str_in_output=True)
     if constraint is not None:
         params = constraint.apply(params)
     base = state.new_id("cmpl")

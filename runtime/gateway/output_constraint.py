@@ -1,6 +1,8 @@
 """OutputConstraint: the grammar a request body asks for — OpenAI's response_format (json_object,
-json_schema), SGLang/vLLM's regex and ebnf, or the schemas of tool_choice "required" / a named function —
-with the body field that named it, so a grammar that fails to compile is a 400 pointing at that field."""
+json_schema), SGLang/vLLM's regex and ebnf, vLLM's guided_json / guided_regex / guided_choice /
+guided_grammar and its newer structured_outputs object, or the schemas of tool_choice "required" / a
+named function — with the body field that named it, so a grammar that fails to compile is a 400
+pointing at that field. A body may ask for one at most: two are a 400 naming both."""
 
 from __future__ import annotations
 
@@ -10,11 +12,22 @@ from typing import Any
 
 import msgspec
 
-from runtime.gateway.errors import bad_request
+from runtime.gateway.errors import bad_request, not_supported
+from runtime.gateway.protocol import OpenAISamplingFields, StructuredOutputs
 from runtime.sampling.params import SamplingParams
 
 # Any JSON object: what response_format json_object promises (xgrammar compiles it like a schema).
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# What a regex reads as syntax; xgrammar warns on (and some engines refuse) escapes of anything else,
+# so re.escape (which escapes spaces, '#', '&', '~') is not used.
+_REGEX_SYNTAX = frozenset("\\.^$|?*+()[]{}/-")
+_CONTROL = {"\n": "\\n", "\t": "\\t", "\r": "\\r", "\f": "\\f", "\v": "\\v"}
+
+
+def choice_regex(choices: list[str]) -> str:
+    """A regex matching exactly one of choices, each taken literally."""
+    return "(" + "|".join("".join("\\" + c if c in _REGEX_SYNTAX else _CONTROL.get(c, c) for c in s)
+                              for s in choices) + ")"
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,18 +40,62 @@ class OutputConstraint:
         return msgspec.structs.replace(params, **{self.kind: self.text})
 
     @classmethod
-    def from_body(cls, response_format: dict[str, Any] | None, regex: str | None,
-                  ebnf: str | None) -> OutputConstraint | None:
-        found = [c for c in (cls._response_format(response_format),
-                             cls("regex", regex, "regex") if regex is not None else None,
-                             cls("ebnf", ebnf, "ebnf") if ebnf is not None else None) if c is not None]
+    def from_body(cls, body: OpenAISamplingFields) -> OutputConstraint | None:
+        found = [c for c in (cls._response_format(body.response_format),
+                             cls._string("regex", body.regex, "regex"),
+                             cls._string("ebnf", body.ebnf, "ebnf"),
+                             cls._schema(body.guided_json, "guided_json"),
+                             cls._string("regex", body.guided_regex, "guided_regex"),
+                             cls._choice(body.guided_choice, "guided_choice"),
+                             cls._string("ebnf", body.guided_grammar, "guided_grammar"),
+                             *cls._structured_outputs(body.structured_outputs)) if c is not None]
         if len(found) > 1:
-            raise bad_request(f"give at most one of response_format (json), regex and ebnf; got "
-                              f"{' and '.join(c.param for c in found)}", param=found[1].param)
+            raise bad_request(f"give at most one structured-output constraint (response_format, regex, ebnf, "
+                              f"guided_json, guided_regex, guided_choice, guided_grammar, structured_outputs); "
+                              f"got {' and '.join(c.param for c in found)}", param=found[1].param)
         for c in found:
             if not c.text:
                 raise bad_request(f"{c.param} must not be empty", param=c.param)
         return found[0] if found else None
+
+    @classmethod
+    def _string(cls, kind: str, text: str | None, param: str) -> OutputConstraint | None:
+        return cls(kind, text, param) if text is not None else None
+
+    @classmethod
+    def _schema(cls, schema: dict[str, Any] | str | None, param: str) -> OutputConstraint | None:
+        """vLLM's guided_json: a JSON Schema as an object or as JSON text."""
+        if schema is None:
+            return None
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise bad_request(f"{param} is a string but not JSON text: {e}", param=param) from None
+            if not isinstance(schema, dict):
+                raise bad_request(f"{param} must be a JSON Schema object, got JSON {type(schema).__name__}",
+                                  param=param)
+        return cls("json_schema", json.dumps(schema), param)
+
+    @classmethod
+    def _choice(cls, choices: list[str] | None, param: str) -> OutputConstraint | None:
+        if choices is None:
+            return None
+        if not choices:
+            raise bad_request(f"{param} must hold at least one choice", param=param)
+        return cls("regex", choice_regex(choices), param)
+
+    @classmethod
+    def _structured_outputs(cls, so: StructuredOutputs | None) -> list[OutputConstraint | None]:
+        if so is None:
+            return []
+        if so.structural_tag is not None:
+            raise not_supported("structured_outputs.structural_tag", "structured_outputs.structural_tag")
+        return [cls._schema(so.json, "structured_outputs.json"),
+                cls._string("regex", so.regex, "structured_outputs.regex"),
+                cls._choice(so.choice, "structured_outputs.choice"),
+                cls._string("ebnf", so.grammar, "structured_outputs.grammar"),
+                cls("json_schema", JSON_OBJECT_SCHEMA, "structured_outputs.json_object") if so.json_object else None]
 
     @classmethod
     def _response_format(cls, rf: dict[str, Any] | None) -> OutputConstraint | None:

@@ -1,6 +1,7 @@
 """PromptInput: a prompt as OpenAI's /v1/completions (`prompt`) and SGLang's /generate (`text` or
 `input_ids`) take it — a string, a list of strings, a list of token ids, or a list of token-id lists —
-as token ids per prompt. Token ids are checked against the vocabulary later, by EngineClient.validate."""
+as token ids per prompt. Token ids are checked against the vocabulary later, by EngineClient.validate.
+vLLM's truncate_prompt_tokens keeps each prompt's last k tokens (truncate_prompt)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,22 @@ class PromptInput(msgspec.Struct, frozen=True):
         if allow_text:
             kinds = "a string, a list of strings, " + kinds
         raise bad_request(f"{param} must be {kinds} (not a mix), and not empty", param=param)
+
+    def truncated(self, keep: int | None, context_len: int) -> PromptInput:
+        """Each prompt cut to its last `keep` tokens (truncate_prompt_tokens); a cut prompt's text is gone."""
+        ids = [truncate_prompt(p, keep, context_len) for p in self.ids]
+        texts = [t if len(new) == len(old) else None for t, new, old in zip(self.texts, ids, self.ids)]
+        return PromptInput(ids, texts, self.batch)
+
+
+def truncate_prompt(ids: list[int], keep: int | None, context_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the last `keep` tokens of the prompt (-1: as many as the context
+    holds); None keeps it whole. A value outside [1, context length] other than -1 is a 400."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = context_len
+    if not 1 <= keep <= context_len:
+        raise bad_request(f"truncate_prompt_tokens must be -1 or in [1, {context_len}] (the context length), "
+                          f"got {keep}", param="truncate_prompt_tokens")
+    return ids[-keep:] if len(ids) > keep else ids

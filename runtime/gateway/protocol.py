@@ -64,6 +64,19 @@ class ModelList(Struct):
     object: str = "list"
 
 
+class StructuredOutputs(Struct, kw_only=True):
+    """vLLM's structured_outputs object; one of its constraint keys at most. Its tuning keys
+    (disable_any_whitespace, whitespace_pattern, ...) change nothing here and are ignored like any
+    undeclared key."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None  # not supported: a 400
+
+
 class OpenAISamplingFields(Struct, kw_only=True):
     """The fields /v1/completions and /v1/chat/completions share (GatewayState.sampling_params reads them)."""
 
@@ -86,10 +99,31 @@ class OpenAISamplingFields(Struct, kw_only=True):
     skip_special_tokens: bool | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
-    # Structured output: OpenAI's response_format, and SGLang/vLLM's regex and ebnf (at most one of them).
+    # Structured output: OpenAI's response_format, SGLang/vLLM's regex and ebnf, vLLM's guided_* and newer
+    # structured_outputs (at most one of them all: OutputConstraint.from_body).
     response_format: dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    include_stop_str_in_output: bool | None = None  # vLLM's: the matched stop string stays in the text
+    truncate_prompt_tokens: Int64 | None = None  # vLLM's: keep the prompt's last k tokens (-1: the context)
+    # vLLM fields Shoal does not implement: declared so a value that asks for something is a 400
+    # (unhonoured_field), not silently ignored.
+    prompt_logprobs: Int64 | None = None
+    allowed_token_ids: list[Int64] | None = None
+    bad_words: list[str] | None = None
+
+    def unhonoured_field(self) -> str | None:
+        """The first vLLM field given with a value Shoal would have to act on but cannot."""
+        for name in ("prompt_logprobs", "allowed_token_ids"):
+            if getattr(self, name) is not None:
+                return name
+        return "bad_words" if self.bad_words else None
+
 
 
 # ---- /v1/completions -----------------------------------------------------------------------------
@@ -156,6 +190,11 @@ class ChatCompletionRequest(OpenAISamplingFields, kw_only=True):
     parallel_tool_calls: bool | None = None
     modalities: list[str] | None = None  # only ["text"]
     audio: dict[str, Any] | None = None  # audio output parameters: never
+    # vLLM / SGLang chat extensions: extra variables for the chat template (e.g. Qwen3's enable_thinking),
+    # the assistant header at the end, or the last (assistant) message continued instead of closed.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class ChatTopLogprob(Struct):

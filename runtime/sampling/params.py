@@ -27,6 +27,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     stop: list[str] = []
+    include_stop_str_in_output: bool = False  # vLLM's name: the matched stop string stays in the text
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     seed: int | None = None

@@ -1,5 +1,6 @@
 """IncrementalDetokenizer: turns a growing list of token ids into text deltas that never split a UTF-8
-character or lose a leading space, and that stop before (and never show) a stop string.
+character or lose a leading space, and that stop before (and never show) a stop string — or, with
+include_stop (vLLM's include_stop_str_in_output), right after it. Either way nothing past it shows.
 
 With min_new_tokens = m, a stop string counts only if it ends in the text of token m or later (as in
 vLLM, and as the scheduler's own check): one already complete in the first m - 1 tokens is plain text."""
@@ -13,8 +14,9 @@ from runtime.text.tokenizer import Tokenizer
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None,
-                 min_new_tokens: int = 0):
+                 min_new_tokens: int = 0, include_stop: bool = False):
         self.tokenizer = tokenizer
+        self.include_stop = include_stop
         self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in (stop or []) if s]
         self.min_new_tokens = min_new_tokens
@@ -41,10 +43,13 @@ class IncrementalDetokenizer:
         self._advance()
         end = len(self.text)
         if self._stop_floor is not None and len(self.ids) >= self.min_new_tokens:
+            first: tuple[int, int] | None = None  # (start, end) of the earliest stop string in the text
             for s in self.stop:
                 at = self.text.find(s, max(0, self._stop_floor - len(s) + 1))
-                if at != -1:
-                    self.stopped, end = True, min(end, at)
+                if at != -1 and (first is None or at < first[0]):
+                    first = (at, at + len(s))
+            if first is not None:
+                self.stopped, end = True, min(end, first[1] if self.include_stop else first[0])
         if self.stopped:
             self.text = self.text[:end]
         elif not finished:

@@ -15,7 +15,8 @@ class OutputAccumulator:
 
     def __init__(self, req: GenerateRequest, tokenizer: Tokenizer | NullTokenizer):
         p = req.sampling_params
-        self.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens, p.stop, p.min_new_tokens)
+        self.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens, p.stop, p.min_new_tokens,
+                                            p.include_stop_str_in_output)
         self.text = ""
         self.ids: list[int] = []
         self.logprobs: list[float] = []

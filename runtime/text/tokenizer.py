@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -41,16 +43,35 @@ class Tokenizer:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+                            tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools, continue_final_message,
+                                            template_kwargs), add_special_tokens=False)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
+        """The chat template's text. template_kwargs: extra template variables (vLLM's chat_template_kwargs,
+        e.g. Qwen3's enable_thinking); continue_final_message: the last message left open for the model to
+        continue (transformers cuts the text after its content)."""
         if not self.has_chat_template:
             raise InvalidRequestError("this model's tokenizer has no chat template; use /v1/completions",
                                       param="messages")
+        kwargs = dict(template_kwargs or {})
+        # A key that is one of apply_chat_template's own parameters would change what it returns (tokenize,
+        # return_dict) or collide with what Shoal passes: refused rather than passed on.
+        reserved = sorted(set(kwargs) & _reserved_template_kwargs(self.hf))
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)} (set "
+                                      f"add_generation_prompt / continue_final_message as request fields)",
+                                      param="chat_template_kwargs")
         try:
-            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                               tools=tools or None)
+            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                               continue_final_message=continue_final_message, tools=tools or None,
+                                               **kwargs)
         except Exception as e:  # jinja errors (bad roles, missing content) are the request's fault
-            raise InvalidRequestError(f"cannot apply the chat template: {e}", param="messages") from None
-        return self.encode(text, add_special_tokens=False)
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise InvalidRequestError(f"cannot apply the chat template: {why}", param="messages") from None
 
     def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], str | None] | None:
         """A per-request incremental decoder in Rust (one call per token instead of two full decodes),
@@ -68,6 +89,17 @@ class Tokenizer:
         return self.spelling.bytes(token_id)
 
 
+@functools.cache
+def _reserved_names(method: Callable[..., Any]) -> frozenset[str]:
+    params = inspect.signature(method).parameters.values()
+    return frozenset(p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)) | {"messages"}
+
+
+def _reserved_template_kwargs(hf: Any) -> frozenset[str]:
+    """apply_chat_template's own parameter names, and the variable it renders messages as."""
+    return _reserved_names(type(hf).apply_chat_template)
+
+
 class NullTokenizer:
     """For a model folder with no tokenizer (benchmarks: a bare config.json and dummy weights): token-id
     requests work, text in or out does not (a clear 400 instead of a crash)."""
@@ -83,7 +115,8 @@ class NullTokenizer:
         raise InvalidRequestError("this model folder has no tokenizer: send token ids, not text", param="prompt")
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+                            tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
         raise InvalidRequestError("this model folder has no tokenizer: chat needs one; use /v1/completions "
                                   "with token ids", param="messages")
 
@@ -100,12 +133,38 @@ class NullTokenizer:
         return b""
 
 
-def load_tokenizer(path: str | Path, eos_token_ids: tuple[int, ...],
-                   chat_template: str | None = None) -> Tokenizer | NullTokenizer:
+# Files one of which every transformers tokenizer folder holds (fast, sentencepiece, BPE or WordPiece).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model")
+
+
+def load_tokenizer(path: str | Path, eos_token_ids: tuple[int, ...], chat_template: str | None = None,
+                   explicit: bool | None = None) -> Tokenizer | NullTokenizer:
+    """The tokenizer at path. A model folder holding no tokenizer files (benchmarks: config.json and
+    dummy weights) gives the NullTokenizer; a tokenizer that is there but does not load, or a path the
+    operator named (--tokenizer-path) that holds none, fails the start: ServerArgsError("--tokenizer-path").
+
+    explicit: whether path came from --tokenizer-path. Callers that pass `tokenizer_path or model_path`
+    leave it None, and the path tells: a missing path, or a folder with neither tokenizer files nor a
+    config.json, was not the model folder (which the weights already loaded from)."""
+    folder = Path(path)
+    name = str(path)
+    if not folder.exists() and (folder.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1):
+        # Not a Hugging Face id ([namespace/]name) either: a typo or a folder that is not there.
+        raise ServerArgsError("--tokenizer-path", f"{name!r}: no such folder")
+    if folder.is_dir() and not any((folder / f).is_file() for f in _TOKENIZER_FILES):
+        is_model_folder = (folder / "config.json").is_file() if explicit is None else not explicit
+        if is_model_folder:
+            logging.getLogger(__name__).warning("the model folder %s has no tokenizer: only token-id requests "
+                                                "work (pass --tokenizer-path for text)", path)
+            return NullTokenizer(eos_token_ids)
+        raise ServerArgsError("--tokenizer-path", f"{name!r} holds no tokenizer files (looked for "
+                                                  f"{', '.join(_TOKENIZER_FILES)})")
     try:
         return Tokenizer(path, eos_token_ids, chat_template)
-    except ServerArgsError:  # a bad --chat-template is the operator's error, not a missing tokenizer
+    except ServerArgsError:  # a bad --chat-template names its own flag
         raise
-    except (OSError, ValueError) as e:
-        logging.getLogger(__name__).warning("no tokenizer in %s (%s): only token-id requests work", path, e)
-        return NullTokenizer(eos_token_ids)
+    except Exception as e:  # a typo, a missing folder, broken files: the start fails, saying why
+        why = " ".join(str(e).split())[:300] or type(e).__name__
+        what = "is no folder, nor a Hugging Face id that loads" if not folder.exists() else "does not load"
+        raise ServerArgsError("--tokenizer-path", f"the tokenizer at {name!r} {what}: {why}") from None

@@ -19,8 +19,25 @@ class ParsedOutput:
     content: str
     calls: list[CallSpan] = field(default_factory=list)
 
+    def unfinished(self, raw: str, calls: int, final: bool) -> ParsedOutput:
+        """The text ends inside a call region (raw: its text from the marker on, holding the last `calls`
+        calls). While text may still come the region is held back (its calls unsettled); once none will,
+        the model never finished it: its raw text is content and its calls are dropped, as vLLM answers."""
+        if final:
+            self.content += raw
+            del self.calls[len(self.calls) - calls:]
+        else:
+            for c in self.calls[len(self.calls) - calls:]:
+                c.complete = False
+        return self
+
 
 class ToolParser(ABC):
+    # Whether a call's name and arguments may stream before the call settles. Only where a grammar Shoal
+    # built shapes the output (tool_choice "required" or named): a model's own format may end with a call
+    # it never finished, which is then content, so nothing of a call goes out before it is complete.
+    streams_partial_calls = False
+
     @abstractmethod
     def parse(self, text: str, final: bool) -> ParsedOutput:
         """The content and calls in text (final: no more text comes, so nothing is held back)."""

@@ -1,5 +1,7 @@
 """HermesToolParser: Qwen2.5 / Qwen3 / Hermes — each call is <tool_call>{"name": ..., "arguments": {...}}</tool_call>,
-with text before, between and after the calls."""
+with text before, between and after the calls. A call the output ends inside (no closing brace: the
+model ran out of tokens or stopped) is held back while text may come, and is content, marker and all,
+once none will."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ class HermesToolParser(ToolParser):
             out.content += text[pos:start]
             j = skip_ws(text, start + len(_OPEN))
             if j >= len(text):
-                return out
+                return out.unfinished(text[start:], 0, final)
             try:
                 call, end = scan_call(text, j)
             except ValueError:  # not a call after all: the marker and what follows are content
@@ -32,7 +34,7 @@ class HermesToolParser(ToolParser):
                 continue
             out.calls.append(call)
             if end is None:
-                return out
+                return out.unfinished(text[start:], 1, final)
             k = skip_ws(text, end)
             if text.startswith(_CLOSE, k):
                 pos = k + len(_CLOSE)

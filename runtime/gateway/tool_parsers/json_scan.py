@@ -17,7 +17,9 @@ class CallSpan:
 
     name: str | None
     arguments: str
-    complete: bool  # the call's object (and arguments) closed
+    # Settled: the call's object closed with a name and arguments that parse, and nothing later in the
+    # text can undo it (a format whose calls sit in one array settles them when the array closes).
+    complete: bool
 
 
 def skip_ws(text: str, i: int) -> int:
@@ -70,12 +72,19 @@ def _string_end(text: str, i: int) -> int | None:
 
 
 def scan_call(text: str, i: int, arg_keys: tuple[str, ...] = ("arguments", "parameters")) -> tuple[CallSpan, int | None]:
-    """The call object {"name": ..., "arguments": {...}} starting at text[i] (a "{"), as far as the text
-    goes; and the index after it, or None while it is incomplete."""
+    """The call object {"name": ..., "arguments": {...}} starting at text[i], as far as the text goes; and
+    the index after it, or None while it is incomplete. ValueError when it is no call: not an object, a
+    name that is not a string, arguments that are not JSON, or an object that closes without a name (a
+    call without arguments gets "{}")."""
+    if i >= len(text) or text[i] != "{":
+        raise ValueError(f"expected a call object at {i}")
     call = CallSpan(None, "", False)
     j = skip_ws(text, i + 1)
     while j < len(text):
         if text[j] == "}":
+            if call.name is None:
+                raise ValueError("a call object without a name")
+            call.arguments = call.arguments or "{}"
             call.complete = True
             return call, j + 1
         if text[j] == ",":
@@ -96,8 +105,11 @@ def scan_call(text: str, i: int, arg_keys: tuple[str, ...] = ("arguments", "para
             call.arguments = text[j:end] if end is not None else text[j:]
         if end is None:
             return call, None
+        value = json.loads(text[j:end])  # a JSONDecodeError is a ValueError: not a call after all
         if key == "name":
-            call.name = json.loads(text[j:end])
+            if not isinstance(value, str):
+                raise ValueError(f"a call's name must be a string, got {text[j:end]}")
+            call.name = value
         j = skip_ws(text, end)
     return call, None
 

@@ -1,5 +1,6 @@
 """Llama3JsonToolParser: Llama 3.1 / 3.2 JSON tool calls — {"name": ..., "parameters": {...}} objects,
-optionally after <|python_tag|>, several separated by ";", with content before and after them."""
+optionally after <|python_tag|>, several separated by ";", with content before and after them. A call
+the output ends inside is held back, then content (ParsedOutput.unfinished)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ class Llama3JsonToolParser(ToolParser):
         if m is None:
             body = text.replace(_TAG, "")
             return ParsedOutput(body if final else body[:len(body) - held_prefix(body, _MARKERS)])
-        out = ParsedOutput(text[:tag] if 0 <= tag < m.start() else text[:m.start()])
+        region = tag if 0 <= tag < m.start() else m.start()  # where the unfinished call's raw text starts
+        out = ParsedOutput(text[:region])
         j = m.start()
         while True:
             try:
@@ -31,12 +33,12 @@ class Llama3JsonToolParser(ToolParser):
                 return out
             out.calls.append(call)
             if end is None:
-                return out
+                return out.unfinished(text[region:], 1, final)
             k = skip_ws(text, end)
             if k < len(text) and text[k] == ";":
-                k = skip_ws(text, k + 1)
+                region, k = end, skip_ws(text, k + 1)
                 if k >= len(text):
-                    return out
+                    return out.unfinished(text[region:], 0, final)
                 if text[k] == "{":
                     j = k
                     continue

@@ -1,6 +1,7 @@
 """MistralToolParser: [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...] after any content. [TOOL_CALLS]
 is a control token, which skip_special_tokens removes: an output that then starts with `[{"name"` is
-read as the calls too."""
+read as the calls too. The calls settle when their array closes: an output that ends inside it is
+content, calls and all (ParsedOutput.unfinished)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ class MistralToolParser(ToolParser):
         if start >= 0:
             content, j = text[:start], skip_ws(text, start + len(_MARKER))
         elif _BARE.match(text):
-            content, j = "", skip_ws(text, 0)
+            content, j, start = "", skip_ws(text, 0), 0
         else:
             if final:
                 return ParsedOutput(text)
@@ -31,7 +32,7 @@ class MistralToolParser(ToolParser):
                 hold = len(text)  # may still become a bare call list
             return ParsedOutput(text[:len(text) - hold])
         if j >= len(text):
-            return ParsedOutput(content)
+            return ParsedOutput(content).unfinished(text[start:], 0, final)
         if text[j] != "[":
             return ParsedOutput(text if final else content)
         try:
@@ -39,6 +40,7 @@ class MistralToolParser(ToolParser):
         except ValueError:
             return ParsedOutput(text)
         out = ParsedOutput(content, calls)
-        if end is not None:
-            out.content += text[end:]
+        if end is None:
+            return out.unfinished(text[start:], len(calls), final)
+        out.content += text[end:]
         return out

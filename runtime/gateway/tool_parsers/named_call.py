@@ -8,6 +8,8 @@ from runtime.gateway.tool_parsers.json_scan import CallSpan
 
 
 class NamedCallParser(ToolParser):
+    streams_partial_calls = True  # the grammar shapes the call: its arguments stream as they come
+
     def __init__(self, name: str):
         self.name = name
 

@@ -9,6 +9,8 @@ from runtime.gateway.tool_parsers.json_scan import skip_ws
 
 
 class RequiredListParser(ToolParser):
+    streams_partial_calls = True  # the grammar shapes the call: its arguments stream as they come
+
     def parse(self, text: str, final: bool) -> ParsedOutput:
         j = skip_ws(text, 0)
         if j >= len(text):
