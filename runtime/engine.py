@@ -5,6 +5,7 @@ HTTP gateway uses when tp = dp = 1."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import itertools
 import queue
@@ -45,7 +46,7 @@ class Engine(EngineClient):
         self.worker = TpWorker(server_args, self.model_path)
         info = self.worker.info()
         self._tokenizer = load_tokenizer(server_args.tokenizer_path or self.model_path, tuple(info.eos_token_ids),
-                                         server_args.chat_template)
+                                         server_args.chat_template, explicit=server_args.tokenizer_path is not None)
         self.context_len = info.context_len
         self.grammar = create_grammar_compiler(self._tokenizer, info.vocab_size, server_args.grammar_compile_timeout_s)
         self.host = SchedulerHost(server_args, self.worker, info, self._tokenizer.eos_token_ids, self._on_outputs,
@@ -57,6 +58,9 @@ class Engine(EngineClient):
         self._consumers_lock = threading.Lock()
         self._ids = itertools.count()
         self.host.start()
+        # A script that ends without shutdown() tore the scheduler down mid-step at interpreter exit, and
+        # nanobind then printed ~30 lines of "leaked" Triton objects: shut down first.
+        atexit.register(self.shutdown)
 
     # ---- EngineClient ---------------------------------------------------------------------------
     @property
@@ -291,6 +295,7 @@ class Engine(EngineClient):
             raise EngineUnavailableError("the engine is shut down")
 
     def shutdown(self) -> None:
+        atexit.unregister(self.shutdown)  # and no longer keeps this engine alive until exit
         stopped = self.host.stop()
         # The scheduler is gone: whoever still waits on a request would wait forever.
         for rid in list(self._consumers):

@@ -181,7 +181,7 @@ def create_ray_engine_client(args: ServerArgs, *, replica_resources: list[dict[s
         launcher = ReplicaLauncher(args, model_path, replica_resources)
         groups = launcher.launch_all()
         tokenizer = load_tokenizer(args.tokenizer_path or model_path, tuple(groups[0].info.eos_token_ids),
-                                   args.chat_template)
+                                   args.chat_template, explicit=args.tokenizer_path is not None)
     except BaseException:
         if launcher is not None:
             launcher.shutdown()
