@@ -178,6 +178,26 @@ class Engine(EngineClient):
         results = [collectors[r.rid].result() for r in reqs]
         return results[0] if single else results
 
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: dict | list[dict] | None = None, *,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             rid: str | list[str] | None = None) -> dict | list[dict]:
+        """generate() over conversations (vLLM's LLM.chat): one list of {"role", "content"} messages, or a
+        list of them; each is rendered with the model's chat template (or --chat-template) first."""
+        batch = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
+        conversations = messages if batch else [messages]
+        for conversation in conversations:
+            if not (isinstance(conversation, (list, tuple)) and conversation and all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in conversation)):
+                raise InvalidRequestError("messages must be a non-empty list of {'role': ..., 'content': ...} "
+                                          "dicts (or a list of such lists)", param="messages")
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError("continue_final_message continues the last message: set "
+                                      "add_generation_prompt=False with it", param="continue_final_message")
+        ids = [self._tokenizer.apply_chat_template(list(c), add_generation_prompt, tools, continue_final_message,
+                                                   chat_template_kwargs) for c in conversations]
+        return self.generate(sampling_params=sampling_params, input_ids=ids if batch else ids[0], rid=rid)
+
     def _withdraw(self, rids: list[str]) -> None:
         """Frees the rids of requests an interrupt kept from being submitted. No abort: the scheduler keeps an
         unknown rid's abort for a request still on its way, and would abort the rid's next use."""

@@ -239,3 +239,26 @@ def test_a_script_that_never_calls_shutdown_exits_quietly(tiny_llama):
                           env={**env, "OMP_NUM_THREADS": "1"}, cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0 and proc.stdout.strip() == "length", proc.stderr[-2000:]
     assert "leaked" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_chat_renders_the_template_then_generates(make_engine, tiny_llama, pool_full):
+    """Engine.chat (vLLM's LLM.chat): the same tokens as generate() over the templated ids, for one
+    conversation or a batch; malformed messages are an InvalidRequestError naming them."""
+    engine = make_engine(tiny_llama)
+    first = [{"role": "user", "content": "Hi"}]
+    second = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to three"}]
+    ids = [engine.tokenizer.apply_chat_template(c) for c in (first, second)]
+    expected = engine.generate(input_ids=ids, sampling_params=SHORT)
+    assert engine.chat(first, SHORT)["output_ids"] == expected[0]["output_ids"]
+    assert [o["output_ids"] for o in engine.chat([first, second], SHORT)] == [o["output_ids"] for o in expected]
+    prefill = first + [{"role": "assistant", "content": "Hello"}]
+    continued = engine.chat(prefill, SHORT, add_generation_prompt=False, continue_final_message=True)
+    assert continued["usage"]["prompt_tokens"] == len(
+        engine.tokenizer.apply_chat_template(prefill, False, None, True))
+    for bad in ([], [{"content": "no role"}], "Hi", [["not a dict"]]):
+        with pytest.raises(InvalidRequestError) as ei:
+            engine.chat(bad, SHORT)
+        assert ei.value.param == "messages"
+    with pytest.raises(InvalidRequestError, match="add_generation_prompt=False"):
+        engine.chat(prefill, SHORT, continue_final_message=True)
+    pool_full(engine)
