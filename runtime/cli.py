@@ -21,6 +21,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", default="The capital of France is")
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1, help="-1: all tokens")
+    gen.add_argument("--seed", type=int, default=None, help="makes a sampled (temperature > 0) run repeatable")
+    gen.add_argument("--stop", action="append", default=None, help="a stop string (repeat the flag for more)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     return parser
 
@@ -48,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
                 ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": ns.prompt}])
             out = engine.generate(prompt=None if ids else ns.prompt, input_ids=ids,
                                   sampling_params={"max_new_tokens": ns.max_new_tokens,
-                                                   "temperature": ns.temperature})
+                                                   "temperature": ns.temperature, "top_p": ns.top_p,
+                                                   "top_k": ns.top_k, "seed": ns.seed, "stop": ns.stop or []})
         if out["finish_reason"] in ("error", "abort"):  # a failed step: say why, not an empty line and 0
             print(f"shoal: error: the request ended with {out['finish_reason']}: "
                   f"{out.get('error') or 'no reason given'}", file=sys.stderr)

@@ -85,3 +85,19 @@ def test_generate_whose_step_fails_exits_1_saying_why(tiny_llama, capsys, monkey
     assert rc == 1 and captured.out == ""
     last = captured.err.strip().splitlines()[-1]  # after the scheduler's own log of the failed step
     assert last.startswith("shoal: error: the request ended with error:"), captured.err
+
+
+def test_generate_sampling_flags(tiny_llama, capsys):
+    """--seed makes a sampled run repeatable, and the sampling flags reach the request (the same text as
+    Engine.generate with those parameters); a bad value is an exit 2 naming it."""
+    flags = ["generate", "--model-path", str(tiny_llama), "--device", "cpu", "--max-new-tokens", "6",
+             "--max-total-tokens", "1024", "--log-level", "warning", "--temperature", "1.0", "--top-p", "0.9",
+             "--top-k", "20", "--seed", "11"]
+    assert main(flags) == 0
+    first = capsys.readouterr().out
+    with Engine(str(tiny_llama), device="cpu", max_total_tokens=1024, log_level="warning") as e:
+        expected = e.generate(PROMPT, {"max_new_tokens": 6, "temperature": 1.0, "top_p": 0.9, "top_k": 20,
+                                       "seed": 11})
+    assert first == expected["text"] + "\n"
+    assert main(flags[:-2] + ["--top-p", "1.5"]) == 2
+    assert "top_p" in capsys.readouterr().err
