@@ -6,8 +6,11 @@ It reads the engine's real state (EngineClient.stats(): the summed replicas on R
 in-process), refreshed in the background at most every `refresh_s` (a request never waits for it), for
 what runs (requests, KV held, decode left) and the recent rates; the queue itself it knows better than
 any snapshot: every request it admitted waits until its first delta comes back (or it ends), so those
-are counted the moment they are admitted — a burst cannot slip in between two snapshots. A request is
-refused when
+are counted the moment they are admitted — a burst cannot slip in between two snapshots. A snapshot
+older than `stale_s` is not decided on: nothing asked for one while no request came, so it describes
+the load before an idle spell (an idle server once refused a 2-prompt request as "about 74.7 s" from the
+queue of a burst long gone); the first request after the spell waits for a fresh one (at most
+`stale_wait_s`; an idle engine answers at once). A request is refused when
   - more than --max-waiting-requests would wait ahead of it, or
   - its estimated wait (WaitEstimator) exceeds --max-queue-wait-s.
 
@@ -61,9 +64,11 @@ class Refusal:
 
 class AdmissionController:
     def __init__(self, max_queue_wait_s: float, max_waiting_requests: int, refresh_s: float = 0.2,
-                 min_retry_s: float = 1.0, rate_window_s: float = 5.0):
+                 min_retry_s: float = 1.0, rate_window_s: float = 5.0, stale_s: float = 1.0,
+                 stale_wait_s: float = 1.0):
         self.max_queue_wait_s, self.max_waiting_requests = max_queue_wait_s, max_waiting_requests
         self.refresh_s, self.min_retry_s, self.rate_window_s = refresh_s, min_retry_s, rate_window_s
+        self.stale_s, self.stale_wait_s = stale_s, stale_wait_s
         self.estimator = WaitEstimator()
         self.tickets = RetryTickets()
         self.loop_lag = LoopLag()
@@ -149,11 +154,18 @@ class AdmissionController:
         """None: admitted (and counted as waiting until `started`); else why not. Decides on the last
         snapshot and refreshes a stale one in the background: on Ray stats() is an actor call that waits
         for the step in progress, and a request must not wait for it (its first token would). Only the
-        very first request waits, for the first snapshot: a flood at start-up is still judged."""
+        very first request waits, for the first snapshot (a flood at start-up is still judged), and the
+        first after an idle spell, for one that is not from before it."""
         self.loop_lag.ensure_started()
+        age = time.monotonic() - self.stats_t
         if self.stats is None:
             await self.refresh(client)
-        elif time.monotonic() - self.stats_t > self.refresh_s:
+        elif age > self.stale_s:
+            try:
+                await asyncio.wait_for(self.refresh(client), self.stale_wait_s)
+            except asyncio.TimeoutError:  # a slow engine: the old numbers beat none (the refresh goes on)
+                pass
+        elif age > self.refresh_s:
             self.refresh_soon(client)
         return self.decide(reqs)
 
@@ -172,7 +184,9 @@ class AdmissionController:
             waiting_tokens=max(stats.waiting_tokens, sum(w[0] for w in self._waiting.values())),
             waiting_decode_tokens=max(stats.waiting_decode_tokens, sum(w[1] for w in self._waiting.values())))
         trip = self.trip_s(now)
-        est = self.scaled(self.estimator.estimate(view, sum(len(r.input_ids) for r in reqs)), trip)
+        est = self.scaled(self.estimator.estimate(view, sum(len(r.input_ids) for r in reqs),
+                                                  new_tokens=sum(r.sampling_params.max_new_tokens for r in reqs)),
+                          trip)
         self.last_estimate = est
         early = claim is not None and not claim.admit  # came before its slot: the ticket still holds
         if early and (ahead + len(reqs) > self.max_waiting_requests or est.wait_s > self.max_queue_wait_s):

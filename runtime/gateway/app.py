@@ -1,5 +1,13 @@
-"""build_app: the gateway's aiohttp Application — the route table and the one middleware that checks
-the API key and turns every failure into an OpenAI-style error body (never a bare 500 page)."""
+"""build_app: the gateway's aiohttp Application — the route table, CORS (--allowed-origins) and the one
+middleware that checks the API key and turns every failure into an OpenAI-style error body (never a bare
+500 page).
+
+CORS, as vLLM's --allowed-origins and SGLang do it, so a browser page can call the API: a preflight
+(OPTIONS with Access-Control-Request-Method) from an allowed origin is answered 204 on any path, before
+the API key is checked (a browser never sends Authorization on a preflight); every response to a
+request from an allowed origin — errors and SSE streams included — carries Access-Control-Allow-Origin,
+added as its headers go out (on_response_prepare: a stream's headers leave before its handler returns).
+A disallowed origin gets no CORS headers, so the browser blocks the page from reading the answer."""
 
 from __future__ import annotations
 
@@ -36,11 +44,68 @@ def _authorized(request: web.Request, api_key: str) -> bool:
                                                                api_key.encode())
 
 
-def _middleware(api_key: str | None) -> Callable:
+class Cors:
+    """--allowed-origins: comma-separated origins, '*' any, '' none (CORS off)."""
+
+    METHODS = "GET, POST, OPTIONS"
+    BASE_HEADERS = ("Authorization", "Content-Type")
+    # Not CORS-safelisted, so a page cannot read them unless told: a 429's pacing, OpenAI-style.
+    EXPOSE = "Retry-After, retry-after-ms"
+    MAX_AGE_S = 600
+
+    def __init__(self, allowed_origins: str):
+        origins = {o.strip().rstrip("/").lower() for o in allowed_origins.split(",")} - {""}
+        self.any = "*" in origins
+        self.origins = frozenset(origins - {"*"})
+        self.enabled = self.any or bool(self.origins)
+
+    def allows(self, origin: str | None) -> bool:
+        # Browsers serialize an origin as lower-case scheme://host[:port]; the flag may be written loosely.
+        return bool(origin) and self.enabled and (self.any or origin.rstrip("/").lower() in self.origins)
+
+    def _origin_headers(self, origin: str) -> dict[str, str]:
+        # '*' needs no Vary; an echoed origin does, or a shared cache would serve one origin's answer to another.
+        return {"Access-Control-Allow-Origin": "*"} if self.any else {
+            "Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+
+    @staticmethod
+    def is_preflight(request: web.Request) -> bool:
+        return (request.method == "OPTIONS" and "Origin" in request.headers
+                and "Access-Control-Request-Method" in request.headers)
+
+    def preflight(self, request: web.Request) -> web.Response:
+        origin = request.headers["Origin"]
+        if not self.allows(origin):
+            raise ApiError(403, f"origin {origin!r} may not call this server (see --allowed-origins)",
+                           code="cors_origin_not_allowed")
+        asked = [h.strip() for h in request.headers.get("Access-Control-Request-Headers", "").split(",")]
+        allow = list(self.BASE_HEADERS)
+        allow += [h for h in asked if h and h.lower() not in {a.lower() for a in allow}]
+        headers = self._origin_headers(origin)
+        headers.update({"Access-Control-Allow-Methods": self.METHODS,
+                        "Access-Control-Allow-Headers": ", ".join(allow),
+                        "Access-Control-Max-Age": str(self.MAX_AGE_S)})
+        return web.Response(status=204, headers=headers)
+
+    async def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
+        origin = request.headers.get("Origin")
+        if not self.allows(origin) or "Access-Control-Allow-Origin" in response.headers:
+            return
+        for k, v in self._origin_headers(origin).items():
+            if k == "Vary" and "Vary" in response.headers:
+                response.headers["Vary"] = f"{response.headers['Vary']}, {v}"
+            else:
+                response.headers[k] = v
+        response.headers["Access-Control-Expose-Headers"] = self.EXPOSE
+
+
+def _middleware(api_key: str | None, cors: Cors) -> Callable:
     @web.middleware
     async def gateway_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         headers = None
         try:
+            if cors.enabled and cors.is_preflight(request):
+                return cors.preflight(request)
             if api_key and request.path not in _OPEN_PATHS and not _authorized(request, api_key):
                 raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                                code="invalid_api_key")
@@ -71,12 +136,16 @@ async def _stop_samplers(app: web.Application) -> None:
 def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) -> web.Application:
     """client_provider: a ready EngineClient, or a zero-arg callable returning it (None while the
     model loads: model routes and /health answer 503 until then)."""
-    app = web.Application(client_max_size=args.max_request_bytes, middlewares=[_middleware(args.api_key)])
+    cors = Cors(args.allowed_origins)
+    app = web.Application(client_max_size=args.max_request_bytes, middlewares=[_middleware(args.api_key, cors)])
     app[STATE_KEY] = GatewayState(client_provider, args)
     app.on_cleanup.append(_stop_samplers)
+    if cors.enabled:
+        app.on_response_prepare.append(cors.on_prepare)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", native_routes.models)
+    app.router.add_get("/v1/models/{model:.+}", native_routes.model)  # a model name may hold '/'
     app.router.add_post("/generate", native_routes.generate)
     app.router.add_post("/abort_request", native_routes.abort_request)
     app.router.add_get("/health", native_routes.health)

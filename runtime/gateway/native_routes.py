@@ -1,5 +1,5 @@
 """The non-OpenAI routes: SGLang-style POST /generate, POST /abort_request, GET /health,
-GET /health_generate, GET /metrics, and OpenAI's GET /v1/models.
+GET /health_generate, GET /metrics, and OpenAI's GET /v1/models and GET /v1/models/{model}.
 
 /generate streams like SGLang: every event carries the whole text and output_ids so far (not a delta)
 with meta_info, whose finish_reason is null until the last event; then `data: [DONE]`."""
@@ -187,9 +187,20 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-async def models(request: web.Request) -> web.Response:
+def _model_card(request: web.Request) -> ModelCard:
+    """The served model's card; with a {model} in the path, a 404 model_not_found unless it names it."""
     state = request.app[STATE_KEY]
     client = state.client()
-    card = ModelCard(id=state.served_model(client), created=state.created, root=client.model_name,
+    state.check_model(client, request.match_info.get("model"))
+    return ModelCard(id=state.served_model(client), created=state.created, root=client.model_name,
                      max_model_len=client.context_len)
-    return _json(ModelList(data=[card]))
+
+
+async def models(request: web.Request) -> web.Response:
+    return _json(ModelList(data=[_model_card(request)]))
+
+
+async def model(request: web.Request) -> web.Response:
+    """OpenAI's retrieve: the card of a name the generating routes accept (the served name, or the model's
+    own when --served-model-name renames it), else 404 model_not_found."""
+    return _json(_model_card(request))
