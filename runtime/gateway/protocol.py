@@ -338,6 +338,8 @@ class TokenizeBody(Struct, kw_only=True):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # as in /v1/chat/completions: count what that request would send
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(Struct, kw_only=True):

@@ -35,8 +35,13 @@ async def tokenize(request: web.Request) -> web.Response:
         if body.prompt is not None:
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
+            if body.continue_final_message and body.add_generation_prompt:
+                raise bad_request("continue_final_message and add_generation_prompt cannot both be true: set "
+                                  "add_generation_prompt to false", param="continue_final_message")
             ids = tok.apply_chat_template(template_messages(body.messages),
-                                          add_generation_prompt=body.add_generation_prompt)
+                                          add_generation_prompt=body.add_generation_prompt,
+                                          continue_final_message=body.continue_final_message,
+                                          template_kwargs=body.chat_template_kwargs)
     except ShoalError as e:
         raise from_shoal_error(e) from None
     return _json(TokenizeResponse(count=len(ids), max_model_len=client.context_len, tokens=ids))

@@ -156,3 +156,19 @@ def test_truncate_prompt_tokens(gw_url, gw_engine):
     status, r = http(gw_url + "/v1/completions", "POST", {"prompt": "Hello", "max_tokens": 2,
                                                           "truncate_prompt_tokens": -1, "echo": True})
     assert status == 200 and r["choices"][0]["text"].startswith("Hello"), r
+
+
+def test_tokenize_takes_the_same_template_fields(templated):
+    """/tokenize counts what /v1/chat/completions would send: chat_template_kwargs and
+    continue_final_message reach the template there too."""
+    engine, url = templated
+    plain = "<|im_start|>user\nHello world!<|im_end|>\n<|im_start|>assistant\n"
+    status, r = http(url + "/tokenize", "POST", {"messages": USER, "chat_template_kwargs": {"enable_thinking": False}})
+    assert status == 200 and r["tokens"] == engine.tokenizer.encode(plain + "<think>\n\n</think>\n\n",
+                                                                   add_special_tokens=False)
+    prefill = USER + [{"role": "assistant", "content": "Hi"}]
+    status, r = http(url + "/tokenize", "POST", {"messages": prefill, "add_generation_prompt": False,
+                                                 "continue_final_message": True})
+    assert status == 200 and r["tokens"] == engine.tokenizer.encode(plain + "Hi", add_special_tokens=False)
+    status, r = http(url + "/tokenize", "POST", {"messages": prefill, "continue_final_message": True})
+    assert status == 400 and r["error"]["param"] == "continue_final_message"
