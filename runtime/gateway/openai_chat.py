@@ -1,8 +1,9 @@
 """POST /v1/chat/completions: OpenAI chat — messages (tool calls and tool results included) through the
 model's chat template with the request's tools, n choices, logprobs/top_logprobs, structured output
 (response_format, regex, ebnf, vLLM's guided_* / structured_outputs), tool calls (tool_choice none / auto
-/ required / named) and reasoning content (--reasoning-parser), streaming (the role with the first delta,
-content / reasoning_content / tool_calls deltas, finish chunk, optional usage, [DONE]). vLLM's chat
+/ required / named) and reasoning content (--reasoning-parser: a grammar then waits for </think>, as in
+vLLM and SGLang), streaming (the role with the first delta, content / reasoning_content / tool_calls
+deltas, finish chunk, optional usage, [DONE]). vLLM's chat
 extensions: chat_template_kwargs, add_generation_prompt, continue_final_message, truncate_prompt_tokens,
 include_stop_str_in_output.
 OpenAI features Shoal lacks (legacy functions, audio output) are a 400, never silently ignored; fields
@@ -40,8 +41,10 @@ from runtime.gateway.protocol import (
     DeltaMessage,
 )
 from runtime.gateway.reasoning_parsers import create_reasoning_parser
+from runtime.gateway.reasoning_parsers.grammar_gate import AnswerOnlyParser, grammar_gate
 from runtime.gateway.tool_request import ToolRequest
 from runtime.messages import RequestOutput
+from runtime.sampling.params import SamplingParams
 from runtime.text.tokenizer import Tokenizer
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -173,33 +176,53 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                    logprob_param="top_logprobs", max_param=max_param)
     if body.include_stop_str_in_output:
         params = msgspec.structs.replace(params, include_stop_str_in_output=True)
+    reasoning, reasoning_done = state.args.reasoning_parser, False
     if constraint is not None:
         params = constraint.apply(params)
+        if reasoning is not None:
+            params, reasoning, reasoning_done = _gate_grammar(client.tokenizer, ids, params, constraint, reasoning)
     base = state.new_id("chatcmpl")
     reqs = state.choice_requests(client, base, [ids], params, n)
     if constraint is not None:
         await state.check_grammar(client, reqs[0], constraint.param)
     gen.set_choices(base, reqs)
-    # A JSON grammar constrains the output from its first token: there is no <think> part to take out.
-    reasoning = state.args.reasoning_parser if constraint is None or constraint.kind != "json_schema" else None
-    return await gen.respond(bool(body.stream), _ChatResponder(gen, model, n, want_lp, tools, reasoning))
+    responder = _ChatResponder(gen, model, n, want_lp, tools, reasoning, reasoning_done)
+    return await gen.respond(bool(body.stream), responder)
+
+
+def _gate_grammar(tokenizer: Tokenizer, ids: list[int], params: SamplingParams, constraint: OutputConstraint,
+                  reasoning: str) -> tuple[SamplingParams, str | None, bool]:
+    """(params, reasoning parser, whether the prompt closed the reasoning) of a grammar under a reasoning
+    parser: the grammar waits for </think> (tool_choice required / named too, as in vLLM), or applies from
+    the first token where the prompt already closed the reasoning."""
+    gate = grammar_gate(tokenizer, ids)
+    if gate is None:
+        # </think> is not one token here, so the grammar cannot wait for it: it constrains from the first
+        # token, and a JSON answer has no <think> part to take out.
+        return params, (None if constraint.kind == "json_schema" else reasoning), False
+    if gate.after_token is not None:
+        params = msgspec.structs.replace(params, grammar_after_token=gate.after_token)
+    return params, reasoning, gate.reasoning_done
 
 
 class _ChatResponder(OpenAIResponder):
     chunk_type = ChatCompletionChunk
 
     def __init__(self, gen: Generation, model: str, n: int, want_lp: bool, tools: ToolRequest | None = None,
-                 reasoning: str | None = None):
+                 reasoning: str | None = None, reasoning_done: bool = False):
+        """reasoning_done: the prompt closed the reasoning, so the whole output is content."""
         super().__init__(gen, model, n)
         self.want_lp = want_lp
-        self.tools, self.reasoning = tools, reasoning
+        self.tools, self.reasoning, self.reasoning_done = tools, reasoning, reasoning_done
         # Parsing the text into reasoning / content / tool calls: only when asked, else the text is content.
         self.parsing = reasoning is not None or (tools is not None and tools.mode != "none")
         self.outputs = [self._output() for _ in self.choices] if self.parsing else []
 
     def _output(self) -> ChatOutput:
-        return ChatOutput(create_reasoning_parser(self.reasoning) if self.reasoning else None,
-                          self.tools.parser() if self.tools is not None else None)
+        parser = None
+        if self.reasoning:
+            parser = AnswerOnlyParser() if self.reasoning_done else create_reasoning_parser(self.reasoning)
+        return ChatOutput(parser, self.tools.parser() if self.tools is not None else None)
 
     def _finish_reason(self, c: ChoiceState, output: ChatOutput | None) -> str | None:
         if output is not None and output.parsed.calls and c.finish_reason == "stop":

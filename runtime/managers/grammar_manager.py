@@ -1,7 +1,9 @@
 """GrammarManager: the scheduler's side of structured output. A request with a grammar waits here while
 its grammar compiles (on the GrammarCompiler's threads, so other requests keep running), then joins the
 queue with its own matcher; each step it fills the bitmask of the constrained rows that sample, which
-travels in the WorkerBatch to every rank; each sampled token advances the row's matcher."""
+travels in the WorkerBatch to every rank; each sampled token advances the row's matcher. A request with
+SamplingParams.grammar_after_token (a reasoning model's </think>) samples freely until that token: no
+mask, no advance, no grammar finish; the grammar applies from the token after it."""
 
 from __future__ import annotations
 
@@ -46,7 +48,11 @@ class GrammarManager:
             if fut.done():
                 try:
                     req.grammar = self.compiler.matcher(self.compiler.result(fut, key))
-                    ready.append(req)
+                    # Failover resumes with tokens another replica sampled: the matcher (and the wait
+                    # for grammar_after_token) must catch up on them before the next mask.
+                    for t in req.output_ids:
+                        self.accept(req, t)
+                    (failed if req.finished else ready).append(req)
                 except InvalidRequestError as e:
                     req.finish_reason = FinishReason("error", message=f"invalid request ({e.param}): {e.message}")
                     failed.append(req)
@@ -72,6 +78,8 @@ class GrammarManager:
 
     @staticmethod
     def constrains(batch: ScheduleBatch) -> bool:
+        """Some request has a grammar, active or waiting: a waiting one's token in flight may be the one
+        that activates it, so the next step's masks need that token too (overlap flushes or defers)."""
         return any(r.grammar is not None for r in batch.reqs)
 
     def batch_bitmask(self, batch: ScheduleBatch) -> tuple[list[int], bytes]:
@@ -90,7 +98,7 @@ class GrammarManager:
         """The rows of reqs whose grammar constrains this step's token, and their masks as bytes."""
         # A request that already ended (found while this batch was in flight) samples a token nobody reads.
         rows = [i for i, (r, s) in enumerate(zip(reqs, samples))
-                if s and r.grammar is not None and not r.finished and not r.grammar.is_terminated()]
+                if s and r.grammar_active and not r.finished and not r.grammar.is_terminated()]
         if not rows:
             return [], b""
         mask = torch.empty(len(rows), (self.vocab_size + 31) // 32, dtype=torch.int32)
@@ -103,6 +111,10 @@ class GrammarManager:
         the mask allowed only others) ends the request with an error rather than corrupt output."""
         m = req.grammar
         if m is None or m.is_terminated() or req.finished:
+            return
+        if req.grammar_wait is not None:  # still reasoning: free tokens; the awaited one activates the grammar
+            if token == req.grammar_wait:
+                req.grammar_wait = None
             return
         if not m.accept_token(token):
             req.finish_reason = FinishReason("error", message=f"the grammar rejected sampled token {token}")

@@ -68,6 +68,14 @@ class Req:
         self.admit_seq = 0  # order of (re)admission: retraction takes the latest first
         self.draft_lag = 0  # STANDALONE: tokens before the last whose draft-model KV is missing
         self.grammar: Any = None  # xgrammar GrammarMatcher once its grammar compiled; advanced per token
+        # The token the grammar still waits for (a reasoning model's think-end): until it is sampled the
+        # grammar neither masks, nor advances, nor ends the request. None: the grammar is active.
+        self.grammar_wait: int | None = params.grammar_after_token
+
+    @property
+    def grammar_active(self) -> bool:
+        """A grammar constrains this request's next token (unless it already terminated)."""
+        return self.grammar is not None and self.grammar_wait is None
 
     # ---- token views ------------------------------------------------------------------------------
     @property

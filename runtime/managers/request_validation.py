@@ -36,7 +36,9 @@ def validate_request(limits: RequestLimits, req: GenerateRequest) -> GenerateReq
     if n + 1 > limits.kv_size:
         raise InvalidRequestError(f"the prompt has {n} tokens but the KV pool holds only {limits.kv_size}",
                                   param="prompt")
-    for ids, param in ((req.input_ids, "prompt"), (req.sampling_params.logit_bias, "logit_bias")):
+    after = req.sampling_params.grammar_after_token
+    for ids, param in ((req.input_ids, "prompt"), (req.sampling_params.logit_bias, "logit_bias"),
+                       (() if after is None else (after,), "grammar_after_token")):
         _check_token_ids(list(ids), limits.vocab_size, param)
     k = req.input_top_logprobs_num
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20:  # as top_logprobs_num (OpenAI's limit)

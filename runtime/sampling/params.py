@@ -39,6 +39,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     json_schema: str | None = None  # a JSON Schema as JSON text
     regex: str | None = None
     ebnf: str | None = None
+    # Reasoning models: the grammar waits until this token (the think-end tag, e.g. </think>) is sampled, and
+    # constrains from the token after it; the tokens up to and including it are free. None: from the first token.
+    grammar_after_token: int | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -150,6 +153,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for kind in given:
             if not isinstance(getattr(self, kind), str) or not getattr(self, kind):
                 raise bad(kind, f"{kind} must be a non-empty string")
+        if self.grammar_after_token is not None:  # the vocabulary's end is checked by validate_request
+            integer("grammar_after_token", self.grammar_after_token, 0, INT64_MAX,
+                    what="grammar_after_token (a token id)")
+            if not given:  # it would silently do nothing: say so
+                raise bad("grammar_after_token", "grammar_after_token needs a grammar (json_schema, regex or ebnf)")
 
 
 def _name(n: int) -> str:
