@@ -181,6 +181,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         params = constraint.apply(params)
         if reasoning is not None:
             params, reasoning, reasoning_done = _gate_grammar(client.tokenizer, ids, params, constraint, reasoning)
+    elif reasoning is not None:  # a prompt that closed the reasoning (enable_thinking false): all answer
+        gate = grammar_gate(client.tokenizer, ids)
+        reasoning_done = gate is not None and gate.reasoning_done
     base = state.new_id("chatcmpl")
     reqs = state.choice_requests(client, base, [ids], params, n)
     if constraint is not None:

@@ -200,3 +200,18 @@ def test_generate_route_takes_grammar_after_token(think):
     status, err = http(urls["qwen3"] + "/generate", "POST", {"input_ids": ids, "sampling_params": {
         **sp, "grammar_after_token": 10**6}})
     assert status == 400 and "grammar_after_token" in err["error"]["param"], err
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek-r1"])
+def test_prompt_that_closed_reasoning_without_a_grammar_is_all_answer(think, parser):
+    """No grammar, enable_thinking false: the output is the answer, for DeepSeek-R1's parser too (which reads
+    an output without </think> as reasoning unless it knows the prompt closed it)."""
+    engine, urls = think
+    body = {"temperature": 0, "max_tokens": 8, "ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}
+    ids = engine.tokenizer.apply_chat_template(MESSAGES, template_kwargs={"enable_thinking": False})
+    direct = engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 8,
+                                                             "ignore_eos": True})
+    assert _end(engine) not in direct["output_ids"]  # nothing in the output itself closes any reasoning
+    msg = _chat(urls[parser], **body)["choices"][0]["message"]
+    assert msg["content"] == direct["text"] and not msg.get("reasoning_content")
+    assert _stream(urls[parser], **body)[1] == direct["text"]
