@@ -1,10 +1,14 @@
 """The HTTP gateway: the first and last hop of a request.
 
-In: an OpenAI-compatible (`/v1/completions`, `/v1/chat/completions`, `/v1/models`) or SGLang-style
-(`/generate`) HTTP request. The gateway checks the API key, decodes the body into msgspec Structs
-(protocol.py), applies the chat template, tokenizes, builds one GenerateRequest per choice and has the
-EngineClient validate it — so every bad input ends here as an OpenAI-style 4xx (errors.py) and nothing
+In: an OpenAI-compatible (`/v1/completions`, `/v1/chat/completions`, `/v1/responses`, `/v1/models`) or
+SGLang-style (`/generate`) HTTP request. The gateway checks the API key, decodes the body into msgspec
+Structs (protocol.py), applies the chat template, tokenizes, builds one GenerateRequest per choice and has
+the EngineClient validate it — so every bad input ends here as an OpenAI-style 4xx (errors.py) and nothing
 below sees an invalid request.
+
+`/v1/responses` (OpenAI's Responses API, openai_responses.py) takes its input items through the same
+chat template and tool machinery as chat completions and answers a Response object or its event stream;
+it keeps no state (previous_response_id, conversation, background are a 400).
 
 Out: it consumes the EngineClient's RequestOutput deltas, detokenizes them incrementally (stop strings
 cut, never a broken UTF-8 character), and answers one JSON body or an SSE stream flushed per delta. A

@@ -25,6 +25,7 @@ from runtime.gateway import dashboard_routes, debug_routes, native_routes, token
 from runtime.gateway.errors import ApiError, from_http_exception, from_shoal_error
 from runtime.gateway.openai_chat import chat_completions
 from runtime.gateway.openai_completions import completions
+from runtime.gateway.openai_responses import responses
 from runtime.gateway.state import STATE_KEY, ClientProvider, GatewayState
 
 logger = logging.getLogger("shoal.gateway")
@@ -144,6 +145,7 @@ def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) 
         app.on_response_prepare.append(cors.on_prepare)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_get("/v1/models", native_routes.models)
     app.router.add_get("/v1/models/{model:.+}", native_routes.model)  # a model name may hold '/'
     app.router.add_post("/generate", native_routes.generate)

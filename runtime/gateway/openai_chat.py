@@ -180,7 +180,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if constraint is not None:
         params = constraint.apply(params)
         if reasoning is not None:
-            params, reasoning, reasoning_done = _gate_grammar(client.tokenizer, ids, params, constraint, reasoning)
+            params, reasoning, reasoning_done = gate_grammar(client.tokenizer, ids, params, constraint, reasoning)
     elif reasoning is not None:  # a prompt that closed the reasoning (enable_thinking false): all answer
         gate = grammar_gate(client.tokenizer, ids)
         reasoning_done = gate is not None and gate.reasoning_done
@@ -193,7 +193,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await gen.respond(bool(body.stream), responder)
 
 
-def _gate_grammar(tokenizer: Tokenizer, ids: list[int], params: SamplingParams, constraint: OutputConstraint,
+def gate_grammar(tokenizer: Tokenizer, ids: list[int], params: SamplingParams, constraint: OutputConstraint,
                   reasoning: str) -> tuple[SamplingParams, str | None, bool]:
     """(params, reasoning parser, whether the prompt closed the reasoning) of a grammar under a reasoning
     parser: the grammar waits for </think> (tool_choice required / named too, as in vLLM), or applies from

@@ -1,0 +1,170 @@
+"""What a /v1/responses body asks for, checked and turned into what the chat machinery takes: the input
+items (and instructions) as chat messages for the model's chat template, function tools and tool_choice
+as a ToolRequest, text.format as an OutputConstraint, and a 400 naming the field for whatever Shoal cannot
+honour — anything that needs a stored response or conversation (Shoal keeps no state), built-in tools,
+reasoning effort, background runs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from runtime.gateway.errors import ApiError, bad_request, not_supported
+from runtime.gateway.output_constraint import JSON_OBJECT_SCHEMA, OutputConstraint
+from runtime.gateway.protocol import ChatMessage
+from runtime.gateway.responses_protocol import ResponsesRequest, ResponsesTextConfig
+from runtime.gateway.tool_request import ToolRequest
+
+_MESSAGE_ROLES = frozenset({"user", "system", "developer", "assistant"})
+_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+# The one include that asks for nothing Shoal lacks: reasoning items already carry their text in plain.
+_INCLUDES_OK = frozenset({"reasoning.encrypted_content"})
+
+
+def check_unsupported(body: ResponsesRequest) -> None:
+    stateless = "Shoal keeps no state: send the whole conversation in input"
+    if body.previous_response_id is not None:
+        raise not_supported(f"previous_response_id ({stateless})", "previous_response_id")
+    if body.conversation is not None:
+        raise not_supported(f"conversation ({stateless})", "conversation")
+    if body.prompt is not None:
+        raise not_supported("prompt (a stored prompt template)", "prompt")
+    if body.background:
+        raise not_supported("background (Shoal keeps no state to poll)", "background")
+    if body.reasoning is not None:
+        for name in ("effort", "summary", "generate_summary"):
+            if getattr(body.reasoning, name) is not None:
+                raise not_supported(f"reasoning.{name}", f"reasoning.{name}")
+    for entry in body.include or ():
+        if entry not in _INCLUDES_OK:
+            raise not_supported(f"include {entry!r}", "include")
+    if body.max_tool_calls is not None:
+        raise not_supported("max_tool_calls", "max_tool_calls")
+    if body.top_logprobs:
+        raise not_supported("top_logprobs", "top_logprobs")
+    if body.truncation not in (None, "disabled"):
+        raise not_supported(f"truncation {body.truncation!r} (only 'disabled')", "truncation")
+    if body.text is not None and body.text.verbosity not in (None, "medium"):
+        raise not_supported(f"text.verbosity {body.text.verbosity!r}", "text.verbosity")
+
+
+def input_messages(body: ResponsesRequest) -> list[ChatMessage]:
+    """instructions (a system message first), then the input: a string is one user message; items are
+    messages, function calls (joined to the assistant turn before them, as one chat message holds its
+    tool_calls) and function call outputs (tool messages). Reasoning items are dropped: chat templates
+    drop a finished turn's reasoning too."""
+    out: list[ChatMessage] = []
+    if body.instructions:
+        out.append(ChatMessage(role="system", content=body.instructions))
+    items = body.input
+    if items is None:
+        raise bad_request("input is required: a string or a list of input items", param="input")
+    if isinstance(items, str):
+        return [*out, ChatMessage(role="user", content=items)]
+    if not items:
+        raise bad_request("input must hold at least one item", param="input")
+    for k, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in _MESSAGE_ROLES:
+                raise bad_request(f"input[{k}]: role must be user, system, developer or assistant, got {role!r}",
+                                  param="input")
+            out.append(ChatMessage(role=role, content=_text(k, item.get("content"), "content")))
+        elif kind == "function_call":
+            arguments = _string(k, item, "arguments")
+            try:  # checked here: the chat helper would name a chat message, not this item
+                json.loads(arguments or "{}")
+            except ValueError:
+                raise bad_request(f"input[{k}].arguments is not valid JSON", param="input") from None
+            call = {"id": _string(k, item, "call_id"), "type": "function",
+                    "function": {"name": _string(k, item, "name"), "arguments": arguments}}
+            prev = out[-1] if out else None
+            if prev is not None and prev.role == "assistant":
+                prev.tool_calls = [*(prev.tool_calls or []), call]
+            else:
+                out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        elif kind == "function_call_output":
+            out.append(ChatMessage(role="tool", content=_text(k, item.get("output"), "output"),
+                                   tool_call_id=_string(k, item, "call_id")))
+        elif kind == "reasoning":
+            continue
+        elif kind == "item_reference":
+            raise not_supported(f"input[{k}]: item_reference (Shoal keeps no state)", "input")
+        else:
+            raise not_supported(f"input[{k}]: items of type {kind!r} (only message, function_call, "
+                                f"function_call_output and reasoning)", "input")
+    return out
+
+
+def _string(k: int, item: dict[str, Any], key: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise bad_request(f"input[{k}].{key} must be a string", param="input")
+    return value
+
+
+def _text(k: int, content: Any, key: str) -> str:
+    """A message's content or a call output: a string, or text parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"input[{k}].{key} must be a string or a list of text parts", param="input")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise not_supported(f"input[{k}].{key}: a part of type {kind!r} (only input_text or output_text "
+                                f"with a string text)", "input")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def tool_request(body: ResponsesRequest, parser_name: str | None) -> ToolRequest | None:
+    """Responses' flat function tools ({type, name, parameters}) and tool_choice ({type: function, name})
+    in chat's shape, checked by ToolRequest; its 400s are re-worded for the flat shape."""
+    tools = []
+    for k, tool in enumerate(body.tools or ()):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise not_supported(f"tools[{k}]: tools of type {kind!r} (only function tools; built-in tools run "
+                                f"on OpenAI's side)", f"tools[{k}]")
+        fn = {key: tool[key] for key in ("name", "description") if key in tool}
+        if tool.get("parameters") is not None:  # OpenAI allows null: no parameters
+            fn["parameters"] = tool["parameters"]
+        tools.append({"type": "function", "function": fn})
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function":
+            raise not_supported(f"tool_choice of type {choice.get('type')!r} (only none, auto, required or "
+                                f'{{"type": "function", "name": ...}})', "tool_choice")
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    elif choice == "auto" and not tools:
+        choice = None  # "auto" over no tools asks for nothing
+    try:
+        return ToolRequest.from_body(tools or None, choice, body.parallel_tool_calls, parser_name)
+    except ApiError as e:
+        e.message = e.message.replace(".function.", ".").replace(
+            '{"type": "function", "function": {"name": ...}}', '{"type": "function", "name": ...}')
+        e.param = e.param.replace(".function", "") if e.param else e.param
+        e.args = (e.message,)
+        raise
+
+
+def format_constraint(text: ResponsesTextConfig | None) -> OutputConstraint | None:
+    """text.format: text (none), json_object, or json_schema ({type, name, schema, strict}, flat)."""
+    fmt = text.format if text is not None else None
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return OutputConstraint("json_schema", JSON_OBJECT_SCHEMA, "text.format")
+    if kind != "json_schema":
+        raise bad_request(f"text.format.type must be text, json_object or json_schema, got {kind!r}",
+                          param="text.format.type")
+    schema = fmt.get("schema")
+    if not isinstance(schema, dict):
+        raise bad_request("text.format json_schema needs a schema object", param="text.format.schema")
+    return OutputConstraint("json_schema", json.dumps(schema), "text.format.schema")

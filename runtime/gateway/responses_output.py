@@ -1,0 +1,155 @@
+"""ResponseItems: the output items of one /v1/responses answer — a reasoning item (with
+--reasoning-parser), the assistant message, function calls — built from the same parse of the growing
+text that chat completions stream (ChatOutput's deltas), with the stream events that announce them.
+
+Both answers run through it: a stream feeds each delta as it comes; the non-streamed body feeds the
+whole final parse at once and drops the events. So an item's id, order and text in the final Response
+are the ones its stream events named, which the openai SDK's stream accumulator checks.
+
+One item is open at a time, as OpenAI streams them: reasoning closes when the answer or a call begins,
+the message when a call begins, a call when the next one begins (its arguments are whole by then: a
+tool parser completes a call before it names the next). Every event takes the next sequence_number."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from msgspec import UNSET
+
+from runtime.gateway.chat_output import ChatDelta
+from runtime.gateway.responses_protocol import (
+    ArgumentsDeltaEvent,
+    ArgumentsDoneEvent,
+    ContentPartEvent,
+    FunctionCallItem,
+    OutputItem,
+    OutputItemEvent,
+    OutputMessage,
+    OutputText,
+    ReasoningDeltaEvent,
+    ReasoningDoneEvent,
+    ReasoningItem,
+    ReasoningText,
+    TextDeltaEvent,
+    TextDoneEvent,
+)
+
+_PREFIX = {"reasoning": "rs", "message": "msg", "function_call": "fc"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+@dataclass(slots=True)
+class _Item:
+    kind: str  # reasoning | message | function_call
+    id: str
+    output_index: int
+    text: str = ""  # the reasoning, the message's text, or the call's arguments
+    call_id: str = ""
+    name: str = ""
+    status: str = "in_progress"
+
+    def part(self) -> OutputText | ReasoningText:
+        return ReasoningText(text=self.text) if self.kind == "reasoning" else OutputText(text=self.text)
+
+    def struct(self, with_part: bool = True) -> OutputItem:
+        """A fresh Struct of the item as it is now (events are encoded later: they must not share state).
+        with_part False: as announced, before its content part exists."""
+        parts = [self.part()] if with_part else []
+        if self.kind == "message":
+            return OutputMessage(id=self.id, content=parts, status=self.status)
+        if self.kind == "reasoning":
+            return ReasoningItem(id=self.id, content=parts, status=self.status)
+        return FunctionCallItem(id=self.id, call_id=self.call_id, name=self.name, arguments=self.text,
+                                status=self.status)
+
+
+class ResponseItems:
+    def __init__(self) -> None:
+        self.items: list[_Item] = []
+        self._open: _Item | None = None
+        self._calls: dict[int, _Item] = {}  # ChatOutput's tool-call index → its item
+        self._seq = 0
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq - 1
+
+    def feed(self, d: ChatDelta) -> list[Any]:
+        """Events for one delta of the parsed output."""
+        events: list[Any] = []
+        if d.reasoning:
+            item = self._ensure_open("reasoning", events)
+            item.text += d.reasoning
+            events.append(ReasoningDeltaEvent(sequence_number=self.next_seq(), item_id=item.id,
+                                              output_index=item.output_index, content_index=0, delta=d.reasoning))
+        if d.content:
+            item = self._ensure_open("message", events)
+            item.text += d.content
+            events.append(TextDeltaEvent(sequence_number=self.next_seq(), item_id=item.id,
+                                         output_index=item.output_index, content_index=0, delta=d.content))
+        for tc in d.tool_calls:
+            if tc.id is not UNSET:  # a new call: its id and name come first, with empty arguments
+                self._close(events)
+                item = self._add("function_call", events, call_id=tc.id, name=tc.function.name)
+                self._calls[tc.index] = item
+            item = self._calls[tc.index]
+            piece = tc.function.arguments if tc.function is not UNSET else ""
+            if piece:
+                item.text += piece
+                events.append(ArgumentsDeltaEvent(sequence_number=self.next_seq(), item_id=item.id,
+                                                  output_index=item.output_index, delta=piece))
+        return events
+
+    def finish(self, incomplete: bool) -> list[Any]:
+        """Closes the output: an answer with no item at all still gets its (empty) message, so
+        output_text is "" rather than missing; the item the output ended in is incomplete on a length end."""
+        events: list[Any] = []
+        if not self.items:
+            self._ensure_open("message", events)
+        self._close(events, "incomplete" if incomplete else "completed")
+        return events
+
+    def output(self) -> list[OutputItem]:
+        return [item.struct() for item in self.items]
+
+    # ---- items ------------------------------------------------------------------------------------
+    def _ensure_open(self, kind: str, events: list[Any]) -> _Item:
+        if self._open is not None and self._open.kind == kind:
+            return self._open
+        self._close(events)
+        item = self._add(kind, events)
+        if kind != "function_call":
+            events.append(ContentPartEvent(type="response.content_part.added", sequence_number=self.next_seq(),
+                                           item_id=item.id, output_index=item.output_index, content_index=0,
+                                           part=item.part()))
+        return item
+
+    def _add(self, kind: str, events: list[Any], call_id: str = "", name: str = "") -> _Item:
+        item = _Item(kind, new_id(_PREFIX[kind]), len(self.items), call_id=call_id, name=name)
+        self.items.append(item)
+        self._open = item
+        events.append(OutputItemEvent(type="response.output_item.added", sequence_number=self.next_seq(),
+                                      output_index=item.output_index, item=item.struct(with_part=False)))
+        return item
+
+    def _close(self, events: list[Any], status: str = "completed") -> None:
+        item, self._open = self._open, None
+        if item is None:
+            return
+        item.status = status
+        where = {"item_id": item.id, "output_index": item.output_index}
+        if item.kind == "function_call":
+            events.append(ArgumentsDoneEvent(sequence_number=self.next_seq(), name=item.name, arguments=item.text,
+                                             **where))
+        else:
+            done = (ReasoningDoneEvent if item.kind == "reasoning" else TextDoneEvent)(
+                sequence_number=self.next_seq(), content_index=0, text=item.text, **where)
+            events += [done, ContentPartEvent(type="response.content_part.done", sequence_number=self.next_seq(),
+                                              content_index=0, part=item.part(), **where)]
+        events.append(OutputItemEvent(type="response.output_item.done", sequence_number=self.next_seq(),
+                                      output_index=item.output_index, item=item.struct()))

@@ -1,0 +1,262 @@
+"""The bodies of POST /v1/responses (OpenAI's Responses API) as msgspec Structs: the request, the Response
+object, its output items and the stream's events, in the shapes the openai SDK parses
+(openai/types/responses). Input items stay plain dicts (openai_responses.py checks them): the API has
+dozens of item types, and a Struct union would turn an unsupported one into a decode error instead of
+a 400 that names it. As on the other routes, keys the request Struct does not declare are accepted and
+ignored (body.read_body counts them); a declared field Shoal cannot honour is a 400."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from msgspec import Struct
+
+from runtime.gateway.protocol import Int64
+
+# ---- the request ---------------------------------------------------------------------------------
+
+
+class ResponsesTextConfig(Struct, kw_only=True):
+    format: dict[str, Any] | None = None  # {type: text} | {type: json_object} | {type: json_schema, name, schema}
+    verbosity: str | None = None  # only "medium" (the default): nothing here can shorten or lengthen answers
+
+
+class ResponsesReasoning(Struct, kw_only=True):
+    # Shoal cannot steer how long a model reasons, nor summarize it: any value is a 400.
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
+
+
+class ResponsesRequest(Struct, kw_only=True):
+    model: str | None = None
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    max_output_tokens: Int64 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = None
+    text: ResponsesTextConfig | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # Accepted and echoed; nothing is stored (store) or acted on (metadata, user).
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: str | None = None  # "disabled" only: a prompt past the context is a 400, never cut
+    # Known fields that need state or features Shoal lacks: a value that asks for them is a 400.
+    reasoning: ResponsesReasoning | None = None
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    background: bool | None = None
+    include: list[str] | None = None
+    max_tool_calls: Int64 | None = None
+    top_logprobs: Int64 | None = None
+    # vLLM's extensions of the same route (sampling knobs and the chat template's variables).
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Int64] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    min_tokens: Int64 | None = None
+    skip_special_tokens: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+# ---- the Response object -------------------------------------------------------------------------
+
+
+class OutputText(Struct, kw_only=True):
+    text: str
+    type: str = "output_text"
+    annotations: list[Any] = []
+    logprobs: list[Any] = []
+
+
+class ReasoningText(Struct, kw_only=True):
+    text: str
+    type: str = "reasoning_text"
+
+
+class OutputMessage(Struct, kw_only=True):
+    id: str
+    content: list[OutputText]
+    status: str
+    type: str = "message"
+    role: str = "assistant"
+
+
+class FunctionCallItem(Struct, kw_only=True):
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: str
+    type: str = "function_call"
+
+
+class ReasoningItem(Struct, kw_only=True):
+    id: str
+    content: list[ReasoningText]
+    status: str
+    type: str = "reasoning"
+    summary: list[Any] = []
+    encrypted_content: str | None = None
+
+
+OutputItem = OutputMessage | FunctionCallItem | ReasoningItem
+
+
+class InputTokensDetails(Struct, kw_only=True):
+    cached_tokens: int
+    cache_write_tokens: int = 0  # the SDK's model has it; the prefix cache writes as it goes, unbilled
+
+
+class OutputTokensDetails(Struct, kw_only=True):
+    reasoning_tokens: int
+
+
+class ResponseUsage(Struct, kw_only=True):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(Struct, kw_only=True):
+    reason: str
+
+
+class ResponseObject(Struct, kw_only=True):
+    id: str
+    created_at: int
+    model: str
+    status: str  # in_progress | completed | incomplete
+    output: list[Any]  # OutputItem Structs (a plain union of untagged Structs cannot be a msgspec type)
+    usage: ResponseUsage | None = None
+    object: str = "response"
+    completed_at: int | None = None
+    error: Any = None
+    incomplete_details: IncompleteDetails | None = None
+    # The request's settings, echoed as OpenAI does.
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[Any] = []
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] = {}
+    reasoning: dict[str, Any] | None = None
+    truncation: str = "disabled"
+    store: bool = False
+    background: bool = False
+    previous_response_id: str | None = None
+    metadata: dict[str, str] = {}
+    user: str | None = None
+    service_tier: str = "default"
+
+
+# ---- stream events (each carries its type and a sequence_number counting from 0) ------------------
+
+
+class ResponseEvent(Struct, kw_only=True):
+    """response.created / in_progress / completed / incomplete."""
+
+    type: str
+    sequence_number: int
+    response: ResponseObject
+
+
+class OutputItemEvent(Struct, kw_only=True):
+    """response.output_item.added / done."""
+
+    type: str
+    sequence_number: int
+    output_index: int
+    item: Any  # an OutputItem
+
+
+class ContentPartEvent(Struct, kw_only=True):
+    """response.content_part.added / done."""
+
+    type: str
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText | ReasoningText
+
+
+class TextDeltaEvent(Struct, kw_only=True):
+    """response.output_text.delta."""
+
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list[Any] = []
+    type: str = "response.output_text.delta"
+
+
+class TextDoneEvent(Struct, kw_only=True):
+    """response.output_text.done."""
+
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list[Any] = []
+    type: str = "response.output_text.done"
+
+
+class ReasoningDeltaEvent(Struct, kw_only=True):
+    """response.reasoning_text.delta."""
+
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    type: str = "response.reasoning_text.delta"
+
+
+class ReasoningDoneEvent(Struct, kw_only=True):
+    """response.reasoning_text.done."""
+
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    type: str = "response.reasoning_text.done"
+
+
+class ArgumentsDeltaEvent(Struct, kw_only=True):
+    """response.function_call_arguments.delta."""
+
+    sequence_number: int
+    item_id: str
+    output_index: int
+    delta: str
+    type: str = "response.function_call_arguments.delta"
+
+
+class ArgumentsDoneEvent(Struct, kw_only=True):
+    """response.function_call_arguments.done."""
+
+    sequence_number: int
+    item_id: str
+    output_index: int
+    name: str
+    arguments: str
+    type: str = "response.function_call_arguments.done"
