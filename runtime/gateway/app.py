@@ -34,7 +34,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # No API key needed: probes, scrapers, and the dashboard's page (it holds no data; its script sends the
 # key it finds in the page's #key=... fragment to /dashboard/data, which needs it like any route).
-_OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard"})
+_OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard", "/version"})
 
 
 def _authorized(request: web.Request, api_key: str) -> bool:
@@ -152,6 +152,7 @@ def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) 
     app.router.add_post("/abort_request", native_routes.abort_request)
     app.router.add_get("/health", native_routes.health)
     app.router.add_get("/health_generate", native_routes.health_generate)
+    app.router.add_get("/version", native_routes.version)
     app.router.add_get("/metrics", native_routes.metrics)
     app.router.add_post("/tokenize", tokenize_routes.tokenize)
     app.router.add_post("/detokenize", tokenize_routes.detokenize)

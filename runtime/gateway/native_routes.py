@@ -7,6 +7,7 @@ with meta_info, whose finish_reason is null until the last event; then `data: [D
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import time
 from typing import Any
@@ -204,3 +205,12 @@ async def model(request: web.Request) -> web.Response:
     """OpenAI's retrieve: the card of a name the generating routes accept (the served name, or the model's
     own when --served-model-name renames it), else 404 model_not_found."""
     return _json(_model_card(request))
+
+
+async def version(request: web.Request) -> web.Response:
+    """vLLM's GET /version: which Shoal serves (deployment checks, bug reports)."""
+    try:
+        v = importlib.metadata.version("shoal")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        v = "unknown"
+    return _json({"version": v})

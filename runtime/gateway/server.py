@@ -37,7 +37,7 @@ openai client::
                                            max_tokens=32, stream=True):
         print(chunk.choices[0].text, end="", flush=True)
 
-Other routes: POST /abort_request {"rid": "<response id or request id>"}, GET /health (200 when
+Other routes: GET /version, POST /abort_request {"rid": "<response id or request id>"}, GET /health (200 when
 ready; with several replicas on Ray its body says "degraded" and how many are up while one relaunches),
 GET /health_generate (runs a one-token generation).
 """

@@ -83,6 +83,12 @@ def test_health_and_health_generate(gw_url):
     assert http(gw_url + "/health_generate") == (200, {"status": "ok"})
 
 
+def test_version(gw_url):
+    import importlib.metadata
+
+    assert http(gw_url + "/version") == (200, {"version": importlib.metadata.version("shoal")})
+
+
 def _metrics(url: str) -> dict[str, float]:
     text = urllib.request.urlopen(url + "/metrics").read().decode()
     out = {}
