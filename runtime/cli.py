@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from runtime.config import ServerArgs
-from runtime.errors import ShoalError
+from runtime.errors import ServerArgsError, ShoalError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     # No ArgumentDefaultsHelpFormatter: ServerArgs.add_cli_args writes each flag's default into its help.
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                       help="the model folder, as `vllm serve MODEL` takes it (same as --model-path)")
     ServerArgs.add_cli_args(serve)
     gen = sub.add_parser("generate", help="generate a completion for one prompt and print it")
     ServerArgs.add_cli_args(gen)
@@ -29,10 +31,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def server_args(ns: argparse.Namespace) -> ServerArgs:
+    """The parsed flags as ServerArgs; `shoal serve MODEL` (vLLM's form) is --model-path MODEL."""
+    positional = getattr(ns, "model", None)
+    if positional is not None:
+        if ns.model_path is not None and ns.model_path != positional:
+            raise ServerArgsError("--model-path", f"names {ns.model_path!r} and MODEL names {positional!r}: give one")
+        ns.model_path = positional
+    return ServerArgs.from_cli(ns)
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
-        args = ServerArgs.from_cli(ns)
+        args = server_args(ns)
         if ns.command == "serve":
             from runtime.entrypoints.engine_factory import create_engine_client, runs_in_process
             from runtime.gateway.server import run_server

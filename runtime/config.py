@@ -5,11 +5,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from runtime.errors import ServerArgsError
 from runtime.text.chat_template import read_chat_template
+
+# vLLM's names for the same knobs, accepted beside ours (SGLang's) so a vLLM command line works as typed.
+# --gpu-memory-utilization: vLLM's share also covers weights plus KV, as --mem-fraction-static does.
+VLLM_ALIASES: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "model_path": ("--model",), "tokenizer_path": ("--tokenizer",), "context_length": ("--max-model-len",),
+    "mem_fraction_static": ("--gpu-memory-utilization",), "max_running_requests": ("--max-num-seqs",),
+    "tp_size": ("--tensor-parallel-size", "-tp"), "dp_size": ("--data-parallel-size", "-dp"),
+    "disable_cuda_graph": ("--enforce-eager",),
+})
 
 # Names of the gateway's parser registries (runtime/gateway/tool_parsers, reasoning_parsers), checked at start.
 TOOL_CALL_PARSERS = ("llama3_json", "hermes", "mistral")
@@ -261,14 +272,15 @@ class ServerArgs:
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(cls):
-            flag, helptext = _flag(f.name), f.metadata.get("help", "")
+            flags, helptext = (_flag(f.name), *VLLM_ALIASES.get(f.name, ())), f.metadata.get("help", "")
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", default=f.default, help=helptext)
+                parser.add_argument(*flags, dest=f.name, action="store_true", default=f.default, help=helptext)
                 continue
             kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
             if f.default is not None:  # a None default is described in words by the help text itself
                 helptext = f"{helptext} (default: {f.default})"
-            parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"), help=helptext)
+            parser.add_argument(*flags, dest=f.name, type=kind, default=f.default, choices=f.metadata.get("choices"),
+                                help=helptext)
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> ServerArgs:

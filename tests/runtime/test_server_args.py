@@ -113,3 +113,20 @@ def test_kwargs_of_the_wrong_type_name_the_flag(kwargs, flag, says):
 
 def test_an_int_is_a_float():
     assert ServerArgs(mem_fraction_static=1).mem_fraction_static == 1
+
+
+def test_a_vllm_command_line_parses_as_typed():
+    """`shoal serve MODEL` with vLLM's flag names gives the same ServerArgs as SGLang's names."""
+    from runtime.cli import build_parser, server_args
+
+    vllm = server_args(build_parser().parse_args([
+        "serve", "/models/llama", "--max-model-len", "4096", "--gpu-memory-utilization", "0.8",
+        "--max-num-seqs", "64", "-tp", "2", "--data-parallel-size", "2", "--enforce-eager", "--tokenizer", "/tok"]))
+    ours = server_args(build_parser().parse_args([
+        "serve", "--model-path", "/models/llama", "--context-length", "4096", "--mem-fraction-static", "0.8",
+        "--max-running-requests", "64", "--tp-size", "2", "--dp-size", "2", "--disable-cuda-graph",
+        "--tokenizer-path", "/tok"]))
+    assert vllm == ours and vllm.model_path == "/models/llama" and vllm.tp_size == 2
+    assert server_args(build_parser().parse_args(["serve", "--model", "/m"])).model_path == "/m"
+    with pytest.raises(ServerArgsError, match="give one"):
+        server_args(build_parser().parse_args(["serve", "/a", "--model-path", "/b"]))
