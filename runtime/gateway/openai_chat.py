@@ -41,7 +41,7 @@ from runtime.gateway.protocol import (
     DeltaMessage,
 )
 from runtime.gateway.reasoning_parsers import create_reasoning_parser
-from runtime.gateway.reasoning_parsers.grammar_gate import AnswerOnlyParser, grammar_gate
+from runtime.gateway.reasoning_parsers.grammar_gate import AnswerOnlyParser, grammar_gate, turn_opening
 from runtime.gateway.tool_request import ToolRequest
 from runtime.messages import RequestOutput
 from runtime.sampling.params import SamplingParams
@@ -159,11 +159,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise bad_request(f"{constraint.param} cannot be combined with tool_choice {tools.mode!r}",
                           param=constraint.param)
     constraint = constraint or tool_constraint
+    messages = template_messages(body.messages)
+    template_tools = tools.template_tools() if tools is not None else None
     try:
         ids = client.tokenizer.apply_chat_template(
-            template_messages(body.messages), add_generation_prompt=body.add_generation_prompt,
-            tools=tools.template_tools() if tools is not None else None,
+            messages, add_generation_prompt=body.add_generation_prompt, tools=template_tools,
             continue_final_message=body.continue_final_message, template_kwargs=body.chat_template_kwargs)
+        # Only with a reasoning parser: whether the turn opens with the reasoning already closed.
+        opening = turn_opening(client.tokenizer, messages, template_tools, body.add_generation_prompt,
+                               body.continue_final_message, body.chat_template_kwargs) \
+            if state.args.reasoning_parser is not None else ""
     except ShoalError as e:
         raise from_shoal_error(e) from None
     ids = truncate_prompt(ids, body.truncate_prompt_tokens, client.context_len)
@@ -180,9 +185,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if constraint is not None:
         params = constraint.apply(params)
         if reasoning is not None:
-            params, reasoning, reasoning_done = gate_grammar(client.tokenizer, ids, params, constraint, reasoning)
+            params, reasoning, reasoning_done = gate_grammar(client.tokenizer, opening, params, constraint,
+                                                             reasoning)
     elif reasoning is not None:  # a prompt that closed the reasoning (enable_thinking false): all answer
-        gate = grammar_gate(client.tokenizer, ids)
+        gate = grammar_gate(client.tokenizer, opening)
         reasoning_done = gate is not None and gate.reasoning_done
     base = state.new_id("chatcmpl")
     reqs = state.choice_requests(client, base, [ids], params, n)
@@ -193,12 +199,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await gen.respond(bool(body.stream), responder)
 
 
-def gate_grammar(tokenizer: Tokenizer, ids: list[int], params: SamplingParams, constraint: OutputConstraint,
-                  reasoning: str) -> tuple[SamplingParams, str | None, bool]:
+def gate_grammar(tokenizer: Tokenizer, opening: str, params: SamplingParams, constraint: OutputConstraint,
+                 reasoning: str) -> tuple[SamplingParams, str | None, bool]:
     """(params, reasoning parser, whether the prompt closed the reasoning) of a grammar under a reasoning
     parser: the grammar waits for </think> (tool_choice required / named too, as in vLLM), or applies from
-    the first token where the prompt already closed the reasoning."""
-    gate = grammar_gate(tokenizer, ids)
+    the first token where the turn's opening (turn_opening) already closed the reasoning."""
+    gate = grammar_gate(tokenizer, opening)
     if gate is None:
         # </think> is not one token here, so the grammar cannot wait for it: it constrains from the first
         # token, and a JSON answer has no <think> part to take out.

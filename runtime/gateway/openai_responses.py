@@ -30,7 +30,7 @@ from runtime.gateway.openai_chat import gate_grammar, template_messages
 from runtime.gateway.protocol import OpenAISamplingFields
 from runtime.gateway.reasoning_parsers import create_reasoning_parser
 from runtime.gateway.reasoning_parsers.base import THINK_CLOSE
-from runtime.gateway.reasoning_parsers.grammar_gate import AnswerOnlyParser
+from runtime.gateway.reasoning_parsers.grammar_gate import AnswerOnlyParser, turn_opening
 from runtime.gateway.responses_input import (
     check_unsupported,
     format_constraint,
@@ -73,10 +73,12 @@ async def responses(request: web.Request) -> web.StreamResponse:
     except ApiError as e:  # worded for chat's messages; here they are the instructions and input items
         e.param = "input"
         raise
+    template_tools = tools.template_tools() if tools is not None else None
     try:
-        ids = client.tokenizer.apply_chat_template(
-            rendered, tools=tools.template_tools() if tools is not None else None,
-            template_kwargs=body.chat_template_kwargs)
+        ids = client.tokenizer.apply_chat_template(rendered, tools=template_tools,
+                                                   template_kwargs=body.chat_template_kwargs)
+        opening = turn_opening(client.tokenizer, rendered, template_tools, True, False, body.chat_template_kwargs) \
+            if state.args.reasoning_parser is not None else ""
     except ShoalError as e:
         raise from_shoal_error(e) from None
     max_new = body.max_output_tokens
@@ -88,7 +90,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     if constraint is not None:
         params = constraint.apply(params)
         if reasoning is not None:
-            params, reasoning, reasoning_done = gate_grammar(client.tokenizer, ids, params, constraint, reasoning)
+            params, reasoning, reasoning_done = gate_grammar(client.tokenizer, opening, params, constraint, reasoning)
     base = new_id("resp")
     reqs = state.choice_requests(client, base, [ids], params, 1)
     if constraint is not None:

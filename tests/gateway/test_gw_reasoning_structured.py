@@ -19,7 +19,7 @@ from gw_helpers import GATEWAY_ARGS, http, sse_events, wait_kv_full
 from tiny_think_model import make_think_model
 
 from runtime import Engine
-from runtime.gateway.reasoning_parsers.grammar_gate import GrammarGate, grammar_gate
+from runtime.gateway.reasoning_parsers.grammar_gate import GrammarGate, grammar_gate, turn_opening
 from runtime.gateway.server import serve_in_thread
 
 pytest.importorskip("xgrammar")
@@ -165,23 +165,36 @@ class _Tok:
         return {"<think>": [7], "</think>": [5, 6] if self.split else [8]}[text]
 
 
-@pytest.mark.parametrize("prompt, gate", [
-    ([1, 2, 7, 3], GrammarGate(8, False)),  # DeepSeek-R1: the prompt opens the reasoning
-    ([1, 2, 3], GrammarGate(8, False)),  # Qwen3 thinking: the model opens it
-    ([1, 7, 3, 8, 3], GrammarGate(None, True)),  # enable_thinking false: the prompt closed it
-    ([1, 7, 3, 8, 2, 7, 4], GrammarGate(8, False)),  # an earlier turn's reasoning closed, a new one open
-    ([1, 8, 3], GrammarGate(None, True)),
+@pytest.mark.parametrize("opening, gate", [
+    ("<|im_start|>assistant\n<think>\n", GrammarGate(8, False)),  # DeepSeek-R1: the prompt opens the reasoning
+    ("<|im_start|>assistant\n", GrammarGate(8, False)),  # Qwen3 thinking: the model opens it
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", GrammarGate(None, True)),  # enable_thinking false
+    ("<think>a</think> then <think>b", GrammarGate(8, False)),  # a continued message: a new one open
+    ("</think>", GrammarGate(None, True)),
 ])
-def test_grammar_gate(prompt, gate):
-    assert grammar_gate(_Tok(), prompt) == gate
-    assert grammar_gate(_Tok(split=True), prompt) is None  # the grammar cannot wait for two tokens
+def test_grammar_gate(opening, gate):
+    assert grammar_gate(_Tok(), opening) == gate
+    assert grammar_gate(_Tok(split=True), opening) is None  # the grammar cannot wait for two tokens
 
 
 def test_tokenizer_without_one_token_think_end(gw_engine):
     """The tiny Llama's tokenizer splits </think>: no gate, the grammar keeps constraining from the first
     token (test_gw_structured's test_json_output_is_content_under_a_reasoning_parser checks the replies)."""
     assert len(gw_engine.tokenizer.encode("</think>", add_special_tokens=False)) > 1
-    assert grammar_gate(gw_engine.tokenizer, gw_engine.tokenizer.encode("hi <think>")) is None
+    assert grammar_gate(gw_engine.tokenizer, "hi <think>") is None
+
+
+def test_a_user_writing_think_end_has_not_closed_the_reasoning(think):
+    """Only the turn's opening counts: a question that quotes "</think>" leaves the model to reason first,
+    and a prefilled assistant message that closed its reasoning is continued as the answer."""
+    engine, _ = think
+    tok = engine.tokenizer
+    asked = [{"role": "user", "content": "What does the </think> tag mean?"}]
+    assert grammar_gate(tok, turn_opening(tok, asked, None, True, False, None)).reasoning_done is False
+    closed = turn_opening(tok, asked, None, True, False, {"enable_thinking": False})
+    assert grammar_gate(tok, closed).reasoning_done is True
+    prefill = asked + [{"role": "assistant", "content": "<think>short</think>It"}]
+    assert grammar_gate(tok, turn_opening(tok, prefill, None, False, True, None)).reasoning_done is True
 
 
 def test_generate_route_takes_grammar_after_token(think):

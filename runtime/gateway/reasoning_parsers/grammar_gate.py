@@ -7,7 +7,6 @@ grammar applies from the first token and the whole output is the answer."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,16 +27,35 @@ class AnswerOnlyParser(ReasoningParser):
         return "", text
 
 
-def grammar_gate(tokenizer: Any, prompt_ids: Sequence[int]) -> GrammarGate | None:
-    """None when the tokenizer does not spell </think> as one token: the scheduler's grammar can wait for a
-    single token only (a tag split into pieces may also be sampled in other splits), so the caller keeps
-    the grammar from the first token."""
-    start, end = _tag_ids(tokenizer)
+def grammar_gate(tokenizer: Any, opening: str) -> GrammarGate | None:
+    """opening: the text the model's turn starts from (turn_opening). None when the tokenizer does not spell
+    </think> as one token: the scheduler's grammar can wait for a single token only (a tag split into pieces
+    may also be sampled in other splits), so the caller keeps the grammar from the first token."""
+    _, end = _tag_ids(tokenizer)
     if end is None:
         return None
-    if _last(prompt_ids, end) > _last(prompt_ids, start):  # vLLM's is_reasoning_end over the prompt
+    if opening.rfind(THINK_CLOSE) > opening.rfind(THINK_OPEN):  # vLLM's is_reasoning_end, on the turn's start
         return GrammarGate(None, True)
     return GrammarGate(end, False)
+
+
+def turn_opening(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                 add_generation_prompt: bool, continue_final_message: bool,
+                 template_kwargs: dict[str, Any] | None) -> str:
+    """What the prompt puts at the start of the model's turn: the template's generation prompt (Qwen3's
+    empty <think></think> under enable_thinking false, R1's open <think>), or the final assistant message
+    being continued. Only this part says whether the reasoning is closed: a user who writes "</think>" in a
+    question has not closed the model's reasoning."""
+    if continue_final_message:
+        content = messages[-1].get("content") if messages else None
+        if isinstance(content, list):  # text parts
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return content if isinstance(content, str) else ""
+    if not add_generation_prompt:
+        return ""
+    full = tokenizer.render_chat(messages, True, tools, False, template_kwargs)
+    base = tokenizer.render_chat(messages, False, tools, False, template_kwargs)
+    return full[len(base):] if full.startswith(base) else full  # a template that rewrites earlier turns
 
 
 @functools.lru_cache(maxsize=8)
@@ -51,14 +69,3 @@ def _tag_ids(tokenizer: Any) -> tuple[int | None, int | None]:
         return ids[0] if len(ids) == 1 else None
 
     return one(THINK_OPEN), one(THINK_CLOSE)
-
-
-def _last(ids: Sequence[int], token: int | None) -> int:
-    """Index of token's last occurrence in ids, -1 if absent (a reversed scan in C: prompts can be long)."""
-    if token is None:
-        return -1
-    rev = list(reversed(ids))
-    try:
-        return len(rev) - 1 - rev.index(token)
-    except ValueError:
-        return -1
