@@ -200,7 +200,9 @@ class Engine(EngineClient):
 
     def _withdraw(self, rids: list[str]) -> None:
         """Frees the rids of requests an interrupt kept from being submitted. No abort: the scheduler keeps an
-        unknown rid's abort for a request still on its way, and would abort the rid's next use."""
+        unknown rid's abort for a request still on its way, and would abort the rid's next use. (An interrupt
+        in the few bytecodes between a submit and its count leaves that one request running unread to its
+        end; aborting it instead would cost the next use of its rid whenever it had not arrived.)"""
         with self._consumers_lock:
             for rid in rids:
                 self._consumers.pop(rid, None)
@@ -233,11 +235,19 @@ class Engine(EngineClient):
         return self._collect_all(reqs, single)
 
     async def _collect_all(self, reqs: list[GenerateRequest], single: bool) -> dict | list[dict]:
-        # A TaskGroup: one failing (or the caller cancelled) cancels the others, whose streams then abort.
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(_collect(self, r)) for r in reqs]
-        results = [t.result() for t in tasks]
-        return results[0] if single else results
+        if len(reqs) == 1:  # Shoal's own exceptions, as they were (no wrapping)
+            result = await _collect(self, reqs[0])
+            return result if single else [result]
+        # One failing (or the caller cancelled) cancels the others, whose streams then abort; the first error
+        # is raised as itself (gather, not a TaskGroup: Python 3.10 and no ExceptionGroup).
+        tasks = [asyncio.ensure_future(_collect(self, r)) for r in reqs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
     def _make_requests(self, prompt, sampling_params, input_ids, return_input_logprob, input_top_logprobs_num=0,
                        rid=None):

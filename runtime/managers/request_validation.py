@@ -60,14 +60,10 @@ def validate_request(limits: RequestLimits, req: GenerateRequest) -> GenerateReq
 
 
 def _check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    # min/max/sum run in C: a long prompt costs well under a millisecond (the scheduler checks every request).
-    # The sum's type catches floats, which min/max would pass as numbers (2.9 read as token 2).
-    try:
-        # ... and a first element's bool type, which the sum would not show ([True, False] read as 1, 0).
-        in_range = not ids or (min(ids) >= 0 and max(ids) < vocab_size and isinstance(sum(ids), int)
-                               and not isinstance(ids[0], bool))
-    except TypeError:
-        in_range = False
+    # The set of types and min/max run in C: ~12 us for 1,000 ids (the scheduler checks every request). The
+    # types catch floats, which min/max would pass as numbers (2.9 read as token 2), and bools anywhere
+    # ([5, True] read as 5, 1).
+    in_range = not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size)
     if in_range:
         return
     bad = next(t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size)

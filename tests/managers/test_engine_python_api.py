@@ -216,6 +216,7 @@ def test_async_generate_is_a_coroutine_and_takes_a_batch(make_engine, tiny_llama
     ({"prompt": ["a", "b"], "input_ids": [[1, 2], [3, 4]]}, "input_ids", "not both"),
     ({"prompt": "a", "rid": 5}, "rid", "rid must be a string"),
     ({"input_ids": [True, False, True]}, "prompt", "token ids must be integers, got True"),  # as for floats
+    ({"input_ids": [5, 6, False]}, "prompt", "token ids must be integers, got False"),
 ])
 def test_ambiguous_or_mistyped_inputs_are_refused(make_engine, tiny_llama, kwargs, param, says):
     engine = make_engine(tiny_llama)
@@ -262,3 +263,15 @@ def test_chat_renders_the_template_then_generates(make_engine, tiny_llama, pool_
     with pytest.raises(InvalidRequestError, match="add_generation_prompt=False"):
         engine.chat(prefill, SHORT, continue_final_message=True)
     pool_full(engine)
+
+
+def test_async_generate_raises_shoal_errors_as_themselves(make_engine, tiny_llama):
+    """One request or a batch, an error comes out as Shoal's own exception (callers catch
+    EngineUnavailableError / InvalidRequestError), never wrapped in an ExceptionGroup."""
+    from runtime.errors import EngineUnavailableError
+
+    engine = make_engine(tiny_llama)
+    engine.shutdown()
+    for ids in ([5, 6, 7], [[5, 6, 7], [8, 9]]):
+        with pytest.raises(EngineUnavailableError):
+            asyncio.run(engine.async_generate(input_ids=ids, sampling_params=SHORT))
