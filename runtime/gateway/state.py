@@ -189,6 +189,10 @@ class GatewayState:
 
     def track(self, base_id: str, reqs: list[GenerateRequest]) -> list[str]:
         """Admits the request's choices (429 past --max-concurrent-requests); every track needs its untrack."""
+        # One that passed client() before a drain began (its grammar compiling) is not in flight yet, so the
+        # drain would neither wait for it nor abort it: refused here instead.
+        if self.shutting_down:
+            raise ApiError(503, "not ready: the server is shutting down", code="engine_not_ready")
         limit = self.args.max_concurrent_requests
         if limit is not None and self.active + len(reqs) > limit:
             if len(reqs) > limit:

@@ -83,3 +83,25 @@ def test_stop_with_a_long_stream_in_flight(tiny_llama, tmp_path, grace_s, signal
     last = json.loads(events[-2])
     assert last["choices"][0]["finish_reason"] == "abort", last
     assert "aborting 1 request(s) still running at shutdown" in log.read_text()
+
+
+def test_a_request_not_yet_in_flight_when_the_drain_begins_is_refused(tiny_llama):
+    """A request still compiling its grammar when the drain starts was not in flight, so the drain neither
+    waited for nor aborted it: once the drain has begun, tracking it is a 503 (it never reaches the engine)."""
+    import asyncio
+
+    from runtime import Engine
+    from runtime.config import ServerArgs
+    from runtime.gateway.app import build_app, gateway_state
+    from runtime.gateway.drain import drain
+    from runtime.gateway.errors import ApiError
+    from runtime.messages import GenerateRequest
+    from runtime.sampling.params import SamplingParams
+
+    with Engine(str(tiny_llama), device="cpu", max_total_tokens=1024) as engine:
+        app = build_app(engine, ServerArgs())
+        assert asyncio.run(drain(app, 1.0)) == 0  # nothing in flight: returns at once
+        req = GenerateRequest(rid="late", input_ids=[5, 6], sampling_params=SamplingParams(max_new_tokens=2))
+        with pytest.raises(ApiError) as info:
+            gateway_state(app).track("cmpl-late", [req])
+        assert info.value.status == 503 and gateway_state(app).active == 0
