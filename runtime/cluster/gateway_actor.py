@@ -9,12 +9,14 @@ from runtime.gc_guard import GcGuard
 
 
 class GatewayActor:
-    def __init__(self, args: ServerArgs, port: int | None = None):
+    def __init__(self, args: ServerArgs, port: int | None = None, cluster_fixed: bool = False):
+        """cluster_fixed: the launcher started this cluster for itself (see ReplicaLauncher)."""
         from runtime.cluster.launch import create_ray_engine_client
         from runtime.gateway.server import serve_in_thread
 
         self.args = args
-        self.client = create_ray_engine_client(args)  # Ray is up inside an actor: joins this cluster
+        # Ray is up inside an actor: this joins the actor's cluster.
+        self.client = create_ray_engine_client(args, cluster_fixed=cluster_fixed)
         self.server = serve_in_thread(self.client, args, host=args.host, port=port)
         GcGuard("gateway actor").start()
 

@@ -96,7 +96,10 @@ class ReplicaLauncher:
     """Starts (and restarts) replica groups. Plain DP: dp_size groups of tp_size ranks. DP attention:
     one group of dp_size ranks, each with its own scheduler, the MLP split across all of them."""
 
-    def __init__(self, args: ServerArgs, model_path: str, replica_resources: list[dict[str, float]] | None = None):
+    def __init__(self, args: ServerArgs, model_path: str, replica_resources: list[dict[str, float]] | None = None,
+                 cluster_fixed: bool = False):
+        """cluster_fixed: the cluster is one Shoal started for itself (no node will join): a cluster too small
+        in total fails at once instead of waiting for the placement to time out."""
         import ray
 
         self.args, self.model_path = args, model_path
@@ -114,7 +117,7 @@ class ReplicaLauncher:
             self.use_gpu = args.device == "cuda"
         extras = [replica_resources[g] if replica_resources else None for g in range(self.num_groups)]
         placement.check_capacity([placement.bundle_resources(self.use_gpu, extra) for extra in extras
-                                  for _ in range(self.ranks)], ray.cluster_resources())
+                                  for _ in range(self.ranks)], ray.cluster_resources(), cluster_fixed)
         self.pgs = [placement.create_placement_group(
             self.ranks, args.placement, self.use_gpu, name=f"shoal-replica-{g}-{os.getpid()}", extra=extra)
             for g, extra in enumerate(extras)]
@@ -166,9 +169,10 @@ class ReplicaLauncher:
 
 
 def create_ray_engine_client(args: ServerArgs, *, replica_resources: list[dict[str, float]] | None = None,
-                             ) -> EngineClient:
+                             cluster_fixed: bool | None = None) -> EngineClient:
     """Starts every replica on Ray and returns the client the gateway serves through.
-    replica_resources: extra custom resources per replica's bundles (pins replicas to nodes)."""
+    replica_resources: extra custom resources per replica's bundles (pins replicas to nodes).
+    cluster_fixed: no node will join the cluster (default: when this call started a local one)."""
     from runtime.cluster.ray_engine_client import RayEngineClient
     from runtime.default_model import resolve_model
     from runtime.text.tokenizer import load_tokenizer
@@ -178,7 +182,9 @@ def create_ray_engine_client(args: ServerArgs, *, replica_resources: list[dict[s
     owns_ray = init_ray(args, bundles)
     launcher = None
     try:
-        launcher = ReplicaLauncher(args, model_path, replica_resources)
+        launcher = ReplicaLauncher(args, model_path, replica_resources,
+                                   cluster_fixed=(owns_ray and args.address is None) if cluster_fixed is None
+                                   else cluster_fixed)
         groups = launcher.launch_all()
         tokenizer = load_tokenizer(args.tokenizer_path or model_path, tuple(groups[0].info.eos_token_ids),
                                    args.chat_template, explicit=args.tokenizer_path is not None)
@@ -203,7 +209,8 @@ def launch_gateway_actor(args: ServerArgs, *, port: int | None = None, name: str
     from runtime.cluster.gateway_actor import GatewayActor
 
     bundles = args.dp_size * (1 if args.enable_dp_attention else args.tp_size)
-    init_ray(args, bundles)
+    # A local cluster of our own (not one joined with --address): nothing will join it.
+    fixed = init_ray(args, bundles) and args.address is None
     options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
     if on_this_node:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -214,7 +221,7 @@ def launch_gateway_actor(args: ServerArgs, *, port: int | None = None, name: str
         options["name"] = name
     if detached:
         options["lifetime"] = "detached"
-    handle = ray.remote(GatewayActor).options(**options).remote(args, port)
+    handle = ray.remote(GatewayActor).options(**options).remote(args, port, cluster_fixed=fixed)
     try:
         ray.get(handle.url.remote())
     except ray.exceptions.RayActorError as e:  # its constructor raised: say why in one line, not Ray's traceback

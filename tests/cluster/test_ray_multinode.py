@@ -80,20 +80,32 @@ def test_tp2_spread_across_nodes(two_nodes, tiny_llama, expected):
         client.shutdown()
 
 
-def test_too_few_cpus_fail_at_once_naming_what_is_missing(two_nodes, tiny_llama):
-    """Three replicas on a two-CPU cluster can never be placed: one line at once that says 3 CPU against 2,
-    not a 120 s wait ending in Ray's per-group resource keys."""
+def test_too_few_cpus_fail_at_once_naming_what_is_missing(two_nodes, tiny_llama, monkeypatch, caplog):
+    """Three replicas on a two-CPU cluster: on a cluster nothing will join (one Shoal started for itself), one
+    line at once that says 3 CPU against 2; on a joined one (an autoscaler may add nodes for the pending
+    placement) a warning naming the shortfall at once, then the placement's wait, ending in the same words
+    (not Ray's per-group resource keys)."""
+    import logging
     import time
 
+    from runtime.cluster import placement
     from runtime.cluster.launch import create_ray_engine_client
     from runtime.errors import EngineUnavailableError
 
+    args = ServerArgs(model_path=str(tiny_llama), dp_size=3, device="cpu", max_total_tokens=1024)
     start = time.monotonic()
     with pytest.raises(EngineUnavailableError) as info:
-        create_ray_engine_client(ServerArgs(model_path=str(tiny_llama), dp_size=3, device="cpu", max_total_tokens=1024))
+        create_ray_engine_client(args, cluster_fixed=True)
     message = str(info.value)
     assert "3 CPU (the cluster has 2)" in message and "_group_" not in message, message
     assert time.monotonic() - start < 30  # no placement wait
+
+    monkeypatch.setattr(placement, "PLACEMENT_TIMEOUT_S", 2.0)
+    with caplog.at_level(logging.WARNING, logger="runtime.cluster.placement"), \
+            pytest.raises(EngineUnavailableError) as info:
+        create_ray_engine_client(args)  # joined (this test's cluster was not started by the call)
+    assert "3 CPU (the cluster has 2)" in caplog.text and "waiting up to 2 s for nodes to join" in caplog.text
+    assert "within 2 s" in str(info.value) and "_group_" not in str(info.value), info.value
 
 
 def test_placement_helpers():
@@ -103,7 +115,9 @@ def test_placement_helpers():
     raw = {"CPU": 2.0, "CPU_group_0_abc": 1.0, "GPU": 1.0, "node:10.0.0.1": 1.0, "memory": 1e9, "rack_a": 1.0}
     assert placement.plain_resources(raw) == {"CPU": 2.0, "GPU": 1.0, "rack_a": 1.0}
     bundles = [placement.bundle_resources(True, {"rack_a": 0.5})] * 2
-    placement.check_capacity(bundles, raw | {"GPU": 2.0})  # fits exactly: no error
+    placement.check_capacity(bundles, raw | {"GPU": 2.0}, fixed=True)  # fits exactly: no error
+    assert placement.shortfall(bundles, raw | {"GPU": 2.0}) is None
     with pytest.raises(EngineUnavailableError, match=r"2 GPU \(the cluster has 1\)") as info:
-        placement.check_capacity(bundles, raw)
+        placement.check_capacity(bundles, raw, fixed=True)
     assert "CPU (" not in str(info.value)  # only what is short is named
+    placement.check_capacity(bundles, raw, fixed=False)  # a cluster that may grow: only a warning
