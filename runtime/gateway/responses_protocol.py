@@ -184,79 +184,67 @@ class OutputItemEvent(Struct, kw_only=True):
     item: Any  # an OutputItem
 
 
-class ContentPartEvent(Struct, kw_only=True):
+class _ItemEvent(Struct, kw_only=True):
+    """What every event about one output item carries (msgspec puts a base's fields first)."""
+
+    sequence_number: int
+    item_id: str
+    output_index: int
+
+
+class _PartEvent(_ItemEvent, kw_only=True):
+    """An event about one content part of an item."""
+
+    content_index: int
+
+
+class ContentPartEvent(_PartEvent, kw_only=True):
     """response.content_part.added / done."""
 
     type: str
-    sequence_number: int
-    item_id: str
-    output_index: int
-    content_index: int
     part: OutputText | ReasoningText
 
 
-class TextDeltaEvent(Struct, kw_only=True):
+class TextDeltaEvent(_PartEvent, kw_only=True):
     """response.output_text.delta."""
 
-    sequence_number: int
-    item_id: str
-    output_index: int
-    content_index: int
     delta: str
     logprobs: list[Any] = []
     type: str = "response.output_text.delta"
 
 
-class TextDoneEvent(Struct, kw_only=True):
+class TextDoneEvent(_PartEvent, kw_only=True):
     """response.output_text.done."""
 
-    sequence_number: int
-    item_id: str
-    output_index: int
-    content_index: int
     text: str
     logprobs: list[Any] = []
     type: str = "response.output_text.done"
 
 
-class ReasoningDeltaEvent(Struct, kw_only=True):
+class ReasoningDeltaEvent(_PartEvent, kw_only=True):
     """response.reasoning_text.delta."""
 
-    sequence_number: int
-    item_id: str
-    output_index: int
-    content_index: int
     delta: str
     type: str = "response.reasoning_text.delta"
 
 
-class ReasoningDoneEvent(Struct, kw_only=True):
+class ReasoningDoneEvent(_PartEvent, kw_only=True):
     """response.reasoning_text.done."""
 
-    sequence_number: int
-    item_id: str
-    output_index: int
-    content_index: int
     text: str
     type: str = "response.reasoning_text.done"
 
 
-class ArgumentsDeltaEvent(Struct, kw_only=True):
+class ArgumentsDeltaEvent(_ItemEvent, kw_only=True):
     """response.function_call_arguments.delta."""
 
-    sequence_number: int
-    item_id: str
-    output_index: int
     delta: str
     type: str = "response.function_call_arguments.delta"
 
 
-class ArgumentsDoneEvent(Struct, kw_only=True):
+class ArgumentsDoneEvent(_ItemEvent, kw_only=True):
     """response.function_call_arguments.done."""
 
-    sequence_number: int
-    item_id: str
-    output_index: int
     name: str
     arguments: str
     type: str = "response.function_call_arguments.done"
