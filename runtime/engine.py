@@ -21,13 +21,14 @@ from runtime.default_model import resolve_model
 from runtime.engine_client import EngineClient
 from runtime.errors import EngineUnavailableError, InvalidRequestError, ServerArgsError
 from runtime.logging_setup import setup_logging
+from runtime.managers.request_validation import as_id_lists
 from runtime.managers.scheduler_host import SchedulerHost
 from runtime.messages import FinishReason, GenerateRequest, RequestOutput, SchedulerStats
 from runtime.model_executor.tp_worker import TpWorker
 from runtime.sampling.grammar_compiler import create_grammar_compiler
 from runtime.sampling.params import SamplingParams
 from runtime.stream_delivery import deliver, next_output
-from runtime.text.output_accumulator import OutputAccumulator
+from runtime.text.result_collector import ResultCollector, usage_dict
 from runtime.text.tokenizer import NullTokenizer, Tokenizer, load_tokenizer
 
 
@@ -127,7 +128,7 @@ class Engine(EngineClient):
         if input_ids is not None and prompt is not None:
             raise InvalidRequestError("give prompt or input_ids, not both", param="input_ids")
         if input_ids is not None:
-            input_ids = _as_id_lists(input_ids)
+            input_ids = as_id_lists(input_ids)
         if input_ids is None:
             if not isinstance(prompt, str):
                 raise InvalidRequestError("give a prompt string or input_ids", param="prompt")
@@ -153,7 +154,7 @@ class Engine(EngineClient):
         # generation-2 collection to walk while the scheduler thread waits). svc workload on an H100: the
         # run's time outside forwards 0.31 -> 0.07 s.
         inbox: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
-        collectors = {r.rid: _Collector(self._tokenizer, r) for r in reqs}
+        collectors = {r.rid: ResultCollector(self._tokenizer, r) for r in reqs}
         with self._consumers_lock:  # a caller's rid may be in use by another thread's request
             taken = next((r.rid for r in reqs if r.rid in self._consumers), None)
             if taken is not None:
@@ -199,10 +200,9 @@ class Engine(EngineClient):
         return self.generate(sampling_params=sampling_params, input_ids=ids if batch else ids[0], rid=rid)
 
     def _withdraw(self, rids: list[str]) -> None:
-        """Frees the rids of requests an interrupt kept from being submitted. No abort: the scheduler keeps an
-        unknown rid's abort for a request still on its way, and would abort the rid's next use. (An interrupt
-        in the few bytecodes between a submit and its count leaves that one request running unread to its
-        end; aborting it instead would cost the next use of its rid whenever it had not arrived.)"""
+        """Frees the rids of requests an interrupt kept from being submitted. No abort: the scheduler would
+        keep an unknown rid's abort and end that rid's next use. (An interrupt between a submit and its count
+        leaves that one request running unread to its end.)"""
         with self._consumers_lock:
             for rid in rids:
                 self._consumers.pop(rid, None)
@@ -260,7 +260,7 @@ class Engine(EngineClient):
                                                              and all(isinstance(r, str) for r in rid))):
             raise InvalidRequestError(f"rid must be a string or a list of strings, got {rid!r}", param="rid")
         if input_ids is not None:
-            input_ids = _as_id_lists(input_ids)
+            input_ids = as_id_lists(input_ids)
         single = isinstance(prompt, str) or (input_ids is not None and bool(input_ids) and isinstance(input_ids[0], int))
         prompts = [prompt] if isinstance(prompt, str) else prompt
         ids = [input_ids] if single and input_ids is not None else input_ids
@@ -359,21 +359,6 @@ class _Done:
 _DONE = _Done()
 
 
-def _as_id_lists(input_ids: Any) -> Any:
-    """numpy / torch integer arrays and scalars as Python ints (ids are checked as ints after this). Looks
-    at each sequence's first element only: a batch of 1,000 x 1,000 plain ids must not cost a walk."""
-    if not isinstance(input_ids, (list, tuple)):
-        return input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids
-    if not input_ids:
-        return input_ids
-    first = input_ids[0]
-    if isinstance(first, (list, tuple)) or (hasattr(first, "tolist") and getattr(first, "ndim", 0) > 0):
-        return [_as_id_lists(row) for row in input_ids]  # a batch
-    if hasattr(first, "tolist"):  # numpy / torch scalars
-        return [x.tolist() if hasattr(x, "tolist") else x for x in input_ids]
-    return input_ids
-
-
 class _AsyncConsumer:
     """Where one stream's deltas go: a queue read on the consumer's own event loop."""
 
@@ -387,44 +372,11 @@ class _AsyncConsumer:
 
 
 def _discard(o: RequestOutput) -> None:
-    """Consumer of a request nobody reads any more (it was aborted); its last output ends it."""
-
-
-def _usage_dict(usage: tuple[int, int, int]) -> dict[str, int]:
-    return dict(zip(("prompt_tokens", "completion_tokens", "cached_tokens"), usage))
-
-
-class _Collector(OutputAccumulator):
-    """A request's deltas folded into the Python API's result dict."""
-
-    __slots__ = ("rid",)
-
-    def __init__(self, tokenizer: Tokenizer | NullTokenizer, req: GenerateRequest):
-        super().__init__(req, tokenizer)
-        self.rid = req.rid
-
-    def result(self) -> dict:
-        o = self.last
-        fr = o.finish_reason
-        out = {
-            "rid": self.rid, "text": self.text, "output_ids": self.ids,
-            "finish_reason": fr.kind if fr else None, "matched_stop": fr.matched if fr else None,
-            "usage": _usage_dict(self.usage),
-        }
-        if fr is not None and fr.message:
-            out["error"] = fr.message
-        if self.logprobs:
-            out["logprobs"] = self.logprobs
-            out["top_logprobs"] = self.top_logprobs
-        if self.input_logprobs is not None:
-            out["input_logprobs"] = self.input_logprobs
-        if self.input_top_logprobs is not None:
-            out["input_top_logprobs"] = self.input_top_logprobs
-        return out
+    """Consumer of a request nobody reads any more (aborted): its last output ends it."""
 
 
 async def _collect(engine: Engine, req: GenerateRequest) -> dict:
-    c = _Collector(engine.tokenizer, req)
+    c = ResultCollector(engine.tokenizer, req)
     # aclosing: a cancelled caller must abort the request now, not when the GC finalizes the stream.
     async with contextlib.aclosing(engine.stream(req)) as stream:
         async for o in stream:
@@ -439,10 +391,10 @@ class _AsyncStream:
         self.engine, self.req = engine, req
 
     async def __aiter__(self):
-        c = _Collector(self.engine.tokenizer, self.req)
+        c = ResultCollector(self.engine.tokenizer, self.req)
         async with contextlib.aclosing(self.engine.stream(self.req)) as stream:
             async for o in stream:
                 delta = c.add(o)
                 yield {"text": delta, "output_ids": o.new_token_ids, "finished": o.finished,
                        "finish_reason": o.finish_reason.kind if o.finish_reason else None,
-                       "usage": _usage_dict(c.usage)}
+                       "usage": usage_dict(c.usage)}

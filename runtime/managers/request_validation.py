@@ -1,9 +1,11 @@
 """validate_request: the checks every request passes before it reaches a scheduler — one free
-function, so a Ray client refuses a bad request with the scheduler's own rules before any actor call."""
+function, so a Ray client refuses a bad request with the scheduler's own rules before any actor call;
+as_id_lists: the Python API's token ids (numpy / torch too) as the plain ints those checks read."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -70,3 +72,18 @@ def _check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
     if not isinstance(bad, int) or isinstance(bad, bool):
         raise InvalidRequestError(f"token ids must be integers, got {bad!r}", param=param)
     raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab_size})", param=param)
+
+
+def as_id_lists(input_ids: Any) -> Any:
+    """numpy / torch integer arrays and scalars as Python ints (ids are checked as ints after this). Looks
+    at each sequence's first element only: a batch of 1,000 x 1,000 plain ids must not cost a walk."""
+    if not isinstance(input_ids, (list, tuple)):
+        return input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids
+    if not input_ids:
+        return input_ids
+    first = input_ids[0]
+    if isinstance(first, (list, tuple)) or (hasattr(first, "tolist") and getattr(first, "ndim", 0) > 0):
+        return [as_id_lists(row) for row in input_ids]  # a batch
+    if hasattr(first, "tolist"):  # numpy / torch scalars
+        return [x.tolist() if hasattr(x, "tolist") else x for x in input_ids]
+    return input_ids

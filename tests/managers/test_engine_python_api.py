@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from runtime import Engine
-from runtime.engine import _Collector, _discard
+from runtime.engine import _discard
 from runtime.errors import InvalidRequestError, ServerArgsError
+from runtime.text.result_collector import ResultCollector
 
 LONG = {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}
 SHORT = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
@@ -63,7 +64,7 @@ class _Interrupted(Exception):
 def test_generate_left_early_aborts_its_requests(make_engine, tiny_llama, pool_full, monkeypatch):
     engine = make_engine(tiny_llama)
     seen = []
-    add = _Collector.add
+    add = ResultCollector.add
 
     def add_then_interrupt(self, o):
         seen.append(o)
@@ -71,11 +72,11 @@ def test_generate_left_early_aborts_its_requests(make_engine, tiny_llama, pool_f
         if len(seen) == 3:
             raise _Interrupted
 
-    monkeypatch.setattr(_Collector, "add", add_then_interrupt)
+    monkeypatch.setattr(ResultCollector, "add", add_then_interrupt)
     decoded_before = _decode_tokens(engine)
     with pytest.raises(_Interrupted):
         engine.generate(input_ids=[list(range(10, 30)), list(range(40, 60))], sampling_params=LONG)
-    monkeypatch.setattr(_Collector, "add", add)
+    monkeypatch.setattr(ResultCollector, "add", add)
     assert all(c is _discard for c in engine._consumers.values())  # nobody waits on them any more
     pool_full(engine)  # KV free, no consumer left registered
     # Aborted, not run to the end: 2 x 399 decode tokens had they finished.

@@ -166,16 +166,16 @@ def test_generate_folds_every_request_s_deltas_as_they_arrive(tiny_llama, monkey
     1,000-request batch never holds every later request's deltas alive (~2M objects for 1,000 x 1,000
     tokens, for every collection to walk). Results keep the prompts' order and equal single-request runs."""
     from runtime import Engine
-    from runtime import engine as engine_mod
+    from runtime.text.result_collector import ResultCollector
 
     order: list[tuple[str, bool]] = []
-    add = engine_mod._Collector.add
+    add = ResultCollector.add
 
     def spy(self, o):
         order.append((o.rid, o.finished))
         return add(self, o)
 
-    monkeypatch.setattr(engine_mod._Collector, "add", spy)
+    monkeypatch.setattr(ResultCollector, "add", spy)
     greedy = {"temperature": 0.0, "ignore_eos": True}
     with Engine(str(tiny_llama), dtype="float32", device="cpu", max_total_tokens=2048) as engine:
         prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13], [14, 15, 16]]
