@@ -27,13 +27,20 @@ class ContextLengthError(InvalidRequestError):
             code="context_length_exceeded",
         )
         self.prompt_tokens = prompt_tokens
+        self.max_new_tokens = max_new_tokens
         self.context_len = context_len
+
+    def __reduce__(self):  # pickled across Ray actors: rebuilt from its own arguments, not the message
+        return type(self), (self.prompt_tokens, self.max_new_tokens, self.context_len)
 
 
 class ServerArgsError(ShoalError, ValueError):
     def __init__(self, flag: str, message: str):
         super().__init__(f"{flag}: {message}")
-        self.flag = flag
+        self.flag, self.detail = flag, message
+
+    def __reduce__(self):  # pickled across Ray actors (a gateway actor's start-up error reaches the CLI)
+        return type(self), (self.flag, self.detail)
 
 
 class ModelConfigError(ShoalError, ValueError):
@@ -48,11 +55,14 @@ class UnsupportedQuantizationError(WeightLoadError):
     """A checkpoint's quantization layout (config.json quantization_config) that Shoal cannot load."""
 
     def __init__(self, layout: str, detail: str = ""):
-        self.layout = layout
+        self.layout, self.detail = layout, detail
         super().__init__(f"unsupported quantization layout {layout!r}" + (f": {detail}" if detail else "")
                          + "; Shoal loads fp8 checkpoints in the compressed-tensors (float-quantized, channel or "
                            "tensor weight scales) and fbgemm_fp8 layouts, or quantizes bf16/fp16 ones with "
                            "--quantization fp8")
+
+    def __reduce__(self):
+        return type(self), (self.layout, self.detail)
 
 
 class DoubleFreeError(ShoalError, RuntimeError):

@@ -200,7 +200,8 @@ def create_ray_engine_client(args: ServerArgs, *, replica_resources: list[dict[s
 
 
 def launch_gateway_actor(args: ServerArgs, *, port: int | None = None, name: str | None = None,
-                         detached: bool = False, on_this_node: bool = False) -> Any:
+                         detached: bool = False, on_this_node: bool = False,
+                         cluster_fixed: bool | None = None) -> Any:
     """Starts a GatewayActor (the HTTP server plus its replicas) and waits until it serves; returns the
     handle (`ray.get(handle.url.remote())` gives the address). detached: it outlives this driver.
     on_this_node: pinned to the caller's node, so args.host:port is an address of this machine."""
@@ -209,8 +210,10 @@ def launch_gateway_actor(args: ServerArgs, *, port: int | None = None, name: str
     from runtime.cluster.gateway_actor import GatewayActor
 
     bundles = args.dp_size * (1 if args.enable_dp_attention else args.tp_size)
-    # A local cluster of our own (not one joined with --address): nothing will join it.
-    fixed = init_ray(args, bundles) and args.address is None
+    # A local cluster of our own (not one joined with --address): nothing will join it. (A caller that
+    # started Ray itself says so.)
+    started = init_ray(args, bundles)
+    fixed = (started and args.address is None) if cluster_fixed is None else cluster_fixed
     options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
     if on_this_node:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -224,7 +227,10 @@ def launch_gateway_actor(args: ServerArgs, *, port: int | None = None, name: str
     handle = ray.remote(GatewayActor).options(**options).remote(args, port, cluster_fixed=fixed)
     try:
         ray.get(handle.url.remote())
-    except ray.exceptions.RayActorError as e:  # its constructor raised: say why in one line, not Ray's traceback
+    except ray.exceptions.RayError as e:  # its constructor raised: say why in one line, not Ray's traceback
         ray.kill(handle)
         raise EngineUnavailableError(f"the gateway actor did not start: {remote_cause(e)}") from None
+    except BaseException:  # interrupted while it loads: on a joined cluster it would outlive us
+        ray.kill(handle)
+        raise
     return handle

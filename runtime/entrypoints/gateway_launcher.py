@@ -20,21 +20,31 @@ def serve_gateway_actor(args: ServerArgs, stop: threading.Event | None = None) -
     """Blocks until `stop` is set (default: SIGINT/SIGTERM), then shuts the gateway and its replicas down."""
     import ray
 
-    from runtime.cluster.launch import launch_gateway_actor
+    from runtime.cluster.launch import init_ray, launch_gateway_actor
 
     setup_logging(args.log_level)
     owned = not ray.is_initialized()
     logger.info("starting the gateway actor and its replicas on Ray (the port opens once they are loaded)")
-    try:  # Ctrl-C while the replicas load: KeyboardInterrupt here, and Ray goes down with it
-        handle = launch_gateway_actor(args, port=args.port, on_this_node=True)
+    signals = stop is None
+    try:
+        started = init_ray(args, args.dp_size * (1 if args.enable_dp_attention else args.tp_size))
+        if signals:
+            # After ray.init, which installs its own SIGTERM handler (a crash dump and exit 1 while the replicas
+            # load; later, streams cut mid-body): either signal while loading stops the launch cleanly.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.default_int_handler)
+        handle = launch_gateway_actor(args, port=args.port, on_this_node=True,
+                                      cluster_fixed=started and args.address is None)
+    except KeyboardInterrupt:
+        logger.info("stopped while the replicas were loading")
+        if owned and ray.is_initialized():
+            ray.shutdown()
+        return
     except BaseException:
         if owned and ray.is_initialized():
             ray.shutdown()
         raise
-    signals = stop is None
     if stop is None:
-        # After ray.init, which installs its own SIGTERM handler (sys.exit): docker stop and Kubernetes send
-        # SIGTERM, and that handler cut in-flight streams and exited non-zero instead of draining them.
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())

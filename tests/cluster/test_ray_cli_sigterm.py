@@ -57,3 +57,46 @@ def test_sigterm_drains_streams_and_exits_0(tiny_llama, tmp_path):
     chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # drained to its end, not cut
     assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks) > 1
+
+
+def test_sigterm_while_the_replicas_load_exits_0(tiny_llama, tmp_path):
+    """A pod stopped during the model load: our handler, not Ray's (a crash dump and exit 1), ends the
+    launch cleanly and takes the local cluster down."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "runtime", "serve", "--model-path", str(tiny_llama),
+                                 "--use-ray", "--dp-size", "2", "--device", "cpu", "--max-total-tokens", "2048",
+                                 "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 120
+        while "starting the gateway actor" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        time.sleep(3.0)  # Ray is up, the replicas load
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert rc == 0 and "SIGTERM received" not in text, text[-3000:]
+
+
+def test_a_gateway_actor_start_error_is_one_line(tiny_llama, tmp_path):
+    """A busy --port fails inside the gateway actor; the error travels back (it pickles) as one line
+    naming the flag, exit 2, instead of Ray's 'Failed to deserialize exception' traceback."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        proc = subprocess.run([sys.executable, "-m", "runtime", "serve", "--model-path", str(tiny_llama),
+                               "--use-ray", "--device", "cpu", "--max-total-tokens", "2048", "--port", str(port)],
+                              capture_output=True, text=True, env=env, cwd=REPO, timeout=180)
+    last = (proc.stdout + proc.stderr).strip().splitlines()[-1]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert last.startswith("shoal: error: the gateway actor did not start: ServerArgsError: --port"), last

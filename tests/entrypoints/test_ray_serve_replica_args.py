@@ -20,3 +20,18 @@ def test_one_gpu_replica_stays_in_process(monkeypatch):
     for parallel in ({"tp_size": 2}, {"dp_size": 2}, {"use_ray": True}):  # those still mean Ray actors
         args = replica_args({"model_path": "/models/m", "device": "cuda", **parallel})
         assert not args.in_process and not runs_in_process(args)
+
+
+def test_build_app_takes_a_list_of_origins_and_names_args_serve_ignores(caplog):
+    """serve_config.yaml's args as a vLLM user writes them: allowed_origins as a YAML list works (it was
+    refused as "must be a str"); host / port / shutdown_timeout_s, which Serve's proxy and graceful
+    shutdown own, are said to have no effect instead of being dropped silently."""
+    import logging
+
+    from runtime.entrypoints.ray_serve import build_app
+
+    with caplog.at_level(logging.WARNING, logger="runtime.entrypoints.ray_serve"):
+        app = build_app({"model_path": "/models/m", "allowed_origins": ["http://a.com", "http://b.com"],
+                         "port": 9000})
+    assert app is not None
+    assert "args.port has no effect under Ray Serve" in caplog.text and "allowed_origins" not in caplog.text
