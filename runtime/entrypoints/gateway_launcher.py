@@ -33,9 +33,10 @@ def serve_gateway_actor(args: ServerArgs, stop: threading.Event | None = None) -
             # load; later, streams cut mid-body): either signal while loading stops the launch cleanly.
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, signal.default_int_handler)
+        logger.info("Ray is up; loading the replicas")
         handle = launch_gateway_actor(args, port=args.port, on_this_node=True,
                                       cluster_fixed=started and args.address is None)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):  # SystemExit: Ray's own SIGTERM handler, during ray.init
         logger.info("stopped while the replicas were loading")
         if owned and ray.is_initialized():
             ray.shutdown()

@@ -73,10 +73,10 @@ def test_sigterm_while_the_replicas_load_exits_0(tiny_llama, tmp_path):
                                  "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     try:
         deadline = time.monotonic() + 120
-        while "starting the gateway actor" not in log.read_text():
+        while "Ray is up; loading the replicas" not in log.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.1)
-        time.sleep(3.0)  # Ray is up, the replicas load
+        time.sleep(1.0)  # the replicas load
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=90)
     finally:
