@@ -22,16 +22,22 @@ pytestmark = pytest.mark.ray
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_sigterm_drains_streams_and_exits_0(tiny_llama, tmp_path):
+def _serve(tiny_llama: Path, log: Path, *extra: str) -> tuple[subprocess.Popen, int]:
+    """`shoal serve --use-ray` on a free port, its output in log."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    log = tmp_path / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "runtime", "serve", "--model-path", str(tiny_llama),
-                                 "--use-ray", "--device", "cpu", "--max-total-tokens", "2048", "--port", str(port)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+                                 "--use-ray", "--device", "cpu", "--max-total-tokens", "2048", "--port", str(port),
+                                 *extra], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    return proc, port
+
+
+def test_sigterm_drains_streams_and_exits_0(tiny_llama, tmp_path):
+    log = tmp_path / "serve.log"
+    proc, port = _serve(tiny_llama, log)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, 150, alive=lambda: proc.poll() is None, why=lambda: log.read_text()[-3000:])
@@ -62,15 +68,8 @@ def test_sigterm_drains_streams_and_exits_0(tiny_llama, tmp_path):
 def test_sigterm_while_the_replicas_load_exits_0(tiny_llama, tmp_path):
     """A pod stopped during the model load: our handler, not Ray's (a crash dump and exit 1), ends the
     launch cleanly and takes the local cluster down."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     log = tmp_path / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "runtime", "serve", "--model-path", str(tiny_llama),
-                                 "--use-ray", "--dp-size", "2", "--device", "cpu", "--max-total-tokens", "2048",
-                                 "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    proc, _ = _serve(tiny_llama, log, "--dp-size", "2")
     try:
         deadline = time.monotonic() + 120
         while "Ray is up; loading the replicas" not in log.read_text():
