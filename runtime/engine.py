@@ -28,6 +28,7 @@ from runtime.model_executor.tp_worker import TpWorker
 from runtime.sampling.grammar_compiler import create_grammar_compiler
 from runtime.sampling.params import SamplingParams
 from runtime.stream_delivery import deliver, next_output
+from runtime.text.bad_words import tokenize_bad_words
 from runtime.text.result_collector import ResultCollector, usage_dict
 from runtime.text.tokenizer import NullTokenizer, Tokenizer, load_tokenizer
 
@@ -118,13 +119,12 @@ class Engine(EngineClient):
     def make_request(self, prompt: str | None = None, input_ids: list[int] | None = None,
                      sampling_params: dict | SamplingParams | None = None, return_input_logprob: bool = False,
                      rid: str | None = None, input_top_logprobs_num: int = 0) -> GenerateRequest:
-        """Tokenizes and validates one request (InvalidRequestError on anything wrong).
-        input_top_logprobs_num N > 0: each prompt position after the first also lists its top N tokens
-        (and return_input_logprob is implied)."""
+        """Tokenizes and validates one request (InvalidRequestError on anything wrong). input_top_logprobs_num
+        N > 0: each prompt position after the first also lists its top N tokens (return_input_logprob implied)."""
         sampling_params, n = self._split_n(sampling_params)
         if n > 1:
             raise InvalidRequestError("n > 1 gives several results: pass it to generate()", param="n")
-        params = SamplingParams.from_dict(sampling_params)
+        params = tokenize_bad_words(SamplingParams.from_dict(sampling_params), self._tokenizer)
         if input_ids is not None and prompt is not None:
             raise InvalidRequestError("give prompt or input_ids, not both", param="input_ids")
         if input_ids is not None:
@@ -200,9 +200,9 @@ class Engine(EngineClient):
         return self.generate(sampling_params=sampling_params, input_ids=ids if batch else ids[0], rid=rid)
 
     def _withdraw(self, rids: list[str]) -> None:
-        """Frees the rids of requests an interrupt kept from being submitted. No abort: the scheduler would
-        keep an unknown rid's abort and end that rid's next use. (An interrupt between a submit and its count
-        leaves that one request running unread to its end.)"""
+        """Frees the rids of requests an interrupt kept from being submitted. No abort: the scheduler would keep
+        an unknown rid's abort and end that rid's next use. (An interrupt between a submit and its count leaves
+        that request running unread to its end.)"""
         with self._consumers_lock:
             for rid in rids:
                 self._consumers.pop(rid, None)

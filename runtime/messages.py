@@ -61,6 +61,8 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
     input_logprobs: list[float | None] | None = None  # only in the first delta, when asked
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None  # likewise; position 0 is None
+    # With input_logprobs: each prompt token's rank in its distribution (1 = the most likely); position 0 None.
+    input_token_ranks: list[int | None] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
@@ -82,6 +84,8 @@ class RequestOutput(msgspec.Struct, kw_only=True):
             input_logprobs=self.input_logprobs if self.input_logprobs is not None else later.input_logprobs,
             input_top_logprobs=(self.input_top_logprobs if self.input_top_logprobs is not None
                                 else later.input_top_logprobs),
+            input_token_ranks=(self.input_token_ranks if self.input_token_ranks is not None
+                               else later.input_token_ranks),
             finished=later.finished, finish_reason=later.finish_reason, prompt_tokens=later.prompt_tokens,
             completion_tokens=later.completion_tokens, cached_tokens=later.cached_tokens,
             queue_time_s=self.queue_time_s, trace=self.trace if self.trace is not None else later.trace)
@@ -114,6 +118,11 @@ class SamplingBatch(msgspec.Struct, kw_only=True):
     # token t allowed). In the message, so every TP rank masks, and so samples, alike.
     grammar_rows: list[int] = []
     grammar_mask: bytes = b""
+    allowed_token_ids: list[list[int]] = []  # per request the only ids it may sample ([]: any); [] when none limits
+    # Bad words: per request its token id sequences, and its last output ids their prefixes are matched
+    # against (-1: a token still sampling on the device, which matches any); both [] when no request has any.
+    bad_words_ids: list[list[list[int]]] = []
+    bad_words_context: list[list[int]] = []
 
     @property
     def all_greedy(self) -> bool:
@@ -121,9 +130,9 @@ class SamplingBatch(msgspec.Struct, kw_only=True):
 
     @property
     def edits_logits(self) -> bool:
-        """Penalties, biases, banned ids or a grammar change some row's logits before the choice."""
+        """Penalties, biases, banned or allowed ids or a grammar change some row's logits before the choice."""
         return (any(self.penalty_tokens) or any(self.blocked_token_ids) or any(self.logit_biases)
-                or bool(self.grammar_rows))
+                or bool(self.grammar_rows) or any(self.allowed_token_ids) or any(self.bad_words_ids))
 
     @property
     def raw_argmax(self) -> bool:
@@ -181,6 +190,7 @@ class BatchResult(msgspec.Struct, kw_only=True):
     # Per request where any asked top N (else None): for each input token after the first, the top N
     # (id, logprob) of the distribution it was drawn from, best first; [] for a request that asked none.
     input_top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+    input_token_ranks: list[list[int]] | None = None  # alongside input_logprobs: each token's rank, 1 = most likely
     forward_s: float = 0.0
     all_idle: bool = False  # DP attention: every rank was idle, so nothing ran
     device_s: float = 0.0  # device time of the batch (CUDA events); 0 on CPU

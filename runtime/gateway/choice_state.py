@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from runtime.gateway.metrics import GatewayMetrics
-from runtime.gateway.protocol import PromptTokensDetails, UsageInfo
+from runtime.gateway.protocol import PromptLogprob, PromptLogprobs, PromptTokensDetails, UsageInfo
 from runtime.messages import GenerateRequest, RequestOutput
 from runtime.text.detokenizer import IncrementalDetokenizer
 from runtime.text.output_accumulator import OutputAccumulator
@@ -25,8 +25,10 @@ class ChoiceState:
         self.hide_output = hide_output
         self.metrics = metrics
         self.arrival = arrival
+        self.tokenizer = tokenizer
         self.out = OutputAccumulator(req, tokenizer)
         self._last_token_at: float | None = None
+        self.input_ranks: list[int | None] | None = None  # with the prompt's logprobs: each token's rank
 
     @property
     def finished(self) -> bool:
@@ -55,6 +57,8 @@ class ChoiceState:
         if o.finished:
             self.metrics.e2e.observe(now - self.arrival)
         text = self.out.add(o)
+        if o.input_token_ranks is not None:
+            self.input_ranks = o.input_token_ranks
         if o.finished:
             self.metrics.prompt_tokens.inc(self.out.usage[0])
         return "" if self.hide_output else text
@@ -93,6 +97,23 @@ class ChoiceState:
     @property
     def input_top_logprobs(self) -> list[list[tuple[int, float]] | None] | None:
         return self.out.input_top_logprobs
+
+    def prompt_logprobs(self, k: int) -> PromptLogprobs | None:
+        """vLLM's prompt_logprobs of this choice's prompt, from its top k (None: the engine sent none). Each
+        position after the first lists its prompt token, then the top k; a prompt token among the top k takes
+        that entry's place and rank, as vLLM's dict does. -inf is -9999.0, vLLM's JSON-safe stand-in."""
+        lps = self.input_logprobs
+        if lps is None:
+            return None
+        ids, tops, ranks = self.req.input_ids, self.input_top_logprobs, self.input_ranks
+        text = self.tokenizer.id_to_token_text
+        out: PromptLogprobs = [None]
+        for i in range(1, len(ids)):
+            entry = {str(ids[i]): PromptLogprob(max(lps[i], -9999.0), ranks[i] if ranks else None, text(ids[i]))}
+            for rank, (t, lp) in enumerate((tops[i] or [])[:k] if tops else [], start=1):
+                entry[str(t)] = PromptLogprob(max(lp, -9999.0), rank, text(t))
+            out.append(entry)
+        return out
 
     @property
     def detok(self) -> IncrementalDetokenizer:

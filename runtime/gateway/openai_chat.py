@@ -5,7 +5,7 @@ model's chat template with the request's tools, n choices, logprobs/top_logprobs
 vLLM and SGLang), streaming (the role with the first delta, content / reasoning_content / tool_calls
 deltas, finish chunk, optional usage, [DONE]). vLLM's chat
 extensions: chat_template_kwargs, add_generation_prompt, continue_final_message, truncate_prompt_tokens,
-include_stop_str_in_output.
+include_stop_str_in_output, prompt_logprobs (on the response, not per choice, as vLLM answers it).
 OpenAI features Shoal lacks (legacy functions, audio output) are a 400, never silently ignored; fields
 Shoal does not know at all are ignored (protocol.py)."""
 
@@ -24,7 +24,7 @@ from runtime.gateway.chat_output import ChatOutput
 from runtime.gateway.choice_state import ChoiceState
 from runtime.gateway.errors import bad_request, from_shoal_error, not_supported
 from runtime.gateway.generation import Generation
-from runtime.gateway.openai_responder import OpenAIResponder
+from runtime.gateway.openai_responder import OpenAIResponder, prompt_logprobs_num, score_prompts_once
 from runtime.gateway.output_constraint import OutputConstraint
 from runtime.gateway.prompt_input import truncate_prompt
 from runtime.gateway.protocol import (
@@ -59,8 +59,6 @@ def check_unsupported(body: ChatCompletionRequest) -> None:
         raise not_supported(f"output modalities {body.modalities} (only ['text'])", "modalities")
     if body.audio is not None:
         raise not_supported("audio output (audio)", "audio")
-    if (field := body.unhonoured_field()) is not None:
-        raise not_supported(field, field)
     if body.continue_final_message and body.add_generation_prompt:
         # vLLM's rule: a continued message gets no assistant header after it, and the default is true.
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true: set "
@@ -150,6 +148,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     model = state.check_model(client, body.model)
     n = state.check_n(body.n)
     check_unsupported(body)
+    prompt_lp = prompt_logprobs_num(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
     tools = ToolRequest.from_body(body.tools, body.tool_choice, body.parallel_tool_calls, state.args.tool_call_parser)
@@ -191,11 +190,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         gate = grammar_gate(client.tokenizer, opening)
         reasoning_done = gate is not None and gate.reasoning_done
     base = state.new_id("chatcmpl")
-    reqs = state.choice_requests(client, base, [ids], params, n)
+    reqs = state.choice_requests(client, base, [ids], params, n, return_input_logprob=prompt_lp is not None,
+                                 input_top_logprobs_num=prompt_lp or 0)
+    if prompt_lp is not None:
+        reqs = score_prompts_once(reqs, n)
     if constraint is not None:
         await state.check_grammar(client, reqs[0], constraint.param)
     gen.set_choices(base, reqs)
-    responder = _ChatResponder(gen, model, n, want_lp, tools, reasoning, reasoning_done)
+    responder = _ChatResponder(gen, model, n, want_lp, tools, reasoning, reasoning_done, prompt_lp)
     return await gen.respond(bool(body.stream), responder)
 
 
@@ -218,9 +220,9 @@ class _ChatResponder(OpenAIResponder):
     chunk_type = ChatCompletionChunk
 
     def __init__(self, gen: Generation, model: str, n: int, want_lp: bool, tools: ToolRequest | None = None,
-                 reasoning: str | None = None, reasoning_done: bool = False):
+                 reasoning: str | None = None, reasoning_done: bool = False, prompt_lp: int | None = None):
         """reasoning_done: the prompt closed the reasoning, so the whole output is content."""
-        super().__init__(gen, model, n)
+        super().__init__(gen, model, n, prompt_lp)
         self.want_lp = want_lp
         self.tools, self.reasoning, self.reasoning_done = tools, reasoning, reasoning_done
         # Parsing the text into reasoning / content / tool calls: only when asked, else the text is content.
@@ -257,7 +259,8 @@ class _ChatResponder(OpenAIResponder):
                                             finish_reason=self._finish_reason(c, output),
                                             matched_stop=c.matched_stop))
         return ChatCompletionResponse(id=self.base, created=int(time.time()), model=self.model, choices=out,
-                                      usage=self.usage(), system_fingerprint=self.fingerprint)
+                                      usage=self.usage(), system_fingerprint=self.fingerprint,
+                                      prompt_logprobs=self.prompt_logprobs(self.choices[0]))
 
     def events(self, c: ChoiceState, out: RequestOutput, text: str) -> list[ChatCompletionChunk]:
         # The role goes with the first delta, which comes after prefill with the first token: a client

@@ -1,7 +1,8 @@
 """POST /v1/completions: OpenAI text completions — prompts as text or token ids (one or a batch), n
 choices each, logprobs with text offsets, echo (with prompt logprobs), structured output
-(response_format, regex, ebnf, vLLM's guided_* / structured_outputs), vLLM's truncate_prompt_tokens and
-include_stop_str_in_output, streaming with optional usage.
+(response_format, regex, ebnf, vLLM's guided_* / structured_outputs), vLLM's truncate_prompt_tokens,
+include_stop_str_in_output and prompt_logprobs (per choice; as in vLLM, echo with logprobs N lists them
+too, with N), streaming with optional usage.
 
 logprobs follow vLLM's shape: each position's top_logprobs holds the top N and the chosen token even
 when it is not among them (so logprobs: 0 names the chosen token); an echoed prompt position holds its
@@ -18,7 +19,7 @@ from aiohttp import web
 from runtime.gateway.choice_state import ChoiceState
 from runtime.gateway.errors import not_supported
 from runtime.gateway.generation import Generation
-from runtime.gateway.openai_responder import OpenAIResponder
+from runtime.gateway.openai_responder import OpenAIResponder, prompt_logprobs_num, score_prompts_once
 from runtime.gateway.output_constraint import OutputConstraint
 from runtime.gateway.prompt_input import PromptInput
 from runtime.gateway.protocol import (
@@ -59,12 +60,12 @@ class _Offsets:
         return entry
 
 
-def _prompt_part(c: ChoiceState) -> tuple[list[int], list[float | None], list[Tops]]:
-    """Echoed prompt tokens with their logprobs and top N (the first token has none)."""
+def _prompt_part(c: ChoiceState, k: int) -> tuple[list[int], list[float | None], list[Tops]]:
+    """Echoed prompt tokens with their logprobs and top k (the first token has none)."""
     ids = list(c.req.input_ids)
     lps = list(c.input_logprobs or [None] * len(ids))
     tops = c.input_top_logprobs
-    return ids, lps, [t or [] for t in tops] if tops else [[] for _ in ids]
+    return ids, lps, [(t or [])[:k] for t in tops] if tops else [[] for _ in ids]
 
 
 def _tops(tops: list[Tops] | None, n: int) -> list[Tops]:
@@ -80,8 +81,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise not_supported("suffix", "suffix")
     if body.best_of is not None and body.best_of != n:
         raise not_supported("best_of other than n", "best_of")
-    if (field := body.unhonoured_field()) is not None:
-        raise not_supported(field, field)
+    prompt_lp = prompt_logprobs_num(body)
     constraint = OutputConstraint.from_body(body)
     prompts = PromptInput.parse(body.prompt, client.tokenizer.encode).truncated(body.truncate_prompt_tokens,
                                                                                 client.context_len)
@@ -97,22 +97,30 @@ async def completions(request: web.Request) -> web.StreamResponse:
         params = constraint.apply(params)
     base = state.new_id("cmpl")
     echo_lp = want_lp and bool(body.echo)
-    reqs = state.choice_requests(client, base, prompts.ids, params, n, return_input_logprob=echo_lp,
-                                 input_top_logprobs_num=(body.logprobs or 0) if echo_lp else 0)
+    if prompt_lp is None and echo_lp and not body.stream:
+        prompt_lp = body.logprobs  # vLLM's default: echo's logprobs N are the prompt's too
+    scored = echo_lp or prompt_lp is not None
+    top_n = max((body.logprobs or 0) if echo_lp else 0, prompt_lp or 0)
+    reqs = state.choice_requests(client, base, prompts.ids, params, n, return_input_logprob=scored,
+                                 input_top_logprobs_num=top_n)
+    if scored and not echo_lp:  # echo shows each choice's own prompt logprobs, a stream's in its first delta
+        reqs = score_prompts_once(reqs, n)
     if constraint is not None:
         await state.check_grammar(client, reqs[0], constraint.param)
     echo = [(prompts.texts[i // n] if prompts.texts[i // n] is not None else client.tokenizer.decode(r.input_ids))
             if body.echo else "" for i, r in enumerate(reqs)]
     gen.set_choices(base, reqs, hide_output=scoring)
-    return await gen.respond(bool(body.stream), _CompletionsResponder(gen, model, n, echo, want_lp))
+    responder = _CompletionsResponder(gen, model, n, echo, body.logprobs, prompt_lp)
+    return await gen.respond(bool(body.stream), responder)
 
 
 class _CompletionsResponder(OpenAIResponder):
     chunk_type = CompletionResponse
 
-    def __init__(self, gen: Generation, model: str, n: int, echo: list[str], want_lp: bool):
-        super().__init__(gen, model, n)
-        self.echo, self.want_lp = echo, want_lp
+    def __init__(self, gen: Generation, model: str, n: int, echo: list[str], logprobs: int | None,
+                 prompt_lp: int | None):
+        super().__init__(gen, model, n, prompt_lp)
+        self.echo, self.want_lp, self.top_n = echo, logprobs is not None, logprobs or 0
         self.offsets = [_Offsets(self.tokenizer) for _ in self.choices]
 
     def body(self) -> CompletionResponse:
@@ -120,11 +128,12 @@ class _CompletionsResponder(OpenAIResponder):
         for c, echo in zip(self.choices, self.echo):
             lp = None
             if self.want_lp:
-                ids, lps, tops = _prompt_part(c) if echo else ([], [], [])
+                ids, lps, tops = _prompt_part(c, self.top_n) if echo else ([], [], [])
                 lp = _Offsets(self.tokenizer).build(ids + c.ids, lps + c.logprobs,
                                                     tops + _tops(c.top_logprobs, len(c.ids)))
             out_choices.append(CompletionChoice(index=c.index, text=echo + c.text, logprobs=lp,
-                                                finish_reason=c.finish_reason, matched_stop=c.matched_stop))
+                                                finish_reason=c.finish_reason, matched_stop=c.matched_stop,
+                                                prompt_logprobs=self.prompt_logprobs(c)))
         return CompletionResponse(id=self.base, created=int(time.time()), model=self.model, choices=out_choices,
                                   system_fingerprint=self.fingerprint, usage=self.usage())
 
@@ -133,7 +142,7 @@ class _CompletionsResponder(OpenAIResponder):
         echo = self.echo[i] if self.first_delta(c) else ""  # the prompt goes with the first delta
         lp = None
         if self.want_lp:
-            ids, lps, tops = _prompt_part(c) if echo else ([], [], [])
+            ids, lps, tops = _prompt_part(c, self.top_n) if echo else ([], [], [])
             new_ids, new_lps, new_tops = c.new_tokens(out)
             lp = self.offsets[i].build(ids + new_ids, lps + new_lps, tops + _tops(new_tops, len(new_ids)))
         text = echo + text

@@ -111,18 +111,10 @@ class OpenAISamplingFields(Struct, kw_only=True):
     structured_outputs: StructuredOutputs | None = None
     include_stop_str_in_output: bool | None = None  # vLLM's: the matched stop string stays in the text
     truncate_prompt_tokens: Int64 | None = None  # vLLM's: keep the prompt's last k tokens (-1: the context)
-    # vLLM fields Shoal does not implement: declared so a value that asks for something is a 400
-    # (unhonoured_field), not silently ignored.
+    allowed_token_ids: list[Int64] | None = None  # vLLM's: sampling restricted to these ids
+    bad_words: list[str] | None = None  # vLLM's: these words are never generated
+    # vLLM's: each prompt position's logprobs (the prompt token and the top N), on the response
     prompt_logprobs: Int64 | None = None
-    allowed_token_ids: list[Int64] | None = None
-    bad_words: list[str] | None = None
-
-    def unhonoured_field(self) -> str | None:
-        """The first vLLM field given with a value Shoal would have to act on but cannot."""
-        for name in ("prompt_logprobs", "allowed_token_ids"):
-            if getattr(self, name) is not None:
-                return name
-        return "bad_words" if self.bad_words else None
 
 
 
@@ -145,12 +137,26 @@ class CompletionLogprobs(Struct):
     text_offset: list[int]
 
 
+class PromptLogprob(Struct):
+    """One token of a prompt position, in vLLM's prompt_logprobs (its Logprob)."""
+
+    logprob: float
+    rank: int | None  # in the position's whole distribution, 1 = the most likely
+    decoded_token: str | None
+
+
+# vLLM's prompt_logprobs: per prompt position, null for the first, else its tokens keyed by token id (a JSON
+# object key, so a string): the prompt's own token first, then the top N.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(Struct):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None | UnsetType = UNSET  # only when asked (never in a stream)
 
 
 class CompletionResponse(Struct, kw_only=True):
@@ -261,6 +267,7 @@ class ChatCompletionResponse(Struct, kw_only=True):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None | UnsetType = UNSET  # only when asked: the prompt all choices share
 
 
 class DeltaMessage(Struct, omit_defaults=True):

@@ -29,6 +29,7 @@ from runtime.gateway.protocol import OpenAISamplingFields
 from runtime.gateway.ttft_trace import TtftTrace
 from runtime.messages import GenerateRequest
 from runtime.sampling.params import SamplingParams
+from runtime.text.bad_words import tokenize_bad_words
 
 ClientProvider = Callable[[], EngineClient | None]
 
@@ -123,7 +124,8 @@ class GatewayState:
                   "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
                   "repetition_penalty": "repetition_penalty", "stop_token_ids": "stop_token_ids",
                   "seed": "seed", "ignore_eos": "ignore_eos", "min_tokens": "min_new_tokens",
-                  "skip_special_tokens": "skip_special_tokens"}
+                  "skip_special_tokens": "skip_special_tokens", "allowed_token_ids": "allowed_token_ids",
+                  "bad_words": "bad_words"}
         kw: dict[str, Any] = {ours: getattr(body, theirs) for theirs, ours in fields.items()
                               if getattr(body, theirs) is not None}
         stop = body.stop
@@ -154,6 +156,7 @@ class GatewayState:
                         input_top_logprobs_num: int = 0) -> list[GenerateRequest]:
         """n requests per prompt (choice index = prompt * n + i), each validated before any is sent so
         a bad one leaves nothing running. A given seed becomes seed + i: choices differ, reproducibly."""
+        params = self.with_bad_words_ids(client, params)  # once for all the choices, not in each validate
         reqs = []
         for p, prompt in enumerate(prompts):
             ids = tuple(prompt)  # one copy shared by the n choices (GenerateRequest makes a list a tuple)
@@ -181,7 +184,19 @@ class GatewayState:
             raise bad_request(e.message, param=param, code=code or "invalid_value") from None
 
     @staticmethod
+    def with_bad_words_ids(client: EngineClient, params: SamplingParams) -> SamplingParams:
+        """params with its bad_words as token ids (the scheduler has no tokenizer; the gateway has the
+        client's); a 400 naming bad_words if they cannot be."""
+        try:
+            return tokenize_bad_words(params, client.tokenizer)
+        except ShoalError as e:
+            raise from_shoal_error(e) from None
+
+    @staticmethod
     def validate(client: EngineClient, req: GenerateRequest) -> GenerateRequest:
+        if req.sampling_params.bad_words:  # /generate's sampling_params may name them too
+            req = msgspec.structs.replace(
+                req, sampling_params=GatewayState.with_bad_words_ids(client, req.sampling_params))
         try:
             return client.validate(req)
         except ShoalError as e:

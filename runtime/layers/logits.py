@@ -22,6 +22,9 @@ class LogitsOutput:
     next_token_logits: torch.Tensor  # [B, V] float32; the model dtype in a captured graph's buffer and for TARGET_VERIFY
     input_logprobs: list[list[float]] | None = None  # per request that asked; logprob of each new input token after the first
     input_top_logprobs: list[list[Tops]] | None = None  # per request where any asked top N: each such position's top N
+    # Alongside input_logprobs: each input token's rank in its distribution, 1 = the most likely (vLLM's
+    # Logprob.rank: how many tokens are at least as likely, the token included).
+    input_token_ranks: list[list[int]] | None = None
     # The argmax of each row of next_token_logits, taken inside a DECODE graph (which also wrote it to the
     # runner's future-token buffer); None elsewhere.
     greedy_ids: torch.Tensor | None = None
@@ -62,6 +65,7 @@ class LogitsProcessor:
             return LogitsOutput(logits)
         tops_nums = fb.input_top_logprobs_nums or [0] * fb.batch_size
         input_logprobs: list[list[float]] = []
+        input_ranks: list[list[int]] = []
         input_tops: list[list[Tops]] | None = [] if any(tops_nums) else None
         for i, want in enumerate(fb.return_input_logprob):
             k = tops_nums[i] if want else 0
@@ -69,15 +73,18 @@ class LogitsProcessor:
                 input_tops.append([])
             if not want:
                 input_logprobs.append([])
+                input_ranks.append([])
                 continue
             s, n = fb.extend_start_loc_cpu[i], fb.extend_seq_lens_cpu[i]
             lp = torch.log_softmax(self.compute_logits(hidden[s:s + n - 1]).float(), dim=-1)
             targets = input_ids[s + 1:s + n]
-            input_logprobs.append(lp.gather(1, targets[:, None]).squeeze(1).tolist())
+            chosen = lp.gather(1, targets[:, None])
+            input_logprobs.append(chosen.squeeze(1).tolist())
+            input_ranks.append((lp >= chosen).sum(dim=-1).tolist())
             if k > 0:
                 vals, idx = lp.topk(min(k, lp.shape[-1]), dim=-1)
                 input_tops[i] = [list(zip(ids, vs)) for ids, vs in zip(idx.tolist(), vals.tolist())]
-        return LogitsOutput(logits, input_logprobs, input_tops)
+        return LogitsOutput(logits, input_logprobs, input_tops, input_ranks)
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

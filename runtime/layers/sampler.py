@@ -1,6 +1,7 @@
-"""Sampler: penalties, logit bias, temperature, top-k / top-p / min-p, then a Gumbel-style draw whose noise is a
-pure function of (request seed, output position, token id). So a seeded request samples the same
-tokens whatever else shares its batch, on any device, with no generator state to carry around."""
+"""Sampler: logit bias, penalties, allowed / banned ids (min_new_tokens, bad words), a grammar's mask,
+temperature, top-k / top-p / min-p, then a Gumbel-style draw whose noise is a pure function of (request
+seed, output position, token id). So a seeded request samples the same tokens whatever else shares its
+batch, on any device, with no generator state to carry around."""
 
 from __future__ import annotations
 
@@ -43,6 +44,18 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     return argmax_rows(logits) if use_argmax_rows(logits) else logits.argmax(dim=-1)
 
 
+def bad_word_bans(words: list[list[int]], context: list[int]) -> list[int]:
+    """The last id of each bad word whose other ids end the output so far (context: its last ids, -1 for
+    one not known yet, which matches any); a one-token word always. vLLM's rule: a prefix longer than the
+    output is no match, so the prompt never completes a bad word."""
+    bans = []
+    for w in words:
+        k = len(w) - 1
+        if k == 0 or (k <= len(context) and all(c in (-1, t) for c, t in zip(context[-k:], w))):
+            bans.append(w[-1])
+    return bans
+
+
 @dataclass(slots=True)
 class SampleOutput:
     next_token_ids: torch.Tensor  # [B]
@@ -52,15 +65,12 @@ class SampleOutput:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, sb: SamplingBatch) -> SampleOutput:
-        # Penalties, biases and blocked ids edit rows in place: copy, so the caller's logits stay as computed.
+        # Penalties, biases and masks edit rows in place: copy, so the caller's logits stay as computed.
         logits = logits.to(torch.float32, copy=sb.edits_logits)
-        bsz, vocab = logits.shape
         raw_logprobs = torch.log_softmax(logits, dim=-1) if sb.return_logprob else None
         self._apply_logit_bias(logits, sb)  # before penalties, as vLLM
         logits = self._apply_penalties(logits, sb)
-        for i, banned in enumerate(sb.blocked_token_ids):
-            if banned:
-                logits[i, to_device([t for t in banned if t < vocab], torch.int64, logits.device)] = float("-inf")
+        self._apply_allowed_and_banned(logits, sb)  # after the bias and penalties: none lifts a masked id
         if sb.grammar_rows:  # after the edits above: a grammar's -inf must not be biased back to life
             dev = logits.device
             apply_token_bitmask(logits, bitmask_from_bytes(sb.grammar_mask, len(sb.grammar_rows), dev),
@@ -89,6 +99,38 @@ class Sampler:
             dev = logits.device
             logits.index_put_((to_device(list(rows), torch.int64, dev), to_device(list(toks), torch.int64, dev)),
                               to_device(list(vals), torch.float32, dev), accumulate=True)
+
+    @staticmethod
+    def _apply_allowed_and_banned(logits: torch.Tensor, sb: SamplingBatch) -> None:
+        """-inf outside a row's allowed_token_ids and on its banned ids (EOS / stop ids below min_new_tokens,
+        the bad words it would complete), each in one op for the batch. A ban that leaves a row none of its
+        allowed ids is dropped: allowed_token_ids is the request's hard constraint, and an all -inf row has
+        no distribution to sample (vLLM would sample garbage from it)."""
+        vocab = logits.shape[1]
+        allowed = sb.allowed_token_ids
+        rows: list[int] = []
+        toks: list[int] = []
+        for i, banned in enumerate(sb.blocked_token_ids):
+            if sb.bad_words_ids and sb.bad_words_ids[i]:
+                banned = [*banned, *bad_word_bans(sb.bad_words_ids[i], sb.bad_words_context[i])]
+            if not banned or (allowed and allowed[i] and set(banned).issuperset(allowed[i])):
+                continue
+            toks.extend(t for t in banned if t < vocab)
+            rows.extend([i] * (len(toks) - len(rows)))
+        dev = logits.device
+
+        def ids(values: list[int]) -> torch.Tensor:
+            return to_device(values, torch.int64, dev)
+
+        if allowed:  # a mask of the limited rows only, not of the whole batch
+            limited = [i for i, a in enumerate(allowed) if a]
+            keep = torch.zeros((len(limited), vocab), dtype=torch.bool, device=dev)
+            keep[ids([j for j, i in enumerate(limited) for t in allowed[i] if t < vocab]),
+                 ids([t for i in limited for t in allowed[i] if t < vocab])] = True
+            at = ids(limited)
+            logits.index_copy_(0, at, logits.index_select(0, at).masked_fill_(~keep, float("-inf")))
+        if rows:
+            logits[ids(rows), ids(toks)] = float("-inf")
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:

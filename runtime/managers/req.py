@@ -71,6 +71,8 @@ class Req:
         # The token the grammar still waits for (a reasoning model's think-end): until it is sampled the
         # grammar neither masks, nor advances, nor ends the request. None: the grammar is active.
         self.grammar_wait: int | None = params.grammar_after_token
+        # The output tokens a bad word's prefix can reach back to (its longest word's length - 1).
+        self.bad_words_reach = max(map(len, params.bad_words_ids), default=1) - 1
 
     @property
     def grammar_active(self) -> bool:
@@ -145,6 +147,13 @@ class Req:
         if not self.params.min_new_tokens or len(self.output_ids) + self.pending_tokens >= self.params.min_new_tokens:
             return _NOTHING_BLOCKED
         return sorted(self.eos_token_ids | self.stop_token_ids)
+
+    def bad_words_context(self) -> list[int]:
+        """The last output ids a bad word's prefix is matched against (the output only, as vLLM: never the
+        prompt); -1 for each token still sampling on the device (overlap scheduling), which matches any, so
+        no bad word is ever completed though the ban may be wider for that step."""
+        n = self.bad_words_reach
+        return [*self.output_ids[-n:], *[-1] * self.pending_tokens][-n:] if n else []
 
     # ---- finishing ----------------------------------------------------------------------------------
     def check_finished(self, context_len: int, tail: tuple[str, int] | None = None) -> None:

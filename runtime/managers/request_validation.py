@@ -38,9 +38,16 @@ def validate_request(limits: RequestLimits, req: GenerateRequest) -> GenerateReq
     if n + 1 > limits.kv_size:
         raise InvalidRequestError(f"the prompt has {n} tokens but the KV pool holds only {limits.kv_size}",
                                   param="prompt")
-    after = req.sampling_params.grammar_after_token
-    for ids, param in ((req.input_ids, "prompt"), (req.sampling_params.logit_bias, "logit_bias"),
-                       (() if after is None else (after,), "grammar_after_token")):
+    p = req.sampling_params
+    if p.bad_words:  # a scheduler has no tokenizer: strings reaching it would be silently ignored
+        raise InvalidRequestError("bad_words must reach the scheduler as token ids: tokenize them first "
+                                  "(runtime.text.bad_words.tokenize_bad_words; the Engine and the gateway do)",
+                                  param="bad_words")
+    after = p.grammar_after_token
+    for ids, param in ((req.input_ids, "prompt"), (p.logit_bias, "logit_bias"),
+                       (() if after is None else (after,), "grammar_after_token"),
+                       (p.allowed_token_ids or (), "allowed_token_ids"),
+                       ([t for w in p.bad_words_ids for t in w], "bad_words_ids")):
         _check_token_ids(list(ids), limits.vocab_size, param)
     k = req.input_top_logprobs_num
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20:  # as top_logprobs_num (OpenAI's limit)

@@ -65,6 +65,7 @@ class ScheduleBatch:
 
     def _sampling(self) -> SamplingBatch:
         rs = self.reqs
+        bad_words = any(r.params.bad_words_ids for r in rs)
         return SamplingBatch(
             temperatures=[0.0 if r.params.is_greedy else r.params.temperature for r in rs],
             top_ps=[r.params.top_p for r in rs], top_ks=[r.params.top_k for r in rs],
@@ -79,4 +80,8 @@ class ScheduleBatch:
             top_logprobs_nums=[r.params.top_logprobs_num for r in rs],
             return_logprob=any(r.params.return_logprob for r in rs),
             logit_biases=[list(r.params.logit_bias.items()) for r in rs] if any(r.params.logit_bias for r in rs) else [],
+            allowed_token_ids=[r.params.allowed_token_ids or [] for r in rs]
+            if any(r.params.allowed_token_ids for r in rs) else [],
+            bad_words_ids=[r.params.bad_words_ids for r in rs] if bad_words else [],
+            bad_words_context=[r.bad_words_context() for r in rs] if bad_words else [],
         )

@@ -229,7 +229,7 @@ class Scheduler:
         """Cases where the next batch needs the real tokens of the one in flight."""
         # A grammar's mask for the next token needs the token in flight (its matcher must advance first).
         return (self.kv.available() < len(self.running) + 1
-                or any(r.params.needs_penalties for r in self.running)
+                or any(r.params.needs_penalties or r.params.needs_recent_output for r in self.running)
                 or (not self._defer_grammar and self.grammars.constrains(self.pending[0])))
 
     def _collect_pending(self) -> None:
@@ -323,6 +323,7 @@ class Scheduler:
             stepped = self.spec.apply(batch, result, lambda r, i: self.intake.append(r, result, i))
         else:
             stepped = self.intake.take(batch, result)
+        ranks = TokenIntake.prompt_ranks(batch, result)
         outputs: list[RequestOutput] = []
         for r in stepped:
             if r.finished:
@@ -330,7 +331,10 @@ class Scheduler:
             elif r.state is ReqState.PREFILLING:
                 r.state = ReqState.DECODING
                 self.running.append(r)
-            outputs.append(r.take_delta(now))
+            out = r.take_delta(now)
+            if out.input_logprobs is not None and ranks:
+                out.input_token_ranks = ranks.get(r.rid)
+            outputs.append(out)
         if outputs:
             self.sink(outputs)
         if self.stats.due():  # the numbers walk every live request: only when a line is due

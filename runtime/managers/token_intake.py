@@ -39,6 +39,16 @@ class TokenIntake:
             stepped.append(r)
         return stepped
 
+    @staticmethod
+    def prompt_ranks(batch: ScheduleBatch, result: BatchResult) -> dict[str, list[int | None]]:
+        """The prompt tokens' ranks of the requests this step scored the prompt of, by rid (position 0 None,
+        as their logprobs). The prompt's logprobs go out once, with the delta of its first token, in this
+        very step (a scored prompt is prefilled whole): the scheduler adds the ranks to that delta."""
+        if not result.input_token_ranks:
+            return {}
+        return {r.rid: [None, *result.input_token_ranks[i]] for i, r in enumerate(batch.reqs[:batch.num_extend])
+                if r.return_input_logprob and batch.completes_prefill[i]}
+
     def append(self, r: Req, result: BatchResult, i: int) -> None:
         """Row i of the result is r's next token."""
         r.output_ids.append(result.next_token_ids[i])

@@ -262,7 +262,8 @@ class ModelRunner:
         if fb.batch_size == 0 or batch.sampling is None:
             return LaunchedBatch(batch.batch_id, t0, done=BatchResult(batch_id=batch.batch_id, next_token_ids=[]))
         launched = LaunchedBatch(batch.batch_id, t0, input_logprobs=out.input_logprobs,
-                                 input_top_logprobs=out.input_top_logprobs, events=events)
+                                 input_top_logprobs=out.input_top_logprobs,
+                                 input_token_ranks=out.input_token_ranks, events=events)
         if sample_later:
             launched.deferred = (batch.sampling, out.next_token_logits, fb.req_pool_indices)
             return launched
@@ -316,7 +317,7 @@ class ModelRunner:
             batch_id=launched.batch_id, next_token_ids=ids.tolist(),
             logprobs=logprobs.tolist() if logprobs is not None else None,
             top_logprobs=sample.top_logprobs, input_logprobs=launched.input_logprobs,
-            input_top_logprobs=launched.input_top_logprobs,
+            input_top_logprobs=launched.input_top_logprobs, input_token_ranks=launched.input_token_ranks,
             forward_s=time.perf_counter() - launched.t0,
             device_s=launched.events[0].elapsed_time(launched.events[1]) / 1e3 if launched.events else 0.0)
 
@@ -328,6 +329,7 @@ class LaunchedBatch:
     sample: SampleOutput | None = None
     input_logprobs: list[list[float]] | None = None
     input_top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+    input_token_ranks: list[list[int]] | None = None
     done: BatchResult | None = None  # already complete (idle, nothing to sample)
     events: tuple | None = None  # CUDA start/end events around the batch's device work
     token_ids_host: torch.Tensor | None = None  # pinned copies, filled asynchronously (CUDA)

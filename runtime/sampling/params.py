@@ -14,6 +14,9 @@ from runtime.errors import InvalidRequestError
 # anything larger would fail a whole batch, so it is refused here, naming its field.
 INT64_MAX = 2**63 - 1
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
+# vLLM's limits (VLLM_MAX_NUM_BAD_WORDS, VLLM_MAX_BAD_WORDS_TOTAL_TOKENS): every step matches them all.
+MAX_BAD_WORDS = 128
+MAX_BAD_WORDS_TOKENS = 1024
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -35,6 +38,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     top_logprobs_num: int = 0
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = {}  # token id → added to its logit before sampling (OpenAI: [-100, 100])
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these ids may be sampled (None: any)
+    # vLLM's: words never generated. Only where a tokenizer is (the Engine, the gateway) do the strings
+    # become token ids (runtime/text/bad_words.py), into bad_words_ids; a scheduler refuses strings left over.
+    bad_words: list[str] = []
+    # Token id sequences never completed: a sequence's last id is banned while the output ends with the rest.
+    bad_words_ids: list[list[int]] = []
     # Structured output: at most one grammar constrains every sampled token (xgrammar compiles it).
     json_schema: str | None = None  # a JSON Schema as JSON text
     regex: str | None = None
@@ -55,8 +64,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         d = dict(d)
         if isinstance(d.get("stop"), str):
             d["stop"] = [d["stop"]]
-        if d.get("stop") is None:
-            d.pop("stop", None)
+        for key in ("stop", "bad_words", "bad_words_ids"):  # null: none, as vLLM reads it
+            if d.get(key) is None:
+                d.pop(key, None)
         if isinstance(d.get("json_schema"), dict):  # a schema given as an object rather than JSON text
             d["json_schema"] = json.dumps(d["json_schema"])
         try:
@@ -87,6 +97,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return None
 
     @property
+    def needs_recent_output(self) -> bool:
+        """The next token's mask depends on the tokens just sampled (a bad word of several tokens): overlap
+        scheduling must collect the batch in flight before building the next one."""
+        return any(len(w) > 1 for w in self.bad_words_ids)
+
+    @property
     def needs_penalties(self) -> bool:
         return (
             self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
@@ -101,12 +117,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise InvalidRequestError(f"a sampling parameter has the wrong type: {e}", param="sampling_params") from None
 
     def _validate(self) -> None:
-        def bad(param: str, msg: str) -> InvalidRequestError:
-            return InvalidRequestError(msg, param=param)
-
-        def integer(param: str, v: object, lo: int, hi: int, why: str = "", what: str = "") -> None:
-            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-                raise bad(param, f"{what or param} must be an integer in [{lo}, {_name(hi)}]{why}, got {v!r}")
+        bad, integer = _bad, _integer
 
         integer("max_new_tokens", self.max_new_tokens, 1, INT64_MAX, " (it is clipped to the context length)")
         integer("min_new_tokens", self.min_new_tokens, 0, INT64_MAX)
@@ -147,6 +158,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             integer("logit_bias", t, 0, INT64_MAX, what="each logit_bias key (a token id)")
             if not -100.0 <= v <= 100.0:
                 raise bad("logit_bias", f"logit_bias maps token ids >= 0 to values in [-100, 100], got {t}: {v}")
+        self._validate_token_sets()
         given = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
         if len(given) > 1:
             raise bad(given[1], f"give at most one of json_schema, regex and ebnf, got {' and '.join(given)}")
@@ -158,6 +170,39 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                     what="grammar_after_token (a token id)")
             if not given:  # it would silently do nothing: say so
                 raise bad("grammar_after_token", "grammar_after_token needs a grammar (json_schema, regex or ebnf)")
+
+    def _validate_token_sets(self) -> None:
+        """allowed_token_ids, bad_words and bad_words_ids (their ids' vocabulary end: validate_request)."""
+        bad, integer = _bad, _integer
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:  # vLLM refuses it too: nothing could be sampled
+                raise bad("allowed_token_ids", "allowed_token_ids must not be empty (leave it out to allow any token)")
+            for t in self.allowed_token_ids:
+                integer("allowed_token_ids", t, 0, INT64_MAX, what="each of allowed_token_ids (a token id)")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise bad("bad_words", f"at most {MAX_BAD_WORDS} bad_words, got {len(self.bad_words)}")
+        if any(not isinstance(w, str) or not w.strip() or len(w) > 1024 for w in self.bad_words):
+            raise bad("bad_words", "bad_words must be non-blank strings of at most 1024 characters")
+        if len(self.bad_words_ids) > MAX_BAD_WORDS:
+            raise bad("bad_words_ids", f"at most {MAX_BAD_WORDS} bad word token sequences (bad_words give one or "
+                                       f"two each), got {len(self.bad_words_ids)}")
+        if any(not isinstance(w, list) or not w for w in self.bad_words_ids):
+            raise bad("bad_words_ids", "each of bad_words_ids must be a non-empty list of token ids")
+        if sum(map(len, self.bad_words_ids)) > MAX_BAD_WORDS_TOKENS:
+            raise bad("bad_words_ids", f"bad words may hold at most {MAX_BAD_WORDS_TOKENS} tokens in all, got "
+                                       f"{sum(map(len, self.bad_words_ids))}")
+        for w in self.bad_words_ids:
+            for t in w:
+                integer("bad_words_ids", t, 0, INT64_MAX, what="each id of bad_words_ids")
+
+
+def _bad(param: str, msg: str) -> InvalidRequestError:
+    return InvalidRequestError(msg, param=param)
+
+
+def _integer(param: str, v: object, lo: int, hi: int, why: str = "", what: str = "") -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise _bad(param, f"{what or param} must be an integer in [{lo}, {_name(hi)}]{why}, got {v!r}")
 
 
 def _name(n: int) -> str:

@@ -3,7 +3,8 @@
 Row j of request i (its last token, then its drafts d_1..d_k) is sampled exactly as the normal Sampler
 would sample output position len(output) + j, given that d_1..d_j were emitted before it: same
 temperature / top-k / top-p / min-p, penalties over the tokens so far (drafts included), logit bias,
-EOS blocked below min_new_tokens, and the same noise (a function of seed, position and token id).
+EOS blocked below min_new_tokens, allowed_token_ids, bad words matched against the output so far (drafts
+included), and the same noise (a function of seed, position and token id).
 Draft d_{j+1} is accepted while it equals the target's row-j token; the request emits the accepted
 drafts plus the target's token at the first mismatch (or after the last draft).
 
@@ -22,10 +23,11 @@ class VerifySampling:
     @staticmethod
     def plain_greedy(sb: SamplingBatch, spec: SpecInfo) -> bool:
         """True when every row's token is just the argmax of its logits (greedy; no penalty, bias, grammar,
-        logprobs or EOS block in force), so the step can skip expand() and the Sampler."""
+        allowed or bad words, logprobs or EOS block in force), so the step can skip expand() and the Sampler."""
         min_left = spec.min_new_left or [0] * len(sb.temperatures)
         return (sb.all_greedy and not sb.return_logprob and not any(sb.penalty_tokens) and not sb.logit_biases
-                and not sb.grammar_rows and not any(b for b, left in zip(sb.blocked_token_ids, min_left) if left))
+                and not sb.grammar_rows and not any(sb.allowed_token_ids) and not any(sb.bad_words_ids)
+                and not any(b for b, left in zip(sb.blocked_token_ids, min_left) if left))
 
     @staticmethod
     def expand(sb: SamplingBatch, spec: SpecInfo, drafts: list[list[int]]) -> SamplingBatch:
@@ -48,6 +50,10 @@ class VerifySampling:
                                for j in range(n)],
             top_logprobs_nums=rep(sb.top_logprobs_nums), return_logprob=sb.return_logprob,
             logit_biases=rep(sb.logit_biases) if sb.logit_biases else [],
+            allowed_token_ids=rep(sb.allowed_token_ids) if sb.allowed_token_ids else [],
+            bad_words_ids=rep(sb.bad_words_ids) if sb.bad_words_ids else [],
+            bad_words_context=[ctx + d[:j] for ctx, d, n in zip(sb.bad_words_context, drafts, reps) for j in range(n)]
+            if sb.bad_words_ids else [],
         )
 
     @staticmethod

@@ -2,7 +2,7 @@
 whose output changes with a kwarg, checked through prompt_tokens and the greedy answer to the very
 prompt), add_generation_prompt, continue_final_message (and its 400 with add_generation_prompt),
 include_stop_str_in_output on chat and completions, streamed and not, truncate_prompt_tokens, and the
-vLLM fields Shoal does not implement as 400s naming them."""
+vLLM fields' bad values as 400s naming them (prompt_logprobs: test_gw_prompt_logprobs.py)."""
 
 from __future__ import annotations
 
@@ -74,9 +74,6 @@ def test_continue_final_message(templated):
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs"),
-    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
-    ({"bad_words": ["hello"]}, "bad_words"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
 ])
@@ -87,9 +84,6 @@ def test_chat_400s(gw_url, body, param):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"prompt_logprobs": 0}, "prompt_logprobs"),
-    ({"allowed_token_ids": []}, "allowed_token_ids"),
-    ({"bad_words": ["x"]}, "bad_words"),
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
 ])
 def test_completions_400s(gw_url, body, param):
@@ -97,7 +91,7 @@ def test_completions_400s(gw_url, body, param):
     assert status == 400 and err["error"]["param"] == param, err
 
 
-def test_default_values_of_unimplemented_fields_are_fine(gw_url):
+def test_default_values_of_vllm_fields_are_fine(gw_url):
     defaults = {"prompt_logprobs": None, "allowed_token_ids": None, "bad_words": [], "truncate_prompt_tokens": None}
     status, r = http(gw_url + "/v1/completions", "POST", {"prompt": "hi", "max_tokens": 2, **defaults})
     assert status == 200, r
