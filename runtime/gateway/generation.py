@@ -19,10 +19,10 @@ from typing import Any, Generic, TypeVar
 from aiohttp import web
 
 from runtime.engine_client import EngineClient
-from runtime.errors import ShoalError
+from runtime.errors import RequestAbortedError, ShoalError
 from runtime.gateway.body import read_body
 from runtime.gateway.choice_state import ChoiceState
-from runtime.gateway.errors import ApiError
+from runtime.gateway.errors import ApiError, from_shoal_error
 from runtime.gateway.fan_in import OutputFanIn
 from runtime.gateway.protocol import encode
 from runtime.gateway.sse import SseWriter, is_disconnected
@@ -46,8 +46,20 @@ class Responder(ABC):
     def events(self, c: ChoiceState, out: RequestOutput, text: str) -> Iterable[Any]:
         """The stream events for one delta of choice c (text: what it made safe to show)."""
 
+    # The Responses API's framing: every event named by its "type", no [DONE] at the end, and a failure
+    # after the 200 headers ends with failed_events rather than a bare error object and [DONE].
+    named_events = False
+
+    def first_events(self) -> Iterable[Any]:
+        """Events sent once the request is admitted, before any token."""
+        return ()
+
     def last_events(self) -> Iterable[Any]:
         """Events after every choice finished, before [DONE]."""
+        return ()
+
+    def failed_events(self, error: ApiError) -> Iterable[Any]:
+        """The last events of a named-event stream that failed."""
         return ()
 
 
@@ -96,14 +108,26 @@ class Generation(Generic[B]):
     async def _stream(self, responder: Responder) -> web.StreamResponse:
         sse = SseWriter(self.request)
         await sse.start()
+        send = sse.send_typed if responder.named_events else sse.send
         try:
-            await self._run(responder, sse.send)
+            for event in responder.first_events():
+                await send(encode(event))
+            await self._run(responder, send)
             for event in responder.last_events():
-                await sse.send(encode(event))
-            return await sse.finish()
+                await send(encode(event))
+            return await (sse.end() if responder.named_events else sse.finish())
         except (ApiError, ShoalError) as e:
             self.state.errors.record(self.request.method, self.request.path, e)
-            return await sse.end_on_error(e)
+            if not responder.named_events:
+                return await sse.end_on_error(e)
+            if isinstance(e, RequestAbortedError):  # the client left: leaving aborted its request already
+                return sse.response
+            try:
+                for event in responder.failed_events(e if isinstance(e, ApiError) else from_shoal_error(e)):
+                    await send(encode(event))
+            except RequestAbortedError:
+                return sse.response
+            return await sse.end()
 
     async def _run(self, responder: Responder, send: Callable[[bytes], Awaitable[None]] | None) -> None:
         async with OutputFanIn(self.client, [c.req for c in self.choices],

@@ -1,47 +1,51 @@
 """POST /v1/responses: OpenAI's Responses API (`client.responses.create`, agent frameworks) as vLLM and
 SGLang serve it, on the chat machinery: instructions and input items through the model's chat template
 (responses_input.py), text.format as structured output, function tools with tool_choice none / auto
-(--tool-call-parser) / required / named, reasoning split out by --reasoning-parser into a reasoning item.
+(--tool-call-parser) / required / named, reasoning split out by --reasoning-parser into a reasoning item,
+and include ["message.output_text.logprobs"] (with top_logprobs alternatives) as the output_text's logprobs.
 
 The answer is one Response object: a reasoning item, the assistant message (output_text) and
 function_call items, status "completed" or "incomplete" (max_output_tokens), usage in the Responses
-shape. Streamed, it is OpenAI's event sequence: response.created, response.in_progress, then per item
-output_item.added, content_part.added, the text / reasoning / arguments deltas and their done events,
-output_item.done, and last response.completed (response.incomplete on a length end) with the whole
-Response. As on the other routes, the stream is `data:` events ending with [DONE] (the SDK stops there).
+shape. Streamed, it is OpenAI's event sequence, each event named (Responder.named_events): response.created
+and response.in_progress at once, then per item output_item.added, content_part.added, the text / reasoning
+/ arguments deltas and their done events, output_item.done, and last response.completed
+(response.incomplete on a length end) with the whole Response; every event numbered by sequence_number.
 
 Shoal keeps no state: nothing is stored (store is accepted and echoed false), and what needs a stored
 response (previous_response_id, conversation, item_reference, background) is a 400, as are built-in
 tools and reasoning effort. One response a request: the API has no n."""
-
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
 from runtime.errors import ShoalError
-from runtime.gateway.chat_output import ChatOutput
+from runtime.gateway.chat_output import ChatDelta, ChatOutput
 from runtime.gateway.choice_state import ChoiceState
 from runtime.gateway.errors import ApiError, bad_request, from_shoal_error
 from runtime.gateway.generation import Generation, Responder
-from runtime.gateway.openai_chat import gate_grammar, template_messages
-from runtime.gateway.protocol import OpenAISamplingFields
+from runtime.gateway.openai_chat import chat_logprobs, gate_grammar, template_messages
+from runtime.gateway.protocol import ChatTokenLogprob, ErrorInfo, OpenAISamplingFields
 from runtime.gateway.reasoning_parsers import create_reasoning_parser
 from runtime.gateway.reasoning_parsers.base import THINK_CLOSE
-from runtime.gateway.reasoning_parsers.grammar_gate import AnswerOnlyParser, turn_opening
+from runtime.gateway.reasoning_parsers.grammar_gate import AnswerOnlyParser, grammar_gate, turn_opening
 from runtime.gateway.responses_input import (
     check_unsupported,
     format_constraint,
     input_messages,
     tool_request,
+    wants_logprobs,
 )
 from runtime.gateway.responses_output import ResponseItems, new_id
 from runtime.gateway.responses_protocol import (
+    ErrorEvent,
     IncompleteDetails,
     InputTokensDetails,
     OutputTokensDetails,
+    ResponseError,
     ResponseEvent,
     ResponseObject,
     ResponsesRequest,
@@ -60,6 +64,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     body, client, state = gen.body, gen.client, gen.state
     model = state.check_model(client, body.model)
     check_unsupported(body)
+    want_lp = wants_logprobs(body)
     tools = tool_request(body, state.args.tool_call_parser)
     constraint = format_constraint(body.text)
     tool_constraint = tools.constraint() if tools is not None else None
@@ -85,18 +90,22 @@ async def responses(request: web.Request) -> web.StreamResponse:
     if max_new is None:
         max_new = max(1, client.context_len - len(ids))
     fields = OpenAISamplingFields(**{f: getattr(body, f) for f in _SAMPLING_FIELDS})
-    params = state.sampling_params(fields, max_new, max_param="max_output_tokens")
+    params = state.sampling_params(fields, max_new, return_logprob=want_lp, top_logprobs_num=body.top_logprobs or 0,
+                                   logprob_param="top_logprobs", max_param="max_output_tokens")
     reasoning, reasoning_done = state.args.reasoning_parser, False
     if constraint is not None:
         params = constraint.apply(params)
         if reasoning is not None:
             params, reasoning, reasoning_done = gate_grammar(client.tokenizer, opening, params, constraint, reasoning)
+    elif reasoning is not None:  # a prompt that closed the reasoning (enable_thinking false): all answer, as on chat
+        gate = grammar_gate(client.tokenizer, opening)
+        reasoning_done = gate is not None and gate.reasoning_done
     base = new_id("resp")
     reqs = state.choice_requests(client, base, [ids], params, 1)
     if constraint is not None:
         await state.check_grammar(client, reqs[0], constraint.param)
     gen.set_choices(base, reqs)
-    responder = _ResponsesResponder(gen, model, _echo(body), tools, reasoning, reasoning_done)
+    responder = _ResponsesResponder(gen, model, _echo(body), tools, reasoning, reasoning_done, want_lp)
     return await gen.respond(bool(body.stream), responder)
 
 
@@ -109,12 +118,15 @@ def _echo(body: ResponsesRequest) -> dict[str, Any]:
             "temperature": body.temperature, "top_p": body.top_p, "tools": body.tools or [],
             "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "parallel_tool_calls": body.parallel_tool_calls is not False, "text": text,
-            "metadata": body.metadata or {}, "user": body.user}
+            "metadata": body.metadata or {}, "user": body.user, "safety_identifier": body.safety_identifier,
+            "prompt_cache_key": body.prompt_cache_key, "top_logprobs": body.top_logprobs}
 
 
 class _ResponsesResponder(Responder):
+    named_events = True
+
     def __init__(self, gen: Generation, model: str, echo: dict[str, Any], tools: ToolRequest | None,
-                 reasoning: str | None, reasoning_done: bool):
+                 reasoning: str | None, reasoning_done: bool, want_lp: bool):
         """reasoning_done: the prompt closed the reasoning, so the whole output is the answer."""
         self.choice: ChoiceState = gen.choices[0]
         self.tokenizer = gen.client.tokenizer
@@ -123,7 +135,9 @@ class _ResponsesResponder(Responder):
         self.tools, self.reasoning, self.reasoning_done = tools, reasoning, reasoning_done
         self.output = self._chat_output()  # the stream's parse; body() parses the final text afresh
         self.items = ResponseItems()
-        self.started = False
+        self.want_lp = want_lp
+        self._lp_next = 0  # the stream's first output token not yet given to a text delta
+        self._answer_from: int | None = None  # the first token after </think>, once found
 
     def _chat_output(self) -> ChatOutput:
         parser = None
@@ -135,8 +149,8 @@ class _ResponsesResponder(Responder):
     def incomplete(self) -> bool:
         return self.choice.finish_reason == "length"
 
-    def _response(self, status: str, items: ResponseItems | None = None,
-                  output: ChatOutput | None = None) -> ResponseObject:
+    def _response(self, status: str, items: ResponseItems | None = None, output: ChatOutput | None = None,
+                  error: ResponseError | None = None) -> ResponseObject:
         """The Response object: in progress (no output yet), or final with its items and usage."""
         if items is None:
             return ResponseObject(id=self.id, created_at=self.created, model=self.model, status=status, output=[],
@@ -149,8 +163,8 @@ class _ResponsesResponder(Responder):
             total_tokens=c.prompt_tokens + c.completion_tokens)
         return ResponseObject(
             id=self.id, created_at=self.created, model=self.model, status=status, output=items.output(),
-            usage=usage, completed_at=int(time.time()),
-            incomplete_details=IncompleteDetails(reason="max_output_tokens") if self.incomplete else None,
+            usage=usage, completed_at=int(time.time()), error=error,
+            incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
             **self.echo)
 
     def _reasoning_tokens(self, output: ChatOutput | None) -> int:
@@ -165,27 +179,100 @@ class _ResponsesResponder(Responder):
             return len(ids)
         return min(len(ids), len(self.tokenizer.encode(output.reasoning, add_special_tokens=False)))
 
+    # ---- logprobs: those of the tokens behind the message's text ----------------------------------
+    def _logprobs(self, start: int, end: int) -> list[ChatTokenLogprob]:
+        c = self.choice
+        tops = c.top_logprobs[start:end] if c.top_logprobs else None
+        return chat_logprobs(self.tokenizer, c.ids[start:end], c.logprobs[start:end], tops).content or []
+
+    def _fewest_tokens(self, lo: int, enough: Callable[[str], bool]) -> int:
+        """The smallest end in (lo, all] whose output tokens' text up to it is enough (else all)."""
+        ids = self.choice.ids
+        lo, hi = min(lo + 1, len(ids)), len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if enough(self.tokenizer.decode(ids[:mid])):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _answer_start(self, output: ChatOutput) -> int:
+        """The first token after the one that completed </think> (0 where no reasoning came before the
+        answer); found once, by the text, however the model spelt the tag in tokens."""
+        if not self.reasoning or self.reasoning_done:
+            return 0
+        if self._answer_from is None:
+            text = self.choice.text
+            if not (0 <= text.find(THINK_CLOSE) < len(text) - len(output.content)):
+                return 0
+            self._answer_from = self._fewest_tokens(0, lambda t: THINK_CLOSE in t)
+        return self._answer_from
+
+    def _message_end(self, output: ChatOutput, start: int, sent: int) -> int:
+        """Where the message's tokens end so far: at the last token, or where a tool parser reads the
+        text (a call may follow), at the fewest tokens past `sent` whose text reaches the message's."""
+        if output.tool_parser is None:
+            return len(self.choice.ids)
+        head = len(self.tokenizer.decode(self.choice.ids[:start]))
+        return self._fewest_tokens(sent, lambda t: len(t[head:].lstrip()) >= len(output.content))
+
+    def _body_logprobs(self, output: ChatOutput) -> list[ChatTokenLogprob] | None:
+        """The tokens after the reasoning and before any function call (at the end, the tokens that
+        showed no text of their own, such as a stop string's, are the message's too)."""
+        if not self.want_lp or not output.content:
+            return None
+        start = self._answer_start(output)
+        end = self._message_end(output, start, start) if output.parsed.calls else len(self.choice.ids)
+        return self._logprobs(start, end)
+
+    def _delta_logprobs(self, d: ChatDelta, c: ChoiceState) -> list[ChatTokenLogprob] | None:
+        """A text delta's: the message's tokens not yet sent (so also those that showed nothing yet: a
+        held back stop-string prefix, a partial character), as the body counts them."""
+        if not self.want_lp or not d.content:
+            return None
+        start = max(self._lp_next, self._answer_start(self.output))
+        self._lp_next = max(start, self._message_end(self.output, self._answer_start(self.output), start))
+        return self._logprobs(start, self._lp_next)
+
+    # ---- the answer -------------------------------------------------------------------------------
     def body(self) -> ResponseObject:
         output, items = self._chat_output(), ResponseItems()
-        items.feed(output.update(self.choice.text, final=True))
+        d = output.update(self.choice.text, final=True)
+        items.feed(d, self._body_logprobs(output))
         items.finish(self.incomplete)
         return self._response("incomplete" if self.incomplete else "completed", items, output)
 
-    def _start(self) -> list[ResponseEvent]:
-        self.started = True
+    def first_events(self) -> list[ResponseEvent]:
         return [ResponseEvent(type=kind, sequence_number=self.items.next_seq(), response=self._response("in_progress"))
                 for kind in ("response.created", "response.in_progress")]
 
     def events(self, c: ChoiceState, out: RequestOutput, text: str) -> list[Any]:
-        # response.created goes with the first delta, after prefill (as chat's role does): a client timing
-        # the first event measures the real time to first token.
-        events: list[Any] = [] if self.started else self._start()
-        return events + self.items.feed(self.output.update(c.text, final=c.done))
+        d = self.output.update(c.text, final=c.done)
+        events = self.items.feed(d, self._delta_logprobs(d, c))
+        if c.done and self.want_lp and self.items.open_kind == "message":
+            # Tokens that ended the text without showing any (an end token, a stop string) are still its own.
+            start, self._lp_next = max(self._lp_next, self._answer_start(self.output)), len(c.ids)
+            if start < len(c.ids):
+                events += self.items.text_delta("", self._logprobs(start, len(c.ids)))
+        return events
 
     def last_events(self) -> list[Any]:
-        events: list[Any] = [] if self.started else self._start()
-        events += self.items.finish(self.incomplete)
+        events = self.items.finish(self.incomplete)
         status = "incomplete" if self.incomplete else "completed"
         events.append(ResponseEvent(type=f"response.{status}", sequence_number=self.items.next_seq(),
                                     response=self._response(status, self.items, self.output)))
+        return events
+
+    def failed_events(self, error: ApiError) -> list[Any]:
+        """OpenAI's error event (with the usual error object, which the openai SDK raises), then
+        response.failed with what was made so far."""
+        info = ErrorInfo(error.message, error.type, error.param, error.code)
+        events: list[Any] = [ErrorEvent(sequence_number=self.items.next_seq(), code=error.code,
+                                        message=error.message, param=error.param, error=info)]
+        self.items.abandon()
+        failure = ResponseError(code="server_error" if error.status >= 500 else "invalid_prompt",
+                                message=error.message)
+        events.append(ResponseEvent(type="response.failed", sequence_number=self.items.next_seq(),
+                                    response=self._response("failed", self.items, self.output, failure)))
         return events

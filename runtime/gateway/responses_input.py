@@ -17,8 +17,10 @@ from runtime.gateway.tool_request import ToolRequest
 
 _MESSAGE_ROLES = frozenset({"user", "system", "developer", "assistant"})
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
-# The one include that asks for nothing Shoal lacks: reasoning items already carry their text in plain.
-_INCLUDES_OK = frozenset({"reasoning.encrypted_content"})
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# What include can ask for here: logprobs, and reasoning.encrypted_content, which asks for nothing (reasoning
+# items already carry their text in plain).
+_INCLUDES_OK = frozenset({"reasoning.encrypted_content", LOGPROBS_INCLUDE})
 
 
 def check_unsupported(body: ResponsesRequest) -> None:
@@ -40,12 +42,21 @@ def check_unsupported(body: ResponsesRequest) -> None:
             raise not_supported(f"include {entry!r}", "include")
     if body.max_tool_calls is not None:
         raise not_supported("max_tool_calls", "max_tool_calls")
-    if body.top_logprobs:
-        raise not_supported("top_logprobs", "top_logprobs")
     if body.truncation not in (None, "disabled"):
         raise not_supported(f"truncation {body.truncation!r} (only 'disabled')", "truncation")
     if body.text is not None and body.text.verbosity not in (None, "medium"):
         raise not_supported(f"text.verbosity {body.text.verbosity!r}", "text.verbosity")
+
+
+def wants_logprobs(body: ResponsesRequest) -> bool:
+    """Whether the output_text gets logprobs: include asks for them; top_logprobs (0-20, checked with the
+    sampling params) only says how many alternatives each token lists, so alone it is a 400 (OpenAI
+    would answer an empty list, which looks like an answer)."""
+    want = LOGPROBS_INCLUDE in (body.include or ())
+    if (body.top_logprobs or 0) > 0 and not want:
+        raise bad_request(f"top_logprobs needs include [{LOGPROBS_INCLUDE!r}]: without it no logprobs are "
+                          f"returned", param="top_logprobs")
+    return want
 
 
 def input_messages(body: ResponsesRequest) -> list[ChatMessage]:

@@ -8,17 +8,21 @@ are the ones its stream events named, which the openai SDK's stream accumulator 
 
 One item is open at a time, as OpenAI streams them: reasoning closes when the answer or a call begins,
 the message when a call begins, a call when the next one begins (its arguments are whole by then: a
-tool parser completes a call before it names the next). Every event takes the next sequence_number."""
+tool parser completes a call before it names the next). Every event takes the next sequence_number.
+
+Logprobs (include message.output_text.logprobs) go with the message's text: each text delta carries
+those of the tokens the caller gave it, and the item keeps them all for its done event and its part."""
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from msgspec import UNSET
 
 from runtime.gateway.chat_output import ChatDelta
+from runtime.gateway.protocol import ChatTokenLogprob
 from runtime.gateway.responses_protocol import (
     ArgumentsDeltaEvent,
     ArgumentsDoneEvent,
@@ -52,9 +56,12 @@ class _Item:
     call_id: str = ""
     name: str = ""
     status: str = "in_progress"
+    logprobs: list[ChatTokenLogprob] = field(default_factory=list)  # the message's, in order
 
     def part(self) -> OutputText | ReasoningText:
-        return ReasoningText(text=self.text) if self.kind == "reasoning" else OutputText(text=self.text)
+        if self.kind == "reasoning":
+            return ReasoningText(text=self.text)
+        return OutputText(text=self.text, logprobs=list(self.logprobs))
 
     def struct(self, with_part: bool = True) -> OutputItem:
         """A fresh Struct of the item as it is now (events are encoded later: they must not share state).
@@ -79,8 +86,12 @@ class ResponseItems:
         self._seq += 1
         return self._seq - 1
 
-    def feed(self, d: ChatDelta) -> list[Any]:
-        """Events for one delta of the parsed output."""
+    @property
+    def open_kind(self) -> str | None:
+        return self._open.kind if self._open is not None else None
+
+    def feed(self, d: ChatDelta, logprobs: list[ChatTokenLogprob] | None = None) -> list[Any]:
+        """Events for one delta of the parsed output; logprobs: its text's tokens (with content only)."""
         events: list[Any] = []
         if d.reasoning:
             item = self._ensure_open("reasoning", events)
@@ -88,10 +99,7 @@ class ResponseItems:
             events.append(ReasoningDeltaEvent(sequence_number=self.next_seq(), item_id=item.id,
                                               output_index=item.output_index, content_index=0, delta=d.reasoning))
         if d.content:
-            item = self._ensure_open("message", events)
-            item.text += d.content
-            events.append(TextDeltaEvent(sequence_number=self.next_seq(), item_id=item.id,
-                                         output_index=item.output_index, content_index=0, delta=d.content))
+            events += self.text_delta(d.content, logprobs or [])
         for tc in d.tool_calls:
             if tc.id is not UNSET:  # a new call: its id and name come first, with empty arguments
                 self._close(events)
@@ -105,6 +113,17 @@ class ResponseItems:
                                                   output_index=item.output_index, delta=piece))
         return events
 
+    def text_delta(self, text: str, logprobs: list[ChatTokenLogprob]) -> list[Any]:
+        """A text delta of the message (opened if need be). Empty text with logprobs: tokens that showed
+        no text of their own (an end token, a stop string) still reach the message's logprobs."""
+        events: list[Any] = []
+        item = self._ensure_open("message", events)
+        item.text += text
+        item.logprobs += logprobs
+        events.append(TextDeltaEvent(sequence_number=self.next_seq(), item_id=item.id, output_index=item.output_index,
+                                     content_index=0, delta=text, logprobs=logprobs))
+        return events
+
     def finish(self, incomplete: bool) -> list[Any]:
         """Closes the output: an answer with no item at all still gets its (empty) message, so
         output_text is "" rather than missing; the item the output ended in is incomplete on a length end."""
@@ -113,6 +132,12 @@ class ResponseItems:
             self._ensure_open("message", events)
         self._close(events, "incomplete" if incomplete else "completed")
         return events
+
+    def abandon(self) -> None:
+        """A failed output: the open item ends incomplete, announced by no event (the stream is over)."""
+        if self._open is not None:
+            self._open.status = "incomplete"
+            self._open = None
 
     def output(self) -> list[OutputItem]:
         return [item.struct() for item in self.items]
@@ -143,12 +168,16 @@ class ResponseItems:
             return
         item.status = status
         where = {"item_id": item.id, "output_index": item.output_index}
+        seq = self.next_seq()
         if item.kind == "function_call":
-            events.append(ArgumentsDoneEvent(sequence_number=self.next_seq(), name=item.name, arguments=item.text,
-                                             **where))
+            events.append(ArgumentsDoneEvent(sequence_number=seq, name=item.name, arguments=item.text, **where))
         else:
-            done = (ReasoningDoneEvent if item.kind == "reasoning" else TextDoneEvent)(
-                sequence_number=self.next_seq(), content_index=0, text=item.text, **where)
+            done: ReasoningDoneEvent | TextDoneEvent
+            if item.kind == "reasoning":
+                done = ReasoningDoneEvent(sequence_number=seq, content_index=0, text=item.text, **where)
+            else:
+                done = TextDoneEvent(sequence_number=seq, content_index=0, text=item.text,
+                                     logprobs=list(item.logprobs), **where)
             events += [done, ContentPartEvent(type="response.content_part.done", sequence_number=self.next_seq(),
                                               content_index=0, part=item.part(), **where)]
         events.append(OutputItemEvent(type="response.output_item.done", sequence_number=self.next_seq(),

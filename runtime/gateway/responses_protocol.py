@@ -11,7 +11,7 @@ from typing import Any
 
 from msgspec import Struct
 
-from runtime.gateway.protocol import Int64
+from runtime.gateway.protocol import ChatTokenLogprob, ErrorInfo, Int64
 
 # ---- the request ---------------------------------------------------------------------------------
 
@@ -40,10 +40,13 @@ class ResponsesRequest(Struct, kw_only=True):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    # Accepted and echoed; nothing is stored (store) or acted on (metadata, user).
+    # Accepted and echoed; nothing is stored (store) or acted on (metadata, user, safety_identifier;
+    # prompt_cache_key: the prefix cache finds a shared prefix by itself).
     store: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     truncation: str | None = None  # "disabled" only: a prompt past the context is a 400, never cut
     # Known fields that need state or features Shoal lacks: a value that asks for them is a 400.
     reasoning: ResponsesReasoning | None = None
@@ -51,9 +54,9 @@ class ResponsesRequest(Struct, kw_only=True):
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
     background: bool | None = None
-    include: list[str] | None = None
+    include: list[str] | None = None  # reasoning.encrypted_content (a no-op), message.output_text.logprobs
     max_tool_calls: Int64 | None = None
-    top_logprobs: Int64 | None = None
+    top_logprobs: Int64 | None = None  # 0-20 alternatives per token, with include's logprobs
     # vLLM's extensions of the same route (sampling knobs and the chat template's variables).
     top_k: Int64 | None = None
     min_p: float | None = None
@@ -76,7 +79,8 @@ class OutputText(Struct, kw_only=True):
     text: str
     type: str = "output_text"
     annotations: list[Any] = []
-    logprobs: list[Any] = []
+    # OpenAI's shape is chat's: {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}.
+    logprobs: list[ChatTokenLogprob] = []
 
 
 class ReasoningText(Struct, kw_only=True):
@@ -138,12 +142,12 @@ class ResponseObject(Struct, kw_only=True):
     id: str
     created_at: int
     model: str
-    status: str  # in_progress | completed | incomplete
+    status: str  # in_progress | completed | incomplete | failed
     output: list[Any]  # OutputItem Structs (a plain union of untagged Structs cannot be a msgspec type)
     usage: ResponseUsage | None = None
     object: str = "response"
     completed_at: int | None = None
-    error: Any = None
+    error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     # The request's settings, echoed as OpenAI does.
     instructions: str | None = None
@@ -161,14 +165,25 @@ class ResponseObject(Struct, kw_only=True):
     previous_response_id: str | None = None
     metadata: dict[str, str] = {}
     user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
     service_tier: str = "default"
+
+
+class ResponseError(Struct, kw_only=True):
+    """A failed Response's error (OpenAI's codes: server_error for what failed in the engine)."""
+
+    code: str
+    message: str
 
 
 # ---- stream events (each carries its type and a sequence_number counting from 0) ------------------
 
 
 class ResponseEvent(Struct, kw_only=True):
-    """response.created / in_progress / completed / incomplete."""
+    """response.created / in_progress / completed / incomplete / failed."""
 
     type: str
     sequence_number: int
@@ -209,7 +224,7 @@ class TextDeltaEvent(_PartEvent, kw_only=True):
     """response.output_text.delta."""
 
     delta: str
-    logprobs: list[Any] = []
+    logprobs: list[ChatTokenLogprob] = []
     type: str = "response.output_text.delta"
 
 
@@ -217,7 +232,7 @@ class TextDoneEvent(_PartEvent, kw_only=True):
     """response.output_text.done."""
 
     text: str
-    logprobs: list[Any] = []
+    logprobs: list[ChatTokenLogprob] = []
     type: str = "response.output_text.done"
 
 
@@ -248,3 +263,15 @@ class ArgumentsDoneEvent(_ItemEvent, kw_only=True):
     name: str
     arguments: str
     type: str = "response.function_call_arguments.done"
+
+
+class ErrorEvent(Struct, kw_only=True):
+    """error: a stream that failed after its 200 headers. OpenAI's fields, and the usual error object too,
+    which the openai SDK raises as an APIError."""
+
+    sequence_number: int
+    code: str | None
+    message: str
+    param: str | None
+    error: ErrorInfo
+    type: str = "error"

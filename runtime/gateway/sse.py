@@ -1,9 +1,13 @@
-"""SseWriter: a server-sent-events response exactly as OpenAI streams it — `data: {json}\n\n` per event,
-written (and so flushed) as each delta comes, ending with `data: [DONE]\n\n`. A write to a client that
-went away raises RequestAbortedError, so the caller stops generating for it."""
+"""SseWriter: a server-sent-events response exactly as OpenAI streams it, written (and so flushed) as each
+delta comes. Two framings: completions and chat send `data: {json}\n\n` per event and end with
+`data: [DONE]\n\n` (send, finish); the Responses API names every event by its JSON "type"
+(`event: response.output_text.delta\ndata: {json}\n\n`) and just ends (send_typed, end), as OpenAI and
+vLLM do. A write to a client that went away raises RequestAbortedError, so the caller stops generating
+for it."""
 
 from __future__ import annotations
 
+import msgspec
 from aiohttp import web
 
 from runtime.errors import RequestAbortedError, ShoalError
@@ -14,6 +18,12 @@ from runtime.gateway.protocol import encode
 def is_disconnected(request: web.Request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
+
+
+class _Typed(msgspec.Struct):
+    """An event's name: its payload's "type" (msgspec skips every other key without building it)."""
+
+    type: str
 
 
 class SseWriter:
@@ -28,23 +38,34 @@ class SseWriter:
         await self.response.prepare(self.request)
         self.started = True
 
-    async def send(self, payload: bytes) -> None:
+    async def _write(self, frame: bytes) -> None:
         if not self.started:
             await self.start()
         if is_disconnected(self.request):
             raise RequestAbortedError("the client disconnected")
         try:
-            await self.response.write(b"data: " + payload + b"\n\n")
+            await self.response.write(frame)
         except (ConnectionError, RuntimeError) as e:  # aiohttp: "Cannot write to closing transport"
             raise RequestAbortedError("the client disconnected") from e
 
-    async def finish(self) -> web.StreamResponse:
-        await self.send(b"[DONE]")
+    async def send(self, payload: bytes) -> None:
+        await self._write(b"data: " + payload + b"\n\n")
+
+    async def send_typed(self, payload: bytes) -> None:
+        """One event named by its payload's "type" (a JSON object that has one)."""
+        name = msgspec.json.decode(payload, type=_Typed).type
+        await self._write(b"event: " + name.encode() + b"\ndata: " + payload + b"\n\n")
+
+    async def end(self) -> web.StreamResponse:
         try:
             await self.response.write_eof()
         except (ConnectionError, RuntimeError):
-            pass  # the client already has [DONE]; nothing left to tell it
+            pass  # the client already has the last event; nothing left to tell it
         return self.response
+
+    async def finish(self) -> web.StreamResponse:
+        await self.send(b"[DONE]")
+        return await self.end()
 
     async def end_on_error(self, e: ShoalError) -> web.StreamResponse:
         """Ends a stream that failed after its 200 headers: a client that left gets nothing more (leaving

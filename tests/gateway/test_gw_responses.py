@@ -5,7 +5,7 @@ numbers and deltas that concatenate to the non-streamed text (and the SDK's stre
 them); max_output_tokens ends "incomplete"; text.format constrains; function tools (required / named,
 and auto with reasoning through the parsers) give function_call items; what Shoal cannot honour is a 400
 naming the field; unknown fields are ignored; auth and admission apply; a client leaving mid-stream
-frees its KV."""
+frees its KV. The stream's wire framing and logprobs: test_gw_responses_stream.py and _logprobs.py."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import aiohttp
 import jsonschema
 import openai
 import pytest
-from gw_helpers import GATEWAY_ARGS, http, slow_steps, sse_events, wait_kv_full
+from gw_helpers import GATEWAY_ARGS, http, slow_steps, wait_kv_full
 from pydantic import BaseModel, Field
 
 from runtime import ServerArgs
@@ -260,8 +260,10 @@ def test_reasoning_and_auto_calls_through_the_parsers(parser_client, monkeypatch
     ({"text": {"format": {"type": "json_object"}}, "tools": [WEATHER], "tool_choice": "required"},
      "text.format"),
     ({"truncation": "auto"}, "truncation"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
-    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"include": ["file_search_call.results"]}, "include"),
+    ({"top_logprobs": 3}, "top_logprobs"),  # alternatives of no logprobs: include asks for them
+    ({"top_logprobs": 21, "include": ["message.output_text.logprobs"]}, "top_logprobs"),
+    ({"top_logprobs": -1, "include": ["message.output_text.logprobs"]}, "top_logprobs"),
     ({"max_tool_calls": 2}, "max_tool_calls"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"temperature": -1}, "temperature"),
@@ -282,25 +284,19 @@ def test_refusal_reaches_the_sdk_as_bad_request(oai):
 
 def test_accepted_fields_are_echoed_and_unknown_ones_ignored(gw_url):
     body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, "store": True, "metadata": {"k": "v"},
-            "user": "u1", "parallel_tool_calls": False, "truncation": "disabled", "reasoning": {"effort": None},
+            "user": "u1", "safety_identifier": "s1", "prompt_cache_key": "k1", "parallel_tool_calls": False,
+            "truncation": "disabled", "reasoning": {"effort": None},
             "include": ["reasoning.encrypted_content"], "service_tier": "auto", "made_up": {"x": 1},
             "stream_options": {"include_obfuscation": False}}
     status, r = http(gw_url + "/v1/responses", "POST", body)
     assert status == 200, r
     assert (r["metadata"], r["user"], r["parallel_tool_calls"], r["truncation"]) == ({"k": "v"}, "u1", False,
                                                                                       "disabled")
+    assert (r["safety_identifier"], r["prompt_cache_key"], r["top_logprobs"]) == ("s1", "k1", None)
     assert r["store"] is False  # nothing is stored, whatever was asked
     assert r["tools"] == [] and r["tool_choice"] == "auto" and r["text"] == {"format": {"type": "text"}}
     status, missing = http(gw_url + "/v1/responses", "POST", {"model": "other", "input": "hi"})
     assert status == 404 and missing["error"]["param"] == "model"
-
-
-def test_wire_is_data_events_ending_with_done(gw_url):
-    status, raw = http(gw_url + "/v1/responses", "POST", {"input": "hi", "max_output_tokens": 2, "stream": True})
-    assert status == 200
-    events = sse_events(raw)
-    assert events[-1] == "[DONE]" and events[0]["type"] == "response.created"
-    assert events[-2]["type"] == "response.incomplete" and events[-2]["response"]["usage"]["output_tokens"] == 2
 
 
 def test_api_key_and_admission_apply(gw_engine, monkeypatch):
