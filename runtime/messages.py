@@ -228,6 +228,14 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     spec_accepted_tokens: int = 0  # drafts accepted
     gc_pause_s: float = 0.0  # the scheduler process's garbage collections, summed (runtime/gc_guard.py)
     gc_slow_pauses: int = 0  # collections over GcGuard's warning threshold
+    # What admission's wait estimate needs of output lengths (ForwardModeStats.admission_fields):
+    remaining_known_decode_tokens: int = 0  # the part of remaining_decode_tokens only the length can end
+    waiting_known_decode_tokens: int = 0  # likewise of waiting_decode_tokens (Req.length_known)
+    finished_open_reqs: int = 0  # requests that could stop early (EOS, stop) and ended by stop or length, so far
+    finished_open_output_tokens: int = 0  # their output tokens
+    finished_open_max_new_tokens: int = 0  # their max_new_tokens: output / this is how much of it they use
+    reserved_decode_tokens: int = 0  # KV the engine holds back for the running requests' output (Retractor)
+    waiting_reserved_decode_tokens: int = 0  # what it will hold back for the waiting ones as they start
 
     @property
     def spec_accept_length(self) -> float:

@@ -51,6 +51,13 @@ CORRECTION_SAMPLES = 64  # the moving averages' horizon, in admitted requests
 MIN_SAMPLE_WAIT_S = 0.05  # shorter estimates say little about the model's error (timer noise dominates)
 
 
+def length_known(req: GenerateRequest) -> bool:
+    """Only max_new_tokens can end it (Req.length_known as far as the gateway sees: a model without an
+    EOS token also makes it so, and is found out once the engine counts the request)."""
+    p = req.sampling_params
+    return p.ignore_eos and not (p.stop or p.stop_token_ids or p.grammar)
+
+
 @dataclass(frozen=True, slots=True)
 class Refusal:
     reason: str  # "queue_wait" | "waiting_requests"
@@ -76,8 +83,9 @@ class AdmissionController:
         self.stats: SchedulerStats | None = None
         self.stats_t = -math.inf  # when the snapshot's stats() call began
         self.last_estimate: WaitEstimate | None = None
-        # rid → (prompt tokens, max new tokens, admitted at, the model's wait estimate): admitted, not started
-        self._waiting: dict[str, tuple[int, int, float, float]] = {}
+        # rid → (prompt tokens, max new tokens, admitted at, the model's wait estimate, max new tokens if only
+        # the length can end it else 0): admitted, not started
+        self._waiting: dict[str, tuple[int, int, float, float, int]] = {}
         # What the model cannot see (other tenants of the machine, the gateway's own load, queue order)
         # shows as a steady gap between the waits it estimated and those requests then saw: estimates are
         # scaled by the ratio of their moving averages (after a few samples; clipped to [0.5, 10]).
@@ -181,11 +189,15 @@ class AdmissionController:
         ahead = max(stats.num_queue_reqs, len(self._waiting))
         view = msgspec.structs.replace(
             stats, num_queue_reqs=ahead,
-            waiting_tokens=max(stats.waiting_tokens, sum(w[0] for w in self._waiting.values())),
-            waiting_decode_tokens=max(stats.waiting_decode_tokens, sum(w[1] for w in self._waiting.values())))
+            waiting_tokens=max(stats.waiting_tokens, sum(w[0] for w in self._waiting.values())))
+        own_decode = sum(w[1] for w in self._waiting.values())
+        if own_decode > stats.waiting_decode_tokens:
+            view.waiting_decode_tokens = own_decode
+            view.waiting_known_decode_tokens = sum(w[4] for w in self._waiting.values())
         trip = self.trip_s(now)
         est = self.scaled(self.estimator.estimate(view, sum(len(r.input_ids) for r in reqs),
-                                                  new_tokens=sum(r.sampling_params.max_new_tokens for r in reqs)),
+                                                  new_tokens=sum(r.sampling_params.max_new_tokens for r in reqs),
+                                                  new_known=all(length_known(r) for r in reqs)),
                           trip)
         self.last_estimate = est
         early = claim is not None and not claim.admit  # came before its slot: the ticket still holds
@@ -213,6 +225,7 @@ class AdmissionController:
                            f"the server is overloaded: this request would wait about {est.wait_s:.1f} s in the "
                            f"queue (at most {self.max_queue_wait_s:g} s); retry after {retry:.1f} s")
         for r in reqs:
-            self._waiting[r.rid] = (len(r.input_ids), r.sampling_params.max_new_tokens, now,
-                                    est.wait_s / est.correction)
+            max_new = r.sampling_params.max_new_tokens
+            self._waiting[r.rid] = (len(r.input_ids), max_new, now, est.wait_s / est.correction,
+                                    max_new if length_known(r) else 0)
         return None

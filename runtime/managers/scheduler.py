@@ -354,6 +354,7 @@ class Scheduler:
         else:
             self.kv.release_retracted(r)
         r.state = ReqState.FINISHED
+        self.stats.finished(r)
         self.reqs.pop(r.rid, None)
         self.rids.finished(r.rid)
         if emit:
@@ -391,6 +392,5 @@ class Scheduler:
             cache_hit_tokens=self.prefill.cache_hit_tokens, cache_query_tokens=self.prefill.cache_query_tokens,
             device_busy_s=self.device_busy_s, overlap=self.overlap,
             waiting_tokens=sum(r.remaining_prefill for r in self.waiting), max_running_reqs=self.max_running,
-            remaining_decode_tokens=sum(r.max_new_remaining for r in self.running),
-            waiting_decode_tokens=sum(r.max_new_remaining for r in self.waiting),
+            **self.stats.admission_fields(self.running, self.waiting, self.retractor.expected_new),
             **(self.spec.counters() if self.spec is not None else {}))
