@@ -226,9 +226,10 @@ def launch_gateway_actor(args: ServerArgs, *, port: int | None = None, name: str
         options["lifetime"] = "detached"
     handle = ray.remote(GatewayActor).options(**options).remote(args, port, cluster_fixed=fixed)
     try:
-        ray.get(handle.url.remote())
-    except ray.exceptions.RayError as e:  # its constructor raised: say why in one line, not Ray's traceback
+        ray.get(handle.start.remote())
+    except ray.exceptions.RayError as e:  # say why in one line; the remote traceback is for --log-level debug
         ray.kill(handle)
+        logger.debug("the gateway actor did not start:\n%s", e)
         raise EngineUnavailableError(f"the gateway actor did not start: {remote_cause(e)}") from None
     except BaseException:  # interrupted while it loads: on a joined cluster it would outlive us
         ray.kill(handle)

@@ -8,15 +8,25 @@ the replica owns — and runs the regular aiohttp gateway (runtime.gateway) on a
 `__call__` relays each proxied request to that gateway and streams the answer back, so routes, errors,
 SSE and metrics are exactly those of `shoal serve` — and so are admission (the gateway's), cache-aware
 routing and mid-stream failover across the replica's DP ranks (its RayEngineClient's): one code path.
-Serve's health check calls the gateway's /health."""
+Serve's health check calls the gateway's /health.
+
+Stopping a replica (scale-down, a redeploy, `serve delete`, `serve shutdown`) drains it as `shoal serve`
+drains on SIGTERM: requests in flight may finish for graceful_shutdown_timeout_s less TEARDOWN_RESERVE_S,
+then are aborted, so each stream ends with finish_reason "abort" and [DONE] before Serve's force-kill
+would cut it. Streams whose client is gone with Serve's proxy (`serve shutdown` kills the proxies at once)
+are aborted too, and said in one line, not a traceback each."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import threading
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ray import serve
+from starlette.responses import StreamingResponse
 
 from runtime.config import ServerArgs
 
@@ -24,10 +34,18 @@ logger = logging.getLogger(__name__)
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade",
                         "proxy-authenticate", "proxy-authorization", "te", "trailer"})
+# Serve force-kills a stopping replica this long after asking it to stop. 30 s, like `shoal serve`'s 25 s
+# drain plus the reserve below; Kubernetes pods running Serve need a terminationGracePeriodSeconds above it.
+GRACEFUL_SHUTDOWN_TIMEOUT_S = 30.0
+# Of that budget, what the end takes: the aborted streams' last chunks, Serve's next drain check
+# (graceful_shutdown_wait_loop_s, 2 s by default) and __del__ (the engine's shutdown).
+TEARDOWN_RESERVE_S = 5.0
+WATCH_PERIOD_S = 0.1  # how soon a replica notices Serve began stopping it
+ORPHAN_REPORT_S = 1.0  # orphaned streams are counted over this window and said in one line
 
 
 @serve.deployment(name="ShoalDeployment", health_check_period_s=10, health_check_timeout_s=30,
-                  max_ongoing_requests=256)
+                  max_ongoing_requests=256, graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_TIMEOUT_S)
 class ShoalDeployment:
     def __init__(self, server_args: dict[str, Any]):
         from runtime.engine import Engine
@@ -36,11 +54,22 @@ class ShoalDeployment:
         from runtime.gc_guard import GcGuard
 
         self.args = replica_args(server_args)
-        self.client = create_engine_client(self.args)
+        try:
+            self.client = create_engine_client(self.args)
+        except Exception as e:  # noqa: BLE001 — a model that does not load, a cluster too small, a bug
+            raise replica_start_error(e) from None
         self.gateway = serve_in_thread(self.client, self.args, host="127.0.0.1", port=0)
         if not isinstance(self.client, Engine):  # an in-process Engine's scheduler host has frozen this process
             GcGuard("serve replica").start()
         self._session: Any = None
+        self._orphans = OrphanReport()
+        self._closed = threading.Event()
+        self._stop_lock = threading.Lock()
+        self._stopped = False
+        stopping = serve_stopping_probe()
+        if stopping is not None:
+            threading.Thread(target=self._drain_when_stopped, args=(stopping, drain_grace_s()),
+                             name="shoal-serve-drain", daemon=True).start()
 
     async def _http(self) -> Any:
         import aiohttp
@@ -52,22 +81,21 @@ class ShoalDeployment:
         return self._session
 
     async def __call__(self, request: Any) -> Any:
-        from starlette.responses import Response, StreamingResponse
+        import aiohttp
+        from starlette.responses import Response
 
         session = await self._http()
         url = self.gateway.url + request.url.path + (f"?{request.url.query}" if request.url.query else "")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        resp = await session.request(request.method, url, data=await request.body(), headers=headers)
+        try:
+            resp = await session.request(request.method, url, data=await request.body(), headers=headers)
+        except aiohttp.ClientConnectionError:  # a late request after the drain closed the gateway
+            return Response('{"error":{"message":"not ready: the server is shutting down","type":'
+                            '"service_unavailable_error","param":null,"code":"engine_not_ready"}}',
+                            status_code=503, media_type="application/json")  # the gateway's own 503, as it says it
         out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP}
         if resp.content_type == "text/event-stream":
-            async def relay():
-                try:
-                    async for chunk in resp.content.iter_any():
-                        yield chunk
-                finally:  # the client went away: closing our side makes the gateway abort the request
-                    resp.close()
-
-            return StreamingResponse(relay(), status_code=resp.status, headers=out_headers)
+            return RelayResponse(resp, out_headers, self._orphans.add)
         body = await resp.read()
         resp.release()
         return Response(body, status_code=resp.status, headers=out_headers)
@@ -79,12 +107,130 @@ class ShoalDeployment:
             if resp.status != 200:
                 raise RuntimeError(f"gateway /health answered {resp.status}: {await resp.text()}")
 
+    def _drain_when_stopped(self, stopping: Callable[[], bool], grace_s: float) -> None:
+        """Serve calls __del__ only once no request is ongoing, so a long stream would hold it off until the
+        force-kill cut it: the drain starts when Serve begins stopping the replica instead."""
+        while not self._closed.wait(WATCH_PERIOD_S):
+            if stopping():
+                self._stop_gateway(grace_s)  # 503 to newcomers; the streams end with "abort" after grace_s
+                return
+
+    def _stop_gateway(self, grace_s: float) -> None:
+        """Drains and stops the gateway once, whichever of the watcher and __del__ comes first (the other
+        waits for it: __del__ must not shut the engine down under a drain)."""
+        with self._stop_lock:
+            if not self._stopped:
+                self._stopped = True
+                self.gateway.stop(grace_s)
+
     def __del__(self) -> None:
+        """Serve calls this once nothing is ongoing; the interpreter may call it again at exit, or on a
+        replica whose constructor failed (then nothing was started here)."""
+        if not hasattr(self, "_stop_lock") or self._closed.is_set():
+            return
+        self._closed.set()
         try:
-            self.gateway.stop()
+            self._orphans.report()  # a stopping replica may not live out the report's window
+            self._stop_gateway(0.0)  # what still runs (normally nothing: Serve waited) is aborted, its KV freed
+        finally:
             self.client.shutdown()
-        except Exception:  # interpreter teardown
-            pass
+
+
+class RelayResponse(StreamingResponse):
+    """The gateway's SSE answer, relayed chunk by chunk. Serve's proxy hands a client's disconnect to
+    `receive`; when the proxy itself is gone (`serve shutdown` kills it at once) `receive` raises instead,
+    which Starlette would let out as a failed request with a traceback, one per stream. Either way the
+    client is gone: closing the gateway connection makes the gateway abort the request (its KV is freed)."""
+
+    def __init__(self, upstream: Any, headers: dict[str, str], orphaned: Callable[[BaseException], None]):
+        super().__init__(self._relay(), status_code=upstream.status, headers=headers)
+        self.upstream, self.orphaned = upstream, orphaned
+
+    async def _relay(self) -> AsyncIterator[bytes]:
+        import aiohttp
+
+        try:
+            async for chunk in self.upstream.content.iter_any():
+                yield chunk
+        except aiohttp.ClientError as e:  # the gateway went down mid-stream (this replica is being killed)
+            logger.warning("a stream from the replica's gateway broke off: %s", e)
+
+    async def __call__(self, scope: Any, receive: Callable[[], Any], send: Callable[[Any], Any]) -> None:
+        async def client_events() -> dict[str, Any]:
+            try:
+                return await receive()
+            except Exception as e:  # noqa: BLE001 — any failure to hear from the proxy: it is gone
+                self.orphaned(e)
+                return {"type": "http.disconnect"}
+
+        try:
+            await super().__call__(scope, client_events, send)
+        finally:
+            self.upstream.close()
+
+
+class OrphanReport:
+    """Counts streams that lost their client with Serve's proxy; a burst (a shutdown orphans every stream
+    within seconds) is said in one line."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.cause = ""
+
+    def add(self, error: BaseException) -> None:
+        self.count += 1
+        if self.count == 1:
+            self.cause = type(error).__name__
+            asyncio.get_running_loop().call_later(ORPHAN_REPORT_S, self.report)
+
+    def report(self) -> None:
+        if not self.count:
+            return
+        logger.warning("aborted %d stream(s) whose client is gone: Serve's proxy stopped (%s)", self.count,
+                       self.cause)
+        self.count = 0
+
+
+def replica_start_error(error: Exception) -> Exception:
+    """What a replica whose engine did not start raises to Serve: one line naming the cause. Serve's
+    controller logs the error it gets, traceback and all, on each of its three tries; raised as is, it
+    carried the whole model-loading stack (~60 lines a try). The full traceback goes to this replica's own
+    Serve log file (logs/serve/replica_*.log), not to the terminal."""
+    from ray.exceptions import RayError
+
+    from runtime.cluster.remote_error import remote_cause
+    from runtime.errors import EngineUnavailableError
+
+    logging.getLogger("ray.serve").error("the engine did not start", exc_info=error, extra={"log_to_stderr": False})
+    cause = remote_cause(error) if isinstance(error, RayError) else f"{type(error).__name__}: {error}"
+    return EngineUnavailableError(f"the Shoal replica did not start: {cause}")
+
+
+def serve_stopping_probe() -> Callable[[], bool] | None:
+    """Whether Serve has begun stopping this replica. Serve tells user code only through __del__, after
+    the requests in flight are done, so this reads the flag its replica sets first thing in a graceful
+    shutdown (the one its /-/healthz answers "DRAINING" by). None where this Ray has no such flag: then
+    streams run until Serve's force-kill, as before."""
+    try:
+        from ray._private.worker import global_worker
+
+        replica = global_worker.actors[global_worker.actor_id]._replica_impl
+        if not isinstance(replica._shutting_down, bool):
+            return None
+    except (AttributeError, KeyError):
+        logger.debug("no graceful-shutdown flag on this Ray Serve replica", exc_info=True)
+        return None
+    return lambda: replica._shutting_down
+
+
+def drain_grace_s() -> float:
+    """How long in-flight requests may run on once Serve stops the replica: the deployment's
+    graceful_shutdown_timeout_s less TEARDOWN_RESERVE_S."""
+    try:
+        timeout_s = serve.get_replica_context()._deployment_config.graceful_shutdown_timeout_s
+    except Exception:  # noqa: BLE001 — outside a replica (tests), or a Ray without the field
+        timeout_s = GRACEFUL_SHUTDOWN_TIMEOUT_S
+    return max(0.0, timeout_s - TEARDOWN_RESERVE_S)
 
 
 def replica_args(server_args: dict[str, Any]) -> ServerArgs:
