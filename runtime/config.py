@@ -25,6 +25,8 @@ VLLM_ALIASES: Mapping[str, tuple[str, ...]] = MappingProxyType({
 # Names of the gateway's parser registries (runtime/gateway/tool_parsers, reasoning_parsers), checked at start.
 TOOL_CALL_PARSERS = ("llama3_json", "hermes", "mistral")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
+# Peers whose /metrics names the gateway can expose beside ours (runtime/gateway/metrics.py).
+METRICS_COMPAT = ("vllm", "sglang")
 
 
 def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
@@ -153,6 +155,11 @@ class ServerArgs:
     shutdown_timeout_s: float = _opt(25.0, "on SIGINT/SIGTERM, seconds in-flight requests may run on before they "
                                            "are aborted (a second signal aborts them at once); under Kubernetes' "
                                            "30 s default grace period")
+    metrics_compat: str = _opt("vllm,sglang", "/metrics also exposes, under vLLM's and/or SGLang's names, types "
+                                              "and labels, the series of theirs Shoal measures alike (their "
+                                              "dashboards, alerts, autoscalers and the Gateway API Inference "
+                                              "Extension keep working): a comma-separated list of vllm, "
+                                              "sglang, or none")
     log_level: str = _opt("info", "log level", ("debug", "info", "warning", "error"))
     log_interval_s: float = _opt(10.0, "seconds between scheduler stats log lines")
 
@@ -204,6 +211,7 @@ class ServerArgs:
         for name, allowed in (("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
             if getattr(self, name) is not None and getattr(self, name) not in allowed:
                 raise ServerArgsError(_flag(name), f"must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        _metrics_compat(self.metrics_compat)
         if self.chat_template is not None:
             read_chat_template(self.chat_template)  # before any weights load: a bad one names the flag now
         if self.in_process and self.uses_ray:
@@ -237,6 +245,11 @@ class ServerArgs:
     def fp8_lm_head_mode(self) -> str:
         """The LM head's FP8 use with FP8 weights: on (--fp8-lm-head), off (--disable-fp8-lm-head) or auto."""
         return "on" if self.fp8_lm_head else "off" if self.disable_fp8_lm_head else "auto"
+
+    @property
+    def metrics_compat_names(self) -> tuple[str, ...]:
+        """The peers (of METRICS_COMPAT) whose /metrics names are exposed too; () for none."""
+        return _metrics_compat(self.metrics_compat)
 
     @property
     def radix_cache_enabled(self) -> bool:
@@ -285,6 +298,16 @@ class ServerArgs:
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> ServerArgs:
         return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+
+def _metrics_compat(value: str) -> tuple[str, ...]:
+    names = {n.strip().lower() for n in value.split(",")}
+    if names == {"none"}:
+        return ()
+    if not names <= set(METRICS_COMPAT):
+        raise ServerArgsError("--metrics-compat", f"must be a comma-separated list of {', '.join(METRICS_COMPAT)}, "
+                                                  f"or none; got {value!r}")
+    return tuple(n for n in METRICS_COMPAT if n in names)
 
 
 def _flag(name: str) -> str:

@@ -248,8 +248,9 @@ def build_app(args: dict[str, Any] | ServerArgs | None = None) -> Any:
         kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerArgs)}
     else:
         kwargs = dict(args or {})
-        if isinstance(kwargs.get("allowed_origins"), list):  # a YAML list, as vLLM's allowed_origins is
-            kwargs["allowed_origins"] = ",".join(map(str, kwargs["allowed_origins"]))
+        for name in ("allowed_origins", "metrics_compat"):  # a YAML list, as vLLM's allowed_origins is
+            if isinstance(kwargs.get(name), list):
+                kwargs[name] = ",".join(map(str, kwargs[name]))
         ServerArgs.from_kwargs(**kwargs)
     # Serve's proxy owns the address and Serve's graceful_shutdown_timeout_s the drain: said, not ignored.
     for name in ("host", "port", "shutdown_timeout_s"):

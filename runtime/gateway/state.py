@@ -54,7 +54,7 @@ class GatewayState:
         else:
             self.provider = client_provider
         self.args = args
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(args.metrics_compat_names, model_name=self._served_model_name)
         self.admission = AdmissionController(args.max_queue_wait_s, args.max_waiting_requests)
         self.ignored_fields = IgnoredFields(self.metrics.ignored_fields)
         self.errors = ErrorLog()
@@ -85,6 +85,11 @@ class GatewayState:
 
     def served_model(self, client: EngineClient) -> str:
         return self.args.served_model_name or client.model_name
+
+    def _served_model_name(self) -> str | None:
+        """The served model's name as a scrape sees it (the compat metrics' model_name label)."""
+        client = self.current_client()
+        return self.served_model(client) if client is not None else self.args.served_model_name
 
     def system_fingerprint(self, client: EngineClient) -> str:
         """OpenAI's system_fingerprint: names the serving configuration (Shoal's version, the model and

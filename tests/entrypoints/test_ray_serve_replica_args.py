@@ -32,6 +32,6 @@ def test_build_app_takes_a_list_of_origins_and_names_args_serve_ignores(caplog):
 
     with caplog.at_level(logging.WARNING, logger="runtime.entrypoints.ray_serve"):
         app = build_app({"model_path": "/models/m", "allowed_origins": ["http://a.com", "http://b.com"],
-                         "port": 9000})
+                         "metrics_compat": ["vllm"], "port": 9000})
     assert app is not None
     assert "args.port has no effect under Ray Serve" in caplog.text and "allowed_origins" not in caplog.text
