@@ -126,6 +126,13 @@ class StepTimes:
             self.per_seq_s, self.fixed_s = sum(b * t for b, t in pts) / sum(b * b for b, _ in pts), 0.0
         else:
             self.per_seq_s, self.fixed_s = slope, mt - slope * mb
+        if self.per_seq_s < self._min_per(*max(pts)):
+            self.fixed_s, self.per_seq_s = self._prior(*max(pts))
+
+    def _min_per(self, x0: float, t0: float) -> float:
+        """The least cost a unit the fit may say, given the largest size measured (x0 took t0). Decode:
+        none (a memory-bound step is about flat in the batch, and the batch is capped)."""
+        return 0.0
 
     @property
     def measured(self) -> bool:
@@ -144,6 +151,15 @@ class PrefillTimes(StepTimes):
     def _prior(self, x0: float, t0: float) -> tuple[float, float]:
         per = t0 / (x0 + PREFILL_FIXED_TOKENS)
         return per * PREFILL_FIXED_TOKENS, per
+
+    def _min_per(self, x0: float, t0: float) -> float:
+        """The prior's cost a token at the largest size measured. Small prompts' steps are about flat
+        (launch-bound on a GPU; noise can tip their slope negative), and a slope of ~0 extrapolated to a
+        queue of long prompts says it prefills in one step time (200k tokens: 4 ms), admitting a burst of
+        them past --max-queue-wait. Once batches large enough for tokens to dominate are measured, the
+        prior is close to the truth and a steeper fit keeps its slope; with a fixed part worth F tokens
+        (more than PREFILL_FIXED_TOKENS) the prior errs long, by (x0 + F) / (x0 + PREFILL_FIXED_TOKENS)."""
+        return self._prior(x0, t0)[1]
 
     def seconds(self, tokens: float) -> float:
         """Prefilling `tokens` queued prompt tokens: the engine batches what waits, so one fixed part (a

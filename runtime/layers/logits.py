@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from runtime.model_executor.forward_batch import ForwardBatch
 
 Tops = list[tuple[int, float]]  # one position's top logprobs: (token id, logprob), best first
+# Input logprobs are scored this many positions at a time: the extra memory is a few [rows, V] fp32
+# tensors (1024 x 152k vocabulary: ~0.6 GB each) however long the prompt.
+SCORE_CHUNK_ROWS = 1024
 
 
 @dataclass(slots=True)
@@ -76,15 +79,36 @@ class LogitsProcessor:
                 input_ranks.append([])
                 continue
             s, n = fb.extend_start_loc_cpu[i], fb.extend_seq_lens_cpu[i]
-            lp = torch.log_softmax(self.compute_logits(hidden[s:s + n - 1]).float(), dim=-1)
-            targets = input_ids[s + 1:s + n]
-            chosen = lp.gather(1, targets[:, None])
-            input_logprobs.append(chosen.squeeze(1).tolist())
-            input_ranks.append((lp >= chosen).sum(dim=-1).tolist())
-            if k > 0:
-                vals, idx = lp.topk(min(k, lp.shape[-1]), dim=-1)
-                input_tops[i] = [list(zip(ids, vs)) for ids, vs in zip(idx.tolist(), vals.tolist())]
+            lps, ranks, tops = self._score(hidden[s:s + n - 1], input_ids[s + 1:s + n], k)
+            input_logprobs.append(lps)
+            input_ranks.append(ranks)
+            if input_tops is not None and k > 0:
+                input_tops[i] = tops
         return LogitsOutput(logits, input_logprobs, input_tops, input_ranks)
+
+    def _score(self, hidden: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[list[float], list[int], list[Tops]]:
+        """Each row's logprob of its target, the target's rank and the row's top k, over SCORE_CHUNK_ROWS
+        rows at a time: a scored prompt is prefilled whole, and its [rows, V] fp32 logprobs (32k tokens of a
+        152k vocabulary: 20 GB, and 5 GB more for the rank's comparison) would fail the whole batch."""
+        chosen: list[torch.Tensor] = []
+        ranks: list[torch.Tensor] = []
+        vals: list[torch.Tensor] = []
+        idx: list[torch.Tensor] = []
+        for a in range(0, hidden.shape[0], SCORE_CHUNK_ROWS):
+            lp = torch.log_softmax(self.compute_logits(hidden[a:a + SCORE_CHUNK_ROWS]).float(), dim=-1)
+            c = lp.gather(1, targets[a:a + SCORE_CHUNK_ROWS, None])
+            chosen.append(c.squeeze(1))
+            ranks.append((lp >= c).sum(dim=-1))
+            if k > 0:
+                v, j = lp.topk(min(k, lp.shape[-1]), dim=-1)
+                vals.append(v)
+                idx.append(j)
+            del lp, c  # free this chunk's [rows, V] before the next one's
+        if not chosen:  # a one-token prompt: nothing to score
+            return [], [], []
+        tops = ([list(zip(ids, vs)) for ids, vs in zip(torch.cat(idx).tolist(), torch.cat(vals).tolist())]
+                if k > 0 else [])
+        return torch.cat(chosen).tolist(), torch.cat(ranks).tolist(), tops
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -85,3 +85,31 @@ def test_a_burst_after_single_short_prompts_is_estimated_from_the_fit():
     fitted = burst(ctl)
     assert 0.9 < ratio(fitted, real) < 1.25, ratio(fitted, real)  # continuous: ~half a batch over the staircase
     assert ctl.last_estimate.prefill_tok_s > 5 * window.prefill_tok_s  # the rate it used, as /metrics shows
+
+
+def test_flat_or_falling_small_prompt_steps_still_scale_with_tokens():
+    """Small prompts' steps are about flat (launch-bound on a GPU), and noise can tip their slope
+    negative: a per-token cost of ~0 would estimate 200k queued tokens at one step time (4 ms), so a
+    burst of long prompts after chat traffic passed --max-queue-wait. The fit may not say less a token
+    than the prior split of the largest size measured."""
+    one = PrefillTimes()
+    one.add(4, 4 * 150, 4 * 0.0040)
+    for t40, t150 in ((0.0041, 0.0040), (0.0040, 0.0040), (0.0040, 0.00401)):  # falling, flat, barely rising
+        fit = PrefillTimes()
+        fit.add(4, 4 * 40, 4 * t40)
+        fit.add(4, 4 * 150, 4 * t150)
+        assert math.isclose(fit.fixed_s / fit.per_seq_s, PREFILL_FIXED_TOKENS)
+        assert math.isclose(fit.seconds(150), t150)  # the largest size's step time as measured
+        assert fit.seconds(200_000) > 0.95 * one.seconds(200_000) > 2.5
+        assert math.isclose(fit.seconds(400_000) - fit.seconds(200_000), 200_000 * fit.per_seq_s)
+    # Through a controller: a queue of 200k tokens after chat traffic is over a 1 s --max-queue-wait.
+    ctl = AdmissionController(max_queue_wait_s=1.0, max_waiting_requests=10**6)
+    modes = {"EXTEND": ModeStats(4, 4 * 40, 4 * 0.0041), "DECODE": ModeStats(1, 1, 1e-3)}
+    ctl.observe(0.0, SchedulerStats(forward_modes=modes, max_total_tokens=10**6, max_running_reqs=1024))
+    modes = {"EXTEND": ModeStats(8, 4 * 40 + 4 * 150, 4 * 0.0041 + 4 * 0.0040), "DECODE": ModeStats(1, 1, 1e-3)}
+    ctl.observe(0.1, SchedulerStats(forward_modes=modes, max_total_tokens=10**6, max_running_reqs=1024,
+                                    waiting_tokens=200_000, num_queue_reqs=50))
+    req = GenerateRequest(rid="long", input_ids=[5] * 4000,
+                          sampling_params=SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert ctl.decide([req]) is not None
+    assert ctl.last_estimate.prefill_s > 2.5
