@@ -19,6 +19,9 @@ SUPPORTED_ARCHITECTURES = MappingProxyType({
     "MistralForCausalLM": ("mistral", "runtime.models.llama:MistralForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "runtime.models.qwen2:Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "runtime.models.qwen3:Qwen3ForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "runtime.models.mixtral:MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", "runtime.models.qwen2_moe:Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "runtime.models.qwen3_moe:Qwen3MoeForCausalLM"),
 })
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,6 +34,24 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """The mixture-of-experts fields (Mixtral, Qwen2-MoE, Qwen3-MoE), named as HF names them."""
+
+    num_experts: int  # num_local_experts (Mixtral) / num_experts (Qwen)
+    num_experts_per_tok: int
+    moe_intermediate_size: int  # each expert's; Mixtral's is its intermediate_size
+    norm_topk_prob: bool  # renormalize the top-k softmax weights (Mixtral always does)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token takes, sigmoid-gated
+    decoder_sparse_step: int = 1  # layer i is sparse where (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (these keep the dense MLP)
+    # HF's Mixtral keeps the routing weights in fp32; Qwen's cast them back to the model dtype
+    router_weights_fp32: bool = False
+
+    def is_sparse_layer(self, layer_id: int) -> bool:
+        return layer_id not in self.mlp_only_layers and (layer_id + 1) % self.decoder_sparse_step == 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +76,14 @@ class ModelConfig:
     hidden_act: str = "silu"
     # Per layer, how many of the latest tokens a query sees (0: all of them). Empty: no layer has a window.
     sliding_windows: tuple[int, ...] = ()
+    moe: MoeConfig | None = None  # None: every layer has the dense MLP
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+    def is_sparse_layer(self, layer_id: int) -> bool:
+        return self.moe is not None and self.moe.is_sparse_layer(layer_id)
 
     @property
     def has_sliding_window(self) -> bool:
@@ -110,23 +139,61 @@ class ModelConfig:
             raise ModelConfigError("config field 'mlp_bias' is true; MLP biases are not supported")
         # Llama's and Qwen3's attention_bias puts a bias on o_proj too (Qwen2's is q/k/v only), which our
         # o_proj lacks: loading would drop it silently.
-        if raw.get("attention_bias") and model_type in ("llama", "qwen3"):
+        if raw.get("attention_bias") and model_type in ("llama", "qwen3", "qwen3_moe"):
             raise ModelConfigError(f"config field 'attention_bias' is true for a {model_type} model, whose o_proj "
                                    "then has a bias; o_proj biases are not supported (Qwen2's q/k/v biases are)")
+        layers = need("num_hidden_layers")
+        moe = _moe(raw, model_type, layers, need)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         return cls(
             architecture=arch, model_type=model_type,
             vocab_size=need("vocab_size"), hidden_size=hidden,
-            intermediate_size=need("intermediate_size"), num_hidden_layers=need("num_hidden_layers"),
+            intermediate_size=need("intermediate_size"), num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope=_rope(raw), max_position_embeddings=need("max_position_embeddings"),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3", dtype=_dtype(raw, dtype), eos_token_ids=eos_ids,
-            sliding_windows=_sliding_windows(raw, model_type, need("num_hidden_layers")),
+            attention_bias=_attention_bias(raw, model_type),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"), dtype=_dtype(raw, dtype), eos_token_ids=eos_ids,
+            sliding_windows=_sliding_windows(raw, model_type, layers), moe=moe,
         )
+
+
+def _attention_bias(raw: dict[str, Any], model_type: str) -> bool:
+    """Qwen2 (and Qwen2-MoE) put a bias on q/k/v; Qwen2-MoE's HF model reads only qkv_bias (default true)."""
+    if model_type == "qwen2_moe":
+        return bool(raw.get("qkv_bias", True))
+    return bool(raw.get("attention_bias", model_type == "qwen2"))
+
+
+def _moe(raw: dict[str, Any], model_type: str, num_layers: int, need: Any) -> MoeConfig | None:
+    """The MoE fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json, each checked; None for dense models."""
+    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        return None
+    # Mixtral names it num_local_experts; Qwen's published configs num_experts (transformers 5 writes
+    # num_local_experts for Qwen3-MoE too).
+    field = "num_local_experts" if model_type == "mixtral" or "num_experts" not in raw else "num_experts"
+    experts, top_k = need(field), need("num_experts_per_tok")
+    if top_k > experts:
+        raise ModelConfigError(f"config field 'num_experts_per_tok' ({top_k}) exceeds '{field}' ({experts})")
+    if model_type == "mixtral":
+        return MoeConfig(experts, top_k, need("intermediate_size"), norm_topk_prob=True, router_weights_fp32=True)
+    norm = raw.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise ModelConfigError(f"config field 'norm_topk_prob' must be true or false, got {norm!r}")
+    step = raw.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or isinstance(step, bool) or step <= 0:
+        raise ModelConfigError(f"config field 'decoder_sparse_step' must be a positive integer, got {step!r}")
+    dense = raw.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                              and 0 <= i < num_layers for i in dense):
+        raise ModelConfigError(f"config field 'mlp_only_layers' must be a list of layer indices in "
+                               f"[0, {num_layers}), got {dense!r}")
+    shared = need("shared_expert_intermediate_size") if model_type == "qwen2_moe" else 0
+    return MoeConfig(experts, top_k, need("moe_intermediate_size"), norm_topk_prob=norm,
+                     shared_expert_intermediate_size=shared, decoder_sparse_step=step,
+                     mlp_only_layers=tuple(sorted(set(dense))))
 
 
 def _rope(raw: dict[str, Any]) -> RopeConfig:
@@ -151,17 +218,25 @@ def _rope(raw: dict[str, Any]) -> RopeConfig:
 def _sliding_windows(raw: dict[str, Any], model_type: str, num_layers: int) -> tuple[int, ...]:
     """Which layers attend within a window, as transformers decides: Mistral every layer when
     sliding_window is set; Qwen2/Qwen3 only with use_sliding_window, the layers its `layer_types` marks
-    (else those from max_window_layers on, default 28); Llama never (its HF model ignores the field)."""
+    (else those from max_window_layers on, default 28); Qwen3-MoE every layer with use_sliding_window;
+    Qwen2-MoE its layer_types (else the odd-numbered layers below max_window_layers, as its HF config
+    builds them); Llama never (its HF model ignores the field)."""
     window = raw.get("sliding_window")
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         return ()
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         return (window,) * num_layers
-    if model_type not in ("qwen2", "qwen3") or not raw.get("use_sliding_window", False):
+    if model_type not in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") or not raw.get("use_sliding_window", False):
         return ()
+    if model_type == "qwen3_moe":
+        return (window,) * num_layers
     types = raw.get("layer_types")
     if isinstance(types, list) and len(types) == num_layers:
         windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    elif model_type == "qwen2_moe":
+        last = raw.get("max_window_layers", 28)
+        last = last if isinstance(last, int) and not isinstance(last, bool) else 28
+        windows = tuple(window if (i + 1) % 2 and i < last else 0 for i in range(num_layers))
     else:
         first = raw.get("max_window_layers", 28)
         first = first if isinstance(first, int) and not isinstance(first, bool) else 28

@@ -34,6 +34,7 @@ from runtime.errors import ServerArgsError, UnsupportedQuantizationError, Weight
 from runtime.layers.embedding import ParallelLMHead
 from runtime.layers.fp8_linear import FP8, fp8_linear_modules, use_fp8_forward
 from runtime.layers.fp8_weight_scales import quantize_weight
+from runtime.layers.fused_moe import FusedMoE
 from runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from runtime.model_executor.fp8_calibrator import Fp8Calibrator
 
@@ -66,7 +67,13 @@ class Fp8Weights:
         return None
 
     def prepare(self, model: nn.Module) -> None:
-        """Before load_weights: fp8 checkpoints get fp8 weight and fp32 weight_scale parameters."""
+        """Before load_weights: fp8 checkpoints get fp8 weight and fp32 weight_scale parameters. MoE models
+        are refused: their experts (FusedMoE stacks) have no FP8 path, and quantizing only the attention
+        would serve a model that is neither the bf16 one nor an FP8 one."""
+        if any(isinstance(m, FusedMoE) for m in model.modules()):
+            raise UnsupportedQuantizationError(
+                f"{self.layout} for a mixture-of-experts model ({type(model).__name__})",
+                "FP8 weights are not supported for MoE experts yet; serve it in bf16 (no --quantization)")
         if not self.checkpoint_fp8:
             return
         for _, m in fp8_linear_modules(model):

@@ -64,9 +64,8 @@ def dummy_checkpoint(cfg: ModelConfig, seed: int, device: torch.device) -> Itera
         p = f"model.layers.{i}."
         shapes += [(p + "self_attn.q_proj.weight", (heads * hd, h)), (p + "self_attn.k_proj.weight", (kv * hd, h)),
                    (p + "self_attn.v_proj.weight", (kv * hd, h)), (p + "self_attn.o_proj.weight", (h, heads * hd)),
-                   (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
-                   (p + "mlp.down_proj.weight", (h, inter)),
                    (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
+        shapes += _moe_mlp_shapes(cfg, i, p) if cfg.is_sparse_layer(i) else _mlp_shapes(p + "mlp.", h, inter)
         if cfg.attention_bias:
             shapes += [(p + f"self_attn.{x}_proj.bias", (n * hd,)) for x, n in (("q", heads), ("k", kv), ("v", kv))]
         if cfg.qk_norm:
@@ -81,3 +80,26 @@ def dummy_checkpoint(cfg: ModelConfig, seed: int, device: torch.device) -> Itera
         gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         t = torch.empty(shape, dtype=cfg.dtype, device=device)
         yield name, t.uniform_(-0.02, 0.02, generator=gen)
+
+
+def _mlp_shapes(p: str, h: int, inter: int) -> list[tuple[str, tuple[int, ...]]]:
+    return [(p + "gate_proj.weight", (inter, h)), (p + "up_proj.weight", (inter, h)), (p + "down_proj.weight", (h, inter))]
+
+
+def _moe_mlp_shapes(cfg: ModelConfig, layer: int, p: str) -> list[tuple[str, tuple[int, ...]]]:
+    """A sparse layer's tensors as its HF checkpoint names them (Mixtral: block_sparse_moe, w1 / w3 / w2)."""
+    moe, h = cfg.moe, cfg.hidden_size
+    assert moe is not None  # is_sparse_layer said so
+    inter = moe.moe_intermediate_size
+    if cfg.model_type == "mixtral":
+        p += "block_sparse_moe."
+        shapes = [(p + f"experts.{e}.{w}.weight", (h, inter) if w == "w2" else (inter, h))
+                  for e in range(moe.num_experts) for w in ("w1", "w3", "w2")]
+    else:
+        p += "mlp."
+        shapes = [s for e in range(moe.num_experts) for s in _mlp_shapes(p + f"experts.{e}.", h, inter)]
+    shapes.append((p + "gate.weight", (moe.num_experts, h)))
+    if moe.shared_expert_intermediate_size:
+        shapes += _mlp_shapes(p + "shared_expert.", h, moe.shared_expert_intermediate_size)
+        shapes.append((p + "shared_expert_gate.weight", (1, h)))
+    return shapes

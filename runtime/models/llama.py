@@ -5,7 +5,7 @@ ranks; with DP attention the MLP group spans all DP ranks and tokens are gathere
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,11 +55,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, intermediate_size: int | None = None,
+                 reduce_results: bool = True):
+        """intermediate_size / reduce_results: a MoE's shared expert (its own size; its partial sums are
+        reduced with the routed experts')."""
         super().__init__()
-        inter = cfg.intermediate_size
+        inter = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], False, ctx.mlp, cfg.dtype)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, ctx.mlp, dtype=cfg.dtype)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, ctx.mlp, reduce_results, dtype=cfg.dtype)
         self.act_fn = SiluAndMul()
         self.fuse_act = decode_fusion_enabled()
 
@@ -75,18 +78,29 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(gate_up))
 
 
+# Builds a decoder layer's MLP: the dense LlamaMLP here, a MoE block on a MoE model's sparse layers. A MoE
+# block (runtime/models/moe_block.py) takes the same `defer_to_norm` flag as down_proj for its reduction.
+MlpFactory = Callable[[ModelConfig, int, ParallelContext], nn.Module]
+
+
+def dense_mlp(cfg: ModelConfig, layer_id: int, ctx: ParallelContext) -> nn.Module:
+    return LlamaMLP(cfg, ctx)
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, ctx: ParallelContext, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer_id: int, ctx: ParallelContext, rotary: RotaryEmbedding,
+                 make_mlp: MlpFactory = dense_mlp):
         super().__init__()
         self.ctx = ctx
         self.self_attn = LlamaAttention(cfg, layer_id, ctx, rotary)
-        self.mlp = LlamaMLP(cfg, ctx)
+        self.mlp = make_mlp(cfg, layer_id, ctx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         # o_proj and down_proj may leave their partial sums to the norm after them (the next layer's input
         # norm, or the model's final norm, for down_proj): both sides ask norm_group the same question.
         self.norm_group = ctx.norm_reduce_group
-        self.self_attn.o_proj.defer_to_norm = self.mlp.down_proj.defer_to_norm = self.norm_group is not None
+        reducer = self.mlp.down_proj if isinstance(self.mlp, LlamaMLP) else self.mlp
+        self.self_attn.o_proj.defer_to_norm = reducer.defer_to_norm = self.norm_group is not None
         # One-row steps fold each norm into the GEMV after it (kernels/norm_input.py) where the
         # linears reduce their own sums and the MLP runs on this rank's tokens.
         self.fuse_norm = norm_gemv_enabled() and self.norm_group is None and not ctx.dp_attention
@@ -115,8 +129,8 @@ class LlamaDecoderLayer(nn.Module):
             return None
         qkv, residual = normed
         hidden = attn.attend(positions, qkv, fb)
-        normed = mlp.gate_up_proj.forward_normed(hidden, residual, self.post_attention_layernorm.weight,
-                                                 self.post_attention_layernorm.eps)
+        normed = None if not isinstance(mlp, LlamaMLP) else mlp.gate_up_proj.forward_normed(
+            hidden, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
         if normed is None:
             hidden, residual = self.post_attention_layernorm(hidden, residual)
             return mlp(hidden), residual
@@ -125,11 +139,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, make_mlp: MlpFactory = dense_mlp):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.vocab, cfg.dtype)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ctx, rotary) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ctx, rotary, make_mlp)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
 
     def forward(self, input_ids, positions, fb: ForwardBatch) -> torch.Tensor:
@@ -147,11 +162,12 @@ class LlamaForCausalLM(nn.Module):
         ("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
         ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1),
     )
+    make_mlp: MlpFactory = staticmethod(dense_mlp)
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext):
         super().__init__()
         self.cfg = cfg
-        self.model = LlamaModel(cfg, ctx)
+        self.model = LlamaModel(cfg, ctx, self.make_mlp)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx.vocab, cfg.dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -170,11 +186,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.cfg.tie_word_embeddings and name == "lm_head.weight"):
                 continue
-            target, shard = name, None
-            for hf, ours, shard_id in self.stacked_params:
-                if f".{hf}." in name:
-                    target, shard = name.replace(f".{hf}.", f".{ours}."), shard_id
-                    break
+            target, shard = self._checkpoint_target(name)
             param = params.get(target)
             if param is None:
                 continue  # tensors we do not use (e.g. extra heads); missing ones are caught below
@@ -187,15 +199,25 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(f"{target}:{shard}" if shard is not None else target)
         missing = []  # named as in the checkpoint (q_proj, not our fused qkv_proj), so users can find them
         for n in sorted(expected):
-            fused = [(n.replace(f".{ours}.", f".{hf}."), f"{n}:{s}")
-                     for hf, ours, s in self.stacked_params if f".{ours}." in n]
-            if fused:
-                missing.extend(hf_name for hf_name, key in fused if key not in loaded)
-            elif n not in loaded:
-                missing.append(n)
+            missing.extend(self._missing_tensors(n, loaded))
         if missing:
             raise WeightLoadError(f"checkpoint is missing tensors for: {', '.join(missing[:8])}"
                                   + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""))
+
+    def _checkpoint_target(self, name: str) -> tuple[str, object]:
+        """(our parameter, shard id) that checkpoint tensor `name` loads into."""
+        for hf, ours, shard_id in self.stacked_params:
+            if f".{hf}." in name:
+                return name.replace(f".{hf}.", f".{ours}."), shard_id
+        return name, None
+
+    def _missing_tensors(self, param: str, loaded: set[str]) -> list[str]:
+        """The checkpoint names of the tensors parameter `param` still lacks."""
+        fused = [(param.replace(f".{ours}.", f".{hf}."), f"{param}:{s}")
+                 for hf, ours, s in self.stacked_params if f".{ours}." in param]
+        if fused:
+            return [hf_name for hf_name, key in fused if key not in loaded]
+        return [] if param in loaded else [param]
 
 
 def _default_loader(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
