@@ -31,6 +31,20 @@ from runtime.gateway.ttft_trace import TtftStamps
 from runtime.messages import GenerateRequest, RequestOutput
 
 B = TypeVar("B")
+Sender = Callable[[Any], Awaitable[None]]  # writes one event object to the stream
+
+
+def _plain_sender(sse: SseWriter) -> Sender:
+    async def send(event: Any) -> None:
+        await sse.send(encode(event))
+    return send
+
+
+def _named_sender(sse: SseWriter) -> Sender:
+    """Names each event by its own type (every Responses event Struct has one), read off the object."""
+    async def send(event: Any) -> None:
+        await sse.send_typed(event.type, encode(event))
+    return send
 
 
 class Responder(ABC):
@@ -108,13 +122,13 @@ class Generation(Generic[B]):
     async def _stream(self, responder: Responder) -> web.StreamResponse:
         sse = SseWriter(self.request)
         await sse.start()
-        send = sse.send_typed if responder.named_events else sse.send
+        send = _named_sender(sse) if responder.named_events else _plain_sender(sse)
         try:
             for event in responder.first_events():
-                await send(encode(event))
+                await send(event)
             await self._run(responder, send)
             for event in responder.last_events():
-                await send(encode(event))
+                await send(event)
             return await (sse.end() if responder.named_events else sse.finish())
         except (ApiError, ShoalError) as e:
             self.state.errors.record(self.request.method, self.request.path, e)
@@ -124,12 +138,12 @@ class Generation(Generic[B]):
                 return sse.response
             try:
                 for event in responder.failed_events(e if isinstance(e, ApiError) else from_shoal_error(e)):
-                    await send(encode(event))
+                    await send(event)
             except RequestAbortedError:
                 return sse.response
             return await sse.end()
 
-    async def _run(self, responder: Responder, send: Callable[[bytes], Awaitable[None]] | None) -> None:
+    async def _run(self, responder: Responder, send: Sender | None) -> None:
         async with OutputFanIn(self.client, [c.req for c in self.choices],
                                lambda: is_disconnected(self.request)) as fan:
             stamps = self.stamps
@@ -148,6 +162,6 @@ class Generation(Generic[B]):
                     await self.client.abort(c.req.rid)
                 if send is not None:
                     for event in responder.events(c, out, text):
-                        await send(encode(event))
+                        await send(event)
                         if stamps.delta and not stamps.written:
                             stamps.written = time.monotonic()

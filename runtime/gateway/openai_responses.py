@@ -17,7 +17,6 @@ tools and reasoning effort. One response a request: the API has no n."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -51,12 +50,14 @@ from runtime.gateway.responses_protocol import (
     ResponsesRequest,
     ResponseUsage,
 )
+from runtime.gateway.responses_token_ends import TokenTextEnds
 from runtime.gateway.tool_request import ToolRequest
 from runtime.messages import RequestOutput
 
 # The sampling fields of a Responses body that mean what they mean on chat (GatewayState.sampling_params).
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
-                    "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "skip_special_tokens")
+                    "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "skip_special_tokens",
+                    "allowed_token_ids", "bad_words")
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
@@ -138,6 +139,7 @@ class _ResponsesResponder(Responder):
         self.want_lp = want_lp
         self._lp_next = 0  # the stream's first output token not yet given to a text delta
         self._answer_from: int | None = None  # the first token after </think>, once found
+        self._ends = TokenTextEnds(self.tokenizer, self.choice.req.sampling_params.skip_special_tokens)
 
     def _chat_output(self) -> ChatOutput:
         parser = None
@@ -163,7 +165,7 @@ class _ResponsesResponder(Responder):
             total_tokens=c.prompt_tokens + c.completion_tokens)
         return ResponseObject(
             id=self.id, created_at=self.created, model=self.model, status=status, output=items.output(),
-            usage=usage, completed_at=int(time.time()), error=error,
+            usage=usage, completed_at=int(time.time()) if status == "completed" else None, error=error,
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
             **self.echo)
 
@@ -185,18 +187,6 @@ class _ResponsesResponder(Responder):
         tops = c.top_logprobs[start:end] if c.top_logprobs else None
         return chat_logprobs(self.tokenizer, c.ids[start:end], c.logprobs[start:end], tops).content or []
 
-    def _fewest_tokens(self, lo: int, enough: Callable[[str], bool]) -> int:
-        """The smallest end in (lo, all] whose output tokens' text up to it is enough (else all)."""
-        ids = self.choice.ids
-        lo, hi = min(lo + 1, len(ids)), len(ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if enough(self.tokenizer.decode(ids[:mid])):
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
-
     def _answer_start(self, output: ChatOutput) -> int:
         """The first token after the one that completed </think> (0 where no reasoning came before the
         answer); found once, by the text, however the model spelt the tag in tokens."""
@@ -206,16 +196,24 @@ class _ResponsesResponder(Responder):
             text = self.choice.text
             if not (0 <= text.find(THINK_CLOSE) < len(text) - len(output.content)):
                 return 0
-            self._answer_from = self._fewest_tokens(0, lambda t: THINK_CLOSE in t)
+            ids = self.choice.ids
+            at = self._ends.text(ids).find(THINK_CLOSE)  # the choice's text, but never cut by a stop string
+            self._answer_from = self._ends.first_reaching(ids, at + len(THINK_CLOSE), 1)
         return self._answer_from
 
     def _message_end(self, output: ChatOutput, start: int, sent: int) -> int:
         """Where the message's tokens end so far: at the last token, or where a tool parser reads the
         text (a call may follow), at the fewest tokens past `sent` whose text reaches the message's."""
+        ids = self.choice.ids
         if output.tool_parser is None:
-            return len(self.choice.ids)
-        head = len(self.tokenizer.decode(self.choice.ids[:start]))
-        return self._fewest_tokens(sent, lambda t: len(t[head:].lstrip()) >= len(output.content))
+            return len(ids)
+        text, content = self._ends.text(ids), output.content
+        head = self._ends.ends[start]
+        # The message starts where the answer does, but past any whitespace the parsers dropped (a
+        # reasoning parser drops what follows </think>; a tool parser alone keeps it).
+        while head < len(text) and text[head].isspace() and not text.startswith(content, head):
+            head += 1
+        return self._ends.first_reaching(ids, head + len(content), sent + 1)
 
     def _body_logprobs(self, output: ChatOutput) -> list[ChatTokenLogprob] | None:
         """The tokens after the reasoning and before any function call (at the end, the tokens that

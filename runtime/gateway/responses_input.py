@@ -40,6 +40,9 @@ def check_unsupported(body: ResponsesRequest) -> None:
     for entry in body.include or ():
         if entry not in _INCLUDES_OK:
             raise not_supported(f"include {entry!r}", "include")
+    if body.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs has no place in a Response: ask /v1/chat/completions or "
+                          "/v1/completions for them", param="prompt_logprobs", code="unsupported")
     if body.max_tool_calls is not None:
         raise not_supported("max_tool_calls", "max_tool_calls")
     if body.truncation not in (None, "disabled"):

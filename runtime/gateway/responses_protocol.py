@@ -69,7 +69,11 @@ class ResponsesRequest(Struct, kw_only=True):
     ignore_eos: bool | None = None
     min_tokens: Int64 | None = None
     skip_special_tokens: bool | None = None
+    allowed_token_ids: list[Int64] | None = None  # sampling restricted to these ids
+    bad_words: list[str] | None = None  # never generated (the gateway tokenizes them)
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's chat and completions field that a Response has no place for: any value is a 400.
+    prompt_logprobs: Int64 | None = None
 
 
 # ---- the Response object -------------------------------------------------------------------------
@@ -146,7 +150,7 @@ class ResponseObject(Struct, kw_only=True):
     output: list[Any]  # OutputItem Structs (a plain union of untagged Structs cannot be a msgspec type)
     usage: ResponseUsage | None = None
     object: str = "response"
-    completed_at: int | None = None
+    completed_at: int | None = None  # only on a completed one (the openai SDK's model says so)
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     # The request's settings, echoed as OpenAI does.

@@ -2,12 +2,12 @@
 delta comes. Two framings: completions and chat send `data: {json}\n\n` per event and end with
 `data: [DONE]\n\n` (send, finish); the Responses API names every event by its JSON "type"
 (`event: response.output_text.delta\ndata: {json}\n\n`) and just ends (send_typed, end), as OpenAI and
-vLLM do. A write to a client that went away raises RequestAbortedError, so the caller stops generating
-for it."""
+vLLM do; the caller gives the name, which it has from the event before encoding it (reading it back
+from the bytes would decode every event again, response.completed's whole Response among them). A write
+to a client that went away raises RequestAbortedError, so the caller stops generating for it."""
 
 from __future__ import annotations
 
-import msgspec
 from aiohttp import web
 
 from runtime.errors import RequestAbortedError, ShoalError
@@ -18,12 +18,6 @@ from runtime.gateway.protocol import encode
 def is_disconnected(request: web.Request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
-
-
-class _Typed(msgspec.Struct):
-    """An event's name: its payload's "type" (msgspec skips every other key without building it)."""
-
-    type: str
 
 
 class SseWriter:
@@ -51,9 +45,8 @@ class SseWriter:
     async def send(self, payload: bytes) -> None:
         await self._write(b"data: " + payload + b"\n\n")
 
-    async def send_typed(self, payload: bytes) -> None:
-        """One event named by its payload's "type" (a JSON object that has one)."""
-        name = msgspec.json.decode(payload, type=_Typed).type
+    async def send_typed(self, name: str, payload: bytes) -> None:
+        """One event named `name` (the "type" its payload carries)."""
         await self._write(b"event: " + name.encode() + b"\ndata: " + payload + b"\n\n")
 
     async def end(self) -> web.StreamResponse:

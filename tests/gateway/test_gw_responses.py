@@ -128,7 +128,7 @@ def test_completed_stream_and_the_sdk_stream_helper(oai):
               extra_body={"stop": [stop]})
     greedy = greedy.output_text
     full = oai.responses.create(**kw)
-    assert full.status == "completed" and full.incomplete_details is None
+    assert full.status == "completed" and full.incomplete_details is None and full.completed_at >= full.created_at
     assert full.output_text == greedy[:greedy.index(stop)] and full.output[0].status == "completed"
     with oai.responses.stream(**kw) as stream:
         deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
@@ -140,6 +140,7 @@ def test_max_output_tokens_is_incomplete(oai):
     r = oai.responses.create(input=INPUT, max_output_tokens=3, **GREEDY)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.output[0].status == "incomplete" and r.usage.output_tokens == 3 and r.max_output_tokens == 3
+    assert r.completed_at is None  # only a completed Response has it (the openai SDK's model says so)
 
 
 class Color(BaseModel):

@@ -139,6 +139,26 @@ def test_reasoning_and_call_tokens_are_not_the_messages(parser_client, monkeypat
     assert _same(deltas, lps)
 
 
+def test_each_delta_has_the_tokens_of_its_text_before_a_call(parser_client, monkeypatch):
+    """No reasoning: the answer's own leading spaces are the message's, the call's tokens are not, and a
+    character split over byte tokens (é) goes out with every token that spells it."""
+    regex = (r'  [A-Z][a-z]{1,6} é[a-z]{1,4}\.\n<tool_call>\n\{"name": "search", "arguments": '
+             r'\{"query": "[a-z]{1,8}"\}\}\n</tool_call>')
+    monkeypatch.setattr(openai_responses, "format_constraint",
+                        lambda text: OutputConstraint("regex", regex, "text.format"))
+    tool = {"type": "function", "name": "search", "parameters": {"type": "object", "properties": {
+        "query": {"type": "string"}}, "required": ["query"]}}
+    kw = dict(model=MODEL, input=INPUT, tools=[tool], max_output_tokens=120, temperature=0, include=LOGPROBS)
+    r = parser_client.responses.create(**kw)
+    assert [o.type for o in r.output] == ["message", "function_call"]
+    lps = r.output[0].content[0].logprobs
+    assert b"".join(bytes(lp.bytes) for lp in lps).decode() == r.output_text
+    events = list(parser_client.responses.create(stream=True, **kw))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert all(b"".join(bytes(lp.bytes) for lp in e.logprobs).decode() == e.delta for e in deltas)
+    assert _same([lp for e in deltas for lp in e.logprobs], lps)
+
+
 def test_bad_logprob_requests_are_400s(gw_url):
     for extra in ({"top_logprobs": 2}, {"top_logprobs": 21, "include": LOGPROBS},
                   {"top_logprobs": "two", "include": LOGPROBS}):

@@ -109,6 +109,7 @@ def test_a_failure_mid_stream_is_an_error_event_then_response_failed(gw_url, gw_
     assert error["error"]["message"] == error["message"]
     r = failed["response"]
     assert r["status"] == "failed" and r["error"] == {"code": "server_error", "message": "generation failed: boom"}
+    assert r["completed_at"] is None  # as OpenAI leaves a failed Response's
     assert r["output"][0]["status"] == "incomplete" and r["output"][0]["content"][0]["text"]
     with pytest.raises(openai.APIError, match="boom"):
         for _ in oai.responses.create(input="Hello world!", max_output_tokens=50, model=MODEL, temperature=0,
