@@ -9,6 +9,11 @@ import sys
 from runtime.config import ServerArgs
 from runtime.errors import ServerArgsError, ShoalError
 
+# vLLM's --task / --runner values Shoal serves, and whether each is the embedding (pooling) kind.
+_TASKS = ("auto", "generate", "embed", "embedding")
+_RUNNERS = ("auto", "generate", "pooling")
+_EMBEDDING_KINDS = frozenset({"embed", "embedding", "pooling"})
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shoal", description="Shoal LLM serving runtime")
@@ -18,6 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model", nargs="?", default=None, metavar="MODEL",
                        help="the model folder, as `vllm serve MODEL` takes it (same as --model-path)")
     ServerArgs.add_cli_args(serve)
+    # vLLM's ways of saying --is-embedding (values, so not plain aliases; server_args() folds them in).
+    # Not listed in --help, where --is-embedding names them: --help lists ServerArgs' fields, one each.
+    serve.add_argument("--task", default=None, choices=_TASKS, help=argparse.SUPPRESS)
+    serve.add_argument("--runner", default=None, choices=_RUNNERS, help=argparse.SUPPRESS)
     gen = sub.add_parser("generate", help="generate a completion for one prompt and print it")
     ServerArgs.add_cli_args(gen)
     gen.add_argument("--prompt", default="The capital of France is")
@@ -38,6 +47,15 @@ def server_args(ns: argparse.Namespace) -> ServerArgs:
         if ns.model_path is not None and ns.model_path != positional:
             raise ServerArgsError("--model-path", f"names {ns.model_path!r} and MODEL names {positional!r}: give one")
         ns.model_path = positional
+    for flag in ("task", "runner"):
+        value = getattr(ns, flag, None)
+        if value in (None, "auto"):
+            continue
+        if value == "generate" and ns.is_embedding:
+            raise ServerArgsError(f"--{flag}", "generate contradicts --is-embedding")
+        ns.is_embedding = ns.is_embedding or value in _EMBEDDING_KINDS
+    if getattr(ns, "task", None) == "generate" and getattr(ns, "runner", None) == "pooling":
+        raise ServerArgsError("--task", "generate contradicts --runner pooling")
     return ServerArgs.from_cli(ns)
 
 

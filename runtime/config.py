@@ -45,6 +45,10 @@ class ServerArgs:
     context_length: int | None = _opt(None, "max tokens of prompt + output; default: the model's max_position_embeddings")
     device: str = _opt("auto", "auto picks cuda when available", ("auto", "cpu", "cuda"))
     random_seed: int = _opt(0, "seed for dummy weights and for requests without a seed")
+    is_embedding: bool = _opt(False, "serve the model as an embedding model (vLLM's --task embed / --runner "
+                                     "pooling): POST /v1/embeddings and Engine.encode(); pooling (last token, "
+                                     "mean, CLS; normalized or not) from sentence-transformers' modules.json and "
+                                     "1_Pooling/config.json, else last token + L2 norm; generation answers 400")
     quantization: str | None = _opt(None, "fp8: quantize a bf16/fp16 checkpoint's linear weights to FP8 at load "
                                           "(per-channel); FP8 checkpoints are detected from config.json", ("fp8",))
     fp8_weight_scales: str = _opt("act_weighted", "--quantization fp8: per-channel weight scales of least e4m3 "
@@ -219,6 +223,9 @@ class ServerArgs:
                                                   "--dp-size, --address and --use-ray, or this flag")
         if self.enable_dp_attention and self.dp_size < 2:
             raise ServerArgsError("--enable-dp-attention", "needs --dp-size of 2 or more")
+        if self.is_embedding and (self.speculative_algorithm or self.enable_dp_attention):
+            raise ServerArgsError("--is-embedding", "an embedding server only prefills: it runs without "
+                                                    "--speculative-algorithm and --enable-dp-attention")
         self._check_speculative()
 
     def _check_speculative(self) -> None:
@@ -253,7 +260,9 @@ class ServerArgs:
 
     @property
     def radix_cache_enabled(self) -> bool:
-        return not self.disable_radix_cache
+        # An embedding server's mean and CLS pooling read every prompt token's hidden state: a prefix taken
+        # from the cache was never computed here (runtime/layers/pooler.py), so the cache is off there.
+        return not self.disable_radix_cache and not self.is_embedding
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)

@@ -1,6 +1,6 @@
 """Engine: the whole server in one process, without Ray — a Scheduler driving one in-process TpWorker on
-a background thread. The Python API for tests, notebooks and the quick start, and the EngineClient the
-HTTP gateway uses when tp = dp = 1."""
+a background thread. The Python API for tests, notebooks and the quick start (embeddings: encode(), in
+EngineEmbeddings), and the EngineClient the HTTP gateway uses when tp = dp = 1."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import msgspec
 
 from runtime.config import ServerArgs
 from runtime.default_model import resolve_model
-from runtime.engine_client import EngineClient
 from runtime.errors import EngineUnavailableError, InvalidRequestError, ServerArgsError
 from runtime.logging_setup import setup_logging
 from runtime.managers.request_validation import as_id_lists
@@ -29,11 +28,12 @@ from runtime.sampling.grammar_compiler import create_grammar_compiler
 from runtime.sampling.params import SamplingParams
 from runtime.stream_delivery import deliver, next_output
 from runtime.text.bad_words import tokenize_bad_words
+from runtime.text.engine_embeddings import EngineEmbeddings
 from runtime.text.result_collector import ResultCollector, usage_dict
 from runtime.text.tokenizer import NullTokenizer, Tokenizer, load_tokenizer
 
 
-class Engine(EngineClient):
+class Engine(EngineEmbeddings):  # an EngineClient
     def __init__(self, model_path: str | None = None, *, server_args: ServerArgs | None = None, **kwargs: Any):
         if server_args is None:
             server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
@@ -73,7 +73,7 @@ class Engine(EngineClient):
         return self.host.is_running()
 
     def validate(self, req: GenerateRequest) -> GenerateRequest:
-        return self.host.validate(req)
+        return self.host.validate(self.check_task(req))
 
     async def check_grammar(self, req: GenerateRequest) -> None:
         key = req.sampling_params.grammar

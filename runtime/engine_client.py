@@ -5,13 +5,19 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from runtime.messages import GenerateRequest, RequestOutput, RoutingStats, SchedulerStats
+
+if TYPE_CHECKING:
+    from runtime.text.pooling_config import PoolingConfig
 
 
 class EngineClient(ABC):
     model_name: str
     context_len: int
+    # An embedding server's pooling (POST /v1/embeddings reads it for `dimensions`); None: a generative one.
+    pooling: PoolingConfig | None = None
 
     @property
     @abstractmethod

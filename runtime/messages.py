@@ -25,6 +25,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     # scheduler starts it as if retracted with them (sampling positions, penalties, stop checks and
     # max_new_tokens all count them) and streams only what comes after.
     resumed_output_ids: list[int] = []
+    # An embedding request (an --is-embedding server's only kind): prefilled, pooled, finished; no token.
+    embed: bool = False
 
     def __post_init__(self) -> None:
         if type(self.input_ids) is not tuple:
@@ -70,6 +72,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     cached_tokens: int = 0
     queue_time_s: float = 0.0
     trace: FirstTokenTrace | None = None  # on the delta carrying the first output token
+    embedding: list[float] | None = None  # an embedding request's pooled vector, on its final output
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by a later one of the same request, as one delta (a slow consumer takes
@@ -88,7 +91,8 @@ class RequestOutput(msgspec.Struct, kw_only=True):
                                else later.input_token_ranks),
             finished=later.finished, finish_reason=later.finish_reason, prompt_tokens=later.prompt_tokens,
             completion_tokens=later.completion_tokens, cached_tokens=later.cached_tokens,
-            queue_time_s=self.queue_time_s, trace=self.trace if self.trace is not None else later.trace)
+            queue_time_s=self.queue_time_s, trace=self.trace if self.trace is not None else later.trace,
+            embedding=later.embedding if later.embedding is not None else self.embedding)
 
 
 class AbortRequest(msgspec.Struct):
@@ -179,6 +183,9 @@ class WorkerBatch(msgspec.Struct, kw_only=True):
     # DP attention: every rank's token count this step, so the MLP gather is sized alike everywhere.
     global_num_tokens: list[int] | None = None
     spec: SpecInfo | None = None  # TARGET_VERIFY only
+    # An embedding server's EXTEND (non-empty only there): per request, whether this chunk ends its prompt,
+    # so the worker pools it; no logits, no sampling.
+    embed_done: list[bool] = []
 
 
 class BatchResult(msgspec.Struct, kw_only=True):
@@ -197,6 +204,8 @@ class BatchResult(msgspec.Struct, kw_only=True):
     # TARGET_VERIFY: tokens each request emits (accepted drafts + one); next_token_ids, logprobs and
     # top_logprobs then hold those tokens of all requests back to back.
     spec_counts: list[int] | None = None
+    # An embedding batch: per request its pooled vector where embed_done, else []; None for other batches.
+    embeddings: list[list[float]] | None = None
 
 
 class ModeStats(msgspec.Struct):

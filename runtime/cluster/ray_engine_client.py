@@ -32,14 +32,11 @@ from runtime.engine_client import EngineClient
 from runtime.errors import EngineUnavailableError, InvalidRequestError
 from runtime.managers.request_validation import RequestLimits, validate_request
 from runtime.mem_cache.block_hash import page_hashes
-from runtime.messages import (
-    GenerateRequest,
-    RequestOutput,
-    RoutingStats,
-    SchedulerStats,
-)
+from runtime.messages import GenerateRequest, RequestOutput, RoutingStats, SchedulerStats
 from runtime.sampling.grammar_compiler import create_grammar_compiler
 from runtime.stream_delivery import deliver, next_output
+from runtime.text.embedding_request import check_task
+from runtime.text.pooling_config import PoolingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +50,7 @@ class RayEngineClient(EngineClient):
         self._tokenizer = tokenizer
         info = groups[0].info
         self.context_len = info.context_len
+        self.pooling = PoolingConfig.for_server(args)  # the driver has the model folder (the tokenizer's)
         self._limits = RequestLimits(info.context_len, info.vocab_size, min(g.info.max_total_tokens for g in groups),
                                      args.speculative_algorithm is not None)
         # The driver compiles each new grammar once too (cached), so a bad one is a 400 before any actor call.
@@ -92,7 +90,7 @@ class RayEngineClient(EngineClient):
         return not self._closing and self._thread.is_alive() and any(r.alive for r in self.replicas)
 
     def validate(self, req: GenerateRequest) -> GenerateRequest:
-        return validate_request(self._limits, req)
+        return validate_request(self._limits, check_task(self.args.is_embedding, req))
 
     async def check_grammar(self, req: GenerateRequest) -> None:
         key = req.sampling_params.grammar

@@ -12,6 +12,7 @@ A disallowed origin gets no CORS headers, so the browser blocks the page from re
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
@@ -25,8 +26,10 @@ from runtime.gateway import dashboard_routes, debug_routes, native_routes, token
 from runtime.gateway.errors import ApiError, from_http_exception, from_shoal_error
 from runtime.gateway.openai_chat import chat_completions
 from runtime.gateway.openai_completions import completions
+from runtime.gateway.openai_embeddings import embeddings, health_embed
 from runtime.gateway.openai_responses import responses
 from runtime.gateway.state import STATE_KEY, ClientProvider, GatewayState
+from runtime.text.embedding_request import task_mismatch
 
 logger = logging.getLogger("shoal.gateway")
 
@@ -130,6 +133,22 @@ def _middleware(api_key: str | None, cors: Cors) -> Callable:
     return gateway_middleware
 
 
+def _generation(handler: Handler, on_embedding: Handler | None = None) -> Handler:
+    """A generation route: on an embedding server (its client has a pooling) a 400 naming the mismatch, as
+    vLLM's, or `on_embedding` where that server has its own form of the route."""
+
+    @functools.wraps(handler)
+    async def route(request: web.Request) -> web.StreamResponse:
+        client = request.app[STATE_KEY].current_client()
+        if client is not None and client.pooling is not None:
+            if on_embedding is not None:
+                return await on_embedding(request)
+            raise ApiError(400, task_mismatch(True), param="model", code="model_not_supported")
+        return await handler(request)
+
+    return route
+
+
 async def _stop_samplers(app: web.Application) -> None:
     app[STATE_KEY].admission.loop_lag.stop()
 
@@ -143,15 +162,16 @@ def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) 
     app.on_cleanup.append(_stop_samplers)
     if cors.enabled:
         app.on_response_prepare.append(cors.on_prepare)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/completions", _generation(completions))
+    app.router.add_post("/v1/chat/completions", _generation(chat_completions))
+    app.router.add_post("/v1/responses", _generation(responses))
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/v1/models", native_routes.models)
     app.router.add_get("/v1/models/{model:.+}", native_routes.model)  # a model name may hold '/'
-    app.router.add_post("/generate", native_routes.generate)
+    app.router.add_post("/generate", _generation(native_routes.generate))
     app.router.add_post("/abort_request", native_routes.abort_request)
     app.router.add_get("/health", native_routes.health)
-    app.router.add_get("/health_generate", native_routes.health_generate)
+    app.router.add_get("/health_generate", _generation(native_routes.health_generate, health_embed))
     app.router.add_get("/version", native_routes.version)
     app.router.add_get("/metrics", native_routes.metrics)
     app.router.add_post("/tokenize", tokenize_routes.tokenize)

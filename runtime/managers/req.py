@@ -26,7 +26,7 @@ class ReqState(Enum):
 class Req:
     def __init__(self, rid: str, input_ids: Sequence[int], params: SamplingParams, seed: int,
                  eos_token_ids: frozenset[int], return_input_logprob: bool = False, arrival_time: float = 0.0,
-                 input_top_logprobs_num: int = 0):
+                 input_top_logprobs_num: int = 0, embed: bool = False):
         self.rid = rid
         # A tuple, not a list: CPython stops tracking a tuple of ints at the first collection it survives, so
         # no full collection walks the prompts in flight (a list's every element is visited, 1,000 x 1,000
@@ -73,6 +73,8 @@ class Req:
         self.grammar_wait: int | None = params.grammar_after_token
         # The output tokens a bad word's prefix can reach back to (its longest word's length - 1).
         self.bad_words_reach = max(map(len, params.bad_words_ids), default=1) - 1
+        self.embed = embed  # an embedding request: finishes with its prefill, pooled into `embedding`
+        self.embedding: list[float] | None = None
 
     @property
     def grammar_active(self) -> bool:
@@ -210,6 +212,8 @@ class Req:
             out.new_top_logprobs = self.output_top_logprobs[start:] if self.params.top_logprobs_num else None
         if start == 0 and result_time is not None and self.output_ids:
             out.trace = FirstTokenTrace(scheduled=self.first_scheduled_time or result_time, result=result_time)
+        if self.embedding is not None:
+            out.embedding = self.embedding
         if start == 0 and self.input_logprobs is not None:
             out.input_logprobs = self.input_logprobs
             out.input_top_logprobs = self.input_top_logprobs

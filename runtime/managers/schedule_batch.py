@@ -34,7 +34,10 @@ class ScheduleBatch:
     def num_tokens(self) -> int:
         return sum(r.extend_len for r in self.reqs)
 
-    def to_worker_batch(self, batch_id: int, global_num_tokens: list[int] | None = None) -> WorkerBatch:
+    def to_worker_batch(self, batch_id: int, global_num_tokens: list[int] | None = None,
+                        embed: bool = False) -> WorkerBatch:
+        """embed: an embedding server's batch (every request an extend): the worker pools where a prompt
+        ends instead of sampling."""
         input_ids: list[int] = []
         seq_lens, prefix_lens, writes = [], [], []
         for i, r in enumerate(self.reqs):
@@ -55,7 +58,9 @@ class ScheduleBatch:
         return WorkerBatch(
             batch_id=batch_id, forward_mode=int(self.forward_mode), input_ids=input_ids,
             req_pool_indices=[r.req_pool_idx for r in self.reqs], seq_lens=seq_lens, prefix_lens=prefix_lens,
-            out_cache_loc=locs, prefix_writes=writes, sampling=self._sampling() if self.reqs else None,
+            out_cache_loc=locs, prefix_writes=writes,
+            sampling=self._sampling() if self.reqs and not embed else None,
+            embed_done=list(self.completes_prefill) if embed else [],
             return_input_logprob=[r.return_input_logprob and r.output_ids == [] for r in self.reqs]
             if any(r.return_input_logprob for r in self.reqs) else [],
             input_top_logprobs_nums=[r.input_top_logprobs_num for r in self.reqs]

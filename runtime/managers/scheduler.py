@@ -30,15 +30,10 @@ from runtime.managers.stats import ForwardModeStats
 from runtime.managers.token_intake import TokenIntake
 from runtime.managers.worker_client import WorkerClient
 from runtime.mem_cache.cache_event_log import CacheEventLog
-from runtime.messages import (
-    BatchResult,
-    FinishReason,
-    GenerateRequest,
-    RequestOutput,
-    SchedulerStats,
-)
+from runtime.messages import BatchResult, FinishReason, GenerateRequest, RequestOutput, SchedulerStats
 from runtime.model_executor.forward_mode import ForwardMode
 from runtime.sampling.grammar_compiler import GrammarCompiler
+from runtime.text.embedding_request import check_task
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +71,10 @@ class Scheduler:
         self.must_step = args.enable_dp_attention  # step (IDLE) even with no work of our own
         # Overlap scheduling: launch batch N+1 before collecting batch N, so the device never waits for
         # the CPU. Only where the worker runs asynchronously; DP attention keeps ranks in lockstep.
-        # Speculative steps need the accepted tokens before drafting the next: no overlap with them.
-        self.overlap = overlap and worker.can_overlap and not self.must_step and self.spec is None
+        # Speculative steps need the accepted tokens before drafting the next; an embedding server's
+        # requests end with their prefill (nothing to overlap): no overlap with either.
+        self.overlap = (overlap and worker.can_overlap and not self.must_step and self.spec is None
+                        and not args.is_embedding)
         self.pending: tuple[ScheduleBatch, object] | None = None
         self._defer_grammar = getattr(worker, "can_defer_sampling", False)
         self.gen_throughput = 0.0
@@ -119,7 +116,7 @@ class Scheduler:
                 "error", message=f"duplicate request id {g.rid!r}"))])
             return
         try:  # again: a caller that skipped validate() must fail alone, not the batch it would join
-            g = validate_request(self.limits, g)
+            g = validate_request(self.limits, check_task(self.args.is_embedding, g))
         except InvalidRequestError as e:
             self.rids.refused(g.rid)
             self.sink([RequestOutput(rid=g.rid, new_token_ids=[], finished=True, finish_reason=FinishReason(
@@ -128,7 +125,7 @@ class Scheduler:
         p = g.sampling_params
         seed = p.seed if p.seed is not None else self.rng.getrandbits(62)
         req = Req(g.rid, g.input_ids, p, seed, self.eos_token_ids, g.return_input_logprob, g.arrival_time,
-                  input_top_logprobs_num=g.input_top_logprobs_num)
+                  input_top_logprobs_num=g.input_top_logprobs_num, embed=g.embed)
         if g.resumed_output_ids:
             req.resume(g.resumed_output_ids)
         self.reqs[g.rid] = req
@@ -188,7 +185,7 @@ class Scheduler:
                 return False
             self._busy_since = self._busy_since or time.perf_counter()
             self.batch_id += 1
-            wb = batch.to_worker_batch(self.batch_id)
+            wb = batch.to_worker_batch(self.batch_id, embed=self.args.is_embedding)
             # Overlap with grammars: the forward goes first; the masks are filled while it runs (after
             # collecting the batch in flight, whose tokens they need). Without deferred sampling,
             # _must_flush collected it.
@@ -319,7 +316,9 @@ class Scheduler:
         self.stats.record(batch.forward_mode, batch.num_tokens(), now - (self._busy_since or now))
         self._busy_since = now
         self.device_busy_s += result.device_s
-        if batch.forward_mode.is_target_verify():
+        if result.embeddings is not None:
+            stepped = self.intake.take_embeddings(batch, result)
+        elif batch.forward_mode.is_target_verify():
             stepped = self.spec.apply(batch, result, lambda r, i: self.intake.append(r, result, i))
         else:
             stepped = self.intake.take(batch, result)

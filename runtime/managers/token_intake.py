@@ -11,7 +11,7 @@ from runtime.managers.kv_cache_manager import KVCacheManager
 from runtime.managers.req import Req
 from runtime.managers.schedule_batch import ScheduleBatch
 from runtime.managers.stats import ForwardModeStats
-from runtime.messages import BatchResult
+from runtime.messages import BatchResult, FinishReason
 from runtime.text.detokenizer import stop_check_tail
 
 
@@ -36,6 +36,21 @@ class TokenIntake:
                     if r.input_top_logprobs_num and result.input_top_logprobs:
                         r.input_top_logprobs = [None, *result.input_top_logprobs[i]]
             self.append(r, result, i)
+            stepped.append(r)
+        return stepped
+
+    def take_embeddings(self, batch: ScheduleBatch, result: BatchResult) -> list[Req]:
+        """An embedding batch: each request whose prompt ended gets its vector and finishes (no token);
+        a chunk that did not end its prompt is handled as any prefill chunk."""
+        stepped = []
+        for i, r in enumerate(batch.reqs):
+            if r.finished:
+                continue
+            if not batch.completes_prefill[i]:
+                self.kv.cache_unfinished(r, batch.kv_ends[i])
+                continue
+            r.embedding = result.embeddings[i]
+            r.finish_reason = FinishReason("stop")
             stepped.append(r)
         return stepped
 

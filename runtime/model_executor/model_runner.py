@@ -9,6 +9,7 @@ import dataclasses
 import gc
 import logging
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ from runtime.config import ServerArgs
 from runtime.errors import ServerArgsError
 from runtime.host_to_device import to_device
 from runtime.layers.logits import LogitsOutput, LogitsProcessor
+from runtime.layers.pooler import Pooler, create_pooler
 from runtime.layers.sampler import SampleOutput, Sampler
 from runtime.mem_cache.kv_pool import TokenToKVPool
 from runtime.mem_cache.kv_quant import kv_storage_dtype
@@ -38,6 +40,7 @@ from runtime.model_executor.weight_loader import dummy_checkpoint, iterate_safet
 from runtime.models.parallel_context import ParallelContext
 from runtime.models.registry import get_model_class
 from runtime.speculative.draft_footprint import DraftFootprint
+from runtime.text.pooling_config import PoolingConfig
 
 if TYPE_CHECKING:
     from runtime.model_executor.spec_decode_runner import SpecDecodeRunner
@@ -115,6 +118,13 @@ class ModelRunner:
             has_sliding_window=self.model_config.has_sliding_window, kv_dtype=self.kv_dtype))
         self.logits_processor = LogitsProcessor(self.model.compute_logits)
         self.sampler = Sampler()
+        self.pooler: Pooler | None = None  # an embedding server's (--is-embedding): pools instead of sampling
+        if args.is_embedding:
+            pooling = PoolingConfig.read(model_path)
+            self.pooler = create_pooler(pooling.pooling_type, pooling.normalize, self.max_running_requests,
+                                        self.model_config.hidden_size, self.device)
+            logger.info("embedding model: %s pooling%s (from %s)", pooling.pooling_type,
+                        ", L2-normalized" if pooling.normalize else "", pooling.source)
         # Row r: the token just sampled for request row r (overlap scheduling); one scratch row past them
         # for a CUDA graph's padded rows.
         self.future_token_ids = torch.zeros(self.max_running_requests + 1, dtype=torch.int64, device=self.device)
@@ -138,7 +148,8 @@ class ModelRunner:
             model.load_weights(dummy_checkpoint(cfg, self.args.random_seed, self.device))
         else:
             show = self.ctx.attn.rank == 0 and self.ctx.mlp.rank == 0
-            model.load_weights(iterate_safetensors(model_path, show_progress=show))
+            weights = iterate_safetensors(model_path, show_progress=show)
+            model.load_weights(self._embedding_checkpoint(weights) if self.args.is_embedding else weights)
         if fp8 is not None:
             fp8.finish(model, cfg.dtype, None if self.args.load_format == "dummy"
                        else lambda: self._calibration_prefill(model, model_path))
@@ -146,6 +157,17 @@ class ModelRunner:
         logger.info("loaded %s (%s, %s) in %.1f s", cfg.architecture, cfg.dtype, self.args.load_format,
                     time.perf_counter() - t0)
         return model
+
+    def _embedding_checkpoint(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """An embedding checkpoint saved from the bare *Model (e5-mistral-instruct, Qwen3-Embedding): names
+        without the 'model.' prefix and no LM head, as vLLM's pooling adapter loads them. The head is never
+        read on an embedding server: zeros stand in for a missing one (the loader insists on every tensor)."""
+        cfg, head = self.model_config, False
+        for name, tensor in weights:
+            head = head or name.startswith("lm_head.")
+            yield (name if name.startswith(("model.", "lm_head.")) else "model." + name), tensor
+        if not head and not cfg.tie_word_embeddings:
+            yield "lm_head.weight", torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
 
     def _calibration_prefill(self, model: torch.nn.Module, model_path: str) -> None:
         """One prefill of the KV calibration text through `model` (FP8 act_weighted weight scales read it)."""
@@ -252,6 +274,8 @@ class ModelRunner:
             # A negative id -(r+1) stands for the token just sampled for request row r, which the scheduler
             # has not seen yet (overlap scheduling): take it from the device-side buffer.
             fb.input_ids = resolve_future_ids(fb.input_ids, self.future_token_ids)
+        if batch.embed_done:  # an embedding server's prefill: pooled from the hidden states, no logits
+            return self._pool(batch, fb, t0, events)
         if fb.forward_mode.is_target_verify():  # drafts, one forward over them, acceptance: synchronous
             if self.spec is None:
                 raise ValueError("a TARGET_VERIFY batch needs a worker started with --speculative-algorithm")
@@ -269,6 +293,23 @@ class ModelRunner:
             return launched
         return self._sample(launched, batch.sampling, out.next_token_logits, fb.req_pool_indices, keep_on_device,
                             out.greedy_ids)
+
+    def _pool(self, batch: WorkerBatch, fb: ForwardBatch, t0: float, events: tuple | None) -> LaunchedBatch:
+        """One embedding EXTEND: the forward up to the final norm, then each finished prompt's vector."""
+        if self.pooler is None:
+            raise ValueError("an embedding batch needs a worker started with --is-embedding")
+        self.attn_backend.init_forward_metadata(fb)
+        hidden = self.model(fb.input_ids, fb.positions, fb)
+        rows = iter(self.pooler(hidden, fb, batch.embed_done).tolist())  # waits for the device
+        embeddings = [next(rows) if done else [] for done in batch.embed_done]
+        device_s = 0.0
+        if events is not None:
+            events[1].record()
+            events[1].synchronize()
+            device_s = events[0].elapsed_time(events[1]) / 1e3
+        return LaunchedBatch(batch.batch_id, t0, done=BatchResult(
+            batch_id=batch.batch_id, next_token_ids=[], embeddings=embeddings,
+            forward_s=time.perf_counter() - t0, device_s=device_s))
 
     @torch.inference_mode()
     def sample_deferred(self, launched: LaunchedBatch, grammar_rows: list[int], grammar_mask: bytes) -> LaunchedBatch:

@@ -1,0 +1,50 @@
+"""The bodies of POST /v1/embeddings as msgspec Structs: OpenAI's request (input as a string, strings, token
+ids or lists of token ids; encoding_format float or base64; Matryoshka `dimensions`; `user`), vLLM's
+additions (truncate_prompt_tokens, add_special_tokens, and `messages` in place of `input`: one
+conversation rendered with the chat template), and OpenAI's response."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from msgspec import UNSET, Struct, UnsetType
+
+from runtime.gateway.protocol import Int64
+
+ENCODING_FORMATS = ("float", "base64")
+
+
+class EmbeddingRequest(Struct, kw_only=True):
+    # str | list[str] | list[int] | list[list[int]]: one union msgspec cannot decode (several array
+    # types), so it is checked by hand (openai_embeddings.embedding_inputs) with errors naming `input`.
+    input: Any = UNSET
+    messages: list[dict[str, Any]] | UnsetType = UNSET  # vLLM's chat form of the request
+    model: str | None = None
+    encoding_format: str | None = None  # None: float
+    dimensions: Int64 | None = None
+    user: str | None = None
+    truncate_prompt_tokens: Int64 | None = None
+    add_special_tokens: bool | None = None  # None: vLLM's defaults (True for input, False for messages)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+
+
+class EmbeddingData(Struct):
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32
+    object: str = "embedding"
+
+
+class EmbeddingUsage(Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(Struct):
+    id: str
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+    object: str = "list"

@@ -1,0 +1,156 @@
+"""POST /v1/embeddings on an embedding server (--is-embedding): OpenAI's embeddings API, as vLLM and
+SGLang serve it. Each input (text, or token ids) becomes one embedding request, all submitted at once;
+the answer lists the pooled vectors in input order, as floats or as base64 of little-endian float32
+(the openai SDK asks for base64 by default), shortened to `dimensions` for a Matryoshka model.
+On a generation server the route answers 400, as vLLM's does ("does not support the Embeddings API");
+the generation routes on an embedding server likewise (runtime/gateway/app.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import struct
+import time
+from typing import Any
+
+from aiohttp import web
+from msgspec import UNSET
+
+from runtime.engine_client import EngineClient
+from runtime.errors import InvalidRequestError
+from runtime.gateway.body import read_body
+from runtime.gateway.embeddings_protocol import (
+    ENCODING_FORMATS,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+)
+from runtime.gateway.errors import ApiError, bad_request
+from runtime.gateway.protocol import encode
+from runtime.gateway.state import STATE_KEY
+from runtime.messages import GenerateRequest
+from runtime.text.embedding_request import embedding_request, task_mismatch, truncate_tokens
+from runtime.text.pooling_config import PoolingConfig
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    body = await read_body(request, EmbeddingRequest)
+    state = request.app[STATE_KEY]
+    client = state.client()
+    model = state.check_model(client, body.model)
+    pooling = _pooling(client)
+    fmt = body.encoding_format or "float"
+    if fmt not in ENCODING_FORMATS:
+        raise bad_request(f"encoding_format must be one of {', '.join(ENCODING_FORMATS)}, got {fmt!r}",
+                          param="encoding_format")
+    pooling.check_dimensions(body.dimensions)
+    ids = [truncate_tokens(x, body.truncate_prompt_tokens, client.context_len) for x in token_inputs(client, body)]
+    base = state.new_id("embd")
+    reqs = [_validated(client, embedding_request(f"{base}-{i}", x, client.context_len, i)) for i, x in enumerate(ids)]
+    vectors = await run_embeddings(client, reqs)
+    data = [EmbeddingData(index=i, embedding=_encoded(pooling.shorten(v, body.dimensions), fmt))
+            for i, v in enumerate(vectors)]
+    tokens = sum(len(r.input_ids) for r in reqs)
+    out = EmbeddingResponse(id=base, created=int(time.time()), model=model, data=data,
+                            usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+    return web.Response(body=encode(out), content_type="application/json")
+
+
+async def health_embed(request: web.Request) -> web.Response:
+    """/health_generate on an embedding server: ready and able to embed (one short input)."""
+    state = request.app[STATE_KEY]
+    client = state.client()
+    ids = client.tokenizer.encode("ping") or [0]
+    try:
+        await asyncio.wait_for(run_embeddings(client, [client.validate(
+            embedding_request(state.new_id("health"), ids, client.context_len))]), 20.0)
+    except (asyncio.TimeoutError, ApiError, InvalidRequestError) as e:
+        raise ApiError(503, f"embedding check failed: {getattr(e, 'message', None) or type(e).__name__}",
+                       code="unhealthy") from None
+    return web.Response(body=encode({"status": "ok"}), content_type="application/json")
+
+
+def _pooling(client: EngineClient) -> PoolingConfig:
+    if client.pooling is None:
+        raise ApiError(400, task_mismatch(False), param="model", code="model_not_supported")
+    return client.pooling
+
+
+def token_inputs(client: EngineClient, body: EmbeddingRequest) -> list[list[int]]:
+    """Each input's token ids: `input` as OpenAI defines it, or vLLM's `messages` (one conversation)."""
+    has_input, has_messages = body.input is not UNSET, body.messages is not UNSET
+    if has_input == has_messages:
+        raise bad_request("give either input or messages", param="input")
+    tok = client.tokenizer
+    if has_messages:
+        if not body.messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                        for m in body.messages):
+            raise bad_request("messages must be a non-empty list of {'role': ..., 'content': ...}", param="messages")
+        if body.add_special_tokens:  # the chat template writes the special tokens itself
+            raise bad_request("add_special_tokens applies to input; messages are rendered by the chat template",
+                              param="add_special_tokens")
+        return [tok.apply_chat_template(body.messages, body.add_generation_prompt, None,
+                                        body.continue_final_message, body.chat_template_kwargs)]
+    special = True if body.add_special_tokens is None else body.add_special_tokens
+    x = body.input
+    if isinstance(x, str):
+        return [tok.encode(x, add_special_tokens=special)]
+    if not isinstance(x, list) or not x:
+        raise bad_request("input must be a string, a list of strings, a list of token ids or a list of lists "
+                          "of token ids, and not empty", param="input")
+    if all(isinstance(t, str) for t in x):
+        return [tok.encode(t, add_special_tokens=special) for t in x]
+    if all(_is_id(t) for t in x):
+        return [list(x)]
+    if all(isinstance(row, list) and row and all(_is_id(t) for t in row) for row in x):
+        return [list(row) for row in x]
+    raise bad_request("input must be a string, a list of strings, a list of token ids or a list of non-empty "
+                      "lists of token ids (not a mix)", param="input")
+
+
+async def run_embeddings(client: EngineClient, reqs: list[GenerateRequest]) -> list[list[float]]:
+    """Every request's vector, in order; the first failure cancels (and so aborts) the others."""
+    tasks = [asyncio.ensure_future(_one(client, r)) for r in reqs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def _one(client: EngineClient, req: GenerateRequest) -> list[float]:
+    last: Any = None
+    async with contextlib.aclosing(client.stream(req)) as stream:
+        async for o in stream:
+            last = o
+    if last is not None and last.embedding is not None:
+        return last.embedding
+    fr = last.finish_reason if last is not None else None
+    message = (fr.message if fr is not None else None) or "the request ended without an embedding"
+    if fr is not None and fr.kind == "abort":
+        raise ApiError(503, f"the embedding request was aborted: {message}", code="request_aborted")
+    raise ApiError(500, f"the embedding request failed: {message}")
+
+
+def _validated(client: EngineClient, req: GenerateRequest) -> GenerateRequest:
+    try:
+        return client.validate(req)
+    except InvalidRequestError as e:  # validate names the prompt: here it is the input
+        if e.param == "prompt":
+            e.param = "input"
+        raise
+
+
+def _encoded(vector: list[float], fmt: str) -> list[float] | str:
+    if fmt == "float":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
+def _is_id(t: object) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+

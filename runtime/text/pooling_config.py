@@ -1,0 +1,132 @@
+"""PoolingConfig: how an embedding server (--is-embedding) turns a prompt's final hidden states into one
+vector, read from the model folder as vLLM reads it: sentence-transformers' modules.json names the Pooling
+module's folder (1_Pooling/config.json: pooling_mode_lasttoken / mean_tokens / cls_token) and whether a
+Normalize module follows; config_sentence_transformers.json may carry named prompts; config.json's
+is_matryoshka / matryoshka_dimensions say whether `dimensions` may shorten a vector. A folder without
+modules.json pools the last token and L2-normalizes (vLLM's default for `--task embed`: Qwen3-Embedding,
+gte-Qwen2-instruct, e5-mistral-instruct)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from runtime.errors import InvalidRequestError, ServerArgsError
+
+if TYPE_CHECKING:
+    from runtime.config import ServerArgs
+
+POOLING_TYPES = ("last", "mean", "cls")
+# sentence-transformers' Pooling modes → ours; the modes it has that we do not pool are refused by name.
+_ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+_ST_POOLING = "sentence_transformers.models.Pooling"
+_ST_NORMALIZE = "sentence_transformers.models.Normalize"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingConfig:
+    pooling_type: str = "last"  # one of POOLING_TYPES
+    normalize: bool = True
+    hidden_size: int = 0  # the vector's length (config.json), for `dimensions`' bound
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None  # the only dimensions allowed, when the model lists them
+    prompts: dict[str, str] = field(default_factory=dict)  # sentence-transformers' named prompts
+    default_prompt_name: str | None = None
+    source: str = "default"  # where the pooling came from (logs, errors)
+
+    @classmethod
+    def read(cls, model_path: str | Path) -> PoolingConfig:
+        root = Path(model_path)
+        hf = _json(root / "config.json") or {}
+        if hf.get("is_causal") is False:  # our attention is causal: every vector would be silently wrong
+            raise ServerArgsError("--is-embedding", f"{root / 'config.json'} sets is_causal false (bidirectional "
+                                                    "attention), which Shoal does not run; only causal models embed")
+        dims = hf.get("matryoshka_dimensions")
+        common: dict[str, Any] = {
+            "hidden_size": int(hf.get("hidden_size") or 0),
+            "is_matryoshka": bool(hf.get("is_matryoshka")) or dims is not None,
+            "matryoshka_dimensions": tuple(int(d) for d in dims) if dims else None,
+        }
+        st = _json(root / "config_sentence_transformers.json") or {}
+        prompts = st.get("prompts") or {}
+        if isinstance(prompts, dict):
+            common["prompts"] = {str(k): str(v) for k, v in prompts.items()}
+        common["default_prompt_name"] = st.get("default_prompt_name") or None
+        modules = _json(root / "modules.json")
+        if not isinstance(modules, list):
+            return cls(**common)
+        kinds = [m.get("type") for m in modules if isinstance(m, dict)]
+        pooling = next((m for m in modules if isinstance(m, dict) and m.get("type") == _ST_POOLING), None)
+        normalize = _ST_NORMALIZE in kinds
+        if pooling is None:  # modules.json without a Pooling module: vLLM keeps its default (last)
+            return cls(normalize=normalize, source="modules.json", **common)
+        where = f"{pooling.get('path', '')}/config.json"
+        cfg = _json(root / where)
+        if not isinstance(cfg, dict):
+            raise ServerArgsError("--is-embedding", f"modules.json names a Pooling module but {root / where} is "
+                                                    "missing or not a JSON object")
+        on = [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v is True]
+        unknown = [k for k in on if k not in _ST_MODES]
+        if unknown or len(on) != 1:
+            raise ServerArgsError("--is-embedding", f"{where} sets pooling modes {on or 'none'}; Shoal pools "
+                                                    f"with exactly one of {', '.join(_ST_MODES)}")
+        return cls(pooling_type=_ST_MODES[on[0]], normalize=normalize, source=where, **common)
+
+    @classmethod
+    def for_server(cls, args: ServerArgs) -> PoolingConfig | None:
+        """The pooling an --is-embedding server's model folder says; None for a generation server."""
+        if not args.is_embedding:
+            return None
+        from runtime.default_model import resolve_model
+
+        return cls.read(resolve_model(args.model_path, args.served_model_name)[0])
+
+    def check_dimensions(self, dimensions: int | None) -> None:
+        """InvalidRequestError (param dimensions) unless this model may be shortened to `dimensions`."""
+        if dimensions is None:
+            return
+        if isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1:
+            raise InvalidRequestError(f"dimensions must be a positive integer, got {dimensions!r}", param="dimensions")
+        if not self.is_matryoshka:
+            raise InvalidRequestError("this model does not support matryoshka representation (its config.json "
+                                      "sets neither is_matryoshka nor matryoshka_dimensions): changing the output "
+                                      "dimensions would give poor embeddings", param="dimensions")
+        if self.matryoshka_dimensions is not None and dimensions not in self.matryoshka_dimensions:
+            raise InvalidRequestError(f"this model only supports dimensions {list(self.matryoshka_dimensions)}, got "
+                                      f"{dimensions}", param="dimensions")
+        if self.hidden_size and dimensions > self.hidden_size:
+            raise InvalidRequestError(f"dimensions {dimensions} exceeds the model's embedding size "
+                                      f"{self.hidden_size}", param="dimensions")
+
+    def shorten(self, vector: list[float], dimensions: int | None) -> list[float]:
+        """The first `dimensions` components (checked by check_dimensions), renormalized when this model's
+        vectors are normalized (Matryoshka: truncate, then L2-normalize again)."""
+        if dimensions is None or dimensions >= len(vector):
+            return vector
+        head = vector[:dimensions]
+        if not self.normalize:
+            return head
+        norm = math.sqrt(math.fsum(x * x for x in head))
+        return [x / norm for x in head] if norm > 0 else head
+
+    def prompt(self, name: str | None) -> str:
+        """The text sentence-transformers puts before an input for prompt `name` ('' for None)."""
+        if name is None:
+            return ""
+        if name not in self.prompts:
+            known = ", ".join(self.prompts) or "none (config_sentence_transformers.json lists no prompts)"
+            raise InvalidRequestError(f"unknown prompt_name {name!r}; this model's prompts: {known}",
+                                      param="prompt_name")
+        return self.prompts[name]
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise ServerArgsError("--is-embedding", f"cannot read {path}: {e}") from None

@@ -1,0 +1,160 @@
+"""POST /v1/embeddings on an embedding server (tiny Qwen3, last-token pooling, normalized), through the
+openai SDK (float, and its default base64) and raw HTTP: token-id inputs, vLLM's messages form,
+`dimensions` (400 unless the model is Matryoshka), the errors, the generation routes refused on an
+embedding server and the embeddings route on a generation one, and the KV pool full afterwards."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import shutil
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from gw_helpers import GATEWAY_ARGS, http, wait_kv_full
+
+from runtime import Engine
+from runtime.gateway.server import ServerHandle, serve_in_thread
+
+TEXTS = ["The quick brown fox jumps over the lazy dog. The capital of France is Paris.", "Hello", "emoji: 🙂"]
+
+
+@pytest.fixture(scope="module")
+def emb_engine(tiny_model_dirs, tmp_path_factory) -> Iterator[Engine]:
+    path: Path = tmp_path_factory.mktemp("gw_emb") / "qwen3"
+    shutil.copytree(tiny_model_dirs["qwen3"], path)
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True,
+                                                               "pooling_mode_mean_tokens": False}))
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    engine = Engine(str(path), device="cpu", dtype="float32", is_embedding=True, chunked_prefill_size=16,
+                    log_level="warning")
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def emb_server(emb_engine) -> Iterator[ServerHandle]:
+    with serve_in_thread(emb_engine, GATEWAY_ARGS, port=0) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def emb_oai(emb_server):
+    import openai
+
+    return openai.OpenAI(base_url=emb_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_openai_sdk_float_and_base64(emb_engine, emb_oai):
+    want = emb_engine.encode(TEXTS)
+    floats = emb_oai.embeddings.create(model="qwen3", input=TEXTS, encoding_format="float")
+    assert [d.index for d in floats.data] == [0, 1, 2]
+    for d, w in zip(floats.data, want):
+        torch.testing.assert_close(torch.tensor(d.embedding), torch.tensor(w))
+    n_tokens = sum(len(emb_engine.tokenizer.encode(t)) for t in TEXTS)
+    assert (floats.usage.prompt_tokens, floats.usage.total_tokens) == (n_tokens, n_tokens)
+    default = emb_oai.embeddings.create(model="qwen3", input=TEXTS)  # the SDK asks for base64 and decodes it
+    for d, w in zip(default.data, want):
+        torch.testing.assert_close(torch.tensor(d.embedding), torch.tensor(w))
+    wait_kv_full(emb_engine)
+
+
+def test_raw_base64_is_little_endian_float32(emb_engine, emb_server):
+    status, body = http(emb_server.url + "/v1/embeddings", "POST", {"input": "Hello", "encoding_format": "base64"})
+    assert status == 200, body
+    raw = base64.b64decode(body["data"][0]["embedding"])
+    got = struct.unpack(f"<{len(raw) // 4}f", raw)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(emb_engine.encode("Hello")))
+    assert body["object"] == "list" and body["data"][0]["object"] == "embedding" and body["model"] == "qwen3"
+
+
+def test_token_id_inputs_and_messages(emb_engine, emb_oai, emb_server):
+    ids = [emb_engine.tokenizer.encode(t) for t in TEXTS]
+    one = emb_oai.embeddings.create(model="qwen3", input=ids[0], encoding_format="float")
+    torch.testing.assert_close(torch.tensor(one.data[0].embedding), torch.tensor(emb_engine.encode(TEXTS[0])))
+    many = emb_oai.embeddings.create(model="qwen3", input=ids, encoding_format="float")
+    assert len(many.data) == 3 and many.usage.prompt_tokens == sum(map(len, ids))
+    messages = [{"role": "user", "content": "Hello"}]
+    status, body = http(emb_server.url + "/v1/embeddings", "POST", {"messages": messages})
+    assert status == 200, body
+    chat_ids = emb_engine.tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    torch.testing.assert_close(torch.tensor(body["data"][0]["embedding"]),
+                               torch.tensor(emb_engine.encode(input_ids=chat_ids)))
+
+
+def test_dimensions(emb_engine, emb_oai, emb_server):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="matryoshka") as e:
+        emb_oai.embeddings.create(model="qwen3", input="Hello", dimensions=16)
+    assert e.value.body["param"] == "dimensions"
+    full = emb_engine.encode("Hello")
+    emb_engine.pooling = dataclasses.replace(emb_engine.pooling, is_matryoshka=True)  # as if config.json said so
+    try:
+        short = emb_oai.embeddings.create(model="qwen3", input="Hello", dimensions=16, encoding_format="float")
+        torch.testing.assert_close(torch.tensor(short.data[0].embedding),
+                                   torch.nn.functional.normalize(torch.tensor(full[:16]), dim=0))
+        status, body = http(emb_server.url + "/v1/embeddings", "POST", {"input": "Hello", "dimensions": 65})
+        assert status == 400 and body["error"]["param"] == "dimensions", body
+    finally:
+        del emb_engine.pooling  # back to what the model folder says
+
+
+@pytest.mark.parametrize("payload, param, words", [
+    ({"input": []}, "input", "not empty"),
+    ({"input": ["a", 3]}, "input", "not a mix"),
+    ({"input": [[1, 2], []]}, "input", "non-empty"),
+    ({"input": [10**9]}, "input", "outside the vocabulary"),
+    ({"input": "Hello", "encoding_format": "bytes64"}, "encoding_format", "float, base64"),
+    ({"input": "Hello", "messages": [{"role": "user", "content": "x"}]}, "input", "either input or messages"),
+    ({}, "input", "either input or messages"),
+    ({"input": "Hello", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "-1 or a positive"),
+])
+def test_bad_requests(emb_server, payload, param, words):
+    status, body = http(emb_server.url + "/v1/embeddings", "POST", payload)
+    assert status == 400, body
+    assert body["error"]["param"] == param and words in body["error"]["message"], body
+
+
+def test_too_long_input_and_truncation(emb_engine, emb_server):
+    ids = (emb_engine.tokenizer.encode(TEXTS[0]) * 40)[:600]
+    status, body = http(emb_server.url + "/v1/embeddings", "POST", {"input": ids})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    assert "512" in body["error"]["message"] and "600" in body["error"]["message"]
+    status, body = http(emb_server.url + "/v1/embeddings", "POST", {"input": ids, "truncate_prompt_tokens": 20})
+    assert status == 200 and body["usage"]["prompt_tokens"] == 20, body
+    torch.testing.assert_close(torch.tensor(body["data"][0]["embedding"]),
+                               torch.tensor(emb_engine.encode(input_ids=ids[-20:])))
+    status, body = http(emb_server.url + "/v1/embeddings", "POST", {"input": "x", "model": "other"})
+    assert status == 404, body
+    wait_kv_full(emb_engine)
+    with emb_engine.scheduler.lock:
+        emb_engine.scheduler.check_kv_invariant()
+
+
+@pytest.mark.parametrize("path, payload", [
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]}),
+    ("/generate", {"text": "Hello"}),
+])
+def test_generation_routes_refused_on_embedding_server(emb_server, path, payload):
+    status, body = http(emb_server.url + path, "POST", payload)
+    assert status == 400 and "embedding model" in body["error"]["message"], body
+
+
+def test_health_generate_embeds(emb_server):
+    status, body = http(emb_server.url + "/health_generate")
+    assert status == 200 and body == {"status": "ok"}, body
+
+
+def test_embeddings_refused_on_generation_server(gw_url):
+    status, body = http(gw_url + "/v1/embeddings", "POST", {"input": "Hello"})
+    assert status == 400 and "--is-embedding" in body["error"]["message"], body
