@@ -22,7 +22,21 @@ SUPPORTED_ARCHITECTURES = MappingProxyType({
     "MixtralForCausalLM": ("mixtral", "runtime.models.mixtral:MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "runtime.models.qwen2_moe:Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "runtime.models.qwen3_moe:Qwen3MoeForCausalLM"),
+    # Bare models (no LM head), as embedding checkpoints declare them: e5-mistral-7b-instruct (MistralModel),
+    # gte-Qwen2-instruct (Qwen2Model), Qwen3-Embedding (Qwen3Model). They run on the causal class (the model
+    # runner adds the 'model.' prefix and a stand-in head), only on an embedding server (is_bare_architecture).
+    "LlamaModel": ("llama", "runtime.models.llama:LlamaForCausalLM"),
+    "MistralModel": ("mistral", "runtime.models.llama:MistralForCausalLM"),
+    "Qwen2Model": ("qwen2", "runtime.models.qwen2:Qwen2ForCausalLM"),
+    "Qwen3Model": ("qwen3", "runtime.models.qwen3:Qwen3ForCausalLM"),
 })
+
+
+def is_bare_architecture(architecture: str) -> bool:
+    """A checkpoint of the bare *Model: hidden states only, no LM head (embedding models)."""
+    return not architecture.endswith("ForCausalLM")
+
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -84,6 +98,17 @@ class ModelConfig:
 
     def is_sparse_layer(self, layer_id: int) -> bool:
         return self.moe is not None and self.moe.is_sparse_layer(layer_id)
+
+    @property
+    def is_bare(self) -> bool:
+        return is_bare_architecture(self.architecture)
+
+    def check_task(self, is_embedding: bool, model_path: str | Path) -> None:
+        """A bare model has no LM head to generate with: refused on a generation server, by name, rather
+        than served with a stand-in head (every logit zero)."""
+        if self.is_bare and not is_embedding:
+            raise ModelConfigError(f"{model_path}: {self.architecture} is a bare model (no LM head): serve it "
+                                   "with --is-embedding (vLLM's --task embed)")
 
     @property
     def has_sliding_window(self) -> bool:

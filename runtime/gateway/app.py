@@ -169,6 +169,7 @@ def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) 
     app.router.add_get("/v1/models", native_routes.models)
     app.router.add_get("/v1/models/{model:.+}", native_routes.model)  # a model name may hold '/'
     app.router.add_post("/generate", _generation(native_routes.generate))
+    app.router.add_post("/encode", native_routes.encode_request)
     app.router.add_post("/abort_request", native_routes.abort_request)
     app.router.add_get("/health", native_routes.health)
     app.router.add_get("/health_generate", _generation(native_routes.health_generate, health_embed))

@@ -1,7 +1,8 @@
 """The bodies of POST /v1/embeddings as msgspec Structs: OpenAI's request (input as a string, strings, token
 ids or lists of token ids; encoding_format float or base64; Matryoshka `dimensions`; `user`), vLLM's
 additions (truncate_prompt_tokens, add_special_tokens, and `messages` in place of `input`: one
-conversation rendered with the chat template), and OpenAI's response."""
+conversation rendered with the chat template), and OpenAI's response; SGLang's native POST /encode body
+and answer."""
 
 from __future__ import annotations
 
@@ -48,3 +49,23 @@ class EmbeddingResponse(Struct):
     data: list[EmbeddingData]
     usage: EmbeddingUsage
     object: str = "list"
+
+
+class EncodeRequest(Struct, kw_only=True):
+    """SGLang's POST /encode (EmbeddingReqInput's text-model fields)."""
+
+    text: str | list[str] | None = None
+    input_ids: list[Any] | None = None  # list[int] or list[list[int]], checked by the handler
+    rid: str | None = None
+    dimensions: Int64 | None = None
+
+
+class EncodeMetaInfo(Struct):
+    id: str
+    prompt_tokens: int
+    e2e_latency: float
+
+
+class EncodeResponse(Struct):
+    embedding: list[float]
+    meta_info: EncodeMetaInfo

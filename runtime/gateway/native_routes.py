@@ -1,5 +1,6 @@
-"""The non-OpenAI routes: SGLang-style POST /generate, POST /abort_request, GET /health,
-GET /health_generate, GET /metrics, and OpenAI's GET /v1/models and GET /v1/models/{model}.
+"""The non-OpenAI routes: SGLang-style POST /generate, POST /encode (an embedding server's), POST
+/abort_request, GET /health, GET /health_generate, GET /metrics, and OpenAI's GET /v1/models and
+GET /v1/models/{model}.
 
 /generate streams like SGLang: every event carries the whole text and output_ids so far (not a delta)
 with meta_info, whose finish_reason is null until the last event; then `data: [DONE]`."""
@@ -19,8 +20,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from runtime.errors import InvalidRequestError, ShoalError
 from runtime.gateway.body import read_body
 from runtime.gateway.choice_state import ChoiceState
+from runtime.gateway.embeddings_protocol import EncodeMetaInfo, EncodeRequest, EncodeResponse
 from runtime.gateway.errors import ApiError, bad_request, from_shoal_error
 from runtime.gateway.generation import Generation, Responder
+from runtime.gateway.openai_embeddings import embedding_requests, pooling_of, run_admitted
 from runtime.gateway.prompt_input import PromptInput
 from runtime.gateway.protocol import (
     AbortRequestBody,
@@ -98,6 +101,31 @@ async def generate(request: web.Request) -> web.StreamResponse:
         await state.check_grammar(client, reqs[0], f"sampling_params.{params.grammar[0]}")
     gen.set_choices(base, reqs)
     return await gen.respond(body.stream, _GenerateResponder(gen, body.return_text_in_logprobs, prompts.batch))
+
+
+async def encode_request(request: web.Request) -> web.Response:
+    """SGLang's embedding route: `text` (a string or strings) or `input_ids` (ids or lists of ids) →
+    {"embedding", "meta_info"}, a list of them for a batch; admitted, tracked and counted as
+    /v1/embeddings is (openai_embeddings.run_admitted). On a generation server a 400, as that route."""
+    arrival = time.monotonic()
+    state = request.app[STATE_KEY]
+    body = await read_body(request, EncodeRequest)
+    client = state.client()
+    pooling = pooling_of(client)
+    pooling.check_dimensions(body.dimensions)
+    if (body.text is None) == (body.input_ids is None):
+        raise bad_request("give exactly one of text or input_ids", param="text")
+    param = "text" if body.text is not None else "input_ids"
+    prompts = PromptInput.parse(body.text if body.text is not None else body.input_ids, client.tokenizer.encode,
+                                param=param, allow_text=body.text is not None)
+    base = body.rid or state.new_id("embd")
+    rids = [f"{base}-{i}" for i in range(len(prompts.ids))] if prompts.batch else [base]
+    reqs = embedding_requests(client, rids, prompts.ids, param)
+    vectors = await run_admitted(state, client, base, reqs, arrival, param)
+    latency = time.monotonic() - arrival
+    out = [EncodeResponse(pooling.shorten(v, body.dimensions), EncodeMetaInfo(r.rid, len(r.input_ids), latency))
+           for r, v in zip(reqs, vectors)]
+    return _json(out if prompts.batch else out[0])
 
 
 class _GenerateResponder(Responder):

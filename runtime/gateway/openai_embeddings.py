@@ -3,7 +3,12 @@ SGLang serve it. Each input (text, or token ids) becomes one embedding request, 
 the answer lists the pooled vectors in input order, as floats or as base64 of little-endian float32
 (the openai SDK asks for base64 by default), shortened to `dimensions` for a Matryoshka model.
 On a generation server the route answers 400, as vLLM's does ("does not support the Embeddings API");
-the generation routes on an embedding server likewise (runtime/gateway/app.py)."""
+the generation routes on an embedding server likewise (runtime/gateway/app.py).
+
+An embedding batch goes through the gateway's admission as a generation's choices do (run_admitted): each
+input counts against --max-concurrent-requests (429), the queue estimate may refuse it (429 with
+Retry-After), it is tracked (so /abort_request and the shutdown drain see it, which answers it 503), and
+each input's end counts in the metrics (requests, end-to-end latency, queue time, prompt tokens)."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import base64
 import contextlib
 import struct
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -29,18 +35,21 @@ from runtime.gateway.embeddings_protocol import (
 )
 from runtime.gateway.errors import ApiError, bad_request
 from runtime.gateway.protocol import encode
-from runtime.gateway.state import STATE_KEY
-from runtime.messages import GenerateRequest
+from runtime.gateway.state import STATE_KEY, GatewayState
+from runtime.messages import GenerateRequest, RequestOutput
 from runtime.text.embedding_request import embedding_request, task_mismatch, truncate_tokens
 from runtime.text.pooling_config import PoolingConfig
 
+OutputHook = Callable[[GenerateRequest, RequestOutput], None]
+
 
 async def embeddings(request: web.Request) -> web.Response:
+    arrival = time.monotonic()
     body = await read_body(request, EmbeddingRequest)
     state = request.app[STATE_KEY]
     client = state.client()
     model = state.check_model(client, body.model)
-    pooling = _pooling(client)
+    pooling = pooling_of(client)
     fmt = body.encoding_format or "float"
     if fmt not in ENCODING_FORMATS:
         raise bad_request(f"encoding_format must be one of {', '.join(ENCODING_FORMATS)}, got {fmt!r}",
@@ -48,8 +57,8 @@ async def embeddings(request: web.Request) -> web.Response:
     pooling.check_dimensions(body.dimensions)
     ids = [truncate_tokens(x, body.truncate_prompt_tokens, client.context_len) for x in token_inputs(client, body)]
     base = state.new_id("embd")
-    reqs = [_validated(client, embedding_request(f"{base}-{i}", x, client.context_len, i)) for i, x in enumerate(ids)]
-    vectors = await run_embeddings(client, reqs)
+    reqs = embedding_requests(client, [f"{base}-{i}" for i in range(len(ids))], ids)
+    vectors = await run_admitted(state, client, base, reqs, arrival)
     data = [EmbeddingData(index=i, embedding=_encoded(pooling.shorten(v, body.dimensions), fmt))
             for i, v in enumerate(vectors)]
     tokens = sum(len(r.input_ids) for r in reqs)
@@ -72,7 +81,8 @@ async def health_embed(request: web.Request) -> web.Response:
     return web.Response(body=encode({"status": "ok"}), content_type="application/json")
 
 
-def _pooling(client: EngineClient) -> PoolingConfig:
+def pooling_of(client: EngineClient) -> PoolingConfig:
+    """The embedding server's pooling; a 400 naming the mismatch on a generation server."""
     if client.pooling is None:
         raise ApiError(400, task_mismatch(False), param="model", code="model_not_supported")
     return client.pooling
@@ -110,9 +120,61 @@ def token_inputs(client: EngineClient, body: EmbeddingRequest) -> list[list[int]
                       "lists of token ids (not a mix)", param="input")
 
 
-async def run_embeddings(client: EngineClient, reqs: list[GenerateRequest]) -> list[list[float]]:
-    """Every request's vector, in order; the first failure cancels (and so aborts) the others."""
-    tasks = [asyncio.ensure_future(_one(client, r)) for r in reqs]
+def embedding_requests(client: EngineClient, rids: list[str], ids: list[list[int]],
+                       param: str = "input") -> list[GenerateRequest]:
+    """One validated request per input (all checked before any is sent: a bad one leaves nothing running);
+    param: the body field the inputs came in, which errors about them name."""
+    try:
+        return [client.validate(embedding_request(rid, x, client.context_len, i))
+                for i, (rid, x) in enumerate(zip(rids, ids))]
+    except InvalidRequestError as e:  # validate names the prompt, embedding_request the input
+        if e.param in ("prompt", "input"):
+            e.param = param
+        raise
+
+
+async def run_admitted(state: GatewayState, client: EngineClient, base_id: str, reqs: list[GenerateRequest],
+                       arrival: float, param: str = "input") -> list[list[float]]:
+    """The requests' vectors under the gateway's admission, as Generation.respond runs a generation's
+    choices: tracked (429 past --max-concurrent-requests; 503 once a drain began), admitted by the queue
+    estimate (429 with Retry-After), untracked on every exit, each input's end counted in the metrics."""
+    _check_batch_size(state, len(reqs), param)
+    tracked = state.track(base_id, reqs)
+    try:
+        await state.admit(client, reqs)
+        return await run_embeddings(client, reqs, _metrics_hook(state, arrival))
+    finally:
+        state.untrack(base_id, tracked)
+
+
+def _check_batch_size(state: GatewayState, n: int, param: str) -> None:
+    """A batch that could never run at once (track and admit would name n or the prompt: here, the inputs'
+    field, `param`)."""
+    for limit, flag in ((state.args.max_concurrent_requests, "--max-concurrent-requests"),
+                        (state.admission.max_waiting_requests, "--max-waiting-requests")):
+        if limit is not None and n > limit:
+            raise bad_request(f"this request has {n} inputs; the server takes at most {limit} at once ({flag}): "
+                              "send them in parts", param=param)
+
+
+def _metrics_hook(state: GatewayState, arrival: float) -> OutputHook:
+    """What ChoiceState counts for a generated choice, for an input: it started (admission's queue and
+    start rate), then its end (request count and e2e latency, queue time, prompt tokens)."""
+    def seen(req: GenerateRequest, out: RequestOutput) -> None:
+        state.admission.started(req.rid)
+        if out.finished:
+            m = state.metrics
+            m.queue_time.observe(max(out.queue_time_s, 0.0))
+            m.e2e.observe(time.monotonic() - arrival)
+            m.prompt_tokens.inc(len(req.input_ids))
+    return seen
+
+
+async def run_embeddings(client: EngineClient, reqs: list[GenerateRequest],
+                         hook: OutputHook | None = None) -> list[list[float]]:
+    """Every request's vector, in order; the first failure cancels (and so aborts) the others. hook sees
+    each output as it arrives."""
+    tasks = [asyncio.ensure_future(_one(client, r, hook)) for r in reqs]
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:
@@ -122,11 +184,13 @@ async def run_embeddings(client: EngineClient, reqs: list[GenerateRequest]) -> l
         raise
 
 
-async def _one(client: EngineClient, req: GenerateRequest) -> list[float]:
+async def _one(client: EngineClient, req: GenerateRequest, hook: OutputHook | None) -> list[float]:
     last: Any = None
     async with contextlib.aclosing(client.stream(req)) as stream:
         async for o in stream:
             last = o
+            if hook is not None:
+                hook(req, o)
     if last is not None and last.embedding is not None:
         return last.embedding
     fr = last.finish_reason if last is not None else None
@@ -134,15 +198,6 @@ async def _one(client: EngineClient, req: GenerateRequest) -> list[float]:
     if fr is not None and fr.kind == "abort":
         raise ApiError(503, f"the embedding request was aborted: {message}", code="request_aborted")
     raise ApiError(500, f"the embedding request failed: {message}")
-
-
-def _validated(client: EngineClient, req: GenerateRequest) -> GenerateRequest:
-    try:
-        return client.validate(req)
-    except InvalidRequestError as e:  # validate names the prompt: here it is the input
-        if e.param == "prompt":
-            e.param = "input"
-        raise
 
 
 def _encoded(vector: list[float], fmt: str) -> list[float] | str:

@@ -33,9 +33,11 @@ def validate_request(limits: RequestLimits, req: GenerateRequest) -> GenerateReq
     n = len(req.input_ids)
     if n == 0:
         raise InvalidRequestError("the prompt is empty", param="prompt")
-    if n >= limits.context_len:
+    if req.embed:  # pooled from the prompt alone: no output token needs a slot (vLLM allows the whole context)
+        _check_embedding_length(limits, n)
+    elif n >= limits.context_len:
         raise ContextLengthError(n, req.sampling_params.max_new_tokens, limits.context_len)
-    if n + 1 > limits.kv_size:
+    if n + (0 if req.embed else 1) > limits.kv_size:
         raise InvalidRequestError(f"the prompt has {n} tokens but the KV pool holds only {limits.kv_size}",
                                   param="prompt")
     p = req.sampling_params
@@ -61,11 +63,18 @@ def validate_request(limits: RequestLimits, req: GenerateRequest) -> GenerateReq
     # A pool smaller than the context caps the output too (as SGLang does): a request alone in the pool can
     # always finish, with finish_reason "length", instead of failing once its KV outgrows the pool.
     room = min(limits.context_len, limits.kv_size) - n
-    if req.sampling_params.max_new_tokens > room:
+    if req.sampling_params.max_new_tokens > room and not req.embed:  # an embedding's 1 is never generated
         params = msgspec.structs.replace(req.sampling_params, max_new_tokens=room,
                                          min_new_tokens=min(req.sampling_params.min_new_tokens, room))
         req = msgspec.structs.replace(req, sampling_params=params)
     return req
+
+
+def _check_embedding_length(limits: RequestLimits, n: int) -> None:
+    if n > limits.context_len:
+        raise InvalidRequestError(f"This model's maximum context length is {limits.context_len} tokens, but the "
+                                  f"input has {n} tokens. Shorten it, or set truncate_prompt_tokens.",
+                                  param="prompt", code="context_length_exceeded")
 
 
 def _check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:

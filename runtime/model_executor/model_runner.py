@@ -75,6 +75,7 @@ class ModelRunner:
         if self.device.type == "cpu":  # threads from the cores given; "auto" → bf16 where the CPU has bf16 math
             dtype = cpu_config.configure(dtype, ModelConfig.from_pretrained(model_path).dtype)
         self.model_config = ModelConfig.from_pretrained(model_path, dtype=dtype)
+        self.model_config.check_task(args.is_embedding, model_path)  # before any device memory is taken
         if self.device.type == "cuda" and not (args.disable_custom_all_reduce or args.disable_cuda_graph):
             # Collective over the ranks: each gets a one-shot all-reduce for graph-sized activations,
             # or all fall back to NCCL together (e.g. ranks on different nodes).

@@ -38,16 +38,16 @@ def truncate_tokens(ids: Sequence[int], truncate_prompt_tokens: int | None, cont
                                   param="truncate_prompt_tokens")
     limit = max_embedding_tokens(context_len)
     if k > limit:
-        raise InvalidRequestError(f"truncate_prompt_tokens {k} exceeds the most tokens an input may have "
-                                  f"({limit}; the model's context length is {context_len})",
+        raise InvalidRequestError(f"truncate_prompt_tokens {k} exceeds the model's context length ({limit})",
                                   param="truncate_prompt_tokens")
     k = limit if k == -1 else k
     return list(ids[-k:])
 
 
 def max_embedding_tokens(context_len: int) -> int:
-    # validate_request keeps one slot past the prompt for a first output token, embeddings included.
-    return context_len - 1
+    # The whole context, as vLLM allows: an embedding generates no token, so no slot is kept past the prompt
+    # (validate_request's rule for embed requests).
+    return context_len
 
 
 def embedding_request(rid: str, ids: Sequence[int], context_len: int, index: int = 0) -> GenerateRequest:
@@ -57,9 +57,10 @@ def embedding_request(rid: str, ids: Sequence[int], context_len: int, index: int
         raise InvalidRequestError(f"input {index} is empty (no tokens)", param="input")
     if n > limit:
         raise InvalidRequestError(
-            f"This model's maximum context length is {context_len} tokens, but input {index} has {n} tokens "
-            f"(an input may have at most {limit}). Shorten it, or set truncate_prompt_tokens.",
+            f"This model's maximum context length is {context_len} tokens, but input {index} has {n} tokens. "
+            "Shorten it, or set truncate_prompt_tokens.",
             param="input", code="context_length_exceeded")
-    # It samples nothing; max_new_tokens 1 is SamplingParams' least (the scheduler reserves one slot).
+    # It samples nothing; max_new_tokens 1 is SamplingParams' least (validate_request keeps no slot for it,
+    # and leaves it unclipped at a full context).
     return GenerateRequest(rid=rid, input_ids=tuple(ids), sampling_params=SamplingParams(max_new_tokens=1),
                            embed=True)

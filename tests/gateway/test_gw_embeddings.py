@@ -1,16 +1,21 @@
 """POST /v1/embeddings on an embedding server (tiny Qwen3, last-token pooling, normalized), through the
 openai SDK (float, and its default base64) and raw HTTP: token-id inputs, vLLM's messages form,
 `dimensions` (400 unless the model is Matryoshka), the errors, the generation routes refused on an
-embedding server and the embeddings route on a generation one, and the KV pool full afterwards."""
+embedding server and the embeddings route on a generation one, and the KV pool full afterwards; SGLang's
+POST /encode; the gateway's admission (--max-concurrent-requests' 429, the shutdown drain's 503) and
+metrics for embedding batches."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import json
 import shutil
 import struct
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +23,10 @@ import torch
 from gw_helpers import GATEWAY_ARGS, http, wait_kv_full
 
 from runtime import Engine
-from runtime.gateway.server import ServerHandle, serve_in_thread
+from runtime.config import ServerArgs
+from runtime.gateway.app import build_app, gateway_state
+from runtime.gateway.drain import drain
+from runtime.gateway.server import ServerHandle
 
 TEXTS = ["The quick brown fox jumps over the lazy dog. The capital of France is Paris.", "Hello", "emoji: 🙂"]
 
@@ -40,9 +48,13 @@ def emb_engine(tiny_model_dirs, tmp_path_factory) -> Iterator[Engine]:
     engine.shutdown()
 
 
+def serve(engine: Engine, args: ServerArgs) -> ServerHandle:
+    return ServerHandle(build_app(engine, args), "127.0.0.1", 0)
+
+
 @pytest.fixture(scope="module")
 def emb_server(emb_engine) -> Iterator[ServerHandle]:
-    with serve_in_thread(emb_engine, GATEWAY_ARGS, port=0) as handle:
+    with serve(emb_engine, GATEWAY_ARGS) as handle:
         yield handle
 
 
@@ -158,3 +170,108 @@ def test_health_generate_embeds(emb_server):
 def test_embeddings_refused_on_generation_server(gw_url):
     status, body = http(gw_url + "/v1/embeddings", "POST", {"input": "Hello"})
     assert status == 400 and "--is-embedding" in body["error"]["message"], body
+
+
+def test_sglang_encode_route(emb_engine, emb_server):
+    url = emb_server.url + "/encode"
+    status, body = http(url, "POST", {"text": TEXTS[0], "rid": "mine"})
+    assert status == 200, body
+    torch.testing.assert_close(torch.tensor(body["embedding"]), torch.tensor(emb_engine.encode(TEXTS[0])))
+    n = len(emb_engine.tokenizer.encode(TEXTS[0]))
+    assert body["meta_info"]["id"] == "mine" and body["meta_info"]["prompt_tokens"] == n, body
+    ids = [emb_engine.tokenizer.encode(t) for t in TEXTS[1:]]
+    status, body = http(url, "POST", {"input_ids": ids})  # a batch: one answer per input, in order
+    assert status == 200 and len(body) == 2, body
+    for b, want in zip(body, emb_engine.encode(TEXTS[1:])):
+        torch.testing.assert_close(torch.tensor(b["embedding"]), torch.tensor(want))
+    status, body = http(url, "POST", {"text": "x", "input_ids": [1]})
+    assert status == 400 and body["error"]["param"] == "text", body
+    status, body = http(url, "POST", {"input_ids": [1] * 513})
+    assert status == 400 and body["error"]["param"] == "input_ids", body
+    assert body["error"]["code"] == "context_length_exceeded" and "512" in body["error"]["message"]
+    status, body = http(url, "POST", {"input_ids": [1] * 512})  # exactly the context fits (as vLLM)
+    assert status == 200 and body["meta_info"]["prompt_tokens"] == 512, body
+
+
+def gate_steps(engine: Engine, monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Each engine step waits for `release`; `entered` is set once one is waiting."""
+    run_batch = engine.worker.run_batch
+    entered, release = threading.Event(), threading.Event()
+
+    def gated(batch):
+        entered.set()
+        assert release.wait(30)
+        return run_batch(batch)
+
+    monkeypatch.setattr(engine.worker, "run_batch", gated)
+    return entered, release
+
+
+def metric(url: str, name: str) -> float:
+    _, text = http(url + "/metrics")
+    return float(next(ln.split()[1] for ln in text.splitlines() if ln.startswith(name + " ")))
+
+
+def in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(result=fn()))
+    t.start()
+    return t, out
+
+
+COUNTED = ("shoal:e2e_request_latency_seconds_count", "shoal:prompt_tokens_total", "shoal:requests_rejected_total")
+
+
+def test_admission_limits_and_metrics(emb_engine, monkeypatch):
+    import requests
+
+    ids = [emb_engine.tokenizer.encode(t) for t in TEXTS[:2]]
+    with serve(emb_engine, GATEWAY_ARGS.replace(max_concurrent_requests=2)) as server:
+        url = server.url
+        before = [metric(url, m) for m in COUNTED]
+        entered, release = gate_steps(emb_engine, monkeypatch)
+        first, out = in_thread(lambda: http(url + "/v1/embeddings", "POST", {"input": ids}))
+        assert entered.wait(30)  # its two inputs are in flight: the server is at its limit
+        for path, payload in (("/v1/embeddings", {"input": ["Hello"]}), ("/encode", {"text": "Hello"})):
+            r = requests.post(url + path, json=payload, timeout=30)
+            assert r.status_code == 429 and r.headers["Retry-After"] == "1", r.text
+            assert "2 concurrent requests" in r.json()["error"]["message"]
+        r = requests.post(url + "/v1/embeddings", json={"input": ["a", "b", "c"]}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+        assert "--max-concurrent-requests" in r.json()["error"]["message"]
+        release.set()
+        first.join(30)
+        assert out["result"][0] == 200, out
+        assert gateway_state(server.app).active == 0 and not gateway_state(server.app).inflight
+        after = [metric(url, m) for m in COUNTED]
+        # two inputs finished (e2e latency and prompt tokens counted), two batches refused with 429
+        assert [a - b for a, b in zip(after, before)] == [2, sum(map(len, ids)), 2]
+        assert http(url + "/v1/embeddings", "POST", {"input": ["a", "b"]})[0] == 200  # the slots are back
+    wait_kv_full(emb_engine)
+
+
+def test_drain_aborts_embeddings_in_flight(emb_engine, monkeypatch):
+    with serve(emb_engine, GATEWAY_ARGS) as server:
+        url, state = server.url, gateway_state(server.app)
+        assert http(url + "/v1/embeddings", "POST", {"input": "warm"})[0] == 200  # admission has its stats
+        entered, release = gate_steps(emb_engine, monkeypatch)
+        busy, _ = in_thread(lambda: emb_engine.encode("the engine is busy with this one"))
+        assert entered.wait(30)
+        waiting, out = in_thread(lambda: http(url + "/v1/embeddings", "POST", {"input": "Hello"}))
+        deadline = time.monotonic() + 30
+        while not any(rid.startswith("embd-") for rid in list(emb_engine._consumers)):  # submitted, queued
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        drained = asyncio.run_coroutine_threadsafe(drain(server.app, 0.0), server._loop)
+        while not state.shutting_down:
+            time.sleep(0.01)
+        status, body = http(url + "/v1/embeddings", "POST", {"input": "Hello"})
+        assert status == 503 and body["error"]["code"] == "engine_not_ready", body
+        release.set()
+        assert drained.result(30) == 1  # the queued embedding was aborted
+        waiting.join(30)
+        busy.join(30)
+        status, body = out["result"]
+        assert status == 503 and body["error"]["code"] == "request_aborted", body
+        assert state.active == 0
+    wait_kv_full(emb_engine)

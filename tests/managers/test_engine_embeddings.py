@@ -108,6 +108,13 @@ def test_last_token_pooling_matches_hf_with_chunked_prefill(make_engine, qwen3_l
         engine.encode(input_ids=long_ids)
     kept = engine.encode(input_ids=long_ids, truncate_prompt_tokens=10)
     assert_close([kept], [torch.tensor(engine.encode(input_ids=long_ids[-10:]))])
+    # exactly the context fits (as vLLM), through every check (encode's, the engine's, the scheduler's)
+    full = engine.encode(input_ids=long_ids[:512])
+    assert_close([full], hf_vectors(qwen3_last, [long_ids[:512]], "last", True))
+    assert_close([engine.encode(input_ids=long_ids, truncate_prompt_tokens=-1)], [torch.tensor(
+        engine.encode(input_ids=long_ids[-512:]))])
+    with pytest.raises(InvalidRequestError, match=r"maximum context length is 512 tokens, but input 0 has 513"):
+        engine.encode(input_ids=long_ids[:513])
     # generation on an embedding engine is refused by name
     with pytest.raises(InvalidRequestError, match="embedding model"):
         engine.generate("hello", {"max_new_tokens": 2})
@@ -190,3 +197,23 @@ def test_cli_contradictions():
             server_args(build_parser().parse_args(["serve", *argv]))
     with pytest.raises(ServerArgsError, match="--is-embedding"):
         server_args(build_parser().parse_args(["serve", "--is-embedding", "--speculative-algorithm", "NGRAM"]))
+
+
+def test_validate_request_lets_an_embedding_fill_the_context():
+    from runtime.errors import ContextLengthError
+    from runtime.managers.request_validation import RequestLimits, validate_request
+    from runtime.messages import GenerateRequest
+    from runtime.sampling.params import SamplingParams
+    from runtime.text.embedding_request import embedding_request
+
+    limits = RequestLimits(context_len=16, vocab_size=100, kv_size=16)
+    ok = validate_request(limits, embedding_request("e", [1] * 16, 16))
+    assert len(ok.input_ids) == 16 and ok.sampling_params.max_new_tokens == 1  # not clipped to 0
+    too_long = GenerateRequest(rid="e2", input_ids=[1] * 17, sampling_params=SamplingParams(max_new_tokens=1),
+                               embed=True)  # past encode's own check: the scheduler's still says the limit
+    with pytest.raises(InvalidRequestError, match=r"maximum context length is 16 tokens, but the input has 17") as e:
+        validate_request(limits, too_long)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(ContextLengthError):  # generation keeps one slot for its first token
+        validate_request(limits, GenerateRequest(rid="g", input_ids=[1] * 16,
+                                                 sampling_params=SamplingParams(max_new_tokens=1)))
