@@ -37,6 +37,9 @@ class FinishReason(msgspec.Struct, frozen=True):
     kind: str  # "length" | "stop" | "abort" | "error"
     matched: int | str | None = None  # the stop token id or stop string that ended it
     message: str | None = None
+    # The request parameter an "error" is the user's to fix (a 400 naming it), e.g. allowed_token_ids that
+    # leave a grammar no token; None: the engine's own failure.
+    param: str | None = None
 
     def openai_reason(self) -> str:
         return {"length": "length", "stop": "stop"}.get(self.kind, self.kind)
@@ -122,7 +125,11 @@ class SamplingBatch(msgspec.Struct, kw_only=True):
     # token t allowed). In the message, so every TP rank masks, and so samples, alike.
     grammar_rows: list[int] = []
     grammar_mask: bytes = b""
-    allowed_token_ids: list[list[int]] = []  # per request the only ids it may sample ([]: any); [] when none limits
+    # allowed_token_ids: the rows limited to a set of ids, and those sets as int32 bitmasks in the grammar
+    # mask's layout, all rows one width (each request's own, ceil((max id + 1) / 32) words, zero-padded to
+    # the widest: an id past the mask is not allowed). Each Req packs its mask once; a step only joins them.
+    allowed_rows: list[int] = []
+    allowed_mask: bytes = b""
     # Bad words: per request its token id sequences, and its last output ids their prefixes are matched
     # against (-1: a token still sampling on the device, which matches any); both [] when no request has any.
     bad_words_ids: list[list[list[int]]] = []
@@ -136,7 +143,7 @@ class SamplingBatch(msgspec.Struct, kw_only=True):
     def edits_logits(self) -> bool:
         """Penalties, biases, banned or allowed ids or a grammar change some row's logits before the choice."""
         return (any(self.penalty_tokens) or any(self.blocked_token_ids) or any(self.logit_biases)
-                or bool(self.grammar_rows) or any(self.allowed_token_ids) or any(self.bad_words_ids))
+                or bool(self.grammar_rows) or bool(self.allowed_rows) or any(self.bad_words_ids))
 
     @property
     def raw_argmax(self) -> bool:

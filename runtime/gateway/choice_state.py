@@ -142,6 +142,12 @@ class ChoiceState:
         return None
 
     @property
+    def error_param(self) -> str | None:
+        """The request parameter the engine's error is about (the user's to fix: a 400), or None."""
+        fr = self.last.finish_reason if self.last is not None else None
+        return fr.param if fr is not None and fr.kind == "error" else None
+
+    @property
     def prompt_tokens(self) -> int:
         return self.out.usage[0]
 

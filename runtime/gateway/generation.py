@@ -157,6 +157,8 @@ class Generation(Generic[B]):
                 if ended:  # the engine's last delta of a choice already over: it only settles the counts
                     continue
                 if responder.fail_on_engine_error and c.error:
+                    if c.error_param:  # the request's own parameters cannot be met: the user's error
+                        raise ApiError(400, c.error, param=c.error_param, code="invalid_value")
                     raise ApiError(500, f"generation failed: {c.error}", code="engine_error")
                 if c.done and not c.finished:
                     await self.client.abort(c.req.rid)

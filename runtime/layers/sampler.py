@@ -11,7 +11,7 @@ import torch
 
 from kernels.argmax import argmax_rows, use_argmax_rows
 from runtime.host_to_device import to_device
-from runtime.layers.token_bitmask import apply_token_bitmask, bitmask_from_bytes
+from runtime.layers.token_bitmask import apply_token_bitmask, bitmask_from_bytes, unpack_bitmask
 from runtime.messages import SamplingBatch
 
 _MASK64 = (1 << 64) - 1
@@ -102,35 +102,62 @@ class Sampler:
 
     @staticmethod
     def _apply_allowed_and_banned(logits: torch.Tensor, sb: SamplingBatch) -> None:
-        """-inf outside a row's allowed_token_ids and on its banned ids (EOS / stop ids below min_new_tokens,
-        the bad words it would complete), each in one op for the batch. A ban that leaves a row none of its
-        allowed ids is dropped: allowed_token_ids is the request's hard constraint, and an all -inf row has
-        no distribution to sample (vLLM would sample garbage from it)."""
+        """-inf outside a row's allowed_token_ids and on its banned ids: EOS / stop ids below min_new_tokens
+        and the last ids of the bad words it would complete. All on the device, no host sync.
+
+        A row's bans never leave it nothing to sample (an all -inf row has no distribution; vLLM would sample
+        garbage from it). Where they would, on the device, per row: first the min_new_tokens block goes (the
+        request may then end before min_new_tokens); the bad-word bans go too only if they alone still cover
+        every allowed id, for allowed_token_ids is the request's hard constraint and a bad word its softer
+        one. Only a row limited to allowed ids (or whose bans would cover the whole vocabulary) can get there:
+        the others take their bans in one index_put."""
         vocab = logits.shape[1]
-        allowed = sb.allowed_token_ids
-        rows: list[int] = []
-        toks: list[int] = []
-        for i, banned in enumerate(sb.blocked_token_ids):
-            if sb.bad_words_ids and sb.bad_words_ids[i]:
-                banned = [*banned, *bad_word_bans(sb.bad_words_ids[i], sb.bad_words_context[i])]
-            if not banned or (allowed and allowed[i] and set(banned).issuperset(allowed[i])):
-                continue
-            toks.extend(t for t in banned if t < vocab)
-            rows.extend([i] * (len(toks) - len(rows)))
         dev = logits.device
 
         def ids(values: list[int]) -> torch.Tensor:
             return to_device(values, torch.int64, dev)
 
-        if allowed:  # a mask of the limited rows only, not of the whole batch
-            limited = [i for i, a in enumerate(allowed) if a]
-            keep = torch.zeros((len(limited), vocab), dtype=torch.bool, device=dev)
-            keep[ids([j for j, i in enumerate(limited) for t in allowed[i] if t < vocab]),
-                 ids([t for i in limited for t in allowed[i] if t < vocab])] = True
-            at = ids(limited)
-            logits.index_copy_(0, at, logits.index_select(0, at).masked_fill_(~keep, float("-inf")))
-        if rows:
-            logits[ids(rows), ids(toks)] = float("-inf")
+        limited = set(sb.allowed_rows)
+        dense = list(sb.allowed_rows)  # rows whose bans may need to yield: masked as a whole
+        where = {i: k for k, i in enumerate(dense)}
+        dense_bans: list[tuple[list[int], list[int]]] = [([], []), ([], [])]  # (rows, ids): EOS block, bad words
+        rows: list[int] = []
+        toks: list[int] = []
+        for i, blocked in enumerate(sb.blocked_token_ids):
+            bad = bad_word_bans(sb.bad_words_ids[i], sb.bad_words_context[i]) if sb.bad_words_ids else []
+            if not blocked and not bad:
+                continue
+            if i not in limited and len(blocked) + len(bad) < vocab:  # cannot cover the row: ban outright
+                toks.extend(t for t in (*blocked, *bad) if t < vocab)
+                rows.extend([i] * (len(toks) - len(rows)))
+                continue
+            if i not in where:
+                where[i] = len(dense)
+                dense.append(i)
+            for (at, ban), banned in zip(dense_bans, (blocked, bad)):
+                ban.extend(t for t in banned if t < vocab)
+                at.extend([where[i]] * (len(ban) - len(at)))
+        if rows:  # the value a device tensor: a Python scalar would cross as a synchronizing copy
+            logits.index_put_((ids(rows), ids(toks)), torch.full((), float("-inf"), device=dev))
+        if not dense:
+            return
+        n = len(sb.allowed_rows)
+        keep = unpack_bitmask(bitmask_from_bytes(sb.allowed_mask, n, dev), vocab) if n else None
+        if len(dense) > n:  # rows without allowed ids whose bans alone would cover the vocabulary
+            rest = torch.ones((len(dense) - n, vocab), dtype=torch.bool, device=dev)
+            keep = rest if keep is None else torch.cat([keep, rest])
+        if dense_bans[0][1] or dense_bans[1][1]:
+            # Per id its ban's level: 0 none, 1 the EOS block, 2 a bad word (also where it is an EOS id too).
+            level = torch.zeros((len(dense), vocab), dtype=torch.int8, device=dev)
+            for value, (at, ban) in enumerate(dense_bans, start=1):
+                if ban:
+                    level.index_put_((ids(at), ids(ban)), torch.full((), value, dtype=torch.int8, device=dev))
+            # upto: 2 while some allowed id is free of every ban (all hold), 1 while some is free of the bad
+            # words (the EOS block yields), else 0 (both yield); a row keeps its allowed ids of level <= 2 - upto.
+            upto = (keep & (level == 0)).any(1).to(torch.int8) + (keep & (level <= 1)).any(1).to(torch.int8)
+            keep &= level <= 2 - upto[:, None]
+        at = ids(dense)
+        logits.index_copy_(0, at, logits.index_select(0, at).masked_fill_(~keep, float("-inf")))
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:

@@ -107,8 +107,11 @@ class GrammarManager:
 
     @staticmethod
     def accept(req: Req, token: int) -> None:
-        """Advances req's matcher by its newly sampled token; a token the grammar refuses (it cannot, as
-        the mask allowed only others) ends the request with an error rather than corrupt output."""
+        """Advances req's matcher by its newly sampled token. A token the grammar refuses ends the request
+        with an error rather than corrupt output: the mask allowed only others, so the row had nothing left,
+        which with allowed_token_ids or bad words is theirs and the grammar's conflict, the user's to fix
+        (an error naming the param). The same for a token outside allowed_token_ids, which only such a row
+        yields (its argmax over all -inf lands anywhere)."""
         m = req.grammar
         if m is None or m.is_terminated() or req.finished:
             return
@@ -116,7 +119,16 @@ class GrammarManager:
             if token == req.grammar_wait:
                 req.grammar_wait = None
             return
-        if not m.accept_token(token):
-            req.finish_reason = FinishReason("error", message=f"the grammar rejected sampled token {token}")
+        if not req.allows(token) or not m.accept_token(token):
+            req.finish_reason = GrammarManager._nothing_to_sample(req, token)
         elif m.is_terminated():  # the grammar is complete and took its stop token: also under ignore_eos
             req.finish_reason = FinishReason("stop", matched=token)
+
+    @staticmethod
+    def _nothing_to_sample(req: Req, token: int) -> FinishReason:
+        p = req.params
+        given = [name for name, v in (("allowed_token_ids", p.allowed_token_ids), ("bad_words", p.bad_words_ids)) if v]
+        if not given:
+            return FinishReason("error", message=f"the grammar rejected sampled token {token}")
+        return FinishReason("error", param=given[0], message="no token satisfies the structured output's grammar "
+                                                             f"together with {' / '.join(given)}")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections.abc import Sequence
 from enum import Enum, auto
 from typing import Any
 
+import numpy as np
 import torch
 
 from runtime.messages import FinishReason, FirstTokenTrace, RequestOutput
@@ -73,6 +75,16 @@ class Req:
         self.grammar_wait: int | None = params.grammar_after_token
         # The output tokens a bad word's prefix can reach back to (its longest word's length - 1).
         self.bad_words_reach = max(map(len, params.bad_words_ids), default=1) - 1
+        # Read for every request every step (batch building, overlap's flush test): worked out once here.
+        self.needs_penalties = params.needs_penalties
+        # The next step's sampling needs this request's tokens in flight (penalties over them, a bad word
+        # they may continue): overlap scheduling collects the batch in flight first.
+        self.needs_fresh_tokens = self.needs_penalties or params.needs_recent_output
+        # Anything beyond the plain sampling settings (bias, allowed ids, bad words, logprobs): a batch of
+        # requests without it skips those lists in one pass.
+        self.sampling_extras = bool(params.logit_bias or params.allowed_token_ids or params.bad_words_ids
+                                    or params.return_logprob)
+        self._allowed_mask: bytes | None = None
         self.embed = embed  # an embedding request: finishes with its prefill, pooled into `embedding`
         self.embedding: list[float] | None = None
 
@@ -156,6 +168,25 @@ class Req:
         no bad word is ever completed though the ban may be wider for that step."""
         n = self.bad_words_reach
         return [*self.output_ids[-n:], *[-1] * self.pending_tokens][-n:] if n else []
+
+    def allowed_mask(self) -> bytes:
+        """allowed_token_ids as the int32 bitmask the sampler unpacks on its device (bit t % 32 of word
+        t // 32, little-endian: the grammar mask's layout), ceil((max id + 1) / 32) words. Packed once, at
+        the first step that samples: per step it is only joined to the batch's other rows."""
+        if self._allowed_mask is None:
+            ids = np.asarray(self.params.allowed_token_ids, dtype=np.int64)
+            bits = np.zeros((int(ids.max()) // 32 + 1) * 32, dtype=bool)
+            bits[ids] = True
+            self._allowed_mask = np.packbits(bits, bitorder="little").tobytes()
+        return self._allowed_mask
+
+    def allows(self, token: int) -> bool:
+        """token is within allowed_token_ids (any is, without them). The ids are sorted (validation)."""
+        ids = self.params.allowed_token_ids
+        if not ids:
+            return True
+        i = bisect_left(ids, token)
+        return i < len(ids) and ids[i] == token
 
     # ---- finishing ----------------------------------------------------------------------------------
     def check_finished(self, context_len: int, tail: tuple[str, int] | None = None) -> None:

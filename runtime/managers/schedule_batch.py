@@ -70,8 +70,7 @@ class ScheduleBatch:
 
     def _sampling(self) -> SamplingBatch:
         rs = self.reqs
-        bad_words = any(r.params.bad_words_ids for r in rs)
-        return SamplingBatch(
+        sb = SamplingBatch(
             temperatures=[0.0 if r.params.is_greedy else r.params.temperature for r in rs],
             top_ps=[r.params.top_p for r in rs], top_ks=[r.params.top_k for r in rs],
             min_ps=[r.params.min_p for r in rs], seeds=[r.seed for r in rs],
@@ -79,14 +78,26 @@ class ScheduleBatch:
             repetition_penalties=[r.params.repetition_penalty for r in rs],
             frequency_penalties=[r.params.frequency_penalty for r in rs],
             presence_penalties=[r.params.presence_penalty for r in rs],
-            penalty_tokens=[r.all_ids if r.params.needs_penalties else [] for r in rs],
+            penalty_tokens=[r.all_ids if r.needs_penalties else [] for r in rs],
             prompt_lens=[len(r.origin_input_ids) for r in rs],
             blocked_token_ids=[r.blocked_token_ids() for r in rs],
             top_logprobs_nums=[r.params.top_logprobs_num for r in rs],
-            return_logprob=any(r.params.return_logprob for r in rs),
-            logit_biases=[list(r.params.logit_bias.items()) for r in rs] if any(r.params.logit_bias for r in rs) else [],
-            allowed_token_ids=[r.params.allowed_token_ids or [] for r in rs]
-            if any(r.params.allowed_token_ids for r in rs) else [],
-            bad_words_ids=[r.params.bad_words_ids for r in rs] if bad_words else [],
-            bad_words_context=[r.bad_words_context() for r in rs] if bad_words else [],
         )
+        if any(r.sampling_extras for r in rs):  # one pass decides for the common batch that uses none
+            self._add_extras(sb)
+        return sb
+
+    def _add_extras(self, sb: SamplingBatch) -> None:
+        """Logprobs, logit bias, allowed ids and bad words, each only where some request of the batch asks."""
+        ps = [r.params for r in self.reqs]
+        sb.return_logprob = any(p.return_logprob for p in ps)
+        if any(p.logit_bias for p in ps):
+            sb.logit_biases = [list(p.logit_bias.items()) for p in ps]
+        if any(p.bad_words_ids for p in ps):
+            sb.bad_words_ids = [p.bad_words_ids for p in ps]
+            sb.bad_words_context = [r.bad_words_context() for r in self.reqs]
+        sb.allowed_rows = [i for i, p in enumerate(ps) if p.allowed_token_ids]
+        if sb.allowed_rows:
+            masks = [self.reqs[i].allowed_mask() for i in sb.allowed_rows]
+            width = max(map(len, masks))
+            sb.allowed_mask = b"".join(m.ljust(width, b"\0") for m in masks)

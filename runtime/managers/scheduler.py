@@ -226,7 +226,7 @@ class Scheduler:
         """Cases where the next batch needs the real tokens of the one in flight."""
         # A grammar's mask for the next token needs the token in flight (its matcher must advance first).
         return (self.kv.available() < len(self.running) + 1
-                or any(r.params.needs_penalties or r.params.needs_recent_output for r in self.running)
+                or any(r.needs_fresh_tokens for r in self.running)
                 or (not self._defer_grammar and self.grammars.constrains(self.pending[0])))
 
     def _collect_pending(self) -> None:

@@ -179,6 +179,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise bad("allowed_token_ids", "allowed_token_ids must not be empty (leave it out to allow any token)")
             for t in self.allowed_token_ids:
                 integer("allowed_token_ids", t, 0, INT64_MAX, what="each of allowed_token_ids (a token id)")
+            # Sorted and unique from here on: the scheduler's mask and its membership test (bisect) rely on it.
+            self.allowed_token_ids = sorted(set(self.allowed_token_ids))
         if len(self.bad_words) > MAX_BAD_WORDS:
             raise bad("bad_words", f"at most {MAX_BAD_WORDS} bad_words, got {len(self.bad_words)}")
         if any(not isinstance(w, str) or not w.strip() or len(w) > 1024 for w in self.bad_words):

@@ -26,7 +26,7 @@ class VerifySampling:
         allowed or bad words, logprobs or EOS block in force), so the step can skip expand() and the Sampler."""
         min_left = spec.min_new_left or [0] * len(sb.temperatures)
         return (sb.all_greedy and not sb.return_logprob and not any(sb.penalty_tokens) and not sb.logit_biases
-                and not sb.grammar_rows and not any(sb.allowed_token_ids) and not any(sb.bad_words_ids)
+                and not sb.grammar_rows and not sb.allowed_rows and not any(sb.bad_words_ids)
                 and not any(b for b, left in zip(sb.blocked_token_ids, min_left) if left))
 
     @staticmethod
@@ -38,6 +38,7 @@ class VerifySampling:
             return [v for v, n in zip(values, reps) for _ in range(n)]
 
         min_left = spec.min_new_left or [0] * len(reps)
+        allowed_rows, allowed_mask = VerifySampling._expand_allowed(sb, reps)
         return SamplingBatch(
             temperatures=rep(sb.temperatures), top_ps=rep(sb.top_ps), top_ks=rep(sb.top_ks), min_ps=rep(sb.min_ps),
             seeds=rep(sb.seeds), steps=[s + j for s, n in zip(sb.steps, reps) for j in range(n)],
@@ -50,11 +51,24 @@ class VerifySampling:
                                for j in range(n)],
             top_logprobs_nums=rep(sb.top_logprobs_nums), return_logprob=sb.return_logprob,
             logit_biases=rep(sb.logit_biases) if sb.logit_biases else [],
-            allowed_token_ids=rep(sb.allowed_token_ids) if sb.allowed_token_ids else [],
+            allowed_rows=allowed_rows, allowed_mask=allowed_mask,
             bad_words_ids=rep(sb.bad_words_ids) if sb.bad_words_ids else [],
             bad_words_context=[ctx + d[:j] for ctx, d, n in zip(sb.bad_words_context, drafts, reps) for j in range(n)]
             if sb.bad_words_ids else [],
         )
+
+    @staticmethod
+    def _expand_allowed(sb: SamplingBatch, reps: list[int]) -> tuple[list[int], bytes]:
+        """allowed_rows / allowed_mask per verify row: a limited request's mask, once per row of it."""
+        if not sb.allowed_rows:
+            return [], b""
+        width = len(sb.allowed_mask) // len(sb.allowed_rows)
+        starts = [0]
+        for n in reps:
+            starts.append(starts[-1] + n)
+        rows = [j for i in sb.allowed_rows for j in range(starts[i], starts[i + 1])]
+        mask = b"".join(sb.allowed_mask[k * width:(k + 1) * width] * reps[i] for k, i in enumerate(sb.allowed_rows))
+        return rows, mask
 
     @staticmethod
     def accept(targets: list[int], drafts: list[list[int]]) -> tuple[list[int], list[int]]:

@@ -1,11 +1,12 @@
 """vLLM's allowed_token_ids and bad_words over HTTP: /v1/completions and /v1/chat/completions (streamed
 too) give what the Engine gives with the same constraint, and /generate takes bad_words in its
-sampling_params; bad values are 400s naming the field."""
+sampling_params; bad values are 400s naming the field, and so is a grammar (response_format) that no allowed
+id satisfies: the request ends with that error (the usual error event in a stream) and frees its KV."""
 
 from __future__ import annotations
 
 import pytest
-from gw_helpers import http, sse_events
+from gw_helpers import http, sse_events, wait_kv_full
 
 MODEL = "llama"
 MESSAGES = [{"role": "user", "content": "Hello world!"}]
@@ -88,3 +89,21 @@ def test_bad_values_are_400s_naming_the_field(gw_url, route, extra, param):
     status, r = http(gw_url + route, "POST", body)
     assert status == 400, r
     assert r["error"]["param"] == param, r
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_no_allowed_id_satisfies_is_a_400_naming_the_field(gw_url, gw_engine, stream):
+    pytest.importorskip("xgrammar")
+    # JSON must open with "{" (or whitespace): token 5 alone can never start it.
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "allowed_token_ids": [5],
+            "response_format": {"type": "json_object"}, "stream": stream}
+    status, r = http(gw_url + "/v1/completions", "POST", body)
+    if stream:
+        assert status == 200
+        r = next(e for e in sse_events(r) if e != "[DONE]" and "error" in e)
+    else:
+        assert status == 400, r
+    err = r["error"]
+    assert err["param"] == "allowed_token_ids" and err["type"] == "invalid_request_error", r
+    assert "no token satisfies the structured output's grammar together with allowed_token_ids" in err["message"]
+    wait_kv_full(gw_engine)

@@ -123,9 +123,10 @@ def test_verify_rows_ban_per_position_with_the_drafts_as_output():
         masked = x[j:j + 1].clone()
         masked[0, sorted(brute_bans(words, output + drafts[0][:j]))] = float("-inf")
         assert joint[j] == int(masked.argmax())
-    allowed = batch(1, temperatures=[0.0], allowed_token_ids=[[1, 2]])
+    allowed = batch(1, temperatures=[0.0], allowed_rows=[0], allowed_mask=(0b110).to_bytes(4, "little"))
     assert not VerifySampling.plain_greedy(allowed, spec)
-    assert VerifySampling.expand(allowed, spec, drafts).allowed_token_ids == [[1, 2]] * 4
+    rows = VerifySampling.expand(allowed, spec, drafts)
+    assert rows.allowed_rows == [0, 1, 2, 3] and rows.allowed_mask == (0b110).to_bytes(4, "little") * 4
 
 
 class FakeTokenizer:
