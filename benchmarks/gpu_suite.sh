@@ -109,6 +109,7 @@
 #   bash benchmarks/gpu_suite.sh gputests2 OUTDIR  # (the whole set ran past 320 s on an H100, 2026-11-27)
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
 #                                               # then bs-1 decode bf16 and FP8 with it off and on, and profiles
+#   bash benchmarks/gpu_suite.sh part66 OUTDIR  # MoE: Qwen3-30B-A3B-shaped dummy, batch-1 decode and 500 x 1000 x 1000
 set -u
 part=$1 out=$2
 mkdir -p "$out"
@@ -675,6 +676,12 @@ r['forward_modes'], r['max_total_tokens'], r['device_memory'])" "$out/fp8_kv_100
 fi
 if [ "$part" = part65 ]; then  # would a two-stream overlap (half-batch attention beside GEMMs) pay? item 3 bf16
   TAIL=8 run timeout 300 python -m benchmarks.bench_overlap --output-file "$out/overlap.json"
+fi
+if [ "$part" = part66 ]; then  # MoE (Qwen3-30B-A3B shape, dummy bf16): batch-1 decode step, then offline throughput
+  TAIL=4 run timeout 200 python -m benchmarks.bench_offline --model-config Qwen3-30B-A3B --batch1-decode \
+    --output-file "$out/moe_qwen3_30b_a3b_batch1.json"
+  TAIL=4 run timeout 280 python -m benchmarks.bench_offline --model-config Qwen3-30B-A3B --num-prompts 500 \
+    --input-len 1000 --output-len 1000 --output-file "$out/moe_qwen3_30b_a3b_500x1000x1000.json"
 fi
 if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then
   files=$(ls tests/gpu/test_*.py | grep -v test_ray_tp_gpu.py)
