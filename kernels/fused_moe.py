@@ -4,15 +4,22 @@ Why this shape: a decode step replays a CUDA graph, so the expert computation mu
 with the same grids whatever the routing is, and never read a count back to the host. As vLLM's fused_moe
 with moe_align_block_size does, the (token, slot) pairs are sorted by expert into blocks of BLOCK_M rows,
 each expert's run padded to a whole number of blocks; the padded length has a fixed upper bound
-(M * top_k + E * (BLOCK_M - 1)), so the grid is fixed and the blocks past the real end return at once
-(the end is read on the device). Each block multiplies its rows by its one expert's weight tile, so only
-the experts a token chose are read, unlike a dense-masked formulation (every expert on every token).
+(n + min(E, n) * (BLOCK_M - 1) for n = M * top_k pairs: at most n experts have any), so the grid is fixed
+and the blocks past the real end return at once (the end is read on the device). Each block multiplies its
+rows by its one expert's weight tile, so only the experts a token chose are read, unlike a dense-masked
+formulation (every expert on every token).
 
-moe_align builds the sorted layout with torch ops that never synchronize (scatter_add, a stable argsort,
-searchsorted); fused_moe_ref is the torch reference (per (token, slot): its expert's MLP, weighted).
+moe_align builds the sorted layout in one single-program Triton launch (counts, padded offsets, a stable
+scatter, the pads and each block's expert): the torch form (moe_align_torch, kept as the reference) is
+~25 small kernels, which a batch-1 decode step pays in every MoE layer. Tiles are picked by shape
+(pick_config, from benchmarks/sweep_fused_moe.py on H200); the down projection may split K over programs
+that write separate fp32 partials, summed with the slots (deterministic, unlike atomics).
+fused_moe_ref is the torch reference (per (token, slot): its expert's MLP, weighted).
 Under the Triton interpreter tl.dot on bf16 is wrong (kernels/decode_gemm.py): CPU tests use fp32."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -22,50 +29,143 @@ import triton.language as tl
 from kernels.activation import silu_and_mul
 
 
-@triton.jit
-def _moe_gemm_kernel(A, B, C, Weights, SortedIds, ExpertIds, NumPostPadded, num_valid, N, K,
-                     stride_am, stride_be, stride_bn, stride_cm,
-                     ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+class MoeConfig(NamedTuple):
+    """One grouped GEMM's tiles; block_m is shared by both GEMMs (it shapes the sorted layout)."""
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 1
+
+
+@triton.jit(do_not_specialize=["num_valid", "row_div"])  # one compile per tile, whatever M and top_k
+def _moe_gemm_kernel(A, B, C, Weights, SortedIds, ExpertIds, NumPostPadded, num_valid, row_div, N, K,
+                     k_per_split, stride_am, stride_be, stride_bn, stride_cm, stride_cs,
+                     MUL_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """C[id] = A[id // ROW_DIV] @ B[expert(block)]^T (* Weights[id]) for the ids of this block."""
+    """C[split][id] = A[id // row_div] @ B[expert(block)]^T (* Weights[id]) over this split's K range."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     if pid_m * BLOCK_M >= tl.load(NumPostPadded):
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ids = tl.load(SortedIds + offs_m)
     valid = ids < num_valid  # padding rows hold num_valid
-    rows = (ids // ROW_DIV).to(tl.int64)
+    rows = (ids // row_div).to(tl.int64)
     expert = tl.load(ExpertIds + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    b_base = B + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
+    k_lo = pid_s * k_per_split
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
+    a_ptr = A + rows[:, None] * stride_am + offs_k[None, :]
+    b_ptr = B + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        a = tl.load(A + rows[:, None] * stride_am + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
-                    other=0.0)
-        b = tl.load(b_base + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+    for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptr, mask=valid[:, None], other=0.0)
+            b = tl.load(b_ptr, mask=mask_n[None, :], other=0.0)
+        else:
+            mask_k = offs_k < K - (k0 - k_lo)
+            a = tl.load(a_ptr, mask=valid[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(b_ptr, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptr += BLOCK_K
+        b_ptr += BLOCK_K
     if MUL_WEIGHT:
         acc = acc * tl.load(Weights + ids, mask=valid, other=0.0).to(tl.float32)[:, None]
-    out = C + ids[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    out = C + pid_s.to(tl.int64) * stride_cs + ids[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
     tl.store(out, acc.to(C.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _moe_align_kernel(TopkIds, SortedIds, ExpertIds, NumPostPadded, n,
+                      NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+                      CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr):
+    """moe_align in one program: counts, padded runs, a stable scatter, then the pads and block experts.
+    Only [0, total) is written: the GEMMs never read past it."""
+    experts = tl.arange(0, E_POW2)
+    counts = tl.zeros((E_POW2,), dtype=tl.int32)
+    for i0 in range(0, n, CHUNK):
+        offs = i0 + tl.arange(0, CHUNK)
+        e = tl.load(TopkIds + offs, mask=offs < n, other=-1).to(tl.int32)  # -1 matches no expert
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    total = tl.sum(padded, axis=0)
+    # a pair's place: its run's start + the pairs of its expert before it (earlier chunks, then this one)
+    seen = tl.zeros((E_POW2,), dtype=tl.int32)
+    for i0 in range(0, n, CHUNK):
+        offs = i0 + tl.arange(0, CHUNK)
+        e = tl.load(TopkIds + offs, mask=offs < n, other=-1).to(tl.int32)
+        onehot = (e[:, None] == experts[None, :]).to(tl.int32)
+        base = tl.sum(onehot * (starts + seen)[None, :], axis=1)
+        before = (e[:, None] == e[None, :]) & (offs[None, :] < offs[:, None])
+        local = tl.sum(before.to(tl.int32), axis=1)
+        tl.store(SortedIds + base + local, offs, mask=offs < n)
+        seen += tl.sum(onehot, axis=0)
+    # each run's pad rows (fewer than BLOCK_M), all runs at once: [expert, BLOCK_M]
+    pad = tl.arange(0, BLOCK_M)
+    tl.store(SortedIds + (starts + counts)[:, None] + pad[None, :], tl.zeros((E_POW2, BLOCK_M), tl.int32) + n,
+             mask=pad[None, :] < (padded - counts)[:, None])
+    # a block's expert: how many runs end at or before its first row
+    for b0 in range(0, total // BLOCK_M, BLOCK_CHUNK):
+        blocks = b0 + tl.arange(0, BLOCK_CHUNK)
+        f = tl.sum((ends[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        tl.store(ExpertIds + blocks, tl.minimum(f, NUM_EXPERTS - 1), mask=blocks * BLOCK_M < total)
+    tl.store(NumPostPadded, total)
+
+
+def rows_per_expert(num_tokens: int, top_k: int, num_experts: int) -> float:
+    """The mean rows of a used expert: what a block's height has to fit."""
+    pairs = num_tokens * top_k
+    return pairs / max(1, min(num_experts, pairs))
+
+
 def pick_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
-    """16-row blocks where an expert gets few rows (decode), 64 where most get many (prefill)."""
-    return 16 if num_tokens * top_k <= 4 * num_experts else 64
+    """16-row blocks while a used expert gets <= 4 rows (decode), 32 to 32 rows, then 64, 128 past 128."""
+    r = rows_per_expert(num_tokens, top_k, num_experts)
+    return 16 if r <= 4 else 32 if r <= 32 else 64 if r <= 128 else 128
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
+def align_length(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The sorted layout's fixed length: each of the at most min(E, n) used experts pads < block_m rows."""
+    return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, use_kernel: bool | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [M, k] → (sorted_ids int32 [L], expert_ids int32 [L / block_m], num_post_padded int32 [1]).
 
-    sorted_ids lists the flat (token * k + slot) ids expert by expert, each expert's run padded with
-    M * k to a multiple of block_m; expert_ids is each block's expert. L = M * k + E * (block_m - 1) rounded
-    up to block_m, a bound that does not depend on the routing (fixed shapes for CUDA graphs)."""
+    sorted_ids lists the flat (token * k + slot) ids expert by expert (stable: ascending within an expert),
+    each expert's run padded with M * k to a multiple of block_m; expert_ids is each block's expert. The
+    length L (align_length) does not depend on the routing (fixed shapes for CUDA graphs); entries past
+    num_post_padded are left unwritten (the GEMMs' blocks there return before reading them).
+
+    use_kernel None: the one-program kernel up to 1024 pairs, the torch form past (the kernel's serial
+    chunks cost ~0.05 us a pair at E 128: 27 us at 512 pairs against torch's 72, 96 at 2048 against 79)."""
+    if use_kernel is False or (use_kernel is None and topk_ids.numel() > 1024):
+        return moe_align_torch(topk_ids, num_experts, block_m)
+    flat = topk_ids.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    n = flat.numel()
+    length = align_length(n, num_experts, block_m)
+    sorted_ids = torch.empty((length,), dtype=torch.int32, device=flat.device)
+    expert_ids = torch.empty((length // block_m,), dtype=torch.int32, device=flat.device)
+    total = torch.empty((1,), dtype=torch.int32, device=flat.device)
+    e_pow2 = triton.next_power_of_2(num_experts)
+    chunk = 32 if e_pow2 >= 128 else 64  # the [chunk, E] one-hot tiles stay in registers
+    _moe_align_kernel[(1,)](flat, sorted_ids, expert_ids, total, n, NUM_EXPERTS=num_experts, E_POW2=e_pow2,
+                            BLOCK_M=block_m, CHUNK=chunk, BLOCK_CHUNK=64, num_warps=4)
+    return sorted_ids, expert_ids, total
+
+
+def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe_align in torch ops that never synchronize (the reference; every entry of L written)."""
     flat = topk_ids.reshape(-1).to(torch.int64)
     n = flat.numel()
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
@@ -77,7 +177,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
     # position of each sorted pair inside its expert's run, then where that run starts once padded
     rank = torch.arange(n, device=flat.device) - (counts.cumsum(0) - counts)[sorted_experts]
     dest = (ends - padded)[sorted_experts] + rank
-    length = triton.cdiv(n + num_experts * (block_m - 1), block_m) * block_m
+    length = align_length(n, num_experts, block_m)
     sorted_ids = torch.full((length,), n, dtype=torch.int32, device=flat.device)
     sorted_ids.scatter_(0, dest, order.to(torch.int32))
     block_starts = torch.arange(0, length, block_m, device=flat.device)
@@ -85,27 +185,68 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
 
 
+def pick_config(num_tokens: int, top_k: int, num_experts: int, n: int, k: int, down: bool) -> MoeConfig:
+    """The tiles for one grouped GEMM (out [M * top_k, n], reduction k) at this batch.
+
+    Why (benchmarks/results/fused_moe_sweep_h200.json: Qwen3-30B-A3B and Mixtral-8x7B shapes, M 1-1024):
+    at <= 4 rows an expert the GEMMs stream weights, and the old 64-wide K steps at 3 stages kept too little
+    in flight (Mixtral's down at M 1: 103 us, 58 with 128-wide steps); 256-wide K steps gain 1-4% on gate_up,
+    128-wide N tiles and a 2-way K split on a long-K down projection whose programs fill under one wave
+    (Mixtral at M 1). Past 4 rows 32-row blocks, past 32 the 64 x 128 tile, past 128 rows 128 x 256 at 8
+    warps (Mixtral's two GEMMs at M 1024: 1.55 ms against 2.54 with the old 64 x 64 tiles). Splitting K
+    where the programs already fill a wave lost 5-17%."""
+    block_m = pick_block_m(num_tokens, top_k, num_experts)
+    long_k = k >= 4096
+    if block_m == 16:
+        block_n, block_k, warps, stages = ((128, 128, 4, 3) if long_k else (64, 128, 4, 4)) if down else (64, 256, 4, 3)
+    elif block_m == 32:
+        block_n, block_k, warps, stages = (128, 128, 8, 3) if down and long_k else (64, 128, 4, 4)
+    elif block_m == 64:
+        block_n, block_k, warps, stages = 128, 64, 4, 3
+    else:
+        block_n, block_k, warps, stages = 256, 64, 8, 4
+    block_n = min(block_n, max(16, triton.next_power_of_2(n)))
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    split = 1
+    if down and block_m == 16:
+        # programs under one wave (132 SMs on H100/H200), each streaming a long K: split K so more SMs read
+        pairs = num_tokens * top_k
+        programs = max(min(num_experts, pairs), triton.cdiv(pairs, block_m)) * triton.cdiv(n, block_n)
+        while split < 8 and programs * split * 2 <= 132 and k // (split * 2) >= 2048:
+            split *= 2
+    return MoeConfig(block_m, block_n, block_k, warps, stages, split)
+
+
 def _moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None,
-              align: tuple[torch.Tensor, torch.Tensor, torch.Tensor], row_div: int, block_m: int) -> None:
+              align: tuple[torch.Tensor, torch.Tensor, torch.Tensor], row_div: int, cfg: MoeConfig) -> None:
+    """out [splits, M * top_k, n] (splits 1 unless cfg splits K, fp32 then: the caller sums them)."""
     sorted_ids, expert_ids, total = align
     n, k = w.shape[1], w.shape[2]
-    block_n = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
-    block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
-    grid = (expert_ids.numel(), triton.cdiv(n, block_n))
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    splits = triton.cdiv(k, k_per_split)
+    if out.dim() != 3 or out.shape[0] != splits:
+        raise ValueError(f"_moe_gemm: out {tuple(out.shape)} needs {splits} split(s) first")
+    grid = (expert_ids.numel(), triton.cdiv(n, cfg.block_n), splits)
     _moe_gemm_kernel[grid](
-        a, w, out, weights if weights is not None else out, sorted_ids, expert_ids, total, out.shape[0], n, k,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        ROW_DIV=row_div, MUL_WEIGHT=weights is not None,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        a, w, out, weights if weights is not None else out, sorted_ids, expert_ids, total, out.shape[1], row_div,
+        n, k, k_per_split, a.stride(0), w.stride(0), w.stride(1), out.stride(1), out.stride(0),
+        MUL_WEIGHT=weights is not None, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        EVEN_K=k % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def num_splits(k: int, cfg: MoeConfig) -> int:
+    """How many K ranges cfg's split_k gives for reduction length k (whole BLOCK_K steps each)."""
+    return triton.cdiv(k, triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, configs: tuple[MoeConfig, MoeConfig] | None = None) -> torch.Tensor:
     """sum over slots j of topk_weights[t, j] * (silu(x W1^T) * (x W3^T)) W2^T with expert topk_ids[t, j].
 
     x [M, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_* [M, k]. Returns [M, H] in
-    x's dtype (the weighted slots are summed in fp32). No host synchronization: CUDA-graph safe."""
+    x's dtype (the weighted slots are summed in fp32). configs: (gate_up, down) tiles, pick_config's by
+    default (benchmarks pass others). No host synchronization: CUDA-graph safe."""
     m, k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     if x.shape != (m, hidden) or w2.shape != (num_experts, hidden, two_i // 2):
@@ -113,15 +254,21 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                          f"topk_ids {tuple(topk_ids.shape)} do not fit together")
     if m == 0:
         return torch.zeros_like(x)
+    if configs is None:
+        configs = (pick_config(m, k, num_experts, two_i, hidden, down=False),
+                   pick_config(m, k, num_experts, hidden, two_i // 2, down=True))
+    up_cfg, down_cfg = configs
+    if up_cfg.block_m != down_cfg.block_m or up_cfg.split_k != 1:
+        raise ValueError(f"fused_moe: configs {configs} must share block_m, and only the down GEMM splits K")
     x = x.contiguous()
-    block_m = pick_block_m(m, k, num_experts)
-    align = moe_align(topk_ids, num_experts, block_m)
-    gate_up = torch.empty((m * k, two_i), dtype=x.dtype, device=x.device)
-    _moe_gemm(x, w13, gate_up, None, align, k, block_m)
-    act = silu_and_mul(gate_up)
-    down = torch.empty((m * k, hidden), dtype=torch.float32, device=x.device)
-    _moe_gemm(act, w2, down, topk_weights.reshape(-1).contiguous(), align, 1, block_m)
-    return down.view(m, k, hidden).sum(dim=1).to(x.dtype)
+    align = moe_align(topk_ids, num_experts, up_cfg.block_m)
+    gate_up = torch.empty((1, m * k, two_i), dtype=x.dtype, device=x.device)
+    _moe_gemm(x, w13, gate_up, None, align, k, up_cfg)
+    act = silu_and_mul(gate_up[0])
+    splits = num_splits(two_i // 2, down_cfg)
+    down = torch.empty((splits, m * k, hidden), dtype=torch.float32, device=x.device)
+    _moe_gemm(act, w2, down, topk_weights.reshape(-1).contiguous(), align, 1, down_cfg)
+    return down.view(splits, m, k, hidden).sum(dim=(0, 2)).to(x.dtype)
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
