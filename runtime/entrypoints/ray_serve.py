@@ -13,8 +13,10 @@ Serve's health check calls the gateway's /health.
 Stopping a replica (scale-down, a redeploy, `serve delete`, `serve shutdown`) drains it as `shoal serve`
 drains on SIGTERM: requests in flight may finish for graceful_shutdown_timeout_s less TEARDOWN_RESERVE_S,
 then are aborted, so each stream ends with finish_reason "abort" and [DONE] before Serve's force-kill
-would cut it. Streams whose client is gone with Serve's proxy (`serve shutdown` kills the proxies at once)
-are aborted too, and said in one line, not a traceback each."""
+would cut it. With Serve's direct ingress on, the replica first serves on through Serve's min draining
+period (load balancers deregister it meanwhile), then drains with what is left of that budget. Streams
+whose client is gone with Serve's proxy (`serve shutdown` kills the proxies at once) are aborted too, and
+said in one line, not a traceback each."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -40,6 +43,8 @@ GRACEFUL_SHUTDOWN_TIMEOUT_S = 30.0
 # Of that budget, what the end takes: the aborted streams' last chunks, Serve's next drain check
 # (graceful_shutdown_wait_loop_s, 2 s by default) and __del__ (the engine's shutdown).
 TEARDOWN_RESERVE_S = 5.0
+# Ray's default RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S, for a Ray with direct ingress that names none.
+DIRECT_INGRESS_MIN_DRAINING_PERIOD_S = 30.0
 WATCH_PERIOD_S = 0.1  # how soon a replica notices Serve began stopping it
 ORPHAN_REPORT_S = 1.0  # orphaned streams are counted over this window and said in one line
 
@@ -66,10 +71,10 @@ class ShoalDeployment:
         self._closed = threading.Event()
         self._stop_lock = threading.Lock()
         self._stopped = False
-        stopping = serve_stopping_probe()
-        if stopping is not None:
-            threading.Thread(target=self._drain_when_stopped, args=(stopping, drain_grace_s()),
-                             name="shoal-serve-drain", daemon=True).start()
+        replica = serve_replica_impl()
+        if replica is not None:
+            threading.Thread(target=self._drain_when_stopped, name="shoal-serve-drain", daemon=True,
+                             args=(lambda: replica._shutting_down, lambda: drain_timing(replica))).start()
 
     async def _http(self) -> Any:
         import aiohttp
@@ -107,12 +112,22 @@ class ShoalDeployment:
             if resp.status != 200:
                 raise RuntimeError(f"gateway /health answered {resp.status}: {await resp.text()}")
 
-    def _drain_when_stopped(self, stopping: Callable[[], bool], grace_s: float) -> None:
+    def _drain_when_stopped(self, stopping: Callable[[], bool], timing: Callable[[], DrainTiming]) -> None:
         """Serve calls __del__ only once no request is ongoing, so a long stream would hold it off until the
-        force-kill cut it: the drain starts when Serve begins stopping the replica instead."""
+        force-kill cut it: the drain starts when Serve begins stopping the replica instead, or, with direct
+        ingress, once Serve's min draining period is over (a 503 inside it would reach a client that nothing
+        retries for, from a replica the load balancer still routes to)."""
         while not self._closed.wait(WATCH_PERIOD_S):
             if stopping():
-                self._stop_gateway(grace_s)  # 503 to newcomers; the streams end with "abort" after grace_s
+                began = time.monotonic()
+                plan = timing()  # read now, not at start: a config update since may have changed the budget
+                if plan.hold_s > 0:
+                    logger.info("Serve is stopping this replica: serving on for %.1f s (its direct-ingress min "
+                                "draining period), then draining", plan.hold_s)
+                    if self._closed.wait(plan.hold_s):
+                        return  # __del__ came first and stopped the gateway itself
+                # 503 to newcomers; the streams end with "abort" at the budget's end
+                self._stop_gateway(plan.grace_s(time.monotonic() - began))
                 return
 
     def _stop_gateway(self, grace_s: float) -> None:
@@ -206,11 +221,12 @@ def replica_start_error(error: Exception) -> Exception:
     return EngineUnavailableError(f"the Shoal replica did not start: {cause}")
 
 
-def serve_stopping_probe() -> Callable[[], bool] | None:
-    """Whether Serve has begun stopping this replica. Serve tells user code only through __del__, after
-    the requests in flight are done, so this reads the flag its replica sets first thing in a graceful
-    shutdown (the one its /-/healthz answers "DRAINING" by). None where this Ray has no such flag: then
-    streams run until Serve's force-kill, as before."""
+def serve_replica_impl() -> Any | None:
+    """This actor's Serve replica, whose `_shutting_down` says whether Serve has begun stopping it. Serve
+    tells user code only through __del__, after the requests in flight are done, so the watcher reads the
+    flag the replica sets first thing in a graceful shutdown (the one its /-/healthz answers "DRAINING" by).
+    None outside a replica, or where this Ray has no such flag: then streams run until Serve's force-kill,
+    as before."""
     try:
         from ray._private.worker import global_worker
 
@@ -220,17 +236,72 @@ def serve_stopping_probe() -> Callable[[], bool] | None:
     except (AttributeError, KeyError):
         logger.debug("no graceful-shutdown flag on this Ray Serve replica", exc_info=True)
         return None
-    return lambda: replica._shutting_down
+    return replica
 
 
-def drain_grace_s() -> float:
-    """How long in-flight requests may run on once Serve stops the replica: the deployment's
-    graceful_shutdown_timeout_s less TEARDOWN_RESERVE_S."""
+@dataclasses.dataclass(frozen=True)
+class DrainTiming:
+    """When a stopping replica drains, in seconds from the moment Serve set its `_shutting_down`."""
+
+    hold_s: float  # serve on as usual: Serve's direct-ingress min draining period, else 0
+    stop_by_s: float  # every request ended (aborted if need be): the shutdown budget less TEARDOWN_RESERVE_S
+
+    @classmethod
+    def of(cls, timeout_s: float, min_draining_period_s: float) -> DrainTiming:
+        """Mirrors Ray 2.60's graceful shutdown: the replica stays reachable for the min draining period,
+        then Serve waits (uncapped) for ongoing requests; its controller force-kills at the larger of
+        graceful_shutdown_timeout_s and that period, counted from the stop (for an ingress deployment Serve
+        floors the timeout at the period plus 5 s, so the period itself never eats the reserve)."""
+        period_s = max(0.0, min_draining_period_s)
+        stop_by_s = max(0.0, max(timeout_s, period_s) - TEARDOWN_RESERVE_S)
+        # Where the timeout was not floored, the period is cut short: a request arriving in the last
+        # TEARDOWN_RESERVE_S would be cut by the force-kill anyway, and the streams then end with [DONE].
+        return cls(hold_s=min(period_s, stop_by_s), stop_by_s=stop_by_s)
+
+    def grace_s(self, elapsed_s: float) -> float:
+        """What the gateway's drain gets, started elapsed_s after Serve began stopping the replica."""
+        return max(0.0, self.stop_by_s - elapsed_s)
+
+
+def drain_timing(replica: Any | None = None) -> DrainTiming:
+    """The drain's timing, read as Serve's own _perform_graceful_shutdown reads it when the stop begins:
+    graceful_shutdown_timeout_s from the replica's current deployment config (which a config update
+    replaces), and the min draining period where direct ingress is on and this is the app's ingress."""
+    return DrainTiming.of(shutdown_timeout_s(replica), min_draining_period_s(replica))
+
+
+def shutdown_timeout_s(replica: Any | None) -> float:
+    """The deployment's graceful_shutdown_timeout_s: the replica's config, else the replica context's,
+    else ours (outside a replica: tests)."""
+    for config in (lambda: replica._deployment_config, lambda: serve.get_replica_context()._deployment_config):
+        try:
+            return float(config().graceful_shutdown_timeout_s)
+        except Exception:  # noqa: BLE001 — no replica, no context, or a Ray without the field
+            continue
+    return GRACEFUL_SHUTDOWN_TIMEOUT_S
+
+
+def min_draining_period_s(replica: Any | None) -> float:
+    """How long Serve keeps a stopping replica reachable: RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S for
+    an ingress replica with direct ingress on (RAY_SERVE_ENABLE_DIRECT_INGRESS=1, or implied by
+    RAY_SERVE_THROUGHPUT_OPTIMIZED or RAY_SERVE_ENABLE_HA_PROXY: hence Serve's constant, not the variable),
+    else 0. A Ray without the constants has no direct ingress."""
     try:
-        timeout_s = serve.get_replica_context()._deployment_config.graceful_shutdown_timeout_s
-    except Exception:  # noqa: BLE001 — outside a replica (tests), or a Ray without the field
-        timeout_s = GRACEFUL_SHUTDOWN_TIMEOUT_S
-    return max(0.0, timeout_s - TEARDOWN_RESERVE_S)
+        from ray.serve._private import constants
+    except ImportError:
+        return 0.0
+    # ShoalDeployment is its app's ingress (build_app binds it alone): so taken where the replica cannot say.
+    ingress = bool(getattr(replica, "_ingress", replica is not None))
+    if not (ingress and getattr(constants, "RAY_SERVE_ENABLE_DIRECT_INGRESS", False)):
+        return 0.0
+    return float(getattr(constants, "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S",
+                         DIRECT_INGRESS_MIN_DRAINING_PERIOD_S))
+
+
+def drain_grace_s(replica: Any | None = None) -> float:
+    """How long requests in flight when the drain starts (on time) may run on before they are aborted."""
+    timing = drain_timing(replica)
+    return timing.grace_s(timing.hold_s)
 
 
 def replica_args(server_args: dict[str, Any]) -> ServerArgs:
