@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -49,6 +50,10 @@ class ServerArgs:
                                      "pooling): POST /v1/embeddings and Engine.encode(); pooling (last token, "
                                      "mean, CLS; normalized or not) from sentence-transformers' modules.json and "
                                      "1_Pooling/config.json, else last token + L2 norm; generation answers 400")
+    hf_overrides: str | None = _opt(None, "a JSON object merged over the checkpoint's config.json before it is read, "
+                                          "as vLLM's flag: '{\"is_causal\": true}' (gte-Qwen2-1.5B-instruct), "
+                                          "'{\"max_position_embeddings\": 32768}', rope_scaling, ...; "
+                                          "Engine(hf_overrides={...}) takes a dict")
     quantization: str | None = _opt(None, "fp8: quantize a bf16/fp16 checkpoint's linear weights to FP8 at load "
                                           "(per-channel); FP8 checkpoints are detected from config.json", ("fp8",))
     fp8_weight_scales: str = _opt("act_weighted", "--quantization fp8: per-channel weight scales of least e4m3 "
@@ -168,7 +173,13 @@ class ServerArgs:
     log_interval_s: float = _opt(10.0, "seconds between scheduler stats log lines")
 
     def __post_init__(self) -> None:
+        if isinstance(self.hf_overrides, Mapping):  # Engine(hf_overrides={...}) or a YAML mapping, as vLLM's LLM
+            try:
+                object.__setattr__(self, "hf_overrides", json.dumps(dict(self.hf_overrides)))
+            except (TypeError, ValueError) as e:
+                raise ServerArgsError("--hf-overrides", f"must be JSON-serializable: {e}") from None
         self._check_types()
+        _hf_overrides(self.hf_overrides)
         positive = ("mem_fraction_static", "max_running_requests", "max_prefill_tokens", "tp_size",
                     "dp_size", "cuda_graph_max_bs", "max_request_bytes", "max_n", "init_new_token_ratio",
                     "max_queue_wait_s", "max_waiting_requests", "balance_rel_threshold", "grammar_compile_timeout_s")
@@ -254,6 +265,11 @@ class ServerArgs:
         return "on" if self.fp8_lm_head else "off" if self.disable_fp8_lm_head else "auto"
 
     @property
+    def hf_config_overrides(self) -> dict[str, Any]:
+        """--hf-overrides as a dict ({} without it): its keys replace config.json's top-level ones."""
+        return _hf_overrides(self.hf_overrides)
+
+    @property
     def metrics_compat_names(self) -> tuple[str, ...]:
         """The peers (of METRICS_COMPAT) whose /metrics names are exposed too; () for none."""
         return _metrics_compat(self.metrics_compat)
@@ -317,6 +333,18 @@ def _metrics_compat(value: str) -> tuple[str, ...]:
         raise ServerArgsError("--metrics-compat", f"must be a comma-separated list of {', '.join(METRICS_COMPAT)}, "
                                                   f"or none; got {value!r}")
     return tuple(n for n in METRICS_COMPAT if n in names)
+
+
+def _hf_overrides(text: str | None) -> dict[str, Any]:
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ServerArgsError("--hf-overrides", f"is not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ServerArgsError("--hf-overrides", f"must be a JSON object of config.json keys, got {text!r}")
+    return value
 
 
 def _flag(name: str) -> str:

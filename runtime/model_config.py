@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -23,8 +24,11 @@ SUPPORTED_ARCHITECTURES = MappingProxyType({
     "Qwen2MoeForCausalLM": ("qwen2_moe", "runtime.models.qwen2_moe:Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "runtime.models.qwen3_moe:Qwen3MoeForCausalLM"),
     # Bare models (no LM head), as embedding checkpoints declare them: e5-mistral-7b-instruct (MistralModel),
-    # gte-Qwen2-instruct (Qwen2Model), Qwen3-Embedding (Qwen3Model). They run on the causal class (the model
-    # runner adds the 'model.' prefix and a stand-in head), only on an embedding server (is_bare_architecture).
+    # Qwen3-Embedding (Qwen3Model), gte-Qwen2-1.5B-instruct (Qwen2Model; its config.json says is_causal false
+    # though its HF code runs causal: it needs --hf-overrides '{"is_causal": true}', and a truly bidirectional
+    # one, gte-Qwen2-7B-instruct per vLLM, is refused: text/pooling_config.py). They run on the causal class
+    # (the model runner adds the 'model.' prefix; no LM head is built), only on an embedding server
+    # (is_bare_architecture).
     "LlamaModel": ("llama", "runtime.models.llama:LlamaForCausalLM"),
     "MistralModel": ("mistral", "runtime.models.llama:MistralForCausalLM"),
     "Qwen2Model": ("qwen2", "runtime.models.qwen2:Qwen2ForCausalLM"),
@@ -118,7 +122,10 @@ class ModelConfig:
         return self.sliding_windows[layer_id] if self.sliding_windows else 0
 
     @classmethod
-    def from_pretrained(cls, model_path: str | Path, dtype: str = "auto") -> ModelConfig:
+    def from_pretrained(cls, model_path: str | Path, dtype: str = "auto",
+                        overrides: Mapping[str, Any] | None = None) -> ModelConfig:
+        """overrides: --hf-overrides, whose keys replace config.json's top-level ones before anything is
+        read (vLLM's flag; a nested value such as rope_scaling is replaced whole)."""
         path = Path(model_path) / "config.json"
         if not path.is_file():
             raise ModelConfigError(f"no config.json in model folder {model_path}")
@@ -126,7 +133,9 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ModelConfigError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_dict(raw, dtype=dtype)
+        if not isinstance(raw, dict):
+            raise ModelConfigError(f"{path} is not a JSON object")
+        return cls.from_dict(_with_overrides(raw, overrides or {}), dtype=dtype)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], dtype: str = "auto") -> ModelConfig:
@@ -183,6 +192,17 @@ class ModelConfig:
             qk_norm=model_type in ("qwen3", "qwen3_moe"), dtype=_dtype(raw, dtype), eos_token_ids=eos_ids,
             sliding_windows=_sliding_windows(raw, model_type, layers), moe=moe,
         )
+
+
+def _with_overrides(raw: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    merged = {**raw, **overrides}
+    # transformers 5 writes rope_scaling's fields into rope_parameters, which _rope reads first: an overridden
+    # rope_scaling (the override vLLM users write) replaces them there too, keeping the config's theta.
+    params = raw.get("rope_parameters")
+    if "rope_scaling" in overrides and "rope_parameters" not in overrides and isinstance(params, dict):
+        theta = {k: v for k, v in params.items() if k == "rope_theta"}
+        merged["rope_parameters"] = {**theta, **(overrides["rope_scaling"] or {})}
+    return merged
 
 
 def _attention_bias(raw: dict[str, Any], model_type: str) -> bool:

@@ -56,7 +56,7 @@ class EncodeRequest(Struct, kw_only=True):
 
     text: str | list[str] | None = None
     input_ids: list[Any] | None = None  # list[int] or list[list[int]], checked by the handler
-    rid: str | None = None
+    rid: str | list[str] | None = None  # a list: one per input of a batch (SGLang's); a string: the batch's base
     dimensions: Int64 | None = None
 
 

@@ -105,8 +105,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 async def encode_request(request: web.Request) -> web.Response:
     """SGLang's embedding route: `text` (a string or strings) or `input_ids` (ids or lists of ids) →
-    {"embedding", "meta_info"}, a list of them for a batch; admitted, tracked and counted as
-    /v1/embeddings is (openai_embeddings.run_admitted). On a generation server a 400, as that route."""
+    {"embedding", "meta_info"}, a list of them for a batch; `rid` a string or, for a batch, a list of one
+    per input (SGLang's). Admitted, tracked and counted as /v1/embeddings is (openai_embeddings.run_admitted).
+    On a generation server a 400, as that route. Sentence-transformers prompts are not applied here (nor by
+    vLLM's server): the text is embedded as sent."""
     arrival = time.monotonic()
     state = request.app[STATE_KEY]
     body = await read_body(request, EncodeRequest)
@@ -118,14 +120,27 @@ async def encode_request(request: web.Request) -> web.Response:
     param = "text" if body.text is not None else "input_ids"
     prompts = PromptInput.parse(body.text if body.text is not None else body.input_ids, client.tokenizer.encode,
                                 param=param, allow_text=body.text is not None)
-    base = body.rid or state.new_id("embd")
-    rids = [f"{base}-{i}" for i in range(len(prompts.ids))] if prompts.batch else [base]
+    base, rids = _encode_rids(body.rid, len(prompts.ids), prompts.batch, state.new_id("embd"))
     reqs = embedding_requests(client, rids, prompts.ids, param)
     vectors = await run_admitted(state, client, base, reqs, arrival, param)
     latency = time.monotonic() - arrival
     out = [EncodeResponse(pooling.shorten(v, body.dimensions), EncodeMetaInfo(r.rid, len(r.input_ids), latency))
            for r, v in zip(reqs, vectors)]
     return _json(out if prompts.batch else out[0])
+
+
+def _encode_rids(rid: str | list[str] | None, n: int, batch: bool, fresh: str) -> tuple[str, list[str]]:
+    """(the tracking id, each input's rid) for /encode: a list names each input (SGLang's batch form), a
+    string is the single input's rid or a batch's base (suffixed -i), None a fresh one."""
+    if not isinstance(rid, list):
+        base = rid or fresh
+        return base, [f"{base}-{i}" for i in range(n)] if batch else [base]
+    if len(rid) != n:
+        raise bad_request(f"rid lists {len(rid)} ids for {n} input{'s' if n != 1 else ''}: give one per input",
+                          param="rid")
+    if not all(rid) or len(set(rid)) != n:
+        raise bad_request("rid's ids must be non-empty and distinct", param="rid")
+    return (rid[0] if n == 1 else fresh), list(rid)  # /abort_request finds each input by its own rid
 
 
 class _GenerateResponder(Responder):

@@ -1,7 +1,9 @@
 """POST /v1/embeddings on an embedding server (--is-embedding): OpenAI's embeddings API, as vLLM and
 SGLang serve it. Each input (text, or token ids) becomes one embedding request, all submitted at once;
 the answer lists the pooled vectors in input order, as floats or as base64 of little-endian float32
-(the openai SDK asks for base64 by default), shortened to `dimensions` for a Matryoshka model.
+(the openai SDK asks for base64 by default), shortened to `dimensions` for a Matryoshka model. Inputs are
+embedded as sent: sentence-transformers' prompts (config_sentence_transformers.json, its default_prompt_name
+too) are not put before them, as vLLM's server does not (Engine.encode applies them, as sentence-transformers).
 On a generation server the route answers 400, as vLLM's does ("does not support the Embeddings API");
 the generation routes on an embedding server likewise (runtime/gateway/app.py).
 

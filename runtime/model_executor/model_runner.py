@@ -72,10 +72,16 @@ class ModelRunner:
         dtype = args.dtype
         # CPU: glibc arenas capped and trimmed, so resident memory stays what is live (cpu_memory.py)
         self.memory_trimmer = CpuMemoryTrimmer().start() if self.device.type == "cpu" else None
+        overrides = args.hf_config_overrides  # --hf-overrides: on every rank, over config.json
         if self.device.type == "cpu":  # threads from the cores given; "auto" → bf16 where the CPU has bf16 math
-            dtype = cpu_config.configure(dtype, ModelConfig.from_pretrained(model_path).dtype)
-        self.model_config = ModelConfig.from_pretrained(model_path, dtype=dtype)
+            dtype = cpu_config.configure(dtype, ModelConfig.from_pretrained(model_path, overrides=overrides).dtype)
+        self.model_config = ModelConfig.from_pretrained(model_path, dtype=dtype, overrides=overrides)
+        if overrides and self.ctx.attn.rank == 0 and self.ctx.mlp.rank == 0:
+            logger.info("config.json overridden by --hf-overrides: %s",
+                        ", ".join(f"{k}={v!r}" for k, v in sorted(overrides.items())))
         self.model_config.check_task(args.is_embedding, model_path)  # before any device memory is taken
+        # An embedding server's pooling, read now: a bidirectional model is refused before anything loads.
+        pooling = PoolingConfig.read(model_path, overrides) if args.is_embedding else None
         if self.device.type == "cuda" and not (args.disable_custom_all_reduce or args.disable_cuda_graph):
             # Collective over the ranks: each gets a one-shot all-reduce for graph-sized activations,
             # or all fall back to NCCL together (e.g. ranks on different nodes).
@@ -120,8 +126,7 @@ class ModelRunner:
         self.logits_processor = LogitsProcessor(self.model.compute_logits)
         self.sampler = Sampler()
         self.pooler: Pooler | None = None  # an embedding server's (--is-embedding): pools instead of sampling
-        if args.is_embedding:
-            pooling = PoolingConfig.read(model_path)
+        if pooling is not None:
             self.pooler = create_pooler(pooling.pooling_type, pooling.normalize, self.max_running_requests,
                                         self.model_config.hidden_size, self.device)
             logger.info("embedding model: %s pooling%s (from %s)", pooling.pooling_type,
@@ -139,14 +144,18 @@ class ModelRunner:
         cfg = self.model_config
         t0 = time.perf_counter()
         with torch.device(self.device):
-            model = get_model_class(cfg.architecture)(cfg, self.ctx)
+            # An embedding server never computes logits: no LM head (an untied 151k x 8k one is ~1.2 GB of
+            # device memory the KV pool would lose).
+            model = get_model_class(cfg.architecture)(cfg, self.ctx, embedding_only=self.args.is_embedding)
         fp8 = Fp8Weights.resolve(self.args.quantization, None if self.args.load_format == "dummy" else model_path,
                                  self.args.fp8_weight_scales, self.args.fp8_weight_only,
                                  self.args.fp8_act_terms, self.args.fp8_lm_head_mode)
         if fp8 is not None:
             fp8.prepare(model)
         if self.args.load_format == "dummy":
-            model.load_weights(dummy_checkpoint(cfg, self.args.random_seed, self.device))
+            # tie_word_embeddings: no random LM head drawn for an embedding model, which has none
+            shapes = dataclasses.replace(cfg, tie_word_embeddings=True) if self.args.is_embedding else cfg
+            model.load_weights(dummy_checkpoint(shapes, self.args.random_seed, self.device))
         else:
             show = self.ctx.attn.rank == 0 and self.ctx.mlp.rank == 0
             weights = iterate_safetensors(model_path, show_progress=show)
@@ -159,16 +168,14 @@ class ModelRunner:
                     time.perf_counter() - t0)
         return model
 
-    def _embedding_checkpoint(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """An embedding checkpoint saved from the bare *Model (e5-mistral-instruct, Qwen3-Embedding): names
-        without the 'model.' prefix and no LM head, as vLLM's pooling adapter loads them. The head is never
-        read on an embedding server: zeros stand in for a missing one (the loader insists on every tensor)."""
-        cfg, head = self.model_config, False
+    @staticmethod
+    def _embedding_checkpoint(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """An embedding model's tensors: an LM head skipped (the model has none), and those of a checkpoint
+        saved from the bare *Model (e5-mistral-instruct, Qwen3-Embedding) named with the 'model.' prefix, as
+        vLLM's pooling adapter loads them."""
         for name, tensor in weights:
-            head = head or name.startswith("lm_head.")
-            yield (name if name.startswith(("model.", "lm_head.")) else "model." + name), tensor
-        if not head and not cfg.tie_word_embeddings:
-            yield "lm_head.weight", torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
+            if not name.startswith("lm_head."):
+                yield (name if name.startswith("model.") else "model." + name), tensor
 
     def _calibration_prefill(self, model: torch.nn.Module, model_path: str) -> None:
         """One prefill of the KV calibration text through `model` (FP8 act_weighted weight scales read it)."""
@@ -198,7 +205,10 @@ class ModelRunner:
         return size
 
     def _init_cuda_graphs(self):
-        if self.device.type != "cuda" or self.args.disable_cuda_graph or not self.attn_backend.supports_cuda_graph:
+        # An embedding server only prefills (EXTEND, which runs eagerly): the decode graphs would never replay,
+        # and their capture computes logits, which its model has no head for.
+        if self.device.type != "cuda" or self.args.disable_cuda_graph or not self.attn_backend.supports_cuda_graph \
+                or self.args.is_embedding:
             return None
         from runtime.model_executor.cuda_graph_runner import CudaGraphRunner
 

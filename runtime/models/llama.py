@@ -164,18 +164,24 @@ class LlamaForCausalLM(nn.Module):
     )
     make_mlp: MlpFactory = staticmethod(dense_mlp)
 
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, *, embedding_only: bool = False):
+        """embedding_only: an embedding server's model, which pools the final norm's output and never
+        computes logits: no LM head is built (load_weights then skips a checkpoint's lm_head tensors)."""
         super().__init__()
         self.cfg = cfg
         self.model = LlamaModel(cfg, ctx, self.make_mlp)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx.vocab, cfg.dtype)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head: ParallelLMHead | None = None
+        if not embedding_only:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx.vocab, cfg.dtype)
+            if cfg.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         return self.model(input_ids, positions, fb)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.lm_head is None:
+            raise RuntimeError("this model was built for embeddings (embedding_only): it has no LM head")
         return self.lm_head.compute_logits(hidden, out=out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,21 +1,45 @@
 """EngineEmbeddings: the EngineClient the in-process Engine subclasses, with its embedding API (kept
-here: engine.py is at its size limit): `encode()` — vLLM's `LLM.embed` name too — turns prompts or token
-ids into pooled vectors, `pooling` tells the gateway how the model pools (None for a generative engine),
-and `check_task` refuses a request of the other kind (generation on an embedding engine, or back)."""
+here: engine.py is at its size limit). `encode()` answers in SGLang's Engine.encode shape (a dict
+{"embedding", "meta_info"} for one input, a list of them for a batch), `embed()` in vLLM's LLM.embed shape
+(always a list of EmbeddingRequestOutput, read as `o.outputs.embedding`); `pooling` tells the gateway how
+the model pools (None for a generative engine), and `check_task` refuses a request of the other kind
+(generation on an embedding engine, or back)."""
 
 from __future__ import annotations
 
 import functools
 import queue
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
+
+import msgspec
 
 from runtime.engine_client import EngineClient
 from runtime.errors import EngineUnavailableError, InvalidRequestError, RequestAbortedError, ShoalError
 from runtime.messages import GenerateRequest, RequestOutput
 from runtime.text.embedding_request import check_task, embedding_request, task_mismatch, truncate_tokens
 from runtime.text.pooling_config import PoolingConfig
+
+
+class EmbeddingOutput(msgspec.Struct, frozen=True):
+    """vLLM's EmbeddingOutput: one pooled vector."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+class EmbeddingRequestOutput(msgspec.Struct, frozen=True):
+    """vLLM's EmbeddingRequestOutput, as LLM.embed returns one per prompt."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
 
 
 class EngineEmbeddings(EngineClient):
@@ -26,15 +50,39 @@ class EngineEmbeddings(EngineClient):
 
     @functools.cached_property
     def pooling(self) -> PoolingConfig | None:
-        return PoolingConfig.read(self.model_path) if self.args.is_embedding else None
+        return PoolingConfig.read(self.model_path, self.args.hf_config_overrides) if self.args.is_embedding else None
 
     def encode(self, prompts: str | Sequence[str] | None = None, *,
                input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None, dimensions: int | None = None,
-               prompt_name: str | None = None, truncate_prompt_tokens: int | None = None) -> Any:
-        """One vector (a list of floats) for a prompt string or one list of token ids; a list of vectors,
-        in order, for a list of either. dimensions: Matryoshka models only (truncated, renormalized);
-        prompt_name: prefix each text with that prompt of config_sentence_transformers.json;
-        truncate_prompt_tokens: keep each input's last k tokens (-1: as many as the model takes)."""
+               prompt_name: str | None = None, prompt: str | None = None,
+               truncate_prompt_tokens: int | None = None) -> dict[str, Any] | list[dict[str, Any]]:
+        """SGLang's shape: {"embedding": [floats], "meta_info": {"id", "prompt_tokens", "e2e_latency"}} for a
+        prompt string or one list of token ids; a list of them, in order, for a list of either.
+        dimensions: Matryoshka models only (truncated, renormalized); prompt_name / prompt: the text put
+        before each text input, as sentence-transformers' encode() takes them (prompt_name: one of
+        config_sentence_transformers.json's prompts; prompt: the text itself, '' for none); with neither,
+        that file's default_prompt_name applies; truncate_prompt_tokens: keep each input's last k tokens
+        (-1: as many as the model takes)."""
+        t0 = time.monotonic()
+        single, done = self._embed(prompts, input_ids, dimensions, prompt_name, prompt, truncate_prompt_tokens)
+        latency = time.monotonic() - t0
+        out = [{"embedding": vector, "meta_info": {"id": r.rid, "prompt_tokens": len(r.input_ids),
+                                                   "e2e_latency": latency}} for r, vector in done]
+        return out[0] if single else out
+
+    def embed(self, prompts: str | Sequence[str] | None = None, *,
+              input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None, dimensions: int | None = None,
+              prompt_name: str | None = None, prompt: str | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's LLM.embed: one EmbeddingRequestOutput per input, in order (a list for a single prompt too);
+        the vector is `o.outputs.embedding`. The arguments are encode()'s."""
+        _, done = self._embed(prompts, input_ids, dimensions, prompt_name, prompt, truncate_prompt_tokens)
+        return [EmbeddingRequestOutput(r.rid, EmbeddingOutput(vector), list(r.input_ids)) for r, vector in done]
+
+    def _embed(self, prompts: Any, input_ids: Any, dimensions: int | None, prompt_name: str | None,
+               prompt: str | None, truncate_prompt_tokens: int | None,
+               ) -> tuple[bool, list[tuple[GenerateRequest, list[float]]]]:
+        """(whether the input was a single one, each input's request and vector in order)."""
         pooling = self.pooling
         if pooling is None:
             raise InvalidRequestError(task_mismatch(False), param="model")
@@ -46,11 +94,14 @@ class EngineEmbeddings(EngineClient):
             texts = [prompts] if single else list(prompts)
             if not all(isinstance(t, str) for t in texts):
                 raise InvalidRequestError("prompts must be a string or a list of strings", param="prompts")
-            prefix = pooling.prompt(prompt_name)
+            if prompt_name is not None and prompt is not None:
+                raise InvalidRequestError("give prompt_name or prompt, not both", param="prompt")
+            prefix = pooling.prompt(prompt_name, prompt)
             ids = [self.tokenizer.encode(prefix + t) for t in texts]
         else:
-            if prompt_name is not None:
-                raise InvalidRequestError("prompt_name prefixes text prompts, not token ids", param="prompt_name")
+            for name, value in (("prompt_name", prompt_name), ("prompt", prompt)):
+                if value is not None:
+                    raise InvalidRequestError(f"{name} prefixes text prompts, not token ids", param=name)
             input_ids = _plain(input_ids)
             single = bool(input_ids) and not isinstance(input_ids[0], (list, tuple))
             ids = [input_ids] if single else [_plain(x) for x in input_ids]
@@ -61,12 +112,8 @@ class EngineEmbeddings(EngineClient):
                                                 truncate_tokens(x, truncate_prompt_tokens, self.context_len),
                                                 self.context_len, i))
                 for i, x in enumerate(ids)]
-        vectors = [pooling.shorten(o.embedding, dimensions) for o in self._run_embeddings(reqs)]
-        return vectors[0] if single else vectors
-
-    def embed(self, prompts: str | Sequence[str] | None = None, **kwargs: Any) -> Any:
-        """vLLM's LLM.embed name for encode() (vectors, not vLLM's output objects)."""
-        return self.encode(prompts, **kwargs)
+        outs = self._run_embeddings(reqs)
+        return single, [(r, pooling.shorten(o.embedding, dimensions)) for r, o in zip(reqs, outs)]
 
     def _run_embeddings(self, reqs: list[GenerateRequest]) -> list[RequestOutput]:
         """Submits the requests and waits for each one's final output (raises if any failed)."""

@@ -4,12 +4,16 @@ module's folder (1_Pooling/config.json: pooling_mode_lasttoken / mean_tokens / c
 Normalize module follows; config_sentence_transformers.json may carry named prompts; config.json's
 is_matryoshka / matryoshka_dimensions say whether `dimensions` may shorten a vector. A folder without
 modules.json pools the last token and L2-normalizes (vLLM's default for `--task embed`: Qwen3-Embedding,
-gte-Qwen2-instruct, e5-mistral-instruct)."""
+e5-mistral-instruct, gte-Qwen2-1.5B-instruct). config.json is read with --hf-overrides merged over it: a
+model whose config.json sets is_causal false is refused (Shoal's attention is causal) unless that is a
+mislabel, as gte-Qwen2-1.5B-instruct's is (its HF code runs causal; vLLM advises --hf-overrides
+'{"is_causal": true}'); a truly bidirectional one, such as gte-Qwen2-7B-instruct per vLLM, stays refused."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,12 +42,16 @@ class PoolingConfig:
     source: str = "default"  # where the pooling came from (logs, errors)
 
     @classmethod
-    def read(cls, model_path: str | Path) -> PoolingConfig:
+    def read(cls, model_path: str | Path, overrides: Mapping[str, Any] | None = None) -> PoolingConfig:
+        """overrides: --hf-overrides (ServerArgs.hf_config_overrides), merged over config.json."""
         root = Path(model_path)
-        hf = _json(root / "config.json") or {}
+        hf = {**(_json(root / "config.json") or {}), **(overrides or {})}
         if hf.get("is_causal") is False:  # our attention is causal: every vector would be silently wrong
             raise ServerArgsError("--is-embedding", f"{root / 'config.json'} sets is_causal false (bidirectional "
-                                                    "attention), which Shoal does not run; only causal models embed")
+                                                    "attention), which Shoal does not run; only causal models "
+                                                    "embed. Where the model runs causal in spite of it (as "
+                                                    "gte-Qwen2-1.5B-instruct's HF code does), serve it with "
+                                                    "--hf-overrides '{\"is_causal\": true}'")
         dims = hf.get("matryoshka_dimensions")
         common: dict[str, Any] = {
             "hidden_size": int(hf.get("hidden_size") or 0),
@@ -54,7 +62,11 @@ class PoolingConfig:
         prompts = st.get("prompts") or {}
         if isinstance(prompts, dict):
             common["prompts"] = {str(k): str(v) for k, v in prompts.items()}
-        common["default_prompt_name"] = st.get("default_prompt_name") or None
+        default = st.get("default_prompt_name") or None
+        if default is not None and default not in common.get("prompts", {}):  # sentence-transformers refuses it too
+            raise ServerArgsError("--is-embedding", f"{root / 'config_sentence_transformers.json'}: "
+                                                    f"default_prompt_name {default!r} is not one of its prompts")
+        common["default_prompt_name"] = default
         modules = _json(root / "modules.json")
         if not isinstance(modules, list):
             return cls(**common)
@@ -82,7 +94,7 @@ class PoolingConfig:
             return None
         from runtime.default_model import resolve_model
 
-        return cls.read(resolve_model(args.model_path, args.served_model_name)[0])
+        return cls.read(resolve_model(args.model_path, args.served_model_name)[0], args.hf_config_overrides)
 
     def check_dimensions(self, dimensions: int | None) -> None:
         """InvalidRequestError (param dimensions) unless this model may be shortened to `dimensions`."""
@@ -112,8 +124,14 @@ class PoolingConfig:
         norm = math.sqrt(math.fsum(x * x for x in head))
         return [x / norm for x in head] if norm > 0 else head
 
-    def prompt(self, name: str | None) -> str:
-        """The text sentence-transformers puts before an input for prompt `name` ('' for None)."""
+    def prompt(self, name: str | None, text: str | None = None) -> str:
+        """The text sentence-transformers' encode() puts before an input: `text` if given ('' for none),
+        else prompt `name`, else the model's default_prompt_name's prompt, else ''."""
+        if text is not None:
+            if not isinstance(text, str):
+                raise InvalidRequestError(f"prompt must be a string, got {text!r}", param="prompt")
+            return text
+        name = self.default_prompt_name if name is None else name
         if name is None:
             return ""
         if name not in self.prompts:

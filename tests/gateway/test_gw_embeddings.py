@@ -48,6 +48,12 @@ def emb_engine(tiny_model_dirs, tmp_path_factory) -> Iterator[Engine]:
     engine.shutdown()
 
 
+def vectors(engine: Engine, *args, **kwargs) -> list[float] | list[list[float]]:
+    """Engine.encode's vectors (it answers in SGLang's {"embedding", "meta_info"} shape)."""
+    out = engine.encode(*args, **kwargs)
+    return [o["embedding"] for o in out] if isinstance(out, list) else out["embedding"]
+
+
 def serve(engine: Engine, args: ServerArgs) -> ServerHandle:
     return ServerHandle(build_app(engine, args), "127.0.0.1", 0)
 
@@ -66,7 +72,7 @@ def emb_oai(emb_server):
 
 
 def test_openai_sdk_float_and_base64(emb_engine, emb_oai):
-    want = emb_engine.encode(TEXTS)
+    want = vectors(emb_engine, TEXTS)
     floats = emb_oai.embeddings.create(model="qwen3", input=TEXTS, encoding_format="float")
     assert [d.index for d in floats.data] == [0, 1, 2]
     for d, w in zip(floats.data, want):
@@ -84,14 +90,14 @@ def test_raw_base64_is_little_endian_float32(emb_engine, emb_server):
     assert status == 200, body
     raw = base64.b64decode(body["data"][0]["embedding"])
     got = struct.unpack(f"<{len(raw) // 4}f", raw)
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(emb_engine.encode("Hello")))
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(vectors(emb_engine, "Hello")))
     assert body["object"] == "list" and body["data"][0]["object"] == "embedding" and body["model"] == "qwen3"
 
 
 def test_token_id_inputs_and_messages(emb_engine, emb_oai, emb_server):
     ids = [emb_engine.tokenizer.encode(t) for t in TEXTS]
     one = emb_oai.embeddings.create(model="qwen3", input=ids[0], encoding_format="float")
-    torch.testing.assert_close(torch.tensor(one.data[0].embedding), torch.tensor(emb_engine.encode(TEXTS[0])))
+    torch.testing.assert_close(torch.tensor(one.data[0].embedding), torch.tensor(vectors(emb_engine, TEXTS[0])))
     many = emb_oai.embeddings.create(model="qwen3", input=ids, encoding_format="float")
     assert len(many.data) == 3 and many.usage.prompt_tokens == sum(map(len, ids))
     messages = [{"role": "user", "content": "Hello"}]
@@ -99,7 +105,7 @@ def test_token_id_inputs_and_messages(emb_engine, emb_oai, emb_server):
     assert status == 200, body
     chat_ids = emb_engine.tokenizer.apply_chat_template(messages, add_generation_prompt=False)
     torch.testing.assert_close(torch.tensor(body["data"][0]["embedding"]),
-                               torch.tensor(emb_engine.encode(input_ids=chat_ids)))
+                               torch.tensor(vectors(emb_engine, input_ids=chat_ids)))
 
 
 def test_dimensions(emb_engine, emb_oai, emb_server):
@@ -108,7 +114,7 @@ def test_dimensions(emb_engine, emb_oai, emb_server):
     with pytest.raises(openai.BadRequestError, match="matryoshka") as e:
         emb_oai.embeddings.create(model="qwen3", input="Hello", dimensions=16)
     assert e.value.body["param"] == "dimensions"
-    full = emb_engine.encode("Hello")
+    full = vectors(emb_engine, "Hello")
     emb_engine.pooling = dataclasses.replace(emb_engine.pooling, is_matryoshka=True)  # as if config.json said so
     try:
         short = emb_oai.embeddings.create(model="qwen3", input="Hello", dimensions=16, encoding_format="float")
@@ -118,6 +124,22 @@ def test_dimensions(emb_engine, emb_oai, emb_server):
         assert status == 400 and body["error"]["param"] == "dimensions", body
     finally:
         del emb_engine.pooling  # back to what the model folder says
+
+
+def test_sentence_transformers_prompts_not_applied_by_the_server(emb_engine, emb_server):
+    """As vLLM's server: the text is embedded as sent, though Engine.encode applies default_prompt_name."""
+    plain = vectors(emb_engine, "Hello")
+    emb_engine.pooling = dataclasses.replace(emb_engine.pooling, prompts={"query": "query: "},
+                                             default_prompt_name="query")  # as if the model folder said so
+    try:
+        assert not torch.allclose(torch.tensor(vectors(emb_engine, "Hello")), torch.tensor(plain))
+        for path, payload, key in (("/v1/embeddings", {"input": "Hello"}, "data"), ("/encode", {"text": "Hello"}, "")):
+            status, body = http(emb_server.url + path, "POST", payload)
+            assert status == 200, body
+            got = body["data"][0]["embedding"] if key else body["embedding"]
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(plain))
+    finally:
+        del emb_engine.pooling
 
 
 @pytest.mark.parametrize("payload, param, words", [
@@ -144,7 +166,7 @@ def test_too_long_input_and_truncation(emb_engine, emb_server):
     status, body = http(emb_server.url + "/v1/embeddings", "POST", {"input": ids, "truncate_prompt_tokens": 20})
     assert status == 200 and body["usage"]["prompt_tokens"] == 20, body
     torch.testing.assert_close(torch.tensor(body["data"][0]["embedding"]),
-                               torch.tensor(emb_engine.encode(input_ids=ids[-20:])))
+                               torch.tensor(vectors(emb_engine, input_ids=ids[-20:])))
     status, body = http(emb_server.url + "/v1/embeddings", "POST", {"input": "x", "model": "other"})
     assert status == 404, body
     wait_kv_full(emb_engine)
@@ -176,14 +198,22 @@ def test_sglang_encode_route(emb_engine, emb_server):
     url = emb_server.url + "/encode"
     status, body = http(url, "POST", {"text": TEXTS[0], "rid": "mine"})
     assert status == 200, body
-    torch.testing.assert_close(torch.tensor(body["embedding"]), torch.tensor(emb_engine.encode(TEXTS[0])))
+    torch.testing.assert_close(torch.tensor(body["embedding"]), torch.tensor(vectors(emb_engine, TEXTS[0])))
     n = len(emb_engine.tokenizer.encode(TEXTS[0]))
     assert body["meta_info"]["id"] == "mine" and body["meta_info"]["prompt_tokens"] == n, body
     ids = [emb_engine.tokenizer.encode(t) for t in TEXTS[1:]]
     status, body = http(url, "POST", {"input_ids": ids})  # a batch: one answer per input, in order
     assert status == 200 and len(body) == 2, body
-    for b, want in zip(body, emb_engine.encode(TEXTS[1:])):
+    for b, want in zip(body, vectors(emb_engine, TEXTS[1:])):
         torch.testing.assert_close(torch.tensor(b["embedding"]), torch.tensor(want))
+    # SGLang's batch rid: one per input, answered in order; a wrong count or a repeat is a 400 naming rid
+    status, body = http(url, "POST", {"text": TEXTS[1:], "rid": ["r-a", "r-b"]})
+    assert status == 200 and [b["meta_info"]["id"] for b in body] == ["r-a", "r-b"], body
+    status, body = http(url, "POST", {"text": TEXTS[1], "rid": ["only"]})
+    assert status == 200 and body["meta_info"]["id"] == "only", body
+    for rid in (["r-a"], ["r-a", "r-b", "r-c"], ["r-a", "r-a"], ["r-a", ""]):
+        status, body = http(url, "POST", {"text": TEXTS[1:], "rid": rid})
+        assert status == 400 and body["error"]["param"] == "rid", (rid, body)
     status, body = http(url, "POST", {"text": "x", "input_ids": [1]})
     assert status == 400 and body["error"]["param"] == "text", body
     status, body = http(url, "POST", {"input_ids": [1] * 513})

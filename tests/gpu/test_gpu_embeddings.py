@@ -95,7 +95,7 @@ def engine_vectors(path: Path, prompts: list[list[int]], backend: str) -> list[t
         engine.scheduler.check_kv_invariant()
     gc.collect()
     torch.cuda.empty_cache()
-    return [torch.tensor(v) for v in got]
+    return [torch.tensor(v["embedding"]) for v in got]
 
 
 BACKENDS = ["triton", pytest.param("flashinfer", marks=pytest.mark.skipif(not HAS_FLASHINFER,

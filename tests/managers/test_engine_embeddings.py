@@ -1,7 +1,9 @@
 """Embedding engines (--is-embedding) on tiny checkpoints with sentence-transformers files written here:
 Engine.encode's vectors against HF transformers' AutoModel last hidden state pooled the same way (fp32),
-for last-token and mean pooling, through chunked prefill and a batch of different lengths; Matryoshka
-dimensions, truncation, the refusals, the CLI aliases, and the KV pool full again after each."""
+for last-token and mean pooling, through chunked prefill and a batch of different lengths; encode()'s
+SGLang shape and embed()'s vLLM one; no LM head on an embedding engine; config_sentence_transformers.json's
+prompts and default_prompt_name; Matryoshka dimensions, truncation, the refusals, the CLI aliases, and the
+KV pool full again after each."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 from runtime import Engine
 from runtime.cli import build_parser, server_args
 from runtime.errors import InvalidRequestError, ServerArgsError
+from runtime.text.engine_embeddings import EmbeddingRequestOutput
 from runtime.text.pooling_config import PoolingConfig
 
 PROMPTS = [
@@ -25,6 +28,12 @@ PROMPTS = [
     "def forward(self, x): return x",
 ]
 CHUNK = 8  # the long prompts run in several chunks, the short one in one
+QUERY = "Instruct: find\nQuery: "  # llama_mean's default prompt (config_sentence_transformers.json)
+
+
+def vec(out: Any) -> Any:
+    """encode()'s vectors: SGLang's {"embedding", "meta_info"}, or a list of them."""
+    return [o["embedding"] for o in out] if isinstance(out, list) else out["embedding"]
 
 
 def write_st_files(path: Path, mode: str | None, normalize: bool) -> None:
@@ -58,8 +67,12 @@ def qwen3_last(tiny_model_dirs, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def llama_mean(tiny_model_dirs, tmp_path_factory) -> Path:
-    """Llama with mean pooling and no Normalize module (raw means)."""
-    return embedding_copy(tiny_model_dirs["llama"], tmp_path_factory.mktemp("emb") / "llama", "mean_tokens", False)
+    """Llama with mean pooling and no Normalize module (raw means); a default prompt, as
+    sentence-transformers' config_sentence_transformers.json names one."""
+    path = embedding_copy(tiny_model_dirs["llama"], tmp_path_factory.mktemp("emb") / "llama", "mean_tokens", False)
+    (path / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": {"query": QUERY, "document": ""}, "default_prompt_name": "query"}))
+    return path
 
 
 def hf_vectors(path: Path, ids: list[list[int]], mode: str, normalize: bool) -> list[torch.Tensor]:
@@ -85,16 +98,31 @@ def test_last_token_pooling_matches_hf_with_chunked_prefill(make_engine, qwen3_l
     engine: Engine = make_engine(qwen3_last, is_embedding=True, chunked_prefill_size=CHUNK, max_prefill_tokens=CHUNK)
     ids = [engine.tokenizer.encode(p) for p in PROMPTS]
     assert max(map(len, ids)) > 2 * CHUNK and min(map(len, ids)) < CHUNK
-    got = engine.encode(PROMPTS)
+    out = engine.encode(PROMPTS)
+    got = vec(out)
     assert_close(got, hf_vectors(qwen3_last, ids, "last", True))
     assert all(abs(sum(x * x for x in v) - 1) < 1e-5 for v in got)
-    # token ids in, one vector out; the same as the text's
-    assert_close([engine.encode(input_ids=ids[0])], [torch.tensor(got[0])])
-    assert engine.embed(PROMPTS[1]) == engine.encode(PROMPTS[1])  # vLLM's name
+    # SGLang's shape: a list for a batch, each {"embedding", "meta_info"}; a dict for one input
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == list(map(len, ids))
+    assert len({o["meta_info"]["id"] for o in out}) == len(PROMPTS) and all(
+        o["meta_info"]["e2e_latency"] > 0 for o in out)
+    one = engine.encode(input_ids=ids[0])  # token ids in, one answer out; the same vector as the text's
+    assert set(one) == {"embedding", "meta_info"} and one["meta_info"]["prompt_tokens"] == len(ids[0])
+    assert_close([one["embedding"]], [torch.tensor(got[0])])
+    # vLLM's LLM.embed: always a list of EmbeddingRequestOutput, the vector at .outputs.embedding
+    embedded = engine.embed(PROMPTS[1])
+    assert isinstance(embedded, list) and len(embedded) == 1 and isinstance(embedded[0], EmbeddingRequestOutput)
+    e = embedded[0]
+    assert_close([e.outputs.embedding], [torch.tensor(got[1])])
+    assert e.outputs.hidden_size == len(got[1]) and e.finished
+    assert e.prompt_token_ids == ids[1] and e.request_id
+    with pytest.raises(AttributeError):
+        e.request_id = "x"  # frozen, as vLLM's outputs are read-only results
+    assert_close([o.outputs.embedding for o in engine.embed(input_ids=ids[:2])], [torch.tensor(g) for g in got[:2]])
     engine.scheduler.check_kv_invariant()
 
     # Matryoshka: truncated, then renormalized; only the listed sizes
-    short = engine.encode(PROMPTS[:2], dimensions=16)
+    short = vec(engine.encode(PROMPTS[:2], dimensions=16))
     for s, full in zip(short, got):
         assert len(s) == 16
         torch.testing.assert_close(torch.tensor(s), torch.nn.functional.normalize(torch.tensor(full[:16]), dim=0))
@@ -106,13 +134,13 @@ def test_last_token_pooling_matches_hf_with_chunked_prefill(make_engine, qwen3_l
     long_ids = (ids[0] * 20)[:600]
     with pytest.raises(InvalidRequestError, match=r"maximum context length is 512 tokens, but input 0 has 600"):
         engine.encode(input_ids=long_ids)
-    kept = engine.encode(input_ids=long_ids, truncate_prompt_tokens=10)
-    assert_close([kept], [torch.tensor(engine.encode(input_ids=long_ids[-10:]))])
+    kept = vec(engine.encode(input_ids=long_ids, truncate_prompt_tokens=10))
+    assert_close([kept], [torch.tensor(vec(engine.encode(input_ids=long_ids[-10:])))])
     # exactly the context fits (as vLLM), through every check (encode's, the engine's, the scheduler's)
-    full = engine.encode(input_ids=long_ids[:512])
+    full = vec(engine.encode(input_ids=long_ids[:512]))
     assert_close([full], hf_vectors(qwen3_last, [long_ids[:512]], "last", True))
-    assert_close([engine.encode(input_ids=long_ids, truncate_prompt_tokens=-1)], [torch.tensor(
-        engine.encode(input_ids=long_ids[-512:]))])
+    assert_close([vec(engine.encode(input_ids=long_ids, truncate_prompt_tokens=-1))], [torch.tensor(
+        vec(engine.encode(input_ids=long_ids[-512:])))])
     with pytest.raises(InvalidRequestError, match=r"maximum context length is 512 tokens, but input 0 has 513"):
         engine.encode(input_ids=long_ids[:513])
     # generation on an embedding engine is refused by name
@@ -125,12 +153,30 @@ def test_mean_pooling_matches_hf_with_chunked_prefill(make_engine, llama_mean):
                                  max_prefill_tokens=CHUNK)
     assert engine.pooling.pooling_type == "mean" and not engine.pooling.normalize
     ids = [engine.tokenizer.encode(p) for p in PROMPTS]
-    got = engine.encode(input_ids=ids)
+    got = vec(engine.encode(input_ids=ids))
     assert_close(got, hf_vectors(llama_mean, ids, "mean", False))
     assert abs(sum(x * x for x in got[0]) - 1) > 1e-3  # really not normalized
     with pytest.raises(InvalidRequestError, match="matryoshka") as e:
         engine.encode("x", dimensions=8)
     assert e.value.param == "dimensions"
+    # No LM head (the untied tiny Llama's would be vocab x hidden): only the embedding table is that shape.
+    model = engine.worker.runner.model
+    assert model.lm_head is None
+    vocab_rows = [n for n, t in model.named_parameters() if t.shape[0] == model.cfg.vocab_size]
+    assert vocab_rows == ["model.embed_tokens.weight"]
+    # sentence-transformers' default_prompt_name applies to text when no prompt is named, as its encode()
+    text = PROMPTS[2]
+    prefixed = engine.tokenizer.encode(QUERY + text)
+    assert_close([vec(engine.encode(text))], hf_vectors(llama_mean, [prefixed], "mean", False))
+    assert_close([vec(engine.encode(text, prompt_name="query"))], [torch.tensor(vec(engine.encode(text)))])
+    bare = torch.tensor(vec(engine.encode(input_ids=engine.tokenizer.encode(text))))  # token ids: never prefixed
+    assert_close([vec(engine.encode(text, prompt="")), vec(engine.encode(text, prompt_name="document"))],
+                 [bare, bare])
+    assert not torch.allclose(bare, torch.tensor(vec(engine.encode(text))))  # the default prompt did change it
+    assert engine.embed(text)[0].prompt_token_ids == prefixed
+    with pytest.raises(InvalidRequestError, match="not both") as e:
+        engine.encode(text, prompt_name="query", prompt="")
+    assert e.value.param == "prompt"
     engine.scheduler.check_kv_invariant()
 
 
@@ -138,7 +184,7 @@ def test_cls_pooling_and_whole_prompt_batch(make_engine, tiny_model_dirs, tmp_pa
     path = embedding_copy(tiny_model_dirs["llama"], tmp_path / "cls", "cls_token", True)
     engine: Engine = make_engine(path, is_embedding=True, chunked_prefill_size=CHUNK, max_prefill_tokens=CHUNK)
     ids = [engine.tokenizer.encode(p) for p in PROMPTS]
-    assert_close(engine.encode(input_ids=ids), hf_vectors(path, ids, "cls", True))
+    assert_close(vec(engine.encode(input_ids=ids)), hf_vectors(path, ids, "cls", True))
 
 
 def test_bare_model_checkpoint(make_engine, tiny_model_dirs, tmp_path):
@@ -156,7 +202,8 @@ def test_bare_model_checkpoint(make_engine, tiny_model_dirs, tmp_path):
                                                   "tie_word_embeddings": False}))
     engine: Engine = make_engine(path, is_embedding=True)
     ids = [engine.tokenizer.encode(p) for p in PROMPTS[:2]]
-    assert_close(engine.encode(input_ids=ids), hf_vectors(src, ids, "last", True))
+    assert_close(vec(engine.encode(input_ids=ids)), hf_vectors(src, ids, "last", True))
+    assert engine.worker.runner.model.lm_head is None  # no zeros stand in for the missing head
 
 
 def test_generation_engine_refuses_encode(engine):
@@ -171,16 +218,24 @@ def test_pooling_config_reading(tmp_path):
     with pytest.raises(ServerArgsError, match="pooling_mode_max_tokens"):
         PoolingConfig.read(tmp_path)
     write_st_files(tmp_path, "mean_tokens", True)
-    (tmp_path / "config_sentence_transformers.json").write_text(json.dumps(
-        {"prompts": {"query": "Instruct: find\nQuery: ", "document": ""}, "default_prompt_name": None}))
+    st = tmp_path / "config_sentence_transformers.json"
+    st.write_text(json.dumps({"prompts": {"query": QUERY, "document": ""}, "default_prompt_name": None}))
     cfg = PoolingConfig.read(tmp_path)
     assert (cfg.pooling_type, cfg.normalize, cfg.source) == ("mean", True, "1_Pooling/config.json")
-    assert cfg.prompt("query") == "Instruct: find\nQuery: "
+    assert cfg.prompt("query") == QUERY and cfg.prompt(None) == "" and cfg.prompt("query", "mine: ") == "mine: "
     with pytest.raises(InvalidRequestError, match="unknown prompt_name"):
         cfg.prompt("passage")
-    (tmp_path / "config.json").write_text(json.dumps({"is_causal": False}))
-    with pytest.raises(ServerArgsError, match="is_causal"):
+    st.write_text(json.dumps({"prompts": {"query": QUERY}, "default_prompt_name": "query"}))
+    assert PoolingConfig.read(tmp_path).prompt(None) == QUERY
+    st.write_text(json.dumps({"prompts": {"query": QUERY}, "default_prompt_name": "passage"}))
+    with pytest.raises(ServerArgsError, match="default_prompt_name 'passage' is not one of its prompts"):
         PoolingConfig.read(tmp_path)
+    st.unlink()
+    (tmp_path / "config.json").write_text(json.dumps({"is_causal": False}))
+    with pytest.raises(ServerArgsError, match="is_causal") as e:
+        PoolingConfig.read(tmp_path)
+    assert "--hf-overrides '{\"is_causal\": true}'" in str(e.value)
+    assert PoolingConfig.read(tmp_path, {"is_causal": True}).pooling_type == "mean"  # --hf-overrides
 
 
 @pytest.mark.parametrize("argv, embedding", [

@@ -1,7 +1,8 @@
 """Bare architectures (no LM head), as embedding checkpoints declare them: a tiny checkpoint saved from
 transformers' bare Qwen3Model / MistralModel (config.json's `architectures` as transformers writes it,
 tensor names without 'model.') embeds on an --is-embedding engine equal to HF AutoModel's pooled last
-hidden state; a generation engine refuses it by name before loading anything."""
+hidden state, with no LM head built (none stands in for the missing one); a generation engine refuses it
+by name before loading anything."""
 
 from __future__ import annotations
 
@@ -51,12 +52,15 @@ def test_bare_checkpoint_embeds_as_hf_automodel(bare_dirs, engines, arch, declar
     path = bare_dirs[arch]
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["architectures"] == [declared]  # as transformers wrote it, untouched
-    # Qwen3's tiny model ties its head (nothing to stand in); Mistral's does not (a zero head stands in).
+    # Qwen3's tiny model ties its head; Mistral's does not, and no vocab x hidden head is built for it either.
     assert cfg["tie_word_embeddings"] is (arch == "qwen3")
     engine = Engine(str(path), is_embedding=True, chunked_prefill_size=8, **ENGINE_KWARGS)
     engines.append(engine)
     ids = [engine.tokenizer.encode(p) for p in PROMPTS]
-    got = engine.encode(input_ids=ids)
+    got = [o["embedding"] for o in engine.encode(input_ids=ids)]
+    model = engine.worker.runner.model
+    assert model.lm_head is None
+    assert [n for n, t in model.named_parameters() if t.shape[0] == cfg["vocab_size"]] == ["model.embed_tokens.weight"]
     hf = AutoModel.from_pretrained(str(path), dtype=torch.float32).eval()
     with torch.inference_mode():
         want = [torch.nn.functional.normalize(hf(torch.tensor([x])).last_hidden_state[0, -1], dim=-1) for x in ids]
