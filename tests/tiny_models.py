@@ -4,7 +4,9 @@ weights without any model hub."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -71,11 +73,18 @@ def make_config(arch: str, vocab_size: int, eos_id: int):
 
 def make_tiny_model(arch: str, path: Path, seed: int = 0, tokenizer_path: Path | None = None) -> Path:
     """Writes a random tiny `arch` checkpoint (fp32) plus tokenizer into `path` and returns it."""
+    return save_random_model(path, lambda vocab, eos: make_config(arch, vocab, eos), seed)
+
+
+def save_random_model(path: Path, make_cfg: Callable[[int, int], Any], seed: int = 0,
+                      init: Callable[[str, torch.nn.Parameter], None] | None = None) -> Path:
+    """A random fp32 model of make_cfg(vocab_size, eos_id), with the tokenizer, saved to `path`. init(name,
+    param) may redraw the parameters other than norms and biases."""
     from transformers import AutoModelForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer(path)
-    cfg = make_config(arch, len(tok), tok.convert_tokens_to_ids("<|im_end|>"))
+    cfg = make_cfg(len(tok), tok.convert_tokens_to_ids("<|im_end|>"))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     # Random init leaves norms at 1 and biases at 0; perturb them so the test sees them being loaded.
@@ -83,5 +92,7 @@ def make_tiny_model(arch: str, path: Path, seed: int = 0, tokenizer_path: Path |
         for name, p in model.named_parameters():
             if "norm" in name or "bias" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            elif init is not None:
+                init(name, p)
     model.save_pretrained(path)
     return path

@@ -22,6 +22,8 @@ from runtime.gateway.server import serve_in_thread
 MODEL = "llama"
 INPUT = [{"role": "user", "content": "Hello world!"}]
 LOGPROBS = ["message.output_text.logprobs"]
+SEARCH_TOOL = {"type": "function", "name": "search", "parameters": {"type": "object", "properties": {
+    "query": {"type": "string"}}, "required": ["query"]}}
 GREEDY = dict(model=MODEL, input=INPUT, temperature=0, extra_body={"ignore_eos": True})
 
 
@@ -126,9 +128,8 @@ def test_reasoning_and_call_tokens_are_not_the_messages(parser_client, monkeypat
              r'\{"query": "[a-z]{1,8}"\}\}\n</tool_call>')
     monkeypatch.setattr(openai_responses, "format_constraint",
                         lambda text: OutputConstraint("regex", regex, "text.format"))
-    tool = {"type": "function", "name": "search", "parameters": {"type": "object", "properties": {
-        "query": {"type": "string"}}, "required": ["query"]}}
-    kw = dict(model=MODEL, input=INPUT, tools=[tool], max_output_tokens=120, temperature=0, include=LOGPROBS)
+    kw = dict(model=MODEL, input=INPUT, tools=[SEARCH_TOOL], max_output_tokens=120, temperature=0,
+              include=LOGPROBS)
     r = parser_client.responses.create(**kw)
     assert [o.type for o in r.output] == ["reasoning", "message", "function_call"]
     lps = r.output[1].content[0].logprobs
@@ -146,9 +147,8 @@ def test_each_delta_has_the_tokens_of_its_text_before_a_call(parser_client, monk
              r'\{"query": "[a-z]{1,8}"\}\}\n</tool_call>')
     monkeypatch.setattr(openai_responses, "format_constraint",
                         lambda text: OutputConstraint("regex", regex, "text.format"))
-    tool = {"type": "function", "name": "search", "parameters": {"type": "object", "properties": {
-        "query": {"type": "string"}}, "required": ["query"]}}
-    kw = dict(model=MODEL, input=INPUT, tools=[tool], max_output_tokens=120, temperature=0, include=LOGPROBS)
+    kw = dict(model=MODEL, input=INPUT, tools=[SEARCH_TOOL], max_output_tokens=120, temperature=0,
+              include=LOGPROBS)
     r = parser_client.responses.create(**kw)
     assert [o.type for o in r.output] == ["message", "function_call"]
     lps = r.output[0].content[0].logprobs

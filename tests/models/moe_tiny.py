@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tiny_models import make_tokenizer
+from tiny_models import save_random_model
 
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -34,20 +34,11 @@ def make_moe_config(arch: str, vocab_size: int, eos_id: int):
 
 def make_tiny_moe(arch: str, path: Path, seed: int = 0) -> Path:
     """Writes a random tiny fp32 `arch` checkpoint plus tokenizer into `path`."""
-    from transformers import AutoModelForCausalLM
 
-    path.mkdir(parents=True, exist_ok=True)
-    tok = make_tokenizer(path)
-    cfg = make_moe_config(arch, len(tok), tok.convert_tokens_to_ids("<|im_end|>"))
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "bias" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith("mlp.gate.weight") or "shared_expert_gate" in name:
-                p.normal_(0.0, 0.5)  # decisive routing: near-ties would flip on rounding noise
-            elif "experts" in name:
-                p.normal_(0.0, 0.05)
-    model.save_pretrained(path)
-    return path
+    def init(name: str, p: torch.nn.Parameter) -> None:
+        if name.endswith("mlp.gate.weight") or "shared_expert_gate" in name:
+            p.normal_(0.0, 0.5)  # decisive routing: near-ties would flip on rounding noise
+        elif "experts" in name:
+            p.normal_(0.0, 0.05)
+
+    return save_random_model(path, lambda vocab, eos: make_moe_config(arch, vocab, eos), seed, init)
