@@ -12,6 +12,7 @@ from types import MappingProxyType
 from typing import Any
 
 from runtime.errors import ServerArgsError
+from runtime.lora.lora_config import parse_lora_modules
 from runtime.text.chat_template import read_chat_template
 
 # vLLM's names for the same knobs, accepted beside ours (SGLang's) so a vLLM command line works as typed.
@@ -21,7 +22,10 @@ VLLM_ALIASES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "mem_fraction_static": ("--gpu-memory-utilization",), "max_running_requests": ("--max-num-seqs",),
     "tp_size": ("--tensor-parallel-size", "-tp"), "dp_size": ("--data-parallel-size", "-dp"),
     "disable_cuda_graph": ("--enforce-eager",),
+    "lora_modules": ("--lora-paths",), "max_loras": ("--max-loras-per-batch",),
 })
+# Flags that take several values (`--lora-modules a=/p b=/q`), joined with spaces into their str field.
+MULTI_VALUE = frozenset({"lora_modules"})
 
 # Names of the gateway's parser registries (runtime/gateway/tool_parsers, reasoning_parsers), checked at start.
 TOOL_CALL_PARSERS = ("llama3_json", "hermes", "mistral")
@@ -126,6 +130,13 @@ class ServerArgs:
     tool_call_parser: str | None = _opt(None, "parse the model's own tool-call format for tool_choice auto: "
                                               "llama3_json, hermes (Qwen2.5/Qwen3) or mistral")
     reasoning_parser: str | None = _opt(None, "move <think>...</think> into reasoning_content: qwen3 or deepseek-r1")
+    # LoRA adapters (runtime/lora): requests pick one by `model` (or lora_name / lora_path)
+    enable_lora: bool = _opt(False, "serve PEFT LoRA adapters of the base model beside it")
+    lora_modules: str | None = _opt(None, "the adapters, name=path ... (a PEFT folder: adapter_config.json + "
+                                          "adapter_model.safetensors); requests name them as `model`")
+    max_loras: int = _opt(4, "adapter slots on the device: a batch mixes at most this many adapters (requests "
+                             "of another wait until a slot's adapter has no request running)")
+    max_lora_rank: int = _opt(64, "largest adapter rank r accepted")
     # Parallelism and Ray
     tp_size: int = _opt(1, "tensor-parallel ranks per replica")
     dp_size: int = _opt(1, "data-parallel replicas")
@@ -178,6 +189,10 @@ class ServerArgs:
                 object.__setattr__(self, "hf_overrides", json.dumps(dict(self.hf_overrides)))
             except (TypeError, ValueError) as e:
                 raise ServerArgsError("--hf-overrides", f"must be JSON-serializable: {e}") from None
+        if isinstance(self.lora_modules, Mapping | list | tuple):  # Engine(lora_modules={name: path}) or a list
+            items = self.lora_modules.items() if isinstance(self.lora_modules, Mapping) else None
+            object.__setattr__(self, "lora_modules", " ".join(
+                [f"{k}={v}" for k, v in items] if items is not None else [str(x) for x in self.lora_modules]))
         self._check_types()
         _hf_overrides(self.hf_overrides)
         positive = ("mem_fraction_static", "max_running_requests", "max_prefill_tokens", "tp_size",
@@ -238,6 +253,22 @@ class ServerArgs:
             raise ServerArgsError("--is-embedding", "an embedding server only prefills: it runs without "
                                                     "--speculative-algorithm and --enable-dp-attention")
         self._check_speculative()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ServerArgsError("--max-loras" if self.max_loras < 1 else "--max-lora-rank", "must be positive")
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ServerArgsError("--lora-modules", "needs --enable-lora")
+            return
+        parse_lora_modules(self.lora_modules)  # a malformed list fails here, before anything loads
+        for name, on in (("--speculative-algorithm", self.speculative_algorithm), ("--quantization", self.quantization),
+                         ("--enable-dp-attention", self.enable_dp_attention), ("--is-embedding", self.is_embedding),
+                         # the FP8 KV rotation may fold into W_v / W_o, under the adapters' v/o terms
+                         ("--kv-cache-dtype fp8_e4m3", self.kv_cache_dtype == "fp8_e4m3")):
+            if on:
+                raise ServerArgsError("--enable-lora", f"does not run with {name} yet")
 
     def _check_speculative(self) -> None:
         algo = self.speculative_algorithm
@@ -315,6 +346,9 @@ class ServerArgs:
                 parser.add_argument(*flags, dest=f.name, action="store_true", default=f.default, help=helptext)
                 continue
             kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+            if f.name in MULTI_VALUE:
+                parser.add_argument(*flags, dest=f.name, nargs="+", default=f.default, help=helptext)
+                continue
             if f.default is not None:  # a None default is described in words by the help text itself
                 helptext = f"{helptext} (default: {f.default})"
             parser.add_argument(*flags, dest=f.name, type=kind, default=f.default, choices=f.metadata.get("choices"),
@@ -322,7 +356,11 @@ class ServerArgs:
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> ServerArgs:
-        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+        values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)}
+        for name in MULTI_VALUE:
+            if isinstance(values[name], list):
+                values[name] = " ".join(values[name])
+        return cls(**values)
 
 
 def _metrics_compat(value: str) -> tuple[str, ...]:

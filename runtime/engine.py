@@ -20,6 +20,7 @@ from runtime.config import ServerArgs
 from runtime.default_model import resolve_model
 from runtime.errors import EngineUnavailableError, InvalidRequestError, ServerArgsError
 from runtime.logging_setup import setup_logging
+from runtime.lora.lora_config import per_prompt
 from runtime.managers.request_validation import as_id_lists
 from runtime.managers.scheduler_host import SchedulerHost
 from runtime.messages import FinishReason, GenerateRequest, RequestOutput, SchedulerStats
@@ -118,7 +119,8 @@ class Engine(EngineEmbeddings):  # an EngineClient
 
     def make_request(self, prompt: str | None = None, input_ids: list[int] | None = None,
                      sampling_params: dict | SamplingParams | None = None, return_input_logprob: bool = False,
-                     rid: str | None = None, input_top_logprobs_num: int = 0) -> GenerateRequest:
+                     rid: str | None = None, input_top_logprobs_num: int = 0,
+                     lora_name: str | None = None) -> GenerateRequest:
         """Tokenizes and validates one request (InvalidRequestError on anything wrong). input_top_logprobs_num
         N > 0: each prompt position after the first also lists its top N tokens (return_input_logprob implied)."""
         sampling_params, n = self._split_n(sampling_params)
@@ -127,28 +129,26 @@ class Engine(EngineEmbeddings):  # an EngineClient
         params = tokenize_bad_words(SamplingParams.from_dict(sampling_params), self._tokenizer)
         if input_ids is not None and prompt is not None:
             raise InvalidRequestError("give prompt or input_ids, not both", param="input_ids")
-        if input_ids is not None:
-            input_ids = as_id_lists(input_ids)
-        if input_ids is None:
-            if not isinstance(prompt, str):
-                raise InvalidRequestError("give a prompt string or input_ids", param="prompt")
-            input_ids = self._tokenizer.encode(prompt)
-        req = GenerateRequest(rid=rid or f"engine-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
-                              input_ids=tuple(input_ids), sampling_params=params,
-                              return_input_logprob=return_input_logprob,
-                              input_top_logprobs_num=input_top_logprobs_num)
-        req = self.validate(req)
+        if input_ids is None and not isinstance(prompt, str):
+            raise InvalidRequestError("give a prompt string or input_ids", param="prompt")
+        input_ids = as_id_lists(input_ids) if input_ids is not None else self._tokenizer.encode(prompt)
+        req = self.validate(GenerateRequest(rid=rid or f"engine-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
+                                            input_ids=tuple(input_ids), sampling_params=params,
+                                            return_input_logprob=return_input_logprob, lora_name=lora_name,
+                                            input_top_logprobs_num=input_top_logprobs_num))
         if params.grammar is not None and self.grammar is not None:  # a bad grammar fails here, not later
             self.grammar.check(params.grammar)
         return req
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_input_logprob: bool = False,
-                 input_top_logprobs_num: int = 0, rid: str | list[str] | None = None) -> dict | list[dict]:
+                 input_top_logprobs_num: int = 0, rid: str | list[str] | None = None,
+                 lora_name: str | list[str | None] | None = None) -> dict | list[dict]:
         """Blocking generation for one prompt or a list (returned in the same order). rid: the request id
-        (one per prompt), for `abort(rid)` from another thread; each result carries its own as "rid"."""
+        (one per prompt), for `abort(rid)` from another thread; each result carries its own as "rid".
+        lora_name: a --lora-modules adapter for every prompt, or a list of one per prompt (None: base)."""
         reqs, single = self._make_requests(prompt, sampling_params, input_ids, return_input_logprob,
-                                           input_top_logprobs_num, rid)
+                                           input_top_logprobs_num, rid, lora_name)
         # One queue for the whole call, drained as deltas arrive: per-request queues read in request order
         # let every later request's deltas pile up (1,000 x 1,000 tokens: up to ~2M live objects for every
         # generation-2 collection to walk while the scheduler thread waits). svc workload on an H100: the
@@ -220,13 +220,14 @@ class Engine(EngineEmbeddings):  # an EngineClient
     def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                        input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
                        return_input_logprob: bool = False, input_top_logprobs_num: int = 0,
-                       rid: str | list[str] | None = None) -> Coroutine[Any, Any, dict | list[dict]] | _AsyncStream:
+                       rid: str | list[str] | None = None, lora_name: str | list[str | None] | None = None
+                       ) -> Coroutine[Any, Any, dict | list[dict]] | _AsyncStream:
         """`await engine.async_generate(...)` gives what generate() gives (a list for a batch or n > 1) and is
         a coroutine (asyncio.create_task takes it); with stream=True, `async for delta in
         engine.async_generate(..., stream=True)` gives one prompt's text deltas as they come. Bad input
         raises here, before anything is queued."""
         reqs, single = self._make_requests(prompt, sampling_params, input_ids, return_input_logprob,
-                                           input_top_logprobs_num, rid)
+                                           input_top_logprobs_num, rid, lora_name)
         if stream:
             if len(reqs) != 1:
                 raise InvalidRequestError("stream=True streams one prompt and one choice (n = 1): call once per "
@@ -250,7 +251,7 @@ class Engine(EngineEmbeddings):  # an EngineClient
             raise
 
     def _make_requests(self, prompt, sampling_params, input_ids, return_input_logprob, input_top_logprobs_num=0,
-                       rid=None):
+                       rid=None, lora_name=None):
         if prompt is not None and not isinstance(prompt, (str, list, tuple)):
             raise InvalidRequestError(f"prompt must be a string or a list of strings, not {type(prompt).__name__}",
                                       param="prompt")
@@ -259,8 +260,7 @@ class Engine(EngineEmbeddings):  # an EngineClient
         if rid is not None and not (isinstance(rid, str) or (isinstance(rid, (list, tuple))
                                                              and all(isinstance(r, str) for r in rid))):
             raise InvalidRequestError(f"rid must be a string or a list of strings, got {rid!r}", param="rid")
-        if input_ids is not None:
-            input_ids = as_id_lists(input_ids)
+        input_ids = as_id_lists(input_ids) if input_ids is not None else None
         single = isinstance(prompt, str) or (input_ids is not None and bool(input_ids) and isinstance(input_ids[0], int))
         prompts = [prompt] if isinstance(prompt, str) else prompt
         ids = [input_ids] if single and input_ids is not None else input_ids
@@ -281,7 +281,7 @@ class Engine(EngineEmbeddings):  # an EngineClient
                                           "n times with n rids and seeds", param="rid")
             req = self.make_request(prompts[i] if prompts is not None else None, ids[i] if ids is not None else None,
                                     p, return_input_logprob, rid=rids[i] if rids else None,
-                                    input_top_logprobs_num=input_top_logprobs_num)
+                                    input_top_logprobs_num=input_top_logprobs_num, lora_name=per_prompt(lora_name, n)[i])
             reqs.append(req)
             # Choice j samples with seed + j (as the gateway does): the copies differ, reproducibly.
             seed = req.sampling_params.seed

@@ -27,6 +27,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     resumed_output_ids: list[int] = []
     # An embedding request (an --is-embedding server's only kind): prefilled, pooled, finished; no token.
     embed: bool = False
+    # --enable-lora: the adapter (a --lora-modules name) this request runs with; None: the base model.
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if type(self.input_ids) is not tuple:
@@ -193,6 +195,10 @@ class WorkerBatch(msgspec.Struct, kw_only=True):
     # An embedding server's EXTEND (non-empty only there): per request, whether this chunk ends its prompt,
     # so the worker pools it; no logits, no sampling.
     embed_done: list[bool] = []
+    # --enable-lora, where some request of the step runs an adapter (else []): per request its slot (0: base).
+    lora_ids: list[int] = []
+    # --enable-lora: [slot, adapter id] pairs to load before this step (a slot's previous adapter unused now).
+    lora_loads: list[list[int]] = []
 
 
 class BatchResult(msgspec.Struct, kw_only=True):

@@ -95,12 +95,36 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except InvalidRequestError as e:
         raise from_shoal_error(e) from None
     base = body.rid or state.new_id("gen")
+    lora = await _lora_name(request, state) if state.lora_adapters else None
     reqs = [state.validate(client, GenerateRequest(rid=f"{base}-{k}" if prompts.batch else base, input_ids=ids,
-                                                   sampling_params=params)) for k, ids in enumerate(prompts.ids)]
+                                                   sampling_params=params, lora_name=lora))
+            for k, ids in enumerate(prompts.ids)]
     if params.grammar is not None:  # json_schema, regex or ebnf: compiled (or refused) before anything runs
         await state.check_grammar(client, reqs[0], f"sampling_params.{params.grammar[0]}")
     gen.set_choices(base, reqs)
     return await gen.respond(body.stream, _GenerateResponder(gen, body.return_text_in_logprobs, prompts.batch))
+
+
+class _LoraFields(msgspec.Struct):
+    lora_path: str | None = None  # SGLang's: an adapter's name (or its --lora-modules folder)
+    lora_name: str | None = None
+
+
+async def _lora_name(request: web.Request, state: Any) -> str | None:
+    """/generate's adapter, read from the (cached) body beside GenerateBody; a 400 naming the field if unknown."""
+    try:
+        fields = msgspec.json.decode(await request.read(), type=_LoraFields)
+    except msgspec.ValidationError as e:
+        raise bad_request(f"lora_path / lora_name must be a string ({e})", param="lora_path") from None
+    for param, value in (("lora_name", fields.lora_name), ("lora_path", fields.lora_path)):
+        if value is None:
+            continue
+        by_path = {path: name for name, path in state.lora_adapters.items()}
+        if value not in state.lora_adapters and value not in by_path:
+            raise bad_request(f"no LoRA adapter {value!r} is served (adapters: {', '.join(state.lora_adapters)})",
+                              param=param)
+        return value if value in state.lora_adapters else by_path[value]
+    return None
 
 
 async def encode_request(request: web.Request) -> web.Response:
@@ -231,17 +255,28 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def _model_card(request: web.Request) -> ModelCard:
+def _model_card(request: web.Request) -> ModelCard | dict[str, Any]:
     """The served model's card; with a {model} in the path, a 404 model_not_found unless it names it."""
     state = request.app[STATE_KEY]
     client = state.client()
-    state.check_model(client, request.match_info.get("model"))
-    return ModelCard(id=state.served_model(client), created=state.created, root=client.model_name,
+    name = state.check_model(client, request.match_info.get("model"))
+    card = ModelCard(id=state.served_model(client), created=state.created, root=client.model_name,
                      max_model_len=client.context_len)
+    if name in state.lora_adapters:  # an adapter's card (vLLM's: its folder as root, the base as parent)
+        return {**msgspec.to_builtins(card), "id": name, "root": state.lora_adapters[name], "parent": card.id}
+    return card
 
 
 async def models(request: web.Request) -> web.Response:
-    return _json(ModelList(data=[_model_card(request)]))
+    base = _model_card(request)
+    state = request.app[STATE_KEY]
+    if not state.lora_adapters:
+        return _json(ModelList(data=[base]))
+    # vLLM's listing of --lora-modules: each adapter's card names its folder as root, the base as parent
+    cards = [msgspec.to_builtins(base)] + [
+        {**msgspec.to_builtins(base), "id": name, "root": path, "parent": base.id}
+        for name, path in state.lora_adapters.items()]
+    return _json({"object": "list", "data": cards})
 
 
 async def model(request: web.Request) -> web.Response:

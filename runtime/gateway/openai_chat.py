@@ -191,7 +191,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         reasoning_done = gate is not None and gate.reasoning_done
     base = state.new_id("chatcmpl")
     reqs = state.choice_requests(client, base, [ids], params, n, return_input_logprob=prompt_lp is not None,
-                                 input_top_logprobs_num=prompt_lp or 0)
+                                 input_top_logprobs_num=prompt_lp or 0, lora_name=state.lora_name(body.model))
     if prompt_lp is not None:
         reqs = score_prompts_once(reqs, n)
     if constraint is not None:

@@ -102,7 +102,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
         gate = grammar_gate(client.tokenizer, opening)
         reasoning_done = gate is not None and gate.reasoning_done
     base = new_id("resp")
-    reqs = state.choice_requests(client, base, [ids], params, 1)
+    reqs = state.choice_requests(client, base, [ids], params, 1, lora_name=state.lora_name(body.model))
     if constraint is not None:
         await state.check_grammar(client, reqs[0], constraint.param)
     gen.set_choices(base, reqs)

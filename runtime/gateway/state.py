@@ -27,6 +27,7 @@ from runtime.gateway.ignored_fields import IgnoredFields
 from runtime.gateway.metrics import GatewayMetrics
 from runtime.gateway.protocol import OpenAISamplingFields
 from runtime.gateway.ttft_trace import TtftTrace
+from runtime.lora.lora_config import parse_lora_modules
 from runtime.messages import GenerateRequest
 from runtime.sampling.params import SamplingParams
 from runtime.text.bad_words import tokenize_bad_words
@@ -54,6 +55,8 @@ class GatewayState:
         else:
             self.provider = client_provider
         self.args = args
+        # --enable-lora: the adapters' names, which requests give as `model` (the response echoes them)
+        self.lora_adapters = {s.name: s.path for s in parse_lora_modules(args.lora_modules)} if args.enable_lora else {}
         self.metrics = GatewayMetrics(args.metrics_compat_names, model_name=self._served_model_name)
         self.admission = AdmissionController(args.max_queue_wait_s, args.max_waiting_requests)
         self.ignored_fields = IgnoredFields(self.metrics.ignored_fields)
@@ -98,11 +101,20 @@ class GatewayState:
         return "fp_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
     def check_model(self, client: EngineClient, model: str | None) -> str:
+        """The model name a response carries; a 404 model_not_found for a name this server does not serve."""
         names = {client.model_name, self.served_model(client)}
+        if model in self.lora_adapters:
+            return model
         if model is not None and model not in names:
             raise ApiError(404, f"The model `{model}` does not exist. This server serves "
-                                f"`{self.served_model(client)}`.", param="model", code="model_not_found")
+                                f"`{self.served_model(client)}`"
+                                + "".join(f", `{a}`" for a in self.lora_adapters) + ".",
+                                param="model", code="model_not_found")
         return self.served_model(client)
+
+    def lora_name(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model)."""
+        return model if model in self.lora_adapters else None
 
     def check_n(self, n: int | None) -> int:
         n = 1 if n is None else n
@@ -158,7 +170,7 @@ class GatewayState:
 
     def choice_requests(self, client: EngineClient, base_id: str, prompts: list[list[int]],
                         params: SamplingParams, n: int, return_input_logprob: bool = False,
-                        input_top_logprobs_num: int = 0) -> list[GenerateRequest]:
+                        input_top_logprobs_num: int = 0, lora_name: str | None = None) -> list[GenerateRequest]:
         """n requests per prompt (choice index = prompt * n + i), each validated before any is sent so
         a bad one leaves nothing running. A given seed becomes seed + i: choices differ, reproducibly."""
         params = self.with_bad_words_ids(client, params)  # once for all the choices, not in each validate
@@ -171,7 +183,7 @@ class GatewayState:
                     pi = msgspec.structs.replace(params, seed=(params.seed + i) % 2**63)
                 req = GenerateRequest(rid=f"{base_id}-{p * n + i}", input_ids=ids, sampling_params=pi,
                                       return_input_logprob=return_input_logprob,
-                                      input_top_logprobs_num=input_top_logprobs_num)
+                                      input_top_logprobs_num=input_top_logprobs_num, lora_name=lora_name)
                 reqs.append(self.validate(client, req))
         return reqs
 

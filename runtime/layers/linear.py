@@ -6,6 +6,7 @@ full checkpoint tensor, so a rank never materialises more than one full tensor a
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -15,6 +16,9 @@ from kernels.norm_input import NormInput
 from runtime.distributed import ParallelGroup
 from runtime.errors import WeightLoadError
 from runtime.layers.dense_gemm import DenseGemm
+
+if TYPE_CHECKING:
+    from runtime.lora.lora_layer import LoraDelta
 
 
 def _check_shape(param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
@@ -33,6 +37,10 @@ def _narrow(loaded: torch.Tensor, dim: int, rank: int, size: int, expected: int,
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W split by output rows; gather_output concatenates the shards on every rank."""
+
+    # --enable-lora: the adapters' term, added after the base output (runtime/lora/lora_manager.py attaches
+    # it); the fused norm-GEMV path is then never taken. None: the base path exactly as without LoRA.
+    lora: LoraDelta | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group: ParallelGroup,
                  gather_output: bool = False, dtype: torch.dtype | None = None):
@@ -56,6 +64,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.gemm(x, self.weight, self.bias)
+        if self.lora is not None:
+            y = self.lora(x, y)
         return self.group.all_gather(y, dim=-1) if self.gather_output else y
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None,
@@ -63,7 +73,8 @@ class ColumnParallelLinear(nn.Module):
         """(self(rmsnorm(x [+ residual]) * norm_weight), the new residual) with the norm in the GEMV's
         prologue, one launch, where a GEMV serves this one row; None elsewhere (and whenever a forward hook
         is on): the caller runs the norm, then the layer. x and residual are left as they are."""
-        if (self.gather_output or self._forward_pre_hooks or x.dim() != 2 or x.shape[0] != 1
+        if (self.gather_output or self._forward_pre_hooks or self.lora is not None or x.dim() != 2
+                or x.shape[0] != 1
                 or x.stride(-1) != 1 or not self._gemv_serves(x)):
             return None
         out = None if residual is None else torch.empty_like(residual)
@@ -127,6 +138,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T with W split by input columns; the partial sums are all-reduced (bias added once)."""
 
+    lora: LoraDelta | None = None  # as ColumnParallelLinear's; its partial sums join the all-reduce
+
     def __init__(self, in_features: int, out_features: int, bias: bool, group: ParallelGroup,
                  reduce_results: bool = True, dtype: torch.dtype | None = None):
         super().__init__()
@@ -155,13 +168,15 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(self.gemm(x, self.weight))
+        y = self.gemm(x, self.weight)
+        return self._reduce(y if self.lora is None else self.lora(x, y))
 
     def forward_silu_mul(self, gate_up: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """self(act_fn(gate_up)) for the MLP's down projection, SiLU-and-mul folded into the GEMV's loads
         where it serves (LlamaMLP calls it with the decode fusion on; FP8 swaps in its own). Elsewhere, and
         whenever a forward hook is on (Fp8Calibrator's prefill reads the input), it calls the module itself."""
-        y = None if self._forward_pre_hooks else self.gemm.silu_mul(gate_up, self.weight)
+        plain = self._forward_pre_hooks or self.lora is not None
+        y = None if plain else self.gemm.silu_mul(gate_up, self.weight)
         return self(act_fn(gate_up)) if y is None else self._reduce(y)
 
     def _reduce(self, y: torch.Tensor) -> torch.Tensor:

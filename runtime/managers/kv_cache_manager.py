@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from runtime.lora.lora_slots import LoraSlots
 from runtime.managers.req import Req
 from runtime.mem_cache.allocator import KVAllocator
 from runtime.mem_cache.cache_event_log import CacheEventLog
@@ -14,12 +15,14 @@ from runtime.mem_cache.req_to_token import ReqToTokenPool
 
 class KVCacheManager:
     def __init__(self, max_total_tokens: int, max_reqs: int, context_len: int, enable_cache: bool,
-                 cache_events: CacheEventLog | None = None):
+                 cache_events: CacheEventLog | None = None, loras: LoraSlots | None = None):
         self.allocator = KVAllocator(max_total_tokens)
         self.req_slots = ReqToTokenPool(max_reqs, 1, "cpu")  # only hands out rows; workers hold the table
         self.cache = RadixCache(self.allocator, disable=not enable_cache, events=cache_events)
         self.enabled = enable_cache
         self.evictions = 0  # tokens evicted from the cache, ever
+        # --enable-lora: adapter slots, taken with a request's admission and given back with its KV
+        self.loras = loras
 
     @property
     def size(self) -> int:
@@ -33,7 +36,7 @@ class KVCacheManager:
         """Cached prefix length without locking (for ordering the waiting queue)."""
         if not self._can_match(req):
             return 0
-        return int(self.cache.match_prefix(req.all_ids[:-1]).kv_indices.numel())
+        return int(self.cache.match_prefix(req.all_ids[:-1], req.lora_id).kv_indices.numel())
 
     def _can_match(self, req: Req) -> bool:
         return self.enabled and not req.return_input_logprob
@@ -45,7 +48,7 @@ class KVCacheManager:
             return False
         req.req_pool_idx = rows[0]
         if self._can_match(req):
-            m = self.cache.match_prefix(req.all_ids[:-1])
+            m = self.cache.match_prefix(req.all_ids[:-1], req.lora_id)
             req.kv_indices, req.cached_len, req.last_node = m.kv_indices.clone(), m.kv_indices.numel(), m.last_node
             self.cache.inc_lock_ref(m.last_node)
         req.pending_prefix_write = req.cached_len
@@ -64,7 +67,7 @@ class KVCacheManager:
             return
         kv_len = req.kv_len
         if self.enabled and not req.return_input_logprob and kv_len:
-            present = self.cache.insert(req.all_ids[:kv_len], req.kv_indices)
+            present = self.cache.insert(req.all_ids[:kv_len], req.kv_indices, req.lora_id)
             if present > req.cached_len:
                 self.allocator.free(req.kv_indices[req.cached_len:present])
         else:
@@ -78,10 +81,10 @@ class KVCacheManager:
             return
         ids = req.all_ids[:computed]
         kv = req.kv_indices
-        present = self.cache.insert(ids, kv[:computed])
+        present = self.cache.insert(ids, kv[:computed], req.lora_id)
         if present > req.cached_len:
             self.allocator.free(kv[req.cached_len:present])
-        m = self.cache.match_prefix(ids)
+        m = self.cache.match_prefix(ids, req.lora_id)
         self.cache.inc_lock_ref(m.last_node)
         if req.last_node is not None:
             self.cache.dec_lock_ref(req.last_node)
@@ -124,6 +127,8 @@ class KVCacheManager:
             self.allocator.free(torch.cat(tensors) if len(tensors) > 1 else tensors[0])
 
     def _drop(self, req: Req) -> None:
+        if self.loras is not None:
+            self.loras.release(req)
         if req.last_node is not None:
             self.cache.dec_lock_ref(req.last_node)
         self.req_slots.free(req.req_pool_idx)

@@ -67,6 +67,9 @@ class PrefillAdder:
             if r.return_input_logprob and batch.reqs and n > budget:
                 self.kv.release_retracted(r)
                 break
+            if self.kv.loras is not None and not self.kv.loras.acquire(r):
+                self.kv.release_retracted(r)  # its LoRA adapter finds no free slot: it waits, others may go
+                continue
             slots = self.kv.alloc(n)
             if slots is None:
                 self.kv.release_retracted(r)

@@ -28,8 +28,10 @@ class ReqState(Enum):
 class Req:
     def __init__(self, rid: str, input_ids: Sequence[int], params: SamplingParams, seed: int,
                  eos_token_ids: frozenset[int], return_input_logprob: bool = False, arrival_time: float = 0.0,
-                 input_top_logprobs_num: int = 0, embed: bool = False):
+                 input_top_logprobs_num: int = 0, embed: bool = False, lora_id: int = 0):
         self.rid = rid
+        self.lora_id = lora_id  # its LoRA adapter (its prefix-cache namespace too); 0: the base model
+        self.lora_slot = 0  # the device slot of that adapter while admitted (runtime/lora/lora_slots.py)
         # A tuple, not a list: CPython stops tracking a tuple of ints at the first collection it survives, so
         # no full collection walks the prompts in flight (a list's every element is visited, 1,000 x 1,000
         # tokens: ~1M pointer chases per prompt copy, with the scheduler thread stopped).

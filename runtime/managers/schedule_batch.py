@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.lora.lora_slots import LoraSlots
 from runtime.managers.req import Req
 from runtime.messages import PrefixWrite, SamplingBatch, SpecInfo, WorkerBatch
 from runtime.model_executor.forward_mode import ForwardMode
@@ -35,9 +36,10 @@ class ScheduleBatch:
         return sum(r.extend_len for r in self.reqs)
 
     def to_worker_batch(self, batch_id: int, global_num_tokens: list[int] | None = None,
-                        embed: bool = False) -> WorkerBatch:
+                        embed: bool = False, loras: LoraSlots | None = None) -> WorkerBatch:
         """embed: an embedding server's batch (every request an extend): the worker pools where a prompt
-        ends instead of sampling."""
+        ends instead of sampling. loras: --enable-lora's slots (each request's slot is sent where any has
+        one, with the adapter loads the step needs first)."""
         input_ids: list[int] = []
         seq_lens, prefix_lens, writes = [], [], []
         for i, r in enumerate(self.reqs):
@@ -66,6 +68,8 @@ class ScheduleBatch:
             input_top_logprobs_nums=[r.input_top_logprobs_num for r in self.reqs]
             if any(r.input_top_logprobs_num for r in self.reqs) else [],
             global_num_tokens=global_num_tokens, spec=self.spec,
+            lora_ids=[r.lora_slot for r in self.reqs] if loras and any(r.lora_slot for r in self.reqs) else [],
+            lora_loads=loras.take_loads() if loras is not None else [],
         )
 
     def _sampling(self) -> SamplingBatch:

@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 from runtime.config import ServerArgs
 from runtime.errors import InvalidRequestError
+from runtime.lora.lora_config import lora_id_of
+from runtime.lora.lora_slots import LoraSlots
 from runtime.managers.grammar_manager import GrammarManager
 from runtime.managers.kv_cache_manager import KVCacheManager
 from runtime.managers.policy import create_policy
@@ -49,7 +51,7 @@ class Scheduler:
         self.context_len, self.vocab_size, self.eos_token_ids = context_len, vocab_size, eos_token_ids
         self.max_running = min(args.max_running_requests, max_reqs - 1)
         self.kv = KVCacheManager(max_total_tokens, max_reqs, context_len, enable_cache=args.radix_cache_enabled,
-                                 cache_events=cache_events)
+                                 cache_events=cache_events, loras=LoraSlots.of(args))
         self.limits = RequestLimits(context_len, vocab_size, self.kv.size, args.speculative_algorithm is not None)
         self.policy = create_policy(args.schedule_policy, args.radix_cache_enabled)
         self.retractor = Retractor(args, reserve_known_output)
@@ -59,6 +61,7 @@ class Scheduler:
         self.spec = (SpecDecoding(args, self.kv, self.stats, context_len, pad_drafts)
                      if args.speculative_algorithm else None)
         self.grammars = GrammarManager(grammar, vocab_size)
+        self.lora_ids = self.kv.loras.ids if self.kv.loras is not None else {}  # adapter name → id (1..)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.rids = RidLedger()  # aborts that overtook their request; rids that ended lately
         self.lock = threading.Lock()  # held for a whole step; readers of the state take it too
@@ -82,8 +85,9 @@ class Scheduler:
         self._busy_since: float | None = None  # wall clock of the last result while steps run back to back
 
     # ---- requests in ----------------------------------------------------------------------------
-    def validate(self, req: GenerateRequest) -> GenerateRequest:
-        return validate_request(self.limits, req)
+    def validate(self, req: GenerateRequest, limits: RequestLimits | None = None) -> GenerateRequest:
+        lora_id_of(self.lora_ids, req.lora_name)  # any thread; an unserved adapter: a 400 naming model
+        return validate_request(limits or self.limits, req)
 
     def submit(self, req: GenerateRequest) -> None:
         """Thread-safe. The request must have passed validate()."""
@@ -116,7 +120,7 @@ class Scheduler:
                 "error", message=f"duplicate request id {g.rid!r}"))])
             return
         try:  # again: a caller that skipped validate() must fail alone, not the batch it would join
-            g = validate_request(self.limits, check_task(self.args.is_embedding, g))
+            g = self.validate(check_task(self.args.is_embedding, g))
         except InvalidRequestError as e:
             self.rids.refused(g.rid)
             self.sink([RequestOutput(rid=g.rid, new_token_ids=[], finished=True, finish_reason=FinishReason(
@@ -125,7 +129,8 @@ class Scheduler:
         p = g.sampling_params
         seed = p.seed if p.seed is not None else self.rng.getrandbits(62)
         req = Req(g.rid, g.input_ids, p, seed, self.eos_token_ids, g.return_input_logprob, g.arrival_time,
-                  input_top_logprobs_num=g.input_top_logprobs_num, embed=g.embed)
+                  input_top_logprobs_num=g.input_top_logprobs_num, embed=g.embed,
+                  lora_id=lora_id_of(self.lora_ids, g.lora_name))
         if g.resumed_output_ids:
             req.resume(g.resumed_output_ids)
         self.reqs[g.rid] = req
@@ -185,7 +190,7 @@ class Scheduler:
                 return False
             self._busy_since = self._busy_since or time.perf_counter()
             self.batch_id += 1
-            wb = batch.to_worker_batch(self.batch_id, embed=self.args.is_embedding)
+            wb = batch.to_worker_batch(self.batch_id, embed=self.args.is_embedding, loras=self.kv.loras)
             # Overlap with grammars: the forward goes first; the masks are filled while it runs (after
             # collecting the batch in flight, whose tokens they need). Without deferred sampling,
             # _must_flush collected it.

@@ -14,7 +14,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from runtime.config import ServerArgs
 from runtime.gc_guard import GcGuard
-from runtime.managers.request_validation import RequestLimits, validate_request
+from runtime.managers.request_validation import RequestLimits
 from runtime.managers.scheduler import Scheduler
 from runtime.managers.worker_client import WorkerClient
 from runtime.mem_cache.cache_event_log import CacheEventLog
@@ -69,7 +69,7 @@ class SchedulerHost:
         return self._thread.is_alive() and not self._stop.is_set()
 
     def validate(self, req: GenerateRequest) -> GenerateRequest:
-        return validate_request(self.limits, req)
+        return self.scheduler.validate(req, self.limits)
 
     def submit(self, req: GenerateRequest) -> None:
         self.scheduler.submit(req)

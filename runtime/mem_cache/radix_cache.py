@@ -6,6 +6,10 @@ they go back to the KVAllocator only through `evict` or `reset`.
 Accounting: each non-root node's tokens count as *protected* while some request holds a lock on the
 node or on one of its descendants, and as *evictable* otherwise. `total_size()` is their sum, so at any
 moment `allocator.available_size() + cache.total_size() + slots held outside the tree == allocator.size`.
+
+Namespaces: KV computed under a LoRA adapter differs from the base model's for the same tokens, so each
+adapter's prefixes live in a tree of their own (namespace = the adapter's id; 0 = the base model, `root`).
+Eviction and accounting span every tree; only namespace 0 is reported to `events` (cache-aware routing).
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ class RadixCache:
         self._clock = 0
         self._next_id = 0
         self.root = self._new_node(None, (), torch.empty(0, dtype=torch.int64))
+        self._roots = {0: self.root}  # namespace → its tree's root (created on first use)
         self._evictable_size = 0
         self._protected_size = 0
         # Unlocked childless nodes, i.e. exactly what `evict` may take next.
@@ -75,7 +80,7 @@ class RadixCache:
 
     # ---------------------------------------------------------------- queries
 
-    def match_prefix(self, token_ids: list[int]) -> MatchResult:
+    def match_prefix(self, token_ids: list[int], namespace: int = 0) -> MatchResult:
         """Longest cached prefix of `token_ids`.
 
         If the match ends inside an edge, that edge is split so `last_node` covers exactly the matched
@@ -83,9 +88,9 @@ class RadixCache:
         path becomes most recently used.
         """
         if self.disable or not token_ids:
-            return MatchResult(torch.empty(0, dtype=torch.int64), self.root)
+            return MatchResult(torch.empty(0, dtype=torch.int64), self._root(namespace))
         tick = self._tick()
-        node = self.root
+        node = self._root(namespace)
         values: list[torch.Tensor] = []
         pos = 0
         while pos < len(token_ids):
@@ -113,7 +118,7 @@ class RadixCache:
 
     # ---------------------------------------------------------------- updates
 
-    def insert(self, token_ids: list[int], kv_indices: torch.Tensor) -> int:
+    def insert(self, token_ids: list[int], kv_indices: torch.Tensor, namespace: int = 0) -> int:
         """Store `token_ids` with their slots `kv_indices`; return `prefix_len`, how many leading tokens
         were already in the tree before this call.
 
@@ -130,7 +135,7 @@ class RadixCache:
         if self.disable or not token_ids:
             return 0
         tick = self._tick()
-        node = self.root
+        node = self._root(namespace)
         pos = 0
         while pos < len(token_ids):
             child = node.children.get(token_ids[pos])
@@ -143,7 +148,7 @@ class RadixCache:
                 self._evictable_size += len(leaf.key)
                 self._refresh_leaf_status(leaf)
                 self._refresh_leaf_status(node)
-                if self.events is not None:
+                if self.events is not None and namespace == 0:
                     self.events.stored(token_ids, pos)
                 break
             n = _common_prefix_len(token_ids, pos, child.key)
@@ -158,7 +163,7 @@ class RadixCache:
         """Protect `node` and all its ancestors from eviction until the matching `dec_lock_ref`."""
         if self.disable:
             return
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 0:
                 self._evictable_size -= len(node.key)
                 self._protected_size += len(node.key)
@@ -169,7 +174,7 @@ class RadixCache:
     def dec_lock_ref(self, node: TreeNode) -> None:
         if self.disable:
             return
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 0:
                 raise DoubleFreeError(f"dec_lock_ref on an unlocked node {node!r}: a lock was released twice")
             node.lock_ref -= 1
@@ -199,8 +204,9 @@ class RadixCache:
             parent = leaf.parent
             assert parent is not None
             if self.events is not None:
-                path = self._path_tokens(leaf)
-                self.events.removed(path, len(path) - len(leaf.key))
+                top, path = self._path(leaf)
+                if top is self.root:
+                    self.events.removed(path, len(path) - len(leaf.key))
             del parent.children[leaf.key[0]]
             self._evictable_leaves.discard(leaf)
             leaf.parent = None
@@ -217,12 +223,13 @@ class RadixCache:
             raise DoubleFreeError(
                 f"reset with {self._protected_size} locked tokens: their slots are still in use by requests"
             )
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            self.allocator.free(node.value)
-            stack.extend(node.children.values())
-        self.root.children.clear()
+        for root in self._roots.values():
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                self.allocator.free(node.value)
+                stack.extend(node.children.values())
+            root.children.clear()
         self._evictable_leaves.clear()
         self._evictable_size = 0
         self._protected_size = 0
@@ -277,16 +284,22 @@ class RadixCache:
         upper.children[child.key[0]] = child
         return upper
 
-    def _path_tokens(self, node: TreeNode) -> list[int]:
-        """Every token from the root down to the end of node's edge."""
+    def _root(self, namespace: int) -> TreeNode:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = self._new_node(None, (), torch.empty(0, dtype=torch.int64))
+        return root
+
+    def _path(self, node: TreeNode) -> tuple[TreeNode, list[int]]:
+        """(the root of node's tree, every token from it down to the end of node's edge)."""
         keys: list[tuple[int, ...]] = []
-        while node is not self.root:
+        while node.parent is not None:
             keys.append(node.key)
             node = node.parent  # type: ignore[assignment]
-        return [t for key in reversed(keys) for t in key]
+        return node, [t for key in reversed(keys) for t in key]
 
     def _refresh_leaf_status(self, node: TreeNode) -> None:
-        if node is not self.root and not node.children and node.lock_ref == 0:
+        if node.parent is not None and not node.children and node.lock_ref == 0:
             self._evictable_leaves.add(node)
         else:
             self._evictable_leaves.discard(node)

@@ -69,6 +69,8 @@ class CudaGraphRunner:
         self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.seq_lens = torch.full((self.max_bs,), self.fill_seq_len, dtype=torch.int64, device=dev)
         self.prefix_lens = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        # --enable-lora: each token's adapter slot, a static input the captured LoRA mask is computed from
+        self.lora_slots = torch.zeros(n if runner.lora is not None else 0, dtype=torch.int64, device=dev)
         # Per mode, persistent (graphs read them at replay): new tokens per request and where each starts.
         self.extend_lens = {m: torch.full((self.max_bs,), k, dtype=torch.int64, device=dev) for m, k in self.modes.items()}
         self.start_locs = {m: torch.arange(self.max_bs, dtype=torch.int64, device=dev) * k for m, k in self.modes.items()}
@@ -112,9 +114,12 @@ class CudaGraphRunner:
             seq_lens_sum=fill * bs, extend_num_tokens=bs * n,
             req_to_token_pool=r.req_to_token_pool, token_to_kv_pool=r.token_to_kv_pool, attn_backend=self.backend,
             logits_out=self.decode_logits[:bs] if mode.is_decode() else self.verify_logits[:bs * n],
+            lora_slots=self.lora_slots[:bs * n] if r.lora is not None else None,
         )
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
+        if self.runner.lora is not None:  # inside the capture: replays recompute the mask from lora_slots
+            self.runner.lora.prepare(fb.lora_slots, fb.input_ids.shape[0])
         hidden = self.runner.model(fb.input_ids, fb.positions, fb)
         logits = self.runner.logits_processor(hidden, fb.input_ids, fb).next_token_logits
         if self.greedy_tail and fb.forward_mode.is_decode():
@@ -197,6 +202,12 @@ class CudaGraphRunner:
             self.req_pool_indices[:bs].copy_(fb.req_pool_indices)
             self.seq_lens[:bs].copy_(fb.seq_lens)
             self.prefix_lens[:bs].copy_(fb.extend_prefix_lens)
+        if self.runner.lora is not None:  # padded rows run the base model
+            if fb.lora_slots is None:
+                self.lora_slots[:padded * n].zero_()
+            else:
+                self.lora_slots[:bs * n].copy_(fb.lora_slots)
+                self.lora_slots[bs * n:padded * n].zero_()
         seq_lens_cpu = fb.seq_lens_cpu + [fill] * (padded - bs)
         self.backend.init_forward_metadata_replay_cuda_graph(
             padded, self.req_pool_indices[:padded], self.seq_lens[:padded],

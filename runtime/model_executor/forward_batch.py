@@ -46,6 +46,7 @@ class ForwardBatch:
     # CudaGraphRunner's shared buffer for its mode (each graph keeping its own output held ~8 GB over the
     # DECODE sizes up to 512 at a 128k vocabulary); None: a new tensor.
     logits_out: torch.Tensor | None = None
+    lora_slots: torch.Tensor | None = None  # [T] each token's LoRA slot (0: base); None: no adapter this step
 
     @classmethod
     def init_new(cls, batch: WorkerBatch, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool,
@@ -67,9 +68,11 @@ class ForwardBatch:
         # One host→device copy for every index tensor of the step (eight small copies cost more), each
         # view 16-byte aligned whatever the sizes (one Triton specialization for every step).
         b, n = len(seq_lens), acc
-        ids, pos, loc, rpi, sl, pl, el, st = to_device_fields(
-            [batch.input_ids, positions, batch.out_cache_loc, batch.req_pool_indices, seq_lens, prefix_lens,
-             extend_lens, starts], torch.int64, device)
+        fields = [batch.input_ids, positions, batch.out_cache_loc, batch.req_pool_indices, seq_lens, prefix_lens,
+                  extend_lens, starts]
+        if batch.lora_ids:
+            fields.append([slot for slot, k in zip(batch.lora_ids, extend_lens) for _ in range(k)])
+        ids, pos, loc, rpi, sl, pl, el, st, *lora = to_device_fields(fields, torch.int64, device)
         return cls(
             forward_mode=mode, batch_size=b, input_ids=ids, positions=pos, out_cache_loc=loc,
             req_pool_indices=rpi, seq_lens=sl, extend_prefix_lens=pl, extend_seq_lens=el,
@@ -79,7 +82,7 @@ class ForwardBatch:
             req_to_token_pool=req_to_token_pool, token_to_kv_pool=token_to_kv_pool, attn_backend=attn_backend,
             sampling=batch.sampling, return_input_logprob=list(batch.return_input_logprob),
             input_top_logprobs_nums=list(batch.input_top_logprobs_nums),
-            global_num_tokens=batch.global_num_tokens,
+            global_num_tokens=batch.global_num_tokens, lora_slots=lora[0] if lora else None,
         )
 
     def write_req_to_token(self) -> None:

@@ -24,12 +24,14 @@ from runtime.host_to_device import to_device
 from runtime.layers.logits import LogitsOutput, LogitsProcessor
 from runtime.layers.pooler import Pooler, create_pooler
 from runtime.layers.sampler import SampleOutput, Sampler
+from runtime.lora.lora_manager import LoraManager
 from runtime.mem_cache.kv_pool import TokenToKVPool
 from runtime.mem_cache.kv_quant import kv_storage_dtype
 from runtime.mem_cache.req_to_token import ReqToTokenPool
 from runtime.messages import BatchResult, SamplingBatch, WorkerBatch
 from runtime.model_config import ModelConfig
 from runtime.model_executor import cpu_config
+from runtime.model_executor.cpu_fused_layers import fuse_cpu_layers
 from runtime.model_executor.cpu_memory import CpuMemoryTrimmer
 from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.model_executor.fp8_weights import Fp8Weights
@@ -105,8 +107,10 @@ class ModelRunner:
         # packed weights too: a KV rotation may fold V's change of basis into W_v / W_o.
         kv_format = KVCacheFormat.resolve(args, self.model, self.model_config, self.kv_dtype, model_path,
                                           self.context_len, self.ctx, self.device)
-        if self.device.type == "cpu":
-            cpu_config.prepare_model(self.model)
+        # --enable-lora: adapters on the 16-bit projections, whose plain forward adds their term
+        self.lora = LoraManager(args, self.model) if args.enable_lora else None
+        if self.device.type == "cpu":  # with LoRA no packed-weight forwards (they would skip its term)
+            (cpu_config.prepare_model if self.lora is None else fuse_cpu_layers)(self.model)
         self.max_total_tokens = kv_pool_size or self._kv_pool_size()
         self.max_running_requests = args.max_running_requests + 4  # + requests mid chunked prefill
         self.req_to_token_pool = req_to_token_pool or ReqToTokenPool(self.max_running_requests,
@@ -249,6 +253,8 @@ class ModelRunner:
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(fb):
             return self.cuda_graph_runner.replay(fb, stage_inputs=stage_inputs)
         self.attn_backend.init_forward_metadata(fb)
+        if self.lora is not None:
+            self.lora.prepare(fb.lora_slots, fb.input_ids.shape[0])
         hidden = self.model(fb.input_ids, fb.positions, fb)
         return self.logits_processor(hidden, fb.input_ids, fb)
 
@@ -277,6 +283,8 @@ class ModelRunner:
         if self.device.type == "cuda":  # device busy time per batch, for the GPU idle fraction
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
+        if batch.lora_loads:  # adapters into the slots this step's requests took (runtime/lora/lora_slots.py)
+            self.lora.load_slots(batch.lora_loads)
         fb = self.build_forward_batch(batch, write_table=False)
         graphs = self.cuda_graph_runner
         staged = graphs is not None and graphs.stages_inputs(fb)  # the replay's staging launch does both below

@@ -1,0 +1,56 @@
+"""LoraDelta: the LoRA term of one (possibly fused, possibly tensor-parallel) linear layer for every adapter
+slot at once: y += ((x A^T) * mask) B^T.
+
+A holds, per slot, `subs` blocks of max_rank rows (q, k, v of a fused qkv: each sub-projection has its own
+A); B is block-diagonal over them, each block writing its sub-projection's output rows. Unused rows and
+columns are zeros, so a rank below max_rank, an untargeted sub-projection or an empty slot add exactly 0.
+Fixed shapes, no gather by token: CUDA-graph safe, and the prefill never materialises per-token matrices.
+
+Tensor parallel: a column-parallel layer keeps this rank's output rows of B (the layer's own weight loader
+slices them); a row-parallel layer keeps this rank's input columns of A, and its partial sums join the
+layer's all-reduce (the caller adds the term before reducing)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runtime.lora.lora_batch import LoraBatch
+
+
+class LoraDelta:
+    def __init__(self, layer: nn.Module, batch: LoraBatch, subs: int, max_loras: int, max_rank: int,
+                 row_parallel: bool):
+        w = layer.weight
+        out_local, in_local = w.shape
+        self.layer, self.batch, self.row_parallel = layer, batch, row_parallel
+        self.max_loras, self.max_rank, self.per_slot = max_loras, max_rank, subs * max_rank
+        self.a = torch.zeros(max_loras * self.per_slot, in_local, dtype=w.dtype, device=w.device)
+        self.b = torch.zeros(out_local, max_loras * self.per_slot, dtype=w.dtype, device=w.device)
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        h = x2 @ self.a.t()
+        h = (h.view(x2.shape[0], self.max_loras, self.per_slot) * self.batch.mask[:, :, None]).view(x2.shape[0], -1)
+        return torch.addmm(y.reshape(-1, y.shape[-1]), h, self.b.t()).view(y.shape)
+
+    def load(self, slot: int, sub: int, shard_id: object, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Writes one sub-projection's (full, unsharded) A [r, in] and scaled B [out, r] into `slot` (1..)."""
+        r = a.shape[0]
+        col = (slot - 1) * self.per_slot + sub * self.max_rank
+        loader = self.layer.weight_loader
+        if self.row_parallel:  # A by input columns, like the weight; B whole
+            a_local = torch.empty(r, self.a.shape[1], dtype=a.dtype)
+            loader(a_local, a, shard_id)
+            b_local = b
+        else:  # B by output rows, into the sub-projection's rows of the fused output
+            a_local = a
+            b_local = torch.zeros(self.b.shape[0], r, dtype=b.dtype)
+            loader(b_local, b, shard_id)
+        self.a[col:col + r].copy_(a_local)
+        self.b[:, col:col + r].copy_(b_local)
+
+    def clear(self, slot: int) -> None:
+        cols = slice((slot - 1) * self.per_slot, slot * self.per_slot)
+        self.a[cols].zero_()
+        self.b[:, cols].zero_()
