@@ -27,7 +27,7 @@ from runtime.messages import FinishReason, GenerateRequest, RequestOutput, Sched
 from runtime.model_executor.tp_worker import TpWorker
 from runtime.sampling.grammar_compiler import create_grammar_compiler
 from runtime.sampling.params import SamplingParams
-from runtime.stream_delivery import deliver, next_output
+from runtime.stream_delivery import deliver, gather_or_cancel, next_output
 from runtime.text.bad_words import tokenize_bad_words
 from runtime.text.engine_embeddings import EngineEmbeddings
 from runtime.text.result_collector import ResultCollector, usage_dict
@@ -239,16 +239,7 @@ class Engine(EngineEmbeddings):  # an EngineClient
         if len(reqs) == 1:  # Shoal's own exceptions, as they were (no wrapping)
             result = await _collect(self, reqs[0])
             return result if single else [result]
-        # One failing (or the caller cancelled) cancels the others, whose streams then abort; the first error
-        # is raised as itself (gather, not a TaskGroup: Python 3.10 and no ExceptionGroup).
-        tasks = [asyncio.ensure_future(_collect(self, r)) for r in reqs]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        return await gather_or_cancel(_collect(self, r) for r in reqs)
 
     def _make_requests(self, prompt, sampling_params, input_ids, return_input_logprob, input_top_logprobs_num=0,
                        rid=None, lora_name=None):

@@ -4,9 +4,12 @@ pump) to streams read on other event loops — the same for the in-process Engin
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
+from typing import TypeVar
 
 from runtime.messages import RequestOutput
+
+T = TypeVar("T")
 
 
 def deliver(items: Iterable[tuple[asyncio.AbstractEventLoop, asyncio.Queue, RequestOutput]]) -> None:
@@ -33,3 +36,16 @@ async def next_output(q: asyncio.Queue) -> RequestOutput:
     while not out.finished and not q.empty():
         out = out.merge(q.get_nowait())
     return out
+
+
+async def gather_or_cancel(awaitables: Iterable[Awaitable[T]]) -> list[T]:
+    """Every result, in order. The first failure (or the caller's cancellation) cancels the others, whose
+    streams then abort, and is raised as itself (gather, not a TaskGroup: Python 3.10, no ExceptionGroup)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

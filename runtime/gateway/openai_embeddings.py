@@ -39,6 +39,7 @@ from runtime.gateway.errors import ApiError, bad_request
 from runtime.gateway.protocol import encode
 from runtime.gateway.state import STATE_KEY, GatewayState
 from runtime.messages import GenerateRequest, RequestOutput
+from runtime.stream_delivery import gather_or_cancel
 from runtime.text.embedding_request import embedding_request, task_mismatch, truncate_tokens
 from runtime.text.pooling_config import PoolingConfig
 
@@ -176,14 +177,7 @@ async def run_embeddings(client: EngineClient, reqs: list[GenerateRequest],
                          hook: OutputHook | None = None) -> list[list[float]]:
     """Every request's vector, in order; the first failure cancels (and so aborts) the others. hook sees
     each output as it arrives."""
-    tasks = [asyncio.ensure_future(_one(client, r, hook)) for r in reqs]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+    return await gather_or_cancel(_one(client, r, hook) for r in reqs)
 
 
 async def _one(client: EngineClient, req: GenerateRequest, hook: OutputHook | None) -> list[float]:
