@@ -123,14 +123,19 @@ def parser_client(gw_engine):
         yield openai.OpenAI(base_url=h.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def test_reasoning_and_call_tokens_are_not_the_messages(parser_client, monkeypatch):
-    regex = (r'<think>[a-z ]{1,12}</think>\n[A-Z][a-z]{1,8}\.\n<tool_call>\n\{"name": "search", "arguments": '
-             r'\{"query": "[a-z]{1,8}"\}\}\n</tool_call>')
+def _answer_then_call(client, monkeypatch, regex: str) -> tuple:
+    """The answer the regex forces (text, then a hermes call of SEARCH_TOOL), with logprobs; and its kwargs."""
     monkeypatch.setattr(openai_responses, "format_constraint",
                         lambda text: OutputConstraint("regex", regex, "text.format"))
     kw = dict(model=MODEL, input=INPUT, tools=[SEARCH_TOOL], max_output_tokens=120, temperature=0,
               include=LOGPROBS)
-    r = parser_client.responses.create(**kw)
+    return client.responses.create(**kw), kw
+
+
+def test_reasoning_and_call_tokens_are_not_the_messages(parser_client, monkeypatch):
+    regex = (r'<think>[a-z ]{1,12}</think>\n[A-Z][a-z]{1,8}\.\n<tool_call>\n\{"name": "search", "arguments": '
+             r'\{"query": "[a-z]{1,8}"\}\}\n</tool_call>')
+    r, kw = _answer_then_call(parser_client, monkeypatch, regex)
     assert [o.type for o in r.output] == ["reasoning", "message", "function_call"]
     lps = r.output[1].content[0].logprobs
     # From the token after </think> to the message's end: its text, but for the newline the parser strips.
@@ -145,11 +150,7 @@ def test_each_delta_has_the_tokens_of_its_text_before_a_call(parser_client, monk
     character split over byte tokens (é) goes out with every token that spells it."""
     regex = (r'  [A-Z][a-z]{1,6} é[a-z]{1,4}\.\n<tool_call>\n\{"name": "search", "arguments": '
              r'\{"query": "[a-z]{1,8}"\}\}\n</tool_call>')
-    monkeypatch.setattr(openai_responses, "format_constraint",
-                        lambda text: OutputConstraint("regex", regex, "text.format"))
-    kw = dict(model=MODEL, input=INPUT, tools=[SEARCH_TOOL], max_output_tokens=120, temperature=0,
-              include=LOGPROBS)
-    r = parser_client.responses.create(**kw)
+    r, kw = _answer_then_call(parser_client, monkeypatch, regex)
     assert [o.type for o in r.output] == ["message", "function_call"]
     lps = r.output[0].content[0].logprobs
     assert b"".join(bytes(lp.bytes) for lp in lps).decode() == r.output_text
