@@ -240,27 +240,52 @@ def num_splits(k: int, cfg: MoeConfig) -> int:
     return triton.cdiv(k, triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k)
 
 
+# Tokens per fused_moe pass. Why: each pass allocates [rows * top_k, 2I] (x's dtype), the activation
+# [rows * top_k, I] and fp32 [splits, rows * top_k, H] outside the KV-cache memory accounting; for Mixtral an
+# 8k-token prefill chunk in one pass is ~1.7 GB, 2048 tokens ~0.4 GB. vLLM bounds the same with
+# VLLM_FUSED_MOE_CHUNK_SIZE (32768 rows, too loose for this). 2048 rows is past the 128-row tile's
+# knee (pick_config), so longer prefills lose little, and above any captured decode batch (cuda_graph_max_bs
+# 512 by default); the split is by shape only, so it stays CUDA-graph safe either way.
+CHUNK_TOKENS = 2048
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, configs: tuple[MoeConfig, MoeConfig] | None = None) -> torch.Tensor:
     """sum over slots j of topk_weights[t, j] * (silu(x W1^T) * (x W3^T)) W2^T with expert topk_ids[t, j].
 
     x [M, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_* [M, k]. Returns [M, H] in
     x's dtype (the weighted slots are summed in fp32). configs: (gate_up, down) tiles, pick_config's by
-    default (benchmarks pass others). No host synchronization: CUDA-graph safe."""
+    default (per pass of at most CHUNK_TOKENS tokens; benchmarks pass others). No host synchronization:
+    CUDA-graph safe."""
     m, k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     if x.shape != (m, hidden) or w2.shape != (num_experts, hidden, two_i // 2):
         raise ValueError(f"fused_moe: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} and "
                          f"topk_ids {tuple(topk_ids.shape)} do not fit together")
+    if configs is not None and (configs[0].block_m != configs[1].block_m or configs[0].split_k != 1):
+        raise ValueError(f"fused_moe: configs {configs} must share block_m, and only the down GEMM splits K")
     if m == 0:
         return torch.zeros_like(x)
+    x = x.contiguous()
+    if m <= CHUNK_TOKENS:
+        return _fused_moe_pass(x, w13, w2, topk_weights, topk_ids, configs)
+    out = torch.empty_like(x)
+    for start in range(0, m, CHUNK_TOKENS):  # tokens are independent: each pass is a slice of the whole
+        end = min(start + CHUNK_TOKENS, m)
+        out[start:end] = _fused_moe_pass(x[start:end], w13, w2, topk_weights[start:end], topk_ids[start:end],
+                                         configs)
+    return out
+
+
+def _fused_moe_pass(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, configs: tuple[MoeConfig, MoeConfig] | None) -> torch.Tensor:
+    """fused_moe over one pass's rows (x contiguous, shapes checked)."""
+    m, k = topk_ids.shape
+    num_experts, two_i, hidden = w13.shape
     if configs is None:
         configs = (pick_config(m, k, num_experts, two_i, hidden, down=False),
                    pick_config(m, k, num_experts, hidden, two_i // 2, down=True))
     up_cfg, down_cfg = configs
-    if up_cfg.block_m != down_cfg.block_m or up_cfg.split_k != 1:
-        raise ValueError(f"fused_moe: configs {configs} must share block_m, and only the down GEMM splits K")
-    x = x.contiguous()
     align = moe_align(topk_ids, num_experts, up_cfg.block_m)
     gate_up = torch.empty((1, m * k, two_i), dtype=x.dtype, device=x.device)
     _moe_gemm(x, w13, gate_up, None, align, k, up_cfg)

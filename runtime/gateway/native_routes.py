@@ -95,7 +95,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except InvalidRequestError as e:
         raise from_shoal_error(e) from None
     base = body.rid or state.new_id("gen")
-    lora = await _lora_name(request, state) if state.lora_adapters else None
+    lora = _lora_name(body, state)
     reqs = [state.validate(client, GenerateRequest(rid=f"{base}-{k}" if prompts.batch else base, input_ids=ids,
                                                    sampling_params=params, lora_name=lora))
             for k, ids in enumerate(prompts.ids)]
@@ -105,24 +105,15 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return await gen.respond(body.stream, _GenerateResponder(gen, body.return_text_in_logprobs, prompts.batch))
 
 
-class _LoraFields(msgspec.Struct):
-    lora_path: str | None = None  # SGLang's: an adapter's name (or its --lora-modules folder)
-    lora_name: str | None = None
-
-
-async def _lora_name(request: web.Request, state: Any) -> str | None:
-    """/generate's adapter, read from the (cached) body beside GenerateBody; a 400 naming the field if unknown."""
-    try:
-        fields = msgspec.json.decode(await request.read(), type=_LoraFields)
-    except msgspec.ValidationError as e:
-        raise bad_request(f"lora_path / lora_name must be a string ({e})", param="lora_path") from None
-    for param, value in (("lora_name", fields.lora_name), ("lora_path", fields.lora_path)):
+def _lora_name(body: GenerateBody, state: Any) -> str | None:
+    """/generate's adapter, by name or by its --lora-modules folder; a 400 naming the field if unknown."""
+    for param, value in (("lora_name", body.lora_name), ("lora_path", body.lora_path)):
         if value is None:
             continue
         by_path = {path: name for name, path in state.lora_adapters.items()}
         if value not in state.lora_adapters and value not in by_path:
-            raise bad_request(f"no LoRA adapter {value!r} is served (adapters: {', '.join(state.lora_adapters)})",
-                              param=param)
+            served = ", ".join(state.lora_adapters) or "none; start with --lora-modules"
+            raise bad_request(f"no LoRA adapter {value!r} is served (adapters: {served})", param=param)
         return value if value in state.lora_adapters else by_path[value]
     return None
 
@@ -255,7 +246,7 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def _model_card(request: web.Request) -> ModelCard | dict[str, Any]:
+def _model_card(request: web.Request) -> ModelCard:
     """The served model's card; with a {model} in the path, a 404 model_not_found unless it names it."""
     state = request.app[STATE_KEY]
     client = state.client()
@@ -263,20 +254,21 @@ def _model_card(request: web.Request) -> ModelCard | dict[str, Any]:
     card = ModelCard(id=state.served_model(client), created=state.created, root=client.model_name,
                      max_model_len=client.context_len)
     if name in state.lora_adapters:  # an adapter's card (vLLM's: its folder as root, the base as parent)
-        return {**msgspec.to_builtins(card), "id": name, "root": state.lora_adapters[name], "parent": card.id}
+        return _adapter_card(card, name, state.lora_adapters[name])
     return card
 
 
 async def models(request: web.Request) -> web.Response:
     base = _model_card(request)
     state = request.app[STATE_KEY]
-    if not state.lora_adapters:
-        return _json(ModelList(data=[base]))
-    # vLLM's listing of --lora-modules: each adapter's card names its folder as root, the base as parent
-    cards = [msgspec.to_builtins(base)] + [
-        {**msgspec.to_builtins(base), "id": name, "root": path, "parent": base.id}
-        for name, path in state.lora_adapters.items()]
-    return _json({"object": "list", "data": cards})
+    # vLLM's listing of --lora-modules: the base's card, then one per adapter
+    cards = [base] + [_adapter_card(base, name, path) for name, path in state.lora_adapters.items()]
+    return _json(ModelList(data=cards))
+
+
+def _adapter_card(base: ModelCard, name: str, path: str) -> ModelCard:
+    """vLLM's card of an adapter: its folder as root, the base model as parent."""
+    return msgspec.structs.replace(base, id=name, root=path, parent=base.id)
 
 
 async def model(request: web.Request) -> web.Response:

@@ -57,6 +57,8 @@ class ModelCard(Struct):
     owned_by: str = "shoal"
     root: str | None = None
     max_model_len: int | None = None
+    # an adapter's base model (vLLM's); UNSET, so the base model's own card stays without the key
+    parent: str | UnsetType = UNSET
 
 
 class ModelList(Struct):
@@ -307,6 +309,8 @@ class GenerateBody(Struct, kw_only=True):
     top_logprobs_num: Int64 = 0
     return_text_in_logprobs: bool = False
     rid: str | None = None
+    lora_path: str | None = None  # SGLang's: an adapter's name (or its --lora-modules folder)
+    lora_name: str | None = None
 
 
 class GenerateFinishReason(Struct, omit_defaults=True):

@@ -84,3 +84,33 @@ def test_fused_moe_empty_and_shape_errors() -> None:
     ids = torch.zeros(3, 2, dtype=torch.int64)
     with pytest.raises(ValueError, match="share block_m"):
         fused_moe(torch.zeros(3, 16), w13, w2, torch.zeros(3, 2), ids, configs=(MoeConfig(16, 16, 16), MoeConfig(64, 16, 16)))
+
+
+def test_fused_moe_chunks_long_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past CHUNK_TOKENS the tokens go through in passes (bounded transient memory), with the same result."""
+    import kernels.fused_moe as fm
+
+    m, e, k, h, inter = 11, 4, 2, 32, 48
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(m, h, generator=g)
+    w13 = torch.randn(e, 2 * inter, h, generator=g) * 0.1
+    w2 = torch.randn(e, h, inter, generator=g) * 0.1
+    weights, ids = torch.softmax(torch.randn(m, e, generator=g), -1).topk(k)
+    cfgs = (MoeConfig(16, 32, 16, 4, 2), MoeConfig(16, 32, 16, 4, 2))
+    whole = fused_moe(x, w13, w2, weights, ids, configs=cfgs)
+    passes: list[int] = []
+    real_pass = fm._fused_moe_pass
+
+    def counted(x_: torch.Tensor, *args: object) -> torch.Tensor:
+        passes.append(x_.shape[0])
+        return real_pass(x_, *args)
+
+    monkeypatch.setattr(fm, "CHUNK_TOKENS", 4)
+    monkeypatch.setattr(fm, "_fused_moe_pass", counted)
+    # tokens are independent; not bitwise here only since the interpreter's tl.dot is a BLAS matmul whose
+    # rounding varies with which rows share a block
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, configs=cfgs), whole, rtol=1e-6, atol=1e-7)
+    assert passes == [4, 4, 3]
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids), fused_moe_ref(x, w13, w2, weights, ids),
+                               rtol=1e-4, atol=1e-5)  # pick_config's tiles per pass
+    assert passes[3:] == [4, 4, 3]

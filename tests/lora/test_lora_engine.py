@@ -152,6 +152,7 @@ def test_http_routes_pick_the_adapter_by_model(engine, expected, adapters):
         base = models["data"][0]["id"]
         assert cards["attn_mlp"]["parent"] == base and cards["kv_up"]["root"] == str(adapters["kv_up"])
         assert _http(url + "/v1/models/kv_up")[1]["parent"] == base
+        assert "parent" not in models["data"][0] and _http(url + f"/v1/models/{base}")[1] == models["data"][0]
         for name in (None, "attn_mlp", "kv_up"):
             status, out = _http(url + "/v1/completions", {"model": name or base, "prompt": PROMPTS[1],
                                                           "max_tokens": N, "temperature": 0, "ignore_eos": True})
@@ -164,6 +165,11 @@ def test_http_routes_pick_the_adapter_by_model(engine, expected, adapters):
         assert status == 404 and "kv_up" in out["error"]["message"]
         status, out = _http(url + "/generate", {"text": "hi", "lora_path": "nope"})
         assert status == 400 and out["error"]["param"] == "lora_path"
+        status, out = _http(url + "/generate", {"text": "hi", "lora_name": 3})
+        assert status == 400 and out["error"]["param"] == "lora_name"
+        status, out = _http(url + "/generate", {"input_ids": PROMPTS[1], "lora_name": "kv_up",
+                                                "lora_path": str(adapters["kv_up"]), "sampling_params": SP})
+        assert status == 200 and out["output_ids"] == expected["kv_up", 1]
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
