@@ -3,6 +3,8 @@ SGLang serve it, on the chat machinery: instructions and input items through the
 (responses_input.py), text.format as structured output, function tools with tool_choice none / auto
 (--tool-call-parser) / required / named, reasoning split out by --reasoning-parser into a reasoning item,
 and include ["message.output_text.logprobs"] (with top_logprobs alternatives) as the output_text's logprobs.
+Chat's extras mean here what they mean there: the sampling knobs, logit_bias, include_stop_str_in_output,
+truncate_prompt_tokens, and the structured-output fields (one constraint at most, text.format included).
 
 The answer is one Response object: a reasoning item, the assistant message (output_text) and
 function_call items, status "completed" or "incomplete" (max_output_tokens), usage in the Responses
@@ -19,6 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from runtime.errors import ShoalError
@@ -27,6 +30,7 @@ from runtime.gateway.choice_state import ChoiceState
 from runtime.gateway.errors import ApiError, bad_request, from_shoal_error
 from runtime.gateway.generation import Generation, Responder
 from runtime.gateway.openai_chat import chat_logprobs, gate_grammar, template_messages
+from runtime.gateway.prompt_input import truncate_prompt
 from runtime.gateway.protocol import ChatTokenLogprob, ErrorInfo, OpenAISamplingFields
 from runtime.gateway.reasoning_parsers import create_reasoning_parser
 from runtime.gateway.reasoning_parsers.base import THINK_CLOSE
@@ -35,6 +39,7 @@ from runtime.gateway.responses_input import (
     check_unsupported,
     format_constraint,
     input_messages,
+    output_constraint,
     tool_request,
     wants_logprobs,
 )
@@ -55,9 +60,11 @@ from runtime.gateway.tool_request import ToolRequest
 from runtime.messages import RequestOutput
 
 # The sampling fields of a Responses body that mean what they mean on chat (GatewayState.sampling_params).
+# The structured-output ones join text.format (responses_input.output_constraint).
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "skip_special_tokens",
-                    "allowed_token_ids", "bad_words")
+                    "allowed_token_ids", "bad_words", "logit_bias", "regex", "ebnf", "guided_json", "guided_regex",
+                    "guided_choice", "guided_grammar", "structured_outputs")
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
@@ -67,7 +74,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
     check_unsupported(body)
     want_lp = wants_logprobs(body)
     tools = tool_request(body, state.args.tool_call_parser)
-    constraint = format_constraint(body.text)
+    fields = OpenAISamplingFields(**{f: getattr(body, f) for f in _SAMPLING_FIELDS})
+    constraint = output_constraint(format_constraint(body.text), fields)
     tool_constraint = tools.constraint() if tools is not None else None
     if constraint is not None and tool_constraint is not None:
         raise bad_request(f"{constraint.param} cannot be combined with tool_choice {tools.mode!r}",
@@ -87,12 +95,14 @@ async def responses(request: web.Request) -> web.StreamResponse:
             if state.args.reasoning_parser is not None else ""
     except ShoalError as e:
         raise from_shoal_error(e) from None
+    ids = truncate_prompt(ids, body.truncate_prompt_tokens, client.context_len)
     max_new = body.max_output_tokens
     if max_new is None:
         max_new = max(1, client.context_len - len(ids))
-    fields = OpenAISamplingFields(**{f: getattr(body, f) for f in _SAMPLING_FIELDS})
     params = state.sampling_params(fields, max_new, return_logprob=want_lp, top_logprobs_num=body.top_logprobs or 0,
                                    logprob_param="top_logprobs", max_param="max_output_tokens")
+    if body.include_stop_str_in_output:
+        params = msgspec.structs.replace(params, include_stop_str_in_output=True)
     reasoning, reasoning_done = state.args.reasoning_parser, False
     if constraint is not None:
         params = constraint.apply(params)

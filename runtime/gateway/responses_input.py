@@ -11,7 +11,7 @@ from typing import Any
 
 from runtime.gateway.errors import ApiError, bad_request, not_supported
 from runtime.gateway.output_constraint import JSON_OBJECT_SCHEMA, OutputConstraint
-from runtime.gateway.protocol import ChatMessage
+from runtime.gateway.protocol import ChatMessage, OpenAISamplingFields
 from runtime.gateway.responses_protocol import ResponsesRequest, ResponsesTextConfig
 from runtime.gateway.tool_request import ToolRequest
 
@@ -43,6 +43,9 @@ def check_unsupported(body: ResponsesRequest) -> None:
     if body.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs has no place in a Response: ask /v1/chat/completions or "
                           "/v1/completions for them", param="prompt_logprobs", code="unsupported")
+    if body.response_format is not None:
+        raise bad_request("response_format is chat's: a Response takes text.format", param="response_format",
+                          code="unsupported")
     if body.max_tool_calls is not None:
         raise not_supported("max_tool_calls", "max_tool_calls")
     if body.truncation not in (None, "disabled"):
@@ -163,6 +166,17 @@ def tool_request(body: ResponsesRequest, parser_name: str | None) -> ToolRequest
         e.param = e.param.replace(".function", "") if e.param else e.param
         e.args = (e.message,)
         raise
+
+
+def output_constraint(text_format: OutputConstraint | None, fields: OpenAISamplingFields) -> OutputConstraint | None:
+    """text.format's constraint or one of chat's structured-output fields (regex, ebnf, guided_*,
+    structured_outputs): at most one of them all, as on chat (a 400 naming the second)."""
+    found = [c for c in (text_format, OutputConstraint.from_body(fields)) if c is not None]
+    if len(found) > 1:
+        raise bad_request(f"give at most one structured-output constraint (text.format, regex, ebnf, guided_json, "
+                          f"guided_regex, guided_choice, guided_grammar, structured_outputs); got "
+                          f"{found[0].param} and {found[1].param}", param=found[1].param)
+    return found[0] if found else None
 
 
 def format_constraint(text: ResponsesTextConfig | None) -> OutputConstraint | None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from msgspec import Struct
 
-from runtime.gateway.protocol import ChatTokenLogprob, ErrorInfo, Int64
+from runtime.gateway.protocol import ChatTokenLogprob, ErrorInfo, Int64, StructuredOutputs
 
 # ---- the request ---------------------------------------------------------------------------------
 
@@ -72,8 +72,21 @@ class ResponsesRequest(Struct, kw_only=True):
     allowed_token_ids: list[Int64] | None = None  # sampling restricted to these ids
     bad_words: list[str] | None = None  # never generated (the gateway tokenizes them)
     chat_template_kwargs: dict[str, Any] | None = None
-    # vLLM's chat and completions field that a Response has no place for: any value is a 400.
+    logit_bias: dict[str, float] | None = None  # token ids (as strings) to logit offsets
+    include_stop_str_in_output: bool | None = None  # the matched stop string stays in the text
+    truncate_prompt_tokens: Int64 | None = None  # keep the prompt's last k tokens (-1: the context)
+    # Chat's structured-output fields: each one as on chat, and at most one constraint with text.format.
+    regex: str | None = None
+    ebnf: str | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's chat and completions fields that a Response has no place for: any value is a 400
+    # (response_format: text.format says it here).
     prompt_logprobs: Int64 | None = None
+    response_format: dict[str, Any] | None = None
 
 
 # ---- the Response object -------------------------------------------------------------------------

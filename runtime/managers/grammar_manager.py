@@ -110,7 +110,7 @@ class GrammarManager:
         """Advances req's matcher by its newly sampled token. A token the grammar refuses ends the request
         with an error rather than corrupt output: the mask allowed only others, so the row had nothing left,
         which with allowed_token_ids or bad words is theirs and the grammar's conflict, the user's to fix
-        (an error naming the param). The same for a token outside allowed_token_ids, which only such a row
+        (an error naming the param); so is min_tokens still blocking EOS when the grammar can only end. The same for a token outside allowed_token_ids, which only such a row
         yields (its argmax over all -inf lands anywhere)."""
         m = req.grammar
         if m is None or m.is_terminated() or req.finished:
@@ -128,6 +128,13 @@ class GrammarManager:
     def _nothing_to_sample(req: Req, token: int) -> FinishReason:
         p = req.params
         given = [name for name, v in (("allowed_token_ids", p.allowed_token_ids), ("bad_words", p.bad_words_ids)) if v]
+        # The token is the last of output_ids: min_tokens blocked EOS/stop ids at its step when fewer came
+        # before it, so a grammar that could only end there had nothing left; the user's to fix.
+        before = max(0, len(req.output_ids) - 1)
+        if not given and before < p.min_new_tokens:
+            return FinishReason("error", param="min_tokens", message=(
+                f"the structured output's grammar ends before min_tokens ({p.min_new_tokens}): it could only "
+                f"stop after {before} tokens"))
         if not given:
             return FinishReason("error", message=f"the grammar rejected sampled token {token}")
         return FinishReason("error", param=given[0], message="no token satisfies the structured output's grammar "
