@@ -180,15 +180,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                    logprob_param="top_logprobs", max_param=max_param)
     if body.include_stop_str_in_output:
         params = msgspec.structs.replace(params, include_stop_str_in_output=True)
-    reasoning, reasoning_done = state.args.reasoning_parser, False
-    if constraint is not None:
-        params = constraint.apply(params)
-        if reasoning is not None:
-            params, reasoning, reasoning_done = gate_grammar(client.tokenizer, opening, params, constraint,
-                                                             reasoning)
-    elif reasoning is not None:  # a prompt that closed the reasoning (enable_thinking false): all answer
-        gate = grammar_gate(client.tokenizer, opening)
-        reasoning_done = gate is not None and gate.reasoning_done
+    params, reasoning, reasoning_done = constrain(client.tokenizer, opening, params, constraint,
+                                                  state.args.reasoning_parser)
     base = state.new_id("chatcmpl")
     reqs = state.choice_requests(client, base, [ids], params, n, return_input_logprob=prompt_lp is not None,
                                  input_top_logprobs_num=prompt_lp or 0, lora_name=state.lora_name(body.model))
@@ -201,12 +194,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await gen.respond(bool(body.stream), responder)
 
 
-def gate_grammar(tokenizer: Tokenizer, opening: str, params: SamplingParams, constraint: OutputConstraint,
-                 reasoning: str) -> tuple[SamplingParams, str | None, bool]:
-    """(params, reasoning parser, whether the prompt closed the reasoning) of a grammar under a reasoning
-    parser: the grammar waits for </think> (tool_choice required / named too, as in vLLM), or applies from
-    the first token where the turn's opening (turn_opening) already closed the reasoning."""
+def constrain(tokenizer: Tokenizer, opening: str, params: SamplingParams, constraint: OutputConstraint | None,
+              reasoning: str | None) -> tuple[SamplingParams, str | None, bool]:
+    """(params, reasoning parser, whether the prompt closed the reasoning) of a request with its grammar (if
+    any) under a reasoning parser (if any). The grammar waits for </think> (tool_choice required / named
+    too, as in vLLM), or applies from the first token where the turn's opening (turn_opening) already closed
+    the reasoning; without a grammar, a prompt that closed it (enable_thinking false) makes all the answer."""
+    if constraint is not None:
+        params = constraint.apply(params)
+    if reasoning is None:
+        return params, None, False
     gate = grammar_gate(tokenizer, opening)
+    if constraint is None:
+        return params, reasoning, gate is not None and gate.reasoning_done
     if gate is None:
         # </think> is not one token here, so the grammar cannot wait for it: it constrains from the first
         # token, and a JSON answer has no <think> part to take out.

@@ -29,12 +29,12 @@ from runtime.gateway.chat_output import ChatDelta, ChatOutput
 from runtime.gateway.choice_state import ChoiceState
 from runtime.gateway.errors import ApiError, bad_request, from_shoal_error
 from runtime.gateway.generation import Generation, Responder
-from runtime.gateway.openai_chat import chat_logprobs, gate_grammar, template_messages
+from runtime.gateway.openai_chat import chat_logprobs, constrain, template_messages
 from runtime.gateway.prompt_input import truncate_prompt
 from runtime.gateway.protocol import ChatTokenLogprob, ErrorInfo, OpenAISamplingFields
 from runtime.gateway.reasoning_parsers import create_reasoning_parser
 from runtime.gateway.reasoning_parsers.base import THINK_CLOSE
-from runtime.gateway.reasoning_parsers.grammar_gate import AnswerOnlyParser, grammar_gate, turn_opening
+from runtime.gateway.reasoning_parsers.grammar_gate import AnswerOnlyParser, turn_opening
 from runtime.gateway.responses_input import (
     check_unsupported,
     format_constraint,
@@ -103,14 +103,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
                                    logprob_param="top_logprobs", max_param="max_output_tokens")
     if body.include_stop_str_in_output:
         params = msgspec.structs.replace(params, include_stop_str_in_output=True)
-    reasoning, reasoning_done = state.args.reasoning_parser, False
-    if constraint is not None:
-        params = constraint.apply(params)
-        if reasoning is not None:
-            params, reasoning, reasoning_done = gate_grammar(client.tokenizer, opening, params, constraint, reasoning)
-    elif reasoning is not None:  # a prompt that closed the reasoning (enable_thinking false): all answer, as on chat
-        gate = grammar_gate(client.tokenizer, opening)
-        reasoning_done = gate is not None and gate.reasoning_done
+    params, reasoning, reasoning_done = constrain(client.tokenizer, opening, params, constraint,
+                                                  state.args.reasoning_parser)
     base = new_id("resp")
     reqs = state.choice_requests(client, base, [ids], params, 1, lora_name=state.lora_name(body.model))
     if constraint is not None:

@@ -41,6 +41,18 @@ def sse_events(raw: str) -> list[Any]:
     return out
 
 
+def generation_error(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The error object of a POST that fails: the 400's body, or in a stream (200 headers already sent)
+    the error event."""
+    status, r = http(url, "POST", body)
+    if body.get("stream"):
+        assert status == 200
+        r = next(e for e in sse_events(r) if e != "[DONE]" and "error" in e)
+    else:
+        assert status == 400, r
+    return r["error"]
+
+
 def wait_kv_full(engine: Engine, timeout_s: float = 5.0) -> None:
     """Polls until nothing runs or waits and every KV slot is free or evictable cache; asserts it."""
     deadline = time.monotonic() + timeout_s

@@ -6,7 +6,7 @@ id satisfies: the request ends with that error (the usual error event in a strea
 from __future__ import annotations
 
 import pytest
-from gw_helpers import http, sse_events, wait_kv_full
+from gw_helpers import generation_error, http, sse_events, wait_kv_full
 
 MODEL = "llama"
 MESSAGES = [{"role": "user", "content": "Hello world!"}]
@@ -97,13 +97,7 @@ def test_a_grammar_no_allowed_id_satisfies_is_a_400_naming_the_field(gw_url, gw_
     # JSON must open with "{" (or whitespace): token 5 alone can never start it.
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "allowed_token_ids": [5],
             "response_format": {"type": "json_object"}, "stream": stream}
-    status, r = http(gw_url + "/v1/completions", "POST", body)
-    if stream:
-        assert status == 200
-        r = next(e for e in sse_events(r) if e != "[DONE]" and "error" in e)
-    else:
-        assert status == 400, r
-    err = r["error"]
-    assert err["param"] == "allowed_token_ids" and err["type"] == "invalid_request_error", r
+    err = generation_error(gw_url + "/v1/completions", body)
+    assert err["param"] == "allowed_token_ids" and err["type"] == "invalid_request_error", err
     assert "no token satisfies the structured output's grammar together with allowed_token_ids" in err["message"]
     wait_kv_full(gw_engine)

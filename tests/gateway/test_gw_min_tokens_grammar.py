@@ -4,7 +4,7 @@ the request's own conflict, so a 400 naming min_tokens (the usual error event in
 from __future__ import annotations
 
 import pytest
-from gw_helpers import http, sse_events, wait_kv_full
+from gw_helpers import generation_error, http, wait_kv_full
 
 from runtime.managers.grammar_manager import GrammarManager
 from runtime.managers.req import Req
@@ -18,15 +18,9 @@ def test_grammar_ending_before_min_tokens_is_a_400_naming_min_tokens(gw_url, gw_
     pytest.importorskip("xgrammar")
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 8, "min_tokens": 6, "temperature": 0,
             "guided_regex": "a", "stream": stream}
-    status, r = http(gw_url + "/v1/completions", "POST", body)
-    if stream:
-        assert status == 200
-        r = next(e for e in sse_events(r) if e != "[DONE]" and "error" in e)
-    else:
-        assert status == 400, r
-    err = r["error"]
-    assert err["param"] == "min_tokens" and err["type"] == "invalid_request_error", r
-    assert "grammar ends before min_tokens (6)" in err["message"], r
+    err = generation_error(gw_url + "/v1/completions", body)
+    assert err["param"] == "min_tokens" and err["type"] == "invalid_request_error", err
+    assert "grammar ends before min_tokens (6)" in err["message"], err
     wait_kv_full(gw_engine)
 
 
