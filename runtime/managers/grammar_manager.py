@@ -50,8 +50,8 @@ class GrammarManager:
                     req.grammar = self.compiler.matcher(self.compiler.result(fut, key))
                     # Failover resumes with tokens another replica sampled: the matcher (and the wait
                     # for grammar_after_token) must catch up on them before the next mask.
-                    for t in req.output_ids:
-                        self.accept(req, t)
+                    for at, t in enumerate(req.output_ids):
+                        self.accept(req, t, at)
                     (failed if req.finished else ready).append(req)
                 except InvalidRequestError as e:
                     req.finish_reason = FinishReason("error", message=f"invalid request ({e.param}): {e.message}")
@@ -106,12 +106,14 @@ class GrammarManager:
         return rows, mask.numpy().tobytes()
 
     @staticmethod
-    def accept(req: Req, token: int) -> None:
+    def accept(req: Req, token: int, at: int = -1) -> None:
         """Advances req's matcher by its newly sampled token. A token the grammar refuses ends the request
         with an error rather than corrupt output: the mask allowed only others, so the row had nothing left,
         which with allowed_token_ids or bad words is theirs and the grammar's conflict, the user's to fix
         (an error naming the param); so is min_tokens still blocking EOS when the grammar can only end. The same for a token outside allowed_token_ids, which only such a row
-        yields (its argmax over all -inf lands anywhere)."""
+        yields (its argmax over all -inf lands anywhere), and for a bad word completed without
+        allowed_token_ids (that argmax may land on a banned id the grammar accepts). at: the token's index
+        in output_ids (the newest by default)."""
         m = req.grammar
         if m is None or m.is_terminated() or req.finished:
             return
@@ -119,7 +121,9 @@ class GrammarManager:
             if token == req.grammar_wait:
                 req.grammar_wait = None
             return
-        if not req.allows(token) or not m.accept_token(token):
+        banned = bool(req.params.bad_words_ids) and not req.params.allowed_token_ids and \
+            req.completes_bad_word(token, at if at >= 0 else max(0, len(req.output_ids) + at))
+        if banned or not req.allows(token) or not m.accept_token(token):
             req.finish_reason = GrammarManager._nothing_to_sample(req, token)
         elif m.is_terminated():  # the grammar is complete and took its stop token: also under ignore_eos
             req.finish_reason = FinishReason("stop", matched=token)

@@ -182,6 +182,15 @@ class Req:
             self._allowed_mask = np.packbits(bits, bitorder="little").tobytes()
         return self._allowed_mask
 
+    def completes_bad_word(self, token: int, before: int) -> bool:
+        """token, after the first `before` output ids, ends one of the bad words: its other ids are the output
+        right before it (vLLM's match, never into the prompt). The sampler bans such an id outright unless
+        allowed_token_ids made the bans give way, so without them only a row left nothing to sample (a
+        grammar's conflict) gets here."""
+        out = self.output_ids
+        return any(w[-1] == token and len(w) - 1 <= before and out[before - len(w) + 1:before] == w[:-1]
+                   for w in self.params.bad_words_ids)
+
     def allows(self, token: int) -> bool:
         """token is within allowed_token_ids (any is, without them). The ids are sorted (validation)."""
         ids = self.params.allowed_token_ids

@@ -211,11 +211,16 @@ class Matcher:
     ({"allowed_token_ids": [5]}, 5, None),  # both take it: no error
     ({"allowed_token_ids": [5], "bad_words_ids": [[5]]}, 9, "allowed_token_ids"),
     ({"bad_words_ids": [[0]]}, 9, "bad_words"),  # the grammar refuses 9: the row had nothing left
+    ({"bad_words_ids": [[0]]}, 0, "bad_words"),  # all -inf row's argmax on a banned id the grammar takes
+    ({"bad_words_ids": [[7, 0]]}, 0, "bad_words"),  # after the output's 7: the word is complete
+    ({"bad_words_ids": [[8, 0]]}, 0, None),  # after 7: not that word, no conflict
+    ({"allowed_token_ids": [0], "bad_words_ids": [[0]]}, 0, None),  # the bans gave way to allowed ids
     ({}, 9, "none"),  # no such params: the engine's own failure, as before
 ])
 def test_a_grammar_conflict_ends_the_request_naming_the_param(params, token, param):
     req = Req("r", [1], SamplingParams.from_dict({**params, "regex": "x"}), 0, frozenset())
     req.grammar = Matcher({0, 5})
+    req.output_ids += [7, token]  # as token intake appends before accepting
     GrammarManager.accept(req, token)
     fr = req.finish_reason
     if param is None:
