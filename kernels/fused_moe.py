@@ -9,9 +9,8 @@ and the blocks past the real end return at once (the end is read on the device).
 rows by its one expert's weight tile, so only the experts a token chose are read, unlike a dense-masked
 formulation (every expert on every token).
 
-moe_align builds the sorted layout in one single-program Triton launch (counts, padded offsets, a stable
-scatter, the pads and each block's expert): the torch form (moe_align_torch, kept as the reference) is
-~25 small kernels, which a batch-1 decode step pays in every MoE layer. Tiles are picked by shape
+moe_align (kernels/moe_align.py) builds the sorted layout in Triton without a host sync: one program up to
+128 pairs, three launches over 32-pair chunks past it; its torch form is the reference. Tiles are picked by shape
 (pick_config, from benchmarks/sweep_fused_moe.py on H200); the down projection may split K over programs
 that write separate fp32 partials, summed with the slots (deterministic, unlike atomics).
 fused_moe_ref is the torch reference (per (token, slot): its expert's MLP, weighted).
@@ -27,6 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.activation import silu_and_mul
+from kernels.moe_align import align_length, moe_align, moe_align_torch  # noqa: F401 (moe_align_torch: re-exported)
 
 
 class MoeConfig(NamedTuple):
@@ -79,45 +79,6 @@ def _moe_gemm_kernel(A, B, C, Weights, SortedIds, ExpertIds, NumPostPadded, num_
     tl.store(out, acc.to(C.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
 
 
-@triton.jit
-def _moe_align_kernel(TopkIds, SortedIds, ExpertIds, NumPostPadded, n,
-                      NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
-                      CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr):
-    """moe_align in one program: counts, padded runs, a stable scatter, then the pads and block experts.
-    Only [0, total) is written: the GEMMs never read past it."""
-    experts = tl.arange(0, E_POW2)
-    counts = tl.zeros((E_POW2,), dtype=tl.int32)
-    for i0 in range(0, n, CHUNK):
-        offs = i0 + tl.arange(0, CHUNK)
-        e = tl.load(TopkIds + offs, mask=offs < n, other=-1).to(tl.int32)  # -1 matches no expert
-        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    total = tl.sum(padded, axis=0)
-    # a pair's place: its run's start + the pairs of its expert before it (earlier chunks, then this one)
-    seen = tl.zeros((E_POW2,), dtype=tl.int32)
-    for i0 in range(0, n, CHUNK):
-        offs = i0 + tl.arange(0, CHUNK)
-        e = tl.load(TopkIds + offs, mask=offs < n, other=-1).to(tl.int32)
-        onehot = (e[:, None] == experts[None, :]).to(tl.int32)
-        base = tl.sum(onehot * (starts + seen)[None, :], axis=1)
-        before = (e[:, None] == e[None, :]) & (offs[None, :] < offs[:, None])
-        local = tl.sum(before.to(tl.int32), axis=1)
-        tl.store(SortedIds + base + local, offs, mask=offs < n)
-        seen += tl.sum(onehot, axis=0)
-    # each run's pad rows (fewer than BLOCK_M), all runs at once: [expert, BLOCK_M]
-    pad = tl.arange(0, BLOCK_M)
-    tl.store(SortedIds + (starts + counts)[:, None] + pad[None, :], tl.zeros((E_POW2, BLOCK_M), tl.int32) + n,
-             mask=pad[None, :] < (padded - counts)[:, None])
-    # a block's expert: how many runs end at or before its first row
-    for b0 in range(0, total // BLOCK_M, BLOCK_CHUNK):
-        blocks = b0 + tl.arange(0, BLOCK_CHUNK)
-        f = tl.sum((ends[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
-        tl.store(ExpertIds + blocks, tl.minimum(f, NUM_EXPERTS - 1), mask=blocks * BLOCK_M < total)
-    tl.store(NumPostPadded, total)
-
-
 def rows_per_expert(num_tokens: int, top_k: int, num_experts: int) -> float:
     """The mean rows of a used expert: what a block's height has to fit."""
     pairs = num_tokens * top_k
@@ -128,61 +89,6 @@ def pick_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
     """16-row blocks while a used expert gets <= 4 rows (decode), 32 to 32 rows, then 64, 128 past 128."""
     r = rows_per_expert(num_tokens, top_k, num_experts)
     return 16 if r <= 4 else 32 if r <= 32 else 64 if r <= 128 else 128
-
-
-def align_length(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """The sorted layout's fixed length: each of the at most min(E, n) used experts pads < block_m rows."""
-    return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
-
-
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, use_kernel: bool | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """topk_ids [M, k] → (sorted_ids int32 [L], expert_ids int32 [L / block_m], num_post_padded int32 [1]).
-
-    sorted_ids lists the flat (token * k + slot) ids expert by expert (stable: ascending within an expert),
-    each expert's run padded with M * k to a multiple of block_m; expert_ids is each block's expert. The
-    length L (align_length) does not depend on the routing (fixed shapes for CUDA graphs); entries past
-    num_post_padded are left unwritten (the GEMMs' blocks there return before reading them).
-
-    use_kernel None: the one-program kernel up to 1024 pairs, the torch form past (the kernel's serial
-    chunks cost ~0.05 us a pair at E 128: 27 us at 512 pairs against torch's 72, 96 at 2048 against 79)."""
-    if use_kernel is False or (use_kernel is None and topk_ids.numel() > 1024):
-        return moe_align_torch(topk_ids, num_experts, block_m)
-    flat = topk_ids.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    n = flat.numel()
-    length = align_length(n, num_experts, block_m)
-    sorted_ids = torch.empty((length,), dtype=torch.int32, device=flat.device)
-    expert_ids = torch.empty((length // block_m,), dtype=torch.int32, device=flat.device)
-    total = torch.empty((1,), dtype=torch.int32, device=flat.device)
-    e_pow2 = triton.next_power_of_2(num_experts)
-    chunk = 32 if e_pow2 >= 128 else 64  # the [chunk, E] one-hot tiles stay in registers
-    _moe_align_kernel[(1,)](flat, sorted_ids, expert_ids, total, n, NUM_EXPERTS=num_experts, E_POW2=e_pow2,
-                            BLOCK_M=block_m, CHUNK=chunk, BLOCK_CHUNK=64, num_warps=4)
-    return sorted_ids, expert_ids, total
-
-
-def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """moe_align in torch ops that never synchronize (the reference; every entry of L written)."""
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    n = flat.numel()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    order = torch.argsort(flat, stable=True)
-    sorted_experts = flat[order]
-    # position of each sorted pair inside its expert's run, then where that run starts once padded
-    rank = torch.arange(n, device=flat.device) - (counts.cumsum(0) - counts)[sorted_experts]
-    dest = (ends - padded)[sorted_experts] + rank
-    length = align_length(n, num_experts, block_m)
-    sorted_ids = torch.full((length,), n, dtype=torch.int32, device=flat.device)
-    sorted_ids.scatter_(0, dest, order.to(torch.int32))
-    block_starts = torch.arange(0, length, block_m, device=flat.device)
-    expert_ids = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
-    return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
 
 
 def pick_config(num_tokens: int, top_k: int, num_experts: int, n: int, k: int, down: bool) -> MoeConfig:

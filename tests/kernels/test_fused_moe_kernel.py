@@ -29,7 +29,10 @@ def test_moe_align_groups_pads_and_bounds() -> None:
     assert other[0].shape == sorted_ids.shape and other[1].shape == expert_ids.shape
 
 
-@pytest.mark.parametrize(("m", "k", "e", "block_m"), [(1, 8, 128, 16), (37, 3, 16, 4), (300, 8, 128, 64)])
+@pytest.mark.parametrize(("m", "k", "e", "block_m"), [
+    (1, 8, 128, 16), (37, 3, 16, 4),  # the one-program form (<= 128 pairs)
+    (300, 8, 128, 64), (33, 8, 8, 32), (257, 1, 60, 16),  # chunked: 75 / 9 (the last partial) / 9 chunks
+])
 def test_moe_align_kernel_matches_torch(m: int, k: int, e: int, block_m: int) -> None:
     g = torch.Generator().manual_seed(m)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)])
