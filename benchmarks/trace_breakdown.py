@@ -26,14 +26,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 GRAPH_MIN_KERNELS = 8
-CATEGORIES = ("gemm", "attention", "norm", "rotary", "kv_store", "activation", "quant", "all_reduce", "sampler",
-              "embedding", "copy", "elementwise", "other")
+CATEGORIES = ("gemm", "moe", "attention", "norm", "rotary", "kv_store", "activation", "quant", "all_reduce",
+              "sampler", "embedding", "copy", "elementwise", "other")
 
 # First match wins, so the specific names come before the generic torch kernels they may contain.
 # rotary: the fused rotary + KV store kernel counts here (it is the rotary that also stores).
 _RULES: tuple[tuple[str, re.Pattern[str]], ...] = tuple((cat, re.compile(p, re.IGNORECASE)) for cat, p in (
     ("all_reduce", r"allreduce|all_reduce|nccl|one_shot|two_shot|multimem|symm_mem|cross_device_reduce|allgather"
                    r"|all_gather"),
+    # the routed experts' grouped GEMMs and their sorted layout (kernels/fused_moe.py, kernels/moe_align.py);
+    # the router's softmax / top-k are torch's and count under sampler
+    ("moe", r"moe|_chunk_counts|_chunk_offsets|_chunk_scatter"),
     ("rotary", r"rotary|(^|[^a-z])rope"),
     ("kv_store", r"store_kv|kv_store|set_kv_buffer|reshape_and_cache"),
     ("attention", r"decode_stage|_attention|attention_|attn|batchdecode|batchprefill|singleprefill|singledecode"

@@ -43,6 +43,8 @@ NAMES = {
     "void at::native::vectorized_elementwise_kernel<4, at::native::AbsFunctor<c10::BFloat16>, ...>(...)":
         "elementwise",
     "void at::native::index_elementwise_kernel<128, 4, at::native::gpu_index_kernel<...> >(...)": "elementwise",
+    "_moe_gemm_kernel": "moe",
+    "_chunk_scatter_kernel": "moe",
     "some_unknown_kernel": "other",
 }
 
