@@ -136,7 +136,8 @@ class ServerArgs:
                                           "adapter_model.safetensors); requests name them as `model`")
     max_loras: int = _opt(4, "adapter slots on the device: a batch mixes at most this many adapters (requests "
                              "of another wait until a slot's adapter has no request running)")
-    max_lora_rank: int = _opt(64, "largest adapter rank r accepted")
+    max_lora_rank: int = _opt(16, "largest adapter rank r accepted (vLLM's default); the LoRA buffers of every "
+                                  "projection and slot are this wide, so a larger one costs memory and step time")
     # Parallelism and Ray
     tp_size: int = _opt(1, "tensor-parallel ranks per replica")
     dp_size: int = _opt(1, "data-parallel replicas")

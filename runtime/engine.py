@@ -20,6 +20,7 @@ from runtime.config import ServerArgs
 from runtime.default_model import resolve_model
 from runtime.errors import EngineUnavailableError, InvalidRequestError, ServerArgsError
 from runtime.logging_setup import setup_logging
+from runtime.lora.engine_lora import EngineLora
 from runtime.lora.lora_config import per_prompt
 from runtime.managers.request_validation import as_id_lists
 from runtime.managers.scheduler_host import SchedulerHost
@@ -34,7 +35,7 @@ from runtime.text.result_collector import ResultCollector, usage_dict
 from runtime.text.tokenizer import NullTokenizer, Tokenizer, load_tokenizer
 
 
-class Engine(EngineEmbeddings):  # an EngineClient
+class Engine(EngineLora, EngineEmbeddings):  # an EngineClient; LoRA adapters at run time in EngineLora
     def __init__(self, model_path: str | None = None, *, server_args: ServerArgs | None = None, **kwargs: Any):
         if server_args is None:
             server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
@@ -146,7 +147,7 @@ class Engine(EngineEmbeddings):  # an EngineClient
                  lora_name: str | list[str | None] | None = None) -> dict | list[dict]:
         """Blocking generation for one prompt or a list (returned in the same order). rid: the request id
         (one per prompt), for `abort(rid)` from another thread; each result carries its own as "rid".
-        lora_name: a --lora-modules adapter for every prompt, or a list of one per prompt (None: base)."""
+        lora_name: an adapter served (--lora-modules, load_lora_adapter) for every prompt, or one per prompt."""
         reqs, single = self._make_requests(prompt, sampling_params, input_ids, return_input_logprob,
                                            input_top_logprobs_num, rid, lora_name)
         # One queue for the whole call, drained as deltas arrive: per-request queues read in request order

@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from runtime.errors import InvalidRequestError
 from runtime.messages import GenerateRequest, RequestOutput, RoutingStats, SchedulerStats
 
 if TYPE_CHECKING:
@@ -52,3 +53,18 @@ class EngineClient(ABC):
     def routing_stats(self) -> RoutingStats | None:
         """Routing and failover counters of a client over several replicas; None for one engine."""
         return None
+
+    # ---- LoRA adapters at run time (runtime/lora/lora_registry.py) --------------------------------------------
+    def lora_adapters(self) -> dict[str, str]:
+        """--enable-lora: the adapters served now (start-up's and those loaded since), name → folder."""
+        return {}
+
+    async def add_lora(self, name: str, path: str, replace: bool = False) -> None:
+        """Serves the PEFT adapter at `path` as model `name` from now on, on every replica and TP rank.
+        InvalidRequestError (a 400) for LoRA off, a name already served (unless replace), a bad adapter."""
+        raise InvalidRequestError("this engine cannot load LoRA adapters", param="lora_name")
+
+    async def remove_lora(self, name: str) -> None:
+        """Stops serving adapter `name` (LoraNotFoundError, a 404, if it is not served); requests running it
+        finish with it."""
+        raise InvalidRequestError("this engine cannot unload LoRA adapters", param="lora_name")

@@ -199,6 +199,27 @@ class WorkerBatch(msgspec.Struct, kw_only=True):
     lora_ids: list[int] = []
     # --enable-lora: [slot, adapter id] pairs to load before this step (a slot's previous adapter unused now).
     lora_loads: list[list[int]] = []
+    # --enable-lora: ids of adapters unloaded at run time whose last request has finished: every rank forgets them.
+    lora_drops: list[int] = []
+
+
+class LoraLoad(msgspec.Struct, frozen=True):
+    """An adapter loaded at run time (POST /v1/load_lora_adapter, Engine.load_lora_adapter), as every TP rank
+    reads it before any request may name it. lora_id is fresh for each load (never reused): it names the
+    adapter on the workers and is its prefix-cache namespace, so a reload under the same name never meets
+    the KV of the weights it replaced."""
+
+    lora_id: int
+    name: str
+    path: str
+
+
+class LoraUpdate(msgspec.Struct, kw_only=True):
+    """The answer of a load or unload that crossed an actor boundary: error None on success; not_found: the
+    name is not served (an unload's 404)."""
+
+    error: str | None = None
+    not_found: bool = False
 
 
 class BatchResult(msgspec.Struct, kw_only=True):

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from runtime.cluster.live_stream import LiveStream, pin_seed
+from runtime.cluster.ray_lora_client import RayLoraClient
 from runtime.cluster.replica_group import ReplicaGroup
 from runtime.cluster.replica_links import ReplicaLinks
 from runtime.cluster.request_link import RequestLink
@@ -41,7 +42,7 @@ from runtime.text.pooling_config import PoolingConfig
 logger = logging.getLogger(__name__)
 
 
-class RayEngineClient(EngineClient):
+class RayEngineClient(RayLoraClient, EngineClient):  # LoRA adapters at run time: RayLoraClient
     def __init__(self, args: ServerArgs, launcher: Any, groups: list[ReplicaGroup], tokenizer: Any,
                  model_name: str, *, health_interval_s: float = 1.0, health_timeout_s: float = 10.0,
                  owns_ray: bool = False):
@@ -79,6 +80,7 @@ class RayEngineClient(EngineClient):
         self._thread = threading.Thread(target=self._loop.run_forever, name="shoal-ray-client", daemon=True)
         self._thread.start()
         self._tasks: set[asyncio.Future] = set()
+        self._init_loras()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result()
 
     # ---- EngineClient ---------------------------------------------------------------------------
@@ -357,6 +359,7 @@ class RayEngineClient(EngineClient):
         for i in self._targets_of(gi):
             self.replicas[i].prefixes.reset()  # a fresh cache, and a fresh event log to read from -1
         await self._start_pumps(new)  # links first: a routed request is sent over its target's link
+        await self._restore_loras(gi)  # the adapters loaded (or unloaded) since start, before it takes requests
         if self.groups[gi] is new and gi not in self._restarting:  # unless it failed again meanwhile
             for i in self._targets_of(gi):
                 self.replicas[i].alive = True

@@ -23,10 +23,13 @@ from typing import Any
 
 from runtime.cluster.tp_rank import RankSpec, TpRank, endpoint, local_model_path
 from runtime.config import ServerArgs
-from runtime.errors import EngineUnavailableError
+from runtime.errors import EngineUnavailableError, InvalidRequestError
+from runtime.lora.lora_config import LoraNotFoundError
 from runtime.messages import (
     FinishReason,
     GenerateRequest,
+    LoraLoad,
+    LoraUpdate,
     OutputPoll,
     RequestOutput,
     SchedulerStats,
@@ -198,6 +201,26 @@ class SchedulerActor:
     async def health(self) -> bool:
         return self.healthy()
 
+    # ---- LoRA adapters at run time (runtime/lora/lora_registry.py) --------------------------------
+    async def load_lora_adapter(self, name: str, path: str, replace: bool = False) -> LoraUpdate:
+        """Every TP rank of this replica reads the adapter (this one, then the followers) before the
+        scheduler lets a request name it. Off the loop: it reads files and waits for the followers."""
+        registry = self.host.scheduler.lora_ids
+        return await asyncio.to_thread(_lora_update, lambda: registry.load(name, path, self._add_lora, replace))
+
+    async def unload_lora_adapter(self, name: str) -> LoraUpdate:
+        registry = self.host.scheduler.lora_ids
+        return await asyncio.to_thread(_lora_update, lambda: registry.unload(name))
+
+    def _add_lora(self, load: LoraLoad) -> None:
+        self.rank.worker.add_lora(load)
+        if self._followers:  # a rank that cannot read it fails the load; the registry has all ranks forget it
+            import ray
+
+            errors = [a.error for a in ray.get([f.add_lora.remote(load) for f in self._followers]) if a.error]
+            if errors:
+                raise InvalidRequestError(errors[0], param="lora_path")
+
     def node_id(self) -> str:
         import ray
 
@@ -254,3 +277,14 @@ class SchedulerActor:
                 RequestOutput(rid=rid, new_token_ids=[], finished=True,
                               finish_reason=FinishReason("error", message=message)) for rid in rids)
         self._wake({consumer})
+
+
+def _lora_update(update: Any) -> LoraUpdate:
+    """A load's or unload's outcome as the typed answer that crosses to the client (no exception pickling)."""
+    try:
+        update()
+    except LoraNotFoundError as e:
+        return LoraUpdate(error=e.message, not_found=True)
+    except InvalidRequestError as e:
+        return LoraUpdate(error=e.message)
+    return LoraUpdate()

@@ -8,7 +8,7 @@ the one two before), and it skips the logprobs only rank 0 reports.
 
 serve() runs the follow loop for the replica's life (the group is killed as a whole); it ends with the
 rank's own exception if a step fails, which is how rank 0's SchedulerActor (which awaits it) learns why.
-The actor is threaded, so node_id(), inject_fault() and trace_steps() answer while serve() runs."""
+The actor is threaded, so node_id(), inject_fault(), trace_steps() and add_lora() answer while serve() runs."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ import msgspec
 from runtime.cluster.step_trace import StepTrace
 from runtime.cluster.tp_rank import RankSpec, TpRank, endpoint, local_model_path
 from runtime.config import ServerArgs
+from runtime.errors import InvalidRequestError
 from runtime.gc_guard import GcGuard
-from runtime.messages import WorkerBatch, WorkerInfo
+from runtime.messages import LoraLoad, LoraUpdate, WorkerBatch, WorkerInfo
 from runtime.model_executor.forward_mode import ForwardMode
 
 
@@ -61,6 +62,15 @@ class TpWorkerActor:
             if trace is not None:
                 trace.record(frame.meta, frame.sent_ns, wait_ns, recv_ns, decoded_ns, clock(),
                              ForwardMode(batch.forward_mode).is_decode(), launched.events)
+
+    def add_lora(self, load: LoraLoad) -> LoraUpdate:
+        """Rank 0, before it serves an adapter loaded at run time: this rank reads its shard too (host memory
+        only, beside the follow loop; the slots load with the batches that first use it)."""
+        try:
+            self.rank.worker.add_lora(load)
+        except InvalidRequestError as e:
+            return LoraUpdate(error=f"TP rank {self.spec.rank}: {e.message}")
+        return LoraUpdate()
 
     def trace_steps(self, on: bool) -> dict | None:
         """Benchmarks: on=True starts a fresh StepTrace of the follow loop; on=False stops it and returns

@@ -22,7 +22,7 @@ from aiohttp import web
 from runtime.config import ServerArgs
 from runtime.engine_client import EngineClient
 from runtime.errors import ShoalError
-from runtime.gateway import dashboard_routes, debug_routes, native_routes, tokenize_routes
+from runtime.gateway import dashboard_routes, debug_routes, lora_routes, native_routes, tokenize_routes
 from runtime.gateway.errors import ApiError, from_http_exception, from_shoal_error
 from runtime.gateway.openai_chat import chat_completions
 from runtime.gateway.openai_completions import completions
@@ -175,6 +175,10 @@ def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) 
     app.router.add_get("/health_generate", _generation(native_routes.health_generate, health_embed))
     app.router.add_get("/version", native_routes.version)
     app.router.add_get("/metrics", native_routes.metrics)
+    app.router.add_post("/v1/load_lora_adapter", lora_routes.vllm_load)  # LoRA adapters at run time
+    app.router.add_post("/v1/unload_lora_adapter", lora_routes.vllm_unload)
+    app.router.add_post("/load_lora_adapter", lora_routes.sglang_load)
+    app.router.add_post("/unload_lora_adapter", lora_routes.sglang_unload)
     app.router.add_post("/tokenize", tokenize_routes.tokenize)
     app.router.add_post("/detokenize", tokenize_routes.detokenize)
     app.router.add_get("/dashboard", dashboard_routes.page)

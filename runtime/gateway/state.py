@@ -27,7 +27,6 @@ from runtime.gateway.ignored_fields import IgnoredFields
 from runtime.gateway.metrics import GatewayMetrics
 from runtime.gateway.protocol import OpenAISamplingFields
 from runtime.gateway.ttft_trace import TtftTrace
-from runtime.lora.lora_config import parse_lora_modules
 from runtime.messages import GenerateRequest
 from runtime.sampling.params import SamplingParams
 from runtime.text.bad_words import tokenize_bad_words
@@ -55,8 +54,6 @@ class GatewayState:
         else:
             self.provider = client_provider
         self.args = args
-        # --enable-lora: the adapters' names, which requests give as `model` (the response echoes them)
-        self.lora_adapters = {s.name: s.path for s in parse_lora_modules(args.lora_modules)} if args.enable_lora else {}
         self.metrics = GatewayMetrics(args.metrics_compat_names, model_name=self._served_model_name)
         self.admission = AdmissionController(args.max_queue_wait_s, args.max_waiting_requests)
         self.ignored_fields = IgnoredFields(self.metrics.ignored_fields)
@@ -85,6 +82,13 @@ class GatewayState:
             what = "shutting down" if self.shutting_down else "still starting (loading the model)"
             raise ApiError(503, f"the server is {what}; retry shortly", code="engine_not_ready")
         return client
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """--enable-lora: the adapters served now (start-up's, and those loaded since: lora_routes.py), name →
+        folder; requests give the name as `model` (the response echoes it)."""
+        client = self.current_client() if self.args.enable_lora else None
+        return client.lora_adapters() if client is not None else {}
 
     def served_model(self, client: EngineClient) -> str:
         return self.args.served_model_name or client.model_name

@@ -40,21 +40,43 @@ def parse_lora_modules(text: str | None) -> tuple[LoraSpec, ...]:
     return tuple(specs)
 
 
-def adapter_ids(text: str | None) -> dict[str, int]:
-    """Adapter name → its id, 1.. in --lora-modules order (0: the base model). The id is also the adapter's
-    device slot and its prefix-cache namespace."""
-    return {s.name: i for i, s in enumerate(parse_lora_modules(text), 1)}
+def runtime_spec(name: object, path: object) -> LoraSpec:
+    """A load at run time's lora_name and lora_path, checked as --lora-modules checks its items."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise InvalidRequestError(f"lora_name must be a name of letters, digits and ._:/- (starting with a letter "
+                                  f"or digit), got {name!r}", param="lora_name")
+    if not isinstance(path, str) or not path:
+        raise InvalidRequestError("lora_path must name the adapter's folder", param="lora_path")
+    return LoraSpec(name, path)
 
 
 def lora_id_of(ids: dict[str, int], name: str | None, param: str = "model") -> int:
-    """The id of adapter `name` (adapter_ids' map; None: 0, the base model); InvalidRequestError naming
+    """The id of adapter `name` (a LoraRegistry's map; None: 0, the base model); InvalidRequestError naming
     `param` if no such adapter is served."""
     if name is None:
         return 0
-    if name not in ids:
-        served = ", ".join(ids) or "none: start with --enable-lora --lora-modules name=path"
+    lora_id = ids.get(name)  # one lookup: adapters are loaded and unloaded on other threads
+    if lora_id is None:
+        served = ", ".join(list(ids)) or "none; with --enable-lora, --lora-modules or /v1/load_lora_adapter add them"
         raise InvalidRequestError(f"no LoRA adapter {name!r} is served (adapters: {served})", param=param)
-    return ids[name]
+    return lora_id
+
+
+class LoraNotFoundError(InvalidRequestError):
+    """An unload of a name no adapter is served under (vLLM answers 404 NotFoundError)."""
+
+    def __init__(self, name: str):
+        super().__init__(f"The lora adapter '{name}' cannot be found.", param="lora_name", code="model_not_found")
+        self.name = name
+
+    def __reduce__(self):
+        return type(self), (self.name,)
+
+
+def load_error(e: ServerArgsError) -> InvalidRequestError:
+    """A run-time load's refusal: the start-up check's words (rank, target modules, shapes, a missing file),
+    naming the request's lora_path instead of the flag."""
+    return InvalidRequestError(e.detail, param="lora_path")
 
 
 def per_prompt(lora_name: str | list[str | None] | None, n: int) -> list[str | None]:
@@ -78,6 +100,8 @@ class LoraAdapterConfig:
     def read(cls, spec: LoraSpec, max_rank: int) -> LoraAdapterConfig:
         path = Path(spec.path)
         where = f"adapter {spec.name!r} ({spec.path})"
+        if not path.is_dir():
+            raise ServerArgsError(FLAG, f"{where}: no such folder")
         cfg_file = path / "adapter_config.json"
         if not cfg_file.is_file():
             raise ServerArgsError(FLAG, f"{where}: no adapter_config.json (a PEFT LoRA folder is expected)")
@@ -85,6 +109,8 @@ class LoraAdapterConfig:
             cfg: dict[str, Any] = json.loads(cfg_file.read_text())
         except ValueError as e:
             raise ServerArgsError(FLAG, f"{where}: adapter_config.json is not valid JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise ServerArgsError(FLAG, f"{where}: adapter_config.json is not a JSON object")
         if not (path / "adapter_model.safetensors").is_file():
             raise ServerArgsError(FLAG, f"{where}: no adapter_model.safetensors")
 

@@ -36,8 +36,18 @@ class LoraDelta:
 
     def load(self, slot: int, sub: int, shard_id: object, a: torch.Tensor, b: torch.Tensor) -> None:
         """Writes one sub-projection's (full, unsharded) A [r, in] and scaled B [out, r] into `slot` (1..)."""
-        r = a.shape[0]
+        a_local, b_local = self.shard(shard_id, a, b)
         col = (slot - 1) * self.per_slot + sub * self.max_rank
+        self.a[col:col + a.shape[0]].copy_(a_local)
+        self.b[:, col:col + a.shape[0]].copy_(b_local)
+
+    def shard(self, shard_id: object, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of A and B (host tensors), as load() writes them; ValueError (or the layer's
+        WeightLoadError) where the adapter's shapes are not the base projection's. Writes no device memory,
+        so it checks an adapter loaded while requests run."""
+        r = a.shape[0]
+        if r > self.max_rank or b.shape[1] != r:
+            raise ValueError(f"rank {r} does not fit the LoRA buffers' rank {self.max_rank}")
         loader = self.layer.weight_loader
         if self.row_parallel:  # A by input columns, like the weight; B whole
             a_local = torch.empty(r, self.a.shape[1], dtype=a.dtype)
@@ -47,8 +57,10 @@ class LoraDelta:
             a_local = a
             b_local = torch.zeros(self.b.shape[0], r, dtype=b.dtype)
             loader(b_local, b, shard_id)
-        self.a[col:col + r].copy_(a_local)
-        self.b[:, col:col + r].copy_(b_local)
+        if a_local.shape[1] != self.a.shape[1] or b_local.shape[0] != self.b.shape[0]:
+            raise ValueError(f"lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the projection "
+                             f"({self.a.shape[1]} inputs, {self.b.shape[0]} outputs on this rank)")
+        return a_local, b_local
 
     def clear(self, slot: int) -> None:
         cols = slice((slot - 1) * self.per_slot, slot * self.per_slot)

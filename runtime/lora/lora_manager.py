@@ -1,7 +1,8 @@
-"""LoraManager: a worker's adapters. Reads every --lora-modules adapter at start (kept in host memory) and
-attaches a LoraDelta with --max-loras slots to each projection any adapter targets. The scheduler decides
-which adapter occupies which slot (runtime/lora/lora_slots.py): load_slots() copies them in before the step
-that first uses them. The model runner calls prepare() with the step's per-token slots before the forward."""
+"""LoraManager: a worker's adapters. Reads every --lora-modules adapter at start, and those loaded at run
+time (add(); drop() once unloaded and unused), into host memory, and attaches a LoraDelta with --max-loras
+slots of rank --max-lora-rank to every projection. The scheduler decides which adapter occupies which slot
+(runtime/lora/lora_slots.py): load_slots() copies them in before the step that first uses them. The model
+runner calls prepare() with the step's per-token slots before the forward."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from runtime.config import ServerArgs
 from runtime.errors import ServerArgsError
 from runtime.lora.lora_adapter import LoraAdapter
 from runtime.lora.lora_batch import LoraBatch
-from runtime.lora.lora_config import FLAG, LoraAdapterConfig, parse_lora_modules
+from runtime.lora.lora_config import FLAG, LoraAdapterConfig, LoraSpec, load_error, parse_lora_modules
 from runtime.lora.lora_layer import LoraDelta
+from runtime.messages import LoraLoad
 
 logger = logging.getLogger(__name__)
 
@@ -32,48 +34,73 @@ _ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 
 class LoraManager:
     def __init__(self, args: ServerArgs, model: nn.Module):
-        specs = parse_lora_modules(args.lora_modules)
-        layers = _decoder_layers(model)
-        self.names = [s.name for s in specs]
-        self.adapters = [LoraAdapter.load(LoraAdapterConfig.read(s, args.max_lora_rank), len(layers))
-                         for s in specs]
+        self.args = args
+        self.num_layers = len(layers := _decoder_layers(model))
         weight = layers[0].self_attn.qkv_proj.weight
-        max_rank = max((a.config.rank for a in self.adapters), default=1)
         self.batch = LoraBatch(args.max_loras, weight.dtype, weight.device)
-        targets = sorted({_FUSED[m][0] for a in self.adapters for m in a.modules})
+        # Sized for any adapter a load at run time may bring (rank up to --max-lora-rank, any projection), as
+        # vLLM sizes them: the buffers never change shape, so CUDA graphs captured at start stay valid.
+        targets = sorted({fused for fused, _, _ in _FUSED.values()})
         self.deltas: list[dict[str, LoraDelta]] = []
         for layer in layers:
             per_layer = {}
             for fused in targets:
                 module = layer.get_submodule(fused)
                 per_layer[fused] = module.lora = LoraDelta(module, self.batch, _SUBS.get(fused, 1), args.max_loras,
-                                                           max_rank, fused in _ROW_PARALLEL)
+                                                           args.max_lora_rank, fused in _ROW_PARALLEL)
             self.deltas.append(per_layer)
-        # Each adapter's shapes are checked against the model now (a slot filled and emptied), not when a
-        # request first loads it mid-serving.
-        self.load_slots([[1, i] for i in range(1, len(self.adapters) + 1)])
-        self._clear(1)
-        logger.info("LoRA: %d adapter(s) (%s), %d slots, rank %d, on %s", len(self.adapters),
-                    ", ".join(self.names), args.max_loras, max_rank, ", ".join(targets) or "nothing")
+        # adapter id → its weights in host memory; start-up's are 1.. in --lora-modules order (LoraRegistry)
+        self.adapters: dict[int, LoraAdapter] = {}
+        for i, spec in enumerate(parse_lora_modules(args.lora_modules), 1):
+            self.adapters[i] = self._read(spec)  # each checked against the model now, not mid-serving
+        logger.info("LoRA: %d adapter(s) (%s), %d slots, rank %d", len(self.adapters),
+                    ", ".join(a.config.name for a in self.adapters.values()), args.max_loras, args.max_lora_rank)
+
+    def _read(self, spec: LoraSpec) -> LoraAdapter:
+        """The adapter read and checked against the model's projections (ServerArgsError naming the flag)."""
+        config = LoraAdapterConfig.read(spec, self.args.max_lora_rank)
+        try:
+            adapter = LoraAdapter.load(config, self.num_layers)
+        except ServerArgsError:
+            raise
+        except Exception as e:  # unreadable, or not a safetensors file (safetensors' own error type)
+            raise ServerArgsError(FLAG, f"adapter {spec.name!r} ({spec.path}): adapter_model.safetensors: "
+                                        f"{type(e).__name__}: {e}") from None
+        for (layer, module), w in adapter.weights.items():
+            fused, _, shard_id = _FUSED[module]
+            try:
+                self.deltas[layer][fused].shard(shard_id, w.a, w.b)
+            except (ValueError, RuntimeError) as e:  # a shape the base model's projection does not have
+                raise ServerArgsError(FLAG, f"adapter {spec.name!r}: layer {layer} {module}: {e}") from None
+        return adapter
+
+    def add(self, load: LoraLoad) -> None:
+        """An adapter loaded at run time (any thread: reads host files, writes no device memory); an
+        InvalidRequestError naming lora_path if it cannot be served. Its id is not in any batch before this returns."""
+        try:
+            self.adapters[load.lora_id] = self._read(LoraSpec(load.name, load.path))
+        except ServerArgsError as e:
+            raise load_error(e) from None
+        logger.info("LoRA: adapter %r loaded from %s (id %d)", load.name, load.path, load.lora_id)
+
+    def drop(self, lora_ids: list[int]) -> None:
+        """Forgets unloaded adapters (no request uses them: LoraRegistry); their slots are simply reused."""
+        for lora_id in lora_ids:
+            self.adapters.pop(lora_id, None)
 
     def load_slots(self, loads: list[list[int]]) -> None:
-        """[slot, adapter id (1..)] pairs: each slot's previous adapter (no request uses it now) is replaced."""
+        """[slot, adapter id] pairs: each slot's previous adapter (no request uses it now) is replaced."""
         for slot, adapter_id in loads:
             self._clear(slot)
-            self._load(slot, self.adapters[adapter_id - 1])
+            adapter = self.adapters[adapter_id]
+            for (layer, module), w in adapter.weights.items():
+                fused, sub, shard_id = _FUSED[module]
+                self.deltas[layer][fused].load(slot, sub, shard_id, w.a, w.b)
 
     def _clear(self, slot: int) -> None:
         for per_layer in self.deltas:
             for delta in per_layer.values():
                 delta.clear(slot)
-
-    def _load(self, slot: int, adapter: LoraAdapter) -> None:
-        for (layer, module), w in adapter.weights.items():
-            fused, sub, shard_id = _FUSED[module]
-            try:
-                self.deltas[layer][fused].load(slot, sub, shard_id, w.a, w.b)
-            except (ValueError, RuntimeError) as e:  # a shape the base model's projection does not have
-                raise ServerArgsError(FLAG, f"adapter {adapter.config.name!r}: layer {layer} {module}: {e}") from None
 
     def prepare(self, token_slots: torch.Tensor | None, num_tokens: int) -> None:
         """Before a forward: token_slots [T] (None: every token runs the base model)."""

@@ -3,32 +3,29 @@ adapter takes a slot when it is admitted (its adapter's, or a free one, loaded t
 finishes or is retracted; a request whose adapter finds no slot (all held by other adapters) waits. So a
 batch never holds more adapters than slots, and a slot changes adapter only when no request uses it.
 
-Ids: an adapter's id (1.., --lora-modules order) names it and its prefix-cache namespace; the slot it
-occupies on the device (1..max_loras; 0 = the base model) is separate, and may change over its life."""
+Ids: an adapter's id (1.., --lora-modules order, then one fresh id per load at run time: LoraRegistry) names
+it and its prefix-cache namespace; the slot it occupies on the device (1..max_loras; 0 = the base model) is
+separate, and may change over its life. An unloaded adapter's id comes back through `drops` once its last
+request finished: its slot is then empty (taken first), and the workers forget its weights."""
 
 from __future__ import annotations
 
+import queue
 from typing import TYPE_CHECKING
 
-from runtime.lora.lora_config import adapter_ids
-
 if TYPE_CHECKING:
-    from runtime.config import ServerArgs
     from runtime.managers.req import Req
 
 
 class LoraSlots:
     def __init__(self, ids: dict[str, int], max_loras: int):
-        self.ids = ids  # adapter name → id
+        self.ids = ids  # adapter name → id (the LoraRegistry's, changed at run time)
         self.adapter = [0] * (max_loras + 1)  # slot → the adapter id loaded there (0: none)
         self.users = [0] * (max_loras + 1)  # slot → requests holding it
         self.last_use = [0] * (max_loras + 1)  # slot → tick of its last acquire (least recently used goes)
         self.tick = 0
         self.loads: list[list[int]] = []  # [slot, adapter id] the workers load before the next batch
-
-    @classmethod
-    def of(cls, args: ServerArgs) -> LoraSlots | None:
-        return cls(adapter_ids(args.lora_modules), args.max_loras) if args.enable_lora else None
+        self.drops: queue.SimpleQueue[int] = queue.SimpleQueue()  # unloaded, unused ids (any thread puts)
 
     def acquire(self, r: Req) -> bool:
         """Gives r its adapter's slot (loading the adapter into a free one if needed); False: none is free."""
@@ -57,3 +54,16 @@ class LoraSlots:
     def take_loads(self) -> list[list[int]]:
         loads, self.loads = self.loads, []
         return loads
+
+    def take_drops(self) -> list[int]:
+        """Scheduler thread: the ids unloaded since the last call whose requests are all gone; their slots
+        become empty. The workers forget them with the next batch (WorkerBatch.lora_drops)."""
+        dropped = []
+        while not self.drops.empty():
+            lora_id = self.drops.get_nowait()
+            dropped.append(lora_id)
+            if lora_id in self.adapter:
+                slot = self.adapter.index(lora_id)
+                self.adapter[slot] = 0
+                self.loads = [x for x in self.loads if x[0] != slot]
+        return dropped

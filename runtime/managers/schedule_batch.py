@@ -70,6 +70,7 @@ class ScheduleBatch:
             global_num_tokens=global_num_tokens, spec=self.spec,
             lora_ids=[r.lora_slot for r in self.reqs] if loras and any(r.lora_slot for r in self.reqs) else [],
             lora_loads=loras.take_loads() if loras is not None else [],
+            lora_drops=loras.take_drops() if loras is not None else [],
         )
 
     def _sampling(self) -> SamplingBatch:

@@ -16,8 +16,7 @@ from collections.abc import Callable
 
 from runtime.config import ServerArgs
 from runtime.errors import InvalidRequestError
-from runtime.lora.lora_config import lora_id_of
-from runtime.lora.lora_slots import LoraSlots
+from runtime.lora.lora_registry import LoraRegistry
 from runtime.managers.grammar_manager import GrammarManager
 from runtime.managers.kv_cache_manager import KVCacheManager
 from runtime.managers.policy import create_policy
@@ -50,8 +49,9 @@ class Scheduler:
         self.args, self.worker, self.sink, self.decode_text = args, worker, sink, decode_text
         self.context_len, self.vocab_size, self.eos_token_ids = context_len, vocab_size, eos_token_ids
         self.max_running = min(args.max_running_requests, max_reqs - 1)
+        self.lora_ids = LoraRegistry(args)  # --enable-lora: adapter name → id, loaded / unloaded at run time
         self.kv = KVCacheManager(max_total_tokens, max_reqs, context_len, enable_cache=args.radix_cache_enabled,
-                                 cache_events=cache_events, loras=LoraSlots.of(args))
+                                 cache_events=cache_events, loras=self.lora_ids.slots)
         self.limits = RequestLimits(context_len, vocab_size, self.kv.size, args.speculative_algorithm is not None)
         self.policy = create_policy(args.schedule_policy, args.radix_cache_enabled)
         self.retractor = Retractor(args, reserve_known_output)
@@ -61,7 +61,6 @@ class Scheduler:
         self.spec = (SpecDecoding(args, self.kv, self.stats, context_len, pad_drafts)
                      if args.speculative_algorithm else None)
         self.grammars = GrammarManager(grammar, vocab_size)
-        self.lora_ids = self.kv.loras.ids if self.kv.loras is not None else {}  # adapter name → id (1..)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.rids = RidLedger()  # aborts that overtook their request; rids that ended lately
         self.lock = threading.Lock()  # held for a whole step; readers of the state take it too
@@ -86,7 +85,7 @@ class Scheduler:
 
     # ---- requests in ----------------------------------------------------------------------------
     def validate(self, req: GenerateRequest, limits: RequestLimits | None = None) -> GenerateRequest:
-        lora_id_of(self.lora_ids, req.lora_name)  # any thread; an unserved adapter: a 400 naming model
+        self.lora_ids.id_of(req.lora_name)  # any thread; an unserved adapter: a 400 naming model
         return validate_request(limits or self.limits, req)
 
     def submit(self, req: GenerateRequest) -> None:
@@ -121,6 +120,7 @@ class Scheduler:
             return
         try:  # again: a caller that skipped validate() must fail alone, not the batch it would join
             g = self.validate(check_task(self.args.is_embedding, g))
+            lora_id = self.lora_ids.enter(g.rid, g.lora_name)  # its adapter, held until _finish
         except InvalidRequestError as e:
             self.rids.refused(g.rid)
             self.sink([RequestOutput(rid=g.rid, new_token_ids=[], finished=True, finish_reason=FinishReason(
@@ -129,8 +129,7 @@ class Scheduler:
         p = g.sampling_params
         seed = p.seed if p.seed is not None else self.rng.getrandbits(62)
         req = Req(g.rid, g.input_ids, p, seed, self.eos_token_ids, g.return_input_logprob, g.arrival_time,
-                  input_top_logprobs_num=g.input_top_logprobs_num, embed=g.embed,
-                  lora_id=lora_id_of(self.lora_ids, g.lora_name))
+                  input_top_logprobs_num=g.input_top_logprobs_num, embed=g.embed, lora_id=lora_id)
         if g.resumed_output_ids:
             req.resume(g.resumed_output_ids)
         self.reqs[g.rid] = req
@@ -358,6 +357,7 @@ class Scheduler:
         else:
             self.kv.release_retracted(r)
         r.state = ReqState.FINISHED
+        self.lora_ids.leave(r)
         self.stats.finished(r)
         self.reqs.pop(r.rid, None)
         self.rids.finished(r.rid)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from runtime.config import ServerArgs
-from runtime.messages import BatchResult, WorkerBatch, WorkerInfo
+from runtime.errors import InvalidRequestError
+from runtime.messages import BatchResult, LoraLoad, WorkerBatch, WorkerInfo
 from runtime.model_executor.model_runner import LaunchedBatch, ModelRunner
 from runtime.model_executor.spec_decode_runner import SpecDecodeRunner
 from runtime.models.parallel_context import ParallelContext
@@ -38,13 +39,26 @@ class TpWorker:
                           eos_token_ids=list(r.model_config.eos_token_ids), attention_backend=r.attn_backend_name,
                           device=str(r.device), all_reduce=r.ctx.mlp.all_reduce_kind)
 
+    def add_lora(self, load: LoraLoad) -> None:
+        """An adapter loaded at run time, read and checked on this rank (any thread; InvalidRequestError naming
+        what is wrong) before the scheduler lets any request name it (runtime/lora/lora_registry.py)."""
+        if self.runner.lora is None:
+            raise InvalidRequestError("LoRA is not enabled: start the server with --enable-lora", param="lora_name")
+        self.runner.lora.add(load)
+
+    def _drop_loras(self, batch: WorkerBatch) -> None:
+        if batch.lora_drops:  # unloaded adapters whose last request finished: their weights go
+            self.runner.lora.drop(batch.lora_drops)
+
     def run_batch(self, batch: WorkerBatch) -> BatchResult:
+        self._drop_loras(batch)
         return self.runner.run_batch(batch)
 
     def release(self) -> None:
         self.runner.release()
 
     def launch_batch(self, batch: WorkerBatch, sample_later: bool = False, keep_on_device: bool = False) -> LaunchedBatch:
+        self._drop_loras(batch)
         return self.runner.launch_batch(batch, sample_later, keep_on_device)
 
     def sample_deferred(self, launched: LaunchedBatch, grammar_rows: list[int], grammar_mask: bytes) -> LaunchedBatch:
