@@ -39,12 +39,27 @@ class MoeConfig(NamedTuple):
     split_k: int = 1
 
 
+class MoeQuant(NamedTuple):
+    """FP8 experts: w13 / w2 are float8_e4m3fn and these their fp32 scales (w ~ w8 * scale).
+    block None: per output channel, w13_scale [E, 2I], w2_scale [E, H], activations quantized per token;
+    block (bn, bk): per bn x bk weight block, [E, ceil(N / bn), K / bk], activations per token and bk-wide
+    group (the layout of Qwen3-*-FP8 / DeepSeek checkpoints, weight_block_size [128, 128])."""
+    w13_scale: torch.Tensor
+    w2_scale: torch.Tensor
+    block: tuple[int, int] | None = None
+
+
 @triton.jit(do_not_specialize=["num_valid", "row_div"])  # one compile per tile, whatever M and top_k
 def _moe_gemm_kernel(A, B, C, Weights, SortedIds, ExpertIds, NumPostPadded, num_valid, row_div, N, K,
                      k_per_split, stride_am, stride_be, stride_bn, stride_cm, stride_cs,
+                     AScale, BScale, stride_asm, stride_bse, stride_bsn,
                      MUL_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+                     SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """C[split][id] = A[id // row_div] @ B[expert(block)]^T (* Weights[id]) over this split's K range."""
+    """C[split][id] = A[id // row_div] @ B[expert(block)]^T (* Weights[id]) over this split's K range.
+    SCALES 0: plain; 1: fp8 A and B, times A's per-row and B's per-channel scales at the end; 2: fp8 A and B
+    with A's per (row, GROUP_K) and B's per (GROUP_N, GROUP_K) block scales applied each K step (BLOCK_K
+    divides GROUP_K, so a step stays inside one group)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -70,9 +85,18 @@ def _moe_gemm_kernel(A, B, C, Weights, SortedIds, ExpertIds, NumPostPadded, num_
             mask_k = offs_k < K - (k0 - k_lo)
             a = tl.load(a_ptr, mask=valid[:, None] & mask_k[None, :], other=0.0)
             b = tl.load(b_ptr, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if SCALES == 2:
+            a_s = tl.load(AScale + rows * stride_asm + k0 // GROUP_K, mask=valid, other=0.0)
+            b_s = tl.load(BScale + expert * stride_bse + (offs_n // GROUP_N) * stride_bsn + k0 // GROUP_K,
+                          mask=mask_n, other=0.0)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        else:
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptr += BLOCK_K
         b_ptr += BLOCK_K
+    if SCALES == 1:
+        acc = acc * tl.load(AScale + rows, mask=valid, other=0.0)[:, None] \
+            * tl.load(BScale + expert * stride_bse + offs_n, mask=mask_n, other=0.0)[None, :]
     if MUL_WEIGHT:
         acc = acc * tl.load(Weights + ids, mask=valid, other=0.0).to(tl.float32)[:, None]
     out = C + pid_s.to(tl.int64) * stride_cs + ids[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
@@ -124,10 +148,21 @@ def pick_config(num_tokens: int, top_k: int, num_experts: int, n: int, k: int, d
 
 
 def _moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None,
-              align: tuple[torch.Tensor, torch.Tensor, torch.Tensor], row_div: int, cfg: MoeConfig) -> None:
-    """out [splits, M * top_k, n] (splits 1 unless cfg splits K, fp32 then: the caller sums them)."""
+              align: tuple[torch.Tensor, torch.Tensor, torch.Tensor], row_div: int, cfg: MoeConfig,
+              scales: tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None] | None = None) -> None:
+    """out [splits, M * top_k, n] (splits 1 unless cfg splits K, fp32 then: the caller sums them).
+    scales: (a's, w's, block) for fp8 a and w (MoeQuant's layouts; a's from quantize_moe_input)."""
     sorted_ids, expert_ids, total = align
     n, k = w.shape[1], w.shape[2]
+    mode, group_n, group_k = 0, 1, 1
+    a_scale = b_scale = out
+    if scales is not None:
+        a_scale, b_scale, block = scales
+        mode = 1 if block is None else 2
+        if block is not None:
+            group_n, group_k = block
+            if group_k % cfg.block_k:
+                raise ValueError(f"_moe_gemm: BLOCK_K {cfg.block_k} must divide the scale group {group_k}")
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
     if out.dim() != 3 or out.shape[0] != splits:
@@ -136,8 +171,11 @@ def _moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, weights: torc
     _moe_gemm_kernel[grid](
         a, w, out, weights if weights is not None else out, sorted_ids, expert_ids, total, out.shape[1], row_div,
         n, k, k_per_split, a.stride(0), w.stride(0), w.stride(1), out.stride(1), out.stride(0),
+        a_scale, b_scale, a_scale.stride(0) if mode == 2 else 0, b_scale.stride(0) if mode else 0,
+        b_scale.stride(1) if mode == 2 else 0,
         MUL_WEIGHT=weights is not None, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        EVEN_K=k % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_K=k % cfg.block_k == 0, SCALES=mode, GROUP_N=group_n, GROUP_K=group_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -153,16 +191,38 @@ def num_splits(k: int, cfg: MoeConfig) -> int:
 # knee (pick_config), so longer prefills lose little, and above any captured decode batch (cuda_graph_max_bs
 # 512 by default); the split is by shape only, so it stays CUDA-graph safe either way.
 CHUNK_TOKENS = 2048
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def quantize_moe_input(x: torch.Tensor, group_k: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] → (fp8 [M, K], fp32 scales): per row [M] (group_k None) or per row and group_k-wide group
+    [M, K / group_k], scale = amax / 448 (an all-zero group keeps a finite one). Dynamic, as vLLM's
+    per_token(_group)_quant_fp8; torch ops without a host sync."""
+    m, k = x.shape
+    if group_k is not None and k % group_k:
+        raise ValueError(f"quantize_moe_input: K {k} is not a multiple of the scale group {group_k}")
+    g = x.float().view(m, -1, group_k if group_k is not None else k)
+    scale = g.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12) / FP8_MAX
+    q = (g / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(m, k)
+    return q, scale.view(m, -1) if group_k is not None else scale.view(m)
+
+
+def round_through_fp8(x: torch.Tensor, group_k: int | None) -> torch.Tensor:
+    """x [M, K] as the fp8 GEMMs see it (quantize_moe_input, then back), in fp32."""
+    q, s = quantize_moe_input(x, group_k)
+    m = x.shape[0]
+    return (q.float().view(m, s.numel() // m, -1) * s.view(m, -1, 1)).view(x.shape)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, configs: tuple[MoeConfig, MoeConfig] | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, configs: tuple[MoeConfig, MoeConfig] | None = None,
+              quant: MoeQuant | None = None) -> torch.Tensor:
     """sum over slots j of topk_weights[t, j] * (silu(x W1^T) * (x W3^T)) W2^T with expert topk_ids[t, j].
 
     x [M, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_* [M, k]. Returns [M, H] in
     x's dtype (the weighted slots are summed in fp32). configs: (gate_up, down) tiles, pick_config's by
-    default (per pass of at most CHUNK_TOKENS tokens; benchmarks pass others). No host synchronization:
-    CUDA-graph safe."""
+    default (per pass of at most CHUNK_TOKENS tokens; benchmarks pass others). quant: fp8 experts (both
+    GEMMs' inputs quantized dynamically, MoeQuant). No host synchronization: CUDA-graph safe."""
     m, k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     if x.shape != (m, hidden) or w2.shape != (num_experts, hidden, two_i // 2):
@@ -174,41 +234,72 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return torch.zeros_like(x)
     x = x.contiguous()
     if m <= CHUNK_TOKENS:
-        return _fused_moe_pass(x, w13, w2, topk_weights, topk_ids, configs)
+        return _fused_moe_pass(x, w13, w2, topk_weights, topk_ids, configs, quant)
     out = torch.empty_like(x)
     for start in range(0, m, CHUNK_TOKENS):  # tokens are independent: each pass is a slice of the whole
         end = min(start + CHUNK_TOKENS, m)
         out[start:end] = _fused_moe_pass(x[start:end], w13, w2, topk_weights[start:end], topk_ids[start:end],
-                                         configs)
+                                         configs, quant)
     return out
 
 
 def _fused_moe_pass(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor, configs: tuple[MoeConfig, MoeConfig] | None) -> torch.Tensor:
+                    topk_ids: torch.Tensor, configs: tuple[MoeConfig, MoeConfig] | None,
+                    quant: MoeQuant | None = None) -> torch.Tensor:
     """fused_moe over one pass's rows (x contiguous, shapes checked)."""
     m, k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     if configs is None:
         configs = (pick_config(m, k, num_experts, two_i, hidden, down=False),
                    pick_config(m, k, num_experts, hidden, two_i // 2, down=True))
+    group_k = quant.block[1] if quant is not None and quant.block is not None else None
+    if group_k is not None:  # a K step inside one scale group
+        configs = tuple(c._replace(block_k=min(c.block_k, group_k)) for c in configs)  # type: ignore[assignment]
     up_cfg, down_cfg = configs
     align = moe_align(topk_ids, num_experts, up_cfg.block_m)
     gate_up = torch.empty((1, m * k, two_i), dtype=x.dtype, device=x.device)
-    _moe_gemm(x, w13, gate_up, None, align, k, up_cfg)
+    up_scales = down_scales = None
+    a = x
+    if quant is not None:
+        a, a_scale = quantize_moe_input(x, group_k)
+        up_scales = (a_scale, quant.w13_scale, quant.block)
+    _moe_gemm(a, w13, gate_up, None, align, k, up_cfg, up_scales)
     act = silu_and_mul(gate_up[0])
+    if quant is not None:
+        act, act_scale = quantize_moe_input(act, group_k)
+        down_scales = (act_scale, quant.w2_scale, quant.block)
     splits = num_splits(two_i // 2, down_cfg)
     down = torch.empty((splits, m * k, hidden), dtype=torch.float32, device=x.device)
-    _moe_gemm(act, w2, down, topk_weights.reshape(-1).contiguous(), align, 1, down_cfg)
+    _moe_gemm(act, w2, down, topk_weights.reshape(-1).contiguous(), align, 1, down_cfg, down_scales)
     return down.view(splits, m, k, hidden).sum(dim=(0, 2)).to(x.dtype)
 
 
+def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """fp8 expert stack [E, N, K] with MoeQuant's scales → fp32 [E, N, K]."""
+    if block is None:
+        return w.float() * scale.float()[:, :, None]
+    n, k = w.shape[1:]
+    s = scale.float().repeat_interleave(block[0], dim=1)[:, :n].repeat_interleave(block[1], dim=2)[:, :, :k]
+    return w.float() * s
+
+
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
-    """The torch reference of fused_moe: one (token, slot) at a time, fp32."""
+                  topk_ids: torch.Tensor, quant: MoeQuant | None = None) -> torch.Tensor:
+    """The torch reference of fused_moe: one (token, slot) at a time, fp32. With quant, the same dynamic
+    input quantization as fused_moe (its rounding is part of the model), on dequantized weights."""
+    group_k = quant.block[1] if quant is not None and quant.block is not None else None
+
+    def rounded(v: torch.Tensor) -> torch.Tensor:
+        return v.float() if quant is None else round_through_fp8(v, group_k)
+
+    if quant is not None:
+        w13, w2 = dequantize_experts(w13, quant.w13_scale, quant.block), dequantize_experts(w2, quant.w2_scale,
+                                                                                              quant.block)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for t in range(topk_ids.shape[0]):
         for j in range(topk_ids.shape[1]):
             e = int(topk_ids[t, j])
-            gate, up = (w13[e].float() @ x[t].float()).chunk(2)
-            out[t] += float(topk_weights[t, j]) * (w2[e].float() @ (F.silu(gate) * up))
+            gate, up = (w13[e].float() @ rounded(x[t:t + 1])[0]).chunk(2)
+            act = (F.silu(gate) * up).to(x.dtype)[None]  # the kernel's gate_up output is in x's dtype
+            out[t] += float(topk_weights[t, j]) * (w2[e].float() @ rounded(act)[0])
     return out.to(x.dtype)

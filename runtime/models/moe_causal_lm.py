@@ -16,8 +16,10 @@ from runtime.models.llama import LlamaForCausalLM, LlamaMLP
 from runtime.models.moe_block import SparseMoeBlock
 from runtime.models.parallel_context import ParallelContext
 
-_EXPERT = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
-_STACKS = {"w13_weight": (GATE, UP), "w2_weight": (DOWN,)}
+# an expert's weight, or an FP8 checkpoint's scales of it (input_scale: static activation scales, unused)
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(\w+)\.(weight|weight_scale|weight_scale_inv|input_scale)$")
+_STACKS = {"w13_weight": (GATE, UP), "w2_weight": (DOWN,), "w13_weight_scale": (GATE, UP),
+           "w2_weight_scale": (DOWN,)}
 
 
 def moe_mlp(cfg: ModelConfig, layer_id: int, ctx: ParallelContext) -> nn.Module:
@@ -38,9 +40,9 @@ class MoeForCausalLM(LlamaForCausalLM):
         if m is None:
             return super()._checkpoint_target(name)
         part = self.expert_parts.get(m.group(2))
-        if part is None:
+        if part is None or m.group(3) == "input_scale":
             return name, None  # not a tensor we use: skipped (the missing check names what we lack)
-        stack = "w2_weight" if part == DOWN else "w13_weight"
+        stack = ("w2_weight" if part == DOWN else "w13_weight") + ("" if m.group(3) == "weight" else "_scale")
         return f"{name[:m.start()]}.experts.{stack}", (int(m.group(1)), part)
 
     def _missing_tensors(self, param: str, loaded: set[str]) -> list[str]:
@@ -49,7 +51,8 @@ class MoeForCausalLM(LlamaForCausalLM):
             return [self._hf_module_name(n) for n in super()._missing_tensors(param, loaded)]
         parts = {v: k for k, v in self.expert_parts.items()}
         experts = self.cfg.moe.num_experts if self.cfg.moe is not None else 0
-        return [self._hf_module_name(f"{prefix}.experts.{e}.{parts[p]}.weight")
+        suffix = self.get_submodule(f"{prefix}.experts").scale_name if stack.endswith("_scale") else "weight"
+        return [self._hf_module_name(f"{prefix}.experts.{e}.{parts[p]}.{suffix}")
                 for e in range(experts) for p in _STACKS[stack] if f"{param}:{(e, p)}" not in loaded]
 
     def _hf_module_name(self, name: str) -> str:

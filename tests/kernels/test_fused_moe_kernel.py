@@ -117,3 +117,37 @@ def test_fused_moe_chunks_long_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids), fused_moe_ref(x, w13, w2, weights, ids),
                                rtol=1e-4, atol=1e-5)  # pick_config's tiles per pass
     assert passes[3:] == [4, 4, 3]
+
+
+def _fp8_experts(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stack [E, N, K] quantized as MoeQuant lays it out (per channel, or per block with ragged edges)."""
+    e, n, k = w.shape
+    if block is None:
+        scale = w.abs().amax(dim=2).clamp(min=1e-12) / 448.0
+        return (w / scale[:, :, None]).to(torch.float8_e4m3fn), scale
+    bn, bk = block
+    nb, kb = -(-n // bn), k // bk
+    padded = torch.zeros(e, nb * bn, k)
+    padded[:, :n] = w
+    scale = padded.view(e, nb, bn, kb, bk).abs().amax(dim=(2, 4)).clamp(min=1e-12) / 448.0
+    s = scale.repeat_interleave(bn, 1)[:, :n].repeat_interleave(bk, 2)
+    return (w / s).to(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("block", [None, (16, 16), (64, 16)])  # per channel; blocks; N blocks ragged at the end
+@pytest.mark.parametrize("m", [3, 40])  # 16-row blocks; 32-row blocks
+def test_fp8_experts_match_reference(block: tuple[int, int] | None, m: int) -> None:
+    from kernels.fused_moe import MoeQuant, dequantize_experts
+
+    e, k, h, inter = 4, 2, 32, 48
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, h, generator=g)
+    w13, s13 = _fp8_experts(torch.randn(e, 2 * inter, h, generator=g) * 0.1, block)
+    w2, s2 = _fp8_experts(torch.randn(e, h, inter, generator=g) * 0.1, block)
+    quant = MoeQuant(s13, s2, block)
+    weights, ids = torch.softmax(torch.randn(m, e, generator=g), -1).topk(k)
+    got = fused_moe(x, w13, w2, weights, ids, quant=quant)
+    torch.testing.assert_close(got, fused_moe_ref(x, w13, w2, weights, ids, quant=quant), rtol=1e-3, atol=1e-4)
+    # and the quantized model stays near the one of its dequantized weights (inputs unrounded)
+    plain = fused_moe_ref(x, dequantize_experts(w13, s13, block), dequantize_experts(w2, s2, block), weights, ids)
+    assert (got - plain).abs().max() <= 0.1 * plain.abs().max()
