@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,11 +48,17 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 @dataclass(frozen=True, slots=True)
 class RopeConfig:
     theta: float
-    scaling_type: str = "default"  # default | llama3 | linear
+    scaling_type: str = "default"  # default | llama3 | linear | yarn
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn (Qwen2.5 / Qwen3 past 32k tokens, as their cards set rope_scaling): the ramp's bounds in rotations,
+    # whether they round outward, and the factor cos/sin are scaled by (HF's attention_factor, computed)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,13 +187,17 @@ class ModelConfig:
         moe = _moe(raw, model_type, layers, need)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        rope = _rope(raw)
+        max_pos = need("max_position_embeddings")
+        if rope.scaling_type == "yarn":  # the context yarn was set for, as vLLM derives its max_model_len
+            max_pos = max(max_pos, int(rope.original_max_position_embeddings * rope.factor))
         return cls(
             architecture=arch, model_type=model_type,
             vocab_size=need("vocab_size"), hidden_size=hidden,
             intermediate_size=need("intermediate_size"), num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope=_rope(raw), max_position_embeddings=need("max_position_embeddings"),
+            rope=rope, max_position_embeddings=max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(raw, model_type),
             qk_norm=model_type in ("qwen3", "qwen3_moe"), dtype=_dtype(raw, dtype), eos_token_ids=eos_ids,
@@ -248,16 +259,39 @@ def _rope(raw: dict[str, Any]) -> RopeConfig:
     params = {**scaling, **params}
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind not in ("default", "llama3", "linear"):
-        raise ModelConfigError(f"unsupported rope_scaling type {kind!r}; supported: default, llama3, linear")
+    if kind not in ("default", "llama3", "linear", "yarn"):
+        raise ModelConfigError(f"unsupported rope_scaling type {kind!r}; supported: default, llama3, linear, yarn")
     if not isinstance(theta, (int, float)) or theta <= 0:
         raise ModelConfigError(f"config field 'rope_theta' must be positive, got {theta!r}")
+    factor = params.get("factor", 1.0)
+    original = params.get("original_max_position_embeddings", 8192)
+    if kind == "yarn" and params.get("original_max_position_embeddings") is None:
+        raise ModelConfigError("rope_scaling yarn needs original_max_position_embeddings")
+    if factor is None and kind == "yarn":  # DeepSeek's convention, as HF: the ratio of the two lengths
+        factor = raw.get("max_position_embeddings", original) / original
+    if not isinstance(factor, (int, float)) or factor <= 0:
+        raise ModelConfigError(f"rope_scaling factor must be positive, got {factor!r}")
     return RopeConfig(
-        theta=float(theta), scaling_type=kind, factor=float(params.get("factor", 1.0)),
+        theta=float(theta), scaling_type=kind, factor=float(factor),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=int(original),
+        beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=_yarn_attention_factor(params, float(factor)) if kind == "yarn" else 1.0,
     )
+
+
+def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
+    """HF's: attention_factor when given, else 0.1 ln(factor) + 1 (with DeepSeek's mscale / mscale_all_dim)."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
 
 
 def _sliding_windows(raw: dict[str, Any], model_type: str, num_layers: int) -> tuple[int, ...]:

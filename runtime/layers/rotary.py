@@ -1,5 +1,5 @@
-"""Rotary position embedding (neox / rotate-half style, as HF Llama/Qwen/Mistral), with llama3 and
-linear scaling. cos/sin are precomputed for every position once, in fp32.
+"""Rotary position embedding (neox / rotate-half style, as HF Llama/Qwen/Mistral), with llama3, linear and
+yarn scaling. cos/sin are precomputed for every position once, in fp32.
 
 On CUDA, kernels/rotary.py rotates q and k in place in one launch (1.8 vs 27 us per call inside a CUDA
 graph at one token on an H200, 19 vs 275 us at 4096 tokens), so there q and k are overwritten."""
@@ -16,10 +16,31 @@ from kernels.rotary_kv_store import rotary_kv_store
 from runtime.model_config import RopeConfig
 
 
+def _yarn_inv_freq(inv: torch.Tensor, head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """YaRN (HF's _compute_yarn_parameters): dims rotating fewer than beta_slow times over the original
+    length are interpolated (divided by factor), those rotating more than beta_fast times kept, a linear
+    ramp between."""
+    def dim_of(rotations: float) -> float:
+        return head_dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(rope.theta))
+
+    low, high = dim_of(rope.beta_fast), dim_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as HF: no zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate
+    return inv / rope.factor * (1 - keep) + inv * keep
+
+
 def _inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope.scaling_type == "linear":
         return inv / rope.factor
+    if rope.scaling_type == "yarn":
+        return _yarn_inv_freq(inv, head_dim, rope)
     if rope.scaling_type != "llama3":
         return inv
     old = rope.original_max_position_embeddings
@@ -37,8 +58,11 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), _inv_freq(head_dim, rope))
-        # [max_pos, head_dim]: cos of the half dim, then sin (the layout kernels/rotary.py reads).
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        # [max_pos, head_dim]: cos of the half dim, then sin (the layout kernels/rotary.py reads); yarn's
+        # attention factor scales both, so every kernel reading the cache applies it.
+        scale = rope.attention_factor
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1),
+                             persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, Hq*D], k [T, Hkv*D] → rotated (same shapes and dtypes; in place on CUDA)."""
