@@ -98,8 +98,8 @@ def test_hidden_not_divisible_by_heads_without_head_dim(tiny_llama) -> None:
 
 def test_bad_rope_type_lists_supported(tiny_llama) -> None:
     raw = _raw(tiny_llama)
-    raw["rope_parameters"] = {**raw["rope_parameters"], "rope_type": "yarn"}
-    with pytest.raises(ModelConfigError, match="'yarn'.*default, llama3, linear"):
+    raw["rope_parameters"] = {**raw["rope_parameters"], "rope_type": "longrope"}
+    with pytest.raises(ModelConfigError, match="'longrope'.*default, llama3, linear, yarn"):
         ModelConfig.from_dict(raw)
     raw["rope_parameters"] = {"rope_theta": -1.0}
     with pytest.raises(ModelConfigError, match="rope_theta"):
