@@ -51,7 +51,7 @@ def fp8_block_linear(x: torch.Tensor, w8: torch.Tensor, scale_inv: torch.Tensor,
     x2 = x.reshape(-1, shape[-1])
     if use_kernels is None:
         use_kernels = block_kernels_supported(x.device)
-    if use_kernels and scaled_mm and x2.shape[0] >= SCALED_MM_MIN_M:
+    if use_kernels and _takes_scaled_mm(scaled_mm, x2.shape[0]):
         y = w8a8_block_fp8_scaled_mm(x2, w8, scale_inv)
     elif use_kernels:
         xq, xs = per_token_group_quant_fp8(x2, block[1])
@@ -61,6 +61,13 @@ def fp8_block_linear(x: torch.Tensor, w8: torch.Tensor, scale_inv: torch.Tensor,
     if bias is not None:
         y = y + bias
     return y.view(*shape[:-1], w8.shape[0])
+
+
+def _takes_scaled_mm(scaled_mm: bool, m: int) -> bool:
+    """cuBLASLt's blockwise GEMM serves m rows: from SCALED_MM_MIN_M, outside CUDA-graph capture. Why not in
+    graphs: no GPU run has captured it yet (decode batches of 65+), and a capture failure would stop the
+    server at start; the Triton kernel, which has been captured, serves the graphs' batches instead."""
+    return scaled_mm and m >= SCALED_MM_MIN_M and not torch.cuda.is_current_stream_capturing()
 
 
 def fp8_block_linear_ref(x: torch.Tensor, w8: torch.Tensor, scale_inv: torch.Tensor,
@@ -170,7 +177,7 @@ def _row_forward_silu_mul(self: RowParallelLinear, gate_up: torch.Tensor,
     the group quantize applies SiLU-and-mul as it reads gate_up: one launch less a layer, the same codes."""
     x2 = gate_up.reshape(-1, gate_up.shape[-1])
     if (not self.block_kernels or not self.fused_silu or self._forward_pre_hooks or x2.shape[0] == 0
-            or (self.scaled_mm and x2.shape[0] >= SCALED_MM_MIN_M)):
+            or _takes_scaled_mm(self.scaled_mm, x2.shape[0])):
         return self(act_fn(gate_up))
     xq, xs = per_token_group_quant_fp8(x2, self.block[1], gated=True)
     y = w8a8_block_fp8_matmul(xq, xs, self.weight, self.weight_scale_inv, self.block, gate_up.dtype)
