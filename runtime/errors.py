@@ -57,9 +57,10 @@ class UnsupportedQuantizationError(WeightLoadError):
     def __init__(self, layout: str, detail: str = ""):
         self.layout, self.detail = layout, detail
         super().__init__(f"unsupported quantization layout {layout!r}" + (f": {detail}" if detail else "")
-                         + "; Shoal loads fp8 checkpoints in the compressed-tensors (float-quantized, channel or "
-                           "tensor weight scales) and fbgemm_fp8 layouts, or quantizes bf16/fp16 ones with "
-                           "--quantization fp8")
+                         + "; Shoal loads FP8 checkpoints (compressed-tensors float-quantized with channel or "
+                           "tensor scales, fbgemm_fp8, quant_method fp8 per tensor or with weight_block_size), "
+                           "4-bit ones (AWQ gemm, GPTQ v1, compressed-tensors pack-quantized int4), or quantizes "
+                           "bf16/fp16 ones with --quantization fp8")
 
     def __reduce__(self):
         return type(self), (self.layout, self.detail)

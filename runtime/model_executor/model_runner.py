@@ -34,7 +34,7 @@ from runtime.model_executor import cpu_config
 from runtime.model_executor.cpu_fused_layers import fuse_cpu_layers
 from runtime.model_executor.cpu_memory import CpuMemoryTrimmer
 from runtime.model_executor.forward_batch import ForwardBatch
-from runtime.model_executor.fp8_weights import Fp8Weights
+from runtime.model_executor.int4_weights import resolve_weight_quantization
 from runtime.model_executor.kv_cache_format import KVCacheFormat
 from runtime.model_executor.kv_calibrator import KVCalibrator
 from runtime.model_executor.memory_report import MemoryReport
@@ -151,11 +151,10 @@ class ModelRunner:
             # An embedding server never computes logits: no LM head (an untied 151k x 8k one is ~1.2 GB of
             # device memory the KV pool would lose).
             model = get_model_class(cfg.architecture)(cfg, self.ctx, embedding_only=self.args.is_embedding)
-        fp8 = Fp8Weights.resolve(self.args.quantization, None if self.args.load_format == "dummy" else model_path,
-                                 self.args.fp8_weight_scales, self.args.fp8_weight_only,
-                                 self.args.fp8_act_terms, self.args.fp8_lm_head_mode)
-        if fp8 is not None:
-            fp8.prepare(model)
+        # 4-bit (AWQ / GPTQ / compressed-tensors W4A16) or FP8 weights, from config.json or --quantization
+        quant = resolve_weight_quantization(self.args, model_path)
+        if quant is not None:
+            quant.prepare(model)
         if self.args.load_format == "dummy":
             # tie_word_embeddings: no random LM head drawn for an embedding model, which has none
             shapes = dataclasses.replace(cfg, tie_word_embeddings=True) if self.args.is_embedding else cfg
@@ -164,8 +163,8 @@ class ModelRunner:
             show = self.ctx.attn.rank == 0 and self.ctx.mlp.rank == 0
             weights = iterate_safetensors(model_path, show_progress=show)
             model.load_weights(self._embedding_checkpoint(weights) if self.args.is_embedding else weights)
-        if fp8 is not None:
-            fp8.finish(model, cfg.dtype, None if self.args.load_format == "dummy"
+        if quant is not None:
+            quant.finish(model, cfg.dtype, None if self.args.load_format == "dummy"
                        else lambda: self._calibration_prefill(model, model_path))
         model.eval()
         logger.info("loaded %s (%s, %s) in %.1f s", cfg.architecture, cfg.dtype, self.args.load_format,

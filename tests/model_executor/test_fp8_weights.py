@@ -219,8 +219,8 @@ def _with_quant_config(src: Path, dst: Path, qcfg: dict) -> Path:
 
 
 @pytest.mark.parametrize(("qcfg", "named"), [
-    ({"quant_method": "gptq", "bits": 4}, "'gptq'"),
-    ({"quant_method": "awq"}, "'awq'"),
+    ({"quant_method": "gptq", "bits": 3}, "gptq 3-bit"),  # 4-bit GPTQ / AWQ gemm load (tests/quant)
+    ({"quant_method": "awq", "version": "gemv"}, "awq/gemv"),
     ({**quant_config("compressed-tensors"), "format": "pack-quantized"}, "compressed-tensors/pack-quantized"),
     ({**quant_config("compressed-tensors"), "config_groups": {"g": {"weights": {
         "num_bits": 4, "type": "int", "strategy": "group"}}}}, "compressed-tensors/int4/group"),
