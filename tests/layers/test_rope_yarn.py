@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import save_random_model
 
 from runtime.errors import ModelConfigError
 from runtime.layers.rotary import RotaryEmbedding, _inv_freq
 from runtime.model_config import ModelConfig, _rope
-from tiny_models import save_random_model
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 
