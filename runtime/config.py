@@ -59,7 +59,9 @@ class ServerArgs:
                                           "'{\"max_position_embeddings\": 32768}', rope_scaling, ...; "
                                           "Engine(hf_overrides={...}) takes a dict")
     quantization: str | None = _opt(None, "fp8: quantize a bf16/fp16 checkpoint's linear weights to FP8 at load "
-                                          "(per-channel); FP8 checkpoints are detected from config.json", ("fp8",))
+                                          "(per-channel); FP8 and 4-bit (AWQ, GPTQ, compressed-tensors W4A16) "
+                                          "checkpoints are detected from config.json (naming them must match it)",
+                                    ("fp8", "awq", "gptq", "compressed-tensors", "awq_marlin", "gptq_marlin"))
     fp8_weight_scales: str = _opt("act_weighted", "--quantization fp8: per-channel weight scales of least e4m3 "
                                                   "rounding error weighed by a calibration prefill's activations "
                                                   "(act_weighted), unweighted (mse), or amax / 448 (amax)",
@@ -183,6 +185,8 @@ class ServerArgs:
                                               "sglang, or none")
     log_level: str = _opt("info", "log level", ("debug", "info", "warning", "error"))
     log_interval_s: float = _opt(10.0, "seconds between scheduler stats log lines")
+    profile_dir: str | None = _opt(None, "where POST /start_profile writes each TP rank's torch.profiler trace "
+                                         "(Chrome JSON); default: $SHOAL_TORCH_PROFILER_DIR, else profiling is off")
 
     def __post_init__(self) -> None:
         if isinstance(self.hf_overrides, Mapping):  # Engine(hf_overrides={...}) or a YAML mapping, as vLLM's LLM
@@ -308,9 +312,13 @@ class ServerArgs:
 
     @property
     def radix_cache_enabled(self) -> bool:
-        # An embedding server's mean and CLS pooling read every prompt token's hidden state: a prefix taken
-        # from the cache was never computed here (runtime/layers/pooler.py), so the cache is off there.
+        """A generation server's prefix cache; an embedding server's depends on its pooling: prefix_cache_for."""
         return not self.disable_radix_cache and not self.is_embedding
+
+    def prefix_cache_for(self, pooling: str | None) -> bool:
+        # Last-token pooling reads the last position only, which every prefill computes (a cache match stops
+        # a token short of the prompt); mean and CLS read every position, a cached one was never computed here.
+        return not self.disable_radix_cache and (not self.is_embedding or pooling == "last")
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)

@@ -18,6 +18,7 @@ import msgspec
 
 from runtime.config import ServerArgs
 from runtime.default_model import resolve_model
+from runtime.engine_admin import EngineAdmin
 from runtime.errors import EngineUnavailableError, InvalidRequestError, ServerArgsError
 from runtime.logging_setup import setup_logging
 from runtime.lora.engine_lora import EngineLora
@@ -35,7 +36,7 @@ from runtime.text.result_collector import ResultCollector, usage_dict
 from runtime.text.tokenizer import NullTokenizer, Tokenizer, load_tokenizer
 
 
-class Engine(EngineLora, EngineEmbeddings):  # an EngineClient; LoRA adapters at run time in EngineLora
+class Engine(EngineLora, EngineAdmin, EngineEmbeddings):  # an EngineClient; run-time LoRA, operator calls
     def __init__(self, model_path: str | None = None, *, server_args: ServerArgs | None = None, **kwargs: Any):
         if server_args is None:
             server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)

@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from runtime.admin_messages import AdminReply, ProfileControl
 from runtime.errors import InvalidRequestError
 from runtime.messages import GenerateRequest, RequestOutput, RoutingStats, SchedulerStats
 
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 class EngineClient(ABC):
     model_name: str
     context_len: int
+    model_path: str | None = None  # the model folder (SGLang's /get_model_info), where the client knows it
     # An embedding server's pooling (POST /v1/embeddings reads it for `dimensions`); None: a generative one.
     pooling: PoolingConfig | None = None
 
@@ -68,3 +70,12 @@ class EngineClient(ABC):
         """Stops serving adapter `name` (LoraNotFoundError, a 404, if it is not served); requests running it
         finish with it."""
         raise InvalidRequestError("this engine cannot unload LoRA adapters", param="lora_name")
+
+    # ---- operator calls (runtime/gateway/admin_routes.py) -----------------------------------------------------
+    async def flush_prefix_cache(self) -> AdminReply:
+        """Drops every prefix-cache entry no running request uses, on every replica."""
+        raise InvalidRequestError("this engine cannot flush its prefix cache", param="flush_cache")
+
+    async def profile(self, ctl: ProfileControl) -> AdminReply:
+        """Starts or stops a torch.profiler trace of every TP rank's steps, on every replica."""
+        raise InvalidRequestError("this engine cannot profile its workers", param="profile")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
+from runtime.admin_messages import ProfileControl
 from runtime.sampling.params import SamplingParams
 
 
@@ -201,6 +202,7 @@ class WorkerBatch(msgspec.Struct, kw_only=True):
     lora_loads: list[list[int]] = []
     # --enable-lora: ids of adapters unloaded at run time whose last request has finished: every rank forgets them.
     lora_drops: list[int] = []
+    profile: ProfileControl | None = None  # a control frame (batch_id -1, nothing to run): ranks 1.. apply it
 
 
 class LoraLoad(msgspec.Struct, frozen=True):
@@ -332,6 +334,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     attention_backend: str
     device: str
     all_reduce: str = "none"  # the TP all-reduce in use (ParallelGroup.all_reduce_kind)
+    pooling: str | None = None  # an embedding server's pooling type (last / mean / cls); None: generation
 
 
 class CacheEvents(msgspec.Struct, kw_only=True):

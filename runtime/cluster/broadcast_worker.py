@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from runtime.admin_messages import AdminReply, ProfileControl
 from runtime.cluster.leader_stamps import LeaderStamps
 from runtime.distributed.step_channel import StepChannel
 from runtime.errors import EngineUnavailableError
@@ -55,6 +56,17 @@ class BroadcastWorker:
     def run_batch(self, batch: WorkerBatch) -> BatchResult:
         return self.finish_batch(self.launch_batch(batch))
 
+    def profile(self, ctl: ProfileControl) -> AdminReply:
+        """The other ranks get it as a control frame between two steps, so every rank traces the same steps."""
+        self._check()
+        reply = self.worker.profile(ctl)
+        if reply.error is None:
+            try:
+                self.channel.send(self._encoder.encode(control_frame(ctl)))
+            except Exception as e:
+                raise self._failure(e) from None
+        return reply
+
     def fail(self, message: str) -> EngineUnavailableError:
         """Marks the group failed (idempotent: the first reason wins) and tells the owner once."""
         if self.failed is None:
@@ -80,3 +92,9 @@ def describe_exception(e: BaseException) -> str:
     cause = getattr(e, "cause", None) or e
     text = str(cause).strip()
     return f"{type(cause).__name__}: {text.splitlines()[0]}" if text else type(cause).__name__
+
+
+def control_frame(ctl: ProfileControl) -> WorkerBatch:
+    """A WorkerBatch that runs nothing (batch_id -1): it only carries `ctl` to the following ranks."""
+    return WorkerBatch(batch_id=-1, forward_mode=0, input_ids=[], req_pool_indices=[], seq_lens=[], prefix_lens=[],
+                       out_cache_loc=[], profile=ctl)

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from runtime.cluster.live_stream import LiveStream, pin_seed
+from runtime.cluster.ray_admin_client import RayAdminClient
 from runtime.cluster.ray_lora_client import RayLoraClient
 from runtime.cluster.replica_group import ReplicaGroup
 from runtime.cluster.replica_links import ReplicaLinks
@@ -42,7 +43,7 @@ from runtime.text.pooling_config import PoolingConfig
 logger = logging.getLogger(__name__)
 
 
-class RayEngineClient(RayLoraClient, EngineClient):  # LoRA adapters at run time: RayLoraClient
+class RayEngineClient(RayLoraClient, RayAdminClient, EngineClient):  # run-time LoRA, operator calls
     def __init__(self, args: ServerArgs, launcher: Any, groups: list[ReplicaGroup], tokenizer: Any,
                  model_name: str, *, health_interval_s: float = 1.0, health_timeout_s: float = 10.0,
                  owns_ray: bool = False):
@@ -73,9 +74,7 @@ class RayEngineClient(RayLoraClient, EngineClient):  # LoRA adapters at run time
         self._consumer = f"client-{uuid.uuid4().hex[:12]}"
         self._links = ReplicaLinks(self._consumer, not args.disable_request_link)
         self._closing = False
-        self.restarts = 0
-        self.failovers = 0
-        self.failover_errors = 0
+        self.restarts = self.failovers = self.failover_errors = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="shoal-ray-client", daemon=True)
         self._thread.start()

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any
 
+from runtime.admin_messages import AdminReply, ProfileControl
 from runtime.cluster.tp_rank import RankSpec, TpRank, endpoint, local_model_path
 from runtime.config import ServerArgs
 from runtime.errors import EngineUnavailableError, InvalidRequestError
@@ -201,6 +202,15 @@ class SchedulerActor:
     async def health(self) -> bool:
         return self.healthy()
 
+    # ---- operator calls (runtime/cluster/ray_admin_client.py) -------------------------------------
+    async def flush_cache(self) -> AdminReply:
+        """Drops every prefix-cache entry no running request uses, between two steps."""
+        return await asyncio.to_thread(_admin, self.host.flush_cache)
+
+    async def profile(self, ctl: ProfileControl) -> AdminReply:
+        """Starts or stops the trace of this replica's steps, on every TP rank (BroadcastWorker.profile)."""
+        return await asyncio.to_thread(_admin, lambda: self.host.profile(ctl))
+
     # ---- LoRA adapters at run time (runtime/lora/lora_registry.py) --------------------------------
     async def load_lora_adapter(self, name: str, path: str, replace: bool = False) -> LoraUpdate:
         """Every TP rank of this replica reads the adapter (this one, then the followers) before the
@@ -288,3 +298,11 @@ def _lora_update(update: Any) -> LoraUpdate:
     except InvalidRequestError as e:
         return LoraUpdate(error=e.message)
     return LoraUpdate()
+
+
+def _admin(call: Any) -> AdminReply:
+    """An operator call's answer as the typed reply that crosses to the client (no exception pickling)."""
+    try:
+        return call()
+    except (InvalidRequestError, EngineUnavailableError) as e:
+        return AdminReply(error=str(e))

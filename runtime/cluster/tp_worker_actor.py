@@ -12,6 +12,7 @@ The actor is threaded, so node_id(), inject_fault(), trace_steps() and add_lora(
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -24,6 +25,8 @@ from runtime.errors import InvalidRequestError
 from runtime.gc_guard import GcGuard
 from runtime.messages import LoraLoad, LoraUpdate, WorkerBatch, WorkerInfo
 from runtime.model_executor.forward_mode import ForwardMode
+
+logger = logging.getLogger(__name__)
 
 
 class TpWorkerActor:
@@ -55,6 +58,11 @@ class TpWorkerActor:
             trace = self._trace  # read after the wait: a trace started while idle sees its first step
             recv_ns = clock() if trace is not None else 0
             batch = decoder.decode(frame.data)
+            if batch.profile is not None:  # a control frame from rank 0, applied between the same two steps
+                reply = worker.profile(batch.profile)
+                if reply.error is not None:
+                    logger.warning("TP rank %d: %s", self.spec.rank, reply.error)
+                continue
             if batch.sampling is not None:
                 batch.sampling.return_logprob = False  # rank 0 reports logprobs; they never change a token
             decoded_ns = clock() if trace is not None else 0

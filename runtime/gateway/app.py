@@ -22,7 +22,14 @@ from aiohttp import web
 from runtime.config import ServerArgs
 from runtime.engine_client import EngineClient
 from runtime.errors import ShoalError
-from runtime.gateway import dashboard_routes, debug_routes, lora_routes, native_routes, tokenize_routes
+from runtime.gateway import (
+    admin_routes,
+    dashboard_routes,
+    debug_routes,
+    lora_routes,
+    native_routes,
+    tokenize_routes,
+)
 from runtime.gateway.errors import ApiError, from_http_exception, from_shoal_error
 from runtime.gateway.openai_chat import chat_completions
 from runtime.gateway.openai_completions import completions
@@ -37,7 +44,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # No API key needed: probes, scrapers, and the dashboard's page (it holds no data; its script sends the
 # key it finds in the page's #key=... fragment to /dashboard/data, which needs it like any route).
-_OPEN_PATHS = frozenset({"/health", "/metrics", "/dashboard", "/version"})
+_OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/dashboard", "/version"})  # /ping: SageMaker's /health
 
 
 def _authorized(request: web.Request, api_key: str) -> bool:
@@ -185,6 +192,7 @@ def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) 
     app.router.add_get("/dashboard/data", dashboard_routes.data)
     app.router.add_get("/debug/ttft_trace", debug_routes.ttft_trace)
     app.router.add_post("/debug/ttft_trace", debug_routes.ttft_trace)
+    admin_routes.add_routes(app)  # /flush_cache, /reset_prefix_cache, server info, /ping, /invocations, profiling
     return app
 
 

@@ -39,7 +39,7 @@ _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
 
 
 @functools.cache
-def _version() -> str:
+def shoal_version() -> str:
     try:
         return importlib.metadata.version("shoal")
     except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
@@ -101,7 +101,7 @@ class GatewayState:
     def system_fingerprint(self, client: EngineClient) -> str:
         """OpenAI's system_fingerprint: names the serving configuration (Shoal's version, the model and
         its context), so a client sees when answers to the same request may change."""
-        key = f"shoal {_version()} {client.model_name} {client.context_len}"
+        key = f"shoal {shoal_version()} {client.model_name} {client.context_len}"
         return "fp_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
     def check_model(self, client: EngineClient, model: str | None) -> str:

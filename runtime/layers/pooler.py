@@ -4,8 +4,9 @@ normalization when the model's sentence-transformers config says so.
 
 Chunked prefill splits a prompt across forwards: mean and CLS keep what earlier chunks gave in an fp32
 row per request-table row (req_pool_idx), reset by a chunk starting at position 0. That needs every
-chunk's tokens computed here: an embedding server never takes a prompt prefix from the radix cache
-(ServerArgs.radix_cache_enabled), and a retracted request restarts from position 0."""
+chunk's tokens computed here: an embedding server with mean or CLS pooling never takes a prompt prefix from
+the radix cache (ServerArgs.prefix_cache_for), and a retracted request restarts from position 0. Last-token
+pooling reads only the last position, which a cache match always leaves to compute, so it takes prefixes."""
 
 from __future__ import annotations
 

@@ -61,6 +61,12 @@ class KVCacheManager:
             self.evictions += self.cache.evict(short)
         return self.allocator.alloc(n)
 
+    def flush(self) -> int:
+        """Drops every cached prefix no live request holds (their slots go back to the free list); how many
+        tokens. Locked nodes, and so every running request's prefix, stay. Not counted as evictions: those
+        are the cache giving way to memory pressure."""
+        return self.cache.evict(self.cache.evictable_size())
+
     def release_finished(self, req: Req) -> None:
         """A finished (or aborted) request: its KV goes to the prefix cache, or back to the free list."""
         if req.req_pool_idx is None:

@@ -1,9 +1,7 @@
-"""Scheduler: continuous batching for one data-parallel replica.
-
-Each step: take new requests and aborts from the inbox, pick the next batch (prefill first under the
-token budget, chunked; else the running decodes; both at once when MIXED is on; IDLE when a DP rank
-must step with nothing to do), allocate KV (evicting cache, then retracting), run it on the TP
-workers, then append tokens, check stops and free or cache what finished."""
+"""Scheduler: continuous batching for one data-parallel replica. Each step: take new requests and aborts from the
+inbox, pick the next batch (prefill first under the token budget, chunked; else the running decodes; both at
+once when MIXED is on; IDLE when a DP rank must step with nothing to do), allocate KV (evicting cache, then
+retracting), run it on the TP workers, then append tokens, check stops and free or cache what finished."""
 
 from __future__ import annotations
 
@@ -45,15 +43,17 @@ class Scheduler:
                  sink: Callable[[list[RequestOutput]], None],
                  decode_text: Callable[[list[int], bool], str] | None = None,
                  overlap: bool = False, cache_events: CacheEventLog | None = None, pad_drafts: bool = False,
-                 grammar: GrammarCompiler | None = None, reserve_known_output: bool = False):
+                 grammar: GrammarCompiler | None = None, reserve_known_output: bool = False,
+                 pooling: str | None = None):
         self.args, self.worker, self.sink, self.decode_text = args, worker, sink, decode_text
         self.context_len, self.vocab_size, self.eos_token_ids = context_len, vocab_size, eos_token_ids
         self.max_running = min(args.max_running_requests, max_reqs - 1)
         self.lora_ids = LoraRegistry(args)  # --enable-lora: adapter name → id, loaded / unloaded at run time
-        self.kv = KVCacheManager(max_total_tokens, max_reqs, context_len, enable_cache=args.radix_cache_enabled,
+        cache_on = args.prefix_cache_for(pooling)  # an embedding server's only with last-token pooling
+        self.kv = KVCacheManager(max_total_tokens, max_reqs, context_len, enable_cache=cache_on,
                                  cache_events=cache_events, loras=self.lora_ids.slots)
         self.limits = RequestLimits(context_len, vocab_size, self.kv.size, args.speculative_algorithm is not None)
-        self.policy = create_policy(args.schedule_policy, args.radix_cache_enabled)
+        self.policy = create_policy(args.schedule_policy, cache_on)
         self.retractor = Retractor(args, reserve_known_output)
         self.prefill = PrefillAdder(args, self.kv, self.policy, self.retractor)
         self.stats = ForwardModeStats(args.log_interval_s)
@@ -110,8 +110,8 @@ class Scheduler:
             self._add(item)
         elif kind == "abort":
             self._abort(item)
-        elif kind == "stats":  # answered between steps: a busy loop never starves the asker (see SchedulerHost)
-            item.set_result(self.get_stats())
+        elif kind == "call":  # run between steps: a busy loop never starves the asker (SchedulerHost.call)
+            item()
 
     def _add(self, g: GenerateRequest) -> None:
         if g.rid in self.reqs:

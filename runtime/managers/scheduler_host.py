@@ -11,8 +11,11 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TypeVar
 
+from runtime.admin_messages import AdminReply, ProfileControl
 from runtime.config import ServerArgs
+from runtime.errors import EngineUnavailableError
 from runtime.gc_guard import GcGuard
 from runtime.managers.request_validation import RequestLimits
 from runtime.managers.scheduler import Scheduler
@@ -22,6 +25,7 @@ from runtime.messages import GenerateRequest, RequestOutput, SchedulerStats, Wor
 from runtime.sampling.grammar_compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def overlap_wanted(args: ServerArgs, worker: WorkerClient, info: WorkerInfo) -> bool:
@@ -50,7 +54,7 @@ class SchedulerHost:
             context_len=info.context_len, vocab_size=info.vocab_size, eos_token_ids=eos_token_ids, sink=sink,
             decode_text=decode_text, overlap=overlap_wanted(args, worker, info), cache_events=cache_events,
             reserve_known_output=reserve_known_wanted(args, info),
-            grammar=grammar,
+            grammar=grammar, pooling=info.pooling,
             pad_drafts=info.device.startswith("cuda") and not args.disable_cuda_graph)  # graph-shaped verify steps
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -78,18 +82,48 @@ class SchedulerHost:
         self.scheduler.abort(rid)
 
     def stats(self, timeout_s: float = 10.0) -> SchedulerStats:
-        """Waits for the step in progress: call off event loops. A running loop answers through its inbox
-        between two steps — waiting for its lock instead would starve while it steps back to back (a
-        Lock is not fair: the loop takes it again before a waiter wakes)."""
+        """Waits for the step in progress: call off event loops."""
+        return self._with_gc(self.call(self.scheduler.get_stats, timeout_s))
+
+    def call(self, fn: Callable[[], T], timeout_s: float = 10.0, on_thread: bool = False) -> T:
+        """fn() on the scheduler thread between two steps, under its lock; waits for it (call off event
+        loops) and raises what it raised. A running loop answers through its inbox — waiting for its lock
+        instead would starve while it steps back to back (a Lock is not fair: the loop takes it again before a
+        waiter wakes). A loop that does not answer in timeout_s (or is not running): fn runs here, under the lock,
+        unless on_thread (fn must run on the scheduler thread): EngineUnavailableError then."""
+        if not self.is_running() and on_thread:
+            raise EngineUnavailableError("the scheduler is not running")
         if self.is_running():
-            answer: Future[SchedulerStats] = Future()
-            self.scheduler.inbox.put(("stats", answer))
+            answer: Future[T] = Future()
+
+            def run() -> None:
+                if not answer.set_running_or_notify_cancel():  # the caller gave up and ran fn itself
+                    return
+                try:
+                    answer.set_result(fn())
+                except Exception as e:  # the caller's failure, never the scheduler loop's
+                    answer.set_exception(e)
+
+            self.scheduler.inbox.put(("call", run))
             try:
-                return self._with_gc(answer.result(timeout_s))
+                return answer.result(timeout_s)
             except FutureTimeout:
-                logger.warning("the scheduler did not answer a stats request in %.0f s", timeout_s)
+                if not answer.cancel():  # it started meanwhile: its answer is coming
+                    return answer.result()
+                logger.warning("the scheduler did not answer in %.0f s", timeout_s)
+                if on_thread:
+                    raise EngineUnavailableError(f"the scheduler did not answer in {timeout_s:.0f} s") from None
         with self.scheduler.lock:
-            return self._with_gc(self.scheduler.get_stats())
+            return fn()
+
+    def flush_cache(self) -> AdminReply:
+        """SGLang's /flush_cache, vLLM's /reset_prefix_cache: drops every cached prefix no request uses now."""
+        kv = self.scheduler.kv
+        return self.call(lambda: AdminReply(flushed_tokens=kv.flush(), kept_tokens=kv.cache.protected_size()))
+
+    def profile(self, ctl: ProfileControl, timeout_s: float = 60.0) -> AdminReply:
+        """Starts or stops a trace of every TP rank's steps, between two steps (a stop writes the files)."""
+        return self.call(lambda: self.worker.profile(ctl), timeout_s, on_thread=True)
 
     def _with_gc(self, stats: SchedulerStats) -> SchedulerStats:
         stats.gc_pause_s, stats.gc_slow_pauses = self.gc.pauses.total_s, self.gc.pauses.slow

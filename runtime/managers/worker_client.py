@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from runtime.admin_messages import AdminReply, ProfileControl
 from runtime.messages import BatchResult, WorkerBatch
 
 
@@ -25,3 +26,6 @@ class WorkerClient(Protocol):
         """Enqueues the batch; finish_batch(returned handle) waits for and returns its result."""
 
     def finish_batch(self, launched: object) -> BatchResult: ...
+
+    def profile(self, ctl: ProfileControl) -> AdminReply:
+        """Starts or stops a trace of every TP rank's steps; called on the thread that drives this worker."""

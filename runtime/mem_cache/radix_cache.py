@@ -9,7 +9,8 @@ moment `allocator.available_size() + cache.total_size() + slots held outside the
 
 Namespaces: KV computed under a LoRA adapter differs from the base model's for the same tokens, so each
 adapter's prefixes live in a tree of their own (namespace = the adapter's id; 0 = the base model, `root`).
-Eviction and accounting span every tree; only namespace 0 is reported to `events` (cache-aware routing).
+Eviction and accounting span every tree; only namespace 0 is reported to `events` (cache-aware routing). A
+namespace's root goes once its last node is evicted.
 """
 
 from __future__ import annotations
@@ -210,6 +211,8 @@ class RadixCache:
             del parent.children[leaf.key[0]]
             self._evictable_leaves.discard(leaf)
             leaf.parent = None
+            if parent.parent is None and not parent.children and parent is not self.root:
+                self._drop_namespace(parent)
             self._refresh_leaf_status(parent)
             if parent in self._evictable_leaves:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
@@ -230,6 +233,7 @@ class RadixCache:
                 self.allocator.free(node.value)
                 stack.extend(node.children.values())
             root.children.clear()
+        self._roots = {0: self.root}
         self._evictable_leaves.clear()
         self._evictable_size = 0
         self._protected_size = 0
@@ -289,6 +293,14 @@ class RadixCache:
         if root is None:
             root = self._roots[namespace] = self._new_node(None, (), torch.empty(0, dtype=torch.int64))
         return root
+
+    def _drop_namespace(self, root: TreeNode) -> None:
+        """An adapter's tree lost its last node: its root goes too, so the LoRA ids of unloaded adapters (fresh
+        per load) leave nothing behind. A later insert under that id makes a new root (_root)."""
+        for namespace, r in self._roots.items():
+            if r is root:
+                del self._roots[namespace]
+                return
 
     def _path(self, node: TreeNode) -> tuple[TreeNode, list[int]]:
         """(the root of node's tree, every token from it down to the end of node's edge)."""

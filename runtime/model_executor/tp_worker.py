@@ -3,14 +3,20 @@ is called directly; under Ray a TpWorkerActor hosts the same class."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from runtime.admin_messages import AdminReply, ProfileControl
 from runtime.config import ServerArgs
 from runtime.errors import InvalidRequestError
 from runtime.messages import BatchResult, LoraLoad, WorkerBatch, WorkerInfo
 from runtime.model_executor.model_runner import LaunchedBatch, ModelRunner
 from runtime.model_executor.spec_decode_runner import SpecDecodeRunner
+from runtime.model_executor.step_profiler import StepProfiler
 from runtime.models.parallel_context import ParallelContext
+
+logger = logging.getLogger(__name__)
 
 
 class TpWorker:
@@ -26,6 +32,7 @@ class TpWorker:
                  device: torch.device | None = None):
         self.runner = ModelRunner(args, model_path, ctx, device)
         self.runner.spec = SpecDecodeRunner.create(args, self.runner)
+        self.profiler: StepProfiler | None = None  # /start_profile .. /stop_profile (or its num_steps)
 
     def bind_thread(self) -> None:
         device = self.runner.device
@@ -37,7 +44,34 @@ class TpWorker:
         return WorkerInfo(max_total_tokens=r.max_total_tokens, max_reqs=r.max_running_requests,
                           context_len=r.context_len, vocab_size=r.model_config.vocab_size,
                           eos_token_ids=list(r.model_config.eos_token_ids), attention_backend=r.attn_backend_name,
-                          device=str(r.device), all_reduce=r.ctx.mlp.all_reduce_kind)
+                          device=str(r.device), all_reduce=r.ctx.mlp.all_reduce_kind,
+                          pooling=r.pooler.name if r.pooler is not None else None)
+
+    def profile(self, ctl: ProfileControl) -> AdminReply:
+        """Starts or stops this rank's trace. On the thread that runs this worker's steps only (StepProfiler
+        says why); a start while one runs, or a stop with none, is an error in the reply."""
+        if ctl.start == (self.profiler is not None):
+            return AdminReply(error="the profiler is already running: POST /stop_profile first" if ctl.start
+                              else "the profiler is not running: POST /start_profile first")
+        if ctl.start:
+            try:
+                self.profiler = StepProfiler(ctl, self.runner.ctx.mlp.rank, self.runner.device)
+            except OSError as e:
+                return AdminReply(error=f"cannot write traces to {ctl.output_dir!r}: {e}")
+            return AdminReply()
+        profiler, self.profiler = self.profiler, None
+        try:
+            return AdminReply(trace_files=[profiler.stop()])
+        except OSError as e:
+            return AdminReply(error=f"cannot write the trace {profiler.path!r}: {e}")
+
+    def _profiled(self) -> None:
+        if self.profiler.step():  # its num_steps are done
+            profiler, self.profiler = self.profiler, None
+            try:
+                profiler.stop()
+            except OSError:  # a trace that cannot be written must not fail the step's requests
+                logger.exception("cannot write the trace %s", profiler.path)
 
     def add_lora(self, load: LoraLoad) -> None:
         """An adapter loaded at run time, read and checked on this rank (any thread; InvalidRequestError naming
@@ -52,14 +86,20 @@ class TpWorker:
 
     def run_batch(self, batch: WorkerBatch) -> BatchResult:
         self._drop_loras(batch)
-        return self.runner.run_batch(batch)
+        result = self.runner.run_batch(batch)
+        if self.profiler is not None:
+            self._profiled()
+        return result
 
     def release(self) -> None:
         self.runner.release()
 
     def launch_batch(self, batch: WorkerBatch, sample_later: bool = False, keep_on_device: bool = False) -> LaunchedBatch:
         self._drop_loras(batch)
-        return self.runner.launch_batch(batch, sample_later, keep_on_device)
+        launched = self.runner.launch_batch(batch, sample_later, keep_on_device)
+        if self.profiler is not None:
+            self._profiled()
+        return launched
 
     def sample_deferred(self, launched: LaunchedBatch, grammar_rows: list[int], grammar_mask: bytes) -> LaunchedBatch:
         return self.runner.sample_deferred(launched, grammar_rows, grammar_mask)

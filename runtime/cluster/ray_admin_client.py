@@ -1,0 +1,40 @@
+"""RayAdminClient: RayEngineClient's operator calls (kept here: ray_engine_client.py is at its size limit) —
+a prefix-cache flush, or a profiler start / stop, sent as one typed actor call to every live routing target's
+SchedulerActor (each replica, each DP rank), which runs it on its scheduler thread between two steps; a
+profiler command reaches that replica's other TP ranks over its StepChannel (BroadcastWorker.profile). The
+answers are summed into one AdminReply; a target that fails to answer counts as that target's error."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+
+from runtime.admin_messages import AdminReply, ProfileControl
+
+
+class RayAdminClient:
+    """A mixin of RayEngineClient: it uses its replicas and _actor()."""
+
+    replicas: list[Any]
+
+    async def flush_prefix_cache(self) -> AdminReply:
+        return await self._admin_call("flush_cache", lambda i: ())
+
+    async def profile(self, ctl: ProfileControl) -> AdminReply:
+        # Each target writes its own ranks' files: the replica's index keeps their names apart.
+        def args(i: int) -> tuple[ProfileControl]:
+            return (msgspec.structs.replace(ctl, trace_id=f"{ctl.trace_id}-replica{i}") if ctl.start else ctl,)
+
+        return await self._admin_call("profile", args)
+
+    async def _admin_call(self, method: str, args: Any) -> AdminReply:
+        targets = [r.index for r in self.replicas if r.alive]
+        if not targets:
+            return AdminReply(error="no replica is serving")
+        results = await asyncio.gather(*(getattr(self._actor(i), method).remote(*args(i)) for i in targets),
+                                       return_exceptions=True)
+        return AdminReply.combined([
+            r if isinstance(r, AdminReply) else AdminReply(error=f"routing target {i}: {type(r).__name__}: {r}")
+            for i, r in zip(targets, results)])

@@ -1,0 +1,199 @@
+"""Operator routes both peers have, in their shapes (the engine side: EngineClient.flush_prefix_cache / profile,
+runtime/engine_admin.py and runtime/cluster/ray_admin_client.py). The API key guards them like every route.
+
+Prefix cache — SGLang's GET|POST /flush_cache (200 "Cache flushed..." text) and vLLM's POST /reset_prefix_cache
+(200, empty): every cached prefix no running request uses is dropped and its KV freed, on every replica. Where
+SGLang refuses with 400 while requests run (and vLLM resets nothing while any block is in use), Shoal flushes
+what is not in use and keeps the running requests' prefixes: never unsafe, and a benchmark script that
+flushes between runs gets its 200 even with a straggler in flight. vLLM's ?reset_running_requests=true
+(preempt them) is refused with a 400.
+
+Server info — SGLang's GET /get_model_info and GET /get_server_info (/server_info in newer SGLang): the server
+args (never --api-key) with the resolved model folder, names and context length, SGLang's runtime fields
+(max_total_num_tokens, max_req_input_len; internal_states[0] with avg_spec_accept_length, which
+bench_serving reads, and last_gen_throughput; one entry for the whole server, summed over replicas, where
+SGLang lists one per DP rank) and version.
+
+SageMaker (vLLM's) — GET|POST /ping answers as /health; POST /invocations routes by body as vLLM does:
+"messages" → chat completions, else "prompt" → completions on a generation server; "input" or "messages" →
+embeddings on an embedding server; a 400 naming what is missing otherwise.
+
+Profiling — SGLang's GET|POST and vLLM's POST /start_profile and /stop_profile: a torch.profiler trace of every
+TP rank's steps into --profile-dir (else $SHOAL_TORCH_PROFILER_DIR; neither: a 400 saying how to set one, as
+vLLM refuses), one Chrome trace per rank. Optional body (SGLang's ProfileReqInput): num_steps (it stops by
+itself after them), activities (CPU / GPU), with_stack, record_shapes; output_dir is refused (the server's
+operator, not a client, picks where files go: vLLM's rule), as are SGLang's start_step, profile_by_stage
+and merge_profiles, which Shoal does not do."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from runtime.admin_messages import AdminReply, ProfileControl, profile_control
+from runtime.errors import ShoalError
+from runtime.gateway.errors import ApiError, bad_request, from_shoal_error, not_supported
+from runtime.gateway.native_routes import health
+from runtime.gateway.openai_chat import chat_completions
+from runtime.gateway.openai_completions import completions
+from runtime.gateway.openai_embeddings import embeddings
+from runtime.gateway.protocol import encode
+from runtime.gateway.state import STATE_KEY, shoal_version
+
+_SECRET_ARGS = ("api_key",)  # never shown by /get_server_info
+
+
+class StartProfileBody(msgspec.Struct, kw_only=True):
+    num_steps: int | None = None
+    activities: list[str] | None = None
+    with_stack: bool | None = None
+    record_shapes: bool | None = None
+    output_dir: str | None = None  # SGLang's; refused (see the module docstring)
+    start_step: int | None = None
+    profile_by_stage: bool = False
+    merge_profiles: bool = False
+    profile_id: str | None = None  # SGLang's; the trace's name is ours (shoal-<time>-...)
+
+
+def _json(obj: Any) -> web.Response:
+    return web.Response(body=encode(obj), content_type="application/json")
+
+
+def _checked(reply: AdminReply, param: str) -> AdminReply:
+    if reply.error is not None:
+        raise bad_request(reply.error, param=param)
+    return reply
+
+
+async def _admin(request: web.Request, call: str, *args: Any) -> AdminReply:
+    try:
+        return await getattr(request.app[STATE_KEY].client(), call)(*args)
+    except ShoalError as e:
+        raise from_shoal_error(e) from None
+
+
+# ---- prefix cache ---------------------------------------------------------------------------------
+async def flush_cache(request: web.Request) -> web.Response:
+    reply = _checked(await _admin(request, "flush_prefix_cache"), "flush_cache")
+    return web.Response(text=f"Cache flushed: {reply.flushed_tokens} cached tokens dropped, {reply.kept_tokens} kept "
+                             "for the requests running now.\n")
+
+
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    if request.query.get("reset_running_requests", "false").lower() not in ("false", "0"):
+        raise not_supported("reset_running_requests=true (preempting running requests)", "reset_running_requests")
+    _checked(await _admin(request, "flush_prefix_cache"), "reset_prefix_cache")
+    return web.Response(status=200)
+
+
+# ---- server info ----------------------------------------------------------------------------------
+def _model_path(request: web.Request) -> tuple[Any, str]:
+    state = request.app[STATE_KEY]
+    client = state.client()
+    return client, client.model_path or state.args.model_path or client.model_name
+
+
+async def get_model_info(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    client, model_path = _model_path(request)
+    return _json({"model_path": model_path, "tokenizer_path": state.args.tokenizer_path or model_path,
+                  "is_generation": client.pooling is None, "preferred_sampling_params": None,
+                  "weight_version": "default", "served_model_name": state.served_model(client)})
+
+
+async def get_server_info(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    client, model_path = _model_path(request)
+    try:
+        stats = await client.stats()
+    except ShoalError as e:
+        raise from_shoal_error(e) from None
+    replicas = client.routing_stats()
+    per_replica = max(len(replicas.alive), 1) if replicas is not None else 1
+    max_tokens = stats.max_total_tokens // per_replica  # SGLang's is one DP rank's pool
+    info = {k: v for k, v in dataclasses.asdict(state.args).items() if k not in _SECRET_ARGS}
+    info.update(model_path=model_path, tokenizer_path=state.args.tokenizer_path or model_path,
+                served_model_name=state.served_model(client), context_length=client.context_len,
+                max_total_num_tokens=max_tokens, max_req_input_len=min(client.context_len, max_tokens) - 1,
+                version=shoal_version(), internal_states=[{
+                    "last_gen_throughput": stats.gen_throughput,
+                    "avg_spec_accept_length": stats.spec_accept_length if stats.spec_verify_reqs else None,
+                    "num_running_reqs": stats.num_running_reqs, "num_queue_reqs": stats.num_queue_reqs,
+                    "num_used_tokens": stats.num_used_tokens, "num_cached_tokens": stats.num_cached_tokens}])
+    return _json(info)
+
+
+# ---- SageMaker --------------------------------------------------------------------------------------
+async def ping(request: web.Request) -> web.Response:
+    return await health(request)
+
+
+async def invocations(request: web.Request) -> web.StreamResponse:
+    raw = await request.read()  # aiohttp keeps it: the handler routed to reads it again
+    try:
+        body = msgspec.json.decode(raw) if raw.strip() else None
+    except msgspec.DecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "send a JSON object: a chat completion, completion or embeddings request",
+                       code="invalid_json")
+    if request.app[STATE_KEY].client().pooling is not None:
+        if "input" in body or "messages" in body:
+            return await embeddings(request)
+        raise bad_request("Cannot find suitable handler for request: this embedding server expects an embeddings "
+                          "request (input, or messages)", param="input")
+    if "messages" in body:
+        return await chat_completions(request)
+    if "prompt" in body:
+        return await completions(request)
+    raise bad_request("Cannot find suitable handler for request: expected a chat completion (messages) or a "
+                      "completion (prompt) request", param="messages")
+
+
+# ---- profiling --------------------------------------------------------------------------------------
+async def start_profile(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    raw = await request.read()
+    try:
+        body = msgspec.json.decode(raw, type=StartProfileBody) if raw.strip() else StartProfileBody()
+    except msgspec.DecodeError as e:
+        raise bad_request(f"invalid profile request: {e}", param="num_steps") from None
+    if raw.strip():
+        state.ignored_fields.note(raw, StartProfileBody, request.path)
+    if body.output_dir is not None:
+        raise bad_request("output_dir cannot be chosen by a client: the server writes traces to --profile-dir "
+                          "(or $SHOAL_TORCH_PROFILER_DIR)", param="output_dir")
+    for field, on in (("start_step", body.start_step is not None), ("profile_by_stage", body.profile_by_stage),
+                      ("merge_profiles", body.merge_profiles)):
+        if on:
+            raise not_supported(field, field)
+    try:
+        ctl = profile_control(state.args, body.num_steps, body.activities, bool(body.with_stack),
+                              bool(body.record_shapes))
+    except ShoalError as e:
+        raise from_shoal_error(e) from None
+    _checked(await _admin(request, "profile", ctl), "profile")
+    return web.Response(text=f"Start profiling{f' for {ctl.num_steps} steps' if ctl.num_steps else ''}: traces go "
+                             f"to {ctl.output_dir}/{ctl.trace_id}*.\n")
+
+
+async def stop_profile(request: web.Request) -> web.Response:
+    reply = _checked(await _admin(request, "profile", ProfileControl(start=False)), "profile")
+    others = " (TP rank 0's; the other ranks write theirs beside it)" if request.app[STATE_KEY].args.tp_size > 1 else ""
+    return web.Response(text=f"Stop profiling. Traces written: {', '.join(reply.trace_files)}{others}.\n")
+
+
+def add_routes(app: web.Application) -> None:
+    for method in ("GET", "POST"):  # SGLang answers both on these
+        app.router.add_route(method, "/flush_cache", flush_cache)
+        app.router.add_route(method, "/ping", ping)
+        app.router.add_route(method, "/start_profile", start_profile)
+        app.router.add_route(method, "/stop_profile", stop_profile)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    app.router.add_get("/get_model_info", get_model_info)
+    app.router.add_get("/get_server_info", get_server_info)
+    app.router.add_get("/server_info", get_server_info)
+    app.router.add_post("/invocations", invocations)
