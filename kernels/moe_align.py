@@ -22,6 +22,22 @@ CHUNK = 32  # pairs a chunk program holds: its [CHUNK, CHUNK] same-expert-before
 
 
 @triton.jit
+def _write_pads_and_experts(SortedIds, ExpertIds, NumPostPadded, counts, padded, starts, ends, total, n,
+                            NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_CHUNK: tl.constexpr):
+    """Both forms' last step, from the experts' counts and padded runs: each run's pad rows (fewer than
+    BLOCK_M, all runs at once), each block's expert (how many runs end at or before its first row), the total."""
+    pad = tl.arange(0, BLOCK_M)
+    tl.store(SortedIds + (starts + counts)[:, None] + pad[None, :], tl.zeros((E_POW2, BLOCK_M), tl.int32) + n,
+             mask=pad[None, :] < (padded - counts)[:, None])
+    for b0 in range(0, total // BLOCK_M, BLOCK_CHUNK):
+        blocks = b0 + tl.arange(0, BLOCK_CHUNK)
+        f = tl.sum((ends[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        tl.store(ExpertIds + blocks, tl.minimum(f, NUM_EXPERTS - 1), mask=blocks * BLOCK_M < total)
+    tl.store(NumPostPadded, total)
+
+
+@triton.jit
 def _moe_align_kernel(TopkIds, SortedIds, ExpertIds, NumPostPadded, n,
                       NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
                       CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr):
@@ -48,16 +64,8 @@ def _moe_align_kernel(TopkIds, SortedIds, ExpertIds, NumPostPadded, n,
         local = tl.sum(before.to(tl.int32), axis=1)
         tl.store(SortedIds + base + local, offs, mask=offs < n)
         seen += tl.sum(onehot, axis=0)
-    # each run's pad rows (fewer than BLOCK_M), all runs at once: [expert, BLOCK_M]
-    pad = tl.arange(0, BLOCK_M)
-    tl.store(SortedIds + (starts + counts)[:, None] + pad[None, :], tl.zeros((E_POW2, BLOCK_M), tl.int32) + n,
-             mask=pad[None, :] < (padded - counts)[:, None])
-    # a block's expert: how many runs end at or before its first row
-    for b0 in range(0, total // BLOCK_M, BLOCK_CHUNK):
-        blocks = b0 + tl.arange(0, BLOCK_CHUNK)
-        f = tl.sum((ends[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
-        tl.store(ExpertIds + blocks, tl.minimum(f, NUM_EXPERTS - 1), mask=blocks * BLOCK_M < total)
-    tl.store(NumPostPadded, total)
+    _write_pads_and_experts(SortedIds, ExpertIds, NumPostPadded, counts, padded, starts, ends, total, n,
+                            NUM_EXPERTS, E_POW2, BLOCK_M, BLOCK_CHUNK)
 
 
 @triton.jit
@@ -95,14 +103,8 @@ def _chunk_offsets_kernel(Counts, Offsets, SortedIds, ExpertIds, NumPostPadded, 
         tl.store(Offsets + (r0 + rows)[:, None] * E_POW2 + experts[None, :],
                  carry[None, :] + tl.cumsum(tile, axis=0) - tile, mask=live)
         carry += tl.sum(tile, axis=0)
-    pad = tl.arange(0, BLOCK_M)
-    tl.store(SortedIds + (starts + counts)[:, None] + pad[None, :], tl.zeros((E_POW2, BLOCK_M), tl.int32) + n,
-             mask=pad[None, :] < (padded - counts)[:, None])
-    for b0 in range(0, total // BLOCK_M, BLOCK_CHUNK):
-        blocks = b0 + tl.arange(0, BLOCK_CHUNK)
-        f = tl.sum((ends[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
-        tl.store(ExpertIds + blocks, tl.minimum(f, NUM_EXPERTS - 1), mask=blocks * BLOCK_M < total)
-    tl.store(NumPostPadded, total)
+    _write_pads_and_experts(SortedIds, ExpertIds, NumPostPadded, counts, padded, starts, ends, total, n,
+                            NUM_EXPERTS, E_POW2, BLOCK_M, BLOCK_CHUNK)
 
 
 @triton.jit
