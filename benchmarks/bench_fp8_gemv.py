@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from benchmarks.common import kernel_bench_device, print_table, write_result
+from benchmarks.config_sweep import time_configs
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
@@ -153,28 +154,13 @@ def bench_shape(n: int, k: int, ms: list[int], timer: Timer, sweep: bool, device
             s = timer(calls)
             row[name] = {"us": s * 1e6, "GB_s": nbytes / s / 1e9, "max_rel_err_vs_w8a16_ref": err}
         if sweep:
-            row["sweep"] = _sweep(m, x, w8s, scale, ref, ref_scale, timer)
-            best = min(row["sweep"], key=lambda r: r.get("us", math.inf))
-            row["sweep_best"] = best
+            row["sweep"] = time_configs(
+                sweep_configs(m), lambda c, x=x: [lambda w8=w8: fp8_linear_small_m(x, w8, scale, config=c)
+                                                  for w8 in w8s],
+                ref, timer, _cfg_dict, n * k)
+            row["sweep_best"] = min(row["sweep"], key=lambda r: r.get("us", math.inf))
         out["by_m"][m] = row
     return out
-
-
-def _sweep(m: int, x: Any, w8s: list[Any], scale: Any, ref: Any, ref_scale: float, timer: Timer) -> list[dict]:
-    from kernels.fp8_gemv import fp8_linear_small_m
-
-    rows = []
-    for cfg in sweep_configs(m):
-        calls = [lambda w8=w8, cfg=cfg: fp8_linear_small_m(x, w8, scale, config=cfg) for w8 in w8s]
-        r = _cfg_dict(cfg)
-        try:
-            r["max_rel_err"] = float((calls[0]().float() - ref).abs().max()) / ref_scale
-            s = timer(calls)
-            r.update(us=s * 1e6, GB_s=w8s[0].numel() / s / 1e9)
-        except Exception as e:  # a config the compiler rejects (registers, shared memory) is reported, not fatal
-            r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        rows.append(r)
-    return rows
 
 
 def _cfg_dict(cfg: Any) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from typing import Any
 
 from benchmarks.bench_fp8_gemv import Timer
 from benchmarks.common import kernel_bench_device, print_table, write_result
+from benchmarks.config_sweep import time_configs
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 SMOKE_SHAPES = {"qkv": (96, 256), "o": (64, 256), "gate_up": (160, 256), "down": (64, 512)}
@@ -102,18 +103,11 @@ def bench_shape(n: int, k: int, ms: list[int], timer: Timer, sweep: bool, device
                 row[name]["max_rel_err"] = float((calls[0]().float() - want).abs().max()) / ref_scale
         row["speedup_vs_bf16"] = row["bf16_matmul"]["us"] / row["w4a16"]["us"]
         if sweep:
-            rows = []
-            for c in sweep_configs(m):
-                r = _cfg_dict(c)
-                try:
-                    calls = [lambda q=q, c=c, x=x: w4a16_gemm(x, q, scales, zeros, GROUP, config=c) for q in qws]
-                    r["max_rel_err"] = float((calls[0]().float() - ref).abs().max()) / ref_scale
-                    r["us"] = timer(calls) * 1e6
-                except Exception as e:  # a config the compiler rejects is reported, not fatal
-                    r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                rows.append(r)
-            row["sweep"] = rows
-            row["sweep_best"] = min(rows, key=lambda r: r.get("us", math.inf))
+            row["sweep"] = time_configs(
+                sweep_configs(m),
+                lambda c, x=x: [lambda q=q: w4a16_gemm(x, q, scales, zeros, GROUP, config=c) for q in qws],
+                ref, timer, _cfg_dict)
+            row["sweep_best"] = min(row["sweep"], key=lambda r: r.get("us", math.inf))
         out["by_m"][m] = row
     return out
 

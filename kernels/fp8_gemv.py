@@ -69,7 +69,7 @@ DENSE_M_MAX = 1  # the same for 16-bit weights (SHOAL_DENSE_GEMV_MAX_M): measure
 # launch apart (profile_decode_fp8w_bs32_64_gemv_max64.json); at M = 1 the gated launch saves one.
 GATED_M_MAX = 4
 DENSE_DTYPES = (torch.bfloat16, torch.float16)
-_SM_COUNT_DEFAULT = 132  # H100 SXM; used when the device cannot be asked (interpreter)
+SM_COUNT_DEFAULT = 132  # H100 SXM; used when the device cannot be asked (interpreter)
 _SMEM_BUDGET = 96 * 1024  # bytes of pipelined tiles: an sm89 block has ~99 KB of shared memory, sm90 ~227 KB
 
 
@@ -223,13 +223,13 @@ def _split_k_reduce_kernel(Part, S, B, Out, M, N, stride_om, HAS_SCALE: tl.const
     tl.store(Out + m * stride_om + offs, y.to(Out.dtype.element_ty), mask=mask)
 
 
-def _sm_count(device: torch.device) -> int:
+def device_sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT_DEFAULT
+    return SM_COUNT_DEFAULT
 
 
-def pick_config(m: int, n: int, k: int, sm_count: int = _SM_COUNT_DEFAULT, weight_bytes: int = 1) -> GemvConfig:
+def pick_config(m: int, n: int, k: int, sm_count: int = SM_COUNT_DEFAULT, weight_bytes: int = 1) -> GemvConfig:
     """The config for one shape. HBM latency needs ~16-32 KB of loads in flight per SM, so the weight tile
     stays ~4-8 KB and N is cut into >= 3 blocks per SM (narrower blocks before split-K, whose second
     kernel costs a launch); multiply + sum for M <= 4, tl.dot (M padded to 16, pipelined) above (served
@@ -270,7 +270,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: 
         x = x.contiguous()
     if w.stride(1) != 1:
         w = w.contiguous()
-    cfg = config or pick_config(m, n, k, _sm_count(x.device), w.element_size())
+    cfg = config or pick_config(m, n, k, device_sm_count(x.device), w.element_size())
     if norm is not None:
         check_norm(norm, x, k, m != 1 or cfg.use_dot or gated)
     # Rows in tiles of BLOCK_M (a third grid axis; each tile streams the whole weight once): tl.dot takes

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_gemv import SM_COUNT_DEFAULT, device_sm_count
 from kernels.pdl import launch_options, pdl_enabled
 
 PACK = 8  # 4-bit values per int32
@@ -46,7 +47,6 @@ SYM_ZERO = 8  # the zero point of symmetric 4-bit weights, in the unsigned 0..15
 # written per weight) and cuBLAS multiplies: its GEMM beats tl.dot over 4-bit tiles several times there
 # (H200, Llama-8B shapes: benchmarks/results/w4a16_gemm_h200.json). The temporary is one layer's weight.
 DEQUANT_MATMUL_M = 64
-_SM_COUNT_DEFAULT = 132
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,12 +199,6 @@ def _split_k_sum_kernel(Part, B, Out, M, N, stride_om, HAS_BIAS: tl.constexpr, S
     tl.store(Out + m * stride_om + offs, acc.to(Out.dtype.element_ty), mask=mask)
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT_DEFAULT
-
-
 def tile_k(group: int) -> int:
     """The K tile: the largest power of two <= 128 dividing the group (a tile never straddles groups)."""
     bk = 128
@@ -215,7 +209,7 @@ def tile_k(group: int) -> int:
     return bk
 
 
-def pick_config(m: int, n: int, k: int, group: int, sm_count: int = _SM_COUNT_DEFAULT) -> W4Config:
+def pick_config(m: int, n: int, k: int, group: int, sm_count: int = SM_COUNT_DEFAULT) -> W4Config:
     """From H200 sweeps of Llama-8B's shapes (benchmarks/results/w4a16_gemm_sweep_*_h200.json): M <= 2 is
     the fp32 GEMV over 64-row blocks with K split 8 ways where K has the tiles (split 8 beat 1-4 on every
     shape at M = 1, even gate_up's 448 blocks: more loads in flight); 2 < M <= 64 tl.dot (M padded to 16)
@@ -283,7 +277,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    cfg = config or pick_config(m, n, k, group_size, _sm_count(x.device))
+    cfg = config or pick_config(m, n, k, group_size, device_sm_count(x.device))
     gemv = cfg.block_m == 1 or cfg.gemv
     part = (torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device) if cfg.split_k > 1 else out)
     pdl = pdl_enabled(x)

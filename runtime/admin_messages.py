@@ -1,7 +1,8 @@
 """Typed operator messages (kept here: messages.py is at its size limit) — what crosses a thread or an actor
 boundary when an operator flushes the prefix cache (SGLang's /flush_cache, vLLM's /reset_prefix_cache) or
 profiles the workers' steps (/start_profile, /stop_profile): the ProfileControl every TP rank applies at
-the same step boundary, and the AdminReply each replica answers with (no exception pickling)."""
+the same step boundary, the WeightUpdate every TP rank of every replica loads (SGLang's
+/update_weights_from_disk), and the AdminReply each replica answers with (no exception pickling)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,17 @@ class ProfileControl(msgspec.Struct, frozen=True, kw_only=True):
     record_shapes: bool = False
 
 
+class WeightUpdate(msgspec.Struct, frozen=True, kw_only=True):
+    """SGLang's UpdateWeightFromDiskReqInput, the fields Shoal acts on: a checkpoint of the serving model's
+    architecture and shapes (and quantization_config) loaded into the live parameters of every TP rank."""
+
+    model_path: str
+    load_format: str | None = None  # None, "auto" or "safetensors" (what --load-format reads)
+    abort_all_requests: bool = False  # abort every request first, instead of letting the running ones finish
+    weight_version: str | None = None  # /get_model_info's weight_version from here on (None: "update-<n>")
+    flush_cache: bool = True  # drop the cached prefixes (their KV came from the old weights)
+
+
 class AdminReply(msgspec.Struct, kw_only=True):
     """One replica's answer (summed over replicas by a client over several). error None: done."""
 
@@ -40,13 +52,19 @@ class AdminReply(msgspec.Struct, kw_only=True):
     flushed_tokens: int = 0  # /flush_cache: cached tokens dropped (their KV slots freed)
     kept_tokens: int = 0  # /flush_cache: cached tokens kept because running requests use them
     trace_files: list[str] = []  # /stop_profile (or num_steps' end): the traces this rank 0 wrote
+    message: str = ""  # a weight update's report (what was loaded, in how long)
+    num_paused_requests: int = 0  # a weight update: requests that arrived during it and waited for it
+    weight_version: str = ""  # a weight update: the version serving from now on
 
     @staticmethod
     def combined(replies: list[AdminReply]) -> AdminReply:
         errors = [r.error for r in replies if r.error]
         return AdminReply(error=errors[0] if errors else None, flushed_tokens=sum(r.flushed_tokens for r in replies),
                           kept_tokens=sum(r.kept_tokens for r in replies),
-                          trace_files=[f for r in replies for f in r.trace_files])
+                          trace_files=[f for r in replies for f in r.trace_files],
+                          message=" | ".join(dict.fromkeys(r.message for r in replies if r.message)),
+                          num_paused_requests=sum(r.num_paused_requests for r in replies),
+                          weight_version=next((r.weight_version for r in replies if r.weight_version), ""))
 
 
 def profile_dir(args: ServerArgs) -> str:

@@ -1,20 +1,28 @@
 """EngineAdmin: the in-process Engine's operator calls (kept here: engine.py is at its size limit) — SGLang's
 Engine.flush_cache and vLLM's LLM.reset_prefix_cache, Engine.start_profile / stop_profile (SGLang's and
 vLLM's names), and the EngineClient side the gateway's /flush_cache, /reset_prefix_cache, /start_profile and
-/stop_profile call. Each runs on the scheduler thread between two steps (SchedulerHost.call)."""
+/stop_profile call. Each runs on the scheduler thread between two steps (SchedulerHost.call).
+
+Live weight updates, SGLang's Engine.update_weights_from_disk / update_weights_from_tensor (and the gateway's
+/update_weights_from_disk): SchedulerHost.update_weights holds new requests, lets the running ones finish
+(or aborts them), loads between two steps (runtime/model_executor/weight_updater.py), flushes the prefix
+cache. SGLang's return shapes: (success, message, num_paused_requests) and (success, message)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
-from runtime.admin_messages import AdminReply, ProfileControl, profile_control
-from runtime.errors import InvalidRequestError
+from runtime.admin_messages import AdminReply, ProfileControl, WeightUpdate, profile_control
+from runtime.errors import InvalidRequestError, ShoalError
 
 
 class EngineAdmin:
     host: Any  # SchedulerHost (Engine sets it)
     args: Any  # ServerArgs
+    worker: Any  # TpWorker
+    model_path: str
 
     def flush_cache(self) -> AdminReply:
         """Drops every prefix-cache entry no request uses now (their KV slots are freed); running requests keep
@@ -35,6 +43,70 @@ class EngineAdmin:
     def stop_profile(self) -> list[str]:
         """Stops the trace; the files rank 0 wrote (InvalidRequestError if none runs)."""
         return _check(self.host.profile(ProfileControl(start=False))).trace_files
+
+    # ---- live weight updates ------------------------------------------------------------------------------
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
+                                 abort_all_requests: bool = False, weight_version: str | None = None,
+                                 flush_cache: bool = True) -> tuple[bool, str, int]:
+        """Loads a checkpoint of the same architecture and shapes into the live weights (SGLang's signature and
+        answer: success, message, num_paused_requests). On failure the old weights keep serving and the
+        message names the problem."""
+        reply = self._update_from_disk(WeightUpdate(model_path=str(model_path), load_format=load_format,
+                                                    abort_all_requests=bool(abort_all_requests),
+                                                    weight_version=weight_version, flush_cache=bool(flush_cache)))
+        return reply.error is None, reply.error or reply.message, reply.num_paused_requests
+
+    def update_weights_from_tensor(self, named_tensors: list[tuple[str, Any]], load_format: str | None = None,
+                                   flush_cache: bool = True, abort_all_requests: bool = False,
+                                   weight_version: str | None = None) -> tuple[bool, str]:
+        """HF-named tensors (any subset of the checkpoint's) into the live weights through the model's own
+        weight loaders (fused and TP-sharded parameters land right); SGLang's (success, message)."""
+        if load_format not in (None, "direct"):
+            return False, f"load_format {load_format!r} is not supported for tensors: pass None (or 'direct')"
+        reply = self._update(lambda: self.worker.update_weights_from_tensor(list(named_tensors)),
+                             abort_all_requests, flush_cache, weight_version)
+        return reply.error is None, reply.error or reply.message
+
+    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """vLLM's LLM.collective_rpc for its RL recipe, "reload_weights" only: reload_weights() reads the served
+        checkpoint folder again (a trainer wrote new weights there); reload_weights(weights_iterator=...) loads
+        (name, tensor) pairs, as update_weights_from_tensor. One result per rank, as vLLM's (None: done);
+        InvalidRequestError naming the problem when it fails (the old weights still serve)."""
+        if method != "reload_weights":
+            raise InvalidRequestError(f"collective_rpc supports only 'reload_weights', not {method!r}", param="method")
+        call = {**dict(zip(("weights_iterator", "process_weights_after_loading"), args)), **(kwargs or {})}
+        weights = call.get("weights_iterator")
+        if weights is None:
+            ok, message, _ = self.update_weights_from_disk(self.model_path)
+        else:
+            ok, message = self.update_weights_from_tensor(list(weights))
+        if not ok:
+            raise InvalidRequestError(message, param="reload_weights")
+        return [None]
+
+    def get_weight_version(self) -> str:
+        return self.host.weight_version
+
+    async def update_weights(self, update: WeightUpdate) -> AdminReply:
+        return await asyncio.to_thread(self._update_from_disk, update)  # waits for the running requests
+
+    async def current_weight_version(self) -> str:
+        return self.host.weight_version
+
+    def _update_from_disk(self, update: WeightUpdate) -> AdminReply:
+        reply = self._update(lambda: self.worker.update_weights(update), update.abort_all_requests,
+                             update.flush_cache, update.weight_version)
+        if reply.error is None:
+            self.model_path = update.model_path  # /get_model_info's model_path, as SGLang's
+        return reply
+
+    def _update(self, apply: Callable[[], AdminReply], abort_all: bool, flush: bool,
+                weight_version: str | None) -> AdminReply:
+        try:
+            return self.host.update_weights(apply, bool(abort_all), bool(flush), weight_version)
+        except ShoalError as e:  # the scheduler stopped or did not answer
+            return AdminReply(error=str(e))
 
     async def flush_prefix_cache(self) -> AdminReply:
         return await asyncio.to_thread(self.host.flush_cache)  # waits for the step in progress: off the loop

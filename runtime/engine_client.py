@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from runtime.admin_messages import AdminReply, ProfileControl
+from runtime.admin_messages import AdminReply, ProfileControl, WeightUpdate
 from runtime.errors import InvalidRequestError
 from runtime.messages import GenerateRequest, RequestOutput, RoutingStats, SchedulerStats
 
@@ -79,3 +79,11 @@ class EngineClient(ABC):
     async def profile(self, ctl: ProfileControl) -> AdminReply:
         """Starts or stops a torch.profiler trace of every TP rank's steps, on every replica."""
         raise InvalidRequestError("this engine cannot profile its workers", param="profile")
+
+    async def update_weights(self, update: WeightUpdate) -> AdminReply:
+        """Loads a checkpoint of the same architecture into the live weights, on every replica and TP rank."""
+        raise InvalidRequestError("this engine cannot update its weights", param="model_path")
+
+    async def current_weight_version(self) -> str:
+        """The weight_version of the weights now serving (update_weights sets it)."""
+        return "default"

@@ -8,13 +8,11 @@ prefill's activations, which a checkpoint writer here does not run)."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import torch
+from checkpoint_dirs import checkpoint_tensors, is_linear_weight, save_checkpoint
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 F8 = torch.float8_e4m3fn
 
 
@@ -28,29 +26,16 @@ def _quantize(w: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tenso
 
 
 def write_fp8_checkpoint(src: Path, dst: Path, layout: str, strategy: str = "channel") -> Path:
-    from safetensors.torch import load_file, save_file
-
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
-            shutil.copy(f, dst / f.name)
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
     out: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
+    for name, t in checkpoint_tensors(src).items():
+        if is_linear_weight(name):
             w8, scale = _quantize(t, strategy)
             out[name], out[name[:-len("weight")] + "weight_scale"] = w8, scale.to(torch.float32)
             if layout == "compressed-tensors":
                 out[name[:-len("weight")] + "input_scale"] = torch.ones(1)
         else:
             out[name] = t.contiguous()
-    save_file(out, str(dst / "model.safetensors"))
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = quant_config(layout, strategy)
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    return dst
+    return save_checkpoint(src, dst, out, quant_config(layout, strategy))
 
 
 def quant_config(layout: str, strategy: str = "channel") -> dict:

@@ -2,7 +2,12 @@
 a prefix-cache flush, or a profiler start / stop, sent as one typed actor call to every live routing target's
 SchedulerActor (each replica, each DP rank), which runs it on its scheduler thread between two steps; a
 profiler command reaches that replica's other TP ranks over its StepChannel (BroadcastWorker.profile). The
-answers are summed into one AdminReply; a target that fails to answer counts as that target's error."""
+answers are summed into one AdminReply; a target that fails to answer counts as that target's error.
+
+A weight update (SGLang's /update_weights_from_disk) goes to every routing target at once; each checks the
+checkpoint on all its TP ranks before any copies (SchedulerActor.update_weights_from_disk). The files are
+the same for all, so a check fails on all or none; a target whose load fails while others succeed is named
+in the error (the replicas then serve different weights until the update is repeated)."""
 
 from __future__ import annotations
 
@@ -11,13 +16,15 @@ from typing import Any
 
 import msgspec
 
-from runtime.admin_messages import AdminReply, ProfileControl
+from runtime.admin_messages import AdminReply, ProfileControl, WeightUpdate
 
 
 class RayAdminClient:
     """A mixin of RayEngineClient: it uses its replicas and _actor()."""
 
     replicas: list[Any]
+    launcher: Any  # ReplicaLauncher
+    model_path: str | None
 
     async def flush_prefix_cache(self) -> AdminReply:
         return await self._admin_call("flush_cache", lambda i: ())
@@ -28,6 +35,21 @@ class RayAdminClient:
             return (msgspec.structs.replace(ctl, trace_id=f"{ctl.trace_id}-replica{i}") if ctl.start else ctl,)
 
         return await self._admin_call("profile", args)
+
+    async def update_weights(self, update: WeightUpdate) -> AdminReply:
+        reply = await self._admin_call("update_weights_from_disk", lambda i: (update,))
+        if reply.error is None:
+            self.model_path = update.model_path  # /get_model_info's model_path, as SGLang's
+            if hasattr(self.launcher, "model_path"):  # a replica relaunched after a failure loads the new weights
+                self.launcher.model_path = update.model_path
+        return reply
+
+    async def current_weight_version(self) -> str:
+        """The targets' weight version ("a, b" while they differ: an update failed on some)."""
+        targets = [r.index for r in self.replicas if r.alive]
+        versions = await asyncio.gather(*(self._actor(i).weight_version.remote() for i in targets),
+                                        return_exceptions=True)
+        return ", ".join(dict.fromkeys(v for v in versions if isinstance(v, str))) or "default"
 
     async def _admin_call(self, method: str, args: Any) -> AdminReply:
         targets = [r.index for r in self.replicas if r.alive]

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from runtime.admin_messages import AdminReply, ProfileControl
+from runtime.admin_messages import AdminReply, ProfileControl, WeightUpdate
 from runtime.cluster.tp_rank import RankSpec, TpRank, endpoint, local_model_path
 from runtime.config import ServerArgs
 from runtime.errors import EngineUnavailableError, InvalidRequestError
@@ -210,6 +210,41 @@ class SchedulerActor:
     async def profile(self, ctl: ProfileControl) -> AdminReply:
         """Starts or stops the trace of this replica's steps, on every TP rank (BroadcastWorker.profile)."""
         return await asyncio.to_thread(_admin, lambda: self.host.profile(ctl))
+
+    async def update_weights_from_disk(self, update: WeightUpdate) -> AdminReply:
+        """A live weight update of this replica (SchedulerHost.update_weights: new requests wait, running ones
+        finish or are aborted), loaded by every TP rank: all check, then all load."""
+        return await asyncio.to_thread(_admin, lambda: self.host.update_weights(
+            lambda: self._update_all_ranks(update), update.abort_all_requests, update.flush_cache,
+            update.weight_version))
+
+    async def weight_version(self) -> str:
+        return self.host.weight_version if self.host is not None else "default"
+
+    def _update_all_ranks(self, update: WeightUpdate) -> AdminReply:
+        """On the scheduler thread, nothing running: the followers' loops wait for the next step meanwhile."""
+        worker = self.rank.worker
+        reply = worker.check_weights(update)
+        errors = [reply.error] if reply.error else self._on_followers("check_weights", update)
+        if errors:
+            return AdminReply(error=errors[0])
+        reply = worker.update_weights(update, checked=True)
+        if reply.error is not None:  # rank 0 reloaded its old weights; the followers never started
+            return reply
+        errors = self._on_followers("update_weights", update, True)
+        if errors:  # the ranks now hold different weights: only a relaunch makes them one model again
+            self.group.fail(f"weight update of {self.name} failed on a TP rank after rank 0 loaded: {errors[0]}")
+            return AdminReply(error=errors[0])
+        return reply
+
+    def _on_followers(self, method: str, *args: Any) -> list[str]:
+        """Calls `method` on every other TP rank and waits; their errors."""
+        if not self._followers:
+            return []
+        import ray
+
+        replies = ray.get([getattr(f, method).remote(*args) for f in self._followers])
+        return [r.error for r in replies if r.error]
 
     # ---- LoRA adapters at run time (runtime/lora/lora_registry.py) --------------------------------
     async def load_lora_adapter(self, name: str, path: str, replace: bool = False) -> LoraUpdate:

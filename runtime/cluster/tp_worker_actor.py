@@ -8,7 +8,8 @@ the one two before), and it skips the logprobs only rank 0 reports.
 
 serve() runs the follow loop for the replica's life (the group is killed as a whole); it ends with the
 rank's own exception if a step fails, which is how rank 0's SchedulerActor (which awaits it) learns why.
-The actor is threaded, so node_id(), inject_fault(), trace_steps() and add_lora() answer while serve() runs."""
+The actor is threaded, so node_id(), inject_fault(), trace_steps(), add_lora() and the weight updates answer
+while serve() runs (rank 0 sends no step while it updates: the loop waits in recv meanwhile)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import time
 
 import msgspec
 
+from runtime.admin_messages import AdminReply, WeightUpdate
 from runtime.cluster.step_trace import StepTrace
 from runtime.cluster.tp_rank import RankSpec, TpRank, endpoint, local_model_path
 from runtime.config import ServerArgs
@@ -79,6 +81,17 @@ class TpWorkerActor:
         except InvalidRequestError as e:
             return LoraUpdate(error=f"TP rank {self.spec.rank}: {e.message}")
         return LoraUpdate()
+
+    def check_weights(self, update: WeightUpdate) -> AdminReply:
+        """Rank 0, before any rank loads: this rank's shard of the checkpoint is checked (nothing copied)."""
+        self.rank.worker.bind_thread()  # a call runs on one of the actor's threads, not the follow loop's
+        reply = self.rank.worker.check_weights(update)
+        return AdminReply(error=f"TP rank {self.spec.rank}: {reply.error}") if reply.error else reply
+
+    def update_weights(self, update: WeightUpdate, checked: bool = False) -> AdminReply:
+        self.rank.worker.bind_thread()
+        reply = self.rank.worker.update_weights(update, checked)
+        return AdminReply(error=f"TP rank {self.spec.rank}: {reply.error}") if reply.error else reply
 
     def trace_steps(self, on: bool) -> dict | None:
         """Benchmarks: on=True starts a fresh StepTrace of the follow loop; on=False stops it and returns

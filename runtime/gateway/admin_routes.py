@@ -23,7 +23,16 @@ TP rank's steps into --profile-dir (else $SHOAL_TORCH_PROFILER_DIR; neither: a 4
 vLLM refuses), one Chrome trace per rank. Optional body (SGLang's ProfileReqInput): num_steps (it stops by
 itself after them), activities (CPU / GPU), with_stack, record_shapes; output_dir is refused (the server's
 operator, not a client, picks where files go: vLLM's rule), as are SGLang's start_step, profile_by_stage
-and merge_profiles, which Shoal does not do."""
+and merge_profiles, which Shoal does not do.
+
+Weights — SGLang's POST /update_weights_from_disk {"model_path", "load_format"?, "abort_all_requests"?,
+"weight_version"?, "flush_cache"?}: a checkpoint of the same architecture and shapes loaded into every TP
+rank of every replica, in place. As SGLang: new requests wait until it is done, running ones finish on the
+old weights first (abort_all_requests: aborted instead), the prefix cache is flushed after. The answer is
+SGLang's {"success", "message", "num_paused_requests"} (the requests that waited), 200 or 400; on a 400
+(a wrong path, architecture, shape or quantization) the old weights still serve. GET /get_weight_version
+and /get_model_info's weight_version: the request's weight_version, else "update-<n>" ("default" before
+any update). SGLang's is_async / keep_pause (its pause_generation modes) are refused with a 400."""
 
 from __future__ import annotations
 
@@ -33,7 +42,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from runtime.admin_messages import AdminReply, ProfileControl, profile_control
+from runtime.admin_messages import AdminReply, ProfileControl, WeightUpdate, profile_control
 from runtime.errors import ShoalError
 from runtime.gateway.errors import ApiError, bad_request, from_shoal_error, not_supported
 from runtime.gateway.native_routes import health
@@ -58,8 +67,21 @@ class StartProfileBody(msgspec.Struct, kw_only=True):
     profile_id: str | None = None  # SGLang's; the trace's name is ours (shoal-<time>-...)
 
 
-def _json(obj: Any) -> web.Response:
-    return web.Response(body=encode(obj), content_type="application/json")
+class UpdateWeightsBody(msgspec.Struct, kw_only=True):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+    is_async: bool = False  # SGLang's; refused
+    keep_pause: bool = False  # SGLang's; refused
+    torch_empty_cache: bool = False  # SGLang's; nothing to return: the update allocates one module at a time
+    recapture_cuda_graph: bool = False  # SGLang's; never needed: parameters are updated in place
+    token_step: int = 0  # SGLang's trainer step id; not used
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=encode(obj), content_type="application/json", status=status)
 
 
 def _checked(reply: AdminReply, param: str) -> AdminReply:
@@ -101,7 +123,43 @@ async def get_model_info(request: web.Request) -> web.Response:
     client, model_path = _model_path(request)
     return _json({"model_path": model_path, "tokenizer_path": state.args.tokenizer_path or model_path,
                   "is_generation": client.pooling is None, "preferred_sampling_params": None,
-                  "weight_version": "default", "served_model_name": state.served_model(client)})
+                  "weight_version": await _weight_version(client), "served_model_name": state.served_model(client)})
+
+
+async def _weight_version(client: Any) -> str:
+    try:
+        return await client.current_weight_version()
+    except ShoalError as e:
+        raise from_shoal_error(e) from None
+
+
+async def get_weight_version(request: web.Request) -> web.Response:
+    return _json({"weight_version": await _weight_version(request.app[STATE_KEY].client())})
+
+
+# ---- weights --------------------------------------------------------------------------------------
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    raw = await request.read()
+    try:
+        body = msgspec.json.decode(raw, type=UpdateWeightsBody)
+    except msgspec.DecodeError as e:
+        raise bad_request(f"invalid update_weights_from_disk request: {e}", param="model_path") from None
+    state.ignored_fields.note(raw, UpdateWeightsBody, request.path)
+    if not body.model_path.strip():
+        raise bad_request("model_path is empty: give the folder of the new checkpoint", param="model_path")
+    for field, on in (("is_async", body.is_async), ("keep_pause", body.keep_pause)):
+        if on:
+            raise not_supported(field, field)
+    reply = await _admin(request, "update_weights", WeightUpdate(
+        model_path=body.model_path, load_format=body.load_format, abort_all_requests=body.abort_all_requests,
+        weight_version=body.weight_version, flush_cache=body.flush_cache))
+    ok = reply.error is None
+    message = reply.message if ok else reply.error
+    if ok and body.weight_version is not None:
+        message += f" Weight version updated to {body.weight_version}."
+    return _json({"success": ok, "message": message, "num_paused_requests": reply.num_paused_requests},
+                 status=200 if ok else 400)
 
 
 async def get_server_info(request: web.Request) -> web.Response:
@@ -194,6 +252,8 @@ def add_routes(app: web.Application) -> None:
         app.router.add_route(method, "/stop_profile", stop_profile)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.router.add_get("/get_model_info", get_model_info)
+    app.router.add_get("/get_weight_version", get_weight_version)
+    app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
     app.router.add_get("/get_server_info", get_server_info)
     app.router.add_get("/server_info", get_server_info)
     app.router.add_post("/invocations", invocations)

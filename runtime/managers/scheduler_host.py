@@ -1,13 +1,19 @@
 """SchedulerHost: one Scheduler running on its own thread over a WorkerClient — what the in-process
 Engine and the Ray SchedulerActor both are around the scheduler. It builds the Scheduler from the
 worker's WorkerInfo, decides overlap scheduling, starts and stops the thread, reads stats under the
-scheduler's lock, and hands every step's output deltas to the owner's sink (on the scheduler thread)."""
+scheduler's lock, and hands every step's output deltas to the owner's sink (on the scheduler thread).
+
+A live weight update (update_weights) does what SGLang's does: new requests wait (held here, in order,
+until it is done: SGLang's tokenizer manager blocks them on its model-update lock), the running ones finish
+on the old weights (or, with abort_all_requests, are aborted first), then the weights load between two
+steps on the scheduler thread, the prefix cache is flushed and the held requests go in."""
 
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -26,6 +32,7 @@ from runtime.sampling.grammar_compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+WEIGHT_UPDATE_TIMEOUT_S = 3600.0  # loading a large checkpoint from a slow disk takes minutes
 
 
 def overlap_wanted(args: ServerArgs, worker: WorkerClient, info: WorkerInfo) -> bool:
@@ -59,6 +66,11 @@ class SchedulerHost:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.gc = GcGuard(name)
+        self.weight_version = "default"  # /get_model_info's; a successful weight update sets it
+        self._updates = 0
+        self._updating = threading.Lock()  # one weight update at a time
+        self._gate = threading.Lock()
+        self._held: list[GenerateRequest] | None = None  # requests arriving during a weight update
 
     def start(self) -> None:
         self.gc.start()  # start-up is over: what it left alive stays out of every collection
@@ -76,7 +88,11 @@ class SchedulerHost:
         return self.scheduler.validate(req, self.limits)
 
     def submit(self, req: GenerateRequest) -> None:
-        self.scheduler.submit(req)
+        with self._gate:
+            if self._held is not None:
+                self._held.append(req)
+                return
+            self.scheduler.submit(req)
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
@@ -124,6 +140,44 @@ class SchedulerHost:
     def profile(self, ctl: ProfileControl, timeout_s: float = 60.0) -> AdminReply:
         """Starts or stops a trace of every TP rank's steps, between two steps (a stop writes the files)."""
         return self.call(lambda: self.worker.profile(ctl), timeout_s, on_thread=True)
+
+    def update_weights(self, apply: Callable[[], AdminReply], abort_all: bool = False, flush: bool = True,
+                       weight_version: str | None = None) -> AdminReply:
+        """A live weight update (the module docstring says how requests fare); apply() loads the weights on
+        the scheduler thread with nothing running and answers an AdminReply (error: the old weights serve)."""
+        with self._updating:
+            with self._gate:
+                self._held = []
+            try:
+                if abort_all:  # SGLang's abort_all_requests: they end with finish_reason abort
+                    for rid in self.call(lambda: list(self.scheduler.reqs)):
+                        self.scheduler.abort(rid)
+                self._wait_idle()
+                reply = self.call(lambda: self._apply_update(apply, flush, weight_version), WEIGHT_UPDATE_TIMEOUT_S,
+                                  on_thread=True)
+            finally:
+                with self._gate:
+                    held, self._held = self._held, None
+                    for req in held:
+                        self.scheduler.submit(req)
+            reply.num_paused_requests = len(held)
+            return reply
+
+    def _wait_idle(self) -> None:
+        """Until every request admitted before the update has finished (and no batch is in flight)."""
+        sched = self.scheduler
+        while not self.call(lambda: not sched.reqs and sched.pending is None, WEIGHT_UPDATE_TIMEOUT_S, on_thread=True):
+            time.sleep(0.005)
+
+    def _apply_update(self, apply: Callable[[], AdminReply], flush: bool, weight_version: str | None) -> AdminReply:
+        reply = apply()
+        if reply.error is None:
+            self._updates += 1
+            self.weight_version = weight_version or f"update-{self._updates}"
+            reply.weight_version = self.weight_version
+            if flush:  # the cached prefixes' KV came from the old weights
+                reply.flushed_tokens = self.scheduler.kv.flush()
+        return reply
 
     def _with_gc(self, stats: SchedulerStats) -> SchedulerStats:
         stats.gc_pause_s, stats.gc_slow_pauses = self.gc.pauses.total_s, self.gc.pauses.slow

@@ -107,3 +107,14 @@ def pack_linear_weights(model: nn.Module) -> int:
         count += 1
     logger.info("packed %d bf16 linear weights for oneDNN", count)
     return count
+
+
+def repack_linear_weights(model: nn.Module) -> int:
+    """After a live weight update (weight_updater.py): every packed copy packed again from its (updated)
+    weight; how many."""
+    count = 0
+    for module in model.modules():
+        if getattr(module, "packed_weight", None) is not None:
+            module.packed_weight = _pack(module.weight)
+            count += 1
+    return count

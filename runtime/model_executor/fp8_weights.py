@@ -130,6 +130,8 @@ class Fp8Weights:
         for _, m in modules:
             if not self.checkpoint_fp8:
                 w8, scale = quantize_weight(m.weight.data, method, col_ms.get(id(m)))
+                # kept for a live weight update, which quantizes new weights the same way (weight_updater.py)
+                m.fp8_scale_method, m.fp8_col_ms = method, col_ms.get(id(m))
                 m.weight = nn.Parameter(w8, requires_grad=False)
                 m.weight_scale = nn.Parameter(scale, requires_grad=False)
             if self.block is not None:

@@ -7,13 +7,14 @@ import logging
 
 import torch
 
-from runtime.admin_messages import AdminReply, ProfileControl
+from runtime.admin_messages import AdminReply, ProfileControl, WeightUpdate
 from runtime.config import ServerArgs
-from runtime.errors import InvalidRequestError
+from runtime.errors import InvalidRequestError, WeightLoadError
 from runtime.messages import BatchResult, LoraLoad, WorkerBatch, WorkerInfo
 from runtime.model_executor.model_runner import LaunchedBatch, ModelRunner
 from runtime.model_executor.spec_decode_runner import SpecDecodeRunner
 from runtime.model_executor.step_profiler import StepProfiler
+from runtime.model_executor.weight_updater import WeightUpdater
 from runtime.models.parallel_context import ParallelContext
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class TpWorker:
         self.runner = ModelRunner(args, model_path, ctx, device)
         self.runner.spec = SpecDecodeRunner.create(args, self.runner)
         self.profiler: StepProfiler | None = None  # /start_profile .. /stop_profile (or its num_steps)
+        self.weights = WeightUpdater(self.runner, model_path)  # live weight updates (weight_updater.py)
 
     def bind_thread(self) -> None:
         device = self.runner.device
@@ -73,6 +75,20 @@ class TpWorker:
             except OSError:  # a trace that cannot be written must not fail the step's requests
                 logger.exception("cannot write the trace %s", profiler.path)
 
+    # ---- live weight updates: on the thread that runs this worker's steps, between two steps ------------
+    def check_weights(self, update: WeightUpdate) -> AdminReply:
+        """Checks a checkpoint against the live model, copying nothing (every TP rank checks before any loads)."""
+        return _weight_reply(lambda: self.weights.check.check_checkpoint(update.model_path, update.load_format)
+                             or "checked")
+
+    def update_weights(self, update: WeightUpdate, checked: bool = False) -> AdminReply:
+        """Loads a checkpoint into the live parameters; the reply's error names what did not fit (the old
+        weights still serve then)."""
+        return _weight_reply(lambda: self.weights.from_disk(update.model_path, update.load_format, checked))
+
+    def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]]) -> AdminReply:
+        return _weight_reply(lambda: self.weights.from_tensors(named_tensors))
+
     def add_lora(self, load: LoraLoad) -> None:
         """An adapter loaded at run time, read and checked on this rank (any thread; InvalidRequestError naming
         what is wrong) before the scheduler lets any request name it (runtime/lora/lora_registry.py)."""
@@ -106,3 +122,14 @@ class TpWorker:
 
     def finish_batch(self, launched: LaunchedBatch) -> BatchResult:
         return self.runner.finish_batch(launched)
+
+
+def _weight_reply(update) -> AdminReply:
+    """A weight update's outcome as a typed reply: the message, or the error naming the problem."""
+    try:
+        return AdminReply(message=update())
+    except WeightLoadError as e:
+        return AdminReply(error=str(e))
+    except Exception as e:  # e.g. a torch error of a loader: still the caller's update, not this worker's step
+        logger.exception("weight update failed")
+        return AdminReply(error=f"{type(e).__name__}: {e}")

@@ -44,16 +44,27 @@ def fold_v_rotation(model: torch.nn.Module, rotation: KVRotation) -> KVRotation:
     if not layers or len(layers) != rotation.num_layers or not all(_foldable(a) for a in layers):
         logger.info("KV rotation: V stays a transform (a projection is not a 16/32-bit dense weight)")
         return rotation
-    h = rotation.v_mat.float()
-    d = rotation.head_dim
     for attn in layers:
-        qkv, o = attn.qkv_proj, attn.o_proj
-        start, n = attn.q_size + attn.kv_size, attn.kv_size // d
+        fold_layer(attn, rotation)
+    return rotation.with_v_in_weights()
+
+
+FOLDED_PARTS = ("v_proj.weight", "v_proj.bias", "o_proj.weight")  # what fold_layer changes, by checkpoint name
+
+
+@torch.no_grad()
+def fold_layer(attn: torch.nn.Module, rotation: KVRotation, parts: tuple[str, ...] = FOLDED_PARTS) -> None:
+    """One attention layer's fold, of the named parts only (a live weight update folds what it replaced:
+    runtime/model_executor/weight_updater.py)."""
+    h, d = rotation.v_mat.float(), rotation.head_dim
+    qkv, o = attn.qkv_proj, attn.o_proj
+    start, n = attn.q_size + attn.kv_size, attn.kv_size // d
+    if "v_proj.weight" in parts:
         w_v = qkv.weight[start:start + attn.kv_size].view(n, d, -1)
         w_v.copy_(torch.einsum("ed,hei->hdi", h, w_v.float()).to(w_v.dtype))  # H^T W_v[h]
-        if qkv.bias is not None:
-            b_v = qkv.bias[start:start + attn.kv_size].view(n, d)
-            b_v.copy_((b_v.float() @ h).to(b_v.dtype))
+    if "v_proj.bias" in parts and qkv.bias is not None:
+        b_v = qkv.bias[start:start + attn.kv_size].view(n, d)
+        b_v.copy_((b_v.float() @ h).to(b_v.dtype))
+    if "o_proj.weight" in parts:
         w_o = o.weight.view(o.weight.shape[0], -1, d)  # [out, local q heads, D]
         w_o.copy_(torch.einsum("ogd,de->oge", w_o.float(), h).to(w_o.dtype))
-    return rotation.with_v_in_weights()

@@ -1,66 +1,46 @@
-"""RayEngineClient's failover logic without Ray: fake scheduler actors (deterministic tokens, one per
-poll) behind the real client. A replica that dies mid-stream moves each of its streams to the live one,
-resubmitted with exactly the tokens already streamed, so every stream ends with the undisturbed
-sequence (none missing, none repeated); the dead replica is relaunched and gets traffic again; the
-failovers are counted; with no replica left a stream ends with an error that says so."""
+"""RayEngineClient's failover logic without Ray: fake scheduler actors (tests/fake_ray_actors.py;
+deterministic tokens, one per poll) behind the real client. A replica that dies mid-stream moves each of
+its streams to the live one, resubmitted with exactly the tokens already streamed, so every stream ends
+with the undisturbed sequence (none missing, none repeated); the dead replica is relaunched and gets
+traffic again; the failovers are counted; with no replica left a stream ends with an error that says so."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
-from dataclasses import dataclass, field
+
+from fake_ray_actors import FakeScheduler, actor_method, fake_client
 
 from runtime.cluster.ray_engine_client import RayEngineClient
 from runtime.cluster.routing import create_routing_policy
 from runtime.config import ServerArgs
-from runtime.messages import (
-    FinishReason,
-    GenerateRequest,
-    OutputPoll,
-    RequestOutput,
-    SchedulerStats,
-    WorkerInfo,
-)
+from runtime.messages import FinishReason, GenerateRequest, RequestOutput
 from runtime.sampling.params import SamplingParams
-
-INFO = WorkerInfo(max_total_tokens=10000, max_reqs=64, context_len=1000, vocab_size=1000, eos_token_ids=[0],
-                  attention_backend="fake", device="cpu")
 
 
 def token(prompt: list[int], position: int) -> int:
     return (sum(prompt) * 31 + position * 7) % 997 + 1
 
 
-class _Method:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        return asyncio.ensure_future(self.fn(*args))
-
-
-class FakeScheduler:
+class TokenScheduler(FakeScheduler):
     """Generates token(prompt, position) per request per poll; once dead every call raises."""
 
-    def __init__(self, name: str):
-        self.name, self.dead, self.submitted = name, False, []
+    def __init__(self):
+        self.submitted: list[GenerateRequest] = []
         self.reqs: dict[str, tuple[GenerateRequest, list[int]]] = {}
-        for m in ("submit", "poll", "abort", "health", "stats"):
-            setattr(self, m, _Method(getattr(self, "_" + m)))
 
-    def _check(self) -> None:
-        if self.dead:
-            raise RuntimeError(f"ActorDiedError: {self.name} died")
-
-    async def _submit(self, req: GenerateRequest, consumer: str) -> None:
-        self._check()
+    @actor_method
+    async def submit(self, req: GenerateRequest, consumer: str) -> None:
+        self.check_alive()
         self.submitted.append(req)
         self.reqs[req.rid] = (req, list(req.resumed_output_ids))
 
-    async def _poll(self, consumer: str, timeout_s: float, cache_seq) -> bytes:
-        await asyncio.sleep(0.01)
-        self._check()
+    @actor_method
+    async def abort(self, rid: str) -> None:
+        self.reqs.pop(rid, None)
+
+    def step(self) -> list[RequestOutput]:
         outs = []
         for rid, (req, ids) in list(self.reqs.items()):
             ids.append(token(req.input_ids, len(ids)))
@@ -70,54 +50,12 @@ class FakeScheduler:
                                       completion_tokens=len(ids)))
             if done:
                 del self.reqs[rid]
-        return OutputPoll(outputs=outs).encode()
-
-    async def _abort(self, rid: str) -> None:
-        self.reqs.pop(rid, None)
-
-    async def _health(self) -> bool:
-        self._check()
-        return True
-
-    async def _stats(self) -> SchedulerStats:
-        self._check()
-        return SchedulerStats()
-
-
-@dataclass
-class FakeGroup:
-    index: int
-    schedulers: list[FakeScheduler]
-    generation: int = 0
-    info: WorkerInfo = INFO
-    workers: list = field(default_factory=list)
-
-    def kill(self) -> None:
-        for s in self.schedulers:
-            s.dead = True
-
-
-class FakeLauncher:
-    def __init__(self, fail: bool = False):
-        self.fail, self.launched = fail, []
-
-    def launch(self, g: int, generation: int = 0) -> FakeGroup:
-        if self.fail:
-            time.sleep(0.05)
-            raise RuntimeError("no resources")
-        group = FakeGroup(g, [FakeScheduler(f"replica {g} gen {generation}")], generation)
-        self.launched.append(group)
-        return group
-
-    def shutdown(self) -> None:
-        pass
+        return outs
 
 
 def make_client(fail_relaunch: bool = False) -> RayEngineClient:
-    launcher = FakeLauncher(fail_relaunch)
-    groups = [FakeGroup(g, [FakeScheduler(f"replica {g}")]) for g in range(2)]
-    client = RayEngineClient(ServerArgs(dp_size=2), launcher, groups, tokenizer=None, model_name="fake",
-                             health_interval_s=0.05)
+    client = fake_client(ServerArgs(dp_size=2), [TokenScheduler(), TokenScheduler()],
+                         None if fail_relaunch else TokenScheduler, health_interval_s=0.05)
     client.policy = create_routing_policy("round_robin")
     return client
 

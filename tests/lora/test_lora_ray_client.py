@@ -1,5 +1,5 @@
 """LoRA loads and unloads on the Ray path without Ray: the real RayEngineClient over fake scheduler actors
-(as tests/cluster/test_failover_client.py), each holding a real LoraRegistry. A load reaches every replica
+(tests/fake_ray_actors.py), each holding a real LoraRegistry. A load reaches every replica
 or none (undone where it had succeeded); an unload of an unknown name is a LoraNotFoundError; a relaunched
 replica is brought from --lora-modules to the adapters served now. And the actors' own side: the scheduler
 actor answers typed LoraUpdates, and a TP follower's refusal names its rank."""
@@ -8,97 +8,46 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
+from fake_ray_actors import FakeScheduler, actor_method, fake_client
 
 from runtime.cluster.ray_engine_client import RayEngineClient
-from runtime.cluster.scheduler_actor import SchedulerActor
+from runtime.cluster.scheduler_actor import SchedulerActor, _lora_update
 from runtime.cluster.tp_worker_actor import TpWorkerActor
 from runtime.config import ServerArgs
 from runtime.errors import InvalidRequestError
 from runtime.lora.lora_config import LoraNotFoundError
 from runtime.lora.lora_registry import LoraRegistry
-from runtime.messages import LoraLoad, LoraUpdate, OutputPoll, SchedulerStats, WorkerInfo
+from runtime.messages import LoraLoad, LoraUpdate
 
-INFO = WorkerInfo(max_total_tokens=1000, max_reqs=8, context_len=100, vocab_size=100, eos_token_ids=[0],
-                  attention_backend="fake", device="cpu")
 ARGS = ServerArgs(dp_size=2, enable_lora=True, lora_modules="start=/a/start", disable_request_link=True)
 
 
-class _Method:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        return asyncio.ensure_future(self.fn(*args))
-
-
-class FakeScheduler:
+class LoraScheduler(FakeScheduler):
     """A scheduler actor's LoRA side: its registry, and a worker that refuses the paths in `refuse`."""
 
     def __init__(self, refuse: frozenset[str] = frozenset()):
-        self.registry, self.refuse, self.dead = LoraRegistry(ARGS), refuse, False
-        for m in ("poll", "health", "stats", "load_lora_adapter", "unload_lora_adapter"):
-            setattr(self, m, _Method(getattr(self, "_" + m)))
+        self.registry, self.refuse = LoraRegistry(ARGS), refuse
 
     def _add(self, load: LoraLoad) -> None:
         if load.path in self.refuse:
             raise InvalidRequestError(f"adapter {load.name!r} ({load.path}): no such folder", param="lora_path")
 
-    async def _load_lora_adapter(self, name: str, path: str, replace: bool) -> LoraUpdate:
-        return _update(lambda: self.registry.load(name, path, self._add, replace))
+    @actor_method
+    async def load_lora_adapter(self, name: str, path: str, replace: bool) -> LoraUpdate:
+        return _lora_update(lambda: self.registry.load(name, path, self._add, replace))
 
-    async def _unload_lora_adapter(self, name: str) -> LoraUpdate:
-        return _update(lambda: self.registry.unload(name))
-
-    async def _poll(self, consumer: str, timeout_s: float, cache_seq) -> bytes:
-        await asyncio.sleep(0.01)
-        if self.dead:
-            raise RuntimeError("ActorDiedError")
-        return OutputPoll().encode()
-
-    async def _health(self) -> bool:
-        if self.dead:
-            raise RuntimeError("ActorDiedError")
-        return True
-
-    async def _stats(self) -> SchedulerStats:
-        return SchedulerStats()
-
-
-def _update(fn) -> LoraUpdate:
-    from runtime.cluster.scheduler_actor import _lora_update
-
-    return _lora_update(fn)
-
-
-@dataclass
-class FakeGroup:
-    index: int
-    schedulers: list[FakeScheduler]
-    generation: int = 0
-    info: WorkerInfo = INFO
-    workers: list = field(default_factory=list)
-
-    def kill(self) -> None:
-        for s in self.schedulers:
-            s.dead = True
-
-
-class FakeLauncher:
-    def launch(self, g: int, generation: int = 0) -> FakeGroup:
-        return FakeGroup(g, [FakeScheduler()], generation)
-
-    def shutdown(self) -> None:
-        pass
+    @actor_method
+    async def unload_lora_adapter(self, name: str) -> LoraUpdate:
+        return _lora_update(lambda: self.registry.unload(name))
 
 
 @pytest.fixture
 def client():
-    groups = [FakeGroup(0, [FakeScheduler()]), FakeGroup(1, [FakeScheduler(frozenset({"/bad/on/one"}))])]
-    c = RayEngineClient(ARGS, FakeLauncher(), groups, tokenizer=None, model_name="fake", health_interval_s=0.05)
+    c = fake_client(ARGS, [LoraScheduler(), LoraScheduler(frozenset({"/bad/on/one"}))], LoraScheduler,
+                    health_interval_s=0.05)
     yield c
     c.shutdown()
 

@@ -5,15 +5,15 @@ sharding of weights and scales; and typed errors for layouts Shoal cannot load."
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_dirs import with_quant_config
 from runner_driver import RunnerDriver
+from tp_rank_models import tp_rank_models
 
 from kernels.argmax import chunk_argmax
 from kernels.fp8_gemv import fp8_linear_small_m_ref
@@ -180,22 +180,10 @@ def test_per_tensor_scales_broadcast_per_fused_part(tiny_llama, tmp_path) -> Non
 
 def test_tp_shards_fp8_weights_with_their_scales(tiny_llama, tmp_path) -> None:
     """Two ranks' column and row shards (loaded without a process group) put together are the full layers."""
-    from runtime.distributed.parallel_group import ParallelGroup
-    from runtime.model_config import ModelConfig
     from runtime.model_executor.fp8_weights import Fp8Weights
-    from runtime.model_executor.weight_loader import iterate_safetensors
-    from runtime.models.parallel_context import ParallelContext
-    from runtime.models.registry import get_model_class
 
     ckpt = write_fp8_checkpoint(tiny_llama, tmp_path / "ct", "compressed-tensors")
-    cfg = ModelConfig.from_pretrained(ckpt)
-    fp8 = Fp8Weights.resolve(None, str(ckpt))
-    ranks = []
-    for rank in range(2):
-        model = get_model_class(cfg.architecture)(cfg, ParallelContext.tensor_parallel(ParallelGroup(rank, 2)))
-        fp8.prepare(model)
-        model.load_weights(iterate_safetensors(ckpt, show_progress=False))
-        ranks.append(model.model.layers[0])
+    ranks = [m.model.layers[0] for m in tp_rank_models(ckpt, 2, Fp8Weights.resolve(None, str(ckpt)))]
     whole = RunnerDriver(ckpt).runner.model.model.layers[0]
     for get, dim in ((lambda m: m.mlp.gate_up_proj, 0), (lambda m: m.mlp.down_proj, 1)):
         w = [get(r).weight.float() for r in ranks]
@@ -210,12 +198,6 @@ def test_tp_shards_fp8_weights_with_their_scales(tiny_llama, tmp_path) -> None:
         assert torch.equal(cat, get(whole).weight.float()) and torch.equal(cat_s, get(whole).weight_scale)
 
 
-def _with_quant_config(src: Path, dst: Path, qcfg: dict) -> Path:
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = qcfg
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 @pytest.mark.parametrize(("qcfg", "named"), [
@@ -228,7 +210,7 @@ def _with_quant_config(src: Path, dst: Path, qcfg: dict) -> Path:
      "fbgemm_fp8 with unquantized linear layers"),
 ])
 def test_unsupported_layout_raises_typed_error_naming_it(tiny_llama, tmp_path, qcfg: dict, named: str) -> None:
-    ckpt = _with_quant_config(tiny_llama, tmp_path / "bad", qcfg)
+    ckpt = with_quant_config(tiny_llama, tmp_path / "bad", qcfg)
     with pytest.raises(UnsupportedQuantizationError, match=re.escape(named)):
         RunnerDriver(ckpt)
 
@@ -242,6 +224,6 @@ def test_quantization_flag_is_validated() -> None:
 
 
 def test_fp8_layout_with_bf16_tensors_is_refused(tiny_llama, tmp_path) -> None:
-    ckpt = _with_quant_config(tiny_llama, tmp_path / "lying", quant_config("fbgemm_fp8"))
+    ckpt = with_quant_config(tiny_llama, tmp_path / "lying", quant_config("fbgemm_fp8"))
     with pytest.raises(WeightLoadError, match="float8_e4m3fn"):
         RunnerDriver(ckpt)

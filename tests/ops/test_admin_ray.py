@@ -1,16 +1,16 @@
-"""The operator calls on the Ray path without Ray: the real RayEngineClient over fake scheduler actors (as
-tests/cluster/test_failover_client.py) sums every replica's typed AdminReply and names a replica that failed;
+"""The operator calls on the Ray path without Ray: the real RayEngineClient over fake scheduler actors
+(tests/fake_ray_actors.py) sums every replica's typed AdminReply and names a replica that failed;
 the scheduler actor answers AdminReplies; rank 0's BroadcastWorker sends a ProfileControl to the other ranks
 as a control frame, which a follower's loop applies between the same two steps and never runs."""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import msgspec
 import pytest
+from fake_ray_actors import FakeScheduler, actor_method, fake_client
 
 from runtime.admin_messages import AdminReply, ProfileControl
 from runtime.cluster import tp_worker_actor
@@ -20,76 +20,35 @@ from runtime.cluster.scheduler_actor import SchedulerActor
 from runtime.cluster.tp_worker_actor import TpWorkerActor
 from runtime.config import ServerArgs
 from runtime.errors import EngineUnavailableError, InvalidRequestError
-from runtime.messages import OutputPoll, SchedulerStats, WorkerBatch, WorkerInfo
+from runtime.messages import WorkerBatch
 
-INFO = WorkerInfo(max_total_tokens=1000, max_reqs=8, context_len=100, vocab_size=100, eos_token_ids=[0],
-                  attention_backend="fake", device="cpu")
 ARGS = ServerArgs(dp_size=2, disable_request_link=True)
 START = ProfileControl(start=True, output_dir="/traces", trace_id="t1", num_steps=3)
 
 
-class _Method:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def remote(self, *args):
-        return asyncio.ensure_future(self.fn(*args))
-
-
-class FakeScheduler:
+class AdminScheduler(FakeScheduler):
     def __init__(self, cached: int, fail: bool = False):
         self.cached, self.fail, self.controls = cached, fail, []
-        for m in ("poll", "health", "stats", "flush_cache", "profile"):
-            setattr(self, m, _Method(getattr(self, "_" + m)))
 
-    async def _flush_cache(self) -> AdminReply:
+    @actor_method
+    async def flush_cache(self) -> AdminReply:
         if self.fail:
             raise RuntimeError("ActorDiedError")
         flushed, self.cached = self.cached, 0
         return AdminReply(flushed_tokens=flushed, kept_tokens=2)
 
-    async def _profile(self, ctl: ProfileControl) -> AdminReply:
+    @actor_method
+    async def profile(self, ctl: ProfileControl) -> AdminReply:
         self.controls.append(ctl)
         return AdminReply(trace_files=[] if ctl.start else [f"/traces/{self.controls[0].trace_id}-tp0.trace.json"])
 
-    async def _poll(self, consumer: str, timeout_s: float, cache_seq) -> bytes:
-        await asyncio.sleep(0.01)
-        return OutputPoll().encode()
 
-    async def _health(self) -> bool:
-        return True
-
-    async def _stats(self) -> SchedulerStats:
-        return SchedulerStats()
-
-
-@dataclass
-class FakeGroup:
-    index: int
-    schedulers: list[FakeScheduler]
-    generation: int = 0
-    info: WorkerInfo = INFO
-    workers: list = field(default_factory=list)
-
-    def kill(self) -> None:
-        pass
-
-
-class FakeLauncher:
-    def launch(self, g: int, generation: int = 0) -> FakeGroup:
-        return FakeGroup(g, [FakeScheduler(0)], generation)
-
-    def shutdown(self) -> None:
-        pass
-
-
-def _client(second: FakeScheduler) -> RayEngineClient:
-    groups = [FakeGroup(0, [FakeScheduler(30)]), FakeGroup(1, [second])]
-    return RayEngineClient(ARGS, FakeLauncher(), groups, tokenizer=None, model_name="fake", health_interval_s=60)
+def _client(second: AdminScheduler) -> RayEngineClient:
+    return fake_client(ARGS, [AdminScheduler(30), second], lambda: AdminScheduler(0))
 
 
 def test_every_replica_flushes_and_profiles():
-    client = _client(FakeScheduler(12))
+    client = _client(AdminScheduler(12))
     try:
         reply = asyncio.run(client.flush_prefix_cache())
         assert reply == AdminReply(flushed_tokens=42, kept_tokens=4)
@@ -100,7 +59,7 @@ def test_every_replica_flushes_and_profiles():
         assert [s.controls[0].num_steps for g in client.groups for s in g.schedulers] == [3, 3]
     finally:
         client.shutdown()
-    client = _client(FakeScheduler(5, fail=True))
+    client = _client(AdminScheduler(5, fail=True))
     try:
         reply = asyncio.run(client.flush_prefix_cache())
         assert reply.flushed_tokens == 30 and reply.error == "routing target 1: RuntimeError: ActorDiedError"

@@ -5,14 +5,12 @@ independently of kernels/w4a16_gemm.py, so a loader that packs or orders nibbles
 
 from __future__ import annotations
 
-import json
-import shutil
 import zlib
 from pathlib import Path
 
 import torch
+from checkpoint_dirs import checkpoint_tensors, is_linear_weight, save_checkpoint
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order_map: nibble i holds column 8c + AWQ_ORDER[i]
 
 
@@ -56,20 +54,9 @@ def write_int4_checkpoint(src: Path, dst: Path, layout: str, group: int, sym: bo
                           desc_act: bool = False) -> tuple[Path, Path]:
     """(the 4-bit checkpoint, its dequantized fp32 twin) of `src` in `layout`: awq | gptq | compressed-tensors.
     desc_act (gptq): groups are runs of a random column order, g_idx says each column's group."""
-    from safetensors.torch import load_file, save_file
-
-    packed_dir, deq_dir = dst / layout, dst / f"{layout}-dequantized"
-    for d in (packed_dir, deq_dir):
-        d.mkdir(parents=True, exist_ok=True)
-        for f in src.iterdir():
-            if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
-                shutil.copy(f, d / f.name)
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
     packed, deq = {}, {}
-    for name, t in tensors.items():
-        if not (name.endswith(".weight") and name.split(".")[-2] in LINEARS):
+    for name, t in checkpoint_tensors(src).items():
+        if not is_linear_weight(name):
             packed[name] = deq[name] = t.contiguous()
             continue
         base = name[: -len("weight")]
@@ -96,12 +83,9 @@ def write_int4_checkpoint(src: Path, dst: Path, layout: str, group: int, sym: bo
             packed[base + "weight_shape"] = torch.tensor([n, k])
             if not sym:
                 packed[base + "weight_zero_point"] = pack_columns(zero.t()).t().contiguous()
-    save_file(packed, str(packed_dir / "model.safetensors"))
-    save_file(deq, str(deq_dir / "model.safetensors"))
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {**quant_config(layout, group, sym), **({"desc_act": True} if desc_act else {})}
-    (packed_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    return packed_dir, deq_dir
+    qcfg = {**quant_config(layout, group, sym), **({"desc_act": True} if desc_act else {})}
+    return (save_checkpoint(src, dst / layout, packed, qcfg),
+            save_checkpoint(src, dst / f"{layout}-dequantized", deq))
 
 
 def quant_config(layout: str, group: int, sym: bool = False) -> dict:

@@ -6,14 +6,14 @@ and contradicting flags are refused by name."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_dirs import with_quant_config
+from tp_rank_models import rank_model, tp_rank_models
 from transformers import AutoModelForCausalLM
 
 from runtime.errors import ServerArgsError, UnsupportedQuantizationError, WeightLoadError
@@ -107,22 +107,8 @@ def test_packed_forward_matches_hf(checkpoints, monkeypatch) -> None:
 
 def test_tp_shards_hold_whole_groups_of_each_part(checkpoints) -> None:
     """Two ranks' shards (loaded without a process group) put together are the whole model's layers."""
-    from runtime.distributed.parallel_group import ParallelGroup
-    from runtime.model_config import ModelConfig
-    from runtime.model_executor.weight_loader import iterate_safetensors
-    from runtime.models.parallel_context import ParallelContext
-    from runtime.models.registry import get_model_class
-
     packed, _ = checkpoints[("awq", "llama", 32, False, False)]
-    cfg = ModelConfig.from_pretrained(packed)
-    quant = Int4Weights.resolve(None, str(packed))
-    ranks = []
-    for rank in range(2):
-        model = get_model_class(cfg.architecture)(cfg, ParallelContext.tensor_parallel(ParallelGroup(rank, 2)))
-        quant.prepare(model)
-        model.load_weights(iterate_safetensors(packed, show_progress=False))
-        quant.finish(model, torch.float32)
-        ranks.append(model.model.layers[0])
+    ranks = [m.model.layers[0] for m in tp_rank_models(packed, 2, Int4Weights.resolve(None, str(packed)))]
     whole = RunnerDriver(packed).runner.model.model.layers[0]
     gu = [r.mlp.gate_up_proj.weight.chunk(2) for r in ranks]  # each rank: [gate shard; up shard]
     assert torch.equal(torch.cat([gu[0][0], gu[1][0], gu[0][1], gu[1][1]]), whole.mlp.gate_up_proj.weight)
@@ -132,21 +118,13 @@ def test_tp_shards_hold_whole_groups_of_each_part(checkpoints) -> None:
                        whole.self_attn.qkv_proj.weight)
     # o_proj's 64 input columns in groups of 64: a rank's 32 cannot hold whole groups
     g64, _ = checkpoints[("gptq", "llama", 64, False, False)]
-    model = get_model_class(cfg.architecture)(cfg, ParallelContext.tensor_parallel(ParallelGroup(0, 2)))
     with pytest.raises(WeightLoadError, match=r"o_proj.*32 input columns.*group size 64"):
-        Int4Weights.resolve(None, str(g64)).prepare(model)
+        Int4Weights.resolve(None, str(g64)).prepare(rank_model(packed, 0, 2))
     act, _ = checkpoints[("gptq", "qwen2", 32, True, True)]
-    model = get_model_class(cfg.architecture)(cfg, ParallelContext.tensor_parallel(ParallelGroup(1, 2)))
     with pytest.raises(UnsupportedQuantizationError, match="act-order .* with tensor parallel"):
-        Int4Weights.resolve(None, str(act)).prepare(model)
+        Int4Weights.resolve(None, str(act)).prepare(rank_model(packed, 1, 2))
 
 
-def _with_quant_config(src: Path, dst: Path, qcfg: dict) -> Path:
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = qcfg
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 _CT = quant_config("compressed-tensors", 32)
@@ -163,7 +141,7 @@ _CT = quant_config("compressed-tensors", 32)
     ({**_CT, "ignore": ["lm_head", "model.layers.0.mlp.down_proj"]}, "compressed-tensors with unquantized"),
 ])
 def test_unsupported_layouts_are_refused_by_name(tiny_llama, tmp_path, qcfg: dict, named: str) -> None:
-    ckpt = _with_quant_config(tiny_llama, tmp_path / "bad", qcfg)
+    ckpt = with_quant_config(tiny_llama, tmp_path / "bad", qcfg)
     with pytest.raises(UnsupportedQuantizationError, match=re.escape(named)):
         RunnerDriver(ckpt)
 
@@ -198,7 +176,7 @@ def test_dummy_weights_quantize_to_the_configs_layout(tiny_llama, tmp_path) -> N
     weights are quantized at load into the packed layers (the CPU keeps them packed here)."""
     from runtime.model_executor.forward_mode import ForwardMode as Mode
 
-    ckpt = _with_quant_config(tiny_llama, tmp_path / "dummy", quant_config("awq", 32))
+    ckpt = with_quant_config(tiny_llama, tmp_path / "dummy", quant_config("awq", 32))
     quant = Int4Weights.resolve(None, str(ckpt), dummy=True)
     assert quant == Int4Weights("awq", 32, True, dummy=True)
     d = RunnerDriver(ckpt, load_format="dummy")

@@ -5,13 +5,11 @@ the dequantized fp32 copy (the same tensors HF transformers then runs) with no q
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import torch
+from checkpoint_dirs import checkpoint_tensors, is_linear_weight, save_checkpoint
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 F8 = torch.float8_e4m3fn
 
 
@@ -33,20 +31,9 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tens
 def write_block_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int],
                                qcfg: dict | None = None, drop: str | None = None) -> tuple[Path, Path]:
     """(the FP8 checkpoint, its dequantized fp32 twin). drop: a tensor name left out of the FP8 one."""
-    from safetensors.torch import load_file, save_file
-
-    fp8_dir, deq_dir = dst / "fp8", dst / "dequantized"
-    for d in (fp8_dir, deq_dir):
-        d.mkdir(parents=True, exist_ok=True)
-        for f in src.iterdir():
-            if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
-                shutil.copy(f, d / f.name)
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
     out, deq = {}, {}
-    for name, t in tensors.items():
-        if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
+    for name, t in checkpoint_tensors(src).items():
+        if is_linear_weight(name):
             w8, scale = quantize_blocks(t, block)
             out[name], out[name + "_scale_inv"] = w8, scale
             deq[name] = w8.float() * scale.repeat_interleave(block[0], 0)[: t.shape[0]].repeat_interleave(
@@ -54,10 +41,5 @@ def write_block_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int],
         else:
             out[name] = deq[name] = t.contiguous()
     out.pop(drop, None)
-    save_file(out, str(fp8_dir / "model.safetensors"))
-    save_file(deq, str(deq_dir / "model.safetensors"))
-    cfg = json.loads((src / "config.json").read_text())
-    (deq_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    cfg["quantization_config"] = qcfg if qcfg is not None else qwen_fp8_config(list(block))
-    (fp8_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    return fp8_dir, deq_dir
+    qcfg = qcfg if qcfg is not None else qwen_fp8_config(list(block))
+    return save_checkpoint(src, dst / "fp8", out, qcfg), save_checkpoint(src, dst / "dequantized", deq)

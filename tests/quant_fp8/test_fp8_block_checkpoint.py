@@ -8,7 +8,6 @@ weight_block_size (per-tensor weight_scale) loads into the per-channel path."""
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path
@@ -16,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 from block_fp8_checkpoints import qwen_fp8_config, write_block_fp8_checkpoint
+from checkpoint_dirs import with_quant_config
 from tiny_models import save_random_model
+from tp_rank_models import tp_rank_models
 from transformers import AutoModelForCausalLM
 
 from kernels.fp8_block_gemm import per_token_group_quant_ref
@@ -156,24 +157,9 @@ def test_block_layers_hold_the_checkpoint(qwen3_block) -> None:
 
 
 def _rank_models(ckpt: Path, tp: int) -> list[torch.nn.Module]:
-    """The model of each of tp ranks, loaded without a process group (as test_fp8_weights does)."""
-    from runtime.distributed.parallel_group import ParallelGroup
-    from runtime.model_config import ModelConfig
     from runtime.model_executor.fp8_weights import Fp8Weights
-    from runtime.model_executor.weight_loader import iterate_safetensors
-    from runtime.models.parallel_context import ParallelContext
-    from runtime.models.registry import get_model_class
 
-    cfg = ModelConfig.from_pretrained(ckpt)
-    fp8 = Fp8Weights.resolve(None, str(ckpt))
-    models = []
-    for rank in range(tp):
-        model = get_model_class(cfg.architecture)(cfg, ParallelContext.tensor_parallel(ParallelGroup(rank, tp)))
-        fp8.prepare(model)
-        model.load_weights(iterate_safetensors(ckpt, show_progress=False))
-        fp8.finish(model, torch.float32)
-        models.append(model)
-    return models
+    return tp_rank_models(ckpt, tp, Fp8Weights.resolve(None, str(ckpt)))
 
 
 def test_tp2_shards_whole_blocks_and_their_scales(tiny_llama, tmp_path) -> None:
@@ -213,14 +199,6 @@ def test_tp_that_splits_a_block_names_the_layer(llama_block) -> None:
         _rank_models(llama_block[0], 2)
 
 
-def _with_config(src: Path, dst: Path, qcfg: dict) -> Path:
-    import shutil
-
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = qcfg
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 @pytest.mark.parametrize(("qcfg", "named"), [
@@ -236,7 +214,7 @@ def _with_config(src: Path, dst: Path, qcfg: dict) -> Path:
 def test_bad_quantization_config_is_a_typed_error(llama_block, tmp_path, qcfg: dict, named: str) -> None:
     from runtime.errors import UnsupportedQuantizationError
 
-    ckpt = _with_config(llama_block[0], tmp_path / "bad", qcfg)
+    ckpt = with_quant_config(llama_block[0], tmp_path / "bad", qcfg)
     with pytest.raises(UnsupportedQuantizationError, match=re.escape(named)):
         RunnerDriver(ckpt)
 
@@ -254,14 +232,14 @@ def test_bad_tensors_and_flags_are_typed_errors(tiny_llama, llama_block, tmp_pat
                                                r"weight's \(32, 32\) blocks"):
         RunnerDriver(wrong)
     # q is 64 rows: [48, 32] blocks would straddle the fused q/k/v parts even at TP 1
-    odd = _with_config(llama_block[0], tmp_path / "odd", qwen_fp8_config([48, 32]))
+    odd = with_quant_config(llama_block[0], tmp_path / "odd", qwen_fp8_config([48, 32]))
     with pytest.raises(WeightLoadError, match=r"qkv_proj \(q\) has 64 rows, not a multiple of the 48-row"):
         RunnerDriver(odd)
     with pytest.raises(ServerArgsError, match="--fp8-weight-only: not supported for block-wise"):
         RunnerDriver(llama_block[0], fp8_weight_only=True)
     from safetensors.torch import load_file, save_file
 
-    head = _with_config(llama_block[0], tmp_path / "fp8_head", qwen_fp8_config([32, 32]))
+    head = with_quant_config(llama_block[0], tmp_path / "fp8_head", qwen_fp8_config([32, 32]))
     t = load_file(str(head / "model.safetensors"))
     t["lm_head.weight"] = t["lm_head.weight"].to(torch.float8_e4m3fn)
     save_file(t, str(head / "model.safetensors"))
@@ -311,7 +289,7 @@ def test_per_tensor_fp8_loads_into_the_per_channel_path(tiny_llama, tmp_path) ->
     from fp8_checkpoints import write_fp8_checkpoint
 
     ct = write_fp8_checkpoint(tiny_llama, tmp_path / "ct", "compressed-tensors", strategy="tensor")
-    auto = _with_config(ct, tmp_path / "autofp8", {"quant_method": "fp8", "activation_scheme": "static",
+    auto = with_quant_config(ct, tmp_path / "autofp8", {"quant_method": "fp8", "activation_scheme": "static",
                                                      "ignored_layers": ["lm_head"]})
     want, _, _ = _shoal_greedy(ct)
     got, got_logits, d = _shoal_greedy(auto)
