@@ -8,30 +8,21 @@ import json
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 from runtime.errors import ServerArgsError
 from runtime.lora.lora_config import parse_lora_modules
+from runtime.server_flags import (  # noqa: F401  (METRICS_COMPAT, VLLM_ALIASES: still importable from here)
+    METRICS_COMPAT,
+    MULTI_VALUE,
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    VLLM_ALIASES,
+)
+from runtime.server_flags import flag_name as _flag
+from runtime.server_flags import hf_overrides as _hf_overrides
+from runtime.server_flags import metrics_compat as _metrics_compat
 from runtime.text.chat_template import read_chat_template
-
-# vLLM's names for the same knobs, accepted beside ours (SGLang's) so a vLLM command line works as typed.
-# --gpu-memory-utilization: vLLM's share also covers weights plus KV, as --mem-fraction-static does.
-VLLM_ALIASES: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    "model_path": ("--model",), "tokenizer_path": ("--tokenizer",), "context_length": ("--max-model-len",),
-    "mem_fraction_static": ("--gpu-memory-utilization",), "max_running_requests": ("--max-num-seqs",),
-    "tp_size": ("--tensor-parallel-size", "-tp"), "dp_size": ("--data-parallel-size", "-dp"),
-    "disable_cuda_graph": ("--enforce-eager",),
-    "lora_modules": ("--lora-paths",), "max_loras": ("--max-loras-per-batch",),
-})
-# Flags that take several values (`--lora-modules a=/p b=/q`), joined with spaces into their str field.
-MULTI_VALUE = frozenset({"lora_modules"})
-
-# Names of the gateway's parser registries (runtime/gateway/tool_parsers, reasoning_parsers), checked at start.
-TOOL_CALL_PARSERS = ("llama3_json", "hermes", "mistral")
-REASONING_PARSERS = ("qwen3", "deepseek-r1")
-# Peers whose /metrics names the gateway can expose beside ours (runtime/gateway/metrics.py).
-METRICS_COMPAT = ("vllm", "sglang")
 
 
 def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
@@ -113,6 +104,18 @@ class ServerArgs:
                                      "or grammar) reserves KV for its whole output at admission, and is retracted "
                                      "only after every request that estimates its need; auto: on a GPU",
                                      ("auto", "on", "off"))
+    # Request priorities (runtime/managers/priority.py): SGLang's flags, and vLLM's --scheduling-policy priority
+    enable_priority_scheduling: bool = _opt(False, "honour each request's integer `priority` (default 0): the queue goes "
+                                            "by priority first (--schedule-policy's order within one), and a request "
+                                            "that cannot start for lack of KV or of a running slot retracts running "
+                                            "requests of lower priority; without it a non-zero priority is a 400")
+    schedule_low_priority_values_first: bool = _opt(False, "priority: a lower value is served first (vLLM's way)")
+    priority_scheduling_preemption_threshold: int | None = _opt(None, "a waiting request retracts a running one only if "
+                                                                      "its priority is better by more than this (10; "
+                                                                      "0 with --scheduling-policy priority)")
+    scheduling_policy: str = _opt("fcfs", "vLLM's flag: priority = --enable-priority-scheduling with lower values "
+                                          "first and any better priority preempting (vLLM's meaning)",
+                                  ("fcfs", "priority"))
     # Execution
     attention_backend: str = _opt("auto", "attention backend", ("auto", "torch_native", "triton", "flashinfer"))
     disable_cuda_graph: bool = _opt(False, "never capture CUDA graphs")
@@ -129,9 +132,9 @@ class ServerArgs:
     # Structured output, tools, reasoning
     grammar_compile_timeout_s: float = _opt(10.0, "a request whose grammar (JSON schema, regex, EBNF, tool "
                                                   "schemas) takes longer to compile gets a 400")
-    tool_call_parser: str | None = _opt(None, "parse the model's own tool-call format for tool_choice auto: "
-                                              "llama3_json, hermes (Qwen2.5/Qwen3) or mistral")
-    reasoning_parser: str | None = _opt(None, "move <think>...</think> into reasoning_content: qwen3 or deepseek-r1")
+    tool_call_parser: str | None = _opt(None, "the model's tool-call format for tool_choice auto: llama3_json, hermes "
+                                              "(Qwen2.5/Qwen3), mistral, qwen3_coder or pythonic (Llama 3.2/4)")
+    reasoning_parser: str | None = _opt(None, "reasoning into reasoning_content: qwen3, deepseek-r1, mistral")
     # LoRA adapters (runtime/lora): requests pick one by `model` (or lora_name / lora_path)
     enable_lora: bool = _opt(False, "serve PEFT LoRA adapters of the base model beside it")
     lora_modules: str | None = _opt(None, "the adapters, name=path ... (a PEFT folder: adapter_config.json + "
@@ -259,6 +262,17 @@ class ServerArgs:
                                                     "--speculative-algorithm and --enable-dp-attention")
         self._check_speculative()
         self._check_lora()
+        self._check_priority()
+
+    def _check_priority(self) -> None:
+        threshold = self.priority_scheduling_preemption_threshold
+        if threshold is not None and threshold < 0:  # a negative gap would let equals retract each other forever
+            raise ServerArgsError("--priority-scheduling-preemption-threshold", f"must be >= 0, got {threshold}")
+        if not self.priority_scheduling:
+            for name in ("schedule_low_priority_values_first", "priority_scheduling_preemption_threshold"):
+                if getattr(self, name) not in (False, None):
+                    raise ServerArgsError(_flag(name), "needs --enable-priority-scheduling (vLLM: "
+                                                       "--scheduling-policy priority)")
 
     def _check_lora(self) -> None:
         if self.max_loras < 1 or self.max_lora_rank < 1:
@@ -290,6 +304,20 @@ class ServerArgs:
             # Every draft forward is a collective across DP ranks; IDLE ranks would have to mirror them all.
             raise ServerArgsError("--speculative-algorithm", "STANDALONE does not run with --enable-dp-attention "
                                                              "yet; use NGRAM")
+
+    @property
+    def priority_scheduling(self) -> bool:
+        """Requests' priorities order the queue and preempt (either spelling of the flag)."""
+        return self.enable_priority_scheduling or self.scheduling_policy == "priority"
+
+    @property
+    def priority_low_values_first(self) -> bool:
+        return self.schedule_low_priority_values_first or self.scheduling_policy == "priority"
+
+    @property
+    def priority_preemption_threshold(self) -> int:  # vLLM preempts for any better priority, SGLang past 10
+        t = self.priority_scheduling_preemption_threshold
+        return t if t is not None else 0 if self.scheduling_policy == "priority" else 10
 
     @property
     def uses_ray(self) -> bool:
@@ -370,29 +398,3 @@ class ServerArgs:
             if isinstance(values[name], list):
                 values[name] = " ".join(values[name])
         return cls(**values)
-
-
-def _metrics_compat(value: str) -> tuple[str, ...]:
-    names = {n.strip().lower() for n in value.split(",")}
-    if names == {"none"}:
-        return ()
-    if not names <= set(METRICS_COMPAT):
-        raise ServerArgsError("--metrics-compat", f"must be a comma-separated list of {', '.join(METRICS_COMPAT)}, "
-                                                  f"or none; got {value!r}")
-    return tuple(n for n in METRICS_COMPAT if n in names)
-
-
-def _hf_overrides(text: str | None) -> dict[str, Any]:
-    if text is None:
-        return {}
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise ServerArgsError("--hf-overrides", f"is not valid JSON ({e}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise ServerArgsError("--hf-overrides", f"must be a JSON object of config.json keys, got {text!r}")
-    return value
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")

@@ -23,7 +23,7 @@ from runtime.errors import EngineUnavailableError, InvalidRequestError, ServerAr
 from runtime.logging_setup import setup_logging
 from runtime.lora.engine_lora import EngineLora
 from runtime.lora.lora_config import per_prompt
-from runtime.managers.request_validation import as_id_lists
+from runtime.managers.request_validation import as_id_lists, per_prompt_priority
 from runtime.managers.scheduler_host import SchedulerHost
 from runtime.messages import FinishReason, GenerateRequest, RequestOutput, SchedulerStats
 from runtime.model_executor.tp_worker import TpWorker
@@ -122,7 +122,7 @@ class Engine(EngineLora, EngineAdmin, EngineEmbeddings):  # an EngineClient; run
     def make_request(self, prompt: str | None = None, input_ids: list[int] | None = None,
                      sampling_params: dict | SamplingParams | None = None, return_input_logprob: bool = False,
                      rid: str | None = None, input_top_logprobs_num: int = 0,
-                     lora_name: str | None = None) -> GenerateRequest:
+                     lora_name: str | None = None, priority: int = 0) -> GenerateRequest:
         """Tokenizes and validates one request (InvalidRequestError on anything wrong). input_top_logprobs_num
         N > 0: each prompt position after the first also lists its top N tokens (return_input_logprob implied)."""
         sampling_params, n = self._split_n(sampling_params)
@@ -137,7 +137,7 @@ class Engine(EngineLora, EngineAdmin, EngineEmbeddings):  # an EngineClient; run
         req = self.validate(GenerateRequest(rid=rid or f"engine-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
                                             input_ids=tuple(input_ids), sampling_params=params,
                                             return_input_logprob=return_input_logprob, lora_name=lora_name,
-                                            input_top_logprobs_num=input_top_logprobs_num))
+                                            input_top_logprobs_num=input_top_logprobs_num, priority=priority))
         if params.grammar is not None and self.grammar is not None:  # a bad grammar fails here, not later
             self.grammar.check(params.grammar)
         return req
@@ -145,12 +145,13 @@ class Engine(EngineLora, EngineAdmin, EngineEmbeddings):  # an EngineClient; run
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_input_logprob: bool = False,
                  input_top_logprobs_num: int = 0, rid: str | list[str] | None = None,
-                 lora_name: str | list[str | None] | None = None) -> dict | list[dict]:
+                 lora_name: str | list[str | None] | None = None, priority: int | list[int] = 0) -> dict | list[dict]:
         """Blocking generation for one prompt or a list (returned in the same order). rid: the request id
         (one per prompt), for `abort(rid)` from another thread; each result carries its own as "rid".
-        lora_name: an adapter served (--lora-modules, load_lora_adapter) for every prompt, or one per prompt."""
+        lora_name: an adapter served (--lora-modules, load_lora_adapter) for every prompt, or one per prompt.
+        priority: one for every prompt or one per prompt (--enable-priority-scheduling; else only 0)."""
         reqs, single = self._make_requests(prompt, sampling_params, input_ids, return_input_logprob,
-                                           input_top_logprobs_num, rid, lora_name)
+                                           input_top_logprobs_num, rid, lora_name, priority)
         # One queue for the whole call, drained as deltas arrive: per-request queues read in request order
         # let every later request's deltas pile up (1,000 x 1,000 tokens: up to ~2M live objects for every
         # generation-2 collection to walk while the scheduler thread waits). svc workload on an H100: the
@@ -184,7 +185,7 @@ class Engine(EngineLora, EngineAdmin, EngineEmbeddings):  # an EngineClient; run
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: dict | list[dict] | None = None, *,
              tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             rid: str | list[str] | None = None) -> dict | list[dict]:
+             rid: str | list[str] | None = None, priority: int | list[int] = 0) -> dict | list[dict]:
         """generate() over conversations (vLLM's LLM.chat): one list of {"role", "content"} messages, or a
         list of them; each is rendered with the model's chat template (or --chat-template) first."""
         batch = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
@@ -199,7 +200,8 @@ class Engine(EngineLora, EngineAdmin, EngineEmbeddings):  # an EngineClient; run
                                       "add_generation_prompt=False with it", param="continue_final_message")
         ids = [self._tokenizer.apply_chat_template(list(c), add_generation_prompt, tools, continue_final_message,
                                                    chat_template_kwargs) for c in conversations]
-        return self.generate(sampling_params=sampling_params, input_ids=ids if batch else ids[0], rid=rid)
+        return self.generate(sampling_params=sampling_params, input_ids=ids if batch else ids[0], rid=rid,
+                             priority=priority)
 
     def _withdraw(self, rids: list[str]) -> None:
         """Frees the rids of requests an interrupt kept from being submitted. No abort: the scheduler would keep
@@ -222,14 +224,14 @@ class Engine(EngineLora, EngineAdmin, EngineEmbeddings):  # an EngineClient; run
     def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                        input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
                        return_input_logprob: bool = False, input_top_logprobs_num: int = 0,
-                       rid: str | list[str] | None = None, lora_name: str | list[str | None] | None = None
-                       ) -> Coroutine[Any, Any, dict | list[dict]] | _AsyncStream:
+                       rid: str | list[str] | None = None, lora_name: str | list[str | None] | None = None,
+                       priority: int | list[int] = 0) -> Coroutine[Any, Any, dict | list[dict]] | _AsyncStream:
         """`await engine.async_generate(...)` gives what generate() gives (a list for a batch or n > 1) and is
         a coroutine (asyncio.create_task takes it); with stream=True, `async for delta in
         engine.async_generate(..., stream=True)` gives one prompt's text deltas as they come. Bad input
         raises here, before anything is queued."""
         reqs, single = self._make_requests(prompt, sampling_params, input_ids, return_input_logprob,
-                                           input_top_logprobs_num, rid, lora_name)
+                                           input_top_logprobs_num, rid, lora_name, priority)
         if stream:
             if len(reqs) != 1:
                 raise InvalidRequestError("stream=True streams one prompt and one choice (n = 1): call once per "
@@ -244,7 +246,7 @@ class Engine(EngineLora, EngineAdmin, EngineEmbeddings):  # an EngineClient; run
         return await gather_or_cancel(_collect(self, r) for r in reqs)
 
     def _make_requests(self, prompt, sampling_params, input_ids, return_input_logprob, input_top_logprobs_num=0,
-                       rid=None, lora_name=None):
+                       rid=None, lora_name=None, priority=0):
         if prompt is not None and not isinstance(prompt, (str, list, tuple)):
             raise InvalidRequestError(f"prompt must be a string or a list of strings, not {type(prompt).__name__}",
                                       param="prompt")
@@ -266,7 +268,7 @@ class Engine(EngineLora, EngineAdmin, EngineEmbeddings):  # an EngineClient; run
         rids = [rid] if isinstance(rid, str) else rid
         if rids is not None and (len(rids) != n or len(set(rids)) != n):
             raise InvalidRequestError(f"rid needs {n} distinct ids, one per prompt", param="rid")
-        reqs = []
+        reqs, priorities = [], per_prompt_priority(priority, n)
         for i in range(n):
             p, copies = self._split_n(params[i])
             if rids and copies > 1:  # abort(rid) must stop what rid names: one request, not a family
@@ -274,7 +276,8 @@ class Engine(EngineLora, EngineAdmin, EngineEmbeddings):  # an EngineClient; run
                                           "n times with n rids and seeds", param="rid")
             req = self.make_request(prompts[i] if prompts is not None else None, ids[i] if ids is not None else None,
                                     p, return_input_logprob, rid=rids[i] if rids else None,
-                                    input_top_logprobs_num=input_top_logprobs_num, lora_name=per_prompt(lora_name, n)[i])
+                                    input_top_logprobs_num=input_top_logprobs_num, lora_name=per_prompt(lora_name, n)[i],
+                                    priority=priorities[i])
             reqs.append(req)
             # Choice j samples with seed + j (as the gateway does): the copies differ, reproducibly.
             seed = req.sampling_params.seed

@@ -30,6 +30,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     embed: bool = False
     # --enable-lora: the adapter (a --lora-modules name) this request runs with; None: the base model.
     lora_name: str | None = None
+    priority: int = 0  # --enable-priority-scheduling: queue order and preemption (runtime/managers/priority.py)
 
     def __post_init__(self) -> None:
         if type(self.input_ids) is not tuple:

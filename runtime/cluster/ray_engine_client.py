@@ -54,7 +54,7 @@ class RayEngineClient(RayLoraClient, RayAdminClient, EngineClient):  # run-time 
         self.context_len = info.context_len
         self.pooling = PoolingConfig.for_server(args)  # the driver has the model folder (the tokenizer's)
         self._limits = RequestLimits(info.context_len, info.vocab_size, min(g.info.max_total_tokens for g in groups),
-                                     args.speculative_algorithm is not None)
+                                     args.speculative_algorithm is not None, args.priority_scheduling)
         # The driver compiles each new grammar once too (cached), so a bad one is a 400 before any actor call.
         self._grammar = create_grammar_compiler(tokenizer, info.vocab_size, args.grammar_compile_timeout_s)
         self.policy = create_routing_policy(args.routing_policy, args)

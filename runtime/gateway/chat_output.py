@@ -53,7 +53,10 @@ class ChatOutput:
             if call.name is None or not (call.complete or partial_ok):
                 break  # nothing of a call goes out before its name, nor before it settled where it may not
             if i == len(self._calls):
-                self._calls.append(_SentCall(f"call_{uuid.uuid4().hex[:24]}"))
+                # the parser's id: Mistral's templates refuse any but 9 letters or digits in the next turn
+                call_id = self.tool_parser.new_call_id() if self.tool_parser is not None else \
+                    f"call_{uuid.uuid4().hex[:24]}"
+                self._calls.append(_SentCall(call_id))
                 delta.tool_calls.append(DeltaToolCall(index=i, id=self._calls[i].id, type="function",
                                                       function=DeltaFunctionCall(name=call.name, arguments="")))
             sent = self._calls[i]

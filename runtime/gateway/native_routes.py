@@ -97,7 +97,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     base = body.rid or state.new_id("gen")
     lora = _lora_name(body, state)
     reqs = [state.validate(client, GenerateRequest(rid=f"{base}-{k}" if prompts.batch else base, input_ids=ids,
-                                                   sampling_params=params, lora_name=lora))
+                                                   sampling_params=params, lora_name=lora,
+                                                   priority=body.priority or 0))
             for k, ids in enumerate(prompts.ids)]
     if params.grammar is not None:  # json_schema, regex or ebnf: compiled (or refused) before anything runs
         await state.check_grammar(client, reqs[0], f"sampling_params.{params.grammar[0]}")

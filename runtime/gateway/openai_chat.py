@@ -19,6 +19,7 @@ import msgspec
 from aiohttp import web
 from msgspec import UNSET
 
+from runtime.engine_client import EngineClient
 from runtime.errors import ShoalError
 from runtime.gateway.chat_output import ChatOutput
 from runtime.gateway.choice_state import ChoiceState
@@ -40,10 +41,11 @@ from runtime.gateway.protocol import (
     ChatTopLogprob,
     DeltaMessage,
 )
-from runtime.gateway.reasoning_parsers import create_reasoning_parser
+from runtime.gateway.reasoning_parsers import create_reasoning_parser, reasoning_tags
 from runtime.gateway.reasoning_parsers.grammar_gate import AnswerOnlyParser, grammar_gate, turn_opening
+from runtime.gateway.state import GatewayState
 from runtime.gateway.tool_request import ToolRequest
-from runtime.messages import RequestOutput
+from runtime.messages import GenerateRequest, RequestOutput
 from runtime.sampling.params import SamplingParams
 from runtime.text.tokenizer import Tokenizer
 
@@ -180,11 +182,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                    logprob_param="top_logprobs", max_param=max_param)
     if body.include_stop_str_in_output:
         params = msgspec.structs.replace(params, include_stop_str_in_output=True)
+    if body.skip_special_tokens is None and _mistral_markers(state, tools):
+        # [THINK] / [TOOL_CALLS] are control tokens of Mistral's tokenizers (v11+): the parsers must see them,
+        # as vLLM keeps them for its Mistral parsers
+        params = msgspec.structs.replace(params, skip_special_tokens=False)
     params, reasoning, reasoning_done = constrain(client.tokenizer, opening, params, constraint,
                                                   state.args.reasoning_parser)
     base = state.new_id("chatcmpl")
     reqs = state.choice_requests(client, base, [ids], params, n, return_input_logprob=prompt_lp is not None,
                                  input_top_logprobs_num=prompt_lp or 0, lora_name=state.lora_name(body.model))
+    reqs = with_priority(state, client, reqs, body.priority)
     if prompt_lp is not None:
         reqs = score_prompts_once(reqs, n)
     if constraint is not None:
@@ -192,6 +199,21 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     gen.set_choices(base, reqs)
     responder = _ChatResponder(gen, model, n, want_lp, tools, reasoning, reasoning_done, prompt_lp)
     return await gen.respond(bool(body.stream), responder)
+
+
+def _mistral_markers(state: GatewayState, tools: ToolRequest | None) -> bool:
+    """A Mistral parser reads this request's output: --reasoning-parser mistral, or --tool-call-parser mistral
+    with tool_choice auto."""
+    return state.args.reasoning_parser == "mistral" or (
+        tools is not None and tools.mode == "auto" and tools.parser_name == "mistral")
+
+
+def with_priority(state: GatewayState, client: EngineClient, reqs: list[GenerateRequest], priority: int | None) -> list[GenerateRequest]:
+    """The body's `priority` on each of its requests, checked again by the engine's own rules: a 400 naming
+    it where the server runs without priority scheduling."""
+    if not priority:
+        return reqs
+    return [state.validate(client, msgspec.structs.replace(r, priority=priority)) for r in reqs]
 
 
 def constrain(tokenizer: Tokenizer, opening: str, params: SamplingParams, constraint: OutputConstraint | None,
@@ -204,7 +226,7 @@ def constrain(tokenizer: Tokenizer, opening: str, params: SamplingParams, constr
         params = constraint.apply(params)
     if reasoning is None:
         return params, None, False
-    gate = grammar_gate(tokenizer, opening)
+    gate = grammar_gate(tokenizer, opening, reasoning_tags(reasoning))  # Magistral's: [THINK] / [/THINK]
     if constraint is None:
         return params, reasoning, gate is not None and gate.reasoning_done
     if gate is None:

@@ -19,6 +19,7 @@ from aiohttp import web
 from runtime.gateway.choice_state import ChoiceState
 from runtime.gateway.errors import not_supported
 from runtime.gateway.generation import Generation
+from runtime.gateway.openai_chat import with_priority
 from runtime.gateway.openai_responder import OpenAIResponder, prompt_logprobs_num, score_prompts_once
 from runtime.gateway.output_constraint import OutputConstraint
 from runtime.gateway.prompt_input import PromptInput
@@ -103,6 +104,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     top_n = max((body.logprobs or 0) if echo_lp else 0, prompt_lp or 0)
     reqs = state.choice_requests(client, base, prompts.ids, params, n, return_input_logprob=scored,
                                  input_top_logprobs_num=top_n, lora_name=state.lora_name(body.model))
+    reqs = with_priority(state, client, reqs, body.priority)
     if scored and not echo_lp:  # echo shows each choice's own prompt logprobs, a stream's in its first delta
         reqs = score_prompts_once(reqs, n)
     if constraint is not None:

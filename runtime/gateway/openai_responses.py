@@ -29,7 +29,7 @@ from runtime.gateway.chat_output import ChatDelta, ChatOutput
 from runtime.gateway.choice_state import ChoiceState
 from runtime.gateway.errors import ApiError, bad_request, from_shoal_error
 from runtime.gateway.generation import Generation, Responder
-from runtime.gateway.openai_chat import chat_logprobs, constrain, template_messages
+from runtime.gateway.openai_chat import chat_logprobs, constrain, template_messages, with_priority
 from runtime.gateway.prompt_input import truncate_prompt
 from runtime.gateway.protocol import ChatTokenLogprob, ErrorInfo, OpenAISamplingFields
 from runtime.gateway.reasoning_parsers import create_reasoning_parser
@@ -106,7 +106,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
     params, reasoning, reasoning_done = constrain(client.tokenizer, opening, params, constraint,
                                                   state.args.reasoning_parser)
     base = new_id("resp")
-    reqs = state.choice_requests(client, base, [ids], params, 1, lora_name=state.lora_name(body.model))
+    reqs = with_priority(state, client, state.choice_requests(client, base, [ids], params, 1,
+                                                              lora_name=state.lora_name(body.model)), body.priority)
     if constraint is not None:
         await state.check_grammar(client, reqs[0], constraint.param)
     gen.set_choices(base, reqs)

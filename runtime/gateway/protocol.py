@@ -115,6 +115,7 @@ class OpenAISamplingFields(Struct, kw_only=True):
     truncate_prompt_tokens: Int64 | None = None  # vLLM's: keep the prompt's last k tokens (-1: the context)
     allowed_token_ids: list[Int64] | None = None  # vLLM's: sampling restricted to these ids
     bad_words: list[str] | None = None  # vLLM's: these words are never generated
+    priority: Int64 | None = None  # vLLM's and SGLang's: with --enable-priority-scheduling (else only 0)
     # vLLM's: each prompt position's logprobs (the prompt token and the top N), on the response
     prompt_logprobs: Int64 | None = None
 
@@ -311,6 +312,7 @@ class GenerateBody(Struct, kw_only=True):
     rid: str | None = None
     lora_path: str | None = None  # SGLang's: an adapter's name (or its --lora-modules folder)
     lora_name: str | None = None
+    priority: Int64 | None = None  # SGLang's: with --enable-priority-scheduling (else only 0)
 
 
 class GenerateFinishReason(Struct, omit_defaults=True):

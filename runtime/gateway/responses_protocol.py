@@ -71,6 +71,7 @@ class ResponsesRequest(Struct, kw_only=True):
     skip_special_tokens: bool | None = None
     allowed_token_ids: list[Int64] | None = None  # sampling restricted to these ids
     bad_words: list[str] | None = None  # never generated (the gateway tokenizes them)
+    priority: Int64 | None = None  # with --enable-priority-scheduling (else only 0)
     chat_template_kwargs: dict[str, Any] | None = None
     logit_bias: dict[str, float] | None = None  # token ids (as strings) to logit offsets
     include_stop_str_in_output: bool | None = None  # the matched stop string stays in the text

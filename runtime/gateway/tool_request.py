@@ -55,7 +55,8 @@ class ToolRequest:
                               '"function": {"name": ...}}', param="tool_choice")
         if mode == "auto" and parser_name is None:
             raise bad_request('tool_choice "auto" needs the server started with --tool-call-parser (llama3_json, '
-                              'hermes or mistral); "required" and a named function work without it',
+                              'hermes, mistral, qwen3_coder or pythonic); "required" and a named function work '
+                              'without it',
                               param="tool_choice")
         return cls(checked, mode, named, parallel is not False, parser_name)
 
@@ -84,7 +85,7 @@ class ToolRequest:
         if self.mode == "required":
             return RequiredListParser()
         if self.mode == "auto":
-            return create_tool_parser(self.parser_name)
+            return create_tool_parser(self.parser_name, self.tools)
         return None
 
 

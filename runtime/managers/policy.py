@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from runtime.managers.req import Req
+
+if TYPE_CHECKING:
+    from runtime.managers.priority import PriorityScheduling
 
 
 class SchedulePolicy(ABC):
@@ -41,10 +45,26 @@ class LongestOutputFirstPolicy(SchedulePolicy):
         return sorted(waiting, key=lambda r: -r.params.max_new_tokens)  # sorted() is stable
 
 
+class ByPriority(SchedulePolicy):
+    """Priority scheduling: the better rank first (PriorityScheduling.rank); within a rank, the order of the
+    policy it wraps."""
+
+    def __init__(self, within: SchedulePolicy, priority: PriorityScheduling):
+        self.within, self.priority = within, priority
+
+    def order(self, waiting: list[Req], prefix_len: Callable[[Req], int]) -> list[Req]:
+        return self.priority.order(self.within.order(waiting, prefix_len))
+
+
 POLICIES = ("fcfs", "lpm", "lof")
 
 
-def create_policy(name: str, cache_enabled: bool) -> SchedulePolicy:
+def create_policy(name: str, cache_enabled: bool, priority: PriorityScheduling | None = None) -> SchedulePolicy:
+    policy = _create(name, cache_enabled)
+    return policy if priority is None else ByPriority(policy, priority)
+
+
+def _create(name: str, cache_enabled: bool) -> SchedulePolicy:
     if name == "lpm" and cache_enabled:
         return LongestPrefixMatchPolicy()
     if name == "lof":

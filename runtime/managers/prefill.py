@@ -10,7 +10,8 @@ import torch
 
 from runtime.config import ServerArgs
 from runtime.managers.kv_cache_manager import KVCacheManager
-from runtime.managers.policy import SchedulePolicy
+from runtime.managers.policy import create_policy
+from runtime.managers.priority import PriorityScheduling
 from runtime.managers.req import Req, ReqState
 from runtime.managers.retract import Retractor
 from runtime.managers.schedule_batch import ScheduleBatch
@@ -18,8 +19,10 @@ from runtime.model_executor.forward_mode import ForwardMode
 
 
 class PrefillAdder:
-    def __init__(self, args: ServerArgs, kv: KVCacheManager, policy: SchedulePolicy, retractor: Retractor):
-        self.kv, self.policy, self.retractor = kv, policy, retractor
+    def __init__(self, args: ServerArgs, kv: KVCacheManager, retractor: Retractor, cache_enabled: bool):
+        self.kv, self.retractor = kv, retractor
+        self.priority = PriorityScheduling.of(args, retractor)  # None: every request's priority is 0
+        self.policy = create_policy(args.schedule_policy, cache_enabled, self.priority)
         self.chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else 1 << 62
         self.budget = min(args.max_prefill_tokens, self.chunk)
         self.admit_counter = 0

@@ -28,8 +28,9 @@ class ReqState(Enum):
 class Req:
     def __init__(self, rid: str, input_ids: Sequence[int], params: SamplingParams, seed: int,
                  eos_token_ids: frozenset[int], return_input_logprob: bool = False, arrival_time: float = 0.0,
-                 input_top_logprobs_num: int = 0, embed: bool = False, lora_id: int = 0):
+                 input_top_logprobs_num: int = 0, embed: bool = False, lora_id: int = 0, priority: int = 0):
         self.rid = rid
+        self.priority = priority  # the client's; what it means is PriorityScheduling's (higher or lower first)
         self.lora_id = lora_id  # its LoRA adapter (its prefix-cache namespace too); 0: the base model
         self.lora_slot = 0  # the device slot of that adapter while admitted (runtime/lora/lora_slots.py)
         # A tuple, not a list: CPython stops tracking a tuple of ints at the first collection it survives, so

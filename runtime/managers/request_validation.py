@@ -4,6 +4,7 @@ as_id_lists: the Python API's token ids (numpy / torch too) as the plain ints th
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,10 +20,15 @@ class RequestLimits:
     vocab_size: int
     kv_size: int  # KV pool slots: a prompt must fit with one token to spare
     speculative: bool = False  # --speculative-algorithm is on: grammar-constrained requests are refused
+    priority_scheduling: bool = False  # --enable-priority-scheduling: a request may set a non-zero priority
 
     @classmethod
     def of(cls, info: WorkerInfo, speculative: bool = False) -> RequestLimits:
         return cls(info.context_len, info.vocab_size, info.max_total_tokens, speculative)
+
+    def with_priority(self, on: bool) -> RequestLimits:
+        """These limits where priority scheduling is `on` or not (a WorkerInfo does not say: the scheduler does)."""
+        return self if self.priority_scheduling == on else dataclasses.replace(self, priority_scheduling=on)
 
 
 def validate_request(limits: RequestLimits, req: GenerateRequest) -> GenerateRequest:
@@ -30,6 +36,7 @@ def validate_request(limits: RequestLimits, req: GenerateRequest) -> GenerateReq
     otherwise.
     Checks the sampling parameters too: a client may build them directly, skipping from_dict's check."""
     req.sampling_params.validate()
+    check_priority(req.priority, limits.priority_scheduling)
     n = len(req.input_ids)
     if n == 0:
         raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -68,6 +75,26 @@ def validate_request(limits: RequestLimits, req: GenerateRequest) -> GenerateReq
                                          min_new_tokens=min(req.sampling_params.min_new_tokens, room))
         req = msgspec.structs.replace(req, sampling_params=params)
     return req
+
+
+def check_priority(priority: object, enabled: bool) -> None:
+    """An integer (int64, as the gateway decodes it); non-zero only where the server schedules by it, so a
+    client's priority is never silently ignored (vLLM answers the same 400)."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**63) <= priority < 2**63:
+        raise InvalidRequestError(f"priority must be an integer, got {priority!r}", param="priority")
+    if priority and not enabled:
+        raise InvalidRequestError(f"priority {priority} needs priority scheduling, which this server runs without "
+                                  "(--enable-priority-scheduling, or vLLM's --scheduling-policy priority)",
+                                  param="priority")
+
+
+def per_prompt_priority(priority: Any, n: int) -> list[Any]:
+    """The Python API's priority: one for every prompt, or a list of one per prompt (checked later, each)."""
+    if not isinstance(priority, (list, tuple)):
+        return [priority] * n
+    if len(priority) != n:
+        raise InvalidRequestError(f"{len(priority)} priorities for {n} prompts", param="priority")
+    return list(priority)
 
 
 def _check_embedding_length(limits: RequestLimits, n: int) -> None:

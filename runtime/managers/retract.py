@@ -23,8 +23,13 @@ the re-prefills: 3,143 vs 4,099 tok/s there, so CPUs keep the estimate (benchmar
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from runtime.config import ServerArgs
 from runtime.managers.req import Req
+
+if TYPE_CHECKING:
+    from runtime.managers.priority import PriorityScheduling
 
 # Decode steps of headroom the estimate asks for after a retraction (SGLang uses the same idea).
 RETRACT_HEADROOM_STEPS = 20
@@ -64,11 +69,14 @@ class Retractor:
         self.ratio = self.init_ratio
         self.floor = self.min_ratio
 
-    def pick_victims(self, running: list[Req], need: int, available: int) -> list[Req]:
+    def pick_victims(self, running: list[Req], need: int, available: int,
+                     priority: PriorityScheduling | None = None) -> list[Req]:
         """Most recently admitted first, until the rest fit (always keeps one request); with reserve_known,
-        requests that estimate their need before those that reserved all of it."""
+        requests that estimate their need before those that reserved all of it; with priorities, the
+        worst-ranked before any of a better rank (vLLM's rule: the lowest priority is preempted first)."""
         victims: list[Req] = []
-        order = sorted(running, key=lambda r: (not (self.reserve_known and r.length_known), r.admit_seq),
+        rank = priority.rank if priority is not None else lambda r: 0
+        order = sorted(running, key=lambda r: (rank(r), not (self.reserve_known and r.length_known), r.admit_seq),
                        reverse=True)
         for r in order[:-1]:
             if available >= need - len(victims):

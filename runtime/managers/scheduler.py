@@ -17,7 +17,6 @@ from runtime.errors import InvalidRequestError
 from runtime.lora.lora_registry import LoraRegistry
 from runtime.managers.grammar_manager import GrammarManager
 from runtime.managers.kv_cache_manager import KVCacheManager
-from runtime.managers.policy import create_policy
 from runtime.managers.prefill import PrefillAdder
 from runtime.managers.req import Req, ReqState
 from runtime.managers.request_validation import RequestLimits, validate_request
@@ -52,10 +51,10 @@ class Scheduler:
         cache_on = args.prefix_cache_for(pooling)  # an embedding server's only with last-token pooling
         self.kv = KVCacheManager(max_total_tokens, max_reqs, context_len, enable_cache=cache_on,
                                  cache_events=cache_events, loras=self.lora_ids.slots)
-        self.limits = RequestLimits(context_len, vocab_size, self.kv.size, args.speculative_algorithm is not None)
-        self.policy = create_policy(args.schedule_policy, cache_on)
+        self.limits = RequestLimits(context_len, vocab_size, self.kv.size, args.speculative_algorithm is not None, args.priority_scheduling)
         self.retractor = Retractor(args, reserve_known_output)
-        self.prefill = PrefillAdder(args, self.kv, self.policy, self.retractor)
+        self.prefill = PrefillAdder(args, self.kv, self.retractor, cache_on)
+        self.priority = self.prefill.priority  # None: without priority scheduling (every priority is 0)
         self.stats = ForwardModeStats(args.log_interval_s)
         self.intake = TokenIntake(self.kv, self.stats, context_len, decode_text)
         self.spec = (SpecDecoding(args, self.kv, self.stats, context_len, pad_drafts)
@@ -86,7 +85,7 @@ class Scheduler:
     # ---- requests in ----------------------------------------------------------------------------
     def validate(self, req: GenerateRequest, limits: RequestLimits | None = None) -> GenerateRequest:
         self.lora_ids.id_of(req.lora_name)  # any thread; an unserved adapter: a 400 naming model
-        return validate_request(limits or self.limits, req)
+        return validate_request((limits or self.limits).with_priority(self.limits.priority_scheduling), req)
 
     def submit(self, req: GenerateRequest) -> None:
         """Thread-safe. The request must have passed validate()."""
@@ -129,7 +128,7 @@ class Scheduler:
         p = g.sampling_params
         seed = p.seed if p.seed is not None else self.rng.getrandbits(62)
         req = Req(g.rid, g.input_ids, p, seed, self.eos_token_ids, g.return_input_logprob, g.arrival_time,
-                  input_top_logprobs_num=g.input_top_logprobs_num, embed=g.embed, lora_id=lora_id)
+                  input_top_logprobs_num=g.input_top_logprobs_num, embed=g.embed, lora_id=lora_id, priority=g.priority)
         if g.resumed_output_ids:
             req.resume(g.resumed_output_ids)
         self.reqs[g.rid] = req
@@ -245,10 +244,11 @@ class Scheduler:
         self.process_batch_result(batch, result)
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        mixed = self.args.enable_mixed_chunk and bool(self.running)
+        if self.priority is not None:
+            self.priority.preempt(self)
+        keep_free = len(self.running) if self.args.enable_mixed_chunk else 0  # a MIXED step's decodes: a slot each
         prefill, self.chunked_req = self.prefill.build(self.waiting, self.running + self._inflight_new(),
-                                                       self.chunked_req, self.max_running,
-                                                       keep_free=len(self.running) if mixed else 0)
+                                                       self.chunked_req, self.max_running, keep_free)
         if prefill is not None:
             if self.args.enable_mixed_chunk and self.running:
                 decode = self._prepare_decode(in_batch=prefill.reqs)
@@ -274,7 +274,7 @@ class Scheduler:
             self._collect_pending()  # retraction needs every running request's real tokens
             need = len(self.running)
         if self.kv.available() < need:
-            victims = self.retractor.pick_victims(self.running, need, self.kv.available())
+            victims = self.retractor.pick_victims(self.running, need, self.kv.available(), self.priority)
             for v in victims:
                 self.running.remove(v)
                 self._retract(v)

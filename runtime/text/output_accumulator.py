@@ -46,6 +46,13 @@ class OutputAccumulator:
             self.input_logprobs = o.input_logprobs
         if o.input_top_logprobs is not None:
             self.input_top_logprobs = o.input_top_logprobs
-        delta = self.detok.add(o.new_token_ids, finished=o.finished)
+        shown = o.new_token_ids
+        fr = o.finish_reason
+        if (o.finished and fr is not None and fr.kind == "stop" and isinstance(fr.matched, int) and shown
+                and shown[-1] == fr.matched and not self.detok.include_stop):
+            # the EOS / stop token id that ended it is not text (vLLM's rule; visible when special tokens
+            # are kept, e.g. <|im_end|> under skip_special_tokens false); its id stays in ids
+            shown = shown[:-1]
+        delta = self.detok.add(shown, finished=o.finished)
         self.text += delta
         return delta

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import ClassVar
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 class ReasoningParser(ABC):
+    # The tags around the reasoning: grammar_gate waits for the closing one (a grammar constrains after it).
+    tags: ClassVar[tuple[str, str]] = (THINK_OPEN, THINK_CLOSE)
+
     @abstractmethod
     def split(self, text: str, final: bool) -> tuple[str, str]:
         """(reasoning so far, content so far)."""
@@ -44,6 +48,16 @@ def create_reasoning_parser(name: str) -> ReasoningParser:
 
     try:
         return _REGISTRY[name]()
+    except KeyError:
+        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def reasoning_tags(name: str) -> tuple[str, str]:
+    """The opening and closing reasoning tags of parser `name` (for grammar_gate)."""
+    import runtime.gateway.reasoning_parsers  # noqa: F401
+
+    try:
+        return _REGISTRY[name].tags
     except KeyError:
         raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
 

@@ -27,14 +27,17 @@ class AnswerOnlyParser(ReasoningParser):
         return "", text
 
 
-def grammar_gate(tokenizer: Any, opening: str) -> GrammarGate | None:
-    """opening: the text the model's turn starts from (turn_opening). None when the tokenizer does not spell
-    </think> as one token: the scheduler's grammar can wait for a single token only (a tag split into pieces
-    may also be sampled in other splits), so the caller keeps the grammar from the first token."""
-    _, end = _tag_ids(tokenizer)
+def grammar_gate(tokenizer: Any, opening: str,
+                 tags: tuple[str, str] = (THINK_OPEN, THINK_CLOSE)) -> GrammarGate | None:
+    """opening: the text the model's turn starts from (turn_opening); tags: the reasoning parser's opening and
+    closing tags (ReasoningParser.tags: Magistral's are [THINK] / [/THINK]). None when the tokenizer does not
+    spell the closing tag as one token: the scheduler's grammar can wait for a single token only (a tag split
+    into pieces may also be sampled in other splits), so the caller keeps the grammar from the first token."""
+    open_tag, close_tag = tags
+    end = _one_token(tokenizer, close_tag)
     if end is None:
         return None
-    if opening.rfind(THINK_CLOSE) > opening.rfind(THINK_OPEN):  # vLLM's is_reasoning_end, on the turn's start
+    if opening.rfind(close_tag) > opening.rfind(open_tag):  # vLLM's is_reasoning_end, on the turn's start
         return GrammarGate(None, True)
     return GrammarGate(end, False)
 
@@ -59,13 +62,9 @@ def turn_opening(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dic
 
 
 @functools.lru_cache(maxsize=8)
-def _tag_ids(tokenizer: Any) -> tuple[int | None, int | None]:
-    """(<think>'s id, </think>'s id), each None unless the tokenizer encodes it as exactly one token."""
+def _one_token(tokenizer: Any, tag: str) -> int | None:
+    """tag's id where the tokenizer encodes it as exactly one token, else None."""
     if getattr(tokenizer, "is_null", False):
-        return None, None
-
-    def one(tag: str) -> int | None:
-        ids = tokenizer.encode(tag, add_special_tokens=False)
-        return ids[0] if len(ids) == 1 else None
-
-    return one(THINK_OPEN), one(THINK_CLOSE)
+        return None
+    ids = tokenizer.encode(tag, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None

@@ -7,9 +7,11 @@ registered by name for --tool-call-parser."""
 
 from __future__ import annotations
 
+import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from runtime.gateway.tool_parsers.json_scan import CallSpan
 
@@ -38,6 +40,28 @@ class ToolParser(ABC):
     # it never finished, which is then content, so nothing of a call goes out before it is complete.
     streams_partial_calls = False
 
+    def __init__(self, tools: Sequence[dict[str, Any]] | None = None):
+        """tools: the request's tools (OpenAI tool objects), for formats whose calls need their schemas
+        (qwen3_coder types its parameter text by them) or names (a Mistral call whose markers the
+        detokenizer dropped)."""
+        self.tools: tuple[dict[str, Any], ...] = tuple(tools or ())
+
+    def tool_names(self) -> list[str]:
+        return [n for t in self.tools if isinstance(n := (t.get("function") or {}).get("name"), str)]
+
+    def tool_properties(self, name: str) -> dict[str, Any]:
+        """The JSON schemas of function `name`'s parameters ({} for an unknown function or no schema)."""
+        for t in self.tools:
+            fn = t.get("function") or {}
+            if fn.get("name") == name:
+                props = (fn.get("parameters") or {}).get("properties")
+                return props if isinstance(props, dict) else {}
+        return {}
+
+    def new_call_id(self) -> str:
+        """The id a call this parser read goes out with (OpenAI's shape; a format may need its own)."""
+        return f"call_{uuid.uuid4().hex[:24]}"
+
     @abstractmethod
     def parse(self, text: str, final: bool) -> ParsedOutput:
         """The content and calls in text (final: no more text comes, so nothing is held back)."""
@@ -53,13 +77,15 @@ def register_tool_parser(name: str) -> Callable[[type[ToolParser]], type[ToolPar
     return wrap
 
 
-def create_tool_parser(name: str) -> ToolParser:
+def create_tool_parser(name: str, tools: Sequence[dict[str, Any]] | None = None) -> ToolParser:
+    """A fresh parser of format `name` for one output; tools: the request's tools."""
     import runtime.gateway.tool_parsers  # noqa: F401  (registers every format)
 
     try:
-        return _REGISTRY[name]()
+        cls = _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+    return cls(tools)
 
 
 def tool_parser_names() -> list[str]:

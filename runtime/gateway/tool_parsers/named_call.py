@@ -11,6 +11,7 @@ class NamedCallParser(ToolParser):
     streams_partial_calls = True  # the grammar shapes the call: its arguments stream as they come
 
     def __init__(self, name: str):
+        super().__init__()
         self.name = name
 
     def parse(self, text: str, final: bool) -> ParsedOutput:

@@ -1,0 +1,153 @@
+"""Qwen3CoderToolParser: Qwen3-Coder / Qwen3.5 XML-style calls, after any content —
+<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>, several in a row.
+A VALUE is bare text (code, often): it ends at a </parameter> that the next parameter, </function> or
+</tool_call> follows, so a literal </parameter> inside it stays text; a missing </parameter> ends at
+</function></tool_call> or at the next <parameter=NAME> of the function's schema not yet given. Each
+value becomes JSON by its schema type in the request's tools (param_text), and the call's arguments are
+that object serialized, as vLLM answers. A call settles at its </function>; one the output ends inside
+is held back, then content (ParsedOutput.unfinished). A bare <function=...> without <tool_call> is a
+call too (vLLM's fallback)."""
+
+from __future__ import annotations
+
+import json
+
+from runtime.gateway.tool_parsers import param_text
+from runtime.gateway.tool_parsers.base import ParsedOutput, ToolParser, register_tool_parser
+from runtime.gateway.tool_parsers.json_scan import CallSpan, held_prefix, skip_ws
+
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_FUNC, _FUNC_END = "<function=", "</function>"
+_PARAM, _PARAM_END = "<parameter=", "</parameter>"
+_BAD_NAME_CHARS = frozenset("{}<>\"' \t\r\n")
+
+
+class _Pending(Exception):
+    """The text ends before the call does: wait for more (or, once none comes, it is content)."""
+
+
+class _NotACall(Exception):
+    """What follows the marker is not the format: the marker and that text are content."""
+
+
+@register_tool_parser("qwen3_xml")  # vLLM's other parser of the same format
+@register_tool_parser("qwen3_coder")
+class Qwen3CoderToolParser(ToolParser):
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        out = ParsedOutput("")
+        pos = 0
+        while True:
+            start = _next_marker(text, pos)
+            if start < 0:
+                rest = text[pos:]
+                out.content += rest if final else rest[:len(rest) - held_prefix(rest, (_OPEN, _FUNC))]
+                return out
+            out.content += text[pos:start]
+            j = skip_ws(text, start + len(_OPEN)) if text.startswith(_OPEN, start) else start
+            try:
+                if not text.startswith(_FUNC, j):
+                    if j >= len(text) or (not final and _may_become(text, j, (_FUNC,))):
+                        raise _Pending
+                    raise _NotACall
+                call, end = self._function(text, j, final)
+            except _Pending:
+                return out.unfinished(text[start:], 0, final)
+            except _NotACall:  # the marker is text; what follows it is read again
+                pos = j if j > start else start + 1
+                out.content += text[start:pos]
+                continue
+            out.calls.append(call)
+            k = skip_ws(text, end)
+            if text.startswith(_CLOSE, k):
+                pos = k + len(_CLOSE)
+            elif not final and (k >= len(text) or _may_become(text, k, (_CLOSE,))):
+                return out  # the closing tag is still coming
+            else:
+                pos = k  # no </tool_call> (a bare <function=...>, or the model forgot it): what follows is content
+
+    def _function(self, text: str, j: int, final: bool) -> tuple[CallSpan, int]:
+        """The call <function=NAME>...</function> at text[j]: its span and the index after </function>."""
+        name, i = _tag_name(text, j + len(_FUNC))
+        schemas = self.tool_properties(name)
+        raw: dict[str, str] = {}
+        while True:
+            i = skip_ws(text, i)
+            if text.startswith(_FUNC_END, i):
+                i += len(_FUNC_END)
+                break
+            if text.startswith(_CLOSE, i):  # </function> left out: </tool_call> ends the call too
+                break
+            if not text.startswith(_PARAM, i):
+                if i >= len(text) or (not final and _may_become(text, i, (_FUNC_END, _PARAM, _CLOSE))):
+                    raise _Pending
+                raise _NotACall
+            pname, v = _tag_name(text, i + len(_PARAM))
+            if v >= len(text):
+                raise _Pending
+            if text[v] == "\n":
+                v += 1
+            end, i = _value_end(text, v, final, set(schemas) - set(raw) - {pname})
+            value = text[v:end]
+            raw[pname] = value[:-1] if value.endswith("\n") else value
+        args = {p: param_text.convert(value, schemas.get(p)) for p, value in raw.items()}
+        return CallSpan(name, json.dumps(args, ensure_ascii=False), True), i
+
+
+def _next_marker(text: str, pos: int) -> int:
+    """Where the next call starts: <tool_call>, or a bare <function= (-1: none)."""
+    found = [i for i in (text.find(_OPEN, pos), text.find(_FUNC, pos)) if i >= 0]
+    return min(found) if found else -1
+
+
+def _may_become(text: str, i: int, markers: tuple[str, ...]) -> bool:
+    """Whether the text ends inside one of markers starting at text[i] (a tail too short to decide)."""
+    return any(len(text) - i < len(m) and m.startswith(text[i:]) for m in markers)
+
+
+def _tag_name(text: str, i: int) -> tuple[str, int]:
+    """The NAME of <function=NAME> / <parameter=NAME> starting at text[i], and the index after its '>'."""
+    end = text.find(">", i)
+    name = text[i:] if end < 0 else text[i:end]
+    if any(c in _BAD_NAME_CHARS for c in name):
+        raise _NotACall  # not an identifier (an unrendered template, prose): not the format
+    if end < 0:
+        raise _Pending
+    if not name:
+        raise _NotACall
+    return name, end + 1
+
+
+def _value_end(text: str, v: int, final: bool, unseen: set[str]) -> tuple[int, int]:
+    """Where the parameter value starting at text[v] ends, and where the function body goes on from.
+    The first of: </parameter> followed by another parameter, </function> or </tool_call>; </function>
+    followed by </tool_call> (its </parameter> left out); a line that opens a parameter of the schema
+    not given yet (unseen; its </parameter> left out). Each needs what follows it, so the text may end
+    before it is decided (_Pending)."""
+    i = v
+    while True:
+        c = text.find("<", i)
+        if c < 0:
+            raise _Pending
+        if text.startswith(_PARAM_END, c):
+            a = skip_ws(text, c + len(_PARAM_END))
+            if text.startswith((_PARAM, _FUNC_END, _CLOSE), a):
+                return c, a
+            if a >= len(text) or (not final and _may_become(text, a, (_PARAM, _FUNC_END, _CLOSE))):
+                raise _Pending
+        elif text.startswith(_FUNC_END, c):
+            a = skip_ws(text, c + len(_FUNC_END))
+            if text.startswith(_CLOSE, a) or (final and a >= len(text)):
+                return c, c
+            if a >= len(text) or (not final and _may_become(text, a, (_CLOSE,))):
+                raise _Pending
+        elif text.startswith(_PARAM, c) and c > v and text[c - 1] == "\n" and unseen:
+            end = text.find(">", c + len(_PARAM))
+            if end < 0:
+                if not final:
+                    raise _Pending
+            elif text[c + len(_PARAM):end] in unseen:
+                return c, c
+        elif not final and _may_become(text, c, (_PARAM_END, _FUNC_END, _PARAM)):
+            raise _Pending  # the text ends inside what may become one of them
+        i = c + 1
+
