@@ -34,7 +34,38 @@ SUPPORTED_ARCHITECTURES = MappingProxyType({
     "MistralModel": ("mistral", "runtime.models.llama:MistralForCausalLM"),
     "Qwen2Model": ("qwen2", "runtime.models.qwen2:Qwen2ForCausalLM"),
     "Qwen3Model": ("qwen3", "runtime.models.qwen3:Qwen3ForCausalLM"),
+    # Reward and classification models (Skywork-Reward-Llama-3.1-8B, Qwen2.5 / Qwen3 classifiers): the decoder
+    # and `score` [num_labels, hidden] on the last token, only on an embedding server (vLLM's --task classify).
+    "LlamaForSequenceClassification": ("llama", "runtime.models.sequence_classification:LlamaForSequenceClassification"),
+    "MistralForSequenceClassification": ("mistral",
+                                         "runtime.models.sequence_classification:MistralForSequenceClassification"),
+    "Qwen2ForSequenceClassification": ("qwen2", "runtime.models.sequence_classification:Qwen2ForSequenceClassification"),
+    "Qwen3ForSequenceClassification": ("qwen3", "runtime.models.sequence_classification:Qwen3ForSequenceClassification"),
 })
+
+
+def is_classifier_architecture(architecture: str) -> bool:
+    """A *ForSequenceClassification checkpoint: a score head over the last token, no LM head."""
+    return architecture.endswith("ForSequenceClassification")
+
+
+def classifier_labels(raw: Mapping[str, Any]) -> tuple[str, ...]:
+    """A classifier's label names in class order, as transformers' PretrainedConfig derives them: id2label
+    (keys are the class indices, as strings in config.json), else num_labels classes named LABEL_i (2 when
+    neither is set)."""
+    id2label = raw.get("id2label")
+    if isinstance(id2label, dict) and id2label:
+        try:
+            by_index = {int(k): str(v) for k, v in id2label.items()}
+        except (TypeError, ValueError):
+            raise ModelConfigError(f"config field 'id2label' must map class indices to names, got {id2label!r}") from None
+        if sorted(by_index) != list(range(len(by_index))):
+            raise ModelConfigError(f"config field 'id2label' must number its classes 0..n-1, got {sorted(by_index)}")
+        return tuple(by_index[i] for i in range(len(by_index)))
+    n = raw.get("num_labels", 2)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ModelConfigError(f"config field 'num_labels' must be a positive integer, got {n!r}")
+    return tuple(f"LABEL_{i}" for i in range(n))
 
 
 def is_bare_architecture(architecture: str) -> bool:
@@ -102,6 +133,7 @@ class ModelConfig:
     # Per layer, how many of the latest tokens a query sees (0: all of them). Empty: no layer has a window.
     sliding_windows: tuple[int, ...] = ()
     moe: MoeConfig | None = None  # None: every layer has the dense MLP
+    num_labels: int = 0  # a *ForSequenceClassification's classes (its score head's rows); 0 for other models
 
     @property
     def is_moe(self) -> bool:
@@ -117,6 +149,10 @@ class ModelConfig:
     def check_task(self, is_embedding: bool, model_path: str | Path) -> None:
         """A bare model has no LM head to generate with: refused on a generation server, by name, rather
         than served with a stand-in head (every logit zero)."""
+        if is_classifier_architecture(self.architecture) and not is_embedding:
+            raise ModelConfigError(f"{model_path}: {self.architecture} is a sequence-classification (reward) "
+                                   "model with no LM head: serve it with --is-embedding (vLLM's --task classify) "
+                                   "and ask POST /classify or /v1/embeddings for its scores")
         if self.is_bare and not is_embedding:
             raise ModelConfigError(f"{model_path}: {self.architecture} is a bare model (no LM head): serve it "
                                    "with --is-embedding (vLLM's --task embed)")
@@ -202,6 +238,7 @@ class ModelConfig:
             attention_bias=_attention_bias(raw, model_type),
             qk_norm=model_type in ("qwen3", "qwen3_moe"), dtype=_dtype(raw, dtype), eos_token_ids=eos_ids,
             sliding_windows=_sliding_windows(raw, model_type, layers), moe=moe,
+            num_labels=len(classifier_labels(raw)) if is_classifier_architecture(arch) else 0,
         )
 
 

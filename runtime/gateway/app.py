@@ -24,6 +24,7 @@ from runtime.engine_client import EngineClient
 from runtime.errors import ShoalError
 from runtime.gateway import (
     admin_routes,
+    classify_routes,
     dashboard_routes,
     debug_routes,
     lora_routes,
@@ -173,6 +174,8 @@ def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) 
     app.router.add_post("/v1/chat/completions", _generation(chat_completions))
     app.router.add_post("/v1/responses", _generation(responses))
     app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/classify", classify_routes.classify)  # vLLM's (SGLang's body too)
+    app.router.add_post("/v1/classify", classify_routes.classify)  # SGLang's path for vLLM's form
     app.router.add_get("/v1/models", native_routes.models)
     app.router.add_get("/v1/models/{model:.+}", native_routes.model)  # a model name may hold '/'
     app.router.add_post("/generate", _generation(native_routes.generate))

@@ -2,7 +2,7 @@
 ids or lists of token ids; encoding_format float or base64; Matryoshka `dimensions`; `user`), vLLM's
 additions (truncate_prompt_tokens, add_special_tokens, and `messages` in place of `input`: one
 conversation rendered with the chat template), and OpenAI's response; SGLang's native POST /encode body
-and answer."""
+and answer; POST /classify's body (vLLM's, with SGLang's text / input_ids form) and vLLM's answer."""
 
 from __future__ import annotations
 
@@ -69,3 +69,37 @@ class EncodeMetaInfo(Struct):
 class EncodeResponse(Struct):
     embedding: list[float]
     meta_info: EncodeMetaInfo
+
+
+class ClassifyRequest(EmbeddingRequest, kw_only=True):
+    """POST /classify: vLLM's ClassificationRequest (`input` or `messages`, as /v1/embeddings takes them)
+    or SGLang's (EmbeddingReqInput's `text` / `input_ids` / `rid`, answered as /encode answers)."""
+
+    use_activation: bool | None = None  # vLLM's: False gives the raw logits as probs (None: True)
+    activation: bool | None = None  # vLLM's older name of use_activation
+    text: Any = None  # SGLang's form: answered in /encode's shape
+    input_ids: Any = None
+    rid: str | list[str] | None = None
+
+
+class ClassificationData(Struct):
+    index: int
+    label: str  # id2label of the most probable class
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationUsage(Struct):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+    prompt_tokens_details: None = None
+
+
+class ClassificationResponse(Struct):
+    id: str
+    created: int
+    model: str
+    data: list[ClassificationData]
+    usage: ClassificationUsage
+    object: str = "list"

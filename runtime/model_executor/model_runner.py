@@ -175,10 +175,10 @@ class ModelRunner:
     def _embedding_checkpoint(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """An embedding model's tensors: an LM head skipped (the model has none), and those of a checkpoint
         saved from the bare *Model (e5-mistral-instruct, Qwen3-Embedding) named with the 'model.' prefix, as
-        vLLM's pooling adapter loads them."""
+        vLLM's pooling adapter loads them; a classifier's `score.weight` keeps its name."""
         for name, tensor in weights:
             if not name.startswith("lm_head."):
-                yield (name if name.startswith("model.") else "model." + name), tensor
+                yield (name if name.startswith(("model.", "score.")) else "model." + name), tensor
 
     def _calibration_prefill(self, model: torch.nn.Module, model_path: str) -> None:
         """One prefill of the KV calibration text through `model` (FP8 act_weighted weight scales read it)."""

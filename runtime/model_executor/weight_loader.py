@@ -71,6 +71,8 @@ def dummy_checkpoint(cfg: ModelConfig, seed: int, device: torch.device) -> Itera
         if cfg.qk_norm:
             shapes += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
     shapes.append(("model.norm.weight", (h,)))
+    if cfg.num_labels:  # a *ForSequenceClassification's score head (reward / classifier models)
+        shapes.append(("score.weight", (cfg.num_labels, h)))
     if not cfg.tie_word_embeddings:
         shapes.append(("lm_head.weight", (cfg.vocab_size, h)))
     for name, shape in shapes:

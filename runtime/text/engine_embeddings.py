@@ -1,7 +1,8 @@
 """EngineEmbeddings: the EngineClient the in-process Engine subclasses, with its embedding API (kept
 here: engine.py is at its size limit). `encode()` answers in SGLang's Engine.encode shape (a dict
 {"embedding", "meta_info"} for one input, a list of them for a batch), `embed()` in vLLM's LLM.embed shape
-(always a list of EmbeddingRequestOutput, read as `o.outputs.embedding`); `pooling` tells the gateway how
+(always a list of EmbeddingRequestOutput, read as `o.outputs.embedding`), `classify()` in vLLM's LLM.classify
+shape for a *ForSequenceClassification model (ClassificationRequestOutput, read as `o.outputs.probs`); `pooling` tells the gateway how
 the model pools (None for a generative engine), and `check_task` refuses a request of the other kind
 (generation on an embedding engine, or back)."""
 
@@ -20,7 +21,7 @@ from runtime.engine_client import EngineClient
 from runtime.errors import EngineUnavailableError, InvalidRequestError, RequestAbortedError, ShoalError
 from runtime.messages import GenerateRequest, RequestOutput
 from runtime.text.embedding_request import check_task, embedding_request, task_mismatch, truncate_tokens
-from runtime.text.pooling_config import PoolingConfig
+from runtime.text.pooling_config import PoolingConfig, require_classifier
 
 
 class EmbeddingOutput(msgspec.Struct, frozen=True):
@@ -38,6 +39,25 @@ class EmbeddingRequestOutput(msgspec.Struct, frozen=True):
 
     request_id: str
     outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+class ClassificationOutput(msgspec.Struct, frozen=True):
+    """vLLM's ClassificationOutput: the class probabilities (the raw logits where activation is off)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+class ClassificationRequestOutput(msgspec.Struct, frozen=True):
+    """vLLM's ClassificationRequestOutput, as LLM.classify returns one per prompt."""
+
+    request_id: str
+    outputs: ClassificationOutput
     prompt_token_ids: list[int]
     finished: bool = True
 
@@ -78,6 +98,19 @@ class EngineEmbeddings(EngineClient):
         the vector is `o.outputs.embedding`. The arguments are encode()'s."""
         _, done = self._embed(prompts, input_ids, dimensions, prompt_name, prompt, truncate_prompt_tokens)
         return [EmbeddingRequestOutput(r.rid, EmbeddingOutput(vector), list(r.input_ids)) for r, vector in done]
+
+    def classify(self, prompts: str | Sequence[str] | None = None, *,
+                 input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+                 truncate_prompt_tokens: int | None = None,
+                 use_activation: bool = True) -> list[ClassificationRequestOutput]:
+        """vLLM's LLM.classify, for a *ForSequenceClassification model (a reward model or classifier): one
+        ClassificationRequestOutput per input, in order; `o.outputs.probs` is the score head's logits at
+        the last token through vLLM's activation (softmax over several labels, sigmoid of a single one),
+        or the raw logits with use_activation=False (a reward model's score, as encode() also gives it)."""
+        pooling = require_classifier(self.pooling)
+        _, done = self._embed(prompts, input_ids, None, None, None, truncate_prompt_tokens)
+        return [ClassificationRequestOutput(r.rid, ClassificationOutput(
+            pooling.probabilities(logits) if use_activation else logits), list(r.input_ids)) for r, logits in done]
 
     def _embed(self, prompts: Any, input_ids: Any, dimensions: int | None, prompt_name: str | None,
                prompt: str | None, truncate_prompt_tokens: int | None,

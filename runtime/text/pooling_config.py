@@ -7,18 +7,22 @@ modules.json pools the last token and L2-normalizes (vLLM's default for `--task 
 e5-mistral-instruct, gte-Qwen2-1.5B-instruct). config.json is read with --hf-overrides merged over it: a
 model whose config.json sets is_causal false is refused (Shoal's attention is causal) unless that is a
 mislabel, as gte-Qwen2-1.5B-instruct's is (its HF code runs causal; vLLM advises --hf-overrides
-'{"is_causal": true}'); a truly bidirectional one, such as gte-Qwen2-7B-instruct per vLLM, stays refused."""
+'{"is_causal": true}'); a truly bidirectional one, such as gte-Qwen2-7B-instruct per vLLM, stays refused.
+A *ForSequenceClassification model (a reward model or classifier) pools its score head's logits at the last
+token, unnormalized, whatever modules.json says; `labels` (id2label) marks it, and `probabilities` turns
+its logits into /classify's probs as vLLM's classify pooler does."""
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runtime.errors import InvalidRequestError, ServerArgsError
+from runtime.errors import InvalidRequestError, ModelConfigError, ServerArgsError
+from runtime.model_config import classifier_labels, is_classifier_architecture
 
 if TYPE_CHECKING:
     from runtime.config import ServerArgs
@@ -40,6 +44,25 @@ class PoolingConfig:
     prompts: dict[str, str] = field(default_factory=dict)  # sentence-transformers' named prompts
     default_prompt_name: str | None = None
     source: str = "default"  # where the pooling came from (logs, errors)
+    labels: tuple[str, ...] | None = None  # a classifier's class names (id2label, in order); None: an embedder
+    problem_type: str | None = None  # config.json's (regression / single_label_ / multi_label_classification)
+
+    @property
+    def is_classifier(self) -> bool:
+        return self.labels is not None
+
+    def probabilities(self, logits: Sequence[float]) -> list[float]:
+        """vLLM's classify activation (transformers' ForSequenceClassification loss rule): regression keeps
+        the logits, multi-label classification takes each one's sigmoid, and otherwise one label's sigmoid or
+        several labels' softmax (so a 1-label reward model's probs is [sigmoid(score)])."""
+        if self.problem_type == "regression":
+            return list(logits)
+        if self.problem_type == "multi_label_classification" or len(logits) < 2:
+            return [_sigmoid(x) for x in logits]
+        top = max(logits)
+        exps = [math.exp(x - top) for x in logits]
+        total = math.fsum(exps)
+        return [e / total for e in exps]
 
     @classmethod
     def read(cls, model_path: str | Path, overrides: Mapping[str, Any] | None = None) -> PoolingConfig:
@@ -52,6 +75,16 @@ class PoolingConfig:
                                                     "embed. Where the model runs causal in spite of it (as "
                                                     "gte-Qwen2-1.5B-instruct's HF code does), serve it with "
                                                     "--hf-overrides '{\"is_causal\": true}'")
+        archs = hf.get("architectures") or []
+        if isinstance(archs, list) and archs and is_classifier_architecture(str(archs[0])):
+            try:
+                labels = classifier_labels(hf)
+            except ModelConfigError as e:
+                raise ServerArgsError("--is-embedding", f"{root / 'config.json'}: {e}") from None
+            problem = hf.get("problem_type")
+            return cls(pooling_type="last", normalize=False, hidden_size=len(labels), labels=labels,
+                       problem_type=problem if isinstance(problem, str) else None,
+                       source="config.json (sequence classification)")
         dims = hf.get("matryoshka_dimensions")
         common: dict[str, Any] = {
             "hidden_size": int(hf.get("hidden_size") or 0),
@@ -139,6 +172,26 @@ class PoolingConfig:
             raise InvalidRequestError(f"unknown prompt_name {name!r}; this model's prompts: {known}",
                                       param="prompt_name")
         return self.prompts[name]
+
+
+def require_classifier(pooling: PoolingConfig | None) -> PoolingConfig:
+    """The server's pooling if it serves a *ForSequenceClassification model; else InvalidRequestError naming
+    `model`, which says what the server serves instead."""
+    if pooling is not None and pooling.is_classifier:
+        return pooling
+    what = ("a generative model" if pooling is None else
+            "an embedding model (no score head: its config.json's architectures is not *ForSequenceClassification)")
+    raise InvalidRequestError(f"this server serves {what}: classification needs a *ForSequenceClassification "
+                              "model served with --is-embedding (vLLM's --task classify)", param="model",
+                              code="model_not_supported")
+
+
+def _sigmoid(x: float) -> float:
+    # the two branches keep exp's argument <= 0, so a large |x| neither overflows nor loses the result
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    e = math.exp(x)
+    return e / (1.0 + e)
 
 
 def _json(path: Path) -> Any:
