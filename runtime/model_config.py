@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping
@@ -12,6 +13,12 @@ from typing import Any
 
 import torch
 
+from runtime.classifier_config import (  # noqa: F401 (classifier_labels: re-exported)
+    classifier_labels,
+    classifier_token_ids,
+    classifier_tokens,
+    is_classifier_architecture,
+)
 from runtime.errors import ModelConfigError
 
 # The one list of architectures: config.json `architectures` name → (model_type, the class that runs it,
@@ -42,30 +49,6 @@ SUPPORTED_ARCHITECTURES = MappingProxyType({
     "Qwen2ForSequenceClassification": ("qwen2", "runtime.models.sequence_classification:Qwen2ForSequenceClassification"),
     "Qwen3ForSequenceClassification": ("qwen3", "runtime.models.sequence_classification:Qwen3ForSequenceClassification"),
 })
-
-
-def is_classifier_architecture(architecture: str) -> bool:
-    """A *ForSequenceClassification checkpoint: a score head over the last token, no LM head."""
-    return architecture.endswith("ForSequenceClassification")
-
-
-def classifier_labels(raw: Mapping[str, Any]) -> tuple[str, ...]:
-    """A classifier's label names in class order, as transformers' PretrainedConfig derives them: id2label
-    (keys are the class indices, as strings in config.json), else num_labels classes named LABEL_i (2 when
-    neither is set)."""
-    id2label = raw.get("id2label")
-    if isinstance(id2label, dict) and id2label:
-        try:
-            by_index = {int(k): str(v) for k, v in id2label.items()}
-        except (TypeError, ValueError):
-            raise ModelConfigError(f"config field 'id2label' must map class indices to names, got {id2label!r}") from None
-        if sorted(by_index) != list(range(len(by_index))):
-            raise ModelConfigError(f"config field 'id2label' must number its classes 0..n-1, got {sorted(by_index)}")
-        return tuple(by_index[i] for i in range(len(by_index)))
-    n = raw.get("num_labels", 2)
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ModelConfigError(f"config field 'num_labels' must be a positive integer, got {n!r}")
-    return tuple(f"LABEL_{i}" for i in range(n))
 
 
 def is_bare_architecture(architecture: str) -> bool:
@@ -134,6 +117,8 @@ class ModelConfig:
     sliding_windows: tuple[int, ...] = ()
     moe: MoeConfig | None = None  # None: every layer has the dense MLP
     num_labels: int = 0  # a *ForSequenceClassification's classes (its score head's rows); 0 for other models
+    # classifier_from_token's ids: the score head is made of their LM-head rows at load; () if it has its own
+    classifier_token_ids: tuple[int, ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -178,7 +163,12 @@ class ModelConfig:
             raise ModelConfigError(f"{path} is not valid JSON: {e}") from None
         if not isinstance(raw, dict):
             raise ModelConfigError(f"{path} is not a JSON object")
-        return cls.from_dict(_with_overrides(raw, overrides or {}), dtype=dtype)
+        cfg = cls.from_dict(merged := _with_overrides(raw, overrides or {}), dtype=dtype)
+        tokens = classifier_tokens(merged)
+        if tokens and not cfg.num_labels:
+            raise ModelConfigError(f"classifier_from_token makes a classifier of {cfg.architecture}: also override "
+                                   'architectures, as in {"architectures": ["Qwen3ForSequenceClassification"]}')
+        return dataclasses.replace(cfg, classifier_token_ids=classifier_token_ids(path.parent, tokens)) if tokens else cfg
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], dtype: str = "auto") -> ModelConfig:

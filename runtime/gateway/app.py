@@ -29,6 +29,7 @@ from runtime.gateway import (
     debug_routes,
     lora_routes,
     native_routes,
+    score_routes,
     tokenize_routes,
 )
 from runtime.gateway.errors import ApiError, from_http_exception, from_shoal_error
@@ -176,6 +177,10 @@ def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) 
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/classify", classify_routes.classify)  # vLLM's (SGLang's body too)
     app.router.add_post("/v1/classify", classify_routes.classify)  # SGLang's path for vLLM's form
+    for path in ("/score", "/v1/score"):  # vLLM's
+        app.router.add_post(path, score_routes.score)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):  # vLLM's Jina / Cohere form (SGLang's /v1/rerank too)
+        app.router.add_post(path, score_routes.rerank)
     app.router.add_get("/v1/models", native_routes.models)
     app.router.add_get("/v1/models/{model:.+}", native_routes.model)  # a model name may hold '/'
     app.router.add_post("/generate", _generation(native_routes.generate))

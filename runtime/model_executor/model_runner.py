@@ -162,7 +162,8 @@ class ModelRunner:
         else:
             show = self.ctx.attn.rank == 0 and self.ctx.mlp.rank == 0
             weights = iterate_safetensors(model_path, show_progress=show)
-            model.load_weights(self._embedding_checkpoint(weights) if self.args.is_embedding else weights)
+            model.load_weights(self._embedding_checkpoint(weights, bool(cfg.classifier_token_ids))
+                               if self.args.is_embedding else weights)
         if quant is not None:
             quant.finish(model, cfg.dtype, None if self.args.load_format == "dummy"
                        else lambda: self._calibration_prefill(model, model_path))
@@ -172,13 +173,16 @@ class ModelRunner:
         return model
 
     @staticmethod
-    def _embedding_checkpoint(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """An embedding model's tensors: an LM head skipped (the model has none), and those of a checkpoint
-        saved from the bare *Model (e5-mistral-instruct, Qwen3-Embedding) named with the 'model.' prefix, as
-        vLLM's pooling adapter loads them; a classifier's `score.weight` keeps its name."""
+    def _embedding_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], keep_lm_head: bool = False
+                              ) -> Iterator[tuple[str, torch.Tensor]]:
+        """An embedding model's tensors: the LM head skipped (none here; keep_lm_head: a reranker made from a
+        causal LM by classifier_from_token takes its score rows from it), a bare *Model's (e5-mistral-instruct,
+        Qwen3-Embedding) named with 'model.' as vLLM's pooling adapter loads them; `score.weight` as it is."""
         for name, tensor in weights:
             if not name.startswith("lm_head."):
                 yield (name if name.startswith(("model.", "score.")) else "model." + name), tensor
+            elif keep_lm_head:
+                yield name, tensor
 
     def _calibration_prefill(self, model: torch.nn.Module, model_path: str) -> None:
         """One prefill of the KV calibration text through `model` (FP8 act_weighted weight scales read it)."""
@@ -236,8 +240,7 @@ class ModelRunner:
             self.req_to_token_pool.write(w.req_pool_idx, w.start, to_device(w.kv_indices, torch.int64, self.device))
 
     def build_forward_batch(self, batch: WorkerBatch, write_table: bool = True) -> ForwardBatch:
-        """write_table=False leaves the step's KV slots out of the request→token table (a staged graph
-        replay writes them)."""
+        """write_table=False: the step's KV slots stay out of the request→token table (a staged replay's)."""
         self.apply_prefix_writes(batch)
         fb = ForwardBatch.init_new(batch, self.req_to_token_pool, self.token_to_kv_pool, self.attn_backend,
                                    self.device)

@@ -2,7 +2,8 @@
 here: engine.py is at its size limit). `encode()` answers in SGLang's Engine.encode shape (a dict
 {"embedding", "meta_info"} for one input, a list of them for a batch), `embed()` in vLLM's LLM.embed shape
 (always a list of EmbeddingRequestOutput, read as `o.outputs.embedding`), `classify()` in vLLM's LLM.classify
-shape for a *ForSequenceClassification model (ClassificationRequestOutput, read as `o.outputs.probs`); `pooling` tells the gateway how
+shape for a *ForSequenceClassification model (ClassificationRequestOutput, read as `o.outputs.probs`),
+`score()` (text/engine_scores.py) in vLLM's LLM.score shape for a reranker; `pooling` tells the gateway how
 the model pools (None for a generative engine), and `check_task` refuses a request of the other kind
 (generation on an embedding engine, or back)."""
 
@@ -21,6 +22,7 @@ from runtime.engine_client import EngineClient
 from runtime.errors import EngineUnavailableError, InvalidRequestError, RequestAbortedError, ShoalError
 from runtime.messages import GenerateRequest, RequestOutput
 from runtime.text.embedding_request import check_task, embedding_request, task_mismatch, truncate_tokens
+from runtime.text.engine_scores import EngineScores
 from runtime.text.pooling_config import PoolingConfig, require_classifier
 
 
@@ -62,7 +64,7 @@ class ClassificationRequestOutput(msgspec.Struct, frozen=True):
     finished: bool = True
 
 
-class EngineEmbeddings(EngineClient):
+class EngineEmbeddings(EngineScores, EngineClient):
     """Uses Engine's args, model_path, context_len, tokenizer, host, validate and consumer bookkeeping."""
 
     def check_task(self, req: GenerateRequest) -> GenerateRequest:

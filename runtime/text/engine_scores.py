@@ -1,0 +1,109 @@
+"""EngineScores: Engine.score, vLLM's LLM.score for a cross-encoder / reranker (a 1-label
+*ForSequenceClassification, or a causal LM made one by --hf-overrides' classifier_from_token), and the pair
+encoding it shares with POST /score and /rerank. Each (text_1, text_2) pair is the tokenizer's text-pair
+encoding (`tokenizer(text_1, text_2)`, as vLLM encodes cross-encoder pairs), scored by the score head at its
+last token: sigmoid of the one logit (vLLM's score), or the raw logit with use_activation false. Inputs pair
+as vLLM pairs them: 1:1, 1:N (text_1 repeated) or N:N. A prompt format such as Qwen3-Reranker's (its system
+prompt and <Instruct>/<Query>/<Document> lines) is the client's to write, as vLLM's examples do."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from runtime.errors import InvalidRequestError
+from runtime.text.embedding_request import max_embedding_tokens, truncate_tokens
+from runtime.text.pooling_config import PoolingConfig, require_classifier
+
+if TYPE_CHECKING:
+    from runtime.messages import GenerateRequest
+
+
+class ScoringOutput(msgspec.Struct, frozen=True):
+    """vLLM's ScoringOutput: the pair's relevance score."""
+
+    score: float
+
+
+class ScoringRequestOutput(msgspec.Struct, frozen=True):
+    """vLLM's ScoringRequestOutput, as LLM.score returns one per pair."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+def require_scorer(pooling: PoolingConfig | None, param: str = "model") -> PoolingConfig:
+    """The pooling of a server that can score pairs: a classifier of one label (vLLM's score takes a scalar);
+    else InvalidRequestError naming `model`."""
+    pooling = require_classifier(pooling)
+    if len(pooling.labels or ()) != 1:
+        raise InvalidRequestError(f"scoring pairs needs a 1-label classifier (a cross-encoder or reranker); this "
+                                  f"model has {len(pooling.labels or ())} labels: use /classify", param=param,
+                                  code="model_not_supported")
+    return pooling
+
+
+def relevance(pooling: PoolingConfig, logits: Sequence[float], use_activation: bool) -> float:
+    """A pair's score: the score head's one logit through the classifier's activation (sigmoid), or raw."""
+    return pooling.probabilities(logits)[0] if use_activation else float(logits[0])
+
+
+def texts(value: Any, param: str) -> list[str]:
+    """A string or a non-empty list of strings, as a list."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)) and value and all(isinstance(t, str) for t in value):
+        return list(value)
+    raise InvalidRequestError(f"{param} must be a string or a non-empty list of strings", param=param)
+
+
+def pair_up(text_1: Any, text_2: Any, names: tuple[str, str] = ("text_1", "text_2")) -> list[tuple[str, str]]:
+    """vLLM's pairing: one text_1 against every text_2, or text_1[i] against text_2[i] (equal lengths)."""
+    first, second = texts(text_1, names[0]), texts(text_2, names[1])
+    if len(first) == 1:
+        first = first * len(second)
+    elif len(first) != len(second):
+        raise InvalidRequestError(f"{names[0]} has {len(first)} texts and {names[1]} {len(second)}: give one "
+                                  f"{names[0]} for all, or as many as {names[1]} (1:1, 1:N or N:N)",
+                                  param=names[1])
+    return list(zip(first, second))
+
+
+def pair_ids(tokenizer: Any, pairs: Sequence[tuple[str, str]], truncate_prompt_tokens: int | None,
+             context_len: int, param: str = "text_1") -> list[list[int]]:
+    """Each pair's token ids: the tokenizer's text-pair encoding, special tokens as it places them; with
+    truncate_prompt_tokens, cut to that many as vLLM's score does (the tokenizer's truncation: the longer text
+    loses its end first), not the last-k cut of an embedding input, which would drop the query."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is None:
+        raise InvalidRequestError("this server has no tokenizer (--skip-tokenizer-init): text pairs cannot be "
+                                  "encoded", param=param)
+    cut: dict[str, Any] = {}
+    if truncate_prompt_tokens is not None:  # truncate_tokens checks it, and resolves -1 to the model's limit
+        limit = max_embedding_tokens(context_len)
+        cut = {"truncation": True, "max_length": len(truncate_tokens(range(limit), truncate_prompt_tokens, context_len))}
+    return [list(hf(text=a, text_pair=b, **cut)["input_ids"]) for a, b in pairs]
+
+
+class EngineScores:
+    """Mixed into EngineEmbeddings: uses its pooling, tokenizer and _embed."""
+
+    pooling: PoolingConfig | None
+    tokenizer: Any
+    context_len: int
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], *,
+              truncate_prompt_tokens: int | None = None,
+              use_activation: bool = True) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score: one ScoringRequestOutput per pair, in order; `o.outputs.score` is sigmoid of the
+        score head's logit on the pair's encoding (the raw logit with use_activation=False)."""
+        pooling = require_scorer(self.pooling)
+        ids = pair_ids(self.tokenizer, pair_up(text_1, text_2), truncate_prompt_tokens, self.context_len)
+        done: list[tuple[GenerateRequest, list[float]]]
+        _, done = self._embed(None, ids, None, None, None, None)  # type: ignore[attr-defined]
+        return [ScoringRequestOutput(r.rid, ScoringOutput(relevance(pooling, logits, use_activation)),
+                                     list(r.input_ids)) for r, logits in done]
