@@ -8,7 +8,11 @@ Fixed shapes, no gather by token: CUDA-graph safe, and the prefill never materia
 
 Tensor parallel: a column-parallel layer keeps this rank's output rows of B (the layer's own weight loader
 slices them); a row-parallel layer keeps this rank's input columns of A, and its partial sums join the
-layer's all-reduce (the caller adds the term before reducing)."""
+layer's all-reduce (the caller adds the term before reducing).
+
+Quantized bases (FP8, 4-bit): the buffers are in the activation dtype (the LoraBatch's), sized by the
+projection's logical shape (lora_attach.logical_shape: a packed 4-bit weight has other dims), and the
+term runs on the unquantized input (runtime/lora/lora_attach.py wraps the quantized forward)."""
 
 from __future__ import annotations
 
@@ -20,13 +24,14 @@ from runtime.lora.lora_batch import LoraBatch
 
 class LoraDelta:
     def __init__(self, layer: nn.Module, batch: LoraBatch, subs: int, max_loras: int, max_rank: int,
-                 row_parallel: bool):
-        w = layer.weight
-        out_local, in_local = w.shape
+                 row_parallel: bool, shape: tuple[int, int] | None = None):
+        """shape: the projection's (outputs, inputs) on this rank; None: its dense weight's."""
+        out_local, in_local = shape or layer.weight.shape
+        dtype, device = batch.dtype, batch.slot_ids.device
         self.layer, self.batch, self.row_parallel = layer, batch, row_parallel
         self.max_loras, self.max_rank, self.per_slot = max_loras, max_rank, subs * max_rank
-        self.a = torch.zeros(max_loras * self.per_slot, in_local, dtype=w.dtype, device=w.device)
-        self.b = torch.zeros(out_local, max_loras * self.per_slot, dtype=w.dtype, device=w.device)
+        self.a = torch.zeros(max_loras * self.per_slot, in_local, dtype=dtype, device=device)
+        self.b = torch.zeros(out_local, max_loras * self.per_slot, dtype=dtype, device=device)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])

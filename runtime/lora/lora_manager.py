@@ -1,8 +1,9 @@
 """LoraManager: a worker's adapters. Reads every --lora-modules adapter at start, and those loaded at run
 time (add(); drop() once unloaded and unused), into host memory, and attaches a LoraDelta with --max-loras
-slots of rank --max-lora-rank to every projection. The scheduler decides which adapter occupies which slot
-(runtime/lora/lora_slots.py): load_slots() copies them in before the step that first uses them. The model
-runner calls prepare() with the step's per-token slots before the forward."""
+slots of rank --max-lora-rank to every projection, 16-bit or quantized (FP8, 4-bit: runtime/lora/lora_attach.py).
+The scheduler decides which adapter occupies which slot (runtime/lora/lora_slots.py): load_slots() copies
+them in before the step that first uses them. The model runner calls prepare() with the step's per-token
+slots before the forward."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import nn
 from runtime.config import ServerArgs
 from runtime.errors import ServerArgsError
 from runtime.lora.lora_adapter import LoraAdapter
+from runtime.lora.lora_attach import attach_lora, logical_shape
 from runtime.lora.lora_batch import LoraBatch
 from runtime.lora.lora_config import FLAG, LoraAdapterConfig, LoraSpec, load_error, parse_lora_modules
 from runtime.lora.lora_layer import LoraDelta
@@ -36,8 +38,9 @@ class LoraManager:
     def __init__(self, args: ServerArgs, model: nn.Module):
         self.args = args
         self.num_layers = len(layers := _decoder_layers(model))
-        weight = layers[0].self_attn.qkv_proj.weight
-        self.batch = LoraBatch(args.max_loras, weight.dtype, weight.device)
+        # the activations' dtype (the embedding is never quantized): the adapters run on the 16-bit x
+        embed = model.model.embed_tokens.weight
+        self.batch = LoraBatch(args.max_loras, embed.dtype, embed.device)
         # Sized for any adapter a load at run time may bring (rank up to --max-lora-rank, any projection), as
         # vLLM sizes them: the buffers never change shape, so CUDA graphs captured at start stay valid.
         targets = sorted({fused for fused, _, _ in _FUSED.values()})
@@ -46,8 +49,9 @@ class LoraManager:
             per_layer = {}
             for fused in targets:
                 module = layer.get_submodule(fused)
-                per_layer[fused] = module.lora = LoraDelta(module, self.batch, _SUBS.get(fused, 1), args.max_loras,
-                                                           args.max_lora_rank, fused in _ROW_PARALLEL)
+                per_layer[fused] = LoraDelta(module, self.batch, _SUBS.get(fused, 1), args.max_loras,
+                                             args.max_lora_rank, fused in _ROW_PARALLEL, logical_shape(module))
+                attach_lora(module, per_layer[fused])
             self.deltas.append(per_layer)
         # adapter id → its weights in host memory; start-up's are 1.. in --lora-modules order (LoraRegistry)
         self.adapters: dict[int, LoraAdapter] = {}
@@ -120,7 +124,4 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
                                                "Llama / Mistral / Qwen2 / Qwen3 models")
     if not all(isinstance(layer.mlp, LlamaMLP) for layer in layers):
         raise ServerArgsError("--enable-lora", "MoE models are not supported")
-    if any(p.dtype.itemsize == 1 for p in layers[0].parameters()):
-        raise ServerArgsError("--enable-lora", "FP8 / quantized base weights are not supported: serve the "
-                                               "16-bit checkpoint without --quantization")
     return layers

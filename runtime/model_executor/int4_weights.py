@@ -22,7 +22,8 @@ on CPU they are dequantized once at load to the model dtype (the CPU's dense for
 --load-format dummy with such a config.json (benchmarks/configs/Llama-3.1-8B-Instruct-AWQ-INT4.json) loads
 random dense weights and quantizes them at load, round to nearest, into the same layout (speed runs).
 Anything else in these methods (AWQ GEMV/Marlin packing, 3/8-bit, GPTQ v2 zeros, quantized LM heads, W4A8,
-MoE models) raises UnsupportedQuantizationError naming the layout; --enable-lora is refused with them."""
+MoE models) raises UnsupportedQuantizationError naming the layout. LoRA adapters run on 4-bit bases
+(runtime/lora/lora_attach.py: their term on the 16-bit activations, beside the packed forward)."""
 
 from __future__ import annotations
 
@@ -66,8 +67,6 @@ def resolve_weight_quantization(args: ServerArgs, model_path: str | None) -> Int
     dummy = args.load_format == "dummy"
     int4 = Int4Weights.resolve(args.quantization, model_path, dummy)
     if int4 is not None:
-        if args.enable_lora:
-            raise ServerArgsError("--enable-lora", f"does not run with 4-bit weights ({int4.layout}) yet")
         return int4
     return Fp8Weights.resolve(args.quantization, None if dummy else model_path, args.fp8_weight_scales,
                               args.fp8_weight_only, args.fp8_act_terms, args.fp8_lm_head_mode)

@@ -107,7 +107,7 @@ class ModelRunner:
         # packed weights too: a KV rotation may fold V's change of basis into W_v / W_o.
         kv_format = KVCacheFormat.resolve(args, self.model, self.model_config, self.kv_dtype, model_path,
                                           self.context_len, self.ctx, self.device)
-        # --enable-lora: adapters on the 16-bit projections, whose plain forward adds their term
+        # --enable-lora: adapters on the projections (16-bit, FP8 or 4-bit; runtime/lora/lora_attach.py)
         self.lora = LoraManager(args, self.model) if args.enable_lora else None
         if self.device.type == "cpu":  # with LoRA no packed-weight forwards (they would skip its term)
             (cpu_config.prepare_model if self.lora is None else fuse_cpu_layers)(self.model)

@@ -46,7 +46,6 @@ def test_flags_parse_and_check():
         ({"enable_lora": True, "lora_modules": "=/p"}, "--lora-modules", "is not name=path"),
         ({"enable_lora": True, "max_lora_rank": 0}, "--max-lora-rank", "must be positive"),
         ({"enable_lora": True, "speculative_algorithm": "NGRAM"}, "--enable-lora", "--speculative-algorithm"),
-        ({"enable_lora": True, "quantization": "fp8"}, "--enable-lora", "--quantization"),
     ]:
         with pytest.raises(ServerArgsError, match=words) as e:
             ServerArgs(**kwargs)

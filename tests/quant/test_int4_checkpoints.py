@@ -166,8 +166,6 @@ def test_quantization_flag_must_agree_with_the_checkpoint(checkpoints, tiny_llam
         Int4Weights.resolve("fp8", str(awq))
     with pytest.raises(ServerArgsError, match="no quantization_config"):
         Int4Weights.resolve("awq", str(tiny_llama))
-    with pytest.raises(ServerArgsError, match="--enable-lora"):
-        RunnerDriver(awq, enable_lora=True)
     assert Int4Weights.resolve(None, str(tiny_llama)) is None
 
 
