@@ -11,6 +11,7 @@ request finished: its slot is then empty (taken first), and the workers forget i
 from __future__ import annotations
 
 import queue
+from collections import Counter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -45,6 +46,13 @@ class LoraSlots:
         self.last_use[slot] = self.tick
         r.lora_slot = slot
         return True
+
+    def could_acquire(self, r: Req, leaving: list[Req]) -> bool:
+        """Whether acquire(r) would succeed once `leaving` (a preemption's victims) released their slots."""
+        if r.lora_id == 0 or r.lora_slot or r.lora_id in self.adapter:
+            return True
+        gone = Counter(q.lora_slot for q in leaving if q.lora_slot)
+        return any(self.users[s] - gone[s] == 0 for s in range(1, len(self.adapter)))
 
     def release(self, r: Req) -> None:
         if r.lora_slot:

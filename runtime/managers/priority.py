@@ -86,7 +86,11 @@ class PriorityScheduling:
             chosen.append(r)
             short_slots -= 1
             short_kv -= r.kv_len - r.cached_len + self.retractor.expected_new(r)  # its own slots, its reserve
-        return chosen if short_slots <= 0 and short_kv <= 0 else []
+        if short_slots > 0 or short_kv > 0:
+            return []
+        # a head that would still find no adapter slot would leave the victims' room to them again: each
+        # step would retract and re-prefill the same request (review of a62d405)
+        return chosen if kv.loras is None or kv.loras.could_acquire(head, chosen) else []
 
     @staticmethod
     def _takes(kv: KVCacheManager, r: Req) -> int:

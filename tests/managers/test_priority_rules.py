@@ -82,6 +82,7 @@ class _Pool:
     """The two numbers PriorityScheduling.victims reads of a KVCacheManager."""
 
     enabled = False  # no prefix cache: a request takes its whole sequence
+    loras = None  # no LoRA slots to check
 
     def __init__(self, available: int):
         self._available = available
