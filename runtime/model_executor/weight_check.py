@@ -74,6 +74,12 @@ class WeightCheck:
 
     def check_layout(self) -> None:
         """The serving weights' layouts that an update cannot reproduce, refused by name."""
+        if self.runner.model_config.classifier_token_ids:  # its score head is built from LM-head rows at load
+            raise WeightLoadError("a reranker made by classifier_from_token cannot update its weights yet: its score "
+                                  "head is derived from the LM head at load; restart the server on the new one")
+        if self.runner.args.enable_dp_attention:  # each DP rank would drain and load on its own
+            raise WeightLoadError("--enable-dp-attention: a weight update is not atomic across DP ranks yet; "
+                                  "restart the server on the new checkpoint")
         if isinstance(self.quant, Int4Weights):
             raise UnsupportedQuantizationError(
                 f"{self.quant.layout} 4-bit", "its weights are repacked once at load and cannot be updated in place; "

@@ -55,6 +55,12 @@ def test_qwen3_reranker_overrides_match_hf(tiny_model_dirs, hf_lm):
         out = engine.score(QUERY, DOCS, use_activation=False)
         torch.testing.assert_close(torch.tensor([o.outputs.score for o in out], dtype=torch.float64),
                                    logits[:, 1], atol=1e-4, rtol=1e-4)
+        # a weight update would keep the score head derived at load: refused, the scores unchanged
+        ok, message, _ = engine.update_weights_from_disk(path)
+        assert not ok and "classifier_from_token" in message
+        again = engine.score(QUERY, DOCS, use_activation=False)
+        torch.testing.assert_close(torch.tensor([o.outputs.score for o in again]),
+                                   torch.tensor([o.outputs.score for o in out]), atol=1e-5, rtol=1e-5)
 
 
 def test_untied_lm_head_makes_the_score_row(tiny_model_dirs):
