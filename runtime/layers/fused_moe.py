@@ -25,7 +25,7 @@ from torch import nn
 
 from kernels.fused_moe import MoeQuant, dequantize_experts, fused_moe, round_through_fp8
 from runtime.distributed import ParallelGroup
-from runtime.errors import UnsupportedQuantizationError, WeightLoadError
+from runtime.errors import ServerArgsError, UnsupportedQuantizationError, WeightLoadError
 from runtime.layers.activation import SiluAndMul
 
 GATE, UP, DOWN = 0, 1, 2
@@ -78,9 +78,9 @@ class FusedMoE(nn.Module):
         else:
             bn, bk = block
             if self.inter % bn or self.inter % bk:
-                raise UnsupportedQuantizationError(
-                    f"fp8 block {bn}x{bk} experts with moe_intermediate_size {self.inter * self.group.size} over "
-                    f"tp {self.group.size}", f"each rank's {self.inter} rows must hold whole blocks")
+                raise ServerArgsError("--tensor-parallel-size", f"{self.group.size} splits the fp8 {bn}x{bk} expert "
+                                      f"blocks: each rank's {self.inter} of moe_intermediate_size "
+                                      f"{self.inter * self.group.size} must be whole blocks")
             if hidden % bk:
                 raise UnsupportedQuantizationError(f"fp8 block {bn}x{bk} experts", f"hidden size {hidden} is "
                                                    f"not a multiple of {bk}")

@@ -56,13 +56,20 @@ def _inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, rope: RopeConfig):
         super().__init__()
-        self.head_dim = head_dim
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), _inv_freq(head_dim, rope))
+        self.head_dim, self.max_position, self.rope = head_dim, max_position, rope
+        self.register_buffer("cos_sin_cache", self._table(None), persistent=False)
+
+    def _table(self, device: torch.device | None) -> torch.Tensor:
+        freqs = torch.outer(torch.arange(self.max_position, dtype=torch.float32, device=device),
+                            _inv_freq(self.head_dim, self.rope).to(device))
         # [max_pos, head_dim]: cos of the half dim, then sin (the layout kernels/rotary.py reads); yarn's
         # attention factor scales both, so every kernel reading the cache applies it.
-        scale = rope.attention_factor
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1),
-                             persistent=False)
+        scale = self.rope.attention_factor
+        return torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
+
+    def rebuild(self, device: torch.device) -> None:
+        """The table computed again on `device` (a model built on the meta device has none yet)."""
+        self.cos_sin_cache = self._table(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, Hq*D], k [T, Hkv*D] → rotated (same shapes and dtypes; in place on CUDA)."""

@@ -64,6 +64,12 @@ class Fp8Weights:
     lm_head: str = "auto"  # the LM head in FP8: "auto" (GEMV calls, CUDA sm89+), "on" (--fp8-lm-head), "off"
     block: tuple[int, int] | None = None  # "fp8-block": weight_block_size [bn, bk]
 
+    @property
+    def fills_every_weight(self) -> bool:
+        """Every weight prepare() replaces comes from the checkpoint (weight_loader.build_model: no 16-bit
+        copy allocated first); quantize-at-load needs the 16-bit weights."""
+        return self.checkpoint_fp8
+
     @classmethod
     def resolve(cls, quantization: str | None, model_path: str | None, scales: str = "act_weighted",
                 weight_only: bool = False, act_terms: int = 1, lm_head: str = "auto") -> Fp8Weights | None:
@@ -139,6 +145,10 @@ class Fp8Weights:
             else:
                 use_fp8_forward(m, act_dtype, self.weight_only, self.act_terms)
         experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        w = experts[0].w13_weight if experts else None
+        if w is not None and w.is_cuda and torch.cuda.get_device_capability(w.device) < (8, 9):
+            raise UnsupportedQuantizationError("fp8 MoE experts on a GPU below sm89", "the grouped GEMM's fp8 dot "
+                                               "needs Ada / Hopper or newer; serve the 16-bit checkpoint")
         if not self.checkpoint_fp8:
             for m in experts:
                 m.quantize_fp8()

@@ -81,6 +81,11 @@ class Int4Weights:
     dummy: bool = False  # --load-format dummy: random dense weights, quantized in finish (speed runs)
     act_order: bool = False  # GPTQ desc_act / compressed-tensors actorder "group": g_idx groups the columns
 
+    @property
+    def fills_every_weight(self) -> bool:
+        """Every packed weight comes from the checkpoint (not with dummy weights, quantized from 16-bit ones)."""
+        return not self.dummy
+
     @classmethod
     def resolve(cls, quantization: str | None, model_path: str | None, dummy: bool = False) -> Int4Weights | None:
         """The checkpoint's 4-bit layout; None where it is not a 4-bit one (and --quantization does not ask)."""
@@ -102,7 +107,9 @@ class Int4Weights:
         if asked == "fp8":
             raise ServerArgsError("--quantization", f"fp8 quantizes a 16-bit checkpoint; this one is already "
                                   f"4-bit ({method}): drop the flag")
-        return dataclasses.replace(cls.from_config(qcfg), dummy=dummy)  # type: ignore[arg-type]
+        layout = cls.from_config(qcfg)
+        # dummy weights are quantized in column order: no g_idx to group by (review: a KeyError in finish)
+        return dataclasses.replace(layout, dummy=True, act_order=False) if dummy else layout  # type: ignore[arg-type]
 
     @classmethod
     def from_config(cls, q: dict[str, Any]) -> Int4Weights:

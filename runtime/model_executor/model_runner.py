@@ -38,7 +38,7 @@ from runtime.model_executor.int4_weights import resolve_weight_quantization
 from runtime.model_executor.kv_cache_format import KVCacheFormat
 from runtime.model_executor.kv_calibrator import KVCalibrator
 from runtime.model_executor.memory_report import MemoryReport
-from runtime.model_executor.weight_loader import dummy_checkpoint, iterate_safetensors
+from runtime.model_executor.weight_loader import build_model, dummy_checkpoint, iterate_safetensors
 from runtime.models.parallel_context import ParallelContext
 from runtime.models.registry import get_model_class
 from runtime.speculative.draft_footprint import DraftFootprint
@@ -147,14 +147,12 @@ class ModelRunner:
     def _load_model(self, model_path: str) -> torch.nn.Module:
         cfg = self.model_config
         t0 = time.perf_counter()
-        with torch.device(self.device):
-            # An embedding server never computes logits: no LM head (an untied 151k x 8k one is ~1.2 GB of
-            # device memory the KV pool would lose).
-            model = get_model_class(cfg.architecture)(cfg, self.ctx, embedding_only=self.args.is_embedding)
-        # 4-bit (AWQ / GPTQ / compressed-tensors W4A16) or FP8 weights, from config.json or --quantization
+        # 4-bit (AWQ / GPTQ / compressed-tensors W4A16) or FP8 weights, from config.json or --quantization. An
+        # embedding server never computes logits: no LM head (an untied 151k x 8k one is ~1.2 GB).
         quant = resolve_weight_quantization(self.args, model_path)
-        if quant is not None:
-            quant.prepare(model)
+        model_class = get_model_class(cfg.architecture)
+        model = build_model(lambda: model_class(cfg, self.ctx, embedding_only=self.args.is_embedding), quant,
+                            self.device)
         if self.args.load_format == "dummy":
             # tie_word_embeddings: no random LM head drawn for an embedding model, which has none
             shapes = dataclasses.replace(cfg, tie_word_embeddings=True) if self.args.is_embedding else cfg

@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import logging
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from runtime.errors import WeightLoadError
+from runtime.layers.rotary import RotaryEmbedding
 from runtime.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -105,3 +108,36 @@ def _moe_mlp_shapes(cfg: ModelConfig, layer: int, p: str) -> list[tuple[str, tup
         shapes += _mlp_shapes(p + "shared_expert.", h, moe.shared_expert_intermediate_size)
         shapes.append((p + "shared_expert_gate.weight", (1, h)))
     return shapes
+
+
+def build_model(make: Callable[[], nn.Module], quant: Any, device: torch.device) -> nn.Module:
+    """make() on `device`, with quant's parameters (prepare) in place. Where every quantized weight comes from
+    the checkpoint (quant.fills_every_weight: 4-bit and FP8 checkpoints), the model is built on the meta device
+    first and its parameters allocated after prepare, so the 16-bit projections a quantized layer replaces are
+    never allocated (a 70B AWQ / FP8 checkpoint would otherwise need the whole bf16 model's memory first)."""
+    lazy = quant is not None and quant.fills_every_weight
+    with torch.device("meta" if lazy else device):
+        model = make()
+    if quant is not None:
+        quant.prepare(model)
+    if lazy:
+        materialize(model, device)
+    return model
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """A meta-device model's parameters allocated on `device` (uninitialized: load_weights fills them), each the
+    same Python object (shared ones stay shared, weight_loader and other attributes stay), and the rotary
+    tables computed there."""
+    for p in model.parameters():  # each shared parameter once
+        if p.device.type == "meta":
+            attrs = dict(p.__dict__)
+            torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                     requires_grad=False))
+            p.__dict__.update(attrs)
+    for m in model.modules():
+        if isinstance(m, RotaryEmbedding):
+            m.rebuild(device)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    if left:
+        raise RuntimeError(f"materialize: {left[:4]} still on the meta device")

@@ -63,8 +63,7 @@ class LlamaForSequenceClassification(LlamaForCausalLM):
             source = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
             if source not in rows:
                 raise WeightLoadError(f"classifier_from_token makes the score head of the checkpoint's {source}, "
-                                      "which the embedding loader does not pass on (an untied LM head is not "
-                                      "supported yet)")
+                                      "which the checkpoint does not have")
             r = rows[source]
             yield "score.weight", (r[1] - r[0] if len(ids) == 2 else r[0]).unsqueeze(0)
 

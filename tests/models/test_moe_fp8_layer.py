@@ -10,7 +10,7 @@ import torch
 
 from kernels.fused_moe import MoeQuant, dequantize_experts, fused_moe, fused_moe_ref
 from runtime.distributed import ParallelGroup
-from runtime.errors import UnsupportedQuantizationError, WeightLoadError
+from runtime.errors import ServerArgsError, WeightLoadError
 from runtime.layers.fused_moe import DOWN, GATE, UP, FusedMoE
 
 E, H, INTER, K = 4, 32, 32, 2
@@ -125,5 +125,5 @@ def test_fp8_expert_loader_errors() -> None:
         moe._scale_loader(moe.w13_weight_scale, torch.ones(3, 2), (0, GATE))
     # a TP shard that splits a 16-row block: refused by name, before anything loads
     odd = FusedMoE(E, H, 48, ParallelGroup(rank=0, size=2), torch.float32)
-    with pytest.raises(UnsupportedQuantizationError, match="whole blocks"):
+    with pytest.raises(ServerArgsError, match="--tensor-parallel-size"):
         odd.use_fp8_checkpoint((16, 16))
