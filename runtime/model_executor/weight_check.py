@@ -29,7 +29,7 @@ from runtime.layers.fused_moe import FusedMoE
 from runtime.model_config import ModelConfig
 from runtime.model_executor.fp8_weights import Fp8Weights
 from runtime.model_executor.int4_weights import Int4Weights, resolve_weight_quantization
-from runtime.model_executor.weight_loader import safetensors_files
+from runtime.model_executor.weight_loader import open_safetensors, safetensors_files
 from runtime.models.registry import get_model_class
 
 if TYPE_CHECKING:
@@ -161,14 +161,8 @@ def load_subset(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], s
 
 def header_tensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of a checkpoint as an empty meta tensor of its shape and dtype, from the headers only."""
-    from safetensors import safe_open
-
     for f in safetensors_files(model_path):
-        try:
-            handle = safe_open(str(f), framework="pt")
-        except Exception as e:  # safetensors raises its own error types
-            raise WeightLoadError(f"cannot read checkpoint file {f}: {e}") from None
-        with handle:
+        with open_safetensors(f) as handle:
             for name in handle.keys():
                 piece = handle.get_slice(name)
                 dtype = _DTYPES.get(piece.get_dtype())

@@ -40,16 +40,10 @@ def safetensors_files(model_path: str | Path) -> list[Path]:
 
 
 def iterate_safetensors(model_path: str | Path, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
     files = safetensors_files(model_path)
     bar = tqdm(total=len(files), desc="Loading safetensors shards", disable=not show_progress, unit="shard")
     for f in files:
-        try:
-            handle = safe_open(str(f), framework="pt")
-        except Exception as e:  # safetensors raises its own error types
-            raise WeightLoadError(f"cannot read checkpoint file {f}: {e}") from None
-        with handle:
+        with open_safetensors(f) as handle:
             for name in handle.keys():
                 yield name, handle.get_tensor(name)
         bar.update(1)
@@ -108,6 +102,16 @@ def _moe_mlp_shapes(cfg: ModelConfig, layer: int, p: str) -> list[tuple[str, tup
         shapes += _mlp_shapes(p + "shared_expert.", h, moe.shared_expert_intermediate_size)
         shapes.append((p + "shared_expert_gate.weight", (1, h)))
     return shapes
+
+
+def open_safetensors(f: Path) -> Any:
+    """safetensors' handle of checkpoint file f (torch tensors); WeightLoadError naming the file."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(f), framework="pt")
+    except Exception as e:  # safetensors raises its own error types
+        raise WeightLoadError(f"cannot read checkpoint file {f}: {e}") from None
 
 
 def build_model(make: Callable[[], nn.Module], quant: Any, device: torch.device) -> nn.Module:
