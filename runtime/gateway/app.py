@@ -35,7 +35,7 @@ from runtime.gateway import (
 from runtime.gateway.errors import ApiError, from_http_exception, from_shoal_error
 from runtime.gateway.openai_chat import chat_completions
 from runtime.gateway.openai_completions import completions
-from runtime.gateway.openai_embeddings import embeddings, health_embed
+from runtime.gateway.openai_embeddings import embeddings, health_embed, pooling
 from runtime.gateway.openai_responses import responses
 from runtime.gateway.state import STATE_KEY, ClientProvider, GatewayState
 from runtime.text.embedding_request import task_mismatch
@@ -175,6 +175,7 @@ def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) 
     app.router.add_post("/v1/chat/completions", _generation(chat_completions))
     app.router.add_post("/v1/responses", _generation(responses))
     app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/pooling", pooling)  # vLLM's: the pooled output, in its own shape
     app.router.add_post("/classify", classify_routes.classify)  # vLLM's (SGLang's body too)
     app.router.add_post("/v1/classify", classify_routes.classify)  # SGLang's path for vLLM's form
     for path in ("/score", "/v1/score"):  # vLLM's

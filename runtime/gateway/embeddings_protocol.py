@@ -51,6 +51,21 @@ class EmbeddingResponse(Struct):
     object: str = "list"
 
 
+class PoolingData(Struct):
+    index: int
+    data: list[float] | str  # vLLM's /pooling: the pooled output (str: base64 of little-endian float32)
+    object: str = "pooling"
+
+
+class PoolingResponse(Struct):
+    id: str
+    created: int
+    model: str
+    data: list[PoolingData]
+    usage: EmbeddingUsage
+    object: str = "list"
+
+
 class EncodeRequest(Struct, kw_only=True):
     """SGLang's POST /encode (EmbeddingReqInput's text-model fields)."""
 

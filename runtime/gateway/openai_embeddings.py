@@ -34,6 +34,8 @@ from runtime.gateway.embeddings_protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
     EmbeddingUsage,
+    PoolingData,
+    PoolingResponse,
 )
 from runtime.gateway.errors import ApiError, bad_request
 from runtime.gateway.protocol import encode
@@ -47,6 +49,25 @@ OutputHook = Callable[[GenerateRequest, RequestOutput], None]
 
 
 async def embeddings(request: web.Request) -> web.Response:
+    base, model, vectors, tokens = await _pooled(request, "embd")
+    data = [EmbeddingData(index=i, embedding=v) for i, v in enumerate(vectors)]
+    out = EmbeddingResponse(id=base, created=int(time.time()), model=model, data=data,
+                            usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+    return web.Response(body=encode(out), content_type="application/json")
+
+
+async def pooling(request: web.Request) -> web.Response:
+    """vLLM's POST /pooling: the same body and vectors as /v1/embeddings (a classifier's: its raw logits),
+    answered as {"data": [{"index", "object": "pooling", "data"}]}."""
+    base, model, vectors, tokens = await _pooled(request, "pool")
+    data = [PoolingData(index=i, data=v) for i, v in enumerate(vectors)]
+    out = PoolingResponse(id=base, created=int(time.time()), model=model, data=data,
+                          usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+    return web.Response(body=encode(out), content_type="application/json")
+
+
+async def _pooled(request: web.Request, prefix: str) -> tuple[str, str, list[list[float] | str], int]:
+    """(request id, model name, each input's vector as encoding_format asks, prompt tokens)."""
     arrival = time.monotonic()
     body = await read_body(request, EmbeddingRequest)
     state = request.app[STATE_KEY]
@@ -59,15 +80,11 @@ async def embeddings(request: web.Request) -> web.Response:
                           param="encoding_format")
     pooling.check_dimensions(body.dimensions)
     ids = [truncate_tokens(x, body.truncate_prompt_tokens, client.context_len) for x in token_inputs(client, body)]
-    base = state.new_id("embd")
+    base = state.new_id(prefix)
     reqs = embedding_requests(client, [f"{base}-{i}" for i in range(len(ids))], ids)
     vectors = await run_admitted(state, client, base, reqs, arrival)
-    data = [EmbeddingData(index=i, embedding=_encoded(pooling.shorten(v, body.dimensions), fmt))
-            for i, v in enumerate(vectors)]
-    tokens = sum(len(r.input_ids) for r in reqs)
-    out = EmbeddingResponse(id=base, created=int(time.time()), model=model, data=data,
-                            usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
-    return web.Response(body=encode(out), content_type="application/json")
+    return (base, model, [_encoded(pooling.shorten(v, body.dimensions), fmt) for v in vectors],
+            sum(len(r.input_ids) for r in reqs))
 
 
 async def health_embed(request: web.Request) -> web.Response:

@@ -305,3 +305,20 @@ def test_drain_aborts_embeddings_in_flight(emb_engine, monkeypatch):
         assert status == 503 and body["error"]["code"] == "request_aborted", body
         assert state.active == 0
     wait_kv_full(emb_engine)
+
+
+def test_vllm_pooling_route(emb_engine, emb_server, gw_url):
+    """vLLM's POST /pooling: /v1/embeddings' body and vectors, answered as data[i] = {index, object: "pooling",
+    data}; base64 as there; a 400 naming model on a generation server."""
+    status, body = http(emb_server.url + "/pooling", "POST", {"model": "qwen3", "input": TEXTS})
+    assert status == 200, body
+    assert body["object"] == "list" and [d["object"] for d in body["data"]] == ["pooling"] * 3
+    for d, w in zip(body["data"], vectors(emb_engine, TEXTS)):
+        torch.testing.assert_close(torch.tensor(d["data"]), torch.tensor(w))
+    status, b64 = http(emb_server.url + "/pooling", "POST", {"input": "Hello", "encoding_format": "base64"})
+    raw = base64.b64decode(b64["data"][0]["data"])
+    torch.testing.assert_close(torch.tensor(struct.unpack(f"<{len(raw) // 4}f", raw)),
+                               torch.tensor(vectors(emb_engine, "Hello")))
+    status, err = http(gw_url + "/pooling", "POST", {"input": "Hello"})
+    assert status == 400 and err["error"]["param"] == "model", err
+    wait_kv_full(emb_engine)
