@@ -8,7 +8,6 @@ the output ends inside is content in the end, and a stream cannot take back a de
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass, field
 
 from runtime.gateway.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
@@ -53,10 +52,9 @@ class ChatOutput:
             if call.name is None or not (call.complete or partial_ok):
                 break  # nothing of a call goes out before its name, nor before it settled where it may not
             if i == len(self._calls):
-                # the parser's id: Mistral's templates refuse any but 9 letters or digits in the next turn
-                call_id = self.tool_parser.new_call_id() if self.tool_parser is not None else \
-                    f"call_{uuid.uuid4().hex[:24]}"
-                self._calls.append(_SentCall(call_id))
+                # the parser's id (calls come only from a parser): Mistral's templates refuse any but 9
+                # letters or digits in the next turn
+                self._calls.append(_SentCall(self.tool_parser.new_call_id()))
                 delta.tool_calls.append(DeltaToolCall(index=i, id=self._calls[i].id, type="function",
                                                       function=DeltaFunctionCall(name=call.name, arguments="")))
             sent = self._calls[i]

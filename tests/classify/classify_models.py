@@ -4,8 +4,11 @@ writes them), and HF's logits for them."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,3 +41,20 @@ def hf_logits(path: Path, ids: list[list[int]]) -> list[torch.Tensor]:
     model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=torch.float32).eval()
     with torch.inference_mode():
         return [model(torch.tensor([x])).logits[0] for x in ids]
+
+
+def call(engine: Any, scenario: Callable[[Any], Awaitable[Any]]) -> Any:
+    """scenario(http) against engine's gateway app through aiohttp's test client."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from runtime.gateway.app import build_app
+
+    async def run() -> Any:
+        async with TestClient(TestServer(build_app(engine, engine.args))) as http:
+            return await scenario(http)
+    return asyncio.run(run())
+
+
+async def post(http: Any, path: str, body: dict) -> tuple[int, dict]:
+    r = await http.post(path, json=body)
+    return r.status, await r.json()

@@ -6,31 +6,14 @@ route, a generation server, an embedding server without a score head."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable
-from typing import Any
-
 import pytest
 import torch
-from aiohttp.test_utils import TestClient, TestServer
-from classify_models import ENGINE_KWARGS, PROMPTS, hf_logits
+from aiohttp.test_utils import TestClient
+from classify_models import ENGINE_KWARGS, PROMPTS, call, hf_logits, post
 
 from runtime import Engine
 from runtime.errors import InvalidRequestError
-from runtime.gateway.app import build_app
 from runtime.text.pooling_config import PoolingConfig, require_classifier
-
-
-def call(engine: Engine, scenario: Callable[[TestClient], Awaitable[Any]]) -> Any:
-    async def run() -> Any:
-        async with TestClient(TestServer(build_app(engine, engine.args))) as http:
-            return await scenario(http)
-    return asyncio.run(run())
-
-
-async def post(http: TestClient, path: str, body: dict) -> tuple[int, dict]:
-    r = await http.post(path, json=body)
-    return r.status, await r.json()
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])

@@ -6,33 +6,16 @@ disagreeing activation flags, a 3-label classifier, a generation server."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable
-from typing import Any
-
 import pytest
 import torch
-from aiohttp.test_utils import TestClient, TestServer
-from classify_models import ENGINE_KWARGS, hf_logits
+from aiohttp.test_utils import TestClient
+from classify_models import ENGINE_KWARGS, call, hf_logits, post
 
 from runtime import Engine
 from runtime.errors import InvalidRequestError
-from runtime.gateway.app import build_app
 
 QUERY = "The capital of France is Paris."
 DOCS = ["Paris is the capital of France.", "Hello", "The quick brown fox jumps over the lazy dog.", "emoji: 🙂"]
-
-
-def call(engine: Engine, scenario: Callable[[TestClient], Awaitable[Any]]) -> Any:
-    async def run() -> Any:
-        async with TestClient(TestServer(build_app(engine, engine.args))) as http:
-            return await scenario(http)
-    return asyncio.run(run())
-
-
-async def post(http: TestClient, path: str, body: dict) -> tuple[int, dict]:
-    r = await http.post(path, json=body)
-    return r.status, await r.json()
 
 
 @pytest.fixture(scope="module")
