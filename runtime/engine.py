@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import msgspec
+import torch
 
 from runtime.config import ServerArgs
 from runtime.default_model import resolve_model
@@ -37,6 +38,9 @@ from runtime.text.tokenizer import NullTokenizer, Tokenizer, load_tokenizer
 
 
 class Engine(EngineLora, EngineAdmin, EngineEmbeddings):  # an EngineClient; run-time LoRA, operator calls
+    # built under a caller's torch.inference_mode() its state (the KV allocator's free map...) would be
+    # inference tensors, which the scheduler thread, outside that mode, could not update: every step failed
+    @torch.inference_mode(False)
     def __init__(self, model_path: str | None = None, *, server_args: ServerArgs | None = None, **kwargs: Any):
         if server_args is None:
             server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)

@@ -276,3 +276,17 @@ def test_async_generate_raises_shoal_errors_as_themselves(make_engine, tiny_llam
     for ids in ([5, 6, 7], [[5, 6, 7], [8, 9]]):
         with pytest.raises(EngineUnavailableError):
             asyncio.run(engine.async_generate(input_ids=ids, sampling_params=SHORT))
+
+
+def test_engine_built_under_inference_mode_serves(make_engine, tiny_llama, pool_full):
+    """Built inside a caller's torch.inference_mode() (as an evaluation script often is), the engine's own
+    tensors must stay normal ones: the scheduler thread updates them outside that mode (every step had
+    failed with "Inplace update to inference tensor", seen on an H200)."""
+    import torch
+
+    with torch.inference_mode():
+        engine = make_engine(tiny_llama)
+        out = engine.generate(input_ids=[5, 6, 7], sampling_params={**SHORT, "return_logprob": True})
+    assert out["finish_reason"] == "length" and len(out["output_ids"]) == SHORT["max_new_tokens"]
+    assert len(out["logprobs"]) == SHORT["max_new_tokens"]
+    pool_full(engine)
