@@ -110,6 +110,7 @@
 #   bash benchmarks/gpu_suite.sh part17 OUTDIR  # the norm folded into the GEMV (SHOAL_NORM_GEMV): its GPU tests,
 #                                               # then bs-1 decode bf16 and FP8 with it off and on, and profiles
 #   bash benchmarks/gpu_suite.sh part66 OUTDIR  # MoE: Qwen3-30B-A3B-shaped dummy, batch-1 decode and 500 x 1000 x 1000
+#   bash benchmarks/gpu_suite.sh part67 OUTDIR  # the same with FP8 experts (--quantization fp8), after their GPU tests
 set -u
 part=$1 out=$2
 mkdir -p "$out"
@@ -688,4 +689,12 @@ if [ "$part" = gputests1 ] || [ "$part" = gputests2 ]; then
   half=$(( ($(echo "$files" | wc -l) + 1) / 2 ))
   if [ "$part" = gputests1 ]; then pick=$(echo "$files" | head -n $half); else pick=$(echo "$files" | tail -n +$((half + 1))); fi
   TAIL=12 run timeout 500 python -m pytest -q -p no:cacheprovider $pick
+fi
+if [ "$part" = part67 ]; then  # FP8 MoE (Qwen3-30B-A3B shape quantized at load): GPU tests, batch-1, throughput
+  TAIL=8 run timeout 200 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_gpu_moe.py \
+    tests/lora/test_lora_gpu.py tests/ops/test_weight_update_gpu.py
+  TAIL=4 run timeout 150 python -m benchmarks.bench_offline --model-config Qwen3-30B-A3B --quantization fp8 \
+    --batch1-decode --output-file "$out/moe_fp8_qwen3_30b_a3b_batch1.json"
+  TAIL=4 run timeout 220 python -m benchmarks.bench_offline --model-config Qwen3-30B-A3B --quantization fp8 \
+    --num-prompts 500 --input-len 1000 --output-len 1000 --output-file "$out/moe_fp8_qwen3_30b_a3b_500x1000x1000.json"
 fi

@@ -180,23 +180,51 @@ def test_triton_fp8_experts_match_reference(m: int, block: tuple[int, int] | Non
     rows = min(m, 32)  # the reference loops per (token, slot)
     ref = fused_moe_ref(x[:rows], w13, w2, weights[:rows], ids[:rows], quant=quant).float()
     got = fused_moe(x, w13, w2, weights, ids, quant=quant)[:rows].float()
-    assert (got - ref).abs().max().item() < 0.02 * ref.abs().max().item()
+    rel, worst = float((got - ref).norm() / ref.norm()), float((got - ref).abs().max() / ref.abs().max())
+    print(f"\n[fp8 experts] m {m} block {block}: relative L2 {rel:.2e}, max / max {worst:.2e}")
+    assert rel < 1e-2 and worst < 0.02
 
 
 def test_fp8_quantized_moe_engine(gpu_mixtral: Path, prompts, generations) -> None:
-    """--quantization fp8 on the bf16 Mixtral-shaped checkpoint (attention and experts in FP8): CUDA-graph
-    decode gives eager's tokens, and the first tokens mostly keep bf16's choice."""
+    """--quantization fp8 on the bf16 Mixtral-shaped checkpoint (attention, experts and head in FP8): CUDA-graph
+    decode gives eager's tokens, and teacher-forced through HF bf16 on its own tokens it is as far from HF as
+    FP8 rounding itself puts this model. A random model's logits are nearly flat (3% of positions have a
+    0.5-nat margin), so FP8 flips many argmaxes: the CPU engine, which emulates the kernels' rounding in
+    torch, measured raw agreement 0.61 and mean |logprob diff| 0.148 on this shape; an H200 0.57 and 0.154
+    (bf16: 0.955 and 0.013). The bounds below leave room for that spread, not for a wrong scale or expert."""
+    from transformers import AutoModelForCausalLM
+
     from runtime import Engine
 
     outs = {}
     for graph in (True, False):
         engine = Engine(str(gpu_mixtral), disable_cuda_graph=not graph, quantization="fp8", **ENGINE)
         try:
-            params = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
-            outs[graph] = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+            params = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True, "return_logprob": True}
+            outs[graph] = engine.generate(input_ids=prompts, sampling_params=params)
         finally:
             engine.shutdown()
             _free_gpu()
-    assert outs[True] == outs[False]
-    bf16 = [o["output_ids"][0] for o in generations(True)]
-    assert sum(a[0] == b for a, b in zip(outs[True], bf16)) >= len(prompts) - 2
+    assert [o["output_ids"] for o in outs[True]] == [o["output_ids"] for o in outs[False]]
+    hf = AutoModelForCausalLM.from_pretrained(gpu_mixtral, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+    stats = {}
+    with torch.inference_mode():
+        for name, run in (("fp8", outs[True]), ("bf16", generations(True))):
+            agree = decisive = raw = total = 0
+            diffs = []
+            for prompt, out in zip(prompts, run, strict=True):
+                gen = torch.tensor(out["output_ids"], device="cuda")
+                logp = hf(torch.tensor([prompt + out["output_ids"]], device="cuda")).logits[0, len(prompt) - 1:-1]
+                logp = logp.float().log_softmax(-1)
+                top2 = logp.topk(2, dim=-1).values
+                clear = (top2[:, 0] - top2[:, 1]) > 0.5
+                match = logp.argmax(-1) == gen
+                decisive, agree = decisive + int(clear.sum()), agree + int((clear & match).sum())
+                raw, total = raw + int(match.sum()), total + len(gen)
+                diffs.append((logp.gather(1, gen[:, None]).squeeze(1) - torch.tensor(out["logprobs"], device="cuda")).abs())
+            stats[name] = (agree / max(decisive, 1), decisive / total, raw / total, float(torch.cat(diffs).mean()))
+    del hf
+    _free_gpu()
+    print("\n[moe fp8] (decisive agreement, decisive share, raw agreement, mean |logprob diff|):", stats)
+    assert stats["fp8"][2] >= 0.45 and stats["fp8"][3] < 0.2
+    assert stats["bf16"][2] >= 0.9 and stats["bf16"][3] < 0.05
