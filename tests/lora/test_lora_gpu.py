@@ -48,3 +48,29 @@ def test_mixed_batch_matches_hf_merged(tiny_llama: Path, tmp_path: Path, graphs:
             assert o["output_ids"] == expected[NAMES[i], i % 3]
     finally:
         engine.shutdown()
+
+
+def test_runtime_load_under_cuda_graphs(tiny_llama: Path, tmp_path: Path):
+    """Adapters loaded after the graphs were captured (into the --max-lora-rank-sized buffers the graphs read)
+    serve HF's merged outputs from graph replays; unloading one leaves the other and the base exact."""
+    from runtime import Engine
+
+    one = write_adapter(tmp_path / "one", tiny_llama, 12, ("q_proj", "v_proj", "o_proj", "down_proj"), r=8)
+    two = write_adapter(tmp_path / "two", tiny_llama, 13, ("q_proj", "k_proj", "v_proj", "up_proj"), r=2, alpha=16)
+    expected = {name: hf_greedy(hf_merged(tiny_llama, path), PROMPTS[0], N)
+                for name, path in ((None, None), ("one", one), ("two", two))}
+    engine = Engine(str(tiny_llama), device="cuda", dtype="float32", max_total_tokens=4096, log_level="warning",
+                    enable_lora=True, max_loras=2, cuda_graph_max_bs=8)
+    try:
+        assert engine.worker.runner.cuda_graph_runner is not None
+        engine.load_lora_adapter("one", str(one))
+        engine.load_lora_adapter("two", str(two))
+        sp = {"temperature": 0, "max_new_tokens": N, "ignore_eos": True}
+        names = [None, "one", "two", "one", None, "two"]
+        outs = engine.generate(input_ids=[PROMPTS[0]] * len(names), sampling_params=sp, lora_name=names)
+        assert [o["output_ids"] for o in outs] == [expected[n] for n in names]
+        engine.unload_lora_adapter("one")
+        outs = engine.generate(input_ids=[PROMPTS[0]] * 2, sampling_params=sp, lora_name=["two", None])
+        assert [o["output_ids"] for o in outs] == [expected["two"], expected[None]]
+    finally:
+        engine.shutdown()
