@@ -283,9 +283,7 @@ class ServerArgs:
             return
         parse_lora_modules(self.lora_modules)  # a malformed list fails here, before anything loads
         for name, on in (("--speculative-algorithm", self.speculative_algorithm),
-                         ("--enable-dp-attention", self.enable_dp_attention), ("--is-embedding", self.is_embedding),
-                         # the FP8 KV rotation may fold into W_v / W_o, under the adapters' v/o terms
-                         ("--kv-cache-dtype fp8_e4m3", self.kv_cache_dtype == "fp8_e4m3")):
+                         ("--enable-dp-attention", self.enable_dp_attention), ("--is-embedding", self.is_embedding)):
             if on:
                 raise ServerArgsError("--enable-lora", f"does not run with {name} yet")
 

@@ -3,7 +3,8 @@ time (add(); drop() once unloaded and unused), into host memory, and attaches a 
 slots of rank --max-lora-rank to every projection, 16-bit or quantized (FP8, 4-bit: runtime/lora/lora_attach.py).
 The scheduler decides which adapter occupies which slot (runtime/lora/lora_slots.py): load_slots() copies
 them in before the step that first uses them. The model runner calls prepare() with the step's per-token
-slots before the forward."""
+slots before the forward. Where an FP8 KV rotation's V side lives in W_v / W_o, each adapter's v_proj B and
+o_proj A are folded the same way as it is read (runtime/model_executor/v_rotation_fold.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ from torch import nn
 
 from runtime.config import ServerArgs
 from runtime.errors import ServerArgsError
-from runtime.lora.lora_adapter import LoraAdapter
+from runtime.lora.lora_adapter import LoraAdapter, LoraWeights
 from runtime.lora.lora_attach import attach_lora, logical_shape
 from runtime.lora.lora_batch import LoraBatch
 from runtime.lora.lora_config import FLAG, LoraAdapterConfig, LoraSpec, load_error, parse_lora_modules
 from runtime.lora.lora_layer import LoraDelta
 from runtime.messages import LoraLoad
+from runtime.model_executor.v_rotation_fold import fold_lora_pair, folded_v_mat
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,9 @@ class LoraManager:
     def __init__(self, args: ServerArgs, model: nn.Module):
         self.args = args
         self.num_layers = len(layers := _decoder_layers(model))
+        # An FP8 KV rotation folded into W_v / W_o (before this: kv_cache_format.py) folds into the adapters too;
+        # its H on the host now, so a load at run time (another thread) reads no device memory
+        self.v_folds = [None if (h := folded_v_mat(layer.self_attn)) is None else h.float().cpu() for layer in layers]
         # the activations' dtype (the embedding is never quantized): the adapters run on the 16-bit x
         embed = model.model.embed_tokens.weight
         self.batch = LoraBatch(args.max_loras, embed.dtype, embed.device)
@@ -76,6 +81,9 @@ class LoraManager:
                 self.deltas[layer][fused].shard(shard_id, w.a, w.b)
             except (ValueError, RuntimeError) as e:  # a shape the base model's projection does not have
                 raise ServerArgsError(FLAG, f"adapter {spec.name!r}: layer {layer} {module}: {e}") from None
+        for (layer, module), w in list(adapter.weights.items()):  # shapes checked above: heads view cleanly
+            if (h := self.v_folds[layer]) is not None and module in ("v_proj", "o_proj"):
+                adapter.weights[layer, module] = LoraWeights(*fold_lora_pair(module, w.a, w.b, h))
         return adapter
 
     def add(self, load: LoraLoad) -> None:

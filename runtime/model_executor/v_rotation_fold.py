@@ -12,7 +12,13 @@ can live in the weights instead (row vectors, per KV head h and query head g):
 shards are per head under tensor parallelism (QKV rows, o_proj input columns), so each rank folds its own.
 Where any layer's q/k/v or o projection is not a 16/32-bit dense weight (FP8 weights: rows of a head would
 mix channels with their own scales) nothing is folded and the rotation keeps its transforms.
-SHOAL_KV_V_FOLD=0 keeps them too (to measure the difference)."""
+SHOAL_KV_V_FOLD=0 keeps them too (to measure the difference).
+
+LoRA (--enable-lora) adds s (x A_v^T) B_v^T to v and s (o A_o^T) B_o^T to y: the same fold applies to those
+terms, B_v[h] <- H^T B_v[h] and A_o[:, g] <- A_o[:, g] H (fold_lora_pair, on each adapter's host copy as
+it is read, at start or at run time: runtime/lora/lora_manager.py). Each folded layer keeps its H
+(folded_v_mat) for that. Folding the adapters keeps the fold's two launches a layer fewer and stays exact;
+leaving V unfolded under LoRA would instead need the caller (kv_cache_format.py) to know LoRA is on."""
 
 from __future__ import annotations
 
@@ -46,7 +52,29 @@ def fold_v_rotation(model: torch.nn.Module, rotation: KVRotation) -> KVRotation:
         return rotation
     for attn in layers:
         fold_layer(attn, rotation)
+        attn.v_rotation_fold = rotation.v_mat  # what an adapter's v/o terms must be folded by (folded_v_mat)
     return rotation.with_v_in_weights()
+
+
+def folded_v_mat(attn: torch.nn.Module) -> torch.Tensor | None:
+    """H (model dtype, the model's device) where fold_v_rotation folded V into this layer's W_v / W_o."""
+    return getattr(attn, "v_rotation_fold", None)
+
+
+@torch.no_grad()
+def fold_lora_pair(module: str, a: torch.Tensor, b: torch.Tensor, h: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """An adapter's (A [r, in], B [out, r]) of one projection of a layer folded by H: v_proj's B by KV head,
+    o_proj's A by query head (full, unsharded shapes: a head never straddles two ranks' shards); the other
+    projections as they are. In A/B's dtype, products in fp32 with H as fold_layer uses it."""
+    d, hf = h.shape[0], h.float().to(a.device)
+    if module == "v_proj":
+        b_v = b.float().reshape(-1, d, b.shape[1])  # [KV heads, D, r]
+        b = torch.einsum("ed,her->hdr", hf, b_v).reshape(b.shape).to(b.dtype)  # H^T B_v[h]
+    elif module == "o_proj":
+        a_o = a.float().reshape(a.shape[0], -1, d)  # [r, q heads, D]
+        a = torch.einsum("rgd,de->rge", a_o, hf).reshape(a.shape).to(a.dtype)  # A_o[:, g] H
+    return a, b
 
 
 FOLDED_PARTS = ("v_proj.weight", "v_proj.bias", "o_proj.weight")  # what fold_layer changes, by checkpoint name
