@@ -228,3 +228,19 @@ def test_fp8_quantized_moe_engine(gpu_mixtral: Path, prompts, generations) -> No
     print("\n[moe fp8] (decisive agreement, decisive share, raw agreement, mean |logprob diff|):", stats)
     assert stats["fp8"][2] >= 0.45 and stats["fp8"][3] < 0.2
     assert stats["bf16"][2] >= 0.9 and stats["bf16"][3] < 0.05
+
+
+@pytest.mark.parametrize("group_k", [None, 128])
+@pytest.mark.parametrize("gated", [False, True])
+def test_fp8_moe_input_quantize_launch_is_the_torch_form(group_k: int | None, gated: bool) -> None:
+    """The one-launch quantize of the FP8 experts' inputs (per token, or per 128 group; gated: SiLU-and-mul
+    folded in) gives the torch form's bits, codes and scales, on Qwen3-30B-A3B's widths."""
+    from kernels.activation import silu_and_mul
+    from kernels.fused_moe import quantize_moe_input, quantize_moe_input_torch
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = (torch.randn(333, 2 * 768 if gated else 2048, device="cuda", generator=g) * 3).bfloat16()
+    x[5] = 0  # an all-zero row keeps a finite scale
+    q, s = quantize_moe_input(x, group_k, gated=gated)
+    q_ref, s_ref = quantize_moe_input_torch(silu_and_mul(x) if gated else x, group_k)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
