@@ -74,3 +74,37 @@ def test_runtime_load_under_cuda_graphs(tiny_llama: Path, tmp_path: Path):
         assert [o["output_ids"] for o in outs] == [expected["two"], expected[None]]
     finally:
         engine.shutdown()
+
+
+def test_fp8_kv_cache_with_adapters(tiny_llama: Path, tmp_path: Path):
+    """--enable-lora --kv-cache-dtype fp8_e4m3 on the GPU (bf16, the adapters' v/o terms folded with the
+    KV rotation): an adapter tracks HF on its merged weights as closely as the FP8 KV engine without LoRA
+    tracks HF on the base (tests/lora/test_lora_fp8_kv.py's measure), and decode graphs give eager's tokens."""
+    from test_lora_fp8_kv import ALL, SEQS, _distance, _hf_logprobs, _score
+
+    from runtime import Engine
+
+    adapter = write_adapter(tmp_path / "dyn", tiny_llama, 22, ALL, r=4, alpha=4)
+    kw = {"device": "cuda", "dtype": "bfloat16", "log_level": "warning", "chunked_prefill_size": 8,
+          "kv_cache_dtype": "fp8_e4m3", "max_total_tokens": 4096, "cuda_graph_max_bs": 8}
+    base_engine = Engine(str(tiny_llama), **kw)
+    try:
+        base_err, base_agree = _distance(_score(base_engine, [None])[0], _hf_logprobs(tiny_llama, None))
+    finally:
+        base_engine.shutdown()
+    tokens = {}
+    for graphs in (True, False):
+        engine = Engine(str(tiny_llama), **kw, enable_lora=True, max_loras=2, max_lora_rank=8,
+                        disable_cuda_graph=not graphs)
+        try:
+            engine.load_lora_adapter("dyn", str(adapter))
+            if graphs:
+                err, agree = _distance(_score(engine, ["dyn"])[0], _hf_logprobs(tiny_llama, adapter))
+                print(f"\n[lora fp8 kv] base {base_err:.4f} / {base_agree:.3f}, adapter {err:.4f} / {agree:.3f}")
+                assert err <= 2 * base_err + 0.01 and agree >= base_agree - 0.05
+            sp = {"temperature": 0, "max_new_tokens": N, "ignore_eos": True}
+            tokens[graphs] = [o["output_ids"] for o in engine.generate(
+                input_ids=SEQS, sampling_params=sp, lora_name=["dyn", None, "dyn"])]
+        finally:
+            engine.shutdown()
+    assert tokens[True] == tokens[False]
