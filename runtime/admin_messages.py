@@ -2,7 +2,9 @@
 boundary when an operator flushes the prefix cache (SGLang's /flush_cache, vLLM's /reset_prefix_cache) or
 profiles the workers' steps (/start_profile, /stop_profile): the ProfileControl every TP rank applies at
 the same step boundary, the WeightUpdate every TP rank of every replica loads (SGLang's
-/update_weights_from_disk), and the AdminReply each replica answers with (no exception pickling)."""
+/update_weights_from_disk), the SleepControl every TP rank applies to give its device memory back or take it
+again (vLLM's /sleep and /wake_up, SGLang's /release_memory_occupation and /resume_memory_occupation), and
+the AdminReply each replica answers with (no exception pickling)."""
 
 from __future__ import annotations
 
@@ -12,13 +14,27 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from runtime.errors import InvalidRequestError
+from runtime.errors import EngineUnavailableError, InvalidRequestError
 
 if TYPE_CHECKING:
     from runtime.config import ServerArgs
 
 PROFILE_DIR_ENV = "SHOAL_TORCH_PROFILER_DIR"
 PROFILE_ACTIVITIES = ("CPU", "CUDA")
+WEIGHTS, KV_CACHE, CUDA_GRAPH = "weights", "kv_cache", "cuda_graph"  # SGLang's memory tags (vLLM's wake_up tags)
+SLEEP_TAGS = (WEIGHTS, KV_CACHE)  # what is released; CUDA graphs go with either (memory_sleep.py)
+
+
+class EngineAsleepError(EngineUnavailableError):
+    """A request while the engine sleeps (the gateway's 503): its weights or KV cache are released."""
+
+    def __init__(self, tags: list[str] | tuple[str, ...]):
+        super().__init__(f"the engine is asleep ({', '.join(tags)} released by sleep / release_memory_occupation): "
+                         "call wake_up (POST /wake_up or /resume_memory_occupation) before generating")
+        self.tags = list(tags)
+
+    def __reduce__(self):
+        return type(self), (self.tags,)
 
 
 class ProfileControl(msgspec.Struct, frozen=True, kw_only=True):
@@ -45,6 +61,40 @@ class WeightUpdate(msgspec.Struct, frozen=True, kw_only=True):
     flush_cache: bool = True  # drop the cached prefixes (their KV came from the old weights)
 
 
+class SleepControl(msgspec.Struct, frozen=True, kw_only=True):
+    """Release (sleep=True) or take back (sleep=False) a replica's device memory on every TP rank: vLLM's
+    sleep(level) / wake_up(tags), SGLang's release / resume_memory_occupation(tags). Level 1 keeps the weights
+    in host memory, level 2 discards them (load new ones after waking up). abort_all_requests: a sleep aborts
+    the running requests instead of refusing while any runs."""
+
+    sleep: bool
+    level: int = 1
+    tags: tuple[str, ...] = SLEEP_TAGS
+    abort_all_requests: bool = False
+    # wake_up: capture the CUDA graphs once nothing is released. A TP group over Ray restores every rank's
+    # memory first (False) and only then captures on all ranks at once (a wake_up of tags (cuda_graph,)).
+    graphs: bool = True
+
+
+def sleep_control(sleep: bool, level: int = 1, tags: list[str] | tuple[str, ...] | None = None,
+                  abort_all_requests: bool = False) -> SleepControl:
+    """Checked (InvalidRequestError naming level or tags): tags None or empty mean all of them."""
+    if isinstance(level, bool) or not isinstance(level, int) or level not in (1, 2):
+        raise InvalidRequestError(f"level must be 1 (keep the weights in host memory) or 2 (discard them), got "
+                                  f"{level!r}", param="level")
+    if isinstance(tags, str):
+        tags = [tags]
+    unknown = [t for t in tags or () if t not in (*SLEEP_TAGS, CUDA_GRAPH)]
+    if unknown:
+        raise InvalidRequestError(f"unknown memory tag(s) {unknown}: use {', '.join((*SLEEP_TAGS, CUDA_GRAPH))}",
+                                  param="tags")
+    if sleep and tags and not any(t in SLEEP_TAGS for t in tags):  # an awake engine answered "already asleep"
+        raise InvalidRequestError("cuda_graph alone is not released: the graphs go with weights or kv_cache",
+                                  param="tags")
+    return SleepControl(sleep=bool(sleep), level=level, tags=tuple(dict.fromkeys(tags)) if tags else SLEEP_TAGS,
+                        abort_all_requests=bool(abort_all_requests))
+
+
 class AdminReply(msgspec.Struct, kw_only=True):
     """One replica's answer (summed over replicas by a client over several). error None: done."""
 
@@ -55,6 +105,7 @@ class AdminReply(msgspec.Struct, kw_only=True):
     message: str = ""  # a weight update's report (what was loaded, in how long)
     num_paused_requests: int = 0  # a weight update: requests that arrived during it and waited for it
     weight_version: str = ""  # a weight update: the version serving from now on
+    sleeping_tags: list[str] = []  # sleep / wake_up: what stays released (empty: awake)
 
     @staticmethod
     def combined(replies: list[AdminReply]) -> AdminReply:
@@ -64,7 +115,8 @@ class AdminReply(msgspec.Struct, kw_only=True):
                           trace_files=[f for r in replies for f in r.trace_files],
                           message=" | ".join(dict.fromkeys(r.message for r in replies if r.message)),
                           num_paused_requests=sum(r.num_paused_requests for r in replies),
-                          weight_version=next((r.weight_version for r in replies if r.weight_version), ""))
+                          weight_version=next((r.weight_version for r in replies if r.weight_version), ""),
+                          sleeping_tags=sorted({t for r in replies for t in r.sleeping_tags}))
 
 
 def profile_dir(args: ServerArgs) -> str:

@@ -6,7 +6,13 @@ vLLM's names), and the EngineClient side the gateway's /flush_cache, /reset_pref
 Live weight updates, SGLang's Engine.update_weights_from_disk / update_weights_from_tensor (and the gateway's
 /update_weights_from_disk): SchedulerHost.update_weights holds new requests, lets the running ones finish
 (or aborts them), loads between two steps (runtime/model_executor/weight_updater.py), flushes the prefix
-cache. SGLang's return shapes: (success, message, num_paused_requests) and (success, message)."""
+cache. SGLang's return shapes: (success, message, num_paused_requests) and (success, message).
+
+Sleep mode for RL trainers sharing the GPUs: vLLM's LLM.sleep(level) / wake_up(tags) and SGLang's
+Engine.release_memory_occupation(tags) / resume_memory_occupation(tags), and the EngineClient side of the
+gateway's /sleep, /wake_up, /is_sleeping and /release_memory_occupation, /resume_memory_occupation
+(runtime/model_executor/memory_sleep.py says what is released; SchedulerHost.memory_sleep how requests fare).
+Errors are InvalidRequestError naming the problem (requests running, not enough memory to wake up)."""
 
 from __future__ import annotations
 
@@ -14,7 +20,14 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from runtime.admin_messages import AdminReply, ProfileControl, WeightUpdate, profile_control
+from runtime.admin_messages import (
+    AdminReply,
+    ProfileControl,
+    SleepControl,
+    WeightUpdate,
+    profile_control,
+    sleep_control,
+)
 from runtime.errors import InvalidRequestError, ShoalError
 
 
@@ -85,6 +98,45 @@ class EngineAdmin:
             raise InvalidRequestError(message, param="reload_weights")
         return [None]
 
+    # ---- sleep mode ------------------------------------------------------------------------------------------
+    def sleep(self, level: int = 1, abort_all_requests: bool = False) -> None:
+        """vLLM's LLM.sleep: level 1 offloads the weights to host memory and discards the KV cache (wake_up
+        serves the same model again); level 2 discards both (load new weights after wake_up, e.g.
+        update_weights_from_disk). The prefix cache is flushed; generate raises EngineAsleepError until
+        wake_up. InvalidRequestError while requests run (abort_all_requests=True aborts them instead); a
+        sleep while asleep does nothing (as vLLM's)."""
+        _check(self._memory(sleep_control(True, level, None, abort_all_requests)), "sleep")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's LLM.wake_up: tags None (all), ["weights"] or ["kv_cache"] (e.g. the weights first, update
+        them, then the KV cache: the peak stays lower); CUDA graphs come back with the last one. Waking what is
+        awake does nothing."""
+        _check(self._memory(sleep_control(False, 1, tags)), "tags")
+
+    def is_sleeping(self) -> bool:
+        return bool(self.host.asleep)
+
+    def release_memory_occupation(self, tags: list[str] | None = None, level: int = 1) -> None:
+        """SGLang's Engine.release_memory_occupation: tags weights / kv_cache / cuda_graph (None: all). Shoal
+        keeps the weights in host memory (level 1, as SGLang with --enable-weights-cpu-backup) unless level=2."""
+        _check(self._memory(sleep_control(True, level, tags)), "tags")
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """SGLang's Engine.resume_memory_occupation (wake_up)."""
+        self.wake_up(tags)
+
+    async def memory_sleep(self, ctl: SleepControl) -> AdminReply:
+        return await asyncio.to_thread(self._memory, ctl)  # waits for the running step and the copies
+
+    async def sleeping_tags(self) -> list[str]:
+        return list(self.host.asleep)
+
+    def _memory(self, ctl: SleepControl) -> AdminReply:
+        try:
+            return self.host.memory_sleep(ctl, lambda: self.worker.memory_sleep(ctl))
+        except ShoalError as e:  # the scheduler stopped or did not answer
+            return AdminReply(error=str(e), sleeping_tags=list(self.host.asleep))
+
     def get_weight_version(self) -> str:
         return self.host.weight_version
 
@@ -115,7 +167,7 @@ class EngineAdmin:
         return await asyncio.to_thread(self.host.profile, ctl)
 
 
-def _check(reply: AdminReply) -> AdminReply:
+def _check(reply: AdminReply, param: str = "profile") -> AdminReply:
     if reply.error is not None:
-        raise InvalidRequestError(reply.error, param="profile")
+        raise InvalidRequestError(reply.error, param=param)
     return reply

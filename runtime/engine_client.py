@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from runtime.admin_messages import AdminReply, ProfileControl, WeightUpdate
+from runtime.admin_messages import AdminReply, ProfileControl, SleepControl, WeightUpdate
 from runtime.errors import InvalidRequestError
 from runtime.messages import GenerateRequest, RequestOutput, RoutingStats, SchedulerStats
 
@@ -83,6 +83,15 @@ class EngineClient(ABC):
     async def update_weights(self, update: WeightUpdate) -> AdminReply:
         """Loads a checkpoint of the same architecture into the live weights, on every replica and TP rank."""
         raise InvalidRequestError("this engine cannot update its weights", param="model_path")
+
+    async def memory_sleep(self, ctl: SleepControl) -> AdminReply:
+        """Sleep (ctl.sleep) or wake_up on every replica and TP rank; the reply's sleeping_tags: what stays
+        released (runtime/model_executor/memory_sleep.py)."""
+        raise InvalidRequestError("this engine cannot sleep", param="level")
+
+    async def sleeping_tags(self) -> list[str]:
+        """The memory tags released now (empty: awake, serving)."""
+        return []
 
     async def current_weight_version(self) -> str:
         """The weight_version of the weights now serving (update_weights sets it)."""

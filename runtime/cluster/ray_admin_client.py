@@ -7,7 +7,10 @@ answers are summed into one AdminReply; a target that fails to answer counts as 
 A weight update (SGLang's /update_weights_from_disk) goes to every routing target at once; each checks the
 checkpoint on all its TP ranks before any copies (SchedulerActor.update_weights_from_disk). The files are
 the same for all, so a check fails on all or none; a target whose load fails while others succeed is named
-in the error (the replicas then serve different weights until the update is repeated)."""
+in the error (the replicas then serve different weights until the update is repeated).
+
+Sleep / wake_up (SleepControl) go to every routing target the same way; each has all its TP ranks release or
+restore their memory (SchedulerActor.memory_sleep). is_sleeping: any target has memory released."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from runtime.admin_messages import AdminReply, ProfileControl, WeightUpdate
+from runtime.admin_messages import AdminReply, ProfileControl, SleepControl, WeightUpdate
 
 
 class RayAdminClient:
@@ -43,6 +46,14 @@ class RayAdminClient:
             if hasattr(self.launcher, "model_path"):  # a replica relaunched after a failure loads the new weights
                 self.launcher.model_path = update.model_path
         return reply
+
+    async def memory_sleep(self, ctl: SleepControl) -> AdminReply:
+        return await self._admin_call("memory_sleep", lambda i: (ctl,))
+
+    async def sleeping_tags(self) -> list[str]:
+        targets = [r.index for r in self.replicas if r.alive]
+        tags = await asyncio.gather(*(self._actor(i).sleeping_tags.remote() for i in targets), return_exceptions=True)
+        return sorted({t for ts in tags if isinstance(ts, list) for t in ts})
 
     async def current_weight_version(self) -> str:
         """The targets' weight version ("a, b" while they differ: an update failed on some)."""

@@ -21,7 +21,9 @@ import threading
 import time
 from typing import Any
 
-from runtime.admin_messages import AdminReply, ProfileControl, WeightUpdate
+import msgspec
+
+from runtime.admin_messages import CUDA_GRAPH, AdminReply, ProfileControl, SleepControl, WeightUpdate
 from runtime.cluster.tp_rank import RankSpec, TpRank, endpoint, local_model_path
 from runtime.config import ServerArgs
 from runtime.errors import EngineUnavailableError, InvalidRequestError
@@ -235,6 +237,39 @@ class SchedulerActor:
         if errors:  # the ranks now hold different weights: only a relaunch makes them one model again
             self.group.fail(f"weight update of {self.name} failed on a TP rank after rank 0 loaded: {errors[0]}")
             return AdminReply(error=errors[0])
+        return reply
+
+    async def memory_sleep(self, ctl: SleepControl) -> AdminReply:
+        """Sleep or wake_up of this replica (SchedulerHost.memory_sleep: refused while requests run unless
+        ctl.abort_all_requests), on every TP rank at once."""
+        return await asyncio.to_thread(_admin, lambda: self.host.memory_sleep(ctl, lambda: self._memory_all_ranks(ctl)))
+
+    async def sleeping_tags(self) -> list[str]:
+        return list(self.host.asleep) if self.host is not None else []
+
+    def _memory_all_ranks(self, ctl: SleepControl) -> AdminReply:
+        """On the scheduler thread, nothing running; every rank at once. A wake_up first restores the memory
+        of every rank, then (all succeeded, nothing left released) captures the CUDA graphs on all of them
+        together: the capture runs the model, whose TP collectives need every rank in them."""
+        if not self._followers:
+            return self.rank.worker.memory_sleep(ctl)
+        reply = self._on_all_ranks(msgspec.structs.replace(ctl, graphs=False) if not ctl.sleep else ctl)
+        if reply.error is None and not ctl.sleep and not reply.sleeping_tags and ctl.graphs:
+            graphs = self._on_all_ranks(SleepControl(sleep=False, tags=(CUDA_GRAPH,)))
+            reply.error = graphs.error
+        return reply
+
+    def _on_all_ranks(self, ctl: SleepControl) -> AdminReply:
+        import ray
+
+        refs = [f.memory_sleep.remote(ctl) for f in self._followers]
+        reply = self.rank.worker.memory_sleep(ctl)
+        replies = [reply, *ray.get(refs)]
+        errors = [r.error for r in replies if r.error]
+        if errors and len(errors) < len(replies):  # the ranks now differ: only a relaunch makes them one again
+            self.group.fail(f"{'sleep' if ctl.sleep else 'wake_up'} of {self.name} failed on some TP ranks only: "
+                            f"{errors[0]}")
+        reply.error = errors[0] if errors else None
         return reply
 
     def _on_followers(self, method: str, *args: Any) -> list[str]:

@@ -8,8 +8,9 @@ the one two before), and it skips the logprobs only rank 0 reports.
 
 serve() runs the follow loop for the replica's life (the group is killed as a whole); it ends with the
 rank's own exception if a step fails, which is how rank 0's SchedulerActor (which awaits it) learns why.
-The actor is threaded, so node_id(), inject_fault(), trace_steps(), add_lora() and the weight updates answer
-while serve() runs (rank 0 sends no step while it updates: the loop waits in recv meanwhile)."""
+The actor is threaded, so node_id(), inject_fault(), trace_steps(), add_lora(), the weight updates and
+memory_sleep answer while serve() runs (rank 0 sends no step while it updates or sleeps: the loop waits in
+recv meanwhile)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import time
 
 import msgspec
 
-from runtime.admin_messages import AdminReply, WeightUpdate
+from runtime.admin_messages import AdminReply, SleepControl, WeightUpdate
 from runtime.cluster.step_trace import StepTrace
 from runtime.cluster.tp_rank import RankSpec, TpRank, endpoint, local_model_path
 from runtime.config import ServerArgs
@@ -92,6 +93,13 @@ class TpWorkerActor:
         self.rank.worker.bind_thread()
         reply = self.rank.worker.update_weights(update, checked)
         return AdminReply(error=f"TP rank {self.spec.rank}: {reply.error}") if reply.error else reply
+
+    def memory_sleep(self, ctl: SleepControl) -> AdminReply:
+        """Rank 0, at the same time as it does its own (a wake_up captures CUDA graphs, whose warm-up steps
+        meet in the TP collectives): this rank releases or restores its memory."""
+        self.rank.worker.bind_thread()
+        reply = self.rank.worker.memory_sleep(ctl)
+        return msgspec.structs.replace(reply, error=f"TP rank {self.spec.rank}: {reply.error}") if reply.error else reply
 
     def trace_steps(self, on: bool) -> dict | None:
         """Benchmarks: on=True starts a fresh StepTrace of the follow loop; on=False stops it and returns

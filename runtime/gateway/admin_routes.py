@@ -32,7 +32,16 @@ old weights first (abort_all_requests: aborted instead), the prefix cache is flu
 SGLang's {"success", "message", "num_paused_requests"} (the requests that waited), 200 or 400; on a 400
 (a wrong path, architecture, shape or quantization) the old weights still serve. GET /get_weight_version
 and /get_model_info's weight_version: the request's weight_version, else "update-<n>" ("default" before
-any update). SGLang's is_async / keep_pause (its pause_generation modes) are refused with a 400."""
+any update). SGLang's is_async / keep_pause (its pause_generation modes) are refused with a 400.
+
+Sleep mode (RL trainers sharing the GPUs; runtime/model_executor/memory_sleep.py) — vLLM's POST /sleep?level=1|2
+(200, empty), POST /wake_up (?tags=weights&tags=kv_cache: those only; 200, empty), GET /is_sleeping
+({"is_sleeping": bool}); SGLang's GET|POST /release_memory_occupation and /resume_memory_occupation with an
+optional {"tags": [...]} (weights, kv_cache, cuda_graph; none: all), answered {"success", "message"}. A sleep
+while requests run is a 400 (abort_all_requests=true, a query parameter or body field, aborts them instead);
+a bad level or tag is a 400 naming it; generation while asleep is a 503 naming sleep. Shoal's
+release_memory_occupation keeps the weights in host memory (SGLang's --enable-weights-cpu-backup) unless the
+body says "level": 2."""
 
 from __future__ import annotations
 
@@ -42,7 +51,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from runtime.admin_messages import AdminReply, ProfileControl, WeightUpdate, profile_control
+from runtime.admin_messages import AdminReply, ProfileControl, WeightUpdate, profile_control, sleep_control
 from runtime.errors import ShoalError
 from runtime.gateway.errors import ApiError, bad_request, from_shoal_error, not_supported
 from runtime.gateway.native_routes import health
@@ -78,6 +87,14 @@ class UpdateWeightsBody(msgspec.Struct, kw_only=True):
     torch_empty_cache: bool = False  # SGLang's; nothing to return: the update allocates one module at a time
     recapture_cuda_graph: bool = False  # SGLang's; never needed: parameters are updated in place
     token_step: int = 0  # SGLang's trainer step id; not used
+
+
+class MemoryBody(msgspec.Struct, kw_only=True):
+    """SGLang's Release/ResumeMemoryOccupationReqInput (tags), with Shoal's level and abort_all_requests."""
+
+    tags: list[str] | None = None
+    level: int = 1
+    abort_all_requests: bool = False
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -160,6 +177,69 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         message += f" Weight version updated to {body.weight_version}."
     return _json({"success": ok, "message": message, "num_paused_requests": reply.num_paused_requests},
                  status=200 if ok else 400)
+
+
+# ---- sleep mode ----------------------------------------------------------------------------------
+def _flag(request: web.Request, name: str) -> bool:
+    value = request.query.get(name, "false").lower()
+    if value not in ("true", "false", "1", "0"):
+        raise bad_request(f"{name} must be true or false, got {value!r}", param=name)
+    return value in ("true", "1")
+
+
+async def _memory(request: web.Request, sleep: bool, level: Any, tags: list[str] | None, abort_all: bool,
+                  param: str) -> AdminReply:
+    try:
+        ctl = sleep_control(sleep, level, tags, abort_all)
+    except ShoalError as e:
+        raise from_shoal_error(e) from None
+    return _checked(await _admin(request, "memory_sleep", ctl), param)
+
+
+async def sleep(request: web.Request) -> web.Response:
+    raw = request.query.get("level", "1")
+    try:
+        level = int(raw)
+    except ValueError:
+        raise bad_request(f"level must be 1 or 2, got {raw!r}", param="level") from None
+    await _memory(request, True, level, None, _flag(request, "abort_all_requests"), "sleep")
+    return web.Response(status=200)
+
+
+async def wake_up(request: web.Request) -> web.Response:
+    await _memory(request, False, 1, request.query.getall("tags", None), False, "wake_up")
+    return web.Response(status=200)
+
+
+async def is_sleeping(request: web.Request) -> web.Response:
+    try:
+        tags = await request.app[STATE_KEY].client().sleeping_tags()
+    except ShoalError as e:
+        raise from_shoal_error(e) from None
+    return _json({"is_sleeping": bool(tags)})
+
+
+async def _memory_body(request: web.Request) -> MemoryBody:
+    raw = await request.read()
+    try:
+        body = msgspec.json.decode(raw, type=MemoryBody) if raw.strip() else MemoryBody()
+    except msgspec.DecodeError as e:
+        raise bad_request(f"invalid memory occupation request: {e}", param="tags") from None
+    if raw.strip():
+        request.app[STATE_KEY].ignored_fields.note(raw, MemoryBody, request.path)
+    return body
+
+
+async def release_memory_occupation(request: web.Request) -> web.Response:
+    body = await _memory_body(request)
+    reply = await _memory(request, True, body.level, body.tags, body.abort_all_requests, "tags")
+    return _json({"success": True, "message": reply.message})
+
+
+async def resume_memory_occupation(request: web.Request) -> web.Response:
+    body = await _memory_body(request)
+    reply = await _memory(request, False, 1, body.tags, False, "tags")
+    return _json({"success": True, "message": reply.message})
 
 
 async def get_server_info(request: web.Request) -> web.Response:
@@ -250,10 +330,15 @@ def add_routes(app: web.Application) -> None:
         app.router.add_route(method, "/ping", ping)
         app.router.add_route(method, "/start_profile", start_profile)
         app.router.add_route(method, "/stop_profile", stop_profile)
+        app.router.add_route(method, "/release_memory_occupation", release_memory_occupation)
+        app.router.add_route(method, "/resume_memory_occupation", resume_memory_occupation)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.router.add_get("/get_model_info", get_model_info)
     app.router.add_get("/get_weight_version", get_weight_version)
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
+    app.router.add_post("/sleep", sleep)
+    app.router.add_post("/wake_up", wake_up)
+    app.router.add_get("/is_sleeping", is_sleeping)
     app.router.add_get("/get_server_info", get_server_info)
     app.router.add_get("/server_info", get_server_info)
     app.router.add_post("/invocations", invocations)

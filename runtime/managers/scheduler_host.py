@@ -6,7 +6,12 @@ scheduler's lock, and hands every step's output deltas to the owner's sink (on t
 A live weight update (update_weights) does what SGLang's does: new requests wait (held here, in order,
 until it is done: SGLang's tokenizer manager blocks them on its model-update lock), the running ones finish
 on the old weights (or, with abort_all_requests, are aborted first), then the weights load between two
-steps on the scheduler thread, the prefix cache is flushed and the held requests go in."""
+steps on the scheduler thread, the prefix cache is flushed and the held requests go in.
+
+Sleep (memory_sleep: vLLM's sleep / wake_up, SGLang's release / resume_memory_occupation) is refused while
+requests run (SGLang asserts the same), unless abort_all_requests aborts them first; requests arriving while
+it goes to sleep wait, then fail with it. While anything is released, new requests fail at once with
+EngineAsleepError (the gateway's 503), never waiting, and a weight update needs the weights awake."""
 
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
-from runtime.admin_messages import AdminReply, ProfileControl
+from runtime.admin_messages import WEIGHTS, AdminReply, EngineAsleepError, ProfileControl, SleepControl
 from runtime.config import ServerArgs
 from runtime.errors import EngineUnavailableError
 from runtime.gc_guard import GcGuard
@@ -27,7 +32,7 @@ from runtime.managers.request_validation import RequestLimits
 from runtime.managers.scheduler import Scheduler
 from runtime.managers.worker_client import WorkerClient
 from runtime.mem_cache.cache_event_log import CacheEventLog
-from runtime.messages import GenerateRequest, RequestOutput, SchedulerStats, WorkerInfo
+from runtime.messages import FinishReason, GenerateRequest, RequestOutput, SchedulerStats, WorkerInfo
 from runtime.sampling.grammar_compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -70,7 +75,9 @@ class SchedulerHost:
         self._updates = 0
         self._updating = threading.Lock()  # one weight update at a time
         self._gate = threading.Lock()
-        self._held: list[GenerateRequest] | None = None  # requests arriving during a weight update
+        self._held: list[GenerateRequest] | None = None  # requests arriving during a weight update or a sleep
+        self._sink = sink
+        self.asleep: list[str] = []  # the memory tags released now (empty: awake)
 
     def start(self) -> None:
         self.gc.start()  # start-up is over: what it left alive stays out of every collection
@@ -85,6 +92,8 @@ class SchedulerHost:
         return self._thread.is_alive() and not self._stop.is_set()
 
     def validate(self, req: GenerateRequest) -> GenerateRequest:
+        if self.asleep:
+            raise EngineAsleepError(self.asleep)
         return self.scheduler.validate(req, self.limits)
 
     def submit(self, req: GenerateRequest) -> None:
@@ -92,7 +101,14 @@ class SchedulerHost:
             if self._held is not None:
                 self._held.append(req)
                 return
+            if self.asleep:  # validated before the sleep began: it ends now, it must not wait for a wake_up
+                self._refuse(req)
+                return
             self.scheduler.submit(req)
+
+    def _refuse(self, req: GenerateRequest) -> None:
+        self._sink([RequestOutput(rid=req.rid, new_token_ids=[], finished=True,
+                                  finish_reason=FinishReason("error", message=str(EngineAsleepError(self.asleep))))])
 
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
@@ -145,7 +161,10 @@ class SchedulerHost:
                        weight_version: str | None = None) -> AdminReply:
         """A live weight update (the module docstring says how requests fare); apply() loads the weights on
         the scheduler thread with nothing running and answers an AdminReply (error: the old weights serve)."""
-        with self._updating:
+        with self._updating:  # the check inside: a sleep holding the lock may release the weights meanwhile
+            if WEIGHTS in self.asleep:
+                return AdminReply(error="the weights are asleep (released by sleep / release_memory_occupation): "
+                                        "wake_up with tags weights before updating them")
             with self._gate:
                 self._held = []
             try:
@@ -162,6 +181,40 @@ class SchedulerHost:
                         self.scheduler.submit(req)
             reply.num_paused_requests = len(held)
             return reply
+
+    def memory_sleep(self, ctl: SleepControl, apply: Callable[[], AdminReply]) -> AdminReply:
+        """Sleep or wake_up (the module docstring says how requests fare); apply() releases or restores the
+        memory on every TP rank, on the scheduler thread with nothing running, and answers what stays released."""
+        with self._updating:  # never beside a weight update
+            if not ctl.sleep:
+                return self.call(lambda: self._apply_memory(apply, flush=False), WEIGHT_UPDATE_TIMEOUT_S, on_thread=True)
+            with self._gate:
+                self._held = []
+            try:
+                if ctl.abort_all_requests:
+                    for rid in self.call(lambda: list(self.scheduler.reqs)):
+                        self.scheduler.abort(rid)
+                busy = self.call(lambda: len(self.scheduler.reqs))
+                if busy and not ctl.abort_all_requests:
+                    reply = AdminReply(error=f"cannot sleep: {busy} requests are running or waiting; let them finish "
+                                             "or pass abort_all_requests=true", sleeping_tags=list(self.asleep))
+                else:
+                    self._wait_idle()
+                    reply = self.call(lambda: self._apply_memory(apply, flush=True), WEIGHT_UPDATE_TIMEOUT_S,
+                                      on_thread=True)
+            finally:
+                with self._gate:
+                    held, self._held = self._held, None
+                    for req in held:
+                        self._refuse(req) if self.asleep else self.scheduler.submit(req)
+            return reply
+
+    def _apply_memory(self, apply: Callable[[], AdminReply], flush: bool) -> AdminReply:
+        if flush:  # every slot free (nothing runs): the KV pool is released as an empty one
+            self.scheduler.kv.flush()
+        reply = apply()
+        self.asleep = list(reply.sleeping_tags)
+        return reply
 
     def _wait_idle(self) -> None:
         """Until every request admitted before the update has finished (and no batch is in flight)."""

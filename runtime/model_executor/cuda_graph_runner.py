@@ -132,6 +132,9 @@ class CudaGraphRunner:
     def _capture_all(self) -> None:
         t0 = time.perf_counter()
         self.pool = torch.cuda.graph_pool_handle()
+        # One warm-up stream for every size: cuBLAS keeps a workspace per (handle, stream) (32 MiB on Hopper)
+        # until they are cleared, so a stream a size held ~1 GiB at 35 sizes, and more at each recapture
+        stream = torch.cuda.Stream(self.runner.device)
         for mode, bs in sorted(((m, b) for m in self.modes for b in self.batch_sizes),
                                key=lambda mb: -mb[1] * self.modes[mb[0]]):  # largest first: the rest reuse its memory
             n = self.modes[mode]
@@ -141,7 +144,6 @@ class CudaGraphRunner:
             self.backend.init_forward_metadata_capture_cuda_graph(bs, fb.req_pool_indices, fb.seq_lens, mode,
                                                                   tokens_per_req=n)
             # Warm-up outside the capture: compiles kernels and lets libraries pick their algorithms.
-            stream = torch.cuda.Stream(self.runner.device)
             stream.wait_stream(torch.cuda.current_stream(self.runner.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):

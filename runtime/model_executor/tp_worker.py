@@ -7,10 +7,11 @@ import logging
 
 import torch
 
-from runtime.admin_messages import AdminReply, ProfileControl, WeightUpdate
+from runtime.admin_messages import AdminReply, ProfileControl, SleepControl, WeightUpdate
 from runtime.config import ServerArgs
 from runtime.errors import InvalidRequestError, WeightLoadError
 from runtime.messages import BatchResult, LoraLoad, WorkerBatch, WorkerInfo
+from runtime.model_executor.memory_sleep import MemorySleep
 from runtime.model_executor.model_runner import LaunchedBatch, ModelRunner
 from runtime.model_executor.spec_decode_runner import SpecDecodeRunner
 from runtime.model_executor.step_profiler import StepProfiler
@@ -35,6 +36,7 @@ class TpWorker:
         self.runner.spec = SpecDecodeRunner.create(args, self.runner)
         self.profiler: StepProfiler | None = None  # /start_profile .. /stop_profile (or its num_steps)
         self.weights = WeightUpdater(self.runner, model_path)  # live weight updates (weight_updater.py)
+        self.memory = MemorySleep(self.runner)  # sleep / wake_up between RL rollouts (memory_sleep.py)
 
     def bind_thread(self) -> None:
         device = self.runner.device
@@ -88,6 +90,11 @@ class TpWorker:
 
     def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]]) -> AdminReply:
         return _weight_reply(lambda: self.weights.from_tensors(named_tensors))
+
+    def memory_sleep(self, ctl: SleepControl) -> AdminReply:
+        """Gives this rank's weights / KV cache back or takes them again (ctl.sleep); between two steps with
+        nothing running. The reply's sleeping_tags: what stays released."""
+        return self.memory.apply(ctl)
 
     def add_lora(self, load: LoraLoad) -> None:
         """An adapter loaded at run time, read and checked on this rank (any thread; InvalidRequestError naming
