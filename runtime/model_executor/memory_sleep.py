@@ -166,6 +166,9 @@ class MemorySleep:
             del self._stash[tag]
             level = self.released.pop(tag)
             done.append(f"{_gib(stash)} of {_WHAT[tag](level)}")
+        stash = []  # the host copies go; their pinned blocks would stay in torch's host cache, the trainer's memory
+        if self.runner.device.type == "cuda" and (empty := getattr(torch._C, "_host_emptyCache", None)) is not None:
+            empty()
         if not self.released and graphs:
             self._capture_graphs()
         return "Restored " + " and ".join(done) + ("" if not self.released else
