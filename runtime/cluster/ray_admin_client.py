@@ -10,7 +10,9 @@ the same for all, so a check fails on all or none; a target whose load fails whi
 in the error (the replicas then serve different weights until the update is repeated).
 
 Sleep / wake_up (SleepControl) go to every routing target the same way; each has all its TP ranks release or
-restore their memory (SchedulerActor.memory_sleep). is_sleeping: any target has memory released."""
+restore their memory (SchedulerActor.memory_sleep). is_sleeping: any target has memory released. While the
+last reply said something sleeps, validate() refuses a request at once (EngineAsleepError: the gateway's 503)
+instead of it reaching a target that ends it with an error (a 500)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from typing import Any
 
 import msgspec
 
-from runtime.admin_messages import AdminReply, ProfileControl, SleepControl, WeightUpdate
+from runtime.admin_messages import AdminReply, EngineAsleepError, ProfileControl, SleepControl, WeightUpdate
+from runtime.messages import GenerateRequest
 
 
 class RayAdminClient:
@@ -47,8 +50,17 @@ class RayAdminClient:
                 self.launcher.model_path = update.model_path
         return reply
 
+    _asleep: tuple[str, ...] = ()  # the tags the last sleep / wake_up reply said stay released
+
     async def memory_sleep(self, ctl: SleepControl) -> AdminReply:
-        return await self._admin_call("memory_sleep", lambda i: (ctl,))
+        reply = await self._admin_call("memory_sleep", lambda i: (ctl,))
+        self._asleep = tuple(reply.sleeping_tags)
+        return reply
+
+    def _awake(self, req: GenerateRequest) -> GenerateRequest:
+        if self._asleep:
+            raise EngineAsleepError(self._asleep)
+        return req
 
     async def sleeping_tags(self) -> list[str]:
         targets = [r.index for r in self.replicas if r.alive]

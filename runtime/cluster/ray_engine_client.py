@@ -91,7 +91,7 @@ class RayEngineClient(RayLoraClient, RayAdminClient, EngineClient):  # run-time 
         return not self._closing and self._thread.is_alive() and any(r.alive for r in self.replicas)
 
     def validate(self, req: GenerateRequest) -> GenerateRequest:
-        return validate_request(self._limits, check_task(self.args.is_embedding, req))
+        return validate_request(self._limits, check_task(self.args.is_embedding, self._awake(req)))
 
     async def check_grammar(self, req: GenerateRequest) -> None:
         key = req.sampling_params.grammar

@@ -139,3 +139,36 @@ def test_ray_ranks_left_different_fail_the_replica(monkeypatch):
     actor, failures = _actor(FakeRank("r0", calls), FakeRank("r1", calls, error="out of memory"), monkeypatch)
     reply = actor._memory_all_ranks(sleep_control(True, 1))
     assert reply.error == "TP rank 1: out of memory" and len(failures) == 1 and "some TP ranks" in failures[0]
+
+
+def test_ray_client_refuses_requests_at_once_while_asleep():
+    """Through Ray's client a request while asleep is refused at validate (EngineAsleepError, the gateway's
+    503), not sent to a target that would end it with an error (a 500); after wake_up it passes again."""
+    import asyncio
+
+    from fake_ray_actors import FakeScheduler, actor_method, fake_client
+
+    from runtime.admin_messages import EngineAsleepError
+    from runtime.messages import GenerateRequest
+    from runtime.sampling.params import SamplingParams
+
+    class SleepyScheduler(FakeScheduler):
+        tags: list[str] = []
+
+        @actor_method
+        async def memory_sleep(self, ctl: SleepControl) -> AdminReply:
+            self.tags = list(ctl.tags) if ctl.sleep else []
+            return AdminReply(sleeping_tags=self.tags)
+
+    client = fake_client(ServerArgs(dp_size=2, disable_request_link=True), [SleepyScheduler(), SleepyScheduler()],
+                         SleepyScheduler)
+    req = GenerateRequest(rid="a", input_ids=[1, 2], sampling_params=SamplingParams(max_new_tokens=4))
+    try:
+        assert client.validate(req).rid == "a"
+        assert asyncio.run(client.memory_sleep(sleep_control(True, 1, None))).sleeping_tags == ["kv_cache", "weights"]
+        with pytest.raises(EngineAsleepError, match="asleep"):
+            client.validate(req)
+        asyncio.run(client.memory_sleep(sleep_control(False, 1, None)))
+        assert client.validate(req).rid == "a"
+    finally:
+        client.shutdown()
