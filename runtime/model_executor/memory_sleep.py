@@ -6,8 +6,9 @@ own storages: each storage (found once however many tensors alias it: tied weigh
 is resized to 0 bytes and later back to its size. Every Parameter, buffer and pool tensor stays the same
 Python object with its dtype, shape and aliases, so nothing that holds one (tied heads, MoE scale views,
 the FP8 KV pool's scales and rotation) needs to be rebuilt; only the addresses change, so the CUDA graphs
-(which captured them) are dropped first and captured again once everything is back. Not released: LoRA's
-slot buffers (module.lora, outside the walk), the request table and attention workspaces.
+(which captured them) are dropped first and captured again once everything is back. LoRA's slot buffers
+(each projection's LoraDelta) go with the weights, kept on the host at both levels (the adapters in the slots
+stay loaded). Not released: the request table and attention workspaces.
 
 Tags (SGLang's names): "weights" — level 1 copies every weight storage to host memory (pinned on CUDA) and
 restores it bit for bit; level 2 discards the parameters (zeros after wake_up: the caller loads new ones,
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 from runtime.admin_messages import CUDA_GRAPH, KV_CACHE, SLEEP_TAGS, WEIGHTS, AdminReply, SleepControl
+from runtime.lora.lora_layer import LoraDelta
 from runtime.models.parallel_context import ParallelContext
 
 if TYPE_CHECKING:
@@ -233,6 +235,9 @@ def _loose(v: object, deep: bool = True) -> Iterator[torch.Tensor]:
     elif isinstance(v, (list, tuple)):
         for x in v:
             yield from _loose(x, False)
+    elif isinstance(v, LoraDelta):  # a projection's adapter slots (module.lora)
+        yield v.a
+        yield v.b
     elif deep and is_dataclass(v) and not isinstance(v, (type, ParallelContext)):  # never the collectives' buffers
         for f in fields(v):
             yield from _loose(getattr(v, f.name), False)

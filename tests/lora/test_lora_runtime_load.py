@@ -229,3 +229,19 @@ def test_registry_keeps_an_unloaded_id_until_its_last_request():
     assert "b" not in reg and reg.slots.take_drops() == [again.lora_id + 1]
     with pytest.raises(InvalidRequestError, match="--enable-lora"):
         LoraRegistry(ServerArgs()).load("a", "/p/a", loads.append)
+
+
+def test_sleep_releases_the_adapter_slots_and_wake_up_serves_them(engine, adapters, expected):
+    """Sleep mode takes LoRA's slot buffers with the weights (host copies, at level 1) and wake_up puts them
+    back: a loaded adapter serves HF's merged outputs again without being loaded anew."""
+    from runtime.lora.lora_layer import LoraDelta
+
+    engine.load_lora_adapter("sleepy", str(adapters["one"]))
+    assert _gen(engine, "sleepy") == expected["one"]
+    deltas = [m.lora for m in engine.worker.runner.model.modules() if isinstance(getattr(m, "lora", None), LoraDelta)]
+    assert deltas
+    engine.sleep()
+    assert all(t.untyped_storage().nbytes() == 0 for d in deltas for t in (d.a, d.b))
+    engine.wake_up()
+    assert _gen(engine, "sleepy") == expected["one"] and _gen(engine, "start") == expected["start"]
+    engine.unload_lora_adapter("sleepy")
