@@ -7,8 +7,10 @@ whole final parse at once and drops the events. So an item's id, order and text 
 are the ones its stream events named, which the openai SDK's stream accumulator checks.
 
 One item is open at a time, as OpenAI streams them: reasoning closes when the answer or a call begins,
-the message when a call begins, a call when the next one begins (its arguments are whole by then: a
-tool parser completes a call before it names the next). Every event takes the next sequence_number.
+the message when a call begins, a call when the next one or text after it begins (its arguments are whole
+by then: a tool parser settles a call before it names the next or reads text past it; a call it streamed
+but that never settled stays as far as it went, a stream taking back nothing). Every event takes the
+next sequence_number.
 
 Logprobs (include message.output_text.logprobs) go with the message's text: each text delta carries
 those of the tokens the caller gave it, and the item keeps them all for its done event and its part."""
@@ -22,7 +24,7 @@ from typing import Any
 from msgspec import UNSET
 
 from runtime.gateway.chat_output import ChatDelta
-from runtime.gateway.protocol import ChatTokenLogprob
+from runtime.gateway.protocol import ChatTokenLogprob, DeltaToolCall
 from runtime.gateway.responses_protocol import (
     ArgumentsDeltaEvent,
     ArgumentsDoneEvent,
@@ -98,20 +100,29 @@ class ResponseItems:
             item.text += d.reasoning
             events.append(ReasoningDeltaEvent(sequence_number=self.next_seq(), item_id=item.id,
                                               output_index=item.output_index, content_index=0, delta=d.reasoning))
+        # One delta may hold the open call's last pieces and the text after the call: the pieces land
+        # first, as the text that follows closes the call (its done event carries its whole arguments).
+        rest = d.tool_calls
+        if (call := self._open) is not None and call.kind == "function_call":
+            rest = [tc for tc in d.tool_calls if tc.id is not UNSET or self._calls.get(tc.index) is not call]
+            for tc in d.tool_calls:
+                if tc.id is UNSET and self._calls.get(tc.index) is call:
+                    self._arguments(call, tc, events)
         if d.content:
             events += self.text_delta(d.content, logprobs or [])
-        for tc in d.tool_calls:
+        for tc in rest:
             if tc.id is not UNSET:  # a new call: its id and name come first, with empty arguments
                 self._close(events)
-                item = self._add("function_call", events, call_id=tc.id, name=tc.function.name)
-                self._calls[tc.index] = item
-            item = self._calls[tc.index]
-            piece = tc.function.arguments if tc.function is not UNSET else ""
-            if piece:
-                item.text += piece
-                events.append(ArgumentsDeltaEvent(sequence_number=self.next_seq(), item_id=item.id,
-                                                  output_index=item.output_index, delta=piece))
+                self._calls[tc.index] = self._add("function_call", events, call_id=tc.id, name=tc.function.name)
+            self._arguments(self._calls[tc.index], tc, events)
         return events
+
+    def _arguments(self, item: _Item, tc: DeltaToolCall, events: list[Any]) -> None:
+        piece = tc.function.arguments if tc.function is not UNSET else ""
+        if piece:
+            item.text += piece
+            events.append(ArgumentsDeltaEvent(sequence_number=self.next_seq(), item_id=item.id,
+                                              output_index=item.output_index, delta=piece))
 
     def text_delta(self, text: str, logprobs: list[ChatTokenLogprob]) -> list[Any]:
         """A text delta of the message (opened if need be). Empty text with logprobs: tokens that showed

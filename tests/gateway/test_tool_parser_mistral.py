@@ -11,7 +11,7 @@ import re
 
 import openai
 import pytest
-from test_tool_parser_qwen3_coder import check_stream, random_fragments, streamed_chat
+from test_tool_parser_qwen3_coder import check_stream, random_fragments, stream_check, streamed_chat
 
 from runtime import ServerArgs
 from runtime.gateway.chat_output import ChatOutput
@@ -25,7 +25,7 @@ WJ, AJ = json.dumps(W), json.dumps(A)
 
 
 def parsed(text: str, tools=TOOLS) -> tuple[str, list[tuple[str, dict]]]:
-    out = check_stream(lambda: ChatOutput(None, create_tool_parser("mistral", tools)), text)
+    out = check_stream(lambda: ChatOutput(None, create_tool_parser("mistral", tools)), text, raw_args=True)
     return out.content, [(c.function.name, json.loads(c.function.arguments)) for c in out.tool_calls()]
 
 
@@ -45,6 +45,16 @@ def test_calls(text, content, calls):
     assert parsed(text) == (content, calls)
 
 
+# The not-calls of test_not_calls_are_content that stream a call as far as it went (a number may grow, a
+# JSON error stops it) before the finished message finds it is content.
+STREAMED = {'[TOOL_CALLS]add[ARGS]{"a": tru}': [("add", '{"a": ')], '[TOOL_CALLS]add[ARGS]{"a": 1': [("add", '{"a": ')],
+            'add{"a": 1': [("add", '{"a": ')]}
+
+
+def stream_of(text: str) -> tuple[ChatOutput, list[tuple[str, str]]]:
+    return stream_check(lambda: ChatOutput(None, create_tool_parser("mistral", TOOLS)), text, raw_args=True)
+
+
 @pytest.mark.parametrize("text", [
     "[TOOL_CALLS]get weather[ARGS]{}", '[TOOL_CALLS]add[ARGS]{"a": tru}', "[TOOL_CALLS]add[ARGS][1, 2]",
     "[TOOL_CALLS]add[ARGS]", '[TOOL_CALLS]add[ARGS]{"a": 1', "[TOOL_CALLS]add[CALL_ID]x1", "[TOOL_CALLS]",
@@ -52,13 +62,18 @@ def test_calls(text, content, calls):
     "get_weather is the tool I would use", "[1, 2] is a list", 'add{"a": 1',
 ])
 def test_not_calls_are_content(text):
-    assert parsed(text) == (text, [])
+    out, unsettled = stream_of(text)
+    assert (out.content, out.tool_calls()) == (text, [])
+    assert unsettled == STREAMED.get(text, [])
 
 
 def test_a_call_after_settled_ones_may_fail_alone():
     good = f"[TOOL_CALLS]add[ARGS]{AJ}"
-    assert parsed(good + "[TOOL_CALLS]add[ARGS]{oops}") == ("[TOOL_CALLS]add[ARGS]{oops}", [("add", A)])
-    assert parsed(good + '[TOOL_CALLS]add[ARGS]{"a": ') == ('[TOOL_CALLS]add[ARGS]{"a": ', [("add", A)])
+    for bad, streamed in [("[TOOL_CALLS]add[ARGS]{oops}", "{"), ('[TOOL_CALLS]add[ARGS]{"a": ', '{"a": ')]:
+        out, unsettled = stream_of(good + bad)
+        assert out.content == bad and [(c.function.name, json.loads(c.function.arguments))
+                                       for c in out.tool_calls()] == [("add", A)]
+        assert unsettled == [("add", streamed)]
 
 
 def test_call_ids_fit_mistral_templates():

@@ -1,7 +1,7 @@
 """--tool-call-parser qwen3_coder: Qwen3-Coder's XML-style calls on fixed text — content before, between and
 after, parameter text typed by the request's tool schemas (as vLLM converts it), values holding literal
 tags, a missing </parameter>, malformed or unfinished calls as content — each parsed whole and streamed
-char by char and in random pieces alike (check_stream; the other new formats' tests share it,
+char by char and in random pieces alike (check_stream, stream_check; the other formats' tests share them,
 random_fragments and streamed_chat); and one request through the gateway, where the tools reach the parser."""
 
 from __future__ import annotations
@@ -34,10 +34,15 @@ def call(name: str, **params: str) -> str:
     return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
 
 
-def check_stream(factory: Callable[[], ChatOutput], text: str) -> ChatOutput:
+def stream_check(factory: Callable[[], ChatOutput], text: str, raw_args: bool = False
+                 ) -> tuple[ChatOutput, list[tuple[str, str]]]:
     """Parses text whole, then feeds it char by char and in random pieces: at every step what went out as
     content is a prefix of the whole answer's content (no partial tag leaks), and the deltas add up to the
-    same reasoning, content and calls (each call's name first, once). Returns the whole parse."""
+    same reasoning and content; each call's id, type and name come first, once, its arguments after. The
+    streamed calls whose id the finished message keeps are its calls, in order, arguments exact. One that
+    went out but never settled (cut off, malformed) is content in the whole answer: its name is in that
+    content, and so are its streamed arguments where they are the model's own text (raw_args: the JSON
+    formats). Returns the whole parse and the char-by-char stream's unsettled calls (name, arguments)."""
     whole = factory()
     whole.update(text, final=True)
     want = [(c.function.name, c.function.arguments) for c in whole.tool_calls()]
@@ -49,26 +54,39 @@ def check_stream(factory: Callable[[], ChatOutput], text: str) -> ChatOutput:
             cut = min(len(text), cut + rng.randint(1, 6))
             cuts.append(cut)
         splits.append(cuts)
+    unsettled: list[list[tuple[str, str]]] = []
     for cuts in splits:
         out, content, reasoning, calls = factory(), "", "", {}
         for cut, final in [(c, False) for c in cuts] + [(len(text), True)]:
             d = out.update(text[:cut], final=final)
             content, reasoning = content + d.content, reasoning + d.reasoning
             assert whole.content.startswith(content) and whole.reasoning.startswith(reasoning), text[:cut]
+            assert len({tc.index for tc in d.tool_calls}) == len(d.tool_calls), "an index once a chunk"
             for tc in d.tool_calls:
-                name, args = calls.get(tc.index, (None, ""))
-                if tc.function.name:
-                    assert name is None and args == "", "the name comes first, once"
-                    name = tc.function.name
-                calls[tc.index] = (name, args + (tc.function.arguments or ""))
+                if tc.index not in calls:  # its name once, first, with its arguments so far
+                    assert tc.index == len(calls) and tc.id and tc.type == "function" and tc.function.name
+                    calls[tc.index] = [tc.id, tc.function.name, tc.function.arguments]
+                else:
+                    assert not tc.id and not tc.function.name and tc.function.arguments
+                    calls[tc.index][2] += tc.function.arguments
         assert (content, reasoning) == (whole.content, whole.reasoning)
-        assert [calls[i] for i in sorted(calls)] == want
-    return whole
+        ids = [c.id for c in out.tool_calls()]
+        assert [(n, a) for i, n, a in calls.values() if i in ids] == want
+        unsettled.append([(n, a) for i, n, a in calls.values() if i not in ids])
+        for name, args in unsettled[-1]:
+            assert name in whole.content and (not raw_args or args in whole.content), (name, args)
+    return whole, unsettled[0]
+
+
+def check_stream(factory: Callable[[], ChatOutput], text: str, raw_args: bool = False) -> ChatOutput:
+    """stream_check's whole parse."""
+    return stream_check(factory, text, raw_args)[0]
 
 
 def random_fragments(fmt: str, pieces: list[str], tools=TOOLS, n: int = 400) -> None:
     """Texts strung at random from the format's pieces (markers, names, brackets): parse never raises on
-    any prefix, and every text streams alike (check_stream)."""
+    any prefix, and every text streams alike (check_stream; the JSON formats' arguments are the model's
+    text, qwen3_coder's and pythonic's are built)."""
     rng = random.Random(fmt)
     for _ in range(n):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 16)))
@@ -76,7 +94,8 @@ def random_fragments(fmt: str, pieces: list[str], tools=TOOLS, n: int = 400) -> 
         for k in range(len(text)):
             parser.parse(text[:k], False)
         parser.parse(text, True)
-        check_stream(lambda: ChatOutput(None, create_tool_parser(fmt, tools)), text)
+        check_stream(lambda: ChatOutput(None, create_tool_parser(fmt, tools)), text,
+                     raw_args=fmt in ("hermes", "llama3_json", "mistral"))
 
 
 def streamed_chat(client: openai.OpenAI, **kw: Any) -> tuple[str, str, dict[int, list[str]]]:
@@ -142,15 +161,20 @@ def test_param_text_conversion(value, schema, want):
     assert json.loads(json.dumps(convert(value, schema))) == want
 
 
-@pytest.mark.parametrize("text", [
-    "Plain text, a < b and <tool", "<tool_call>\nnot a call\n</tool_call> ok",
-    "<tool_call>\n<function=get weather>\n</function>\n</tool_call>", "Use <function={{ tc.name }}> here",
-    "<tool_call>\n<function=search>\ngarbage\n</function>\n</tool_call>",
-    "Sure.\n<tool_call>\n<function=search>\n<parameter=query>\ncut off", "<tool_call>\n<function=sea",
-    call("search", query="x")[:-len("</function>\n</tool_call>")],  # ends after </parameter>
+@pytest.mark.parametrize("text, streamed", [
+    ("Plain text, a < b and <tool", []), ("<tool_call>\nnot a call\n</tool_call> ok", []),
+    ("<tool_call>\n<function=get weather>\n</function>\n</tool_call>", []), ("Use <function={{ tc.name }}> here", []),
+    ("<tool_call>\n<function=search>\ngarbage\n</function>\n</tool_call>", []),
+    ("Sure.\n<tool_call>\n<function=search>\n<parameter=query>\ncut off", [("search", '{"query": "cut off')]),
+    ("<tool_call>\n<function=sea", []),
+    (call("search", query="x")[:-len("</function>\n</tool_call>")], [("search", '{"query": "x')]),  # after </parameter>
 ])
-def test_malformed_or_unfinished_is_content(text):
-    assert parsed(text) == (text, [])
+def test_malformed_or_unfinished_is_content(text, streamed):
+    """The finished message has the text as content and no call; the stream sent a call only once a
+    parameter began (a body that is not parameters is content), and only its value as far as it is sure."""
+    out, unsettled = stream_check(lambda: ChatOutput(None, create_tool_parser("qwen3_coder", TOOLS)), text)
+    assert (out.content, out.tool_calls()) == (text, [])
+    assert unsettled == streamed
 
 
 def test_random_fragments():

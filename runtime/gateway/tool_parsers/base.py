@@ -1,7 +1,7 @@
 """ToolParser: a model's own tool-call format (tool_choice "auto") read out of its text — the content
 around the calls and each call's name and raw arguments. parse() takes the whole text so far and is
-monotone: what it returns as content or arguments for a prefix stays a prefix of what it returns once
-more text came (a tail that may still become a call marker is held back until it is decided), so a
+monotone: what it returns as content, or as a call's arguments (up to CallSpan.stable) for a prefix stays a
+prefix of what it returns once more text came (a tail that may still become a call marker is held back until it is decided), so a
 stream can send differences and the pieces concatenate to the finished answer. One class per format,
 registered by name for --tool-call-parser."""
 
@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.gateway.tool_parsers.json_scan import CallSpan
+from runtime.gateway.tool_parsers.json_scan import CallSpan, ValueScans
 
 
 @dataclass(slots=True)
@@ -35,9 +35,13 @@ class ParsedOutput:
 
 
 class ToolParser(ABC):
-    # Whether a call's name and arguments may stream before the call settles. Only where a grammar Shoal
-    # built shapes the output (tool_choice "required" or named): a model's own format may end with a call
-    # it never finished, which is then content, so nothing of a call goes out before it is complete.
+    # Whether a call's name and arguments stream before the call settles: its name once whole, then its
+    # arguments as they grow (CallSpan.stable: only what no later text changes), as vLLM and SGLang stream
+    # them. Where a grammar Shoal built shapes the output (tool_choice "required" or named) the call always
+    # settles. In a model's own format it may not (the output ends inside it, or its JSON breaks): the
+    # finished answer then has its raw text as content, and a stream, which cannot take back what it sent,
+    # keeps the call as far as it went and sends that raw text as content too. A format whose arguments
+    # are not the model's text and cannot be built piecewise (pythonic) sends each call whole once settled.
     streams_partial_calls = False
 
     def __init__(self, tools: Sequence[dict[str, Any]] | None = None):
@@ -45,6 +49,9 @@ class ToolParser(ABC):
         (qwen3_coder types its parameter text by them) or names (a Mistral call whose markers the
         detokenizer dropped)."""
         self.tools: tuple[dict[str, Any], ...] = tuple(tools or ())
+        # The JSON values this output's text holds, scanned so far: parse() reads the whole text on every
+        # update of a stream, and a format that scans JSON (scan_call) goes on from where the last one stopped.
+        self.scans = ValueScans()
 
     def tool_names(self) -> list[str]:
         return [n for t in self.tools if isinstance(n := (t.get("function") or {}).get("name"), str)]

@@ -13,6 +13,8 @@ _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
 @register_tool_parser("hermes")
 class HermesToolParser(ToolParser):
+    streams_partial_calls = True
+
     def parse(self, text: str, final: bool) -> ParsedOutput:
         out = ParsedOutput("")
         pos = 0
@@ -27,7 +29,7 @@ class HermesToolParser(ToolParser):
             if j >= len(text):
                 return out.unfinished(text[start:], 0, final)
             try:
-                call, end = scan_call(text, j)
+                call, end = scan_call(text, j, scans=self.scans)
             except ValueError:  # not a call after all: the marker and what follows are content
                 out.content += text[start:j]
                 pos = j

@@ -10,14 +10,12 @@ markers). A call the output ends inside, or one whose arguments do not parse, is
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 import string
 
 from runtime.gateway.tool_parsers.base import ParsedOutput, ToolParser, register_tool_parser
-from runtime.gateway.tool_parsers.call_list import CallListParser
-from runtime.gateway.tool_parsers.json_scan import CallSpan, held_prefix, skip_ws, value_end
+from runtime.gateway.tool_parsers.json_scan import CallSpan, ValueScans, held_prefix, scan_call_list, skip_ws
 
 _MARKER, _ARGS, _CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _BARE_LIST = re.compile(r'\[\s*\{\s*"name"')
@@ -30,6 +28,8 @@ _ALNUM = string.ascii_letters + string.digits
 
 @register_tool_parser("mistral")
 class MistralToolParser(ToolParser):
+    streams_partial_calls = True
+
     def new_call_id(self) -> str:
         # Mistral's chat templates refuse a history whose tool call ids are not 9 letters or digits (vLLM's
         # MistralToolCall makes them so): an OpenAI-shaped id would break the conversation's next turn.
@@ -94,12 +94,12 @@ class MistralToolParser(ToolParser):
         """Reads the calls at text[j] into out (their raw text starts at region); the index after them, or
         None when the text ends inside them (out then took ParsedOutput.unfinished). ValueError: no calls."""
         if text[j] == "[":
-            calls, end = CallListParser.scan(text, j)
+            calls, end = scan_call_list(text, j, self.scans)
             out.calls += calls
             if end is None:
                 out.unfinished(text[region:], len(calls), final)
             return end
-        call, end = _compact_call(text, j, final)
+        call, end = _compact_call(text, j, final, self.scans)
         if call is not None:
             out.calls.append(call)
         if end is None:
@@ -107,7 +107,7 @@ class MistralToolParser(ToolParser):
         return end
 
 
-def _compact_call(text: str, j: int, final: bool) -> tuple[CallSpan | None, int | None]:
+def _compact_call(text: str, j: int, final: bool, scans: ValueScans) -> tuple[CallSpan | None, int | None]:
     """The v11 call NAME([CALL_ID]ID)?([ARGS])?{...} at text[j] (its span, with arguments as far as they
     go, None before they start) and the index after it (None while incomplete). ValueError: no call."""
     m = _NAME.match(text, j)
@@ -129,9 +129,10 @@ def _compact_call(text: str, j: int, final: bool) -> tuple[CallSpan | None, int 
         return None, None
     if text[k] != "{":
         raise ValueError(f"expected the arguments object at {k}")
-    end = value_end(text, k)
+    scan = scans.at(text, k)
+    end = scan.end
     if end is None:
-        return CallSpan(name, text[k:], False), None
-    if not isinstance(json.loads(text[k:end]), dict):  # a JSONDecodeError is a ValueError too
+        return CallSpan(name, text[k:], False, j, scan.stable(text) - k), None
+    if not isinstance(scan.value(text), dict):  # a JSONDecodeError is a ValueError too
         raise ValueError("a call's arguments must be an object")
-    return CallSpan(name, text[k:end], True), end
+    return CallSpan(name, text[k:end], True, j), end

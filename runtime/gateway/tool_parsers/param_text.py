@@ -35,6 +35,15 @@ def schema_type(schema: Any) -> tuple[str, bool]:
     return primary, nullable
 
 
+def is_plain_text(schema: Any) -> bool:
+    """Whether convert keeps any text of this parameter as is (a string type that is not nullable, or no
+    schema): its value may then stream as it is written, before it ends."""
+    if schema is None:
+        return True
+    kind, nullable = schema_type(schema)
+    return kind in _STRING_TYPES and not nullable
+
+
 def convert(text: str, schema: Any) -> Any:
     """The JSON value of a parameter's text under its schema (None schema: not declared, so a string)."""
     if schema is None:

@@ -11,6 +11,8 @@ call too (vLLM's fallback)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from typing import Any
 
 from runtime.gateway.tool_parsers import param_text
 from runtime.gateway.tool_parsers.base import ParsedOutput, ToolParser, register_tool_parser
@@ -23,7 +25,12 @@ _BAD_NAME_CHARS = frozenset("{}<>\"' \t\r\n")
 
 
 class _Pending(Exception):
-    """The text ends before the call does: wait for more (or, once none comes, it is content)."""
+    """The text ends before the call does: wait for more (or, once none comes, it is content). at: where
+    the text stops being certain inside a parameter value (what is before it is the value's), else -1."""
+
+    def __init__(self, at: int):
+        super().__init__(at)
+        self.at = at
 
 
 class _NotACall(Exception):
@@ -33,6 +40,8 @@ class _NotACall(Exception):
 @register_tool_parser("qwen3_xml")  # vLLM's other parser of the same format
 @register_tool_parser("qwen3_coder")
 class Qwen3CoderToolParser(ToolParser):
+    streams_partial_calls = True
+
     def parse(self, text: str, final: bool) -> ParsedOutput:
         out = ParsedOutput("")
         pos = 0
@@ -47,7 +56,7 @@ class Qwen3CoderToolParser(ToolParser):
             try:
                 if not text.startswith(_FUNC, j):
                     if j >= len(text) or (not final and _may_become(text, j, (_FUNC,))):
-                        raise _Pending
+                        raise _Pending(-1)
                     raise _NotACall
                 call, end = self._function(text, j, final)
             except _Pending:
@@ -56,7 +65,10 @@ class Qwen3CoderToolParser(ToolParser):
                 pos = j if j > start else start + 1
                 out.content += text[start:pos]
                 continue
-            out.calls.append(call)
+            if call is not None:
+                out.calls.append(call)
+            if end is None:
+                return out.unfinished(text[start:], int(call is not None), final)
             k = skip_ws(text, end)
             if text.startswith(_CLOSE, k):
                 pos = k + len(_CLOSE)
@@ -65,32 +77,80 @@ class Qwen3CoderToolParser(ToolParser):
             else:
                 pos = k  # no </tool_call> (a bare <function=...>, or the model forgot it): what follows is content
 
-    def _function(self, text: str, j: int, final: bool) -> tuple[CallSpan, int]:
-        """The call <function=NAME>...</function> at text[j]: its span and the index after </function>."""
+    def __init__(self, tools: Sequence[dict[str, Any]] | None = None):
+        super().__init__(tools)
+        # Each finished parameter's '"P": V' by (function, parameter, where its value starts), with the value
+        # text it encodes: a stream parses the whole text on every update, and typing a long value
+        # (json.loads, ast.literal_eval) on each would cost the whole text per update.
+        self._fragments: dict[tuple[str, str, int], tuple[str, str]] = {}
+
+    def _function(self, text: str, j: int, final: bool) -> tuple[CallSpan | None, int | None]:
+        """The call <function=NAME>...</function> at text[j]: its span and the index after </function>. While
+        the text ends inside it: (None, None) before its name and first parameter's are whole, else the call
+        unsettled, its arguments what of them may go out already (_stable_arguments)."""
         name, i = _tag_name(text, j + len(_FUNC))
         schemas = self.tool_properties(name)
-        raw: dict[str, str] = {}
-        while True:
-            i = skip_ws(text, i)
-            if text.startswith(_FUNC_END, i):
-                i += len(_FUNC_END)
-                break
-            if text.startswith(_CLOSE, i):  # </function> left out: </tool_call> ends the call too
-                break
-            if not text.startswith(_PARAM, i):
-                if i >= len(text) or (not final and _may_become(text, i, (_FUNC_END, _PARAM, _CLOSE))):
-                    raise _Pending
-                raise _NotACall
-            pname, v = _tag_name(text, i + len(_PARAM))
-            if v >= len(text):
-                raise _Pending
-            if text[v] == "\n":
-                v += 1
-            end, i = _value_end(text, v, final, set(schemas) - set(raw) - {pname})
-            value = text[v:end]
-            raw[pname] = value[:-1] if value.endswith("\n") else value
-        args = {p: param_text.convert(value, schemas.get(p)) for p, value in raw.items()}
-        return CallSpan(name, json.dumps(args, ensure_ascii=False), True), i
+        # Each parameter read, as its JSON fragment. One given twice keeps its first value, so what a stream
+        # sent of it stands (vLLM's dict keeps the last: only a repeated parameter reads differently).
+        done: dict[str, str] = {}
+        pname, v = None, -1  # the parameter being read, and where its value starts
+        try:
+            while True:
+                pname = None
+                i = skip_ws(text, i)
+                if text.startswith(_FUNC_END, i):
+                    i += len(_FUNC_END)
+                    break
+                if text.startswith(_CLOSE, i):  # </function> left out: </tool_call> ends the call too
+                    break
+                if not text.startswith(_PARAM, i):
+                    if i >= len(text) or (not final and _may_become(text, i, (_FUNC_END, _PARAM, _CLOSE))):
+                        raise _Pending(-1)
+                    raise _NotACall
+                pname, v = _tag_name(text, i + len(_PARAM))
+                if v >= len(text):
+                    raise _Pending(v)
+                if text[v] == "\n":
+                    v += 1
+                end, i = _value_end(text, v, final, set(schemas) - set(done) - {pname})
+                if pname not in done:
+                    done[pname] = self._fragment(name, pname, v, _trim(text[v:end]), schemas.get(pname))
+        except _Pending as p:
+            if p.at < 0 or pname is None:
+                if not done:
+                    return None, None  # the name waits for a first <parameter=P>: "<function=x> prose" is no call
+                pname, v = None, p.at
+            partial = _stable_arguments(done, schemas, pname, text[v:max(p.at, v)] if pname else "")
+            return CallSpan(name, partial, False, j), None
+        return CallSpan(name, "{" + ", ".join(done.values()) + "}", True, j), i  # json.dumps of the typed values
+
+    def _fragment(self, name: str, pname: str, v: int, value: str, schema: Any) -> str:
+        """'"P": V' of the finished parameter pname whose text value starts at text[v], typed by its schema
+        once (again only if that text changed: a text that does not just grow)."""
+        key = (name, pname, v)
+        hit = self._fragments.get(key)
+        if hit is None or hit[0] != value:
+            typed = json.dumps(param_text.convert(value, schema), ensure_ascii=False)
+            hit = self._fragments[key] = (value, f"{json.dumps(pname, ensure_ascii=False)}: {typed}")
+        return hit[1]
+
+
+def _trim(value: str) -> str:
+    """A parameter's text less the newline before its end tag."""
+    return value[:-1] if value.endswith("\n") else value
+
+
+def _stable_arguments(done: dict[str, str], schemas: dict, pname: str | None, value: str) -> str:
+    """The start of the call's arguments (json.dumps of the typed parameters: '{"P": V, ...}') that no later
+    text changes: the parameters read so far (done: their fragments); then the one being read (pname, its
+    text so far) as its key and, for a parameter whose value is its text as is, that text as an open JSON
+    string, less a last newline (the value's end drops it). A parameter given again adds nothing."""
+    parts = list(done.values())
+    if pname is not None and pname not in done:
+        parts.append(f"{json.dumps(pname, ensure_ascii=False)}: ")
+        if param_text.is_plain_text(schemas.get(pname)):
+            parts[-1] += json.dumps(_trim(value), ensure_ascii=False)[:-1]
+    return "{" + ", ".join(parts)
 
 
 def _next_marker(text: str, pos: int) -> int:
@@ -111,7 +171,7 @@ def _tag_name(text: str, i: int) -> tuple[str, int]:
     if any(c in _BAD_NAME_CHARS for c in name):
         raise _NotACall  # not an identifier (an unrendered template, prose): not the format
     if end < 0:
-        raise _Pending
+        raise _Pending(-1)
     if not name:
         raise _NotACall
     return name, end + 1
@@ -127,27 +187,27 @@ def _value_end(text: str, v: int, final: bool, unseen: set[str]) -> tuple[int, i
     while True:
         c = text.find("<", i)
         if c < 0:
-            raise _Pending
+            raise _Pending(len(text))
         if text.startswith(_PARAM_END, c):
             a = skip_ws(text, c + len(_PARAM_END))
             if text.startswith((_PARAM, _FUNC_END, _CLOSE), a):
                 return c, a
             if a >= len(text) or (not final and _may_become(text, a, (_PARAM, _FUNC_END, _CLOSE))):
-                raise _Pending
+                raise _Pending(c)
         elif text.startswith(_FUNC_END, c):
             a = skip_ws(text, c + len(_FUNC_END))
             if text.startswith(_CLOSE, a) or (final and a >= len(text)):
                 return c, c
             if a >= len(text) or (not final and _may_become(text, a, (_CLOSE,))):
-                raise _Pending
+                raise _Pending(c)
         elif text.startswith(_PARAM, c) and c > v and text[c - 1] == "\n" and unseen:
             end = text.find(">", c + len(_PARAM))
             if end < 0:
                 if not final:
-                    raise _Pending
+                    raise _Pending(c)
             elif text[c + len(_PARAM):end] in unseen:
                 return c, c
         elif not final and _may_become(text, c, (_PARAM_END, _FUNC_END, _PARAM)):
-            raise _Pending  # the text ends inside what may become one of them
+            raise _Pending(c)  # the text ends inside what may become one of them
         i = c + 1
 
