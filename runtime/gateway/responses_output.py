@@ -111,7 +111,7 @@ class ResponseItems:
         if d.content:
             events += self.text_delta(d.content, logprobs or [])
         for tc in rest:
-            if tc.id is not UNSET:  # a new call: its id and name come first, with empty arguments
+            if tc.id is not UNSET:  # a new call: its id and name open its item; the entry may carry a first piece
                 self._close(events)
                 self._calls[tc.index] = self._add("function_call", events, call_id=tc.id, name=tc.function.name)
             self._arguments(self._calls[tc.index], tc, events)

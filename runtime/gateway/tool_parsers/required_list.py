@@ -15,5 +15,5 @@ class RequiredListParser(ToolParser):
         j = skip_ws(text, 0)
         if j >= len(text):
             return ParsedOutput("")
-        calls, _ = CallListParser.scan(text, j)
+        calls, _ = CallListParser.scan(text, j, self.scans)
         return ParsedOutput("", calls)
