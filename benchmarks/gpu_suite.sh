@@ -111,6 +111,8 @@
 #                                               # then bs-1 decode bf16 and FP8 with it off and on, and profiles
 #   bash benchmarks/gpu_suite.sh part66 OUTDIR  # MoE: Qwen3-30B-A3B-shaped dummy, batch-1 decode and 500 x 1000 x 1000
 #   bash benchmarks/gpu_suite.sh part67 OUTDIR  # the same with FP8 experts (--quantization fp8), after their GPU tests
+#   bash benchmarks/gpu_suite.sh part68 OUTDIR  # sleep mode: its GPU test (the second cycle's leak check), an 8B
+#                                               # sleep / wake_up cycle x3, FP8 MoE 500 x 1000 x 1000 after the one-launch quantize
 set -u
 part=$1 out=$2
 mkdir -p "$out"
@@ -697,4 +699,11 @@ if [ "$part" = part67 ]; then  # FP8 MoE (Qwen3-30B-A3B shape quantized at load)
     --batch1-decode --output-file "$out/moe_fp8_qwen3_30b_a3b_batch1.json"
   TAIL=4 run timeout 220 python -m benchmarks.bench_offline --model-config Qwen3-30B-A3B --quantization fp8 \
     --num-prompts 500 --input-len 1000 --output-len 1000 --output-file "$out/moe_fp8_qwen3_30b_a3b_500x1000x1000.json"
+fi
+if [ "$part" = part68 ]; then  # sleep mode on the GPU, then FP8 MoE throughput with the one-launch input quantize
+  TAIL=8 run timeout 200 python -m pytest -q -p no:cacheprovider -rf tests/gpu/test_gpu_sleep.py
+  TAIL=12 run timeout 200 python -m benchmarks.bench_sleep --model-config $M --repeats 3 \
+    --output-file "$out/sleep_llama8b.json"
+  TAIL=4 run timeout 220 python -m benchmarks.bench_offline --model-config Qwen3-30B-A3B --quantization fp8 \
+    --num-prompts 500 --input-len 1000 --output-len 1000 --output-file "$out/moe_fp8_fused_quant_500x1000x1000.json"
 fi
