@@ -2,7 +2,8 @@
 boundary when an operator flushes the prefix cache (SGLang's /flush_cache, vLLM's /reset_prefix_cache) or
 profiles the workers' steps (/start_profile, /stop_profile): the ProfileControl every TP rank applies at
 the same step boundary, the WeightUpdate every TP rank of every replica loads (SGLang's
-/update_weights_from_disk), the SleepControl every TP rank applies to give its device memory back or take it
+/update_weights_from_disk), the WeightSyncInit / DistributedWeights of a trainer's process group (SGLang's
+/init_weights_update_group, /update_weights_from_distributed), the SleepControl every TP rank applies to give its device memory back or take it
 again (vLLM's /sleep and /wake_up, SGLang's /release_memory_occupation and /resume_memory_occupation), and
 the AdminReply each replica answers with (no exception pickling)."""
 
@@ -23,6 +24,9 @@ PROFILE_DIR_ENV = "SHOAL_TORCH_PROFILER_DIR"
 PROFILE_ACTIVITIES = ("CPU", "CUDA")
 WEIGHTS, KV_CACHE, CUDA_GRAPH = "weights", "kv_cache", "cuda_graph"  # SGLang's memory tags (vLLM's wake_up tags)
 SLEEP_TAGS = (WEIGHTS, KV_CACHE)  # what is released; CUDA graphs go with either (memory_sleep.py)
+SYNC_GROUP, SYNC_BACKENDS = "weight_update_group", ("gloo", "nccl")  # SGLang's default group name; backends
+SYNC_DTYPES = ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2", "int8", "uint8", "int16",
+               "int32", "int64", "bool")  # what a trainer's broadcast may carry (torch's names)
 
 
 class EngineAsleepError(EngineUnavailableError):
@@ -59,6 +63,83 @@ class WeightUpdate(msgspec.Struct, frozen=True, kw_only=True):
     abort_all_requests: bool = False  # abort every request first, instead of letting the running ones finish
     weight_version: str | None = None  # /get_model_info's weight_version from here on (None: "update-<n>")
     flush_cache: bool = True  # drop the cached prefixes (their KV came from the old weights)
+
+
+class WeightSyncInit(msgspec.Struct, frozen=True, kw_only=True):
+    """SGLang's InitWeightsUpdateGroupReqInput: join a trainer's process group (the trainer is rank 0; TP rank
+    r joins at rank_offset + r). runtime/model_executor/weight_sync_group.py says how."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = SYNC_GROUP
+    backend: str = "nccl"
+    timeout_s: float = 1800.0  # joining, and each broadcast (torch's default process-group timeout)
+
+
+class DistributedWeights(msgspec.Struct, frozen=True, kw_only=True):
+    """SGLang's UpdateWeightsFromDistributedReqInput: the trainer broadcasts these HF-named tensors from rank 0,
+    in this order, over group_name; every TP rank receives them and loads them as a tensor update."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = SYNC_GROUP
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None  # None or "direct" (SGLang's field)
+
+
+class WeightSyncLeave(msgspec.Struct, frozen=True, kw_only=True):
+    """SGLang's DestroyWeightsUpdateGroupReqInput."""
+
+    group_name: str = SYNC_GROUP
+
+
+def weight_sync_init(init: WeightSyncInit) -> WeightSyncInit:
+    """Checked (InvalidRequestError naming the field); the TP ranks' own bounds are checked where they join."""
+    if not init.group_name:
+        raise InvalidRequestError("group_name is empty", param="group_name")
+    if init.backend not in SYNC_BACKENDS:
+        raise InvalidRequestError(f"backend must be one of {', '.join(SYNC_BACKENDS)}, got {init.backend!r}",
+                                  param="backend")
+    if not init.master_address or not 0 < init.master_port < 65536:
+        raise InvalidRequestError(f"master_address:master_port {init.master_address!r}:{init.master_port} is not "
+                                  "an address to reach the trainer's rank 0 at", param="master_port")
+    if init.rank_offset < 1 or init.world_size <= init.rank_offset:  # rank 0 is the trainer's
+        raise InvalidRequestError(f"rank_offset must be at least 1 (rank 0 is the trainer) and below world_size, got "
+                                  f"rank_offset {init.rank_offset}, world_size {init.world_size}", param="rank_offset")
+    if not init.timeout_s > 0:
+        raise InvalidRequestError(f"timeout_s must be positive, got {init.timeout_s}", param="timeout_s")
+    return init
+
+
+def distributed_weights(update: DistributedWeights) -> DistributedWeights:
+    """Checked before anything is received (InvalidRequestError naming the field; the caller closes the group:
+    closed_group). Whether the names and shapes fit the model is checked after receiving all of it."""
+    if not len(update.names) == len(update.dtypes) == len(update.shapes):
+        raise InvalidRequestError(f"names, dtypes and shapes must be lists of the same length, got "
+                                  f"{len(update.names)}, {len(update.dtypes)}, {len(update.shapes)}", param="names")
+    if not update.names:
+        raise InvalidRequestError("names is empty: name the tensors the trainer broadcasts", param="names")
+    if update.load_format not in (None, "direct"):
+        raise InvalidRequestError(f"load_format {update.load_format!r} is not supported for tensors: omit it",
+                                  param="load_format")
+    for name, dtype, shape in zip(update.names, update.dtypes, update.shapes):
+        if dtype.removeprefix("torch.") not in SYNC_DTYPES:
+            raise InvalidRequestError(f"{name}: dtype {dtype!r} is not one of {', '.join(SYNC_DTYPES)}", param="dtypes")
+        if not isinstance(shape, list) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+            raise InvalidRequestError(f"{name}: shape {shape} is not a list of non-negative sizes", param="shapes")
+    return update
+
+
+def closed_group(e: InvalidRequestError, group_name: str) -> InvalidRequestError:
+    """Metadata no rank could receive by: the error, saying the group was closed (so the trainer's broadcast
+    fails instead of waiting for its timeout, and no later update reads its leftovers) and must be joined again."""
+    return InvalidRequestError(f"{e.message}; weight update group {group_name!r} was closed, as the broadcast "
+                               "that goes with it cannot be received: init_weights_update_group again", param=e.param)
 
 
 class SleepControl(msgspec.Struct, frozen=True, kw_only=True):

@@ -6,7 +6,9 @@ vLLM's names), and the EngineClient side the gateway's /flush_cache, /reset_pref
 Live weight updates, SGLang's Engine.update_weights_from_disk / update_weights_from_tensor (and the gateway's
 /update_weights_from_disk): SchedulerHost.update_weights holds new requests, lets the running ones finish
 (or aborts them), loads between two steps (runtime/model_executor/weight_updater.py), flushes the prefix
-cache. SGLang's return shapes: (success, message, num_paused_requests) and (success, message).
+cache. SGLang's return shapes: (success, message, num_paused_requests) and (success, message). The same
+for update_weights_from_distributed, whose tensors a trainer broadcasts over a process group joined with
+init_weights_update_group (SGLang's; runtime/model_executor/weight_sync_group.py).
 
 Sleep mode for RL trainers sharing the GPUs: vLLM's LLM.sleep(level) / wake_up(tags) and SGLang's
 Engine.release_memory_occupation(tags) / resume_memory_occupation(tags), and the EngineClient side of the
@@ -21,12 +23,18 @@ from collections.abc import Callable
 from typing import Any
 
 from runtime.admin_messages import (
+    SYNC_GROUP,
     AdminReply,
+    DistributedWeights,
     ProfileControl,
     SleepControl,
+    WeightSyncInit,
     WeightUpdate,
+    closed_group,
+    distributed_weights,
     profile_control,
     sleep_control,
+    weight_sync_init,
 )
 from runtime.errors import InvalidRequestError, ShoalError
 
@@ -79,6 +87,78 @@ class EngineAdmin:
         reply = self._update(lambda: self.worker.update_weights_from_tensor(list(named_tensors)),
                              abort_all_requests, flush_cache, weight_version)
         return reply.error is None, reply.error or reply.message
+
+    # ---- weights broadcast by a trainer (runtime/model_executor/weight_sync_group.py) -----------------
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = SYNC_GROUP, backend: str = "nccl",
+                                  timeout_s: float = 1800.0) -> tuple[bool, str]:
+        """SGLang's: joins the trainer's process group (the trainer is rank 0, this engine rank_offset) and
+        returns once every member has; the trainer calls its side at the same time. (success, message)."""
+        return _pair(self._join(WeightSyncInit(
+            master_address=str(master_address), master_port=int(master_port), rank_offset=int(rank_offset),
+            world_size=int(world_size), group_name=str(group_name), backend=str(backend), timeout_s=float(timeout_s))))
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[Any], shapes: list[list[int]],
+                                        group_name: str = SYNC_GROUP, flush_cache: bool = True,
+                                        abort_all_requests: bool = False, weight_version: str | None = None,
+                                        load_format: str | None = None) -> tuple[bool, str]:
+        """SGLang's: receives the tensors the trainer broadcasts from rank 0 (in this order) and loads them as
+        update_weights_from_tensor does (requests wait meanwhile; a name or shape that does not fit leaves the
+        old weights serving, the broadcast consumed). A request refused before receiving (lists of different
+        lengths, an unknown dtype) closes the group: the trainer's broadcast errors instead of hanging."""
+        update = DistributedWeights(
+            names=[str(n) for n in names], dtypes=[str(d).removeprefix("torch.") for d in dtypes],
+            shapes=[list(s) if isinstance(s, (list, tuple)) else s for s in shapes], group_name=str(group_name), flush_cache=bool(flush_cache),
+            abort_all_requests=bool(abort_all_requests), weight_version=weight_version, load_format=load_format)
+        return _pair(self._sync(update))
+
+    def destroy_weights_update_group(self, group_name: str = SYNC_GROUP) -> tuple[bool, str]:
+        return _pair(self.worker.destroy_weights_update_group(str(group_name)))
+
+    async def join_weight_sync(self, init: WeightSyncInit) -> AdminReply:
+        weight_sync_init(init)  # InvalidRequestError (a 400) before waiting for anyone
+        return await asyncio.to_thread(self.worker.init_weights_update_group, init)  # waits for the trainer
+
+    async def sync_weights(self, update: DistributedWeights) -> AdminReply:
+        return await asyncio.to_thread(self._sync_checked, update)
+
+    async def leave_weight_sync(self, group_name: str) -> AdminReply:
+        return await asyncio.to_thread(self.worker.destroy_weights_update_group, group_name)
+
+    def _join(self, init: WeightSyncInit) -> AdminReply:
+        try:
+            weight_sync_init(init)
+        except InvalidRequestError as e:
+            return AdminReply(error=e.message)
+        return self.worker.init_weights_update_group(init)
+
+    def _sync(self, update: DistributedWeights) -> AdminReply:
+        try:
+            return self._sync_checked(update)
+        except InvalidRequestError as e:
+            return AdminReply(error=e.message)
+
+    def _sync_checked(self, update: DistributedWeights) -> AdminReply:
+        try:
+            distributed_weights(update)
+        except InvalidRequestError as e:  # the stream's position is lost: a later update would read stale bytes
+            if self.worker.destroy_weights_update_group(update.group_name).error is None:
+                e = closed_group(e, update.group_name)
+            raise e from None
+        if self.worker.sync_groups.get(update.group_name) is None:  # refused before any request waits
+            return AdminReply(error=f"weight update group {update.group_name!r} does not exist: "
+                                    "init_weights_update_group first")
+        received: list[bool] = []
+
+        def receive() -> AdminReply:
+            received.append(True)
+            return self.worker.update_weights_from_distributed(update)
+
+        reply = self._update(receive, update.abort_all_requests, update.flush_cache, update.weight_version)
+        if not received:  # refused first (the weights asleep, the scheduler stopped): nothing took the broadcast
+            self.worker.destroy_weights_update_group(update.group_name)
+            reply.error = closed_group(InvalidRequestError(reply.error or ""), update.group_name).message
+        return reply
 
     def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
@@ -165,6 +245,10 @@ class EngineAdmin:
 
     async def profile(self, ctl: ProfileControl) -> AdminReply:
         return await asyncio.to_thread(self.host.profile, ctl)
+
+
+def _pair(reply: AdminReply) -> tuple[bool, str]:
+    return reply.error is None, reply.error or reply.message
 
 
 def _check(reply: AdminReply, param: str = "profile") -> AdminReply:

@@ -7,7 +7,14 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from runtime.admin_messages import AdminReply, ProfileControl, SleepControl, WeightUpdate
+from runtime.admin_messages import (
+    AdminReply,
+    DistributedWeights,
+    ProfileControl,
+    SleepControl,
+    WeightSyncInit,
+    WeightUpdate,
+)
 from runtime.errors import InvalidRequestError
 from runtime.messages import GenerateRequest, RequestOutput, RoutingStats, SchedulerStats
 
@@ -83,6 +90,19 @@ class EngineClient(ABC):
     async def update_weights(self, update: WeightUpdate) -> AdminReply:
         """Loads a checkpoint of the same architecture into the live weights, on every replica and TP rank."""
         raise InvalidRequestError("this engine cannot update its weights", param="model_path")
+
+    async def join_weight_sync(self, init: WeightSyncInit) -> AdminReply:
+        """Every TP rank of every replica joins a trainer's process group (runtime/model_executor/
+        weight_sync_group.py); answers once all members have. InvalidRequestError for bad fields."""
+        raise InvalidRequestError("this engine cannot join a weight update group", param="group_name")
+
+    async def sync_weights(self, update: DistributedWeights) -> AdminReply:
+        """Receives the trainer's broadcast on every TP rank and loads it as a tensor update. InvalidRequestError
+        for metadata no rank can receive by (the group is closed then)."""
+        raise InvalidRequestError("this engine cannot update its weights from a process group", param="group_name")
+
+    async def leave_weight_sync(self, group_name: str) -> AdminReply:
+        raise InvalidRequestError("this engine cannot leave a weight update group", param="group_name")
 
     async def memory_sleep(self, ctl: SleepControl) -> AdminReply:
         """Sleep (ctl.sleep) or wake_up on every replica and TP rank; the reply's sleeping_tags: what stays

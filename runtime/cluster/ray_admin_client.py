@@ -9,6 +9,12 @@ checkpoint on all its TP ranks before any copies (SchedulerActor.update_weights_
 the same for all, so a check fails on all or none; a target whose load fails while others succeed is named
 in the error (the replicas then serve different weights until the update is repeated).
 
+A trainer's broadcast weights (SGLang's init_weights_update_group / update_weights_from_distributed /
+destroy_weights_update_group) go to every routing target too: target i's TP rank r joins the trainer's group
+as rank_offset + i * (TP ranks per target) + r, so world_size counts every TP rank of every target (SGLang's
+rank_offset + tp_rank with one target); each target has all its ranks receive the broadcast at once
+(SchedulerActor.weight_sync). A relaunched replica is not in the group: init a new one.
+
 Sleep / wake_up (SleepControl) go to every routing target the same way; each has all its TP ranks release or
 restore their memory (SchedulerActor.memory_sleep). is_sleeping: any target has memory released. While the
 last reply said something sleeps, validate() refuses a request at once (EngineAsleepError: the gateway's 503)
@@ -21,7 +27,19 @@ from typing import Any
 
 import msgspec
 
-from runtime.admin_messages import AdminReply, EngineAsleepError, ProfileControl, SleepControl, WeightUpdate
+from runtime.admin_messages import (
+    AdminReply,
+    DistributedWeights,
+    EngineAsleepError,
+    ProfileControl,
+    SleepControl,
+    WeightSyncInit,
+    WeightUpdate,
+    closed_group,
+    distributed_weights,
+    weight_sync_init,
+)
+from runtime.errors import InvalidRequestError
 from runtime.messages import GenerateRequest
 
 
@@ -29,6 +47,7 @@ class RayAdminClient:
     """A mixin of RayEngineClient: it uses its replicas and _actor()."""
 
     replicas: list[Any]
+    args: Any  # ServerArgs
     launcher: Any  # ReplicaLauncher
     model_path: str | None
 
@@ -49,6 +68,29 @@ class RayAdminClient:
             if hasattr(self.launcher, "model_path"):  # a replica relaunched after a failure loads the new weights
                 self.launcher.model_path = update.model_path
         return reply
+
+    async def join_weight_sync(self, init: WeightSyncInit) -> AdminReply:
+        weight_sync_init(init)
+        ranks = 1 if self.args.enable_dp_attention else self.args.tp_size  # TP ranks per routing target
+        down = [r.index for r in self.replicas if not r.alive]
+        if down:
+            return AdminReply(error=f"routing targets {down} are down: every TP rank of every target joins the group")
+        if init.world_size < init.rank_offset + len(self.replicas) * ranks:
+            return AdminReply(error=f"world_size {init.world_size} has no room for this server's "
+                                    f"{len(self.replicas) * ranks} TP ranks from rank_offset {init.rank_offset}")
+        return await self._admin_call("weight_sync", lambda i: (
+            "init_weights_update_group", msgspec.structs.replace(init, rank_offset=init.rank_offset + i * ranks)))
+
+    async def sync_weights(self, update: DistributedWeights) -> AdminReply:
+        try:
+            distributed_weights(update)
+        except InvalidRequestError as e:  # the broadcast beside it cannot be received: close the group under it
+            closed = (await self.leave_weight_sync(update.group_name)).error is None
+            raise (closed_group(e, update.group_name) if closed else e) from None
+        return await self._admin_call("weight_sync", lambda i: ("update_weights_from_distributed", update))
+
+    async def leave_weight_sync(self, group_name: str) -> AdminReply:
+        return await self._admin_call("weight_sync", lambda i: ("destroy_weights_update_group", group_name))
 
     _asleep: tuple[str, ...] = ()  # the tags the last sleep / wake_up reply said stay released
 

@@ -239,6 +239,28 @@ class SchedulerActor:
             return AdminReply(error=errors[0])
         return reply
 
+    async def weight_sync(self, method: str, arg: Any) -> AdminReply:
+        """init_ / destroy_weights_update_group, update_weights_from_distributed on every TP rank at once."""
+        if method != "update_weights_from_distributed":
+            return await asyncio.to_thread(_admin, lambda: self._on_ranks_at_once(method, arg))
+        return await asyncio.to_thread(_admin, lambda: self.host.update_weights(
+            lambda: self._receive_all_ranks(arg), arg.abort_all_requests, arg.flush_cache, arg.weight_version))
+
+    def _receive_all_ranks(self, update: Any) -> AdminReply:  # all load only if every rank's tensors fit
+        reply = self._on_ranks_at_once("receive_weights", update)
+        loaded = self._on_ranks_at_once("drop_received" if reply.error else "load_received", None)
+        if not reply.error and loaded.error and self._followers:  # ranks may differ: a relaunch makes them one
+            self.group.fail(f"weight update of {self.name} failed on a TP rank: {loaded.error}")
+        return reply if reply.error else loaded
+
+    def _on_ranks_at_once(self, method: str, arg: Any) -> AdminReply:
+        import ray
+
+        refs = [getattr(f, method).remote(arg) for f in self._followers]  # first: this rank's call may wait for them
+        reply = getattr(self.rank.worker, method)(arg)
+        reply.error = reply.error or next((r.error for r in ray.get(refs) if r.error), None)
+        return reply
+
     async def memory_sleep(self, ctl: SleepControl) -> AdminReply:
         """Sleep or wake_up of this replica (SchedulerHost.memory_sleep: refused while requests run unless
         ctl.abort_all_requests), on every TP rank at once."""

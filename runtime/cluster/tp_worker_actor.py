@@ -8,8 +8,8 @@ the one two before), and it skips the logprobs only rank 0 reports.
 
 serve() runs the follow loop for the replica's life (the group is killed as a whole); it ends with the
 rank's own exception if a step fails, which is how rank 0's SchedulerActor (which awaits it) learns why.
-The actor is threaded, so node_id(), inject_fault(), trace_steps(), add_lora(), the weight updates and
-memory_sleep answer while serve() runs (rank 0 sends no step while it updates or sleeps: the loop waits in
+The actor is threaded, so node_id(), inject_fault(), trace_steps(), add_lora(), the weight updates (a
+trainer's broadcast ones too) and memory_sleep answer while serve() runs (rank 0 sends no step while it updates or sleeps: the loop waits in
 recv meanwhile)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 
 import msgspec
 
-from runtime.admin_messages import AdminReply, SleepControl, WeightUpdate
+from runtime.admin_messages import AdminReply, DistributedWeights, SleepControl, WeightSyncInit, WeightUpdate
 from runtime.cluster.step_trace import StepTrace
 from runtime.cluster.tp_rank import RankSpec, TpRank, endpoint, local_model_path
 from runtime.config import ServerArgs
@@ -93,6 +93,28 @@ class TpWorkerActor:
         self.rank.worker.bind_thread()
         reply = self.rank.worker.update_weights(update, checked)
         return AdminReply(error=f"TP rank {self.spec.rank}: {reply.error}") if reply.error else reply
+
+    # ---- weights a trainer broadcasts (weight_sync_group.py): rank 0 calls these at the same time as its own
+    def init_weights_update_group(self, init: WeightSyncInit) -> AdminReply:
+        """Joins the trainer's group as rank_offset + this TP rank (waits for every member)."""
+        return self._ranked(self.rank.worker.init_weights_update_group(init, self.spec.rank))
+
+    def destroy_weights_update_group(self, group_name: str) -> AdminReply:
+        return self._ranked(self.rank.worker.destroy_weights_update_group(group_name))
+
+    def receive_weights(self, update: DistributedWeights) -> AdminReply:
+        self.rank.worker.bind_thread()
+        return self._ranked(self.rank.worker.receive_weights(update))
+
+    def load_received(self, _: object = None) -> AdminReply:
+        self.rank.worker.bind_thread()
+        return self._ranked(self.rank.worker.load_received())
+
+    def drop_received(self, _: object = None) -> AdminReply:
+        return self.rank.worker.drop_received()
+
+    def _ranked(self, reply: AdminReply) -> AdminReply:
+        return msgspec.structs.replace(reply, error=f"TP rank {self.spec.rank}: {reply.error}") if reply.error else reply
 
     def memory_sleep(self, ctl: SleepControl) -> AdminReply:
         """Rank 0, at the same time as it does its own (a wake_up captures CUDA graphs, whose warm-up steps

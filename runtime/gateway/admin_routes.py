@@ -33,6 +33,9 @@ SGLang's {"success", "message", "num_paused_requests"} (the requests that waited
 (a wrong path, architecture, shape or quantization) the old weights still serve. GET /get_weight_version
 and /get_model_info's weight_version: the request's weight_version, else "update-<n>" ("default" before
 any update). SGLang's is_async / keep_pause (its pause_generation modes) are refused with a 400.
+From a trainer's process group (weight_sync_group.py): SGLang's POST /init_weights_update_group, /update_weights_
+from_distributed (the trainer broadcasts the tensors it names meanwhile), /destroy_weights_update_group: {"success",
+"message"}, 200 or 400 (old weights serving); one refused before receiving names the field and closes the group.
 
 Sleep mode (RL trainers sharing the GPUs; runtime/model_executor/memory_sleep.py) — vLLM's POST /sleep?level=1|2
 (200, empty), POST /wake_up (?tags=weights&tags=kv_cache: those only; 200, empty), GET /is_sleeping
@@ -45,14 +48,26 @@ body says "level": 2."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import re
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from runtime.admin_messages import AdminReply, ProfileControl, WeightUpdate, profile_control, sleep_control
-from runtime.errors import ShoalError
+from runtime.admin_messages import (
+    AdminReply,
+    DistributedWeights,
+    ProfileControl,
+    WeightSyncInit,
+    WeightSyncLeave,
+    WeightUpdate,
+    closed_group,
+    profile_control,
+    sleep_control,
+)
+from runtime.errors import InvalidRequestError, ShoalError
 from runtime.gateway.errors import ApiError, bad_request, from_shoal_error, not_supported
 from runtime.gateway.native_routes import health
 from runtime.gateway.openai_chat import chat_completions
@@ -177,6 +192,44 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         message += f" Weight version updated to {body.weight_version}."
     return _json({"success": ok, "message": message, "num_paused_requests": reply.num_paused_requests},
                  status=200 if ok else 400)
+
+
+async def _decoded(request: web.Request, kind: type, param: str) -> Any:
+    raw = await request.read()
+    try:
+        body = msgspec.json.decode(raw or b"{}", type=kind)
+    except msgspec.DecodeError as e:  # "... - at `$.shapes[0]`", "... missing required field `names`": that field
+        field = re.search(r"field `(\w+)`|`\$\.(\w+)", str(e))
+        error = InvalidRequestError(f"invalid {request.path[1:]} request: {e}", param=max(field.groups(), key=bool)
+                                    if field else param)
+        if kind is DistributedWeights:  # the broadcast beside it cannot be received: the group it names is closed
+            with contextlib.suppress(msgspec.DecodeError):
+                name = msgspec.json.decode(raw, type=WeightSyncLeave).group_name
+                if (await _admin(request, "leave_weight_sync", name)).error is None:
+                    error = closed_group(error, name)
+        raise from_shoal_error(error) from None
+    request.app[STATE_KEY].ignored_fields.note(raw, kind, request.path)
+    return body
+
+
+def _sglang_reply(reply: AdminReply, suffix: str = "") -> web.Response:
+    ok = reply.error is None
+    return _json({"success": ok, "message": reply.message + suffix if ok else reply.error}, status=200 if ok else 400)
+
+
+async def init_weights_update_group(request: web.Request) -> web.Response:
+    return _sglang_reply(await _admin(request, "join_weight_sync", await _decoded(request, WeightSyncInit, "world_size")))
+
+
+async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    update = await _decoded(request, DistributedWeights, "names")
+    version = f" Weight version updated to {update.weight_version}." if update.weight_version else ""
+    return _sglang_reply(await _admin(request, "sync_weights", update), version)
+
+
+async def destroy_weights_update_group(request: web.Request) -> web.Response:
+    body = await _decoded(request, WeightSyncLeave, "group_name")
+    return _sglang_reply(await _admin(request, "leave_weight_sync", body.group_name))
 
 
 # ---- sleep mode ----------------------------------------------------------------------------------
@@ -336,6 +389,9 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/get_model_info", get_model_info)
     app.router.add_get("/get_weight_version", get_weight_version)
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
+    app.router.add_post("/init_weights_update_group", init_weights_update_group)
+    app.router.add_post("/update_weights_from_distributed", update_weights_from_distributed)
+    app.router.add_post("/destroy_weights_update_group", destroy_weights_update_group)
     app.router.add_post("/sleep", sleep)
     app.router.add_post("/wake_up", wake_up)
     app.router.add_get("/is_sleeping", is_sleeping)

@@ -4,10 +4,18 @@ is called directly; under Ray a TpWorkerActor hosts the same class."""
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
-from runtime.admin_messages import AdminReply, ProfileControl, SleepControl, WeightUpdate
+from runtime.admin_messages import (
+    AdminReply,
+    DistributedWeights,
+    ProfileControl,
+    SleepControl,
+    WeightSyncInit,
+    WeightUpdate,
+)
 from runtime.config import ServerArgs
 from runtime.errors import InvalidRequestError, WeightLoadError
 from runtime.messages import BatchResult, LoraLoad, WorkerBatch, WorkerInfo
@@ -15,6 +23,7 @@ from runtime.model_executor.memory_sleep import MemorySleep
 from runtime.model_executor.model_runner import LaunchedBatch, ModelRunner
 from runtime.model_executor.spec_decode_runner import SpecDecodeRunner
 from runtime.model_executor.step_profiler import StepProfiler
+from runtime.model_executor.weight_sync_group import WeightSyncGroup
 from runtime.model_executor.weight_updater import WeightUpdater
 from runtime.models.parallel_context import ParallelContext
 
@@ -37,6 +46,9 @@ class TpWorker:
         self.profiler: StepProfiler | None = None  # /start_profile .. /stop_profile (or its num_steps)
         self.weights = WeightUpdater(self.runner, model_path)  # live weight updates (weight_updater.py)
         self.memory = MemorySleep(self.runner)  # sleep / wake_up between RL rollouts (memory_sleep.py)
+        self.sync_groups: dict[str, WeightSyncGroup | None] = {}  # trainers' groups (None: being joined)
+        self._sync_lock = threading.Lock()
+        self._received: list[tuple[str, torch.Tensor]] | None = None  # received and checked, not loaded yet
 
     def bind_thread(self) -> None:
         device = self.runner.device
@@ -91,6 +103,66 @@ class TpWorker:
     def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]]) -> AdminReply:
         return _weight_reply(lambda: self.weights.from_tensors(named_tensors))
 
+    # ---- weights broadcast by a trainer (weight_sync_group.py) --------------------------------------------
+    def init_weights_update_group(self, init: WeightSyncInit, local_rank: int = 0) -> AdminReply:
+        """Joins the trainer's group as rank_offset + local_rank (this rank's place in its replica) and waits
+        for every member. Any thread: the model is not touched, the scheduler keeps serving meanwhile."""
+        rank = init.rank_offset + local_rank
+        if rank >= init.world_size:
+            return AdminReply(error=f"TP rank {local_rank} would join as rank {rank}, outside world_size "
+                                    f"{init.world_size}: count every TP rank of the server in world_size")
+        with self._sync_lock:
+            if init.group_name in self.sync_groups:
+                return AdminReply(error=f"weight update group {init.group_name!r} already exists: destroy it first")
+            self.sync_groups[init.group_name] = None
+        try:
+            group = WeightSyncGroup(init, rank, self.runner.device)
+        except WeightLoadError as e:
+            del self.sync_groups[init.group_name]
+            return AdminReply(error=str(e))
+        self.sync_groups[init.group_name] = group
+        return AdminReply(message="Succeeded to initialize custom process group.")
+
+    def destroy_weights_update_group(self, group_name: str) -> AdminReply:
+        with self._sync_lock:
+            group = self.sync_groups.get(group_name)
+            if group is None:
+                return AdminReply(error=f"weight update group {group_name!r} does not exist")
+            del self.sync_groups[group_name]
+        group.close()  # waits for a receive in progress
+        return AdminReply(message="Succeeded to destroy custom process group.")
+
+    def receive_weights(self, update: DistributedWeights) -> AdminReply:
+        """Receives the whole broadcast (so the trainer is never left waiting), then checks it on the meta
+        copy; kept for load_received. On this worker's step thread, between two steps."""
+        self._received = None
+        group = self.sync_groups.get(update.group_name)
+        if group is None:
+            return AdminReply(error=f"weight update group {update.group_name!r} does not exist: "
+                                    "init_weights_update_group first")
+
+        def receive() -> str:
+            named = group.receive(update)
+            self.weights.check_tensors(named)
+            self._received = named
+            return f"Received {len(named)} tensors."
+
+        return _weight_reply(receive)
+
+    def load_received(self, _: object = None) -> AdminReply:
+        named, self._received = self._received, None
+        if named is None:
+            return AdminReply(error="no received weights to load")
+        return _weight_reply(lambda: self.weights.from_tensors(named, checked=True))
+
+    def drop_received(self, _: object = None) -> AdminReply:
+        self._received = None
+        return AdminReply()
+
+    def update_weights_from_distributed(self, update: DistributedWeights) -> AdminReply:
+        reply = self.receive_weights(update)
+        return reply if reply.error is not None else self.load_received()
+
     def memory_sleep(self, ctl: SleepControl) -> AdminReply:
         """Gives this rank's weights / KV cache back or takes them again (ctl.sleep); between two steps with
         nothing running. The reply's sleeping_tags: what stays released."""
@@ -115,6 +187,8 @@ class TpWorker:
         return result
 
     def release(self) -> None:
+        for name in [n for n, g in self.sync_groups.items() if g is not None]:  # their sockets go too
+            self.destroy_weights_update_group(name)
         self.runner.release()
 
     def launch_batch(self, batch: WorkerBatch, sample_later: bool = False, keep_on_device: bool = False) -> LaunchedBatch:

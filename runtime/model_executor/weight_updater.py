@@ -1,5 +1,6 @@
-"""WeightUpdater: new weights into a serving model's live parameters (SGLang's ModelRunner.update_weights_from_disk
-and update_weights_from_tensor; vLLM's reload_weights), on one TP rank.
+"""WeightUpdater: new weights into a serving model's live parameters (SGLang's ModelRunner.update_weights_from_disk,
+update_weights_from_tensor and update_weights_from_distributed, whose tensors arrive over a trainer's process
+group: weight_sync_group.py; vLLM's reload_weights), on one TP rank.
 
 Everything is checked first (WeightCheck: folder, config.json, quantization, every tensor's name, shape and
 dtype on a meta copy of the model), so a wrong update copies nothing and the old weights keep serving. Then
@@ -70,19 +71,25 @@ class WeightUpdater:
         return f"Weights updated from {model_path} in {time.perf_counter() - t0:.2f} s."
 
     # ---- from tensors ----------------------------------------------------------------------------------
-    def from_tensors(self, named: list[tuple[str, torch.Tensor]]) -> str:
+    def from_tensors(self, named: list[tuple[str, torch.Tensor]], checked: bool = False) -> str:
         """HF-named tensors (any subset; a fused parameter's parts may come alone, except under FP8
-        quantize-at-load, which needs every part of a projection to quantize it) into the live parameters."""
+        quantize-at-load, which needs every part of a projection to quantize it) into the live parameters.
+        checked: check_tensors already passed (every rank of a TP group checks before any copies)."""
         named = list(named)
-        self.check.check_tensors(named)
-        restage = _Fp8Restage.of(self.runner.model, self.check.quant)
-        if restage is not None:
-            restage.check_complete(self.runner.model, [n for n, _ in self.check.runner_names(named)])
+        if not checked:
+            self.check_tensors(named)
         t0 = time.perf_counter()
         names = [n for n, _ in self.check.runner_names(named)]
         self._apply(lambda model: load_subset(model, self.check.runner_names(named)), names)
         self.tensor_updates += 1
         return f"Updated {len(named)} tensors in {time.perf_counter() - t0:.2f} s."
+
+    def check_tensors(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """What from_tensors checks before copying anything (WeightLoadError naming the problem)."""
+        self.check.check_tensors(named)
+        restage = _Fp8Restage.of(self.runner.model, self.check.quant)
+        if restage is not None:
+            restage.check_complete(self.runner.model, [n for n, _ in self.check.runner_names(named)])
 
     # ---- the copy ----------------------------------------------------------------------------------------
     def _apply(self, load: Callable[[nn.Module], object], names: list[str] | None = None) -> None:
