@@ -18,7 +18,7 @@ import pytest
 from tiny_models import make_tokenizer
 
 from runtime.gateway.chat_output import ChatOutput
-from runtime.gateway.tool_parsers import create_tool_parser, param_text
+from runtime.gateway.tool_parsers import create_tool_parser, param_text, qwen3_coder
 from runtime.gateway.tool_parsers.json_prefix import stable_prefix_end
 
 CODE = 'def f(a, b):\n    """Adds."""\n    return {"sum": a + b, "tab": "\\t", "uni": "é ☃"}  # </tool_call>\n' * 3
@@ -295,6 +295,35 @@ def test_qwen3_types_each_parameter_once(monkeypatch):
     (call,) = out.tool_calls()
     assert json.loads(call.function.arguments)["opts"] == ast.literal_eval(opts)
     assert len(calls) <= 4 + 2, "each parameter once (a value the text changed under: again)"
+
+
+def test_qwen3_an_update_scans_only_new_value_text(monkeypatch):
+    """A parameter value full of "<" (HTML): each update's search for where the value ends goes on from where
+    the last one stopped, so what it reads does not grow with the value (it read all of it, every "<", before)."""
+    scanned: list[int] = []
+    value_end = qwen3_coder._value_end
+
+    def counting(text: str, v: int, i: int, final: bool, unseen: set[str]) -> tuple[int, int]:
+        try:
+            end, nxt = value_end(text, v, i, final, unseen)
+        except qwen3_coder._Pending as p:
+            scanned.append(max(p.at, i) - i)
+            raise
+        scanned.append(end - i)
+        return end, nxt
+
+    monkeypatch.setattr(qwen3_coder, "_value_end", counting)
+    html = '<div class="a"><b>x</b> &lt; <br/></div>\n' * 500
+    text = _qwen("write_file", path="a.html", content=html, mode="7")
+    out, worst = _factory("qwen3_coder")(), 0
+    for cut in range(4, len(text), 4):
+        scanned.clear()
+        out.update(text[:cut], final=False)
+        worst = max(worst, sum(scanned))
+    assert worst <= 40, worst  # the 4 new characters and a marker they may end inside (~20k before)
+    out.update(text, final=True)
+    (call,) = out.tool_calls()
+    assert json.loads(call.function.arguments) == {"path": "a.html", "content": html, "mode": 7}
 
 
 @pytest.mark.parametrize("fmt, pieces", [

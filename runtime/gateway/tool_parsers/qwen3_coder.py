@@ -43,6 +43,9 @@ class Qwen3CoderToolParser(ToolParser):
     streams_partial_calls = True
 
     def parse(self, text: str, final: bool) -> ParsedOutput:
+        if not text.startswith(self._text):
+            self._resume.clear()
+        self._text = text
         out = ParsedOutput("")
         pos = 0
         while True:
@@ -83,6 +86,12 @@ class Qwen3CoderToolParser(ToolParser):
         # text it encodes: a stream parses the whole text on every update, and typing a long value
         # (json.loads, ast.literal_eval) on each would cost the whole text per update.
         self._fragments: dict[tuple[str, str, int], tuple[str, str]] = {}
+        # Where the end of the parameter value starting at each index is looked for next: every "<" before it
+        # was read as the value's text. A value full of "<" (HTML, code) is not read again from its start on
+        # every update. Valid while each text goes on from the last one (_text); a text that does not (the
+        # text before changed, not only grew) starts over.
+        self._resume: dict[int, int] = {}
+        self._text = ""
 
     def _function(self, text: str, j: int, final: bool) -> tuple[CallSpan | None, int | None]:
         """The call <function=NAME>...</function> at text[j]: its span and the index after </function>. While
@@ -112,7 +121,7 @@ class Qwen3CoderToolParser(ToolParser):
                     raise _Pending(v)
                 if text[v] == "\n":
                     v += 1
-                end, i = _value_end(text, v, final, set(schemas) - set(done) - {pname})
+                end, i = self._value_end(text, v, final, set(schemas) - set(done) - {pname})
                 if pname not in done:
                     done[pname] = self._fragment(name, pname, v, _trim(text[v:end]), schemas.get(pname))
         except _Pending as p:
@@ -123,6 +132,19 @@ class Qwen3CoderToolParser(ToolParser):
             partial = _stable_arguments(done, schemas, pname, text[v:max(p.at, v)] if pname else "")
             return CallSpan(name, partial, False, j), None
         return CallSpan(name, "{" + ", ".join(done.values()) + "}", True, j), i  # json.dumps of the typed values
+
+    def _value_end(self, text: str, v: int, final: bool, unseen: set[str]) -> tuple[int, int]:
+        """_value_end going on from where the last update's scan of the value at text[v] stopped. A final
+        text's scan is not kept: what it read as value text a text that goes on may not (a marker cut off)."""
+        try:
+            end, i = _value_end(text, v, self._resume.get(v, v), final, unseen)
+        except _Pending as p:
+            if not final and p.at >= v:
+                self._resume[v] = p.at
+            raise
+        if not final:
+            self._resume[v] = end  # the "<" that ends it: deciding it again is one step
+        return end, i
 
     def _fragment(self, name: str, pname: str, v: int, value: str, schema: Any) -> str:
         """'"P": V' of the finished parameter pname whose text value starts at text[v], typed by its schema
@@ -177,13 +199,13 @@ def _tag_name(text: str, i: int) -> tuple[str, int]:
     return name, end + 1
 
 
-def _value_end(text: str, v: int, final: bool, unseen: set[str]) -> tuple[int, int]:
-    """Where the parameter value starting at text[v] ends, and where the function body goes on from.
+def _value_end(text: str, v: int, i: int, final: bool, unseen: set[str]) -> tuple[int, int]:
+    """Where the parameter value starting at text[v] ends, and where the function body goes on from, looking
+    from text[i] on (the text between v and i is known to be the value's: no "<" there ends it).
     The first of: </parameter> followed by another parameter, </function> or </tool_call>; </function>
     followed by </tool_call> (its </parameter> left out); a line that opens a parameter of the schema
     not given yet (unseen; its </parameter> left out). Each needs what follows it, so the text may end
     before it is decided (_Pending)."""
-    i = v
     while True:
         c = text.find("<", i)
         if c < 0:
