@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +17,8 @@ from runtime.server_flags import (  # noqa: F401  (METRICS_COMPAT, VLLM_ALIASES:
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
     VLLM_ALIASES,
+    check_field_types,
+    pooler_config,
 )
 from runtime.server_flags import flag_name as _flag
 from runtime.server_flags import hf_overrides as _hf_overrides
@@ -44,11 +45,16 @@ class ServerArgs:
     is_embedding: bool = _opt(False, "serve the model as an embedding model (vLLM's --task embed / --runner "
                                      "pooling): POST /v1/embeddings and Engine.encode(); pooling (last token, "
                                      "mean, CLS; normalized or not) from sentence-transformers' modules.json and "
-                                     "1_Pooling/config.json, else last token + L2 norm; generation answers 400")
+                                     "1_Pooling/config.json, else last token + L2 norm (--pooler-config wins "
+                                     "over both); generation answers 400")
     hf_overrides: str | None = _opt(None, "a JSON object merged over the checkpoint's config.json before it is read, "
                                           "as vLLM's flag: '{\"is_causal\": true}' (gte-Qwen2-1.5B-instruct), "
                                           "'{\"max_position_embeddings\": 32768}', rope_scaling, ...; "
                                           "Engine(hf_overrides={...}) takes a dict")
+    pooler_config: str | None = _opt(None, "--is-embedding: vLLM's PoolerConfig as a JSON object, over what the "
+                                           "model folder says: '{\"pooling_type\": \"MEAN\", \"normalize\": "
+                                           "false}'; pooling_type LAST/MEAN/CLS, normalize, dimensions (default "
+                                           "Matryoshka size), use_activation (classifiers' probs)")
     quantization: str | None = _opt(None, "fp8: quantize a bf16/fp16 checkpoint's linear weights to FP8 at load "
                                           "(per-channel); FP8 and 4-bit (AWQ, GPTQ, compressed-tensors W4A16) "
                                           "checkpoints are detected from config.json (naming them must match it)",
@@ -192,17 +198,20 @@ class ServerArgs:
                                          "(Chrome JSON); default: $SHOAL_TORCH_PROFILER_DIR, else profiling is off")
 
     def __post_init__(self) -> None:
-        if isinstance(self.hf_overrides, Mapping):  # Engine(hf_overrides={...}) or a YAML mapping, as vLLM's LLM
-            try:
-                object.__setattr__(self, "hf_overrides", json.dumps(dict(self.hf_overrides)))
-            except (TypeError, ValueError) as e:
-                raise ServerArgsError("--hf-overrides", f"must be JSON-serializable: {e}") from None
+        for name in ("hf_overrides", "pooler_config"):  # Engine(hf_overrides={...}) or YAML mappings, as vLLM's LLM
+            if isinstance(getattr(self, name), Mapping):
+                try:
+                    object.__setattr__(self, name, json.dumps(dict(getattr(self, name))))
+                except (TypeError, ValueError) as e:
+                    raise ServerArgsError(_flag(name), f"must be JSON-serializable: {e}") from None
         if isinstance(self.lora_modules, Mapping | list | tuple):  # Engine(lora_modules={name: path}) or a list
             items = self.lora_modules.items() if isinstance(self.lora_modules, Mapping) else None
             object.__setattr__(self, "lora_modules", " ".join(
                 [f"{k}={v}" for k, v in items] if items is not None else [str(x) for x in self.lora_modules]))
-        self._check_types()
+        check_field_types(self)
         _hf_overrides(self.hf_overrides)
+        if pooler_config(self.pooler_config) and not self.is_embedding:
+            raise ServerArgsError("--pooler-config", "applies to an embedding server (--is-embedding)")
         positive = ("mem_fraction_static", "max_running_requests", "max_prefill_tokens", "tp_size",
                     "dp_size", "cuda_graph_max_bs", "max_request_bytes", "max_n", "init_new_token_ratio",
                     "max_queue_wait_s", "max_waiting_requests", "balance_rel_threshold", "grammar_compile_timeout_s")
@@ -332,6 +341,11 @@ class ServerArgs:
         return _hf_overrides(self.hf_overrides)
 
     @property
+    def pooler_overrides(self) -> dict[str, Any]:
+        """--pooler-config's keys as text/pooling_config.py applies them over the folder's ({} without it)."""
+        return pooler_config(self.pooler_config)
+
+    @property
     def metrics_compat_names(self) -> tuple[str, ...]:
         """The peers (of METRICS_COMPAT) whose /metrics names are exposed too; () for none."""
         return _metrics_compat(self.metrics_compat)
@@ -348,22 +362,6 @@ class ServerArgs:
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)
-
-    def _check_types(self) -> None:
-        """Engine(**kwargs) hands values over as given (the CLI converts them): "4" for an int compared
-        later as a raw TypeError, and "false" for a bool was truthy and turned the feature on."""
-        for f in dataclasses.fields(self):
-            kind, optional = str(f.type).removesuffix(" | None"), str(f.type).endswith(" | None")
-            value = getattr(self, f.name)
-            if value is None and optional:
-                continue
-            ok = {"bool": lambda v: isinstance(v, bool),  # numpy's integers are Integral, its bool_ is not
-                  "int": lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool),
-                  "float": lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool),
-                  "str": lambda v: isinstance(v, str)}.get(kind)
-            if ok is not None and not ok(value):
-                raise ServerArgsError(_flag(f.name), f"must be {'a' if kind != 'int' else 'an'} {kind}"
-                                                     f"{' or None' if optional else ''}, got {value!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:

@@ -3,12 +3,17 @@ and metrics registries a flag may name, and the parsing of the flags whose value
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import numbers
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runtime.errors import ServerArgsError
+
+if TYPE_CHECKING:
+    from runtime.config import ServerArgs
 
 # vLLM's names for the same knobs, accepted beside ours (SGLang's) so a vLLM command line works as typed.
 # --gpu-memory-utilization: vLLM's share also covers weights plus KV, as --mem-fraction-static does.
@@ -18,6 +23,7 @@ VLLM_ALIASES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "tp_size": ("--tensor-parallel-size", "-tp"), "dp_size": ("--data-parallel-size", "-dp"),
     "disable_cuda_graph": ("--enforce-eager",),
     "lora_modules": ("--lora-paths",), "max_loras": ("--max-loras-per-batch",),
+    "pooler_config": ("--override-pooler-config",),  # vLLM's older name of --pooler-config, same JSON
 })
 # Flags that take several values (`--lora-modules a=/p b=/q`), joined with spaces into their str field.
 MULTI_VALUE = frozenset({"lora_modules"})
@@ -27,7 +33,91 @@ TOOL_CALL_PARSERS = ("llama3_json", "hermes", "mistral", "qwen3_coder", "qwen3_x
 REASONING_PARSERS = ("qwen3", "deepseek-r1", "mistral")
 # Peers whose /metrics names the gateway can expose beside ours (runtime/gateway/metrics.py).
 METRICS_COMPAT = ("vllm", "sglang")
+# vLLM's PoolerConfig keys Shoal has no counterpart for, and why (refused by name rather than ignored).
+_CALIBRATION = "affine score calibration (Platt scaling) is not supported"
+_STEP = "STEP pooling (process reward models) is not served"
+_POOLER_REFUSED = MappingProxyType({
+    "tok_pooling_type": "token-wise pooling (ALL, STEP: a vector per token, vLLM's token_embed / reward "
+                        "tasks) is not served; Shoal pools one vector per input (LAST, MEAN, CLS)",
+    "task": "the task follows the model: an embedding model embeds, a *ForSequenceClassification one "
+            "classifies (serve either with --is-embedding, or vLLM's --runner pooling)",
+    "max_embed_len": "inputs longer than the context length are refused (or cut by truncate_prompt_tokens)",
+    "logit_mean": _CALIBRATION, "logit_sigma": _CALIBRATION, "logit_bias": _CALIBRATION, "logit_scale": _CALIBRATION,
+    "step_tag_id": _STEP, "returned_token_ids": _STEP,
+})
+_POOLER_BOOLS = ("normalize", "use_activation", "activation", "softmax", "enable_chunked_processing")
+_POOLER_KEYS = ("pooling_type", "seq_pooling_type", "dimensions", *_POOLER_BOOLS, *_POOLER_REFUSED)
 
+
+def pooler_config(text: str | None) -> dict[str, Any]:
+    """--pooler-config (vLLM's PoolerConfig as JSON) as the keys Shoal applies over the model folder's
+    pooling: pooling_type (last / mean / cls), normalize, dimensions, use_activation; {} without it. A
+    key at null is vLLM's "unset". activation and softmax are use_activation's older names."""
+    if text is None:
+        return {}
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
+        raise ServerArgsError("--pooler-config", f"is not valid JSON ({e}): {text!r}") from None
+    if not isinstance(raw, dict):
+        raise ServerArgsError("--pooler-config", f"must be a JSON object of vLLM PoolerConfig keys, got {text!r}")
+    given = {k: v for k, v in raw.items() if v is not None}
+
+    def bad(key: str, why: str) -> ServerArgsError:
+        return ServerArgsError("--pooler-config", f"key {key!r}: {why}")
+
+    for key, value in given.items():
+        if key not in _POOLER_KEYS:
+            raise bad(key, f"unknown; vLLM's PoolerConfig keys are {', '.join(_POOLER_KEYS)}")
+        if key in _POOLER_BOOLS and not isinstance(value, bool):
+            raise bad(key, f"must be true or false, got {value!r}")
+    refused = sorted(given.keys() & _POOLER_REFUSED.keys())
+    if refused:
+        raise bad(refused[0], _POOLER_REFUSED[refused[0]])
+    if given.get("enable_chunked_processing"):
+        raise bad("enable_chunked_processing", "inputs longer than the context length are refused (or cut by "
+                                               "truncate_prompt_tokens), not embedded in pieces")
+    out: dict[str, Any] = {}
+    if "pooling_type" in given and "seq_pooling_type" in given:
+        raise bad("seq_pooling_type", "give pooling_type or seq_pooling_type, not both")
+    key = "pooling_type" if "pooling_type" in given else "seq_pooling_type"
+    if key in given:
+        kind = given[key]
+        if isinstance(kind, str) and kind.upper() in ("ALL", "STEP"):
+            raise bad(key, f"{kind}: {_POOLER_REFUSED['tok_pooling_type']}")
+        if not isinstance(kind, str) or kind.upper() not in ("LAST", "MEAN", "CLS"):
+            raise bad(key, f"must be LAST, MEAN or CLS, got {kind!r}")
+        out["pooling_type"] = kind.lower()
+    if "dimensions" in given:
+        dims = given["dimensions"]
+        if isinstance(dims, bool) or not isinstance(dims, int) or dims < 1:
+            raise bad("dimensions", f"must be a positive integer, got {dims!r}")
+        out["dimensions"] = dims
+    if "normalize" in given:
+        out["normalize"] = given["normalize"]
+    activation = {k: given[k] for k in ("use_activation", "activation", "softmax") if k in given}
+    if len(set(activation.values())) > 1:
+        raise bad("use_activation", f"{' and '.join(activation)} (its older names) disagree")
+    if activation:
+        out["use_activation"] = next(iter(activation.values()))
+    return out
+
+
+def check_field_types(args: ServerArgs) -> None:
+    """Engine(**kwargs) hands values over as given (the CLI converts them): "4" for an int compared
+    later as a raw TypeError, and "false" for a bool was truthy and turned the feature on."""
+    for f in dataclasses.fields(args):
+        kind, optional = str(f.type).removesuffix(" | None"), str(f.type).endswith(" | None")
+        value = getattr(args, f.name)
+        if value is None and optional:
+            continue
+        ok = {"bool": lambda v: isinstance(v, bool),  # numpy's integers are Integral, its bool_ is not
+              "int": lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool),
+              "float": lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool),
+              "str": lambda v: isinstance(v, str)}.get(kind)
+        if ok is not None and not ok(value):
+            raise ServerArgsError(flag_name(f.name), f"must be {'a' if kind != 'int' else 'an'} {kind}"
+                                                     f"{' or None' if optional else ''}, got {value!r}")
 
 
 def metrics_compat(value: str) -> tuple[str, ...]:

@@ -83,7 +83,7 @@ class ModelRunner:
                         ", ".join(f"{k}={v!r}" for k, v in sorted(overrides.items())))
         self.model_config.check_task(args.is_embedding, model_path)  # before any device memory is taken
         # An embedding server's pooling, read now: a bidirectional model is refused before anything loads.
-        pooling = PoolingConfig.read(model_path, overrides) if args.is_embedding else None
+        pooling = PoolingConfig.for_model(args, model_path)
         if self.device.type == "cuda" and not (args.disable_custom_all_reduce or args.disable_cuda_graph):
             # Collective over the ranks: each gets a one-shot all-reduce for graph-sized activations,
             # or all fall back to NCCL together (e.g. ranks on different nodes).

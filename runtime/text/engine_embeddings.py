@@ -72,7 +72,7 @@ class EngineEmbeddings(EngineScores, EngineClient):
 
     @functools.cached_property
     def pooling(self) -> PoolingConfig | None:
-        return PoolingConfig.read(self.model_path, self.args.hf_config_overrides) if self.args.is_embedding else None
+        return PoolingConfig.for_model(self.args, self.model_path)
 
     def encode(self, prompts: str | Sequence[str] | None = None, *,
                input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None, dimensions: int | None = None,

@@ -10,10 +10,14 @@ mislabel, as gte-Qwen2-1.5B-instruct's is (its HF code runs causal; vLLM advises
 '{"is_causal": true}'); a truly bidirectional one, such as gte-Qwen2-7B-instruct per vLLM, stays refused.
 A *ForSequenceClassification model (a reward model or classifier) pools its score head's logits at the last
 token, unnormalized, whatever modules.json says; `labels` (id2label) marks it, and `probabilities` turns
-its logits into /classify's probs as vLLM's classify pooler does."""
+its logits into /classify's probs as vLLM's classify pooler does.
+--pooler-config (vLLM's, also --override-pooler-config) wins over all of it, as vLLM's does over the model's
+and sentence-transformers' defaults: pooling_type, normalize, dimensions (the default of a request that
+gives none) and use_activation (an embedder's normalize in vLLM's newer spelling; a classifier's probs)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -46,6 +50,8 @@ class PoolingConfig:
     source: str = "default"  # where the pooling came from (logs, errors)
     labels: tuple[str, ...] | None = None  # a classifier's class names (id2label, in order); None: an embedder
     problem_type: str | None = None  # config.json's (regression / single_label_ / multi_label_classification)
+    dimensions: int | None = None  # --pooler-config's: what a request without `dimensions` gets shortened to
+    use_activation: bool = True  # a classifier's: False (--pooler-config) makes probs the raw logits
 
     @property
     def is_classifier(self) -> bool:
@@ -54,8 +60,9 @@ class PoolingConfig:
     def probabilities(self, logits: Sequence[float]) -> list[float]:
         """vLLM's classify activation (transformers' ForSequenceClassification loss rule): regression keeps
         the logits, multi-label classification takes each one's sigmoid, and otherwise one label's sigmoid or
-        several labels' softmax (so a 1-label reward model's probs is [sigmoid(score)])."""
-        if self.problem_type == "regression":
+        several labels' softmax (so a 1-label reward model's probs is [sigmoid(score)]); the logits as they
+        are when --pooler-config turned use_activation off."""
+        if self.problem_type == "regression" or not self.use_activation:
             return list(logits)
         if self.problem_type == "multi_label_classification" or len(logits) < 2:
             return [_sigmoid(x) for x in logits]
@@ -65,9 +72,15 @@ class PoolingConfig:
         return [e / total for e in exps]
 
     @classmethod
-    def read(cls, model_path: str | Path, overrides: Mapping[str, Any] | None = None) -> PoolingConfig:
-        """overrides: --hf-overrides (ServerArgs.hf_config_overrides), merged over config.json."""
-        root = Path(model_path)
+    def read(cls, model_path: str | Path, overrides: Mapping[str, Any] | None = None,
+             pooler: Mapping[str, Any] | None = None) -> PoolingConfig:
+        """overrides: --hf-overrides (ServerArgs.hf_config_overrides), merged over config.json; pooler:
+        --pooler-config (ServerArgs.pooler_overrides), applied over what the folder says."""
+        folder = cls._read_folder(Path(model_path), overrides)
+        return folder._overridden(pooler) if pooler else folder
+
+    @classmethod
+    def _read_folder(cls, root: Path, overrides: Mapping[str, Any] | None) -> PoolingConfig:
         hf = {**(_json(root / "config.json") or {}), **(overrides or {})}
         if hf.get("is_causal") is False:  # our attention is causal: every vector would be silently wrong
             raise ServerArgsError("--is-embedding", f"{root / 'config.json'} sets is_causal false (bidirectional "
@@ -120,14 +133,50 @@ class PoolingConfig:
                                                     f"with exactly one of {', '.join(_ST_MODES)}")
         return cls(pooling_type=_ST_MODES[on[0]], normalize=normalize, source=where, **common)
 
+    def _overridden(self, pooler: Mapping[str, Any]) -> PoolingConfig:
+        """This folder's pooling with --pooler-config's keys (server_flags.pooler_config's) put over it."""
+        def bad(key: str, why: str) -> ServerArgsError:
+            return ServerArgsError("--pooler-config", f"key {key!r}: {why}")
+
+        changes = dict(pooler)
+        if self.is_classifier:  # the score head's logits are pooled at the last token, never normalized
+            if changes.get("pooling_type", "last") != "last":
+                raise bad("pooling_type", "a *ForSequenceClassification model pools its score head at the last "
+                                          "token only (LAST)")
+            for key in ("normalize", "dimensions"):
+                if changes.get(key):
+                    raise bad(key, "applies to embedding models; this one is a *ForSequenceClassification "
+                                   "classifier (use_activation turns its probs' activation off)")
+            changes.pop("dimensions", None)
+        elif "use_activation" in changes:  # an embedder's activation is its normalization (vLLM >= 0.11)
+            if changes.setdefault("normalize", changes["use_activation"]) != changes["use_activation"]:
+                raise bad("use_activation", "is an embedding model's normalize; the two disagree")
+            del changes["use_activation"]
+        over = "the default (last token, L2-normalized)" if self.source == "default" else self.source
+        out = dataclasses.replace(self, **changes, source=f"--pooler-config over {over}")
+        if out.dimensions is not None:
+            try:
+                out.check_dimensions(out.dimensions)
+            except InvalidRequestError as e:
+                raise bad("dimensions", str(e)) from None
+        return out
+
+    @classmethod
+    def for_model(cls, args: ServerArgs, model_path: str | Path) -> PoolingConfig | None:
+        """The pooling an --is-embedding server of `args` uses for the folder at model_path: the folder's,
+        --hf-overrides merged into its config.json, --pooler-config over it; None for a generation server."""
+        if not args.is_embedding:
+            return None
+        return cls.read(model_path, args.hf_config_overrides, args.pooler_overrides)
+
     @classmethod
     def for_server(cls, args: ServerArgs) -> PoolingConfig | None:
-        """The pooling an --is-embedding server's model folder says; None for a generation server."""
+        """for_model of the server's model folder (resolved from --model-path); None for generation."""
         if not args.is_embedding:
             return None
         from runtime.default_model import resolve_model
 
-        return cls.read(resolve_model(args.model_path, args.served_model_name)[0], args.hf_config_overrides)
+        return cls.for_model(args, resolve_model(args.model_path, args.served_model_name)[0])
 
     def check_dimensions(self, dimensions: int | None) -> None:
         """InvalidRequestError (param dimensions) unless this model may be shortened to `dimensions`."""
@@ -147,8 +196,10 @@ class PoolingConfig:
                                       f"{self.hidden_size}", param="dimensions")
 
     def shorten(self, vector: list[float], dimensions: int | None) -> list[float]:
-        """The first `dimensions` components (checked by check_dimensions), renormalized when this model's
-        vectors are normalized (Matryoshka: truncate, then L2-normalize again)."""
+        """The first `dimensions` components (checked by check_dimensions; None: --pooler-config's default,
+        checked at start), renormalized when this model's vectors are normalized (Matryoshka: truncate,
+        then L2-normalize again)."""
+        dimensions = self.dimensions if dimensions is None else dimensions
         if dimensions is None or dimensions >= len(vector):
             return vector
         head = vector[:dimensions]
