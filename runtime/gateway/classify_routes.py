@@ -48,7 +48,7 @@ async def classify(request: web.Request) -> web.Response:
             raise bad_request(f"{name} applies to /v1/embeddings, not to classification", param=name)
     if body.use_activation is not None and body.activation is not None and body.use_activation != body.activation:
         raise bad_request("use_activation and activation (its older name) disagree", param="use_activation")
-    activate = next((v for v in (body.use_activation, body.activation) if v is not None), True)
+    activate = next((v for v in (body.use_activation, body.activation) if v is not None), pooling.use_activation)
     ids = [truncate_tokens(x, body.truncate_prompt_tokens, client.context_len) for x in token_inputs(client, body)]
     base = state.new_id("classify")
     reqs = embedding_requests(client, [f"{base}-{i}" for i in range(len(ids))], ids)

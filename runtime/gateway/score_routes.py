@@ -81,8 +81,8 @@ async def _scores(state: GatewayState, client: EngineClient, base: str, pairs: l
     """Each pair's score, in order, and the prompt tokens they took."""
     if body.use_activation is not None and body.activation is not None and body.use_activation != body.activation:
         raise bad_request("use_activation and activation (its older name) disagree", param="use_activation")
-    activate = next((v for v in (body.use_activation, body.activation) if v is not None), True)
     pooling = require_scorer(client.pooling)
+    activate = next((v for v in (body.use_activation, body.activation) if v is not None), pooling.use_activation)
     ids = pair_ids(client.tokenizer, pairs, body.truncate_prompt_tokens, client.context_len, param)
     reqs = embedding_requests(client, [f"{base}-{i}" for i in range(len(ids))], ids, param)
     all_logits = await run_admitted(state, client, base, reqs, arrival, param)

@@ -104,15 +104,16 @@ class EngineEmbeddings(EngineScores, EngineClient):
     def classify(self, prompts: str | Sequence[str] | None = None, *,
                  input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  truncate_prompt_tokens: int | None = None,
-                 use_activation: bool = True) -> list[ClassificationRequestOutput]:
+                 use_activation: bool | None = None) -> list[ClassificationRequestOutput]:
         """vLLM's LLM.classify, for a *ForSequenceClassification model (a reward model or classifier): one
         ClassificationRequestOutput per input, in order; `o.outputs.probs` is the score head's logits at
         the last token through vLLM's activation (softmax over several labels, sigmoid of a single one),
         or the raw logits with use_activation=False (a reward model's score, as encode() also gives it)."""
         pooling = require_classifier(self.pooling)
         _, done = self._embed(prompts, input_ids, None, None, None, truncate_prompt_tokens)
+        activate = pooling.use_activation if use_activation is None else use_activation  # --pooler-config's default
         return [ClassificationRequestOutput(r.rid, ClassificationOutput(
-            pooling.probabilities(logits) if use_activation else logits), list(r.input_ids)) for r, logits in done]
+            pooling.probabilities(logits) if activate else logits), list(r.input_ids)) for r, logits in done]
 
     def _embed(self, prompts: Any, input_ids: Any, dimensions: int | None, prompt_name: str | None,
                prompt: str | None, truncate_prompt_tokens: int | None,

@@ -60,9 +60,9 @@ class PoolingConfig:
     def probabilities(self, logits: Sequence[float]) -> list[float]:
         """vLLM's classify activation (transformers' ForSequenceClassification loss rule): regression keeps
         the logits, multi-label classification takes each one's sigmoid, and otherwise one label's sigmoid or
-        several labels' softmax (so a 1-label reward model's probs is [sigmoid(score)]); the logits as they
-        are when --pooler-config turned use_activation off."""
-        if self.problem_type == "regression" or not self.use_activation:
+        several labels' softmax (so a 1-label reward model's probs is [sigmoid(score)]). Whether to apply it
+        at all is the caller's: a request's use_activation, else --pooler-config's."""
+        if self.problem_type == "regression":
             return list(logits)
         if self.problem_type == "multi_label_classification" or len(logits) < 2:
             return [_sigmoid(x) for x in logits]

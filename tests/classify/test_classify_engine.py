@@ -88,3 +88,19 @@ def test_architectures_and_labels(arch, model_type):
     cfg.check_task(True, "m")
     with pytest.raises(ModelConfigError, match=f"{arch} is a sequence-classification"):
         cfg.check_task(False, "m")
+
+
+def test_pooler_config_use_activation_is_the_default_a_call_may_override(classifier_dirs):
+    """--pooler-config '{"use_activation": false}' makes raw logits the default of classify / /classify; a
+    call asking use_activation=True still gets vLLM's activation (softmax over the 3 labels)."""
+    path = classifier_dirs["qwen3"]
+    engine = Engine(str(path), is_embedding=True, pooler_config={"use_activation": False}, **ENGINE_KWARGS)
+    try:
+        ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+        want = hf_logits(path, ids)
+        for o, w in zip(engine.classify(input_ids=ids), want):
+            torch.testing.assert_close(torch.tensor(o.outputs.probs), w, atol=1e-4, rtol=1e-4)
+        for o, w in zip(engine.classify(input_ids=ids, use_activation=True), want):
+            torch.testing.assert_close(torch.tensor(o.outputs.probs), torch.softmax(w, -1), atol=1e-5, rtol=1e-4)
+    finally:
+        engine.shutdown()
