@@ -25,6 +25,7 @@ PROFILE_ACTIVITIES = ("CPU", "CUDA")
 WEIGHTS, KV_CACHE, CUDA_GRAPH = "weights", "kv_cache", "cuda_graph"  # SGLang's memory tags (vLLM's wake_up tags)
 SLEEP_TAGS = (WEIGHTS, KV_CACHE)  # what is released; CUDA graphs go with either (memory_sleep.py)
 SYNC_GROUP, SYNC_BACKENDS = "weight_update_group", ("gloo", "nccl")  # SGLang's default group name; backends
+SYNC_TIMEOUT_MAX_S = 7 * 24 * 3600.0  # a week: far below where timedelta(seconds=...) overflows (~8.6e13)
 SYNC_DTYPES = ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2", "int8", "uint8", "int16",
                "int32", "int64", "bool")  # what a trainer's broadcast may carry (torch's names)
 
@@ -111,8 +112,9 @@ def weight_sync_init(init: WeightSyncInit) -> WeightSyncInit:
     if init.rank_offset < 1 or init.world_size <= init.rank_offset:  # rank 0 is the trainer's
         raise InvalidRequestError(f"rank_offset must be at least 1 (rank 0 is the trainer) and below world_size, got "
                                   f"rank_offset {init.rank_offset}, world_size {init.world_size}", param="rank_offset")
-    if not init.timeout_s > 0:
-        raise InvalidRequestError(f"timeout_s must be positive, got {init.timeout_s}", param="timeout_s")
+    if not 0 < init.timeout_s <= SYNC_TIMEOUT_MAX_S:  # NaN fails too
+        raise InvalidRequestError(f"timeout_s must be positive and at most {SYNC_TIMEOUT_MAX_S:.0f} (a week), got "
+                                  f"{init.timeout_s}", param="timeout_s")
     return init
 
 

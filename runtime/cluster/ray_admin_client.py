@@ -13,7 +13,8 @@ A trainer's broadcast weights (SGLang's init_weights_update_group / update_weigh
 destroy_weights_update_group) go to every routing target too: target i's TP rank r joins the trainer's group
 as rank_offset + i * (TP ranks per target) + r, so world_size counts every TP rank of every target (SGLang's
 rank_offset + tp_rank with one target); each target has all its ranks receive the broadcast at once
-(SchedulerActor.weight_sync). A relaunched replica is not in the group: init a new one.
+(SchedulerActor.weight_sync). A join refused by any target is undone on the targets that joined (a retry is
+never told "already exists"). A relaunched replica is not in the group: init a new one.
 
 Sleep / wake_up (SleepControl) go to every routing target the same way; each has all its TP ranks release or
 restore their memory (SchedulerActor.memory_sleep). is_sleeping: any target has memory released. While the
@@ -78,8 +79,14 @@ class RayAdminClient:
         if init.world_size < init.rank_offset + len(self.replicas) * ranks:
             return AdminReply(error=f"world_size {init.world_size} has no room for this server's "
                                     f"{len(self.replicas) * ranks} TP ranks from rank_offset {init.rank_offset}")
-        return await self._admin_call("weight_sync", lambda i: (
+        results = await self._on_targets("weight_sync", lambda i: (
             "init_weights_update_group", msgspec.structs.replace(init, rank_offset=init.rank_offset + i * ranks)))
+        reply = _combined(results)
+        joined = [i for i, r in results if not isinstance(r, AdminReply) or r.error is None]
+        if reply.error is not None and joined:  # a target refused (its ranks left again): so do the others
+            await self._on_targets("weight_sync", lambda i: ("destroy_weights_update_group", init.group_name), joined)
+            reply.error += f"; routing targets {joined} left the group again"
+        return reply
 
     async def sync_weights(self, update: DistributedWeights) -> AdminReply:
         try:
@@ -117,11 +124,19 @@ class RayAdminClient:
         return ", ".join(dict.fromkeys(v for v in versions if isinstance(v, str))) or "default"
 
     async def _admin_call(self, method: str, args: Any) -> AdminReply:
-        targets = [r.index for r in self.replicas if r.alive]
-        if not targets:
-            return AdminReply(error="no replica is serving")
+        return _combined(await self._on_targets(method, args))
+
+    async def _on_targets(self, method: str, args: Any, targets: list[int] | None = None) -> list[tuple[int, Any]]:
+        """`method` on the live routing targets (or those listed) at once: (target, reply or exception) each."""
+        targets = [r.index for r in self.replicas if r.alive] if targets is None else targets
         results = await asyncio.gather(*(getattr(self._actor(i), method).remote(*args(i)) for i in targets),
                                        return_exceptions=True)
-        return AdminReply.combined([
-            r if isinstance(r, AdminReply) else AdminReply(error=f"routing target {i}: {type(r).__name__}: {r}")
-            for i, r in zip(targets, results)])
+        return list(zip(targets, results))
+
+
+def _combined(results: list[tuple[int, Any]]) -> AdminReply:
+    if not results:
+        return AdminReply(error="no replica is serving")
+    return AdminReply.combined([
+        r if isinstance(r, AdminReply) else AdminReply(error=f"routing target {i}: {type(r).__name__}: {r}")
+        for i, r in results])

@@ -25,6 +25,7 @@ import msgspec
 
 from runtime.admin_messages import CUDA_GRAPH, AdminReply, ProfileControl, SleepControl, WeightUpdate
 from runtime.cluster.tp_rank import RankSpec, TpRank, endpoint, local_model_path
+from runtime.cluster.weight_sync_actor import WeightSyncRanks
 from runtime.config import ServerArgs
 from runtime.errors import EngineUnavailableError, InvalidRequestError
 from runtime.lora.lora_config import LoraNotFoundError
@@ -240,26 +241,9 @@ class SchedulerActor:
         return reply
 
     async def weight_sync(self, method: str, arg: Any) -> AdminReply:
-        """init_ / destroy_weights_update_group, update_weights_from_distributed on every TP rank at once."""
-        if method != "update_weights_from_distributed":
-            return await asyncio.to_thread(_admin, lambda: self._on_ranks_at_once(method, arg))
-        return await asyncio.to_thread(_admin, lambda: self.host.update_weights(
-            lambda: self._receive_all_ranks(arg), arg.abort_all_requests, arg.flush_cache, arg.weight_version))
-
-    def _receive_all_ranks(self, update: Any) -> AdminReply:  # all load only if every rank's tensors fit
-        reply = self._on_ranks_at_once("receive_weights", update)
-        loaded = self._on_ranks_at_once("drop_received" if reply.error else "load_received", None)
-        if not reply.error and loaded.error and self._followers:  # ranks may differ: a relaunch makes them one
-            self.group.fail(f"weight update of {self.name} failed on a TP rank: {loaded.error}")
-        return reply if reply.error else loaded
-
-    def _on_ranks_at_once(self, method: str, arg: Any) -> AdminReply:
-        import ray
-
-        refs = [getattr(f, method).remote(arg) for f in self._followers]  # first: this rank's call may wait for them
-        reply = getattr(self.rank.worker, method)(arg)
-        reply.error = reply.error or next((r.error for r in ray.get(refs) if r.error), None)
-        return reply
+        """init_ / destroy_weights_update_group, update_weights_from_distributed on every TP rank at once
+        (WeightSyncRanks: a failed join or an update refused before receiving leaves no rank in the group)."""
+        return await asyncio.to_thread(_admin, lambda: WeightSyncRanks(self).call(method, arg))
 
     async def memory_sleep(self, ctl: SleepControl) -> AdminReply:
         """Sleep or wake_up of this replica (SchedulerHost.memory_sleep: refused while requests run unless

@@ -197,7 +197,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
 async def _decoded(request: web.Request, kind: type, param: str) -> Any:
     raw = await request.read()
     try:
-        body = msgspec.json.decode(raw or b"{}", type=kind)
+        body = msgspec.json.decode(raw or b"{}", type=kind, strict=False)  # "29500" for a port, as SGLang coerces
     except msgspec.DecodeError as e:  # "... - at `$.shapes[0]`", "... missing required field `names`": that field
         field = re.search(r"field `(\w+)`|`\$\.(\w+)", str(e))
         error = InvalidRequestError(f"invalid {request.path[1:]} request: {e}", param=max(field.groups(), key=bool)

@@ -115,12 +115,17 @@ class TpWorker:
             if init.group_name in self.sync_groups:
                 return AdminReply(error=f"weight update group {init.group_name!r} already exists: destroy it first")
             self.sync_groups[init.group_name] = None
+        group = None
         try:
             group = WeightSyncGroup(init, rank, self.runner.device)
         except WeightLoadError as e:
-            del self.sync_groups[init.group_name]
             return AdminReply(error=str(e))
-        self.sync_groups[init.group_name] = group
+        finally:  # any exception too: a placeholder left behind would block the name until a restart
+            with self._sync_lock:
+                if group is None:
+                    del self.sync_groups[init.group_name]
+                else:
+                    self.sync_groups[init.group_name] = group
         return AdminReply(message="Succeeded to initialize custom process group.")
 
     def destroy_weights_update_group(self, group_name: str) -> AdminReply:

@@ -196,8 +196,8 @@ def test_http_routes(engine, tensors, expected):
         async with TestClient(TestServer(build_app(engine, engine.args))) as http:
             trainer = Trainer("wdist-http")
             joined = trainer.join()
-            r = await http.post("/init_weights_update_group", json={
-                "master_address": "127.0.0.1", "master_port": trainer.port, "rank_offset": 1, "world_size": 2,
+            r = await http.post("/init_weights_update_group", json={  # a string port, as SGLang's own test posts
+                "master_address": "127.0.0.1", "master_port": str(trainer.port), "rank_offset": 1, "world_size": 2,
                 "group_name": "wdist-http", "backend": "gloo"})
             assert (r.status, await r.json()) == (200, {"success": True, "message": "Succeeded to initialize custom "
                                                                                      "process group."})
@@ -224,6 +224,8 @@ def test_http_routes(engine, tensors, expected):
                     (update, {"names": [norm], "dtypes": ["complex32"], "shapes": [[64]], "group_name": "no"}, "dtypes"),
                     (init, {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2,
                             "backend": "ucc"}, "backend"),
+                    (init, {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2,
+                            "backend": "gloo", "timeout_s": 1e15}, "timeout_s"),
                     (init, {}, "master_address")):
                 r = await http.post(route, json=bad)
                 assert r.status == 400 and json.loads(await r.text())["error"]["param"] == param, await r.text()
@@ -276,3 +278,120 @@ def test_two_server_ranks_receive_one_broadcast():
         assert [n for n, _ in got[r]] == ["w", "i"] and all(torch.equal(a, b) for (_, a), b in zip(got[r], sent))
         groups[r].close()
     assert groups[1].pg is None
+
+
+def test_a_failed_allocation_closes_the_group(engine, tensors, monkeypatch):
+    """An OOM for a big bucket leaves the trainer's broadcast unread: the group is closed, so the next update is
+    refused instead of reading the leftover bytes (once the stale bytes of the first loaded as the second's)."""
+    import runtime.model_executor.weight_sync_group as sync
+
+    trainer = _joined(engine, "wdist-oom")
+    norm, before = "model.norm.weight", _params(engine)["model.norm.weight"].clone()
+    allocations, empty = [], torch.empty
+
+    def failing_empty(*args, **kwargs):
+        allocations.append(args)
+        if len(allocations) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(sync.torch, "empty", failing_empty)
+    v1 = tensors["b"][norm]
+    sent = trainer.broadcast([v1, v1.clone()])
+    ok, message = engine.update_weights_from_distributed([norm, norm], ["float32"] * 2, [[64], [64]],
+                                                         group_name="wdist-oom")
+    monkeypatch.setattr(sync.torch, "empty", empty)
+    assert not ok and "OutOfMemoryError" in message and "the group is closed" in message, message
+    sent.join(TIMEOUT_S)
+    assert not sent.is_alive() and "Connection closed" in str(trainer.error)  # the trainer fails fast, not hangs
+    ok, message = engine.update_weights_from_distributed([norm], ["float32"], [[64]], group_name="wdist-oom")
+    assert not ok and "'wdist-oom' is closed" in message, message
+    assert torch.equal(_params(engine)[norm], before)
+    assert engine.destroy_weights_update_group("wdist-oom")[0] and engine.worker.sync_groups == {}
+
+
+def test_timeout_s_is_bounded_and_a_failed_join_frees_the_name(engine, monkeypatch):
+    for timeout_s in (1e15, float("inf"), float("nan"), 0):
+        ok, message = engine.init_weights_update_group("127.0.0.1", 29111, 1, 2, "wdist-t", "gloo", timeout_s=timeout_s)
+        assert not ok and "timeout_s must be positive and at most 604800" in message, message
+    import runtime.model_executor.tp_worker as tp_worker
+    from runtime.admin_messages import WeightSyncInit
+
+    def broken(*args):
+        raise OverflowError("Python int too large to convert to C int")
+
+    monkeypatch.setattr(tp_worker, "WeightSyncGroup", broken)
+    with pytest.raises(OverflowError):
+        engine.worker.init_weights_update_group(WeightSyncInit(master_address="127.0.0.1", master_port=29111,
+                                                               rank_offset=1, world_size=2, group_name="wdist-t"))
+    assert engine.worker.sync_groups == {}  # no placeholder left: the name is free again
+    monkeypatch.undo()
+    trainer = _joined(engine, "wdist-t")
+    assert engine.destroy_weights_update_group(trainer.name)[0]
+
+
+class FakeWork:
+    """An nccl broadcast's work: completed after `polls` is_completed() calls (never: None)."""
+
+    def __init__(self, polls: int | None):
+        self.polls, self.waited = polls, False
+
+    def is_completed(self) -> bool:
+        if self.polls is None:
+            return False
+        self.polls -= 1
+        return self.polls < 0
+
+    def wait(self) -> bool:
+        self.waited = True
+        return True
+
+
+def test_nccl_receive_polls_until_every_work_completes_or_the_timeout_passes():
+    from runtime.model_executor.weight_sync_group import wait_completed
+
+    now = [0.0]
+    sleeps: list[float] = []
+
+    def sleep(s: float) -> None:
+        sleeps.append(s)
+        now[0] += s
+
+    works = [FakeWork(3), FakeWork(0), FakeWork(12)]
+    wait_completed(works, 5.0, clock=lambda: now[0], sleep=sleep)
+    assert len(sleeps) == 12 and max(sleeps) == 0.01 and now[0] < 5.0  # backs off to 10 ms, returns when done
+    with pytest.raises(TimeoutError, match="1 of 2 tensors not received within timeout_s 0.5"):
+        wait_completed([FakeWork(1), FakeWork(None)], 0.5, clock=lambda: now[0], sleep=sleep)
+
+
+def test_an_nccl_receive_past_its_timeout_aborts_the_group(monkeypatch):
+    """A dead trainer: the works never complete; the receive gives up at timeout_s, aborts the communicator
+    (a collective is in flight) and answers the closed-group error instead of reporting success at once."""
+    import runtime.model_executor.weight_sync_group as sync
+    from runtime.admin_messages import DistributedWeights
+    from runtime.errors import WeightLoadError
+
+    class FakePg:
+        ended: list[str] = []
+
+        def broadcast(self, tensors, opts) -> FakeWork:
+            return FakeWork(None)
+
+        def abort(self) -> None:
+            self.ended.append("abort")
+
+        def shutdown(self) -> None:
+            self.ended.append("shutdown")
+
+    group = sync.WeightSyncGroup.__new__(sync.WeightSyncGroup)
+    pg = FakePg()
+    group.name, group.pg, group.lock, group.timeout_s = "g", pg, threading.Lock(), 0.05
+    group.device = torch.device("cuda")
+    empty = torch.empty
+    monkeypatch.setattr(sync.torch, "empty", lambda *a, device, **k: empty(*a, **k))  # no CUDA here
+    update = DistributedWeights(names=["w"], dtypes=["float32"], shapes=[[2]], group_name="g")
+    with pytest.raises(WeightLoadError, match="TimeoutError.*the group is closed"):
+        group.receive(update)
+    assert pg.ended == ["abort"] and group.pg is None
+    with pytest.raises(WeightLoadError, match="'g' is closed"):
+        group.receive(update)
