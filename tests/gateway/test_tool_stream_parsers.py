@@ -171,6 +171,8 @@ BROKEN = [
     ("mistral", '[TOOL_CALLS]add[ARGS]{"a": tru}[TOOL_CALLS]add[ARGS]{"a": 2}'),
     ("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {"y": 2}} x'),
     ("llama3_json", '{"name": "a", "parameters": {"x": "1"}}; {"name": "b", "parameters": {"y": 0x1}}'),
+    ("hermes", '<tool_call>{"name": "", "arguments": {"x": 1}}</tool_call>'),  # an empty name: no call
+    ("mistral", '[TOOL_CALLS][{"name": "", "arguments": {}}]'),
     ("qwen3_coder", "<tool_call>\n<function=search>\ngarbage\n</function>\n</tool_call>"),
     ("qwen3_coder", "<tool_call>\n<function=write_file>\n<parameter=path>\nx\n</parameter>\njunk</function>"
                     + _qwen("write_file", path="y")),

@@ -147,7 +147,7 @@ def scan_call(text: str, i: int, arg_keys: tuple[str, ...] = ("arguments", "para
               scans: ValueScans | None = None) -> tuple[CallSpan, int | None]:
     """The call object {"name": ..., "arguments": {...}} starting at text[i], as far as the text goes; and
     the index after it, or None while it is incomplete. ValueError when it is no call: not an object, a
-    name that is not a string, arguments that are not JSON, or an object that closes without a name (a
+    name that is not a non-empty string, arguments that are not JSON, or an object that closes without a name (a
     call without arguments gets "{}"). scans: the output's, so that a stream scans each value once.
     A key given twice keeps its first value (the first of arg_keys given stands for the arguments): what
     a stream sent from the first is never taken back. vLLM's json.loads keeps the last instead; only an
@@ -188,8 +188,8 @@ def scan_call(text: str, i: int, arg_keys: tuple[str, ...] = ("arguments", "para
             return call, None
         value = scan.value(text)  # a JSONDecodeError is a ValueError: not a call after all
         if key == "name" and call.name is None:
-            if not isinstance(value, str):
-                raise ValueError(f"a call's name must be a string, got {text[j:end]}")
+            if not isinstance(value, str) or not value:  # OpenAI's function.name is never empty
+                raise ValueError(f"a call's name must be a non-empty string, got {text[j:end]}")
             call.name = value
         j = skip_ws(text, end)
     return call, None
