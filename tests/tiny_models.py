@@ -96,3 +96,16 @@ def save_random_model(path: Path, make_cfg: Callable[[int, int], Any], seed: int
                 init(name, p)
     model.save_pretrained(path)
     return path
+
+
+def hf_greedy_ids(path: Path, prompt: list[int], n: int) -> list[int]:
+    """HF transformers' greedy continuation (n tokens, fp32, no cache: the plainest reference) of prompt
+    by the checkpoint at path."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_models import make_tiny_model
+from tiny_models import hf_greedy_ids, make_tiny_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,14 +22,7 @@ SP = {"max_new_tokens": N, "temperature": 0, "ignore_eos": True}
 
 
 def _hf_greedy(path: Path) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    ids = list(PROMPT)
-    with torch.inference_mode():
-        for _ in range(N):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(PROMPT):]
+    return hf_greedy_ids(path, PROMPT, N)
 
 
 def test_updates_land_under_cuda_graphs(tiny_llama: Path, tmp_path: Path) -> None:
