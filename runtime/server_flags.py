@@ -53,14 +53,7 @@ def pooler_config(text: str | None) -> dict[str, Any]:
     """--pooler-config (vLLM's PoolerConfig as JSON) as the keys Shoal applies over the model folder's
     pooling: pooling_type (last / mean / cls), normalize, dimensions, use_activation; {} without it. A
     key at null is vLLM's "unset". activation and softmax are use_activation's older names."""
-    if text is None:
-        return {}
-    try:
-        raw = json.loads(text)
-    except ValueError as e:
-        raise ServerArgsError("--pooler-config", f"is not valid JSON ({e}): {text!r}") from None
-    if not isinstance(raw, dict):
-        raise ServerArgsError("--pooler-config", f"must be a JSON object of vLLM PoolerConfig keys, got {text!r}")
+    raw = _json_object(text, "--pooler-config", "vLLM PoolerConfig keys")
     given = {k: v for k, v in raw.items() if v is not None}
 
     def bad(key: str, why: str) -> ServerArgsError:
@@ -131,14 +124,19 @@ def metrics_compat(value: str) -> tuple[str, ...]:
 
 
 def hf_overrides(text: str | None) -> dict[str, Any]:
+    return _json_object(text, "--hf-overrides", "config.json keys")
+
+
+def _json_object(text: str | None, flag: str, of: str) -> dict[str, Any]:
+    """A flag's JSON object ({} when unset), or a ServerArgsError naming the flag."""
     if text is None:
         return {}
     try:
         value = json.loads(text)
     except ValueError as e:
-        raise ServerArgsError("--hf-overrides", f"is not valid JSON ({e}): {text!r}") from None
+        raise ServerArgsError(flag, f"is not valid JSON ({e}): {text!r}") from None
     if not isinstance(value, dict):
-        raise ServerArgsError("--hf-overrides", f"must be a JSON object of config.json keys, got {text!r}")
+        raise ServerArgsError(flag, f"must be a JSON object of {of}, got {text!r}")
     return value
 
 
