@@ -4,7 +4,8 @@ profiles the workers' steps (/start_profile, /stop_profile): the ProfileControl 
 the same step boundary, the WeightUpdate every TP rank of every replica loads (SGLang's
 /update_weights_from_disk), the WeightSyncInit / DistributedWeights of a trainer's process group (SGLang's
 /init_weights_update_group, /update_weights_from_distributed), the SleepControl every TP rank applies to give its device memory back or take it
-again (vLLM's /sleep and /wake_up, SGLang's /release_memory_occupation and /resume_memory_occupation), and
+again (vLLM's /sleep and /wake_up, SGLang's /release_memory_occupation and /resume_memory_occupation), the
+PauseControl of SGLang's /pause_generation, and
 the AdminReply each replica answers with (no exception pickling)."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ PROFILE_ACTIVITIES = ("CPU", "CUDA")
 WEIGHTS, KV_CACHE, CUDA_GRAPH = "weights", "kv_cache", "cuda_graph"  # SGLang's memory tags (vLLM's wake_up tags)
 SLEEP_TAGS = (WEIGHTS, KV_CACHE)  # what is released; CUDA graphs go with either (memory_sleep.py)
 SYNC_GROUP, SYNC_BACKENDS = "weight_update_group", ("gloo", "nccl")  # SGLang's default group name; backends
+PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's PauseGenerationReqInput modes ("abort" its default)
 SYNC_TIMEOUT_MAX_S = 7 * 24 * 3600.0  # a week: far below where timedelta(seconds=...) overflows (~8.6e13)
 SYNC_DTYPES = ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2", "int8", "uint8", "int16",
                "int32", "int64", "bool")  # what a trainer's broadcast may carry (torch's names)
@@ -176,6 +178,20 @@ def sleep_control(sleep: bool, level: int = 1, tags: list[str] | tuple[str, ...]
                                   param="tags")
     return SleepControl(sleep=bool(sleep), level=level, tags=tuple(dict.fromkeys(tags)) if tags else SLEEP_TAGS,
                         abort_all_requests=bool(abort_all_requests))
+
+
+class PauseControl(msgspec.Struct, frozen=True, kw_only=True):
+    """SGLang's PauseGenerationReqInput: no step runs until continue_generation (SchedulerHost.pause_generation
+    says what each mode does to the requests in the scheduler)."""
+
+    mode: str = "abort"
+
+
+def pause_control(mode: str = "abort") -> PauseControl:
+    """Checked: InvalidRequestError naming mode for anything but SGLang's three."""
+    if mode not in PAUSE_MODES:
+        raise InvalidRequestError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", param="mode")
+    return PauseControl(mode=mode)
 
 
 class AdminReply(msgspec.Struct, kw_only=True):

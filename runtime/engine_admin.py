@@ -14,7 +14,11 @@ Sleep mode for RL trainers sharing the GPUs: vLLM's LLM.sleep(level) / wake_up(t
 Engine.release_memory_occupation(tags) / resume_memory_occupation(tags), and the EngineClient side of the
 gateway's /sleep, /wake_up, /is_sleeping and /release_memory_occupation, /resume_memory_occupation
 (runtime/model_executor/memory_sleep.py says what is released; SchedulerHost.memory_sleep how requests fare).
-Errors are InvalidRequestError naming the problem (requests running, not enough memory to wake up)."""
+Errors are InvalidRequestError naming the problem (requests running, not enough memory to wake up).
+
+Pause, for RL trainers around a weight sync: SGLang's Engine-side pause_generation(mode) / continue_generation()
+and the EngineClient side of the gateway's /pause_generation and /continue_generation (SchedulerHost.pause_
+generation says what abort, retract and in_place do; weight updates run while paused)."""
 
 from __future__ import annotations
 
@@ -26,12 +30,14 @@ from runtime.admin_messages import (
     SYNC_GROUP,
     AdminReply,
     DistributedWeights,
+    PauseControl,
     ProfileControl,
     SleepControl,
     WeightSyncInit,
     WeightUpdate,
     closed_group,
     distributed_weights,
+    pause_control,
     profile_control,
     sleep_control,
     weight_sync_init,
@@ -216,6 +222,38 @@ class EngineAdmin:
             return self.host.memory_sleep(ctl, lambda: self.worker.memory_sleep(ctl))
         except ShoalError as e:  # the scheduler stopped or did not answer
             return AdminReply(error=str(e), sleeping_tags=list(self.host.asleep))
+
+    # ---- pause (SGLang's /pause_generation, /continue_generation) -----------------------------------------
+    def pause_generation(self, mode: str = "abort") -> None:
+        """No step runs until continue_generation; new requests wait. mode "abort" (SGLang's default) aborts
+        every request, "retract" puts the running ones back in the queue (their KV recomputed on continue),
+        "in_place" keeps them and their KV. Update the weights meanwhile, then continue. InvalidRequestError:
+        a bad mode (or DP attention)."""
+        _check(self._pause(pause_control(mode)), "mode")
+
+    def continue_generation(self) -> None:
+        """Steps run again and the requests that waited go in; without a pause it does nothing."""
+        _check(self._continue(), "mode")
+
+    async def pause_steps(self, ctl: PauseControl) -> AdminReply:
+        return await asyncio.to_thread(self._pause, ctl)  # waits for the step in progress: off the loop
+
+    async def continue_steps(self) -> AdminReply:
+        return await asyncio.to_thread(self._continue)
+
+    def _pause(self, ctl: PauseControl) -> AdminReply:
+        try:
+            return self.host.pause_generation(ctl.mode)
+        except InvalidRequestError as e:
+            return AdminReply(error=e.message)
+        except ShoalError as e:  # the scheduler stopped or did not answer
+            return AdminReply(error=str(e))
+
+    def _continue(self) -> AdminReply:
+        try:
+            return self.host.continue_generation()
+        except ShoalError as e:
+            return AdminReply(error=str(e))
 
     def get_weight_version(self) -> str:
         return self.host.weight_version

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from runtime.admin_messages import (
     AdminReply,
     DistributedWeights,
+    PauseControl,
     ProfileControl,
     SleepControl,
     WeightSyncInit,
@@ -112,6 +113,15 @@ class EngineClient(ABC):
     async def sleeping_tags(self) -> list[str]:
         """The memory tags released now (empty: awake, serving)."""
         return []
+
+    async def pause_steps(self, ctl: PauseControl) -> AdminReply:
+        """SGLang's pause_generation on every replica: no step runs, new requests wait; ctl.mode says what
+        happens to the requests in the schedulers (SchedulerHost.pause_generation)."""
+        raise InvalidRequestError("this engine cannot pause generation", param="mode")
+
+    async def continue_steps(self) -> AdminReply:
+        """SGLang's continue_generation on every replica (nothing to do where none is paused)."""
+        raise InvalidRequestError("this engine cannot pause generation", param="mode")
 
     async def current_weight_version(self) -> str:
         """The weight_version of the weights now serving (update_weights sets it)."""

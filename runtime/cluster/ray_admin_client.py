@@ -19,7 +19,10 @@ never told "already exists"). A relaunched replica is not in the group: init a n
 Sleep / wake_up (SleepControl) go to every routing target the same way; each has all its TP ranks release or
 restore their memory (SchedulerActor.memory_sleep). is_sleeping: any target has memory released. While the
 last reply said something sleeps, validate() refuses a request at once (EngineAsleepError: the gateway's 503)
-instead of it reaching a target that ends it with an error (a 500)."""
+instead of it reaching a target that ends it with an error (a 500).
+
+Pause / continue (SGLang's /pause_generation, /continue_generation) go to every routing target the same way;
+each pauses its own scheduler (SchedulerActor.pause_generation); requests routed to a paused target wait there."""
 
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from runtime.admin_messages import (
     AdminReply,
     DistributedWeights,
     EngineAsleepError,
+    PauseControl,
     ProfileControl,
     SleepControl,
     WeightSyncInit,
@@ -115,6 +119,12 @@ class RayAdminClient:
         targets = [r.index for r in self.replicas if r.alive]
         tags = await asyncio.gather(*(self._actor(i).sleeping_tags.remote() for i in targets), return_exceptions=True)
         return sorted({t for ts in tags if isinstance(ts, list) for t in ts})
+
+    async def pause_steps(self, ctl: PauseControl) -> AdminReply:
+        return await self._admin_call("pause_generation", lambda i: (ctl,))
+
+    async def continue_steps(self) -> AdminReply:
+        return await self._admin_call("continue_generation", lambda i: ())
 
     async def current_weight_version(self) -> str:
         """The targets' weight version ("a, b" while they differ: an update failed on some)."""

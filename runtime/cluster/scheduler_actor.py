@@ -23,7 +23,14 @@ from typing import Any
 
 import msgspec
 
-from runtime.admin_messages import CUDA_GRAPH, AdminReply, ProfileControl, SleepControl, WeightUpdate
+from runtime.admin_messages import (
+    CUDA_GRAPH,
+    AdminReply,
+    PauseControl,
+    ProfileControl,
+    SleepControl,
+    WeightUpdate,
+)
 from runtime.cluster.tp_rank import RankSpec, TpRank, endpoint, local_model_path
 from runtime.cluster.weight_sync_actor import WeightSyncRanks
 from runtime.config import ServerArgs
@@ -220,6 +227,13 @@ class SchedulerActor:
         return await asyncio.to_thread(_admin, lambda: self.host.update_weights(
             lambda: self._update_all_ranks(update), update.abort_all_requests, update.flush_cache,
             update.weight_version))
+
+    async def pause_generation(self, ctl: PauseControl) -> AdminReply:
+        """SchedulerHost.pause_generation: no step runs here until continue_generation; new requests wait."""
+        return await asyncio.to_thread(_admin, lambda: self.host.pause_generation(ctl.mode))
+
+    async def continue_generation(self) -> AdminReply:
+        return await asyncio.to_thread(_admin, self.host.continue_generation)
 
     async def weight_version(self) -> str:
         return self.host.weight_version if self.host is not None else "default"

@@ -29,6 +29,7 @@ from runtime.gateway import (
     debug_routes,
     lora_routes,
     native_routes,
+    pause_routes,
     score_routes,
     tokenize_routes,
 )
@@ -201,6 +202,7 @@ def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) 
     app.router.add_get("/dashboard/data", dashboard_routes.data)
     app.router.add_get("/debug/ttft_trace", debug_routes.ttft_trace)
     app.router.add_post("/debug/ttft_trace", debug_routes.ttft_trace)
+    pause_routes.add_routes(app)  # SGLang's /pause_generation, /continue_generation
     admin_routes.add_routes(app)  # /flush_cache, /reset_prefix_cache, server info, /ping, /invocations, profiling
     return app
 

@@ -11,7 +11,19 @@ steps on the scheduler thread, the prefix cache is flushed and the held requests
 Sleep (memory_sleep: vLLM's sleep / wake_up, SGLang's release / resume_memory_occupation) is refused while
 requests run (SGLang asserts the same), unless abort_all_requests aborts them first; requests arriving while
 it goes to sleep wait, then fail with it. While anything is released, new requests fail at once with
-EngineAsleepError (the gateway's 503), never waiting, and a weight update needs the weights awake."""
+EngineAsleepError (the gateway's 503), never waiting, and a weight update needs the weights awake.
+
+Pause (SGLang's /pause_generation, for RL trainers around a weight sync): no step runs until
+continue_generation; requests arriving meanwhile are held here and go in, in order, at continue (a second
+pause never touches them). The batch in flight is collected first, then by mode: "abort" ends every request
+in the scheduler with finish_reason abort (their KV freed), "retract" puts the running ones (and one mid
+chunked prefill) back at the head of the waiting queue with their output so far, their own KV freed (the
+prefill on continue recomputes it; not counted as retractions), "in_place" leaves them and their KV as they
+are. Weight updates run while paused, at once (they do not wait for paused requests to finish). As in SGLang,
+a request paused in place keeps the KV it computed with the old weights and continues on it after an update;
+SGLang's flush after such an update fails (flush_cache asserts an idle scheduler), so here an update that
+would flush is refused (the old weights serve) while a request paused in place holds KV: pause with
+retract or abort, or update with flush_cache=false, which keeps that stale KV on purpose."""
 
 from __future__ import annotations
 
@@ -24,11 +36,19 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
-from runtime.admin_messages import WEIGHTS, AdminReply, EngineAsleepError, ProfileControl, SleepControl
+from runtime.admin_messages import (
+    WEIGHTS,
+    AdminReply,
+    EngineAsleepError,
+    ProfileControl,
+    SleepControl,
+    pause_control,
+)
 from runtime.config import ServerArgs
-from runtime.errors import EngineUnavailableError
+from runtime.errors import EngineUnavailableError, InvalidRequestError
 from runtime.gc_guard import GcGuard
 from runtime.managers.request_validation import RequestLimits
+from runtime.managers.schedule_batch import ScheduleBatch
 from runtime.managers.scheduler import Scheduler
 from runtime.managers.worker_client import WorkerClient
 from runtime.mem_cache.cache_event_log import CacheEventLog
@@ -52,6 +72,41 @@ def reserve_known_wanted(args: ServerArgs, info: WorkerInfo) -> bool:
     return mode == "on" or (mode == "auto" and info.device.startswith("cuda"))
 
 
+class PausableScheduler(Scheduler):
+    """The Scheduler with SchedulerHost's pause: while paused its loop takes messages (aborts, calls) but
+    builds no batch, as SGLang's event loop skips to the next receive while _engine_paused."""
+
+    paused = False
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        return None if self.paused else super().get_next_batch_to_run()
+
+    def pause_now(self, mode: str) -> int:
+        """On the scheduler thread, between two steps: how many requests the mode aborted or retracted."""
+        if self.pending is not None:  # the batch in flight finishes its step: its tokens and KV are real
+            self._collect_pending()
+        self.paused = True
+        if mode == "abort":
+            reqs = list(self.reqs)
+            for rid in reqs:
+                self._abort(rid)
+            return len(reqs)
+        if mode != "retract":
+            return 0
+        held = list(self.running) + ([self.chunked_req] if self.chunked_req is not None else [])
+        self.running.clear()
+        self.chunked_req = None
+        for r in reversed(held):  # back at the head of the queue in their order
+            self.kv.release_retracted(r)
+            r.reset_for_retract()
+            self.waiting.insert(0, r)
+        return len(held)
+
+    def holds_kv(self) -> int:
+        """Requests holding KV (paused in place: computed with the weights serving now)."""
+        return sum(r.req_pool_idx is not None for r in self.reqs.values())
+
+
 class SchedulerHost:
     def __init__(self, args: ServerArgs, worker: WorkerClient, info: WorkerInfo, eos_token_ids: frozenset[int],
                  sink: Callable[[list[RequestOutput]], None],
@@ -61,7 +116,7 @@ class SchedulerHost:
         self.worker = worker
         self.grammar = grammar
         self.limits = RequestLimits.of(info, speculative=args.speculative_algorithm is not None)
-        self.scheduler = Scheduler(
+        self.scheduler = PausableScheduler(
             args, worker, max_total_tokens=info.max_total_tokens, max_reqs=info.max_reqs,
             context_len=info.context_len, vocab_size=info.vocab_size, eos_token_ids=eos_token_ids, sink=sink,
             decode_text=decode_text, overlap=overlap_wanted(args, worker, info), cache_events=cache_events,
@@ -75,7 +130,9 @@ class SchedulerHost:
         self._updates = 0
         self._updating = threading.Lock()  # one weight update at a time
         self._gate = threading.Lock()
-        self._held: list[GenerateRequest] | None = None  # requests arriving during a weight update or a sleep
+        self._held: list[GenerateRequest] | None = None  # requests arriving during an update, a sleep or a pause
+        self._holders = 0  # how many of those hold them now (an update may run while paused)
+        self.paused: str | None = None  # the pause mode while paused (SGLang's /pause_generation)
         self._sink = sink
         self.asleep: list[str] = []  # the memory tags released now (empty: awake)
 
@@ -111,6 +168,13 @@ class SchedulerHost:
                                   finish_reason=FinishReason("error", message=str(EngineAsleepError(self.asleep))))])
 
     def abort(self, rid: str) -> None:
+        with self._gate:  # a held request ends here: the scheduler's memory of early aborts is bounded
+            for i, req in enumerate(self._held or ()):
+                if req.rid == rid:
+                    del self._held[i]
+                    self._sink([RequestOutput(rid=rid, new_token_ids=[], finished=True, finish_reason=FinishReason(
+                        "abort", message="aborted while held (a pause or a weight update)"))])
+                    return
         self.scheduler.abort(rid)
 
     def stats(self, timeout_s: float = 10.0) -> SchedulerStats:
@@ -165,21 +229,19 @@ class SchedulerHost:
             if WEIGHTS in self.asleep:
                 return AdminReply(error="the weights are asleep (released by sleep / release_memory_occupation): "
                                         "wake_up with tags weights before updating them")
-            with self._gate:
-                self._held = []
+            self._hold()
             try:
                 if abort_all:  # SGLang's abort_all_requests: they end with finish_reason abort
                     for rid in self.call(lambda: list(self.scheduler.reqs)):
                         self.scheduler.abort(rid)
-                self._wait_idle()
+                if self.paused is None:  # paused: nothing steps, so the paused requests never finish
+                    self._wait_idle()
                 reply = self.call(lambda: self._apply_update(apply, flush, weight_version), WEIGHT_UPDATE_TIMEOUT_S,
                                   on_thread=True)
             finally:
-                with self._gate:
-                    held, self._held = self._held, None
-                    for req in held:
-                        self.scheduler.submit(req)
-            reply.num_paused_requests = len(held)
+                waited = len(self._held or ())
+                self._release()
+            reply.num_paused_requests = waited
             return reply
 
     def memory_sleep(self, ctl: SleepControl, apply: Callable[[], AdminReply]) -> AdminReply:
@@ -188,8 +250,7 @@ class SchedulerHost:
         with self._updating:  # never beside a weight update
             if not ctl.sleep:
                 return self.call(lambda: self._apply_memory(apply, flush=False), WEIGHT_UPDATE_TIMEOUT_S, on_thread=True)
-            with self._gate:
-                self._held = []
+            self._hold()
             try:
                 if ctl.abort_all_requests:
                     for rid in self.call(lambda: list(self.scheduler.reqs)):
@@ -203,11 +264,60 @@ class SchedulerHost:
                     reply = self.call(lambda: self._apply_memory(apply, flush=True), WEIGHT_UPDATE_TIMEOUT_S,
                                       on_thread=True)
             finally:
-                with self._gate:
-                    held, self._held = self._held, None
-                    for req in held:
-                        self._refuse(req) if self.asleep else self.scheduler.submit(req)
+                self._release()
             return reply
+
+    def pause_generation(self, mode: str = "abort") -> AdminReply:
+        """SGLang's pause (the module docstring says how requests fare); pausing again applies the new mode to
+        what the scheduler holds (never to the requests held here). InvalidRequestError: a bad mode, DP attention."""
+        pause_control(mode)
+        if self.scheduler.must_step:  # its DP peers would wait in the next collective for a step never taken
+            raise InvalidRequestError("pause_generation is not supported with --enable-dp-attention", param="mode")
+        with self._updating:  # never inside a weight update, whose wait for running requests needs steps
+            with self._gate:
+                first, self.paused = self.paused is None, mode
+            if first:
+                self._hold()
+            try:
+                n = self.call(lambda: self.scheduler.pause_now(mode), WEIGHT_UPDATE_TIMEOUT_S, on_thread=True)
+            except Exception:
+                if first:
+                    self._unpause()
+                raise
+            return AdminReply(message=f"paused ({mode}): {n} requests {'aborted' if mode == 'abort' else 'retracted'}"
+                              if mode != "in_place" else "paused (in_place)")
+
+    def continue_generation(self) -> AdminReply:
+        """SGLang's continue: steps run again, the held requests go in. Without a pause it does nothing."""
+        with self._updating:
+            if self.paused is None:
+                return AdminReply(message="not paused")
+            self._unpause()
+            return AdminReply(message="continued")
+
+    def _unpause(self) -> None:
+        def resume() -> None:
+            self.scheduler.paused = False
+
+        self.call(resume)  # not on_thread: a stopped loop's flag is cleared here
+        self.paused = None
+        self._release()  # after the flag: the held requests queue behind the paused ones
+
+    def _hold(self) -> None:
+        with self._gate:
+            self._holders += 1
+            if self._held is None:
+                self._held = []
+
+    def _release(self) -> None:
+        """One holder less; with none left the held requests go in, in order (refused while asleep)."""
+        with self._gate:
+            self._holders -= 1
+            if self._holders or self._held is None:
+                return
+            held, self._held = self._held, None
+            for req in held:
+                self._refuse(req) if self.asleep else self.scheduler.submit(req)
 
     def _apply_memory(self, apply: Callable[[], AdminReply], flush: bool) -> AdminReply:
         if flush:  # every slot free (nothing runs): the KV pool is released as an empty one
@@ -223,6 +333,11 @@ class SchedulerHost:
             time.sleep(0.005)
 
     def _apply_update(self, apply: Callable[[], AdminReply], flush: bool, weight_version: str | None) -> AdminReply:
+        stale = self.scheduler.holds_kv() if flush and self.paused is not None else 0
+        if stale:  # SGLang's flush fails here (asserting after the load); refused before loading instead
+            return AdminReply(error=f"{stale} requests paused in place hold KV computed with the current weights, "
+                                    "which a flush cannot drop: pause with mode retract or abort, or pass "
+                                    "flush_cache=false to keep that KV (it goes stale) and the prefix cache")
         reply = apply()
         if reply.error is None:
             self._updates += 1
@@ -251,10 +366,13 @@ class SchedulerHost:
         self._stop.set()
 
     def unstarted_rids(self) -> list[str]:
-        """Once the loop has ended: rids still in its inbox, which nobody will ever answer."""
+        """Once the loop has ended: rids still in its inbox or held here, which nobody will ever answer."""
         if self._thread.is_alive():
             return []
-        rids = []
+        with self._gate:
+            rids = [req.rid for req in self._held or ()]
+            if self._held:
+                self._held.clear()
         while True:
             try:
                 kind, item = self.scheduler.inbox.get_nowait()
