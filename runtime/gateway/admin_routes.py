@@ -68,6 +68,7 @@ from runtime.admin_messages import (
     sleep_control,
 )
 from runtime.errors import InvalidRequestError, ShoalError
+from runtime.gateway.body import read_optional_body
 from runtime.gateway.errors import ApiError, bad_request, from_shoal_error, not_supported
 from runtime.gateway.native_routes import health
 from runtime.gateway.openai_chat import chat_completions
@@ -273,14 +274,7 @@ async def is_sleeping(request: web.Request) -> web.Response:
 
 
 async def _memory_body(request: web.Request) -> MemoryBody:
-    raw = await request.read()
-    try:
-        body = msgspec.json.decode(raw, type=MemoryBody) if raw.strip() else MemoryBody()
-    except msgspec.DecodeError as e:
-        raise bad_request(f"invalid memory occupation request: {e}", param="tags") from None
-    if raw.strip():
-        request.app[STATE_KEY].ignored_fields.note(raw, MemoryBody, request.path)
-    return body
+    return await read_optional_body(request, MemoryBody, "memory occupation", "tags")
 
 
 async def release_memory_occupation(request: web.Request) -> web.Response:
@@ -347,13 +341,7 @@ async def invocations(request: web.Request) -> web.StreamResponse:
 # ---- profiling --------------------------------------------------------------------------------------
 async def start_profile(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    raw = await request.read()
-    try:
-        body = msgspec.json.decode(raw, type=StartProfileBody) if raw.strip() else StartProfileBody()
-    except msgspec.DecodeError as e:
-        raise bad_request(f"invalid profile request: {e}", param="num_steps") from None
-    if raw.strip():
-        state.ignored_fields.note(raw, StartProfileBody, request.path)
+    body = await read_optional_body(request, StartProfileBody, "profile", "num_steps")
     if body.output_dir is not None:
         raise bad_request("output_dir cannot be chosen by a client: the server writes traces to --profile-dir "
                           "(or $SHOAL_TORCH_PROFILER_DIR)", param="output_dir")

@@ -13,6 +13,7 @@ from aiohttp import web
 
 from runtime.admin_messages import AdminReply, pause_control
 from runtime.errors import ShoalError
+from runtime.gateway.body import read_optional_body
 from runtime.gateway.errors import bad_request, from_shoal_error
 from runtime.gateway.protocol import encode
 from runtime.gateway.state import STATE_KEY
@@ -27,14 +28,7 @@ class ContinueBody(msgspec.Struct, kw_only=True):
 
 
 async def _body(request: web.Request, kind: type) -> msgspec.Struct:
-    raw = await request.read()
-    try:
-        body = msgspec.json.decode(raw, type=kind) if raw.strip() else kind()
-    except msgspec.DecodeError as e:
-        raise bad_request(f"invalid {request.path[1:]} request: {e}", param="mode") from None
-    if raw.strip():
-        request.app[STATE_KEY].ignored_fields.note(raw, kind, request.path)
-    return body
+    return await read_optional_body(request, kind, request.path[1:], "mode")
 
 
 def _answer(reply: AdminReply, done: str) -> web.Response:
