@@ -84,7 +84,11 @@ class PausableScheduler(Scheduler):
     def pause_now(self, mode: str) -> int:
         """On the scheduler thread, between two steps: how many requests the mode aborted or retracted."""
         if self.pending is not None:  # the batch in flight finishes its step: its tokens and KV are real
-            self._collect_pending()
+            try:
+                self._collect_pending()
+            except Exception as e:  # as run_forever does with a failed step: nothing waits forever on it
+                self.fail_all(f"internal error: {type(e).__name__}: {e}")
+                raise
         self.paused = True
         if mode == "abort":
             reqs = list(self.reqs)

@@ -257,3 +257,44 @@ def test_shutdown_while_paused(ckpts):
         return await asyncio.wait_for(held, 5)
 
     assert asyncio.run(scenario())["finish_reason"] == "abort"
+
+
+def test_a_batch_failing_as_the_pause_collects_it_fails_its_requests(tiny_llama, monkeypatch):
+    """With overlap scheduling (forced on: CPU runs without it) a pause first collects the batch in flight; if
+    that raises, its requests end with an error as a failed step's do, instead of waiting forever."""
+    import threading
+
+    from runtime.managers import scheduler_host
+
+    monkeypatch.setattr(scheduler_host, "overlap_wanted", lambda *a: True)
+    engine = Engine(str(tiny_llama), device="cpu", dtype="float32", max_total_tokens=2048, log_level="warning")
+    try:
+        s, out = engine.scheduler, {}
+        thread = threading.Thread(target=lambda: out.setdefault("r", engine.generate(
+            input_ids=PROMPT, sampling_params={"max_new_tokens": 300, **GREEDY})))
+        thread.start()
+        asyncio.run(_running_req(engine))
+        finish, armed = s.worker.finish_batch, []
+
+        def failing(launched: Any) -> Any:
+            if armed:
+                armed.clear()
+                raise RuntimeError("device error in flight")
+            return finish(launched)
+
+        pause_now = s.pause_now
+
+        def arm_then_pause(mode: str) -> int:
+            armed.append(s.pending is not None)
+            return pause_now(mode)
+
+        monkeypatch.setattr(s.worker, "finish_batch", failing)
+        monkeypatch.setattr(s, "pause_now", arm_then_pause)
+        with pytest.raises(Exception, match="device error in flight"):
+            engine.pause_generation("in_place")
+        thread.join(15)
+        assert not thread.is_alive() and out["r"]["finish_reason"] == "error"
+        engine.continue_generation()
+        _pool_full(engine)
+    finally:
+        engine.shutdown()
