@@ -28,6 +28,7 @@ def test_no_preemption_when_the_adapter_slot_stays_taken(tiny_llama: Path, tmp_p
         r2 = asyncio.ensure_future(engine.async_generate(input_ids=P[::-1], sampling_params={
             **G, "max_new_tokens": 60}, lora_name="X", priority=5))
         while engine.get_stats().num_running_reqs < 2:
+            assert not (r1.done() or r2.done()), "a request finished before both were seen running"
             await asyncio.sleep(0.001)
         h = asyncio.ensure_future(engine.async_generate(input_ids=P[:10], sampling_params={**G, "max_new_tokens": 4},
                                                         lora_name="Y", priority=0))

@@ -81,14 +81,38 @@ def _started(engine: Engine, n: int) -> asyncio.Future:
     return fut
 
 
-async def _running_req(engine: Engine, min_out: int = 3) -> Any:
+async def _running_req(engine: Engine, fut: asyncio.Future | None = None, min_out: int = 3,
+                       freeze: bool = True) -> Any:
+    """The request of fut once it runs with min_out tokens. freeze: the scheduler takes no step after that
+    (its pause flag, set on its own thread as it picks the next batch, which pause_generation then keeps), so
+    the pause lands on a running request however slowly the host sends it. Without: asked between two steps
+    through the inbox (polling under the scheduler's lock starves while it steps back to back; on CI the
+    request once finished unseen and this waited forever)."""
     s = engine.scheduler
-    while True:
-        with s.lock:
-            live = [r for r in s.running if len(r.output_ids) >= min_out]
-        if live:
-            return live[0]
-        await asyncio.sleep(0.001)
+    pick = s.get_next_batch_to_run
+
+    def picking() -> Any:
+        if any(len(r.output_ids) >= min_out for r in s.running):
+            s.paused = True
+        return pick()
+
+    def seen() -> list[Any]:
+        return [r for r in s.running if len(r.output_ids) >= min_out and (s.paused or not freeze)]
+
+    if freeze:
+        s.get_next_batch_to_run = picking
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            live = await asyncio.to_thread(engine.host.call, seen)
+            if live:
+                return live[0]
+            assert fut is None or not fut.done(), f"the request finished before it was seen running: {fut.result()}"
+            assert time.monotonic() < deadline, "the request never ran"
+            await asyncio.sleep(0.001)
+    finally:
+        if freeze:
+            del s.get_next_batch_to_run
 
 
 async def _still(engine: Engine, req: Any) -> int:
@@ -103,7 +127,7 @@ async def _still(engine: Engine, req: Any) -> int:
 def test_abort_mode_ends_running_requests_and_frees_their_kv(engine, expected):
     async def scenario() -> tuple[Any, Any]:
         first = _started(engine, 400)
-        await _running_req(engine)
+        await _running_req(engine, first)
         await asyncio.to_thread(engine.pause_generation)  # SGLang's default mode: abort
         out = await first
         assert engine.get_stats().num_used_tokens == 0  # freed while still paused
@@ -126,7 +150,7 @@ def test_abort_mode_ends_running_requests_and_frees_their_kv(engine, expected):
 def test_paused_request_finishes_with_hf_tokens(engine, expected, mode, retractions):
     async def scenario() -> tuple[Any, Any]:
         fut = _started(engine, N)
-        req = await _running_req(engine, min_out=4)
+        req = await _running_req(engine, fut, min_out=4)
         await asyncio.to_thread(engine.pause_generation, mode)
         stats = engine.get_stats()
         if mode == "retract":  # back in the queue, its own KV freed (recomputed after continue)
@@ -195,7 +219,7 @@ def test_pause_update_continue_serves_b(engine, ckpts, expected):
 def test_update_under_a_request_paused_in_place(engine, ckpts, expected):
     async def scenario() -> tuple[Any, Any, Any]:
         fut = _started(engine, LONG)  # long enough to be running still when the pause lands, however slow the host
-        await _running_req(engine)
+        await _running_req(engine, fut)
         await asyncio.to_thread(engine.pause_generation, "in_place")
         refused = await asyncio.to_thread(engine.update_weights_from_disk, str(ckpts["b"]))
         kept = await asyncio.to_thread(engine.update_weights_from_disk, str(ckpts["b"]), flush_cache=False)
@@ -273,7 +297,7 @@ def test_a_batch_failing_as_the_pause_collects_it_fails_its_requests(tiny_llama,
         thread = threading.Thread(target=lambda: out.setdefault("r", engine.generate(
             input_ids=PROMPT, sampling_params={"max_new_tokens": 300, **GREEDY})))
         thread.start()
-        asyncio.run(_running_req(engine))
+        asyncio.run(_running_req(engine, freeze=False))  # the pause must find a batch in flight
         finish, armed = s.worker.finish_batch, []
 
         def failing(launched: Any) -> Any:

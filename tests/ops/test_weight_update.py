@@ -111,6 +111,7 @@ def test_running_requests_finish_and_new_ones_wait(engine, ckpts, expected):
     async def scenario() -> None:
         first = asyncio.ensure_future(running)
         while engine.get_stats().num_running_reqs == 0:
+            assert not first.done(), "the request finished before it was seen running"
             await asyncio.sleep(0.002)
         update = asyncio.ensure_future(asyncio.to_thread(engine.update_weights_from_disk, str(ckpts["b"])))
         while engine.host._held is None:  # the update has begun: new requests wait for it
@@ -135,6 +136,7 @@ def test_abort_all_requests(engine, ckpts, expected):
     async def scenario() -> tuple[Any, Any]:
         first = asyncio.ensure_future(running)
         while engine.get_stats().num_running_reqs == 0:
+            assert not first.done(), "the request finished before it was seen running"
             await asyncio.sleep(0.002)
         update = asyncio.to_thread(engine.update_weights_from_disk, str(ckpts["b"]), abort_all_requests=True)
         return await asyncio.gather(first, update)
