@@ -72,8 +72,8 @@ class ModelRunner:
         self.ctx = ctx or ParallelContext()
         self.device = device or resolve_device(args.device)
         dtype = args.dtype
-        # CPU: glibc arenas capped and trimmed, so resident memory stays what is live (cpu_memory.py)
-        self.memory_trimmer = CpuMemoryTrimmer().start() if self.device.type == "cpu" else None
+        # CPU: arenas capped before the weights, trims from the end of a build (a failed one leaves no thread)
+        self.memory_trimmer = CpuMemoryTrimmer() if self.device.type == "cpu" else None
         overrides = args.hf_config_overrides  # --hf-overrides: on every rank, over config.json
         if self.device.type == "cpu":  # threads from the cores given; "auto" → bf16 where the CPU has bf16 math
             dtype = cpu_config.configure(dtype, ModelConfig.from_pretrained(model_path, overrides=overrides).dtype)
@@ -143,6 +143,8 @@ class ModelRunner:
             pool = self.token_to_kv_pool
             logger.info("%s", MemoryReport.of(self.max_total_tokens, [*pool.k_buffers, *pool.v_buffers], self.kv_dtype,
                                               self.model, self.context_len, self.device).line())
+        if self.memory_trimmer is not None:
+            self.memory_trimmer.start()
 
     def _load_model(self, model_path: str) -> torch.nn.Module:
         cfg = self.model_config

@@ -60,3 +60,30 @@ def test_off_switch_and_operator_settings():
     assert off.trims == 0
     own = CpuMemoryTrimmer(env={"MALLOC_TRIM_THRESHOLD_": "1048576"}).start()
     assert not own.enabled and own._thread is None  # the operator tuned malloc: no periodic trims
+
+
+@needs_glibc
+def test_a_failed_runner_build_leaves_no_trim_thread(tiny_llama, monkeypatch):
+    """The trim thread starts once a ModelRunner is built: a build that fails (a Ray actor retrying, a bad
+    flag) used to leave one thread per attempt waking forever."""
+    import threading
+
+    from runtime.config import ServerArgs
+    from runtime.model_executor.model_runner import ModelRunner
+
+    def trimmers() -> int:
+        return sum(t.name == "shoal-malloc-trim" and t.is_alive() for t in threading.enumerate())
+
+    def failing_load(self: ModelRunner, path: str) -> None:
+        raise RuntimeError("weights unreadable")
+
+    before = trimmers()
+    with monkeypatch.context() as m:
+        m.setattr(ModelRunner, "_load_model", failing_load)
+        with pytest.raises(RuntimeError, match="weights unreadable"):
+            ModelRunner(ServerArgs(device="cpu", max_total_tokens=64), str(tiny_llama))
+    assert trimmers() == before
+    runner = ModelRunner(ServerArgs(device="cpu", max_total_tokens=64), str(tiny_llama))
+    assert runner.memory_trimmer is not None and trimmers() == before + runner.memory_trimmer.enabled
+    runner.release()
+    assert trimmers() == before
