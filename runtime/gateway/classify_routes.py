@@ -43,7 +43,8 @@ async def classify(request: web.Request) -> web.Response:
                           param="input")
     if sglang:
         return await native_routes.encode_request(request)  # reads the same body as SGLang's EncodeRequest
-    for name, value in (("dimensions", body.dimensions), ("encoding_format", body.encoding_format)):
+    for name, value in (("dimensions", body.dimensions), ("encoding_format", body.encoding_format),
+                        ("normalize", body.normalize)):
         if value is not None:
             raise bad_request(f"{name} applies to /v1/embeddings, not to classification", param=name)
     if body.use_activation is not None and body.activation is not None and body.use_activation != body.activation:

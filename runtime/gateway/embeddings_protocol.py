@@ -1,7 +1,7 @@
 """The bodies of POST /v1/embeddings as msgspec Structs: OpenAI's request (input as a string, strings, token
 ids or lists of token ids; encoding_format float or base64; Matryoshka `dimensions`; `user`), vLLM's
-additions (truncate_prompt_tokens, add_special_tokens, and `messages` in place of `input`: one
-conversation rendered with the chat template), and OpenAI's response; SGLang's native POST /encode body
+additions (truncate_prompt_tokens, add_special_tokens, normalize / use_activation, and `messages` in place
+of `input`: one conversation rendered with the chat template), and OpenAI's response; SGLang's native POST /encode body
 and answer; POST /classify's body (vLLM's, with SGLang's text / input_ids form) and vLLM's answer."""
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ class EmbeddingRequest(Struct, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = False
     continue_final_message: bool = False
+    # vLLM's per-request L2 normalization (None: the model's pooler config); use_activation is its newer
+    # name. /classify redeclares use_activation as its probs' activation and refuses normalize.
+    normalize: bool | None = None
+    use_activation: bool | None = None
 
 
 class EmbeddingData(Struct):

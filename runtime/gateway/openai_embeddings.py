@@ -1,7 +1,8 @@
 """POST /v1/embeddings on an embedding server (--is-embedding): OpenAI's embeddings API, as vLLM and
 SGLang serve it. Each input (text, or token ids) becomes one embedding request, all submitted at once;
 the answer lists the pooled vectors in input order, as floats or as base64 of little-endian float32
-(the openai SDK asks for base64 by default), shortened to `dimensions` for a Matryoshka model. Inputs are
+(the openai SDK asks for base64 by default), shortened to `dimensions` for a Matryoshka model, then
+L2-normalized as vLLM's `normalize` (or `use_activation`) asks, the model's pooler config by default. Inputs are
 embedded as sent: sentence-transformers' prompts (config_sentence_transformers.json, its default_prompt_name
 too) are not put before them, as vLLM's server does not (Engine.encode applies them, as sentence-transformers).
 On a generation server the route answers 400, as vLLM's does ("does not support the Embeddings API");
@@ -79,11 +80,12 @@ async def _pooled(request: web.Request, prefix: str) -> tuple[str, str, list[lis
         raise bad_request(f"encoding_format must be one of {', '.join(ENCODING_FORMATS)}, got {fmt!r}",
                           param="encoding_format")
     pooling.check_dimensions(body.dimensions)
+    normalize = pooling.normalize_for(body.normalize, body.use_activation)
     ids = [truncate_tokens(x, body.truncate_prompt_tokens, client.context_len) for x in token_inputs(client, body)]
     base = state.new_id(prefix)
     reqs = embedding_requests(client, [f"{base}-{i}" for i in range(len(ids))], ids)
     vectors = await run_admitted(state, client, base, reqs, arrival)
-    return (base, model, [_encoded(pooling.shorten(v, body.dimensions), fmt) for v in vectors],
+    return (base, model, [_encoded(pooling.shorten(v, body.dimensions, normalize), fmt) for v in vectors],
             sum(len(r.input_ids) for r in reqs))
 
 

@@ -1,6 +1,13 @@
-"""Pooler: an embedding server's prompt hidden states (the final norm's output, before the LM head) → one
-vector per request whose prompt ends in this forward; last token, mean or first (CLS) token, then L2
-normalization when the model's sentence-transformers config says so.
+"""Pooler: an embedding server's per-token model outputs → one raw vector per request whose prompt ends in
+this forward: the last token's, the mean over the prompt, or the first (CLS) token's. The outputs are an
+embedder's final norm output (before the LM head) or a *ForSequenceClassification model's per-token score
+logits; the width is whatever the model emits. Pooling a classifier's logits rather than its hidden states
+is exact: the score head is linear without bias, so mean(h) @ W.T == mean(h @ W.T), and the model already
+scores every token (tokens x num_labels, negligible beside the decoder); the running state is then
+num_labels wide and neither the model nor the runner changes. The vectors leave unnormalized: L2
+normalization is a request's choice (vLLM's normalize / use_activation, the model's by default), applied
+where the gateway or Engine gets them back (PoolingConfig.shorten), since a normalized vector cannot be
+made raw again.
 
 Chunked prefill splits a prompt across forwards: mean and CLS keep what earlier chunks gave in an fp32
 row per request-table row (req_pool_idx), reset by a chunk starting at position 0. That needs every
@@ -16,7 +23,6 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
-import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from runtime.model_executor.forward_batch import ForwardBatch
@@ -25,16 +31,14 @@ if TYPE_CHECKING:
 class Pooler(ABC):
     name: ClassVar[str]
 
-    def __init__(self, normalize: bool, max_reqs: int, hidden_size: int, device: torch.device):
-        self.normalize = normalize
-        self.max_reqs, self.hidden_size, self.device = max_reqs, hidden_size, device
+    def __init__(self, max_reqs: int, device: torch.device):
+        self.max_reqs, self.device = max_reqs, device
 
     def __call__(self, hidden: torch.Tensor, fb: ForwardBatch, done: list[bool]) -> torch.Tensor:
-        """[number of True in done, hidden] float32: the vectors of the requests whose prompt ends here, in
-        batch order. Every request of the batch is an extend (an embedding server never decodes)."""
+        """[number of True in done, width] float32: the raw vectors of the requests whose prompt ends here,
+        in batch order. Every request of the batch is an extend (an embedding server never decodes)."""
         mask = torch.tensor(done, dtype=torch.bool, device=hidden.device)
-        pooled = self.pool(hidden, fb, mask)
-        return F.normalize(pooled, p=2, dim=-1) if self.normalize else pooled
+        return self.pool(hidden, fb, mask)
 
     @abstractmethod
     def pool(self, hidden: torch.Tensor, fb: ForwardBatch, done: torch.Tensor) -> torch.Tensor:
@@ -54,9 +58,16 @@ class LastTokenPooler(Pooler):
 class _RunningPooler(Pooler):
     """A pooler whose vector depends on earlier chunks: one fp32 row of state per request-table row."""
 
-    def __init__(self, normalize: bool, max_reqs: int, hidden_size: int, device: torch.device):
-        super().__init__(normalize, max_reqs, hidden_size, device)
-        self.state = torch.zeros(max_reqs, hidden_size, dtype=torch.float32, device=device)
+    def __init__(self, max_reqs: int, device: torch.device):
+        super().__init__(max_reqs, device)
+        self._state: torch.Tensor | None = None
+
+    def state(self, width: int) -> torch.Tensor:
+        """[max_reqs, width] fp32, made at the first forward: its width is the model's output's (hidden size,
+        or a classifier's num_labels), which the runner need not know."""
+        if self._state is None or self._state.shape[1] != width:
+            self._state = torch.zeros(self.max_reqs, width, dtype=torch.float32, device=self.device)
+        return self._state
 
 
 class MeanPooler(_RunningPooler):
@@ -70,9 +81,10 @@ class MeanPooler(_RunningPooler):
         sums = torch.zeros(fb.batch_size, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
         sums.index_add_(0, rows, hidden.float())
         # A chunk past position 0 continues the sum its earlier chunks left (no cached prefix: see above).
-        carried = self.state[fb.req_pool_indices] * (fb.extend_prefix_lens > 0).unsqueeze(1)
+        state = self.state(hidden.shape[-1])
+        carried = state[fb.req_pool_indices] * (fb.extend_prefix_lens > 0).unsqueeze(1)
         total = sums + carried
-        self.state[fb.req_pool_indices] = total
+        state[fb.req_pool_indices] = total
         return total[done] / fb.seq_lens[done].unsqueeze(1).to(torch.float32)
 
 
@@ -84,16 +96,16 @@ class ClsPooler(_RunningPooler):
     def pool(self, hidden: torch.Tensor, fb: ForwardBatch, done: torch.Tensor) -> torch.Tensor:
         first = hidden[fb.extend_start_loc].float()
         starts = (fb.extend_prefix_lens == 0).unsqueeze(1)
-        kept = torch.where(starts, first, self.state[fb.req_pool_indices])
-        self.state[fb.req_pool_indices] = kept
+        state = self.state(hidden.shape[-1])
+        kept = torch.where(starts, first, state[fb.req_pool_indices])
+        state[fb.req_pool_indices] = kept
         return kept[done]
 
 
 POOLERS: Mapping[str, type[Pooler]] = MappingProxyType({p.name: p for p in (LastTokenPooler, MeanPooler, ClsPooler)})
 
 
-def create_pooler(pooling_type: str, normalize: bool, max_reqs: int, hidden_size: int,
-                  device: torch.device) -> Pooler:
+def create_pooler(pooling_type: str, max_reqs: int, device: torch.device) -> Pooler:
     if pooling_type not in POOLERS:
         raise ValueError(f"unknown pooling type {pooling_type!r}; known: {', '.join(POOLERS)}")
-    return POOLERS[pooling_type](normalize, max_reqs, hidden_size, device)
+    return POOLERS[pooling_type](max_reqs, device)

@@ -131,8 +131,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.pooler: Pooler | None = None  # an embedding server's (--is-embedding): pools instead of sampling
         if pooling is not None:
-            self.pooler = create_pooler(pooling.pooling_type, pooling.normalize, self.max_running_requests,
-                                        self.model_config.hidden_size, self.device)
+            self.pooler = create_pooler(pooling.pooling_type, self.max_running_requests, self.device)
             logger.info("embedding model: %s pooling%s (from %s)", pooling.pooling_type,
                         ", L2-normalized" if pooling.normalize else "", pooling.source)
         # Row r: the token just sampled for request row r (overlap scheduling); one scratch row past them

@@ -1,8 +1,8 @@
 """*ForSequenceClassification: reward and classification models (Skywork-Reward-Llama-3.1-8B, Qwen2.5 /
 Qwen3 classifiers). The decoder of the causal class, no LM head, and HF's `score` [num_labels, hidden]
 (no bias) over the final norm's output. HF scores the last non-pad token of each row; an embedding server
-has no padding, so the server's last-token pooler picks the prompt's last row of these logits
-(text/pooling_config.py forces last-token pooling, unnormalized, for these architectures). A causal checkpoint
+has no padding, so the server's last-token pooler picks the prompt's last row of these logits (the
+default; --pooler-config MEAN / CLS pools the rows instead, never normalized: text/pooling_config.py). A causal checkpoint
 served as one through --hf-overrides' classifier_from_token (Qwen3-Reranker) gets its score head made from
 LM-head rows at load."""
 

@@ -76,17 +76,19 @@ class EngineEmbeddings(EngineScores, EngineClient):
 
     def encode(self, prompts: str | Sequence[str] | None = None, *,
                input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None, dimensions: int | None = None,
-               prompt_name: str | None = None, prompt: str | None = None,
-               truncate_prompt_tokens: int | None = None) -> dict[str, Any] | list[dict[str, Any]]:
+               prompt_name: str | None = None, prompt: str | None = None, truncate_prompt_tokens: int | None = None,
+               normalize: bool | None = None) -> dict[str, Any] | list[dict[str, Any]]:
         """SGLang's shape: {"embedding": [floats], "meta_info": {"id", "prompt_tokens", "e2e_latency"}} for a
         prompt string or one list of token ids; a list of them, in order, for a list of either.
         dimensions: Matryoshka models only (truncated, renormalized); prompt_name / prompt: the text put
         before each text input, as sentence-transformers' encode() takes them (prompt_name: one of
         config_sentence_transformers.json's prompts; prompt: the text itself, '' for none); with neither,
         that file's default_prompt_name applies; truncate_prompt_tokens: keep each input's last k tokens
-        (-1: as many as the model takes)."""
+        (-1: as many as the model takes); normalize: L2-normalize each vector (after any `dimensions`
+        truncation), or give it raw (False), as vLLM's normalize; None: the model's pooler config."""
         t0 = time.monotonic()
-        single, done = self._embed(prompts, input_ids, dimensions, prompt_name, prompt, truncate_prompt_tokens)
+        single, done = self._embed(prompts, input_ids, dimensions, prompt_name, prompt, truncate_prompt_tokens,
+                                   normalize)
         latency = time.monotonic() - t0
         out = [{"embedding": vector, "meta_info": {"id": r.rid, "prompt_tokens": len(r.input_ids),
                                                    "e2e_latency": latency}} for r, vector in done]
@@ -94,11 +96,12 @@ class EngineEmbeddings(EngineScores, EngineClient):
 
     def embed(self, prompts: str | Sequence[str] | None = None, *,
               input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None, dimensions: int | None = None,
-              prompt_name: str | None = None, prompt: str | None = None,
-              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+              prompt_name: str | None = None, prompt: str | None = None, truncate_prompt_tokens: int | None = None,
+              normalize: bool | None = None) -> list[EmbeddingRequestOutput]:
         """vLLM's LLM.embed: one EmbeddingRequestOutput per input, in order (a list for a single prompt too);
         the vector is `o.outputs.embedding`. The arguments are encode()'s."""
-        _, done = self._embed(prompts, input_ids, dimensions, prompt_name, prompt, truncate_prompt_tokens)
+        _, done = self._embed(prompts, input_ids, dimensions, prompt_name, prompt, truncate_prompt_tokens,
+                              normalize)
         return [EmbeddingRequestOutput(r.rid, EmbeddingOutput(vector), list(r.input_ids)) for r, vector in done]
 
     def classify(self, prompts: str | Sequence[str] | None = None, *,
@@ -106,9 +109,10 @@ class EngineEmbeddings(EngineScores, EngineClient):
                  truncate_prompt_tokens: int | None = None,
                  use_activation: bool | None = None) -> list[ClassificationRequestOutput]:
         """vLLM's LLM.classify, for a *ForSequenceClassification model (a reward model or classifier): one
-        ClassificationRequestOutput per input, in order; `o.outputs.probs` is the score head's logits at
-        the last token through vLLM's activation (softmax over several labels, sigmoid of a single one),
-        or the raw logits with use_activation=False (a reward model's score, as encode() also gives it)."""
+        ClassificationRequestOutput per input, in order; `o.outputs.probs` is the score head's logits pooled
+        as the server pools (the last token's by default; --pooler-config MEAN / CLS) through vLLM's
+        activation (softmax over several labels, sigmoid of a single one), or the raw logits with
+        use_activation=False (a reward model's score, as encode() also gives it)."""
         pooling = require_classifier(self.pooling)
         _, done = self._embed(prompts, input_ids, None, None, None, truncate_prompt_tokens)
         activate = pooling.use_activation if use_activation is None else use_activation  # --pooler-config's default
@@ -116,13 +120,14 @@ class EngineEmbeddings(EngineScores, EngineClient):
             pooling.probabilities(logits) if activate else logits), list(r.input_ids)) for r, logits in done]
 
     def _embed(self, prompts: Any, input_ids: Any, dimensions: int | None, prompt_name: str | None,
-               prompt: str | None, truncate_prompt_tokens: int | None,
+               prompt: str | None, truncate_prompt_tokens: int | None, normalize: bool | None = None,
                ) -> tuple[bool, list[tuple[GenerateRequest, list[float]]]]:
         """(whether the input was a single one, each input's request and vector in order)."""
         pooling = self.pooling
         if pooling is None:
             raise InvalidRequestError(task_mismatch(False), param="model")
         pooling.check_dimensions(dimensions)
+        normalize = pooling.normalize_for(normalize)
         if (prompts is None) == (input_ids is None):
             raise InvalidRequestError("give prompts or input_ids (one of them)", param="prompts")
         if prompts is not None:
@@ -149,7 +154,7 @@ class EngineEmbeddings(EngineScores, EngineClient):
                                                 self.context_len, i))
                 for i, x in enumerate(ids)]
         outs = self._run_embeddings(reqs)
-        return single, [(r, pooling.shorten(o.embedding, dimensions)) for r, o in zip(reqs, outs)]
+        return single, [(r, pooling.shorten(o.embedding, dimensions, normalize)) for r, o in zip(reqs, outs)]
 
     def _run_embeddings(self, reqs: list[GenerateRequest]) -> list[RequestOutput]:
         """Submits the requests and waits for each one's final output (raises if any failed)."""

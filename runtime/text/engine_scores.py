@@ -2,7 +2,7 @@
 *ForSequenceClassification, or a causal LM made one by --hf-overrides' classifier_from_token), and the pair
 encoding it shares with POST /score and /rerank. Each (text_1, text_2) pair is the tokenizer's text-pair
 encoding (`tokenizer(text_1, text_2)`, as vLLM encodes cross-encoder pairs), scored by the score head at its
-last token: sigmoid of the one logit (vLLM's score), or the raw logit with use_activation false. Inputs pair
+last token (the pooler's default): sigmoid of the one logit (vLLM's score), or the raw logit with use_activation false. Inputs pair
 as vLLM pairs them: 1:1, 1:N (text_1 repeated) or N:N. A prompt format such as Qwen3-Reranker's (its system
 prompt and <Instruct>/<Query>/<Document> lines) is the client's to write, as vLLM's examples do."""
 

@@ -8,12 +8,16 @@ e5-mistral-instruct, gte-Qwen2-1.5B-instruct). config.json is read with --hf-ove
 model whose config.json sets is_causal false is refused (Shoal's attention is causal) unless that is a
 mislabel, as gte-Qwen2-1.5B-instruct's is (its HF code runs causal; vLLM advises --hf-overrides
 '{"is_causal": true}'); a truly bidirectional one, such as gte-Qwen2-7B-instruct per vLLM, stays refused.
-A *ForSequenceClassification model (a reward model or classifier) pools its score head's logits at the last
-token, unnormalized, whatever modules.json says; `labels` (id2label) marks it, and `probabilities` turns
-its logits into /classify's probs as vLLM's classify pooler does.
+A *ForSequenceClassification model (a reward model or classifier) pools its score head's logits,
+unnormalized, at the last token (HF's rule) whatever modules.json says, or as --pooler-config's
+pooling_type asks (MEAN, CLS); `labels` (id2label) marks it, and `probabilities` turns its logits into
+/classify's probs as vLLM's classify pooler does.
 --pooler-config (vLLM's, also --override-pooler-config) wins over all of it, as vLLM's does over the model's
 and sentence-transformers' defaults: pooling_type, normalize, dimensions (the default of a request that
-gives none) and use_activation (an embedder's normalize in vLLM's newer spelling; a classifier's probs)."""
+gives none) and use_activation (an embedder's normalize in vLLM's newer spelling; a classifier's probs).
+The runner hands back raw pooled vectors; `shorten` makes each request's answer of one (Matryoshka
+truncation, then L2 normalization as `normalize_for` resolves the request's normalize / use_activation
+against the model's), so a request may ask for the raw vector of a normalizing model, or the reverse."""
 
 from __future__ import annotations
 
@@ -139,10 +143,7 @@ class PoolingConfig:
             return ServerArgsError("--pooler-config", f"key {key!r}: {why}")
 
         changes = dict(pooler)
-        if self.is_classifier:  # the score head's logits are pooled at the last token, never normalized
-            if changes.get("pooling_type", "last") != "last":
-                raise bad("pooling_type", "a *ForSequenceClassification model pools its score head at the last "
-                                          "token only (LAST)")
+        if self.is_classifier:  # the score head's logits: pooled LAST, MEAN or CLS, never normalized
             for key in ("normalize", "dimensions"):
                 if changes.get(key):
                     raise bad(key, "applies to embedding models; this one is a *ForSequenceClassification "
@@ -195,17 +196,39 @@ class PoolingConfig:
             raise InvalidRequestError(f"dimensions {dimensions} exceeds the model's embedding size "
                                       f"{self.hidden_size}", param="dimensions")
 
-    def shorten(self, vector: list[float], dimensions: int | None) -> list[float]:
-        """The first `dimensions` components (checked by check_dimensions; None: --pooler-config's default,
-        checked at start), renormalized when this model's vectors are normalized (Matryoshka: truncate,
-        then L2-normalize again)."""
+    def normalize_for(self, normalize: object = None, use_activation: object = None) -> bool:
+        """Whether a request's vector is L2-normalized: its `normalize`, or `use_activation` (vLLM's newer
+        name for it; both given must agree), else this model's default. InvalidRequestError naming the
+        param for a non-bool, and for true on a classifier (its vectors are the score head's raw logits)."""
+        given: tuple[str, bool] | None = None
+        for name, value in (("normalize", normalize), ("use_activation", use_activation)):
+            if value is None:
+                continue
+            if not isinstance(value, bool):
+                raise InvalidRequestError(f"{name} must be true or false, got {value!r}", param=name)
+            if given is not None and given[1] != value:
+                raise InvalidRequestError("normalize and use_activation (its newer name) disagree",
+                                          param="use_activation")
+            given = (name, value)
+        if given is None:
+            return self.normalize
+        if given[1] and self.is_classifier:
+            raise InvalidRequestError(f"{given[0]} true normalizes an embedding; this model is a "
+                                      "*ForSequenceClassification classifier, whose vectors are its score head's "
+                                      "raw logits (POST /classify's use_activation gives probabilities)",
+                                      param=given[0])
+        return given[1]
+
+    def shorten(self, vector: list[float], dimensions: int | None, normalize: bool | None = None) -> list[float]:
+        """A request's answer of the runner's raw pooled vector: its first `dimensions` components
+        (checked by check_dimensions; None: --pooler-config's default, checked at start), then L2-normalized
+        when `normalize` (normalize_for's; None: the model's). Matryoshka truncates before normalizing, as
+        vLLM does, so a shortened vector of a normalizing model is unit length again."""
         dimensions = self.dimensions if dimensions is None else dimensions
-        if dimensions is None or dimensions >= len(vector):
-            return vector
-        head = vector[:dimensions]
-        if not self.normalize:
+        head = vector if dimensions is None or dimensions >= len(vector) else vector[:dimensions]
+        if not (self.normalize if normalize is None else normalize):
             return head
-        norm = math.sqrt(math.fsum(x * x for x in head))
+        norm = math.hypot(*head)  # C-speed and overflow-safe: thousands of components per vector
         return [x / norm for x in head] if norm > 0 else head
 
     def prompt(self, name: str | None, text: str | None = None) -> str:

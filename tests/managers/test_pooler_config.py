@@ -103,7 +103,7 @@ def test_default_dimensions(tiny_model_dirs, tmp_path):
     assert len(pooling.shorten(full, 32)) == 32  # a request's own wins
 
 
-def test_classifier_keeps_last_and_honours_use_activation(tiny_model_dirs, tmp_path):
+def test_classifier_honours_use_activation_and_refuses_embedder_keys(tiny_model_dirs, tmp_path):
     path = tmp_path / "clf"
     path.mkdir()
     cfg = json.loads((tiny_model_dirs["qwen3"] / "config.json").read_text())
@@ -112,8 +112,7 @@ def test_classifier_keeps_last_and_honours_use_activation(tiny_model_dirs, tmp_p
     assert PoolingConfig.read(path).probabilities([0.0, 0.0]) == [0.5, 0.5]
     raw = PoolingConfig.read(path, None, {"use_activation": False, "pooling_type": "last", "normalize": False})
     assert raw.use_activation is False and raw.labels == ("neg", "pos")  # the default; a request may ask again
-    for bad, key in (({"pooling_type": "mean"}, "pooling_type"), ({"normalize": True}, "normalize"),
-                     ({"dimensions": 1}, "dimensions")):
+    for bad, key in (({"normalize": True}, "normalize"), ({"dimensions": 1}, "dimensions")):
         with pytest.raises(ServerArgsError, match=f"key '{key}'"):
             PoolingConfig.read(path, None, bad)
 
