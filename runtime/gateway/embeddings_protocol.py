@@ -94,7 +94,7 @@ class ClassifyRequest(EmbeddingRequest, kw_only=True):
     """POST /classify: vLLM's ClassificationRequest (`input` or `messages`, as /v1/embeddings takes them)
     or SGLang's (EmbeddingReqInput's `text` / `input_ids` / `rid`, answered as /encode answers)."""
 
-    use_activation: bool | None = None  # vLLM's: False gives the raw logits as probs (None: True)
+    use_activation: bool | None = None  # vLLM's: False gives the raw logits as probs (None: the server's --pooler-config)
     activation: bool | None = None  # vLLM's older name of use_activation
     text: Any = None  # SGLang's form: answered in /encode's shape
     input_ids: Any = None

@@ -15,7 +15,7 @@ class ScoreRequest(Struct, kw_only=True):
     text_1: Any = None  # a string or strings: paired 1:1, 1:N or N:N with text_2
     text_2: Any = None
     truncate_prompt_tokens: int | None = None
-    use_activation: bool | None = None  # False: the raw logit (None: True)
+    use_activation: bool | None = None  # False: the raw logit (None: the server's --pooler-config)
     activation: bool | None = None  # vLLM's older name of use_activation
     user: str | None = None
 

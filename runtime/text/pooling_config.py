@@ -144,11 +144,14 @@ class PoolingConfig:
 
         changes = dict(pooler)
         if self.is_classifier:  # the score head's logits: pooled LAST, MEAN or CLS, never normalized
-            for key in ("normalize", "dimensions"):
-                if changes.get(key):
-                    raise bad(key, "applies to embedding models; this one is a *ForSequenceClassification "
-                                   "classifier (use_activation turns its probs' activation off)")
+            if changes.get("dimensions"):
+                raise bad("dimensions", "applies to embedding models; this one is a *ForSequenceClassification "
+                                        "classifier (use_activation turns its probs' activation off)")
             changes.pop("dimensions", None)
+            if "normalize" in changes:  # vLLM's older spelling of use_activation (a classifier's false: raw logits)
+                if changes.setdefault("use_activation", changes["normalize"]) != changes["normalize"]:
+                    raise bad("normalize", "is vLLM's older name of a classifier's use_activation; the two disagree")
+                del changes["normalize"]
         elif "use_activation" in changes:  # an embedder's activation is its normalization (vLLM >= 0.11)
             if changes.setdefault("normalize", changes["use_activation"]) != changes["use_activation"]:
                 raise bad("use_activation", "is an embedding model's normalize; the two disagree")

@@ -112,7 +112,9 @@ def test_classifier_honours_use_activation_and_refuses_embedder_keys(tiny_model_
     assert PoolingConfig.read(path).probabilities([0.0, 0.0]) == [0.5, 0.5]
     raw = PoolingConfig.read(path, None, {"use_activation": False, "pooling_type": "last", "normalize": False})
     assert raw.use_activation is False and raw.labels == ("neg", "pos")  # the default; a request may ask again
-    for bad, key in (({"normalize": True}, "normalize"), ({"dimensions": 1}, "dimensions")):
+    old_name = PoolingConfig.read(path, None, {"normalize": False})  # vLLM's older spelling of use_activation
+    assert old_name.use_activation is False and old_name.normalize is False
+    for bad, key in (({"normalize": True, "use_activation": False}, "normalize"), ({"dimensions": 1}, "dimensions")):
         with pytest.raises(ServerArgsError, match=f"key '{key}'"):
             PoolingConfig.read(path, None, bad)
 
