@@ -2,11 +2,12 @@
 boundary when an operator flushes the prefix cache (SGLang's /flush_cache, vLLM's /reset_prefix_cache) or
 profiles the workers' steps (/start_profile, /stop_profile): the ProfileControl every TP rank applies at
 the same step boundary, the WeightUpdate every TP rank of every replica loads (SGLang's
-/update_weights_from_disk), the WeightSyncInit / DistributedWeights of a trainer's process group (SGLang's
-/init_weights_update_group, /update_weights_from_distributed), the SleepControl every TP rank applies to give its device memory back or take it
-again (vLLM's /sleep and /wake_up, SGLang's /release_memory_occupation and /resume_memory_occupation), the
-PauseControl of SGLang's /pause_generation, and
-the AdminReply each replica answers with (no exception pickling)."""
+/update_weights_from_disk) once every replica has answered the UpdateProbe (would it take one now), the
+WeightSyncInit / DistributedWeights of a trainer's process group (SGLang's /init_weights_update_group,
+/update_weights_from_distributed), the SleepControl every TP rank applies to give its device memory back or
+take it again (vLLM's /sleep and /wake_up, SGLang's /release_memory_occupation and /resume_memory_occupation),
+the PauseControl of SGLang's /pause_generation, and the AdminReply each replica answers with (no exception
+pickling)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,19 @@ class WeightUpdate(msgspec.Struct, frozen=True, kw_only=True):
     abort_all_requests: bool = False  # abort every request first, instead of letting the running ones finish
     weight_version: str | None = None  # /get_model_info's weight_version from here on (None: "update-<n>")
     flush_cache: bool = True  # drop the cached prefixes (their KV came from the old weights)
+
+
+class UpdateProbe(msgspec.Struct, frozen=True, kw_only=True):
+    """"Would you take this weight update now?", asked of every replica before any of them loads one (a refusal
+    on one refuses it on all: replicas never serve different weights over it). The fields of a WeightUpdate or
+    DistributedWeights that decide a refusal (SchedulerHost.check_update); the AdminReply's error says why not."""
+
+    flush_cache: bool = True
+    abort_all_requests: bool = False  # the running requests end first: none keeps KV the flush would strand
+
+    @staticmethod
+    def of(update: WeightUpdate | DistributedWeights) -> UpdateProbe:
+        return UpdateProbe(flush_cache=update.flush_cache, abort_all_requests=update.abort_all_requests)
 
 
 class WeightSyncInit(msgspec.Struct, frozen=True, kw_only=True):

@@ -282,6 +282,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     finished_open_max_new_tokens: int = 0  # their max_new_tokens: output / this is how much of it they use
     reserved_decode_tokens: int = 0  # KV the engine holds back for the running requests' output (Retractor)
     waiting_reserved_decode_tokens: int = 0  # what it will hold back for the waiting ones as they start
+    paused_replicas: int = 0  # schedulers paused by /pause_generation (summed: how many of them are)
 
     @property
     def spec_accept_length(self) -> float:

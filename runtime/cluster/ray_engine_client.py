@@ -358,7 +358,7 @@ class RayEngineClient(RayLoraClient, RayAdminClient, EngineClient):  # run-time 
         for i in self._targets_of(gi):
             self.replicas[i].prefixes.reset()  # a fresh cache, and a fresh event log to read from -1
         await self._start_pumps(new)  # links first: a routed request is sent over its target's link
-        await self._restore_loras(gi)  # the adapters loaded (or unloaded) since start, before it takes requests
+        await self._restore_pause(gi, new)  # paused as the others are, its LoRA adapters, then live (RayAdminClient)
         if self.groups[gi] is new and gi not in self._restarting:  # unless it failed again meanwhile
             for i in self._targets_of(gi):
                 self.replicas[i].alive = True

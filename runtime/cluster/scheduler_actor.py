@@ -21,16 +21,15 @@ import threading
 import time
 from typing import Any
 
-import msgspec
-
 from runtime.admin_messages import (
-    CUDA_GRAPH,
     AdminReply,
     PauseControl,
     ProfileControl,
     SleepControl,
+    UpdateProbe,
     WeightUpdate,
 )
+from runtime.cluster.replica_ranks import ReplicaRanks
 from runtime.cluster.tp_rank import RankSpec, TpRank, endpoint, local_model_path
 from runtime.cluster.weight_sync_actor import WeightSyncRanks
 from runtime.config import ServerArgs
@@ -50,7 +49,7 @@ from runtime.messages import (
 logger = logging.getLogger(__name__)
 
 
-class SchedulerActor:
+class SchedulerActor(ReplicaRanks):  # the weight loads and sleeps of all its TP ranks
     def __init__(self, args: ServerArgs, model_path: str, spec: RankSpec):
         self.args, self.model_path, self.spec = args, model_path, spec
         self.name = f"rank {spec.rank}"
@@ -228,6 +227,11 @@ class SchedulerActor:
             lambda: self._update_all_ranks(update), update.abort_all_requests, update.flush_cache,
             update.weight_version))
 
+    async def check_update(self, probe: UpdateProbe) -> AdminReply:
+        """Would this replica take a weight update now (SchedulerHost.check_update)? Holds and loads nothing:
+        the client asks every replica before any loads."""
+        return await asyncio.to_thread(_admin, lambda: self.host.check_update(probe))
+
     async def pause_generation(self, ctl: PauseControl) -> AdminReply:
         """SchedulerHost.pause_generation: no step runs here until continue_generation; new requests wait."""
         return await asyncio.to_thread(_admin, lambda: self.host.pause_generation(ctl.mode))
@@ -237,22 +241,6 @@ class SchedulerActor:
 
     async def weight_version(self) -> str:
         return self.host.weight_version if self.host is not None else "default"
-
-    def _update_all_ranks(self, update: WeightUpdate) -> AdminReply:
-        """On the scheduler thread, nothing running: the followers' loops wait for the next step meanwhile."""
-        worker = self.rank.worker
-        reply = worker.check_weights(update)
-        errors = [reply.error] if reply.error else self._on_followers("check_weights", update)
-        if errors:
-            return AdminReply(error=errors[0])
-        reply = worker.update_weights(update, checked=True)
-        if reply.error is not None:  # rank 0 reloaded its old weights; the followers never started
-            return reply
-        errors = self._on_followers("update_weights", update, True)
-        if errors:  # the ranks now hold different weights: only a relaunch makes them one model again
-            self.group.fail(f"weight update of {self.name} failed on a TP rank after rank 0 loaded: {errors[0]}")
-            return AdminReply(error=errors[0])
-        return reply
 
     async def weight_sync(self, method: str, arg: Any) -> AdminReply:
         """init_ / destroy_weights_update_group, update_weights_from_distributed on every TP rank at once
@@ -266,40 +254,6 @@ class SchedulerActor:
 
     async def sleeping_tags(self) -> list[str]:
         return list(self.host.asleep) if self.host is not None else []
-
-    def _memory_all_ranks(self, ctl: SleepControl) -> AdminReply:
-        """On the scheduler thread, nothing running; every rank at once. A wake_up first restores the memory
-        of every rank, then (all succeeded, nothing left released) captures the CUDA graphs on all of them
-        together: the capture runs the model, whose TP collectives need every rank in them."""
-        if not self._followers:
-            return self.rank.worker.memory_sleep(ctl)
-        reply = self._on_all_ranks(msgspec.structs.replace(ctl, graphs=False) if not ctl.sleep else ctl)
-        if reply.error is None and not ctl.sleep and not reply.sleeping_tags and ctl.graphs:
-            graphs = self._on_all_ranks(SleepControl(sleep=False, tags=(CUDA_GRAPH,)))
-            reply.error = graphs.error
-        return reply
-
-    def _on_all_ranks(self, ctl: SleepControl) -> AdminReply:
-        import ray
-
-        refs = [f.memory_sleep.remote(ctl) for f in self._followers]
-        reply = self.rank.worker.memory_sleep(ctl)
-        replies = [reply, *ray.get(refs)]
-        errors = [r.error for r in replies if r.error]
-        if errors and len(errors) < len(replies):  # the ranks now differ: only a relaunch makes them one again
-            self.group.fail(f"{'sleep' if ctl.sleep else 'wake_up'} of {self.name} failed on some TP ranks only: "
-                            f"{errors[0]}")
-        reply.error = errors[0] if errors else None
-        return reply
-
-    def _on_followers(self, method: str, *args: Any) -> list[str]:
-        """Calls `method` on every other TP rank and waits; their errors."""
-        if not self._followers:
-            return []
-        import ray
-
-        replies = ray.get([getattr(f, method).remote(*args) for f in self._followers])
-        return [r.error for r in replies if r.error]
 
     # ---- LoRA adapters at run time (runtime/lora/lora_registry.py) --------------------------------
     async def load_lora_adapter(self, name: str, path: str, replace: bool = False) -> LoraUpdate:

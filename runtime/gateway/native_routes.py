@@ -202,9 +202,16 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def health_generate(request: web.Request) -> web.Response:
-    """Ready and able to generate: runs one greedy token."""
+    """Ready and able to generate: runs one greedy token. While generation is paused (/pause_generation) a
+    probe would wait for /continue_generation, so it answers 200 without one, as SGLang's: a paused engine is
+    healthy (its body says paused)."""
     state = request.app[STATE_KEY]
     client = state.client()
+    paused = await _paused_replicas(client)
+    if paused:
+        return _json({"status": "ok", "generation": "paused",
+                      "message": f"generation is paused on {paused} scheduler{'s' if paused != 1 else ''} "
+                                 "(/pause_generation): no probe was run; /continue_generation resumes it"})
     ids = [0] if getattr(client.tokenizer, "is_null", False) else client.tokenizer.encode("ping") or [0]
     req = GenerateRequest(rid=state.new_id("health"), input_ids=ids,
                           sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))
@@ -225,6 +232,17 @@ async def health_generate(request: web.Request) -> web.Response:
     if error is not None:
         raise ApiError(503, f"generation check failed: {error}", code="unhealthy")
     return _json({"status": "ok"})
+
+
+async def _paused_replicas(client: Any) -> int:
+    """How many schedulers say they are paused (their stats); 0 when the stats cannot be read: the probe then
+    finds out what is wrong."""
+    try:
+        stats = await client.stats()
+    except Exception:
+        logger.debug("could not read scheduler stats for /health_generate", exc_info=True)
+        return 0
+    return getattr(stats, "paused_replicas", 0)
 
 
 async def metrics(request: web.Request) -> web.Response:

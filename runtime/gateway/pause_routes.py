@@ -3,8 +3,11 @@
 "abort" when absent, as SGLang) and POST /continue_generation (optional body, SGLang's ContinueGenerationReqInput:
 torch_empty_cache is accepted and has nothing to do). Each answers SGLang's {"message": "Generation paused
 successfully.", "status": "ok"} (or "continued"); a bad mode or body is a 400 naming mode. While paused no step
-runs on any replica, new requests wait (they are not refused), weight updates run, and /health stays 200;
-SchedulerHost.pause_generation (runtime/managers/scheduler_host.py) says what each mode does."""
+runs on any replica (one relaunched meanwhile comes back paused), new requests wait (they are not refused),
+weight updates run (refused on every replica, before any loads, when one holds requests paused in place and the
+update would flush), /health stays 200 and /health_generate answers 200 without a probe, its body saying
+generation is paused; SchedulerHost.pause_generation (runtime/managers/scheduler_host.py) says what each mode
+does."""
 
 from __future__ import annotations
 

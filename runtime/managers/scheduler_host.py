@@ -36,12 +36,15 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
+import torch
+
 from runtime.admin_messages import (
     WEIGHTS,
     AdminReply,
     EngineAsleepError,
     ProfileControl,
     SleepControl,
+    UpdateProbe,
     pause_control,
 )
 from runtime.config import ServerArgs
@@ -186,11 +189,10 @@ class SchedulerHost:
         return self._with_gc(self.call(self.scheduler.get_stats, timeout_s))
 
     def call(self, fn: Callable[[], T], timeout_s: float = 10.0, on_thread: bool = False) -> T:
-        """fn() on the scheduler thread between two steps, under its lock; waits for it (call off event
-        loops) and raises what it raised. A running loop answers through its inbox — waiting for its lock
-        instead would starve while it steps back to back (a Lock is not fair: the loop takes it again before a
-        waiter wakes). A loop that does not answer in timeout_s (or is not running): fn runs here, under the lock,
-        unless on_thread (fn must run on the scheduler thread): EngineUnavailableError then."""
+        """fn() on the scheduler thread between two steps, under its lock; waits for it (call off event loops)
+        and raises what it raised. A running loop answers through its inbox: waiting for its lock would starve
+        while it steps back to back (a Lock is not fair). A loop that does not answer in timeout_s (or is not
+        running): fn runs here, under the lock, unless on_thread (fn needs that thread): EngineUnavailableError."""
         if not self.is_running() and on_thread:
             raise EngineUnavailableError("the scheduler is not running")
         if self.is_running():
@@ -213,8 +215,8 @@ class SchedulerHost:
                 logger.warning("the scheduler did not answer in %.0f s", timeout_s)
                 if on_thread:
                     raise EngineUnavailableError(f"the scheduler did not answer in {timeout_s:.0f} s") from None
-        with self.scheduler.lock:
-            return fn()
+        with self.scheduler.lock, torch.inference_mode(False):  # as on its thread: the caller's mode would make
+            return fn()  # what fn allocates inference tensors, which the scheduler thread cannot update later
 
     def flush_cache(self) -> AdminReply:
         """SGLang's /flush_cache, vLLM's /reset_prefix_cache: drops every cached prefix no request uses now."""
@@ -231,8 +233,7 @@ class SchedulerHost:
         the scheduler thread with nothing running and answers an AdminReply (error: the old weights serve)."""
         with self._updating:  # the check inside: a sleep holding the lock may release the weights meanwhile
             if WEIGHTS in self.asleep:
-                return AdminReply(error="the weights are asleep (released by sleep / release_memory_occupation): "
-                                        "wake_up with tags weights before updating them")
+                return AdminReply(error=self._refusal(flush))
             self._hold()
             try:
                 if abort_all:  # SGLang's abort_all_requests: they end with finish_reason abort
@@ -336,13 +337,25 @@ class SchedulerHost:
         while not self.call(lambda: not sched.reqs and sched.pending is None, WEIGHT_UPDATE_TIMEOUT_S, on_thread=True):
             time.sleep(0.005)
 
+    def check_update(self, probe: UpdateProbe) -> AdminReply:
+        """Would a weight update be taken now? Holds and loads nothing: a client over several replicas asks each
+        first and refuses the update on all if one would (RayAdminClient); update_weights checks again."""
+        return AdminReply(error=self.call(lambda: self._refusal(probe.flush_cache, probe.abort_all_requests)))
+
+    def _refusal(self, flush: bool, abort_all: bool = False) -> str | None:
+        """Why an update would be refused now (None: it would load); on the scheduler thread (requests' KV)."""
+        if WEIGHTS in self.asleep:
+            return ("the weights are asleep (released by sleep / release_memory_occupation): wake_up with tags "
+                    "weights before updating them")
+        # SGLang's flush asserts after the load: refused before it. abort_all: the aborts free that KV first.
+        stale = self.scheduler.holds_kv() if flush and not abort_all and self.paused is not None else 0
+        return None if not stale else (f"{stale} requests paused in place hold KV computed with the current weights, "
+                                       "which a flush cannot drop: pause with mode retract or abort, or pass "
+                                       "flush_cache=false to keep that KV (it goes stale) and the prefix cache")
+
     def _apply_update(self, apply: Callable[[], AdminReply], flush: bool, weight_version: str | None) -> AdminReply:
-        stale = self.scheduler.holds_kv() if flush and self.paused is not None else 0
-        if stale:  # SGLang's flush fails here (asserting after the load); refused before loading instead
-            return AdminReply(error=f"{stale} requests paused in place hold KV computed with the current weights, "
-                                    "which a flush cannot drop: pause with mode retract or abort, or pass "
-                                    "flush_cache=false to keep that KV (it goes stale) and the prefix cache")
-        reply = apply()
+        refusal = self._refusal(flush)  # again at load time (RayAdminClient says why a change since is harmless)
+        reply = apply() if refusal is None else AdminReply(error=refusal)
         if reply.error is None:
             self._updates += 1
             self.weight_version = weight_version or f"update-{self._updates}"
@@ -353,6 +366,7 @@ class SchedulerHost:
 
     def _with_gc(self, stats: SchedulerStats) -> SchedulerStats:
         stats.gc_pause_s, stats.gc_slow_pauses = self.gc.pauses.total_s, self.gc.pauses.slow
+        stats.paused_replicas = int(self.paused is not None)  # /health_generate answers it without a probe
         return stats
 
     def stop(self, timeout_s: float = 10.0) -> bool:
