@@ -290,3 +290,19 @@ def test_engine_built_under_inference_mode_serves(make_engine, tiny_llama, pool_
     assert out["finish_reason"] == "length" and len(out["output_ids"]) == SHORT["max_new_tokens"]
     assert len(out["logprobs"]) == SHORT["max_new_tokens"]
     pool_full(engine)
+
+
+def test_host_call_fallback_runs_outside_the_callers_inference_mode(make_engine, tiny_llama):
+    """A scheduler that does not answer (here: stopped) has fn run on the caller's thread; under the caller's
+    inference_mode what fn allocated became inference tensors the scheduler thread could not update later
+    (a flush that fell back left the KV allocator's free map so: review)."""
+    import torch
+
+    engine = make_engine(tiny_llama)
+    host = engine.host
+    assert host.stop()
+    with torch.inference_mode():
+        made = host.call(lambda: torch.zeros(4))
+    assert not made.is_inference()
+    made.add_(1)  # outside inference mode, as the scheduler thread would
+    assert made.tolist() == [1.0] * 4
