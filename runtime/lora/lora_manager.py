@@ -4,7 +4,9 @@ slots of rank --max-lora-rank to every projection, 16-bit or quantized (FP8, 4-b
 The scheduler decides which adapter occupies which slot (runtime/lora/lora_slots.py): load_slots() copies
 them in before the step that first uses them. The model runner calls prepare() with the step's per-token
 slots before the forward. Where an FP8 KV rotation's V side lives in W_v / W_o, each adapter's v_proj B and
-o_proj A are folded the same way as it is read (runtime/model_executor/v_rotation_fold.py)."""
+o_proj A are folded the same way as it is read (runtime/model_executor/v_rotation_fold.py); with an FP8 KV
+cache an adapter whose K/V terms outgrow the calibrated scales is refused as it is read
+(runtime/model_executor/kv_range_probe.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from runtime.lora.lora_batch import LoraBatch
 from runtime.lora.lora_config import FLAG, LoraAdapterConfig, LoraSpec, load_error, parse_lora_modules
 from runtime.lora.lora_layer import LoraDelta
 from runtime.messages import LoraLoad
+from runtime.model_executor.kv_range_probe import probe_of
 from runtime.model_executor.v_rotation_fold import fold_lora_pair, folded_v_mat
 
 logger = logging.getLogger(__name__)
@@ -43,6 +46,7 @@ class LoraManager:
         # An FP8 KV rotation folded into W_v / W_o (before this: kv_cache_format.py) folds into the adapters too;
         # its H on the host now, so a load at run time (another thread) reads no device memory
         self.v_folds = [None if (h := folded_v_mat(layer.self_attn)) is None else h.float().cpu() for layer in layers]
+        self.kv_probe = probe_of(model)  # with an FP8 KV cache: each adapter's K/V range is checked as it is read
         # the activations' dtype (the embedding is never quantized): the adapters run on the 16-bit x
         embed = model.model.embed_tokens.weight
         self.batch = LoraBatch(args.max_loras, embed.dtype, embed.device)
@@ -84,7 +88,21 @@ class LoraManager:
         for (layer, module), w in list(adapter.weights.items()):  # shapes checked above: heads view cleanly
             if (h := self.v_folds[layer]) is not None and module in ("v_proj", "o_proj"):
                 adapter.weights[layer, module] = LoraWeights(*fold_lora_pair(module, w.a, w.b, h))
+        if self.kv_probe is not None:  # an FP8 KV cache: its K/V terms must fit the calibrated scales
+            self._check_kv_range(spec, adapter)
         return adapter
+
+    def _check_kv_range(self, spec: LoraSpec, adapter: LoraAdapter) -> None:
+        """ServerArgsError naming the adapter, the layer and the ratio where its k_proj / v_proj terms take
+        K or V past the FP8 KV cache's range (runtime/model_executor/kv_range_probe.py)."""
+        terms: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for (layer, module), w in adapter.weights.items():
+            if module in ("k_proj", "v_proj"):  # this rank's rows of B, placed as the fused qkv output's
+                delta = self.deltas[layer]["self_attn.qkv_proj"]
+                terms.setdefault(layer, []).append(delta.shard(_FUSED[module][2], w.a, w.b))
+        why = self.kv_probe.check(f"adapter {spec.name!r} ({spec.path})", terms) if terms else None
+        if why is not None:
+            raise ServerArgsError(FLAG, why)
 
     def add(self, load: LoraLoad) -> None:
         """An adapter loaded at run time (any thread: reads host files, writes no device memory); an

@@ -12,6 +12,8 @@ with an explicit rotation apply to the rotated values."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,6 +25,7 @@ from runtime.mem_cache.kv_rotation import KVRotation
 from runtime.mem_cache.kv_scales import KVScales
 from runtime.model_executor.checkpoint_kv_scales import CheckpointKVScales
 from runtime.model_executor.kv_calibrator import KVCalibrator
+from runtime.model_executor.kv_range_probe import KVRangeCapture, KVRangeProbe, attach_probe
 from runtime.model_executor.v_rotation_fold import fold_v_rotation
 
 if TYPE_CHECKING:
@@ -51,6 +54,27 @@ class KVCacheFormat:
         def calibration_ids() -> list[int]:
             return KVCalibrator.calibration_ids_for(args, cfg, context_len, model_path)
 
+        # --enable-lora: the prefill's qkv inputs and K/V kept to check each adapter's range (kv_range_probe.py)
+        capture = KVRangeCapture.for_model(model) if args.enable_lora else None
+        with capture.recording() if capture is not None else nullcontext():
+            scales, rotation = cls._calibrate(args, calibrator, calibration_ids, mode, rot, cfg, model_path)
+            if capture is not None and not capture.complete:  # static or checkpoint scales: no prefill ran yet
+                calibrator.amax(calibration_ids())
+        if rotation is not None:  # V's change of basis into the weights: two launches a layer fewer
+            rotation = fold_v_rotation(model, rotation)
+        if capture is not None:
+            attach_probe(model, KVRangeProbe.build(capture, scales, rotation))
+        if device.type == "cuda":  # calibration activations would otherwise count as used when sizing the pool
+            torch.cuda.empty_cache()
+        if ctx.attn.rank == 0 and ctx.mlp.rank == 0:
+            logger.info("FP8 KV cache scales (%s); rotation: %s", scales.summary(),
+                        rotation.summary() if rotation is not None else "none")
+        return cls(scales, rotation)
+
+    @staticmethod
+    def _calibrate(args: ServerArgs, calibrator: KVCalibrator, calibration_ids: Callable[[], list[int]],
+                   mode: str, rot: str, cfg: ModelConfig, model_path: str) -> tuple[KVScales, KVRotation | None]:
+        layers = cfg.num_hidden_layers
         scales, rotation = None, None
         if mode == "static":
             scales = KVScales.uniform(layers, args.kv_cache_scale or 1.0)
@@ -67,11 +91,4 @@ class KVCacheFormat:
             elif scales is None:
                 scales, rotation = calibrator.calibrate_rotation(calibration_ids(),
                                                                  "calibrated" if rot == "auto" else rot, cfg.dtype)
-        if rotation is not None:  # V's change of basis into the weights: two launches a layer fewer
-            rotation = fold_v_rotation(model, rotation)
-        if device.type == "cuda":  # calibration activations would otherwise count as used when sizing the pool
-            torch.cuda.empty_cache()
-        if ctx.attn.rank == 0 and ctx.mlp.rank == 0:
-            logger.info("FP8 KV cache scales (%s); rotation: %s", scales.summary(),
-                        rotation.summary() if rotation is not None else "none")
-        return cls(scales, rotation)
+        return scales, rotation
