@@ -17,6 +17,7 @@ from runtime.server_flags import (  # noqa: F401  (METRICS_COMPAT, VLLM_ALIASES:
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
     VLLM_ALIASES,
+    OneSpelling,
     check_field_types,
     pooler_config,
 )
@@ -380,12 +381,13 @@ class ServerArgs:
                 continue
             kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
             if f.name in MULTI_VALUE:
-                parser.add_argument(*flags, dest=f.name, nargs="+", default=f.default, help=helptext)
+                parser.add_argument(*flags, dest=f.name, nargs="+", default=f.default, help=helptext,
+                                    action=OneSpelling)
                 continue
             if f.default is not None:  # a None default is described in words by the help text itself
                 helptext = f"{helptext} (default: {f.default})"
             parser.add_argument(*flags, dest=f.name, type=kind, default=f.default, choices=f.metadata.get("choices"),
-                                help=helptext)
+                                help=helptext, action=OneSpelling)
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> ServerArgs:

@@ -3,6 +3,7 @@ and metrics registries a flag may name, and the parsing of the flags whose value
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import numbers
@@ -25,6 +26,22 @@ VLLM_ALIASES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "lora_modules": ("--lora-paths",), "max_loras": ("--max-loras-per-batch",),
     "pooler_config": ("--override-pooler-config",),  # vLLM's older name of --pooler-config, same JSON
 })
+
+
+class OneSpelling(argparse.Action):
+    """Stores a flag's value, refusing a second spelling of the same setting (`--pooler-config` beside vLLM's
+    `--override-pooler-config`, `--model-path` beside `--model`): argparse would keep whichever came last and
+    drop the other without a word. The same spelling twice still overrides, as scripts that append flags expect."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        seen: dict[str, str] = namespace.__dict__.setdefault("_spellings", {})
+        first = seen.setdefault(self.dest, option_string or self.dest)
+        if first != option_string:
+            parser.error(f"{option_string} and {first} set the same setting; give one of them")
+        setattr(namespace, self.dest, values)
+
+
 # Flags that take several values (`--lora-modules a=/p b=/q`), joined with spaces into their str field.
 MULTI_VALUE = frozenset({"lora_modules"})
 

@@ -130,3 +130,18 @@ def test_a_vllm_command_line_parses_as_typed():
     assert server_args(build_parser().parse_args(["serve", "--model", "/m"])).model_path == "/m"
     with pytest.raises(ServerArgsError, match="give one"):
         server_args(build_parser().parse_args(["serve", "/a", "--model-path", "/b"]))
+
+
+def test_two_spellings_of_one_flag_are_refused(capsys):
+    """vLLM's name beside Shoal's for one setting: argparse kept the last and dropped the other silently (a
+    MEAN --pooler-config lost to an --override-pooler-config); the same spelling twice still overrides."""
+    from runtime.cli import build_parser, server_args
+
+    for argv in (["--pooler-config", '{"pooling_type": "MEAN"}', "--override-pooler-config", '{"normalize": false}'],
+                 ["--max-num-seqs", "8", "--max-running-requests", "16"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--model-path", "/m", *argv])
+        assert "set the same setting; give one of them" in capsys.readouterr().err
+    args = server_args(build_parser().parse_args(["serve", "--model-path", "/m", "--max-num-seqs", "8",
+                                                  "--max-num-seqs", "16"]))
+    assert args.max_running_requests == 16
