@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import itertools
 import queue
 import threading
@@ -24,7 +23,7 @@ from runtime.errors import EngineUnavailableError, InvalidRequestError, ServerAr
 from runtime.logging_setup import setup_logging
 from runtime.lora.engine_lora import EngineLora
 from runtime.lora.lora_config import per_prompt
-from runtime.managers.request_validation import as_id_lists, per_prompt_priority
+from runtime.managers.request_validation import as_id_lists, per_prompt_priority, per_prompt_salt
 from runtime.managers.scheduler_host import SchedulerHost
 from runtime.messages import FinishReason, GenerateRequest, RequestOutput, SchedulerStats
 from runtime.model_executor.tp_worker import TpWorker
@@ -33,7 +32,7 @@ from runtime.sampling.params import SamplingParams
 from runtime.stream_delivery import deliver, gather_or_cancel, next_output
 from runtime.text.bad_words import tokenize_bad_words
 from runtime.text.engine_embeddings import EngineEmbeddings
-from runtime.text.result_collector import ResultCollector, usage_dict
+from runtime.text.result_collector import AsyncResultStream, ResultCollector, collect_result
 from runtime.text.tokenizer import NullTokenizer, Tokenizer, load_tokenizer
 
 
@@ -126,9 +125,10 @@ class Engine(EngineLora, EngineAdmin, EngineEmbeddings):  # an EngineClient; run
     def make_request(self, prompt: str | None = None, input_ids: list[int] | None = None,
                      sampling_params: dict | SamplingParams | None = None, return_input_logprob: bool = False,
                      rid: str | None = None, input_top_logprobs_num: int = 0,
-                     lora_name: str | None = None, priority: int = 0) -> GenerateRequest:
+                     lora_name: str | None = None, priority: int = 0, cache_salt: str | None = None) -> GenerateRequest:
         """Tokenizes and validates one request (InvalidRequestError on anything wrong). input_top_logprobs_num
-        N > 0: each prompt position after the first also lists its top N tokens (return_input_logprob implied)."""
+        N > 0: each prompt position after the first also lists its top N tokens (return_input_logprob implied).
+        cache_salt: the request shares prefix-cache KV only with requests of the same salt (vLLM's)."""
         sampling_params, n = self._split_n(sampling_params)
         if n > 1:
             raise InvalidRequestError("n > 1 gives several results: pass it to generate()", param="n")
@@ -141,7 +141,8 @@ class Engine(EngineLora, EngineAdmin, EngineEmbeddings):  # an EngineClient; run
         req = self.validate(GenerateRequest(rid=rid or f"engine-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
                                             input_ids=tuple(input_ids), sampling_params=params,
                                             return_input_logprob=return_input_logprob, lora_name=lora_name,
-                                            input_top_logprobs_num=input_top_logprobs_num, priority=priority))
+                                            input_top_logprobs_num=input_top_logprobs_num, priority=priority,
+                                            cache_salt=cache_salt))
         if params.grammar is not None and self.grammar is not None:  # a bad grammar fails here, not later
             self.grammar.check(params.grammar)
         return req
@@ -149,13 +150,16 @@ class Engine(EngineLora, EngineAdmin, EngineEmbeddings):  # an EngineClient; run
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_input_logprob: bool = False,
                  input_top_logprobs_num: int = 0, rid: str | list[str] | None = None,
-                 lora_name: str | list[str | None] | None = None, priority: int | list[int] = 0) -> dict | list[dict]:
+                 lora_name: str | list[str | None] | None = None, priority: int | list[int] = 0,
+                 cache_salt: str | list[str | None] | None = None) -> dict | list[dict]:
         """Blocking generation for one prompt or a list (returned in the same order). rid: the request id
         (one per prompt), for `abort(rid)` from another thread; each result carries its own as "rid".
         lora_name: an adapter served (--lora-modules, load_lora_adapter) for every prompt, or one per prompt.
-        priority: one for every prompt or one per prompt (--enable-priority-scheduling; else only 0)."""
+        priority: one for every prompt or one per prompt (--enable-priority-scheduling; else only 0).
+        cache_salt: one for every prompt or one per prompt; prefix-cache KV is shared only within a salt
+        (None with None), so tenants see nothing of each other's prompts (vLLM's and SGLang's)."""
         reqs, single = self._make_requests(prompt, sampling_params, input_ids, return_input_logprob,
-                                           input_top_logprobs_num, rid, lora_name, priority)
+                                           input_top_logprobs_num, rid, lora_name, priority, cache_salt)
         # One queue for the whole call, drained as deltas arrive: per-request queues read in request order
         # let every later request's deltas pile up (1,000 x 1,000 tokens: up to ~2M live objects for every
         # generation-2 collection to walk while the scheduler thread waits). svc workload on an H100: the
@@ -189,7 +193,8 @@ class Engine(EngineLora, EngineAdmin, EngineEmbeddings):  # an EngineClient; run
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: dict | list[dict] | None = None, *,
              tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             rid: str | list[str] | None = None, priority: int | list[int] = 0) -> dict | list[dict]:
+             rid: str | list[str] | None = None, priority: int | list[int] = 0,
+             cache_salt: str | list[str | None] | None = None) -> dict | list[dict]:
         """generate() over conversations (vLLM's LLM.chat): one list of {"role", "content"} messages, or a
         list of them; each is rendered with the model's chat template (or --chat-template) first."""
         batch = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
@@ -205,7 +210,7 @@ class Engine(EngineLora, EngineAdmin, EngineEmbeddings):  # an EngineClient; run
         ids = [self._tokenizer.apply_chat_template(list(c), add_generation_prompt, tools, continue_final_message,
                                                    chat_template_kwargs) for c in conversations]
         return self.generate(sampling_params=sampling_params, input_ids=ids if batch else ids[0], rid=rid,
-                             priority=priority)
+                             priority=priority, cache_salt=cache_salt)
 
     def _withdraw(self, rids: list[str]) -> None:
         """Frees the rids of requests an interrupt kept from being submitted. No abort: the scheduler would keep
@@ -229,28 +234,29 @@ class Engine(EngineLora, EngineAdmin, EngineEmbeddings):  # an EngineClient; run
                        input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
                        return_input_logprob: bool = False, input_top_logprobs_num: int = 0,
                        rid: str | list[str] | None = None, lora_name: str | list[str | None] | None = None,
-                       priority: int | list[int] = 0) -> Coroutine[Any, Any, dict | list[dict]] | _AsyncStream:
+                       priority: int | list[int] = 0, cache_salt: str | list[str | None] | None = None
+                       ) -> Coroutine[Any, Any, dict | list[dict]] | AsyncResultStream:
         """`await engine.async_generate(...)` gives what generate() gives (a list for a batch or n > 1) and is
         a coroutine (asyncio.create_task takes it); with stream=True, `async for delta in
         engine.async_generate(..., stream=True)` gives one prompt's text deltas as they come. Bad input
         raises here, before anything is queued."""
         reqs, single = self._make_requests(prompt, sampling_params, input_ids, return_input_logprob,
-                                           input_top_logprobs_num, rid, lora_name, priority)
+                                           input_top_logprobs_num, rid, lora_name, priority, cache_salt)
         if stream:
             if len(reqs) != 1:
                 raise InvalidRequestError("stream=True streams one prompt and one choice (n = 1): call once per "
                                           "prompt, or leave stream out for a batch", param="prompt")
-            return _AsyncStream(self, reqs[0])
+            return AsyncResultStream(self, reqs[0])
         return self._collect_all(reqs, single)
 
     async def _collect_all(self, reqs: list[GenerateRequest], single: bool) -> dict | list[dict]:
         if len(reqs) == 1:  # Shoal's own exceptions, as they were (no wrapping)
-            result = await _collect(self, reqs[0])
+            result = await collect_result(self, reqs[0])
             return result if single else [result]
-        return await gather_or_cancel(_collect(self, r) for r in reqs)
+        return await gather_or_cancel(collect_result(self, r) for r in reqs)
 
     def _make_requests(self, prompt, sampling_params, input_ids, return_input_logprob, input_top_logprobs_num=0,
-                       rid=None, lora_name=None, priority=0):
+                       rid=None, lora_name=None, priority=0, cache_salt=None):
         if prompt is not None and not isinstance(prompt, (str, list, tuple)):
             raise InvalidRequestError(f"prompt must be a string or a list of strings, not {type(prompt).__name__}",
                                       param="prompt")
@@ -272,7 +278,7 @@ class Engine(EngineLora, EngineAdmin, EngineEmbeddings):  # an EngineClient; run
         rids = [rid] if isinstance(rid, str) else rid
         if rids is not None and (len(rids) != n or len(set(rids)) != n):
             raise InvalidRequestError(f"rid needs {n} distinct ids, one per prompt", param="rid")
-        reqs, priorities = [], per_prompt_priority(priority, n)
+        reqs, priorities, salts = [], per_prompt_priority(priority, n), per_prompt_salt(cache_salt, n)
         for i in range(n):
             p, copies = self._split_n(params[i])
             if rids and copies > 1:  # abort(rid) must stop what rid names: one request, not a family
@@ -281,7 +287,7 @@ class Engine(EngineLora, EngineAdmin, EngineEmbeddings):  # an EngineClient; run
             req = self.make_request(prompts[i] if prompts is not None else None, ids[i] if ids is not None else None,
                                     p, return_input_logprob, rid=rids[i] if rids else None,
                                     input_top_logprobs_num=input_top_logprobs_num, lora_name=per_prompt(lora_name, n)[i],
-                                    priority=priorities[i])
+                                    priority=priorities[i], cache_salt=salts[i])
             reqs.append(req)
             # Choice j samples with seed + j (as the gateway does): the copies differ, reproducibly.
             seed = req.sampling_params.seed
@@ -373,28 +379,3 @@ class _AsyncConsumer:
 
 def _discard(o: RequestOutput) -> None:
     """Consumer of a request nobody reads any more (aborted): its last output ends it."""
-
-
-async def _collect(engine: Engine, req: GenerateRequest) -> dict:
-    c = ResultCollector(engine.tokenizer, req)
-    # aclosing: a cancelled caller must abort the request now, not when the GC finalizes the stream.
-    async with contextlib.aclosing(engine.stream(req)) as stream:
-        async for o in stream:
-            c.add(o)
-    return c.result()
-
-
-class _AsyncStream:
-    """async_generate(..., stream=True): iterate it for the deltas; .req is the request (its rid)."""
-
-    def __init__(self, engine: Engine, req: GenerateRequest):
-        self.engine, self.req = engine, req
-
-    async def __aiter__(self):
-        c = ResultCollector(self.engine.tokenizer, self.req)
-        async with contextlib.aclosing(self.engine.stream(self.req)) as stream:
-            async for o in stream:
-                delta = c.add(o)
-                yield {"text": delta, "output_ids": o.new_token_ids, "finished": o.finished,
-                       "finish_reason": o.finish_reason.kind if o.finish_reason else None,
-                       "usage": usage_dict(c.usage)}

@@ -31,6 +31,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     # --enable-lora: the adapter (a --lora-modules name) this request runs with; None: the base model.
     lora_name: str | None = None
     priority: int = 0  # --enable-priority-scheduling: queue order and preemption (runtime/managers/priority.py)
+    # vLLM's and SGLang's: prefix-cache KV is shared only between requests of equal salt (None with None), so
+    # one tenant's cache hits (timing, cached_tokens) tell nothing of another's prompts. Non-empty.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if type(self.input_ids) is not tuple:
@@ -100,10 +103,6 @@ class RequestOutput(msgspec.Struct, kw_only=True):
             completion_tokens=later.completion_tokens, cached_tokens=later.cached_tokens,
             queue_time_s=self.queue_time_s, trace=self.trace if self.trace is not None else later.trace,
             embedding=later.embedding if later.embedding is not None else self.embedding)
-
-
-class AbortRequest(msgspec.Struct):
-    rid: str
 
 
 class SamplingBatch(msgspec.Struct, kw_only=True):

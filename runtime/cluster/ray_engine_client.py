@@ -104,7 +104,7 @@ class RayEngineClient(RayLoraClient, RayAdminClient, EngineClient):  # run-time 
         if req.rid in self._streams:  # a second stream would take over the first one's outputs
             raise InvalidRequestError(f"request id {req.rid!r} is already in use", param="rid")
         req = pin_seed(req, self._rng)
-        hashes = page_hashes(req.input_ids) if self.policy.wants_page_hashes else []
+        hashes = page_hashes(req.input_ids, salt=req.cache_salt) if self.policy.wants_page_hashes else []
         with self._route_lock:
             target = self.policy.pick(req, self.replicas, hashes)
             i = target.index

@@ -36,7 +36,7 @@ class KVCacheManager:
         """Cached prefix length without locking (for ordering the waiting queue)."""
         if not self._can_match(req):
             return 0
-        return int(self.cache.match_prefix(req.all_ids[:-1], req.lora_id).kv_indices.numel())
+        return int(self.cache.match_prefix(req.all_ids[:-1], req.cache_namespace).kv_indices.numel())
 
     def _can_match(self, req: Req) -> bool:
         return self.enabled and not req.return_input_logprob
@@ -48,7 +48,7 @@ class KVCacheManager:
             return False
         req.req_pool_idx = rows[0]
         if self._can_match(req):
-            m = self.cache.match_prefix(req.all_ids[:-1], req.lora_id)
+            m = self.cache.match_prefix(req.all_ids[:-1], req.cache_namespace)
             req.kv_indices, req.cached_len, req.last_node = m.kv_indices.clone(), m.kv_indices.numel(), m.last_node
             self.cache.inc_lock_ref(m.last_node)
         req.pending_prefix_write = req.cached_len
@@ -73,7 +73,7 @@ class KVCacheManager:
             return
         kv_len = req.kv_len
         if self.enabled and not req.return_input_logprob and kv_len:
-            present = self.cache.insert(req.all_ids[:kv_len], req.kv_indices, req.lora_id)
+            present = self.cache.insert(req.all_ids[:kv_len], req.kv_indices, req.cache_namespace)
             if present > req.cached_len:
                 self.allocator.free(req.kv_indices[req.cached_len:present])
         else:
@@ -87,10 +87,10 @@ class KVCacheManager:
             return
         ids = req.all_ids[:computed]
         kv = req.kv_indices
-        present = self.cache.insert(ids, kv[:computed], req.lora_id)
+        present = self.cache.insert(ids, kv[:computed], req.cache_namespace)
         if present > req.cached_len:
             self.allocator.free(kv[req.cached_len:present])
-        m = self.cache.match_prefix(ids, req.lora_id)
+        m = self.cache.match_prefix(ids, req.cache_namespace)
         self.cache.inc_lock_ref(m.last_node)
         if req.last_node is not None:
             self.cache.dec_lock_ref(req.last_node)

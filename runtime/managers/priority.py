@@ -99,7 +99,7 @@ class PriorityScheduling:
         (a common system prompt) costs nothing, so it never makes anyone be preempted."""
         if not kv.enabled or r.return_input_logprob:  # no prefix match for it (KVCacheManager.admit)
             return r.seq_len
-        m = kv.cache.match_prefix(r.all_ids[:-1], r.lora_id)
+        m = kv.cache.match_prefix(r.all_ids[:-1], r.cache_namespace)
         node, unlocked = m.last_node, 0
         while node.parent is not None and node.lock_ref == 0:  # a locked node's ancestors are all locked
             unlocked += len(node.key)

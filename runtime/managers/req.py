@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from runtime.mem_cache.radix_cache import Namespace
 from runtime.messages import FinishReason, FirstTokenTrace, RequestOutput
 from runtime.sampling.params import SamplingParams
 
@@ -28,10 +29,14 @@ class ReqState(Enum):
 class Req:
     def __init__(self, rid: str, input_ids: Sequence[int], params: SamplingParams, seed: int,
                  eos_token_ids: frozenset[int], return_input_logprob: bool = False, arrival_time: float = 0.0,
-                 input_top_logprobs_num: int = 0, embed: bool = False, lora_id: int = 0, priority: int = 0):
+                 input_top_logprobs_num: int = 0, embed: bool = False, lora_id: int = 0, priority: int = 0,
+                 cache_salt: str | None = None):
         self.rid = rid
         self.priority = priority  # the client's; what it means is PriorityScheduling's (higher or lower first)
         self.lora_id = lora_id  # its LoRA adapter (its prefix-cache namespace too); 0: the base model
+        # Its tree in the prefix cache (RadixCache namespaces): the adapter's, split further by the client's
+        # cache_salt. An unsalted request keeps the plain id, so it costs nothing over no salts at all.
+        self.cache_namespace: Namespace = lora_id if cache_salt is None else (lora_id, cache_salt)
         self.lora_slot = 0  # the device slot of that adapter while admitted (runtime/lora/lora_slots.py)
         # A tuple, not a list: CPython stops tracking a tuple of ints at the first collection it survives, so
         # no full collection walks the prompts in flight (a list's every element is visited, 1,000 x 1,000

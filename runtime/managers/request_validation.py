@@ -37,6 +37,7 @@ def validate_request(limits: RequestLimits, req: GenerateRequest) -> GenerateReq
     Checks the sampling parameters too: a client may build them directly, skipping from_dict's check."""
     req.sampling_params.validate()
     check_priority(req.priority, limits.priority_scheduling)
+    check_cache_salt(req.cache_salt)
     n = len(req.input_ids)
     if n == 0:
         raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -86,6 +87,23 @@ def check_priority(priority: object, enabled: bool) -> None:
         raise InvalidRequestError(f"priority {priority} needs priority scheduling, which this server runs without "
                                   "(--enable-priority-scheduling, or vLLM's --scheduling-policy priority)",
                                   param="priority")
+
+
+def check_cache_salt(salt: object) -> None:
+    """None or a non-empty string, vLLM's rule and message: a client sending "" may mean no salt or a tenant
+    of its own, and guessing wrong would share KV it meant to keep apart (or the reverse)."""
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise InvalidRequestError("Parameter 'cache_salt' must be a non-empty string if provided.",
+                                  param="cache_salt")
+
+
+def per_prompt_salt(cache_salt: Any, n: int) -> list[Any]:
+    """The Python API's cache_salt: one for every prompt, or a list of one per prompt (checked later, each)."""
+    if not isinstance(cache_salt, (list, tuple)):
+        return [cache_salt] * n
+    if len(cache_salt) != n:
+        raise InvalidRequestError(f"{len(cache_salt)} cache salts for {n} prompts", param="cache_salt")
+    return list(cache_salt)
 
 
 def per_prompt_priority(priority: Any, n: int) -> list[Any]:

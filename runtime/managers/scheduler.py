@@ -127,8 +127,8 @@ class Scheduler:
             return
         p = g.sampling_params
         seed = p.seed if p.seed is not None else self.rng.getrandbits(62)
-        req = Req(g.rid, g.input_ids, p, seed, self.eos_token_ids, g.return_input_logprob, g.arrival_time,
-                  input_top_logprobs_num=g.input_top_logprobs_num, embed=g.embed, lora_id=lora_id, priority=g.priority)
+        req = Req(g.rid, g.input_ids, p, seed, self.eos_token_ids, g.return_input_logprob, g.arrival_time, embed=g.embed,
+                  input_top_logprobs_num=g.input_top_logprobs_num, lora_id=lora_id, priority=g.priority, cache_salt=g.cache_salt)
         if g.resumed_output_ids:
             req.resume(g.resumed_output_ids)
         self.reqs[g.rid] = req

@@ -30,15 +30,16 @@ class CacheEventLog:
         self._held: set[int] = set()
 
     # ---- the scheduler thread (RadixCache) --------------------------------------------------------
-    def stored(self, path: Sequence[int], present: int) -> None:
-        """The tree now holds path whole; it held its first `present` tokens before."""
-        hashes = page_hashes(path, _first_page_ending_after(present, self.page), page=self.page)
+    def stored(self, path: Sequence[int], present: int, salt: str | None = None) -> None:
+        """The tree now holds path whole; it held its first `present` tokens before. salt: the tree's
+        cache_salt (its pages' hashes are seeded with it, as a salted prompt's are where it is routed)."""
+        hashes = page_hashes(path, _first_page_ending_after(present, self.page), page=self.page, salt=salt)
         if hashes:
             self._append(True, hashes)
 
-    def removed(self, path: Sequence[int], start: int) -> None:
+    def removed(self, path: Sequence[int], start: int, salt: str | None = None) -> None:
         """The tree dropped path[start:] (an evicted leaf); path[:start] stays."""
-        hashes = page_hashes(path, _first_page_ending_after(start, self.page), page=self.page)
+        hashes = page_hashes(path, _first_page_ending_after(start, self.page), page=self.page, salt=salt)
         if hashes:
             self._append(False, hashes)
 

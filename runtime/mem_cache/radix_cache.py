@@ -9,8 +9,12 @@ moment `allocator.available_size() + cache.total_size() + slots held outside the
 
 Namespaces: KV computed under a LoRA adapter differs from the base model's for the same tokens, so each
 adapter's prefixes live in a tree of their own (namespace = the adapter's id; 0 = the base model, `root`).
-Eviction and accounting span every tree; only namespace 0 is reported to `events` (cache-aware routing). A
-namespace's root goes once its last node is evicted.
+A request's cache_salt splits them further (namespace = (adapter id, salt)): tenants of different salts
+never share a prefix, as vLLM's salted block hashes and SGLang's extra_key keep them apart. Eviction and
+accounting span every tree (one LRU over all of them). The base model's trees are reported to `events`
+(cache-aware routing), a salted one under page hashes seeded with its salt, so a gateway matches a prompt
+only against its own salt's prefixes; adapters' trees are not reported. A namespace's root goes once its
+last node is evicted, and a lookup never makes one, so a salt per user leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ import torch
 from runtime.errors import DoubleFreeError
 from runtime.mem_cache.allocator import KVAllocator
 from runtime.mem_cache.cache_event_log import CacheEventLog
+
+# A tree of the prefix cache: a LoRA adapter's id (0: the base model), or that id and a cache_salt.
+Namespace = int | tuple[int, str]
 
 
 class TreeNode:
@@ -53,7 +60,16 @@ class TreeNode:
 @dataclass(frozen=True, slots=True)
 class MatchResult:
     kv_indices: torch.Tensor  # int64 slots of the longest cached prefix of the query (may be empty)
-    last_node: TreeNode  # where the match ended (the root when nothing matched); lock it while in use
+    last_node: TreeNode  # where the match ended (a root when nothing matched); lock it while in use
+
+
+def _reported(namespace: Namespace) -> bool:
+    """The base model's trees, salted or not, are what cache-aware routing sees (module docstring)."""
+    return namespace == 0 or (type(namespace) is tuple and namespace[0] == 0)
+
+
+def _salt(namespace: Namespace) -> str | None:
+    return namespace[1] if type(namespace) is tuple else None
 
 
 def _common_prefix_len(a: list[int], a_start: int, b: tuple[int, ...]) -> int:
@@ -73,7 +89,8 @@ class RadixCache:
         self._clock = 0
         self._next_id = 0
         self.root = self._new_node(None, (), torch.empty(0, dtype=torch.int64))
-        self._roots = {0: self.root}  # namespace → its tree's root (created on first use)
+        self._roots: dict[Namespace, TreeNode] = {0: self.root}  # namespace → its tree's root (made on first insert)
+        self._namespace_of: dict[TreeNode, Namespace] = {self.root: 0}  # the reverse: whose tree a leaf left
         self._evictable_size = 0
         self._protected_size = 0
         # Unlocked childless nodes, i.e. exactly what `evict` may take next.
@@ -81,17 +98,17 @@ class RadixCache:
 
     # ---------------------------------------------------------------- queries
 
-    def match_prefix(self, token_ids: list[int], namespace: int = 0) -> MatchResult:
+    def match_prefix(self, token_ids: list[int], namespace: Namespace = 0) -> MatchResult:
         """Longest cached prefix of `token_ids`.
 
         If the match ends inside an edge, that edge is split so `last_node` covers exactly the matched
         tokens (locking it must not protect tokens the caller does not use). Every node on the matched
         path becomes most recently used.
         """
-        if self.disable or not token_ids:
-            return MatchResult(torch.empty(0, dtype=torch.int64), self._root(namespace))
+        node = self._roots.get(namespace)
+        if self.disable or not token_ids or node is None:  # no tree made for a lookup: see _drop_namespace
+            return MatchResult(torch.empty(0, dtype=torch.int64), self.root if node is None else node)
         tick = self._tick()
-        node = self._root(namespace)
         values: list[torch.Tensor] = []
         pos = 0
         while pos < len(token_ids):
@@ -119,7 +136,7 @@ class RadixCache:
 
     # ---------------------------------------------------------------- updates
 
-    def insert(self, token_ids: list[int], kv_indices: torch.Tensor, namespace: int = 0) -> int:
+    def insert(self, token_ids: list[int], kv_indices: torch.Tensor, namespace: Namespace = 0) -> int:
         """Store `token_ids` with their slots `kv_indices`; return `prefix_len`, how many leading tokens
         were already in the tree before this call.
 
@@ -149,8 +166,8 @@ class RadixCache:
                 self._evictable_size += len(leaf.key)
                 self._refresh_leaf_status(leaf)
                 self._refresh_leaf_status(node)
-                if self.events is not None and namespace == 0:
-                    self.events.stored(token_ids, pos)
+                if self.events is not None and _reported(namespace):
+                    self.events.stored(token_ids, pos, _salt(namespace))
                 break
             n = _common_prefix_len(token_ids, pos, child.key)
             if n < len(child.key):
@@ -206,8 +223,9 @@ class RadixCache:
             assert parent is not None
             if self.events is not None:
                 top, path = self._path(leaf)
-                if top is self.root:
-                    self.events.removed(path, len(path) - len(leaf.key))
+                namespace = self._namespace_of[top]
+                if _reported(namespace):
+                    self.events.removed(path, len(path) - len(leaf.key), _salt(namespace))
             del parent.children[leaf.key[0]]
             self._evictable_leaves.discard(leaf)
             leaf.parent = None
@@ -234,6 +252,7 @@ class RadixCache:
                 stack.extend(node.children.values())
             root.children.clear()
         self._roots = {0: self.root}
+        self._namespace_of = {self.root: 0}
         self._evictable_leaves.clear()
         self._evictable_size = 0
         self._protected_size = 0
@@ -288,19 +307,17 @@ class RadixCache:
         upper.children[child.key[0]] = child
         return upper
 
-    def _root(self, namespace: int) -> TreeNode:
+    def _root(self, namespace: Namespace) -> TreeNode:
         root = self._roots.get(namespace)
         if root is None:
             root = self._roots[namespace] = self._new_node(None, (), torch.empty(0, dtype=torch.int64))
+            self._namespace_of[root] = namespace
         return root
 
     def _drop_namespace(self, root: TreeNode) -> None:
-        """An adapter's tree lost its last node: its root goes too, so the LoRA ids of unloaded adapters (fresh
-        per load) leave nothing behind. A later insert under that id makes a new root (_root)."""
-        for namespace, r in self._roots.items():
-            if r is root:
-                del self._roots[namespace]
-                return
+        """A namespace's tree lost its last node: its root goes too, so the LoRA ids of unloaded adapters (fresh
+        per load) and salts no longer sent leave nothing behind. A later insert makes a new root (_root)."""
+        del self._roots[self._namespace_of.pop(root)]
 
     def _path(self, node: TreeNode) -> tuple[TreeNode, list[int]]:
         """(the root of node's tree, every token from it down to the end of node's edge)."""
