@@ -87,6 +87,12 @@ class IgnoredFields:
     def note(self, raw: bytes, kind: type, route: str) -> list[str]:
         """Logs (once per name) and counts the unknown keys of an accepted body; returns their paths."""
         paths = unknown_keys(raw, kind)
+        self.count(paths, route)
+        return paths
+
+    def count(self, paths: list[str], route: str) -> None:
+        """Logs (once per name) and counts fields a handler accepted without acting on them: the unknown
+        keys, and declared ones whose value asks for nothing Shoal can do (Responses' reasoning.effort)."""
         for path in paths:
             name = path[:_MAX_NAME]
             if name not in self.seen:
@@ -96,4 +102,3 @@ class IgnoredFields:
                     self.seen.add(name)
                     logger.info("ignoring request field %r (first seen on %s): Shoal does not use it", name, route)
             self.counter.labels(field=name).inc()
-        return paths

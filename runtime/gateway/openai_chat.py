@@ -4,10 +4,13 @@ model's chat template with the request's tools, n choices, logprobs/top_logprobs
 / required / named) and reasoning content (--reasoning-parser: a grammar then waits for </think>, as in
 vLLM and SGLang), streaming (the role with the first delta, content / reasoning_content / tool_calls
 deltas, finish chunk, optional usage, [DONE]). vLLM's chat
-extensions: chat_template_kwargs, add_generation_prompt, continue_final_message, truncate_prompt_tokens,
-include_stop_str_in_output, prompt_logprobs (on the response, not per choice, as vLLM answers it).
-OpenAI features Shoal lacks (legacy functions, audio output) are a 400, never silently ignored; fields
-Shoal does not know at all are ignored (protocol.py)."""
+extensions: chat_template_kwargs, documents, add_generation_prompt, continue_final_message,
+add_special_tokens, truncate_prompt_tokens, include_stop_str_in_output, prompt_logprobs (on the response,
+not per choice, as vLLM answers it), return_token_ids, return_tokens_as_token_ids; an assistant message's
+reasoning / reasoning_content reaches the template; SGLang's json_schema, no_stop_trim and lora_path
+(extension_fields.py). OpenAI features Shoal lacks (legacy functions, audio output) and vLLM / SGLang
+fields it cannot honour (beam search, logits processors, a per-request chat_template, ...) are a 400, never
+silently ignored; fields Shoal does not know at all are ignored (protocol.py)."""
 
 from __future__ import annotations
 
@@ -17,13 +20,14 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
-from msgspec import UNSET
+from msgspec import UNSET, UnsetType
 
 from runtime.engine_client import EngineClient
 from runtime.errors import ShoalError
 from runtime.gateway.chat_output import ChatOutput
 from runtime.gateway.choice_state import ChoiceState
 from runtime.gateway.errors import bad_request, from_shoal_error, not_supported
+from runtime.gateway.extension_fields import check_unhonoured, keeps_stop_str, request_lora, template_kwargs
 from runtime.gateway.generation import Generation
 from runtime.gateway.openai_responder import OpenAIResponder, prompt_logprobs_num, score_prompts_once
 from runtime.gateway.output_constraint import OutputConstraint
@@ -52,7 +56,14 @@ from runtime.text.tokenizer import Tokenizer
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
-def check_unsupported(body: ChatCompletionRequest) -> None:
+def check_unsupported(body: ChatCompletionRequest, n: int) -> None:
+    check_unhonoured(body)
+    if body.best_of is not None and body.best_of != n:
+        raise not_supported("best_of other than n", "best_of")
+    if body.chat_template is not None:
+        # vLLM takes one only behind --trust-request-chat-template: a template is code the server runs
+        raise not_supported("a per-request chat_template (the server's template renders every chat)",
+                            "chat_template")
     if body.functions:
         raise not_supported("function calling (functions)", "functions")
     if body.function_call is not None and body.function_call != "none":
@@ -82,6 +93,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             raise not_supported(f"messages[{k}]: function_call (use tool_calls)", "messages")
         if m.tool_calls and role != "assistant":
             raise bad_request(f"messages[{k}]: only assistant messages carry tool_calls", param="messages")
+        reasoning = _reasoning(k, m, role)
         content = m.content
         if isinstance(content, list):
             parts = []
@@ -102,6 +114,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             msg["name"] = m.name
         if m.tool_calls:
             msg["tool_calls"] = [_template_tool_call(k, i, c) for i, c in enumerate(m.tool_calls)]
+        if reasoning is not None:  # both names, as vLLM passes them: templates read one or the other
+            msg["reasoning"] = msg["reasoning_content"] = reasoning
         if role == "tool":
             if not isinstance(m.tool_call_id, str):
                 raise bad_request(f"messages[{k}]: a tool message needs the tool_call_id it answers",
@@ -109,6 +123,17 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
+
+
+def _reasoning(k: int, m: ChatMessage, role: str) -> str | None:
+    """An assistant message's earlier reasoning (vLLM's `reasoning`, SGLang's and Qwen's `reasoning_content`)."""
+    if m.reasoning is None and m.reasoning_content is None:
+        return None
+    if role != "assistant":
+        raise bad_request(f"messages[{k}]: only assistant messages carry reasoning", param="messages")
+    if None not in (m.reasoning, m.reasoning_content) and m.reasoning != m.reasoning_content:
+        raise bad_request(f"messages[{k}]: reasoning and reasoning_content differ: give one", param="messages")
+    return m.reasoning if m.reasoning is not None else m.reasoning_content
 
 
 def _template_tool_call(k: int, i: int, call: Any) -> dict[str, Any]:
@@ -128,8 +153,12 @@ def _template_tool_call(k: int, i: int, call: Any) -> dict[str, Any]:
 
 
 def chat_logprobs(tokenizer: Tokenizer, ids: list[int], logprobs: list[float],
-                  tops: list[list[tuple[int, float]]] | None) -> ChatChoiceLogprobs:
+                  tops: list[list[tuple[int, float]]] | None, as_ids: bool = False) -> ChatChoiceLogprobs:
+    """as_ids: vLLM's return_tokens_as_token_ids, each token named "token_id:N" (bytes: that name's)."""
     def text(t: int) -> tuple[str, list[int]]:
+        if as_ids:
+            name = f"token_id:{t}"
+            return name, list(name.encode())
         # The token's own bytes, not its text's: a token holding part of a character decodes to "\ufffd".
         return tokenizer.id_to_token_text(t), list(tokenizer.id_to_token_bytes(t))
 
@@ -149,9 +178,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body, client, state = gen.body, gen.client, gen.state
     model = state.check_model(client, body.model)
     n = state.check_n(body.n)
-    check_unsupported(body)
+    check_unsupported(body, n)
     prompt_lp = prompt_logprobs_num(body)
-    if body.top_logprobs is not None and not body.logprobs:
+    if body.top_logprobs and not body.logprobs:  # 0 asks for nothing: accepted alone, as vLLM does
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
     tools = ToolRequest.from_body(body.tools, body.tool_choice, body.parallel_tool_calls, state.args.tool_call_parser)
     constraint = OutputConstraint.from_body(body)
@@ -162,13 +191,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     constraint = constraint or tool_constraint
     messages = template_messages(body.messages)
     template_tools = tools.template_tools() if tools is not None else None
+    kwargs = template_kwargs(body.documents, body.chat_template_kwargs)
     try:
         ids = client.tokenizer.apply_chat_template(
             messages, add_generation_prompt=body.add_generation_prompt, tools=template_tools,
-            continue_final_message=body.continue_final_message, template_kwargs=body.chat_template_kwargs)
+            continue_final_message=body.continue_final_message, template_kwargs=kwargs,
+            add_special_tokens=body.add_special_tokens)
         # Only with a reasoning parser: whether the turn opens with the reasoning already closed.
         opening = turn_opening(client.tokenizer, messages, template_tools, body.add_generation_prompt,
-                               body.continue_final_message, body.chat_template_kwargs) \
+                               body.continue_final_message, kwargs) \
             if state.args.reasoning_parser is not None else ""
     except ShoalError as e:
         raise from_shoal_error(e) from None
@@ -180,7 +211,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     want_lp = bool(body.logprobs)
     params = state.sampling_params(body, max_new, return_logprob=want_lp, top_logprobs_num=body.top_logprobs or 0,
                                    logprob_param="top_logprobs", max_param=max_param)
-    if body.include_stop_str_in_output:
+    if keeps_stop_str(body):
         params = msgspec.structs.replace(params, include_stop_str_in_output=True)
     if body.skip_special_tokens is None and _mistral_markers(state, tools):
         # [THINK] / [TOOL_CALLS] are control tokens of Mistral's tokenizers (v11+): the parsers must see them,
@@ -190,7 +221,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                                   state.args.reasoning_parser)
     base = state.new_id("chatcmpl")
     reqs = state.choice_requests(client, base, [ids], params, n, return_input_logprob=prompt_lp is not None,
-                                 input_top_logprobs_num=prompt_lp or 0, lora_name=state.lora_name(body.model))
+                                 input_top_logprobs_num=prompt_lp or 0, lora_name=request_lora(state, body))
     reqs = with_priority(state, client, reqs, body.priority)
     if prompt_lp is not None:
         reqs = score_prompts_once(reqs, n)
@@ -250,6 +281,17 @@ class _ChatResponder(OpenAIResponder):
         # Parsing the text into reasoning / content / tool calls: only when asked, else the text is content.
         self.parsing = reasoning is not None or (tools is not None and tools.mode != "none")
         self.outputs = [self._output() for _ in self.choices] if self.parsing else []
+        self.token_ids, self.as_ids = bool(gen.body.return_token_ids), bool(gen.body.return_tokens_as_token_ids)
+
+    def _ids(self, ids: list[int]) -> list[int] | UnsetType:
+        """vLLM's token_ids of a choice or a chunk, when asked (return_token_ids)."""
+        return list(ids) if self.token_ids else UNSET
+
+    def _chunk(self, c: ChoiceState, first: bool, choice: ChatStreamChoice) -> ChatCompletionChunk:
+        chunk = self.chunk([choice], self.chunk_usage())
+        if first:  # return_token_ids: the prompt's ids go with each choice's first chunk, as vLLM's do
+            chunk.prompt_token_ids = self._ids(c.req.input_ids)
+        return chunk
 
     def _output(self) -> ChatOutput:
         parser = None
@@ -275,14 +317,15 @@ class _ChatResponder(OpenAIResponder):
     def body(self) -> ChatCompletionResponse:
         out = []
         for c in self.choices:
-            lp = chat_logprobs(self.tokenizer, c.ids, c.logprobs, c.top_logprobs) if self.want_lp else None
+            lp = chat_logprobs(self.tokenizer, c.ids, c.logprobs, c.top_logprobs, self.as_ids) if self.want_lp else None
             msg, output = self._message(c)
             out.append(ChatCompletionChoice(index=c.index, message=msg, logprobs=lp,
                                             finish_reason=self._finish_reason(c, output),
-                                            matched_stop=c.matched_stop))
+                                            matched_stop=c.matched_stop, token_ids=self._ids(c.ids)))
         return ChatCompletionResponse(id=self.base, created=int(time.time()), model=self.model, choices=out,
                                       usage=self.usage(), system_fingerprint=self.fingerprint,
-                                      prompt_logprobs=self.prompt_logprobs(self.choices[0]))
+                                      prompt_logprobs=self.prompt_logprobs(self.choices[0]),
+                                      prompt_token_ids=self._ids(self.choices[0].req.input_ids))
 
     def events(self, c: ChoiceState, out: RequestOutput, text: str) -> list[ChatCompletionChunk]:
         # The role goes with the first delta, which comes after prefill with the first token: a client
@@ -290,39 +333,45 @@ class _ChatResponder(OpenAIResponder):
         first = self.first_delta(c)
         lp = None
         if self.want_lp and out.new_token_ids:
-            lp = chat_logprobs(self.tokenizer, out.new_token_ids, out.new_logprobs or [], out.new_top_logprobs)
+            lp = chat_logprobs(self.tokenizer, out.new_token_ids, out.new_logprobs or [], out.new_top_logprobs,
+                               self.as_ids)
+        # return_token_ids: a delta's ids get a chunk even where their text is held back (a partial
+        # character, a stop string's prefix), so a stream's token_ids join into the whole output's.
+        ids = out.new_token_ids if self.token_ids else []
         if self.parsing:
-            return self._parsed_events(c, first, lp)
+            return self._parsed_events(c, first, lp, ids)
         # The text before a stop string is final: its chunk carries the finish_reason. Other ends keep
         # OpenAI's separate empty-delta finish chunk.
         stop_end = c.done and c.detok.stopped
         events = []
-        if first or text or lp is not None:
-            events.append(self.chunk([ChatStreamChoice(
+        if first or text or lp is not None or ids:
+            events.append(self._chunk(c, first, ChatStreamChoice(
                 index=c.index, delta=DeltaMessage(role="assistant" if first else UNSET, content=text), logprobs=lp,
                 finish_reason=c.finish_reason if stop_end else None,
-                matched_stop=c.matched_stop if stop_end else None)], self.chunk_usage()))
+                matched_stop=c.matched_stop if stop_end else None, token_ids=self._ids(ids))))
             if stop_end:
                 return events
         if c.done:
-            events.append(self.chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(),
-                                                       finish_reason=c.finish_reason, matched_stop=c.matched_stop)],
-                                     self.chunk_usage()))
+            events.append(self._chunk(c, False, ChatStreamChoice(
+                index=c.index, delta=DeltaMessage(), finish_reason=c.finish_reason, matched_stop=c.matched_stop,
+                token_ids=self._ids([]))))
         return events
 
-    def _parsed_events(self, c: ChoiceState, first: bool, lp: ChatChoiceLogprobs | None) -> list[ChatCompletionChunk]:
+    def _parsed_events(self, c: ChoiceState, first: bool, lp: ChatChoiceLogprobs | None,
+                       ids: list[int]) -> list[ChatCompletionChunk]:
         """Reasoning, content and tool-call deltas of the choice's text so far, then the finish chunk."""
         output = self.outputs[c.index]
         d = output.update(c.text, final=c.done)
         events = []
-        if first or d.reasoning or d.content or d.tool_calls or lp is not None:
+        if first or d.reasoning or d.content or d.tool_calls or lp is not None or ids:
             quiet = not (d.reasoning or d.tool_calls)
             delta = DeltaMessage(role="assistant" if first else UNSET,
                                  content=d.content if d.content or (first and quiet) else UNSET,
                                  reasoning_content=d.reasoning or UNSET, tool_calls=d.tool_calls or UNSET)
-            events.append(self.chunk([ChatStreamChoice(index=c.index, delta=delta, logprobs=lp)], self.chunk_usage()))
+            events.append(self._chunk(c, first, ChatStreamChoice(index=c.index, delta=delta, logprobs=lp,
+                                                                 token_ids=self._ids(ids))))
         if c.done:
-            events.append(self.chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(),
-                                                       finish_reason=self._finish_reason(c, output),
-                                                       matched_stop=c.matched_stop)], self.chunk_usage()))
+            events.append(self._chunk(c, False, ChatStreamChoice(
+                index=c.index, delta=DeltaMessage(), finish_reason=self._finish_reason(c, output),
+                matched_stop=c.matched_stop, token_ids=self._ids([]))))
         return events

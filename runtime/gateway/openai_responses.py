@@ -15,7 +15,8 @@ and response.in_progress at once, then per item output_item.added, content_part.
 
 Shoal keeps no state: nothing is stored (store is accepted and echoed false), and what needs a stored
 response (previous_response_id, conversation, item_reference, background) is a 400, as are built-in
-tools and reasoning effort. One response a request: the API has no n."""
+tools. reasoning.effort is accepted and ignored (logged and counted), as vLLM accepts it: the models
+Shoal serves have no effort knob. One response a request: the API has no n."""
 from __future__ import annotations
 
 import time
@@ -38,6 +39,7 @@ from runtime.gateway.reasoning_parsers.grammar_gate import AnswerOnlyParser, tur
 from runtime.gateway.responses_input import (
     check_unsupported,
     format_constraint,
+    ignored_reasoning,
     input_messages,
     output_constraint,
     tool_request,
@@ -72,6 +74,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     body, client, state = gen.body, gen.client, gen.state
     model = state.check_model(client, body.model)
     check_unsupported(body)
+    state.ignored_fields.count(ignored_reasoning(body), request.path)
     want_lp = wants_logprobs(body)
     tools = tool_request(body, state.args.tool_call_parser)
     fields = OpenAISamplingFields(**{f: getattr(body, f) for f in _SAMPLING_FIELDS})
@@ -125,7 +128,8 @@ def _echo(body: ResponsesRequest) -> dict[str, Any]:
             "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "parallel_tool_calls": body.parallel_tool_calls is not False, "text": text,
             "metadata": body.metadata or {}, "user": body.user, "safety_identifier": body.safety_identifier,
-            "prompt_cache_key": body.prompt_cache_key, "top_logprobs": body.top_logprobs}
+            "prompt_cache_key": body.prompt_cache_key, "top_logprobs": body.top_logprobs,
+            "reasoning": msgspec.structs.asdict(body.reasoning) if body.reasoning is not None else None}
 
 
 class _ResponsesResponder(Responder):

@@ -1,7 +1,7 @@
 """OutputConstraint: the grammar a request body asks for — OpenAI's response_format (json_object,
-json_schema), SGLang/vLLM's regex and ebnf, vLLM's guided_json / guided_regex / guided_choice /
-guided_grammar and its newer structured_outputs object, or the schemas of tool_choice "required" / a
-named function — with the body field that named it, so a grammar that fails to compile is a 400
+json_schema), SGLang/vLLM's regex and ebnf, SGLang's json_schema (JSON text), vLLM's guided_json /
+guided_regex / guided_choice / guided_grammar and its newer structured_outputs object, or the schemas of
+tool_choice "required" / a named function — with the body field that named it, so a grammar that fails to compile is a 400
 pointing at that field. A body may ask for one at most: two are a 400 naming both."""
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class OutputConstraint:
         found = [c for c in (cls._response_format(body.response_format),
                              cls._string("regex", body.regex, "regex"),
                              cls._string("ebnf", body.ebnf, "ebnf"),
+                             cls._schema(body.json_schema, "json_schema"),
                              cls._schema(body.guided_json, "guided_json"),
                              cls._string("regex", body.guided_regex, "guided_regex"),
                              cls._choice(body.guided_choice, "guided_choice"),
@@ -51,7 +52,8 @@ class OutputConstraint:
                              *cls._structured_outputs(body.structured_outputs)) if c is not None]
         if len(found) > 1:
             raise bad_request(f"give at most one structured-output constraint (response_format, regex, ebnf, "
-                              f"guided_json, guided_regex, guided_choice, guided_grammar, structured_outputs); "
+                              f"json_schema, guided_json, guided_regex, guided_choice, guided_grammar, "
+                              f"structured_outputs); "
                               f"got {' and '.join(c.param for c in found)}", param=found[1].param)
         for c in found:
             if not c.text:
@@ -64,7 +66,7 @@ class OutputConstraint:
 
     @classmethod
     def _schema(cls, schema: dict[str, Any] | str | None, param: str) -> OutputConstraint | None:
-        """vLLM's guided_json: a JSON Schema as an object or as JSON text."""
+        """vLLM's guided_json, SGLang's json_schema: a JSON Schema as an object or as JSON text."""
         if schema is None:
             return None
         if isinstance(schema, str):

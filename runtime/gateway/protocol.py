@@ -20,7 +20,7 @@ Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class StreamOptions(Struct):
-    include_usage: bool = False
+    include_usage: bool = True  # vLLM's default: a stream_options object, even {}, asks for the usage chunk
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the running usage
 
     def usage_modes(self) -> tuple[bool, bool]:
@@ -118,7 +118,21 @@ class OpenAISamplingFields(Struct, kw_only=True):
     priority: Int64 | None = None  # vLLM's and SGLang's: with --enable-priority-scheduling (else only 0)
     # vLLM's: each prompt position's logprobs (the prompt token and the top N), on the response
     prompt_logprobs: Int64 | None = None
-
+    json_schema: dict[str, Any] | str | None = None  # SGLang's: a JSON Schema (JSON text), one more constraint
+    no_stop_trim: bool | None = None  # SGLang's spelling of include_stop_str_in_output
+    lora_path: str | None = None  # SGLang's: an adapter's name (or its --lora-modules folder), as on /generate
+    # vLLM's: the response carries token ids (prompt_token_ids, each choice's token_ids); logprobs name
+    # tokens as "token_id:N" (a token's text may not say which token it was)
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    # Fields that would change the answer in ways Shoal cannot honour: a value that asks is a 400
+    # (extension_fields.check_unhonoured).
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None  # beam search's: only 1 (none) is accepted
+    logits_processors: list[Any] | None = None  # vLLM's: qualified names of server-side code
+    custom_logit_processor: str | None = None  # SGLang's: serialized server-side code
+    structural_tag: str | dict[str, Any] | None = None
+    stop_regex: str | list[str] | None = None  # SGLang's
 
 
 # ---- /v1/completions -----------------------------------------------------------------------------
@@ -131,6 +145,8 @@ class CompletionRequest(OpenAISamplingFields, kw_only=True):
     logprobs: Int64 | None = None
     echo: bool | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's special tokens (BOS)
+    prompt_embeds: Any = None  # vLLM's (behind --enable-prompt-embeds): a 400
 
 
 class CompletionLogprobs(Struct):
@@ -160,6 +176,9 @@ class CompletionChoice(Struct):
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     prompt_logprobs: PromptLogprobs | None | UnsetType = UNSET  # only when asked (never in a stream)
+    # return_token_ids: the prompt's ids (a stream's first chunk of the choice), the output's (a chunk's own)
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class CompletionResponse(Struct, kw_only=True):
@@ -183,6 +202,9 @@ class ChatMessage(Struct, kw_only=True):
     tool_call_id: str | None = None
     function_call: Any = None
     refusal: str | None = None
+    # an assistant turn's reasoning, for templates that replay it (vLLM's reasoning, SGLang's reasoning_content)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(OpenAISamplingFields, kw_only=True):
@@ -204,6 +226,10 @@ class ChatCompletionRequest(OpenAISamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens on top of the template's
+    documents: list[dict[str, str]] | None = None  # vLLM's: RAG documents, for templates that take them
+    chat_template: str | None = None  # vLLM's per-request template: a 400 (the server's template only)
+    best_of: Int64 | None = None  # only n
 
 
 class ChatTopLogprob(Struct):
@@ -260,6 +286,7 @@ class ChatCompletionChoice(Struct):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET  # return_token_ids
 
 
 class ChatCompletionResponse(Struct, kw_only=True):
@@ -271,6 +298,7 @@ class ChatCompletionResponse(Struct, kw_only=True):
     usage: UsageInfo
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobs | None | UnsetType = UNSET  # only when asked: the prompt all choices share
+    prompt_token_ids: list[int] | UnsetType = UNSET  # return_token_ids
 
 
 class DeltaMessage(Struct, omit_defaults=True):
@@ -286,6 +314,7 @@ class ChatStreamChoice(Struct):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET  # return_token_ids: this chunk's
 
 
 class ChatCompletionChunk(Struct, kw_only=True):
@@ -296,6 +325,7 @@ class ChatCompletionChunk(Struct, kw_only=True):
     choices: list[ChatStreamChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET  # return_token_ids: with a choice's first chunk
 
 
 # ---- native /generate (SGLang style) -------------------------------------------------------------
@@ -341,33 +371,6 @@ class GenerateResponse(Struct, kw_only=True):
 
 class AbortRequestBody(Struct):
     rid: str  # a response id (aborts all its choices) or one request's rid
-
-
-class TokenizeBody(Struct, kw_only=True):
-    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False  # as in /v1/chat/completions: count what that request would send
-    chat_template_kwargs: dict[str, Any] | None = None
-
-
-class TokenizeResponse(Struct, kw_only=True):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
-class DetokenizeBody(Struct, kw_only=True):
-    model: str | None = None
-    tokens: list[Int64]
-
-
-class DetokenizeResponse(Struct, kw_only=True):
-    prompt: str
 
 
 def encode(obj: Any) -> bytes:

@@ -2,7 +2,7 @@
 items (and instructions) as chat messages for the model's chat template, function tools and tool_choice
 as a ToolRequest, text.format as an OutputConstraint, and a 400 naming the field for whatever Shoal cannot
 honour — anything that needs a stored response or conversation (Shoal keeps no state), built-in tools,
-reasoning effort, background runs."""
+background runs. reasoning.effort / summary are accepted and ignored (ignored_reasoning)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # What include can ask for here: logprobs, and reasoning.encrypted_content, which asks for nothing (reasoning
 # items already carry their text in plain).
 _INCLUDES_OK = frozenset({"reasoning.encrypted_content", LOGPROBS_INCLUDE})
+# OpenAI's values of reasoning.effort and reasoning.summary (openai.types.shared.Reasoning)
+_EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh", "max"})
+_SUMMARIES = frozenset({"auto", "concise", "detailed"})
 
 
 def check_unsupported(body: ResponsesRequest) -> None:
@@ -33,10 +36,6 @@ def check_unsupported(body: ResponsesRequest) -> None:
         raise not_supported("prompt (a stored prompt template)", "prompt")
     if body.background:
         raise not_supported("background (Shoal keeps no state to poll)", "background")
-    if body.reasoning is not None:
-        for name in ("effort", "summary", "generate_summary"):
-            if getattr(body.reasoning, name) is not None:
-                raise not_supported(f"reasoning.{name}", f"reasoning.{name}")
     for entry in body.include or ():
         if entry not in _INCLUDES_OK:
             raise not_supported(f"include {entry!r}", "include")
@@ -52,6 +51,21 @@ def check_unsupported(body: ResponsesRequest) -> None:
         raise not_supported(f"truncation {body.truncation!r} (only 'disabled')", "truncation")
     if body.text is not None and body.text.verbosity not in (None, "medium"):
         raise not_supported(f"text.verbosity {body.text.verbosity!r}", "text.verbosity")
+
+
+def ignored_reasoning(body: ResponsesRequest) -> list[str]:
+    """The reasoning settings given (reasoning.effort, ...), which Shoal accepts and ignores: no model it
+    serves takes an effort, and it writes no summaries. A value outside OpenAI's set is a 400 naming it."""
+    given = []
+    for name, allowed in (("effort", _EFFORTS), ("summary", _SUMMARIES), ("generate_summary", _SUMMARIES)):
+        value = getattr(body.reasoning, name) if body.reasoning is not None else None
+        if value is None:
+            continue
+        if value not in allowed:
+            raise bad_request(f"reasoning.{name} must be one of {', '.join(sorted(allowed))}, got {value!r}",
+                              param=f"reasoning.{name}")
+        given.append(f"reasoning.{name}")
+    return given
 
 
 def wants_logprobs(body: ResponsesRequest) -> bool:

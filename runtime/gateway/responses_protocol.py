@@ -22,7 +22,9 @@ class ResponsesTextConfig(Struct, kw_only=True):
 
 
 class ResponsesReasoning(Struct, kw_only=True):
-    # Shoal cannot steer how long a model reasons, nor summarize it: any value is a 400.
+    # Accepted and ignored (logged and counted, as vLLM accepts them): the models Shoal serves have no
+    # effort knob, and Shoal writes no summaries (the reasoning item carries the whole text). A value
+    # outside OpenAI's set is a 400 (responses_input.ignored_reasoning).
     effort: str | None = None
     summary: str | None = None
     generate_summary: str | None = None
@@ -48,8 +50,8 @@ class ResponsesRequest(Struct, kw_only=True):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     truncation: str | None = None  # "disabled" only: a prompt past the context is a 400, never cut
-    # Known fields that need state or features Shoal lacks: a value that asks for them is a 400.
     reasoning: ResponsesReasoning | None = None
+    # Known fields that need state or features Shoal lacks: a value that asks for them is a 400.
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None

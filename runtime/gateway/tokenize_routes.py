@@ -1,5 +1,6 @@
 """POST /tokenize and POST /detokenize, as vLLM serves them: count a prompt's tokens (or a chat's, through
-the chat template) without generating, and turn token ids back into text."""
+the chat template with its tools and documents, as /v1/chat/completions renders it) without generating,
+and turn token ids back into text."""
 
 from __future__ import annotations
 
@@ -7,16 +8,19 @@ from aiohttp import web
 
 from runtime.errors import ShoalError
 from runtime.gateway.body import read_body
-from runtime.gateway.errors import bad_request, from_shoal_error
+from runtime.gateway.errors import bad_request, from_shoal_error, not_supported
+from runtime.gateway.extension_fields import template_kwargs
 from runtime.gateway.openai_chat import template_messages
-from runtime.gateway.protocol import (
+from runtime.gateway.protocol import encode
+from runtime.gateway.state import STATE_KEY
+from runtime.gateway.tokenize_protocol import (
     DetokenizeBody,
     DetokenizeResponse,
     TokenizeBody,
     TokenizeResponse,
-    encode,
 )
-from runtime.gateway.state import STATE_KEY
+from runtime.gateway.tool_request import ToolRequest
+from runtime.text.tokenizer import NullTokenizer, Tokenizer
 
 
 def _json(obj: object) -> web.Response:
@@ -33,18 +37,34 @@ async def tokenize(request: web.Request) -> web.Response:
     tok = client.tokenizer
     try:
         if body.prompt is not None:
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            chat_only = next((f for f in ("tools", "documents", "chat_template_kwargs", "chat_template")
+                             if getattr(body, f)), None)
+            if chat_only is not None:
+                raise bad_request(f"{chat_only} goes with messages (a chat), not with prompt", param=chat_only)
+            special = body.add_special_tokens is not False
+            ids = tok.encode(body.prompt, add_special_tokens=special)
         else:
-            if body.continue_final_message and body.add_generation_prompt:
-                raise bad_request("continue_final_message and add_generation_prompt cannot both be true: set "
-                                  "add_generation_prompt to false", param="continue_final_message")
-            ids = tok.apply_chat_template(template_messages(body.messages),
-                                          add_generation_prompt=body.add_generation_prompt,
-                                          continue_final_message=body.continue_final_message,
-                                          template_kwargs=body.chat_template_kwargs)
+            ids = _chat_ids(tok, body)
     except ShoalError as e:
         raise from_shoal_error(e) from None
     return _json(TokenizeResponse(count=len(ids), max_model_len=client.context_len, tokens=ids))
+
+
+def _chat_ids(tok: Tokenizer | NullTokenizer, body: TokenizeBody) -> list[int]:
+    """The messages' tokens as /v1/chat/completions would send them (tool_choice aside: every mode hands
+    the template the same tools)."""
+    if body.continue_final_message and body.add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true: set "
+                          "add_generation_prompt to false", param="continue_final_message")
+    if body.chat_template is not None:
+        raise not_supported("a per-request chat_template (the server's template renders every chat)",
+                            "chat_template")
+    tools = ToolRequest.from_body(body.tools, "none", None, None)
+    return tok.apply_chat_template(template_messages(body.messages), add_generation_prompt=body.add_generation_prompt,
+                                   tools=tools.template_tools() if tools is not None else None,
+                                   continue_final_message=body.continue_final_message,
+                                   template_kwargs=template_kwargs(body.documents, body.chat_template_kwargs),
+                                   add_special_tokens=bool(body.add_special_tokens))
 
 
 async def detokenize(request: web.Request) -> web.Response:

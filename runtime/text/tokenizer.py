@@ -44,20 +44,27 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
-                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                            template_kwargs: dict[str, Any] | None = None,
+                            add_special_tokens: bool = False) -> list[int]:
+        """add_special_tokens: the tokenizer's own (BOS) on top of what the template writes (vLLM's chat
+        field; off by default, as the template usually writes BOS itself)."""
         return self.encode(self.render_chat(messages, add_generation_prompt, tools, continue_final_message,
-                                            template_kwargs), add_special_tokens=False)
+                                            template_kwargs), add_special_tokens=add_special_tokens)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
                     template_kwargs: dict[str, Any] | None = None) -> str:
         """The chat template's text. template_kwargs: extra template variables (vLLM's chat_template_kwargs,
-        e.g. Qwen3's enable_thinking); continue_final_message: the last message left open for the model to
+        e.g. Qwen3's enable_thinking; `documents` among them is apply_chat_template's own RAG parameter,
+        vLLM's documents field); continue_final_message: the last message left open for the model to
         continue (transformers cuts the text after its content)."""
         if not self.has_chat_template:
             raise InvalidRequestError("this model's tokenizer has no chat template; use /v1/completions",
                                       param="messages")
         kwargs = dict(template_kwargs or {})
+        documents = kwargs.pop("documents", None)
+        if documents is not None and not (isinstance(documents, list) and all(isinstance(d, dict) for d in documents)):
+            raise InvalidRequestError("documents must be a list of objects (e.g. {title, text})", param="documents")
         # A key that is one of apply_chat_template's own parameters would change what it returns (tokenize,
         # return_dict) or collide with what Shoal passes: refused rather than passed on.
         reserved = sorted(set(kwargs) & _reserved_template_kwargs(self.hf))
@@ -68,7 +75,7 @@ class Tokenizer:
         try:
             return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                continue_final_message=continue_final_message, tools=tools or None,
-                                               **kwargs)
+                                               documents=documents, **kwargs)
         except Exception as e:  # jinja errors (bad roles, missing content) are the request's fault
             why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise InvalidRequestError(f"cannot apply the chat template: {why}", param="messages") from None
@@ -116,7 +123,8 @@ class NullTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
-                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                            template_kwargs: dict[str, Any] | None = None,
+                            add_special_tokens: bool = False) -> list[int]:
         raise InvalidRequestError("this model folder has no tokenizer: chat needs one; use /v1/completions "
                                   "with token ids", param="messages")
 

@@ -153,7 +153,8 @@ def test_continuous_usage_stats_carry_running_counts(gw_url, route):
                for e in events)
     if route == "/v1/completions":
         assert events[0]["usage"]["prompt_tokens"] == 4
-    # Without include_usage the option changes nothing: no usage anywhere.
-    body["stream_options"] = {"continuous_usage_stats": True}
+    # With include_usage false the option changes nothing: no usage anywhere. (Left out, include_usage is
+    # true: vLLM's default once stream_options is given.)
+    body["stream_options"] = {"include_usage": False, "continuous_usage_stats": True}
     _, raw = http(gw_url + route, "POST", body)
     assert all("usage" not in e for e in sse_events(raw) if e != "[DONE]")

@@ -241,7 +241,7 @@ def test_reasoning_and_auto_calls_through_the_parsers(parser_client, monkeypatch
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
-    ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),  # "high" is accepted (no effect)
     ({"tools": [{"type": "web_search"}]}, "tools[0]"),
     ({"tools": [WEATHER, {"type": "file_search", "vector_store_ids": ["v"]}]}, "tools[1]"),
     ({"tools": [WEATHER], "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
