@@ -7,7 +7,11 @@ CORS, as vLLM's --allowed-origins and SGLang do it, so a browser page can call t
 the API key is checked (a browser never sends Authorization on a preflight); every response to a
 request from an allowed origin — errors and SSE streams included — carries Access-Control-Allow-Origin,
 added as its headers go out (on_response_prepare: a stream's headers leave before its handler returns).
-A disallowed origin gets no CORS headers, so the browser blocks the page from reading the answer."""
+A disallowed origin gets no CORS headers, so the browser blocks the page from reading the answer.
+
+X-Request-Id, as vLLM's: a request that sends it is named by it (GatewayState.new_id: chatcmpl-<id>, ...),
+and every response to it, streams and errors included, carries the header back (vLLM echoes it with
+--enable-request-id-headers; here always, as it costs nothing)."""
 
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # No API key needed: probes, scrapers, and the dashboard's page (it holds no data; its script sends the
 # key it finds in the page's #key=... fragment to /dashboard/data, which needs it like any route).
 _OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/dashboard", "/version"})  # /ping: SageMaker's /health
+_REQUEST_ID = "X-Request-Id"
 
 
 def _authorized(request: web.Request, api_key: str) -> bool:
@@ -64,7 +69,7 @@ class Cors:
     METHODS = "GET, POST, OPTIONS"
     BASE_HEADERS = ("Authorization", "Content-Type")
     # Not CORS-safelisted, so a page cannot read them unless told: a 429's pacing, OpenAI-style.
-    EXPOSE = "Retry-After, retry-after-ms"
+    EXPOSE = "Retry-After, retry-after-ms, X-Request-Id"
     MAX_AGE_S = 600
 
     def __init__(self, allowed_origins: str):
@@ -123,7 +128,8 @@ def _middleware(api_key: str | None, cors: Cors) -> Callable:
             if api_key and request.path not in _OPEN_PATHS and not _authorized(request, api_key):
                 raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                                code="invalid_api_key")
-            return await handler(request)
+            with request.app[STATE_KEY].request_scope(request.headers.get(_REQUEST_ID)):
+                return await handler(request)
         except ApiError as e:
             err = e
         except web.HTTPException as e:
@@ -159,6 +165,13 @@ def _generation(handler: Handler, on_embedding: Handler | None = None) -> Handle
     return route
 
 
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    # As the headers go out: a stream's leave before its handler returns. Only what a header can carry as sent.
+    value = request.headers.get(_REQUEST_ID)
+    if value is not None and value.isascii() and value.isprintable() and _REQUEST_ID not in response.headers:
+        response.headers[_REQUEST_ID] = value
+
+
 async def _stop_samplers(app: web.Application) -> None:
     app[STATE_KEY].admission.loop_lag.stop()
 
@@ -170,6 +183,7 @@ def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) 
     app = web.Application(client_max_size=args.max_request_bytes, middlewares=[_middleware(args.api_key, cors)])
     app[STATE_KEY] = GatewayState(client_provider, args)
     app.on_cleanup.append(_stop_samplers)
+    app.on_response_prepare.append(_echo_request_id)
     if cors.enabled:
         app.on_response_prepare.append(cors.on_prepare)
     app.router.add_post("/v1/completions", _generation(completions))
@@ -196,8 +210,10 @@ def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) 
     app.router.add_post("/v1/unload_lora_adapter", lora_routes.vllm_unload)
     app.router.add_post("/load_lora_adapter", lora_routes.sglang_load)
     app.router.add_post("/unload_lora_adapter", lora_routes.sglang_unload)
-    app.router.add_post("/tokenize", tokenize_routes.tokenize)
-    app.router.add_post("/detokenize", tokenize_routes.detokenize)
+    for path in ("/tokenize", "/v1/tokenize"):  # vLLM's path; SGLang serves both
+        app.router.add_post(path, tokenize_routes.tokenize)
+    for path in ("/detokenize", "/v1/detokenize"):
+        app.router.add_post(path, tokenize_routes.detokenize)
     app.router.add_get("/dashboard", dashboard_routes.page)
     app.router.add_get("/dashboard/data", dashboard_routes.data)
     app.router.add_get("/debug/ttft_trace", debug_routes.ttft_trace)

@@ -3,7 +3,12 @@
 GET /v1/models/{model}.
 
 /generate streams like SGLang: every event carries the whole text and output_ids so far (not a delta)
-with meta_info, whose finish_reason is null until the last event; then `data: [DONE]`."""
+with meta_info, whose finish_reason is null until the last event; then `data: [DONE]`. As SGLang's:
+sampling_params.n > 1 answers a list (prompt by prompt, n each; a given seed is seed + j for choice j, as
+on the OpenAI routes), sampling_params.sampling_seed is seed, and return_logprob gives meta_info
+input_token_logprobs from logprob_start_len (-1, the default: the last prompt token only) to the prompt's
+end, the first of them null ([logprob, id] or with text, as output_token_logprobs; input_top_logprobs with
+top_logprobs_num)."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from msgspec import UNSET, UnsetType
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from runtime.errors import InvalidRequestError, ShoalError
@@ -24,6 +30,7 @@ from runtime.gateway.embeddings_protocol import EncodeMetaInfo, EncodeRequest, E
 from runtime.gateway.errors import ApiError, bad_request, from_shoal_error
 from runtime.gateway.generation import Generation, Responder
 from runtime.gateway.openai_embeddings import embedding_requests, pooling_of, run_admitted
+from runtime.gateway.openai_responder import score_prompts_once
 from runtime.gateway.prompt_input import PromptInput
 from runtime.gateway.protocol import (
     AbortRequestBody,
@@ -31,6 +38,7 @@ from runtime.gateway.protocol import (
     GenerateFinishReason,
     GenerateMetaInfo,
     GenerateResponse,
+    Int64,
     ModelCard,
     ModelList,
     encode,
@@ -42,6 +50,16 @@ from runtime.sampling.params import SamplingParams
 logger = logging.getLogger("shoal.gateway")
 
 _HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+class _GenerateBody(GenerateBody, kw_only=True):
+    logprob_start_len: Int64 = -1  # SGLang's: where in the prompt input_token_logprobs start (-1: its last token)
+
+
+class _GenerateMetaInfo(GenerateMetaInfo, kw_only=True):
+    # SGLang's: from logprob_start_len to the prompt's end, the first logprob null; top: null where none
+    input_token_logprobs: list[list[Any]] | UnsetType = UNSET
+    input_top_logprobs: list[list[list[Any]] | None] | UnsetType = UNSET
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -58,25 +76,39 @@ def _check_int64(sampling: dict[str, Any] | None) -> None:
                                   param=f"sampling_params.{key}")
 
 
-def _result(c: ChoiceState, arrival: float, with_text: bool, tokenizer: Any) -> GenerateResponse:
+def _result(c: ChoiceState, scorer: ChoiceState, arrival: float, with_text: bool, tokenizer: Any,
+            start: int) -> GenerateResponse:
+    """Choice c's answer; scorer: the choice of its prompt that scored it (logprob_start_len `start`)."""
     fr = c.last.finish_reason if c.finished and c.last is not None else None
     finish = GenerateFinishReason(type=fr.kind, matched=fr.matched, message=fr.message) if fr else None
     if c.detok.stopped and (fr is None or fr.kind != "stop"):  # a stop string only the detokenizer saw
         finish = GenerateFinishReason(type="stop")
-    meta = GenerateMetaInfo(
+    meta = _GenerateMetaInfo(
         id=c.req.rid, prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
         cached_tokens=c.cached_tokens, e2e_latency=time.monotonic() - arrival, finish_reason=finish)
     if c.req.sampling_params.return_logprob:
         tok = tokenizer.id_to_token_text
-        meta.output_token_logprobs = [[lp, t, tok(t)] if with_text else [lp, t] for lp, t in zip(c.logprobs, c.ids)]
-        if c.req.sampling_params.top_logprobs_num:
-            meta.output_top_logprobs = [[[lp, t, tok(t)] if with_text else [lp, t] for t, lp in step]
-                                        for step in c.top_logprobs]
+
+        def entry(lp: float | None, t: int) -> list[Any]:
+            return [lp, t, tok(t)] if with_text else [lp, t]
+
+        meta.output_token_logprobs = [entry(lp, t) for lp, t in zip(c.logprobs, c.ids)]
+        ids = c.req.input_ids
+        start = len(ids) - 1 if start == -1 else start
+        lps, tops = scorer.input_logprobs, scorer.input_top_logprobs
+        if start == len(ids) - 1 or lps is not None:  # else: not scored yet (a stream's event before the first delta)
+            meta.input_token_logprobs = [entry(None if i == start else lps[i], ids[i]) for i in range(start, len(ids))]
+        top_n = c.req.sampling_params.top_logprobs_num
+        if top_n:
+            meta.output_top_logprobs = [[entry(lp, t) for t, lp in step] for step in c.top_logprobs]
+            if start == len(ids) - 1 or tops is not None:
+                meta.input_top_logprobs = [None if i == start or not tops[i] else
+                                           [entry(lp, t) for t, lp in tops[i][:top_n]] for i in range(start, len(ids))]
     return GenerateResponse(text=c.text, output_ids=list(c.ids), meta_info=meta)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    gen = await Generation.read(request, GenerateBody)
+    gen = await Generation.read(request, _GenerateBody)
     body, client, state = gen.body, gen.client, gen.state
     if (body.text is None) == (body.input_ids is None):
         raise bad_request("give exactly one of text or input_ids", param="text")
@@ -84,11 +116,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
         prompts = PromptInput.parse(body.text, client.tokenizer.encode, param="text")
     else:
         prompts = PromptInput.parse(body.input_ids, client.tokenizer.encode, param="input_ids", allow_text=False)
-    if prompts.batch and body.stream:
-        raise bad_request("streaming a batch is not supported; send one request per prompt", param="stream")
     _check_int64(body.sampling_params)
+    sampling, n = _split_n(body.sampling_params, state.args.max_n)
+    if (prompts.batch or n > 1) and body.stream:
+        raise bad_request("streaming a batch (several prompts, or sampling_params.n > 1) is not supported; send "
+                          "one request per prompt and choice", param="stream")
+    start = _logprob_start(body, prompts.ids)
     try:
-        params = SamplingParams.from_dict(body.sampling_params)
+        params = SamplingParams.from_dict(sampling)
         if body.return_logprob:
             params = msgspec.structs.replace(params, return_logprob=True, top_logprobs_num=body.top_logprobs_num)
             params.validate()
@@ -96,14 +131,50 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise from_shoal_error(e) from None
     base = body.rid or state.new_id("gen")
     lora = _lora_name(body, state)
-    reqs = [state.validate(client, GenerateRequest(rid=f"{base}-{k}" if prompts.batch else base, input_ids=ids,
-                                                   sampling_params=params, lora_name=lora,
-                                                   priority=body.priority or 0))
-            for k, ids in enumerate(prompts.ids)]
+    several = prompts.batch or n > 1
+    reqs = []
+    for p, ids in enumerate(prompts.ids):
+        # From the last position on there is nothing to score (its logprob is null): only an earlier start asks
+        scored = body.return_logprob and -1 < start < len(ids) - 1
+        for j in range(n):
+            pj = params if params.seed is None or not j else msgspec.structs.replace(
+                params, seed=(params.seed + j) % 2**63)
+            reqs.append(GenerateRequest(rid=f"{base}-{p * n + j}" if several else base, input_ids=ids,
+                                        sampling_params=pj, lora_name=lora, priority=body.priority or 0,
+                                        return_input_logprob=scored,
+                                        input_top_logprobs_num=body.top_logprobs_num if scored else 0))
+    reqs = [state.validate(client, r) for r in score_prompts_once(reqs, n)]  # a prompt's n choices share one score
     if params.grammar is not None:  # json_schema, regex or ebnf: compiled (or refused) before anything runs
         await state.check_grammar(client, reqs[0], f"sampling_params.{params.grammar[0]}")
     gen.set_choices(base, reqs)
-    return await gen.respond(body.stream, _GenerateResponder(gen, body.return_text_in_logprobs, prompts.batch))
+    return await gen.respond(body.stream, _GenerateResponder(gen, body.return_text_in_logprobs, several, n, start))
+
+
+def _split_n(sampling: dict[str, Any] | None, max_n: int) -> tuple[dict[str, Any] | None, int]:
+    """(sampling_params without n, n): SGLang's n choices of each prompt."""
+    if not isinstance(sampling, dict) or "n" not in sampling:
+        return sampling, 1
+    sampling = dict(sampling)
+    n = sampling.pop("n")
+    if n is None:
+        return sampling, 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_n:
+        raise bad_request(f"sampling_params.n must be an integer in [1, {max_n}] on this server (--max-n), "
+                          f"got {n!r}", param="sampling_params.n")
+    return sampling, n
+
+
+def _logprob_start(body: _GenerateBody, prompts: list[list[int]]) -> int:
+    """logprob_start_len, checked against every prompt (-1: each prompt's last token)."""
+    start = body.logprob_start_len
+    if start < -1:
+        raise bad_request(f"logprob_start_len must be -1 (the last prompt token) or a prompt position >= 0, "
+                          f"got {start}", param="logprob_start_len")
+    shortest = min(len(ids) for ids in prompts)
+    if body.return_logprob and start >= shortest:
+        raise bad_request(f"logprob_start_len {start} is past the prompt's end: it has {shortest} tokens",
+                          param="logprob_start_len")
+    return start
 
 
 def _lora_name(body: GenerateBody, state: Any) -> str | None:
@@ -164,23 +235,27 @@ class _GenerateResponder(Responder):
 
     fail_on_engine_error = False  # meta_info.finish_reason says "error" with its message
 
-    def __init__(self, gen: Generation, with_text: bool, batch: bool):
+    def __init__(self, gen: Generation, with_text: bool, several: bool, n: int, start: int):
         self.choices, self.arrival, self.tokenizer = gen.choices, gen.arrival, gen.client.tokenizer
-        self.with_text, self.batch = with_text, batch
+        self.with_text, self.several, self.n, self.start = with_text, several, n, start
+
+    def _result(self, c: ChoiceState) -> GenerateResponse:
+        scorer = self.choices[c.index - c.index % self.n]
+        return _result(c, scorer, self.arrival, self.with_text, self.tokenizer, self.start)
 
     def body(self) -> GenerateResponse | list[GenerateResponse]:
-        results = [_result(c, self.arrival, self.with_text, self.tokenizer) for c in self.choices]
-        return results if self.batch else results[0]
+        results = [self._result(c) for c in self.choices]
+        return results if self.several else results[0]
 
     def events(self, c: ChoiceState, out: RequestOutput, text: str) -> list[GenerateResponse]:
-        return [_result(c, self.arrival, self.with_text, self.tokenizer)]
+        return [self._result(c)]
 
 
 async def abort_request(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     body = await read_body(request, AbortRequestBody)
     client = state.client()
-    rids = state.inflight.get(body.rid, [body.rid])
+    rids = state.rids_of(body.rid)  # a response id, an X-Request-Id, or one engine request's rid
     for rid in rids:
         await client.abort(rid)
     return _json({"aborted": rids})

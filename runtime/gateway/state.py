@@ -1,6 +1,15 @@
 """GatewayState: what every handler of one app shares — the server args, the EngineClient (or the
 provider that returns it once loaded), the metrics, and the rids of requests in flight (so
-/abort_request can name a whole n>1 request by its response id)."""
+/abort_request can name a whole n>1 request by its response id).
+
+X-Request-Id, as vLLM takes it: a request that sends the header is named by it — new_id(prefix) gives
+"<prefix>-<header>" (chatcmpl-<id>, cmpl-<id>, gen-<id>, ...; its choices' rids add -<k> as always) rather
+than a random id — and /abort_request finds it by either. While one such id is in flight, another request
+sending the same header gets "<prefix>-<header>-<8 hex>": every response id in flight names one request, so
+aborting by it never stops another (vLLM now keeps the client's id as the response id and makes only its
+engine ids unique). Not a 400: a proxy that retries a timed-out attempt sends the same X-Request-Id while
+the first may still be running. The middleware (app.py) opens request_scope around
+each handler; the ids new_id made there are released when the handler returns."""
 
 from __future__ import annotations
 
@@ -10,7 +19,9 @@ import importlib.metadata
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import msgspec
@@ -36,6 +47,23 @@ ClientProvider = Callable[[], EngineClient | None]
 _TOKEN_ID = re.compile(r"-?[0-9]+")
 # Our SamplingParams names → the OpenAI request field a user wrote, for error messages.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs_num": "logprobs"}
+# X-Request-Id: visible ASCII, bounded (it is repeated in every chunk of a stream, and echoed as a header).
+_REQUEST_ID_FORM = re.compile(r"[\x21-\x7e]{1,256}")
+
+
+class _RequestIds:
+    """One HTTP request's X-Request-Id (None: not sent) and the ids new_id made from it."""
+
+    __slots__ = ("header", "made")
+
+    def __init__(self, header: str | None):
+        self.header = header
+        self.made: list[str] = []
+
+
+# The handler's own request (aiohttp runs each in its task, so each sees its own): a ContextVar is made once,
+# at import, as Python asks, and holds nothing between requests.
+_CURRENT: ContextVar[_RequestIds | None] = ContextVar("shoal_request_ids", default=None)
 
 
 @functools.cache
@@ -63,6 +91,7 @@ class GatewayState:
         self.created = int(time.time())
         self.shutting_down = False
         self.inflight: dict[str, list[str]] = {}  # response id → rids of its choices
+        self.named_ids: dict[str, str] = {}  # an id new_id made from X-Request-Id → that header, while its handler runs
         self.active = 0  # choices in flight, against --max-concurrent-requests
 
     # ---- the engine -------------------------------------------------------------------------------
@@ -169,8 +198,41 @@ class GatewayState:
             raise bad_request(message, param=param) from None
         return params
 
+    @contextmanager
+    def request_scope(self, request_id: str | None) -> Iterator[None]:
+        """Around one handler: new_id names its ids by request_id (the X-Request-Id header, None: not sent)."""
+        ids = _RequestIds(request_id)
+        token = _CURRENT.set(ids)
+        try:
+            yield
+        finally:
+            _CURRENT.reset(token)
+            for made in ids.made:
+                self.named_ids.pop(made, None)
+
     def new_id(self, prefix: str) -> str:
-        return f"{prefix}-{uuid.uuid4().hex}"
+        """A response id: "<prefix>-<X-Request-Id>" where the request sent one (a 400 naming the header if it
+        is not 1-256 visible ASCII characters), suffixed while that id is in flight; else a random one."""
+        ids = _CURRENT.get()
+        if ids is None or ids.header is None:
+            return f"{prefix}-{uuid.uuid4().hex}"
+        if not _REQUEST_ID_FORM.fullmatch(ids.header):
+            raise bad_request("the X-Request-Id header must be 1-256 visible ASCII characters (no spaces)",
+                              param="X-Request-Id")
+        rid = f"{prefix}-{ids.header}"
+        while rid in self.named_ids or rid in self.inflight:
+            rid = f"{prefix}-{ids.header}-{uuid.uuid4().hex[:8]}"
+        self.named_ids[rid] = ids.header
+        ids.made.append(rid)
+        return rid
+
+    def rids_of(self, rid: str) -> list[str]:
+        """What /abort_request stops for rid: the choices of the response it names, or of every request in
+        flight that sent it as X-Request-Id; else rid itself (one engine request's own rid)."""
+        if rid in self.inflight:
+            return self.inflight[rid]
+        named = [r for made, header in self.named_ids.items() if header == rid for r in self.inflight.get(made, ())]
+        return named or [rid]
 
     def choice_requests(self, client: EngineClient, base_id: str, prompts: list[list[int]],
                         params: SamplingParams, n: int, return_input_logprob: bool = False,

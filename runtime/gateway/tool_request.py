@@ -69,11 +69,25 @@ class ToolRequest:
             return OutputConstraint("json_schema", json.dumps(fn["parameters"]), "tools")
         if self.mode != "required":
             return None
-        calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                   "parameters": t["function"]["parameters"]},
-                  "required": ["name", "parameters"]} for t in self.tools]
+        # A tool's parameters may $ref into themselves ("#/$defs/Inner": what pydantic writes for any nested
+        # model), and "#" is the array here, not the parameters: such a tool's parameters move under the
+        # array's own $defs, by its tool name (unique, and the only keys there), with each local $ref
+        # re-pointed there. So two tools may both define "Inner" differently (each keeps its own), with no
+        # 400 — vLLM lifts the $defs themselves to the root and refuses that.
+        lifted: dict[str, Any] = {}
+        calls = []
+        for t in self.tools:
+            name, params = t["function"]["name"], t["function"]["parameters"]
+            repointed = _repoint(params, f"#/$defs/{name}")
+            if repointed != params:  # it has local $refs
+                lifted[name] = repointed
+                params = {"$ref": f"#/$defs/{name}"}
+            calls.append({"type": "object", "properties": {"name": {"const": name}, "parameters": params},
+                          "required": ["name", "parameters"]})
         schema: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
                                   "minItems": 1}
+        if lifted:
+            schema["$defs"] = lifted
         if not self.parallel:
             schema["maxItems"] = 1
         return OutputConstraint("json_schema", json.dumps(schema), "tools")
@@ -108,3 +122,28 @@ def _check_tool(k: int, tool: Any) -> dict[str, Any]:
     if isinstance(fn.get("description"), str):
         out["description"] = fn["description"]
     return {"type": "function", "function": out}
+
+
+# Keywords whose values are data, not schemas: a {"$ref": ...} inside them is a value to match, left alone.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# Keywords whose values map names (of properties, definitions) to schemas: a name is never a keyword.
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _repoint(schema: Any, base: str) -> Any:
+    """A copy of schema with every local $ref ("#", "#/...": JSON pointers from its own root) under base."""
+    if isinstance(schema, list):
+        return [_repoint(v, base) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+            out[k] = base + v[1:]
+        elif k in _DATA_KEYWORDS:
+            out[k] = v
+        elif k in _NAMED_SCHEMAS and isinstance(v, dict):
+            out[k] = {name: _repoint(sub, base) for name, sub in v.items()}
+        else:
+            out[k] = _repoint(v, base)
+    return out

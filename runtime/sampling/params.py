@@ -67,6 +67,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for key in ("stop", "bad_words", "bad_words_ids"):  # null: none, as vLLM reads it
             if d.get(key) is None:
                 d.pop(key, None)
+        if "sampling_seed" in d:  # SGLang's name for seed
+            alias = d.pop("sampling_seed")
+            if alias is not None and d.get("seed") is not None and d["seed"] != alias:
+                raise InvalidRequestError(f"seed ({d['seed']!r}) and sampling_seed ({alias!r}, SGLang's name for "
+                                          "it) differ: give one", param="sampling_seed")
+            if alias is not None:
+                d["seed"] = alias
         if isinstance(d.get("json_schema"), dict):  # a schema given as an object rather than JSON text
             d["json_schema"] = json.dumps(d["json_schema"])
         try:

@@ -1,0 +1,102 @@
+"""X-Request-Id, as vLLM takes it: the response id is <prefix>-<id> (chatcmpl-, cmpl-, gen-; choices and
+batched prompts keep their -k rids), the header comes back on every response (streams and errors too), a
+bad one is a 400 naming it. A second request sending an id still in flight gets <prefix>-<id>-<8 hex>, so
+/abort_request by a response id stops exactly one request; by the bare X-Request-Id it stops all that sent
+it. The ids are free again once their requests end."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.request
+from typing import Any
+
+from gw_helpers import http, slow_steps, sse_events
+
+from runtime.gateway.app import gateway_state
+
+MSG = [{"role": "user", "content": "Hello"}]
+SHORT = {"temperature": 0, "max_tokens": 3}
+NATIVE = {"temperature": 0, "max_new_tokens": 3}
+
+
+def _post(url: str, body: dict[str, Any], request_id: str | None) -> tuple[int, str | None, Any]:
+    """(status, the X-Request-Id header answered, body) — the header read off the raw response."""
+    headers = {"Content-Type": "application/json"}
+    if request_id is not None:
+        headers["X-Request-Id"] = request_id
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            status, echoed, raw = resp.status, resp.headers.get("X-Request-Id"), resp.read().decode()
+    except urllib.error.HTTPError as e:
+        status, echoed, raw = e.code, e.headers.get("X-Request-Id"), e.read().decode()
+    return status, echoed, sse_events(raw) if raw.startswith("data: ") else json.loads(raw)
+
+
+def test_ids_come_from_the_header_on_every_route(gw_url):
+    status, echoed, r = _post(gw_url + "/v1/chat/completions", {"messages": MSG, **SHORT, "n": 2}, "trace-1")
+    assert (status, echoed, r["id"]) == (200, "trace-1", "chatcmpl-trace-1") and len(r["choices"]) == 2
+    status, echoed, r = _post(gw_url + "/v1/completions", {"prompt": ["a b", "c"], **SHORT}, "trace-2")
+    assert (status, echoed, r["id"]) == (200, "trace-2", "cmpl-trace-2") and len(r["choices"]) == 2
+    status, echoed, events = _post(gw_url + "/v1/chat/completions", {"messages": MSG, **SHORT, "stream": True},
+                                   "trace-3")
+    assert status == 200 and echoed == "trace-3" and events[-1] == "[DONE]"
+    assert {e["id"] for e in events[:-1]} == {"chatcmpl-trace-3"}
+    status, echoed, r = _post(gw_url + "/generate", {"text": "Hello", "sampling_params": NATIVE}, "trace-4")
+    assert (status, echoed, r["meta_info"]["id"]) == (200, "trace-4", "gen-trace-4")
+    status, _, r = _post(gw_url + "/generate", {"text": ["a", "b"], "sampling_params": NATIVE}, "trace-5")
+    assert [x["meta_info"]["id"] for x in r] == ["gen-trace-5-0", "gen-trace-5-1"]
+    # Without the header: random ids, no header back
+    status, echoed, r = _post(gw_url + "/v1/chat/completions", {"messages": MSG, **SHORT}, None)
+    assert status == 200 and echoed is None and re.fullmatch(r"chatcmpl-[0-9a-f]{32}", r["id"])
+
+
+def test_a_bad_header_is_a_400_naming_it(gw_url):
+    for bad in ("has space", "x" * 257, "\u00e9"):
+        status, echoed, r = _post(gw_url + "/v1/chat/completions", {"messages": MSG, **SHORT}, bad)
+        assert status == 400 and r["error"]["param"] == "X-Request-Id", r
+        assert echoed == (bad if bad.isascii() else None)  # errors carry it back too (if a header can)
+
+
+def test_duplicates_in_flight_are_told_apart_and_aborted(gw_url, gw_server, gw_engine, monkeypatch):
+    state = gateway_state(gw_server.app)
+    slow_steps(gw_engine, monkeypatch, 0.02)  # ~4 s each unless aborted
+    body = {"messages": MSG, "temperature": 0, "max_tokens": 200, "ignore_eos": True}
+    results: dict[str, Any] = {}
+
+    def send(name: str) -> None:
+        results[name] = _post(gw_url + "/v1/chat/completions", body, "dup")
+
+    def wait_for(pred) -> None:
+        deadline = time.monotonic() + 10
+        while not pred():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    first = threading.Thread(target=send, args=("first",))
+    first.start()
+    wait_for(lambda: "chatcmpl-dup" in state.inflight)
+    second = threading.Thread(target=send, args=("second",))
+    second.start()
+    wait_for(lambda: len([k for k in state.inflight if k.startswith("chatcmpl-dup")]) == 2)
+    [other] = [k for k in state.inflight if k.startswith("chatcmpl-dup-")]
+    assert re.fullmatch(r"chatcmpl-dup-[0-9a-f]{8}", other)
+    # By the response id: that request alone
+    status, r = http(gw_url + "/abort_request", "POST", {"rid": "chatcmpl-dup"})
+    assert status == 200 and r["aborted"] == ["chatcmpl-dup-0"]
+    first.join(10)
+    status, echoed, r = results["first"]
+    assert (status, echoed, r["id"], r["choices"][0]["finish_reason"]) == (200, "dup", "chatcmpl-dup", "abort")
+    assert second.is_alive() and other in state.inflight
+    # By the X-Request-Id: every request in flight that sent it (here the one left)
+    status, r = http(gw_url + "/abort_request", "POST", {"rid": "dup"})
+    assert status == 200 and r["aborted"] == [f"{other}-0"]
+    second.join(10)
+    status, echoed, r = results["second"]
+    assert (status, echoed, r["id"], r["choices"][0]["finish_reason"]) == (200, "dup", other, "abort")
+    assert not state.inflight and not state.named_ids  # released with their handlers
+    status, _, r = _post(gw_url + "/v1/completions", {"prompt": "a", **SHORT}, "dup")
+    assert r["id"] == "cmpl-dup"
