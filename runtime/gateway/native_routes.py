@@ -140,7 +140,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             pj = params if params.seed is None or not j else msgspec.structs.replace(
                 params, seed=(params.seed + j) % 2**63)
             reqs.append(GenerateRequest(rid=f"{base}-{p * n + j}" if several else base, input_ids=ids,
-                                        sampling_params=pj, lora_name=lora, priority=body.priority or 0,
+                                        sampling_params=pj, lora_name=lora, priority=body.priority or 0, cache_salt=body.cache_salt,
                                         return_input_logprob=scored,
                                         input_top_logprobs_num=body.top_logprobs_num if scored else 0))
     reqs = [state.validate(client, r) for r in score_prompts_once(reqs, n)]  # a prompt's n choices share one score

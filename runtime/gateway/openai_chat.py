@@ -221,7 +221,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                                   state.args.reasoning_parser)
     base = state.new_id("chatcmpl")
     reqs = state.choice_requests(client, base, [ids], params, n, return_input_logprob=prompt_lp is not None,
-                                 input_top_logprobs_num=prompt_lp or 0, lora_name=request_lora(state, body))
+                                 input_top_logprobs_num=prompt_lp or 0, lora_name=request_lora(state, body),
+                                 cache_salt=body.cache_salt)
     reqs = with_priority(state, client, reqs, body.priority)
     if prompt_lp is not None:
         reqs = score_prompts_once(reqs, n)

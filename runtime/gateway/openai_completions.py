@@ -113,7 +113,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     scored = echo_lp or prompt_lp is not None
     top_n = max((body.logprobs or 0) if echo_lp else 0, prompt_lp or 0)
     reqs = state.choice_requests(client, base, prompts.ids, params, n, return_input_logprob=scored,
-                                 input_top_logprobs_num=top_n, lora_name=request_lora(state, body))
+                                 input_top_logprobs_num=top_n, lora_name=request_lora(state, body),
+                                 cache_salt=body.cache_salt)
     reqs = with_priority(state, client, reqs, body.priority)
     if scored and not echo_lp:  # echo shows each choice's own prompt logprobs, a stream's in its first delta
         reqs = score_prompts_once(reqs, n)

@@ -110,7 +110,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
                                                   state.args.reasoning_parser)
     base = new_id("resp")
     reqs = with_priority(state, client, state.choice_requests(client, base, [ids], params, 1,
-                                                              lora_name=state.lora_name(body.model)), body.priority)
+                                                              lora_name=state.lora_name(body.model),
+                                                              cache_salt=body.cache_salt), body.priority)
     if constraint is not None:
         await state.check_grammar(client, reqs[0], constraint.param)
     gen.set_choices(base, reqs)

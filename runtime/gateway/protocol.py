@@ -116,6 +116,7 @@ class OpenAISamplingFields(Struct, kw_only=True):
     allowed_token_ids: list[Int64] | None = None  # vLLM's: sampling restricted to these ids
     bad_words: list[str] | None = None  # vLLM's: these words are never generated
     priority: Int64 | None = None  # vLLM's and SGLang's: with --enable-priority-scheduling (else only 0)
+    cache_salt: str | None = None  # vLLM's and SGLang's: cached prefix KV shared only between requests of one salt
     # vLLM's: each prompt position's logprobs (the prompt token and the top N), on the response
     prompt_logprobs: Int64 | None = None
     json_schema: dict[str, Any] | str | None = None  # SGLang's: a JSON Schema (JSON text), one more constraint
@@ -343,6 +344,7 @@ class GenerateBody(Struct, kw_only=True):
     lora_path: str | None = None  # SGLang's: an adapter's name (or its --lora-modules folder)
     lora_name: str | None = None
     priority: Int64 | None = None  # SGLang's: with --enable-priority-scheduling (else only 0)
+    cache_salt: str | None = None  # SGLang's extra_key / vLLM's: cached prefix KV shared only within one salt
 
 
 class GenerateFinishReason(Struct, omit_defaults=True):

@@ -74,6 +74,7 @@ class ResponsesRequest(Struct, kw_only=True):
     allowed_token_ids: list[Int64] | None = None  # sampling restricted to these ids
     bad_words: list[str] | None = None  # never generated (the gateway tokenizes them)
     priority: Int64 | None = None  # with --enable-priority-scheduling (else only 0)
+    cache_salt: str | None = None  # vLLM's: cached prefix KV shared only between requests of one salt
     chat_template_kwargs: dict[str, Any] | None = None
     logit_bias: dict[str, float] | None = None  # token ids (as strings) to logit offsets
     include_stop_str_in_output: bool | None = None  # the matched stop string stays in the text

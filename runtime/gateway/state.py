@@ -236,7 +236,8 @@ class GatewayState:
 
     def choice_requests(self, client: EngineClient, base_id: str, prompts: list[list[int]],
                         params: SamplingParams, n: int, return_input_logprob: bool = False,
-                        input_top_logprobs_num: int = 0, lora_name: str | None = None) -> list[GenerateRequest]:
+                        input_top_logprobs_num: int = 0, lora_name: str | None = None,
+                        cache_salt: str | None = None) -> list[GenerateRequest]:
         """n requests per prompt (choice index = prompt * n + i), each validated before any is sent so
         a bad one leaves nothing running. A given seed becomes seed + i: choices differ, reproducibly."""
         params = self.with_bad_words_ids(client, params)  # once for all the choices, not in each validate
@@ -249,7 +250,8 @@ class GatewayState:
                     pi = msgspec.structs.replace(params, seed=(params.seed + i) % 2**63)
                 req = GenerateRequest(rid=f"{base_id}-{p * n + i}", input_ids=ids, sampling_params=pi,
                                       return_input_logprob=return_input_logprob,
-                                      input_top_logprobs_num=input_top_logprobs_num, lora_name=lora_name)
+                                      input_top_logprobs_num=input_top_logprobs_num, lora_name=lora_name,
+                                      cache_salt=cache_salt)
                 reqs.append(self.validate(client, req))
         return reqs
 
