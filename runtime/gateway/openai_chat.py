@@ -60,6 +60,8 @@ def check_unsupported(body: ChatCompletionRequest, n: int) -> None:
     check_unhonoured(body)
     if body.best_of is not None and body.best_of != n:
         raise not_supported("best_of other than n", "best_of")
+    if body.echo:
+        raise not_supported("echo on chat (/v1/completions echoes its prompt)", "echo")
     if body.chat_template is not None:
         # vLLM takes one only behind --trust-request-chat-template: a template is code the server runs
         raise not_supported("a per-request chat_template (the server's template renders every chat)",

@@ -231,6 +231,7 @@ class ChatCompletionRequest(OpenAISamplingFields, kw_only=True):
     documents: list[dict[str, str]] | None = None  # vLLM's: RAG documents, for templates that take them
     chat_template: str | None = None  # vLLM's per-request template: a 400 (the server's template only)
     best_of: Int64 | None = None  # only n
+    echo: bool | None = None  # vLLM's (the last message before the answer): a 400 when true
 
 
 class ChatTopLogprob(Struct):

@@ -282,3 +282,10 @@ def test_return_token_ids_and_tokens_as_ids(served, path):
     assert "prompt_token_ids" not in plain["choices"][0]
     if not chat:  # the offsets count the text, whatever names the tokens
         assert plain["choices"][0]["logprobs"]["text_offset"] == r["choices"][0]["logprobs"]["text_offset"]
+
+
+def test_chat_echo_is_a_400(served):
+    """vLLM's chat echo (the last message put before the answer) is not done: a 400 naming it, not ignored."""
+    _, url, _, _ = served
+    err = _error(url, "/v1/chat/completions", {"messages": USER, "max_tokens": 1, "echo": True})
+    assert err["param"] == "echo" and "echo" in err["message"]
