@@ -23,7 +23,7 @@ from runtime.errors import EngineUnavailableError, InvalidRequestError, ServerAr
 from runtime.logging_setup import setup_logging
 from runtime.lora.engine_lora import EngineLora
 from runtime.lora.lora_config import per_prompt
-from runtime.managers.request_validation import as_id_lists, per_prompt_priority, per_prompt_salt
+from runtime.managers.request_validation import as_id_lists, each_prompt
 from runtime.managers.scheduler_host import SchedulerHost
 from runtime.messages import FinishReason, GenerateRequest, RequestOutput, SchedulerStats
 from runtime.model_executor.tp_worker import TpWorker
@@ -278,7 +278,7 @@ class Engine(EngineLora, EngineAdmin, EngineEmbeddings):  # an EngineClient; run
         rids = [rid] if isinstance(rid, str) else rid
         if rids is not None and (len(rids) != n or len(set(rids)) != n):
             raise InvalidRequestError(f"rid needs {n} distinct ids, one per prompt", param="rid")
-        reqs, priorities, salts = [], per_prompt_priority(priority, n), per_prompt_salt(cache_salt, n)
+        reqs, priorities, salts = [], each_prompt(priority, n, "priority"), each_prompt(cache_salt, n, "cache_salt")
         for i in range(n):
             p, copies = self._split_n(params[i])
             if rids and copies > 1:  # abort(rid) must stop what rid names: one request, not a family

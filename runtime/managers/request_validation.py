@@ -97,22 +97,14 @@ def check_cache_salt(salt: object) -> None:
                                   param="cache_salt")
 
 
-def per_prompt_salt(cache_salt: Any, n: int) -> list[Any]:
-    """The Python API's cache_salt: one for every prompt, or a list of one per prompt (checked later, each)."""
-    if not isinstance(cache_salt, (list, tuple)):
-        return [cache_salt] * n
-    if len(cache_salt) != n:
-        raise InvalidRequestError(f"{len(cache_salt)} cache salts for {n} prompts", param="cache_salt")
-    return list(cache_salt)
-
-
-def per_prompt_priority(priority: Any, n: int) -> list[Any]:
-    """The Python API's priority: one for every prompt, or a list of one per prompt (checked later, each)."""
-    if not isinstance(priority, (list, tuple)):
-        return [priority] * n
-    if len(priority) != n:
-        raise InvalidRequestError(f"{len(priority)} priorities for {n} prompts", param="priority")
-    return list(priority)
+def each_prompt(value: Any, n: int, param: str) -> list[Any]:
+    """A Python API argument given once for every prompt, or as a list of one per prompt (each checked later):
+    priority, cache_salt."""
+    if not isinstance(value, (list, tuple)):
+        return [value] * n
+    if len(value) != n:
+        raise InvalidRequestError(f"{param}: {len(value)} given for {n} prompts", param=param)
+    return list(value)
 
 
 def _check_embedding_length(limits: RequestLimits, n: int) -> None:

@@ -17,20 +17,6 @@ USER = [{"role": "user", "content": "Hello world!"}]
 GREEDY = {"temperature": 0, "max_tokens": 2, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def hf_rows(tiny_llama):
-    """Row i of HF's log_softmax over a prompt: the distribution of prompt token i + 1."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
-
-    @torch.inference_mode()
-    def run(ids: list[int]) -> torch.Tensor:
-        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
-
-    return run
-
-
 def _post(url: str, route: str, body: dict[str, Any]) -> dict[str, Any]:
     status, r = http(url + route, "POST", {**GREEDY, **body})
     assert status == 200, r

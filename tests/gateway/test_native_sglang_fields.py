@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 from gw_helpers import http
 
 from runtime.errors import InvalidRequestError
@@ -17,20 +16,6 @@ from runtime.sampling.params import SamplingParams
 PROMPT = "The quick brown fox jumps over the lazy dog"
 GREEDY = {"temperature": 0, "max_new_tokens": 2}
 SAMPLED = {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def hf_rows(tiny_llama):
-    """Row i of HF's log_softmax over a prompt: the distribution of prompt token i + 1."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
-
-    @torch.inference_mode()
-    def run(ids: list[int]) -> torch.Tensor:
-        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
-
-    return run
 
 
 def _generate(url: str, body: dict[str, Any], status: int = 200) -> Any:

@@ -165,7 +165,7 @@ def test_salts_per_prompt_and_refusals(engine, want):
     outs = engine.generate(input_ids=[PROMPT, PROMPT], sampling_params=SP, cache_salt=["y", "x"])
     assert [o["output_ids"] for o in outs] == [want, want]
     assert [o["usage"]["cached_tokens"] for o in outs] == [0, len(PROMPT) - 1]
-    for bad, message in (("", "non-empty string"), (["x"], "1 cache salts for 2 prompts")):
+    for bad, message in (("", "non-empty string"), (["x"], "cache_salt: 1 given for 2 prompts")):
         with pytest.raises(InvalidRequestError, match=message) as e:
             engine.generate(input_ids=[PROMPT, PROMPT] if isinstance(bad, list) else PROMPT, sampling_params=SP,
                             cache_salt=bad)
