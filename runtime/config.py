@@ -11,6 +11,7 @@ from typing import Any
 
 from runtime.errors import ServerArgsError
 from runtime.lora.lora_config import parse_lora_modules
+from runtime.sampling.generation_defaults import check_flags as check_generation_flags
 from runtime.server_flags import (  # noqa: F401  (METRICS_COMPAT, VLLM_ALIASES: still importable from here)
     METRICS_COMPAT,
     MULTI_VALUE,
@@ -24,6 +25,7 @@ from runtime.server_flags import (  # noqa: F401  (METRICS_COMPAT, VLLM_ALIASES:
 from runtime.server_flags import flag_name as _flag
 from runtime.server_flags import hf_overrides as _hf_overrides
 from runtime.server_flags import metrics_compat as _metrics_compat
+from runtime.speculative.spec_flags import check_speculative_flags
 from runtime.text.chat_template import read_chat_template
 
 
@@ -136,6 +138,15 @@ class ServerArgs:
     speculative_num_draft_tokens: int = _opt(4, "draft tokens checked per request per step (K)")
     speculative_ngram_min_match_window_size: int = _opt(1, "NGRAM: shortest suffix matched in the request's tokens")
     speculative_ngram_max_match_window_size: int = _opt(4, "NGRAM: longest suffix matched (tried first)")
+    # Sampling defaults (runtime/sampling/generation_defaults.py): what a request leaves unset, as vLLM and SGLang fill it
+    generation_config: str = _opt("auto", "defaults of a request's unset temperature, top_p, top_k, min_p, "
+                                          "repetition_penalty and max_tokens (max_new_tokens): auto = the model "
+                                          "folder's generation_config.json, vllm = none, or a folder holding one")
+    override_generation_config: str | None = _opt(None, "a JSON object over those defaults (vLLM's): "
+                                                        "'{\"temperature\": 0.5}'; its max_new_tokens also caps "
+                                                        "a request's own max_tokens")
+    sampling_defaults: str = _opt("model", "SGLang's: model (= --generation-config auto) or openai (= vllm)",
+                                  ("model", "openai"))
     # Structured output, tools, reasoning
     grammar_compile_timeout_s: float = _opt(10.0, "a request whose grammar (JSON schema, regex, EBNF, tool "
                                                   "schemas) takes longer to compile gets a 400")
@@ -199,7 +210,7 @@ class ServerArgs:
                                          "(Chrome JSON); default: $SHOAL_TORCH_PROFILER_DIR, else profiling is off")
 
     def __post_init__(self) -> None:
-        for name in ("hf_overrides", "pooler_config"):  # Engine(hf_overrides={...}) or YAML mappings, as vLLM's LLM
+        for name in ("hf_overrides", "pooler_config", "override_generation_config"):  # Engine(name={...}), YAML
             if isinstance(getattr(self, name), Mapping):
                 try:
                     object.__setattr__(self, name, json.dumps(dict(getattr(self, name))))
@@ -270,7 +281,8 @@ class ServerArgs:
         if self.is_embedding and (self.speculative_algorithm or self.enable_dp_attention):
             raise ServerArgsError("--is-embedding", "an embedding server only prefills: it runs without "
                                                     "--speculative-algorithm and --enable-dp-attention")
-        self._check_speculative()
+        check_speculative_flags(self)
+        check_generation_flags(self)
         self._check_lora()
         self._check_priority()
 
@@ -297,22 +309,6 @@ class ServerArgs:
             if on:
                 raise ServerArgsError("--enable-lora", f"does not run with {name} yet")
 
-    def _check_speculative(self) -> None:
-        algo = self.speculative_algorithm
-        if self.speculative_num_draft_tokens < 1:
-            raise ServerArgsError("--speculative-num-draft-tokens", f"must be positive, got {self.speculative_num_draft_tokens}")
-        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
-        if not 1 <= lo <= hi:
-            raise ServerArgsError("--speculative-ngram-min-match-window-size", f"need 1 <= min <= max, got {lo}, {hi}")
-        if algo == "STANDALONE" and not self.speculative_draft_model_path:
-            raise ServerArgsError("--speculative-draft-model-path", "STANDALONE needs a draft model folder")
-        if self.speculative_draft_model_path and algo != "STANDALONE":
-            raise ServerArgsError("--speculative-draft-model-path", "is used only with --speculative-algorithm STANDALONE")
-        if algo == "STANDALONE" and self.enable_dp_attention:
-            # Every draft forward is a collective across DP ranks; IDLE ranks would have to mirror them all.
-            raise ServerArgsError("--speculative-algorithm", "STANDALONE does not run with --enable-dp-attention "
-                                                             "yet; use NGRAM")
-
     @property
     def priority_scheduling(self) -> bool:
         """Requests' priorities order the queue and preempt (either spelling of the flag)."""
@@ -335,6 +331,11 @@ class ServerArgs:
     def fp8_lm_head_mode(self) -> str:
         """The LM head's FP8 use with FP8 weights: on (--fp8-lm-head), off (--disable-fp8-lm-head) or auto."""
         return "on" if self.fp8_lm_head else "off" if self.disable_fp8_lm_head else "auto"
+
+    @property
+    def generation_config_source(self) -> str:
+        """auto (the model folder's generation_config.json), vllm (none) or the folder to read it from."""
+        return "vllm" if self.sampling_defaults == "openai" else self.generation_config
 
     @property
     def hf_config_overrides(self) -> dict[str, Any]:

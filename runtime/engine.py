@@ -27,6 +27,7 @@ from runtime.managers.request_validation import as_id_lists, each_prompt
 from runtime.managers.scheduler_host import SchedulerHost
 from runtime.messages import FinishReason, GenerateRequest, RequestOutput, SchedulerStats
 from runtime.model_executor.tp_worker import TpWorker
+from runtime.sampling.generation_defaults import GenerationDefaults
 from runtime.sampling.grammar_compiler import create_grammar_compiler
 from runtime.sampling.params import SamplingParams
 from runtime.stream_delivery import deliver, gather_or_cancel, next_output
@@ -51,6 +52,8 @@ class Engine(EngineLora, EngineAdmin, EngineEmbeddings):  # an EngineClient; run
         self.args = server_args
         setup_logging(server_args.log_level)
         self.model_path, self.model_name = resolve_model(server_args.model_path, server_args.served_model_name)
+        # what requests leave unset (a bad generation_config.json fails here, before the weights load)
+        self.generation_defaults = GenerationDefaults.for_server(server_args, self.model_path)
         self.worker = TpWorker(server_args, self.model_path)
         info = self.worker.info()
         self._tokenizer = load_tokenizer(server_args.tokenizer_path or self.model_path, tuple(info.eos_token_ids),
@@ -128,11 +131,13 @@ class Engine(EngineLora, EngineAdmin, EngineEmbeddings):  # an EngineClient; run
                      lora_name: str | None = None, priority: int = 0, cache_salt: str | None = None) -> GenerateRequest:
         """Tokenizes and validates one request (InvalidRequestError on anything wrong). input_top_logprobs_num
         N > 0: each prompt position after the first also lists its top N tokens (return_input_logprob implied).
-        cache_salt: the request shares prefix-cache KV only with requests of the same salt (vLLM's)."""
+        cache_salt: the request shares prefix-cache KV only with requests of the same salt (vLLM's). A dict's unset
+        sampling fields take the model's generation_config.json defaults; a SamplingParams is taken as is."""
         sampling_params, n = self._split_n(sampling_params)
         if n > 1:
             raise InvalidRequestError("n > 1 gives several results: pass it to generate()", param="n")
-        params = tokenize_bad_words(SamplingParams.from_dict(sampling_params), self._tokenizer)
+        params = tokenize_bad_words(SamplingParams.from_dict(sampling_params, self.generation_defaults),
+                                    self._tokenizer)
         if input_ids is not None and prompt is not None:
             raise InvalidRequestError("give prompt or input_ids, not both", param="input_ids")
         if input_ids is None and not isinstance(prompt, str):

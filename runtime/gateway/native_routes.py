@@ -123,7 +123,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
                           "one request per prompt and choice", param="stream")
     start = _logprob_start(body, prompts.ids)
     try:
-        params = SamplingParams.from_dict(sampling)
+        params = SamplingParams.from_dict(sampling, state.sampling_defaults(client))  # unset: the model's defaults
         if body.return_logprob:
             params = msgspec.structs.replace(params, return_logprob=True, top_logprobs_num=body.top_logprobs_num)
             params.validate()

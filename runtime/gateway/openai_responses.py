@@ -103,7 +103,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
     if max_new is None:
         max_new = max(1, client.context_len - len(ids))
     params = state.sampling_params(fields, max_new, return_logprob=want_lp, top_logprobs_num=body.top_logprobs or 0,
-                                   logprob_param="top_logprobs", max_param="max_output_tokens")
+                                   logprob_param="top_logprobs", max_param="max_output_tokens",
+                                   max_given=body.max_output_tokens is not None)
     if body.include_stop_str_in_output:
         params = msgspec.structs.replace(params, include_stop_str_in_output=True)
     params, reasoning, reasoning_done = constrain(client.tokenizer, opening, params, constraint,

@@ -28,6 +28,7 @@ import msgspec
 from aiohttp import web
 
 from runtime.config import ServerArgs
+from runtime.default_model import DEFAULT_MODEL_NAME, default_cache_root
 from runtime.engine_client import EngineClient
 from runtime.errors import InvalidRequestError, ShoalError
 from runtime.gateway.admission import AdmissionController
@@ -39,6 +40,7 @@ from runtime.gateway.metrics import GatewayMetrics
 from runtime.gateway.protocol import OpenAISamplingFields
 from runtime.gateway.ttft_trace import TtftTrace
 from runtime.messages import GenerateRequest
+from runtime.sampling.generation_defaults import GenerationDefaults
 from runtime.sampling.params import SamplingParams
 from runtime.text.bad_words import tokenize_bad_words
 
@@ -93,6 +95,7 @@ class GatewayState:
         self.inflight: dict[str, list[str]] = {}  # response id → rids of its choices
         self.named_ids: dict[str, str] = {}  # an id new_id made from X-Request-Id → that header, while its handler runs
         self.active = 0  # choices in flight, against --max-concurrent-requests
+        self._sampling_defaults: GenerationDefaults | None = None  # sampling_defaults() reads them once
 
     # ---- the engine -------------------------------------------------------------------------------
     def current_client(self) -> EngineClient | None:
@@ -166,10 +169,29 @@ class GatewayState:
         return body.stream_options.usage_modes()
 
     # ---- building requests ------------------------------------------------------------------------
-    @staticmethod
-    def sampling_params(body: OpenAISamplingFields, max_new_tokens: int, return_logprob: bool = False, top_logprobs_num: int = 0,
-                        logprob_param: str = "logprobs", max_param: str = "max_tokens") -> SamplingParams:
-        """SamplingParams from the OpenAI fields of a completions or chat body (None = our default)."""
+    def sampling_defaults(self, client: EngineClient | None = None) -> GenerationDefaults:
+        """The defaults of what requests leave unset (the model's generation_config.json), read once: an
+        in-process Engine's own, else from these args and the client's model folder."""
+        if self._sampling_defaults is None:
+            client = client if client is not None else self.provider()
+            found = getattr(client, "generation_defaults", None)
+            if not isinstance(found, GenerationDefaults):
+                # the default model's folder where neither names one (never built here: a client has run it)
+                folder = (getattr(client, "model_path", None) or self.args.model_path
+                          or default_cache_root() / DEFAULT_MODEL_NAME)
+                found = GenerationDefaults.for_server(self.args, folder)
+            self._sampling_defaults = found
+        return self._sampling_defaults
+
+    def sampling_params(self, body: OpenAISamplingFields, max_new_tokens: int, return_logprob: bool = False,
+                        top_logprobs_num: int = 0, logprob_param: str = "logprobs", max_param: str = "max_tokens",
+                        max_given: bool | None = None) -> SamplingParams:
+        """SamplingParams from the OpenAI fields of a completions or chat body (None = the server's default).
+        max_new_tokens: the request's own, or (max_given false) the room the context leaves it, which the
+        model's default max_tokens may lower; max_given None reads the body's max_param field (a body without
+        that field: given)."""
+        if max_given is None:
+            max_given = getattr(body, max_param, max_new_tokens) is not None
         fields = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                   "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
                   "repetition_penalty": "repetition_penalty", "stop_token_ids": "stop_token_ids",
@@ -186,9 +208,12 @@ class GatewayState:
                 raise bad_request("logit_bias keys must be token ids (integers as strings)", param="logit_bias")
             kw["logit_bias"] = {int(t): float(v) for t, v in body.logit_bias.items()}
         names = {**_OPENAI_NAMES, "top_logprobs_num": logprob_param, "max_new_tokens": max_param}
+        defaults = self.sampling_defaults()
+        if not max_given and defaults.max_new_tokens is not None:
+            max_new_tokens = min(max_new_tokens, defaults.max_new_tokens)
+        kw = defaults.fill({**kw, "max_new_tokens": max_new_tokens})
         try:
-            params = SamplingParams(max_new_tokens=max_new_tokens, return_logprob=return_logprob,
-                                    top_logprobs_num=top_logprobs_num, **kw)
+            params = SamplingParams(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, **kw)
             params.validate()
         except InvalidRequestError as e:
             param = names.get(e.param or "", e.param)

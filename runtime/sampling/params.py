@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from runtime.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from runtime.sampling.generation_defaults import GenerationDefaults
 
 # Integers reach the sampler as int64 tensors (and cross the Ray wire as msgpack, which stops at 2**64):
 # anything larger would fail a whole batch, so it is refused here, naming its field.
@@ -53,15 +56,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     grammar_after_token: int | None = None
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
-        """Builds from a user dict; unknown keys and wrong types are InvalidRequestError."""
-        if d is None:
-            return cls()
+    def from_dict(cls, d: dict[str, Any] | None, defaults: GenerationDefaults | None = None) -> SamplingParams:
+        """Builds from a user dict; unknown keys and wrong types are InvalidRequestError. defaults: the server's
+        (the model's generation_config.json) for the fields d leaves unset; a SamplingParams is taken as is."""
         if isinstance(d, SamplingParams):
             return d
-        if not isinstance(d, dict):
+        if d is None and defaults is None:
+            return cls()
+        if not isinstance(d, dict | None):
             raise InvalidRequestError("sampling_params must be an object", param="sampling_params")
-        d = dict(d)
+        d = defaults.fill(d or {}) if defaults is not None else dict(d)
         if isinstance(d.get("stop"), str):
             d["stop"] = [d["stop"]]
         for key in ("stop", "bad_words", "bad_words_ids"):  # null: none, as vLLM reads it

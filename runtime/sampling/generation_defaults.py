@@ -1,0 +1,167 @@
+"""GenerationDefaults: the sampling defaults of every request that leaves a field unset, from the model
+folder's generation_config.json, as vLLM (--generation-config auto, its default) and SGLang
+(--sampling-defaults model, its default) take them.
+
+The keys are vLLM's (ModelConfig.get_diff_sampling_param): temperature, top_p, top_k, min_p,
+repetition_penalty, and max_new_tokens as the default max_tokens; a request's own value always wins, and one
+at null counts as unset. The file's other keys do not change sampling here, as there: do_sample is not
+read (a file with do_sample false and a temperature samples at that temperature in vLLM too), and its
+eos_token_id is not merged into the stop ids (EOS comes from config.json and the tokenizer, as before).
+--generation-config vllm (SGLang: --sampling-defaults openai) reads no file; a folder path reads that
+folder's file instead. --override-generation-config's keys go over the file's (also with vllm), and its
+max_new_tokens, as vLLM's, also caps a request's own max_tokens (with a folder path, the folder's does)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from runtime.errors import InvalidRequestError, ServerArgsError
+from runtime.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.config import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+FILE_NAME = "generation_config.json"
+# The keys vLLM takes from the file, each as its SamplingParams field: float, or int for top_k and max_new_tokens.
+KEYS: Mapping[str, type] = MappingProxyType({"temperature": float, "top_p": float, "top_k": int, "min_p": float,
+                                             "repetition_penalty": float, "max_new_tokens": int})
+OVERRIDE_FLAG = "--override-generation-config"
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationDefaults:
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_new_tokens: int | None = None  # a request that sets no max_tokens gets this (within the context)
+    max_new_tokens_cap: int | None = None  # vLLM's override_max_tokens: no request gets more, its own included
+    source: str = "none"  # where the values came from, for the start-up log
+
+    @classmethod
+    def for_server(cls, args: ServerArgs, model_path: str | Path) -> GenerationDefaults:
+        """The defaults args ask for (the model folder's file unless --generation-config says otherwise),
+        logged once here; ServerArgsError naming --generation-config for a file Shoal cannot take."""
+        if args.is_embedding:  # it samples nothing
+            return cls(source="an embedding server")
+        source = args.generation_config_source
+        override = override_values(args.override_generation_config)
+        values: dict[str, Any] = {}
+        why_none = "--generation-config vllm"
+        if source != "vllm":
+            path = Path(model_path if source == "auto" else source) / FILE_NAME
+            values = file_values(path) if path.is_file() else {}
+            why_none = f"{path} sets none of them" if path.is_file() else f"no {path}"
+        # vLLM caps requests at the override's max_new_tokens, or at a --generation-config folder's
+        cap = override.get("max_new_tokens") if source in ("auto", "vllm") else {**values, **override}.get(
+            "max_new_tokens")
+        named = [str(path)] if values else []
+        values.update(override)
+        named += [OVERRIDE_FLAG] if override else []
+        defaults = cls(**values, max_new_tokens_cap=cap, source=" and ".join(named) or why_none)
+        logger.info("%s", defaults.describe())
+        return defaults
+
+    def values(self) -> dict[str, Any]:
+        """The defaults set, as SamplingParams fields."""
+        return {k: getattr(self, k) for k in KEYS if getattr(self, k) is not None}
+
+    def fill(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """A request's sampling fields (SamplingParams names) with each default it left unset (absent or
+        null) filled in, and max_new_tokens under the cap. A null without a default is dropped: the field's own
+        default applies, as for an absent one."""
+        out = dict(fields)
+        for key in KEYS:
+            if out.get(key) is None:
+                out.pop(key, None)
+                if getattr(self, key) is not None:
+                    out[key] = getattr(self, key)
+        cap = self.max_new_tokens_cap
+        wanted = out.get("max_new_tokens", SamplingParams().max_new_tokens)
+        if cap is not None and isinstance(wanted, int) and not isinstance(wanted, bool):
+            out["max_new_tokens"] = min(wanted, cap)
+        return out
+
+    def describe(self) -> str:
+        values = self.values()
+        if not values:
+            return f"Sampling defaults: Shoal's (temperature 1, top_p 1, top_k off, min_p 0, repetition_penalty 1; " \
+                   f"{self.source})"
+        text = ", ".join(f"{'max_tokens' if k == 'max_new_tokens' else k}={v}" for k, v in values.items())
+        if self.max_new_tokens_cap is not None:
+            text += f"; max_tokens at most {self.max_new_tokens_cap}, a request's own too"
+        return (f"Default sampling parameters overridden by the model's generation config ({self.source}): {text}. "
+                "A request's own values win; --generation-config vllm ignores the file")
+
+
+def file_values(path: Path) -> dict[str, Any]:
+    """The sampling keys of a generation_config.json; ServerArgsError naming --generation-config if it is not
+    a JSON object or holds a value no request could (a top_k of 0 is HF's and vLLM's "off": -1 here)."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ServerArgsError("--generation-config", f"cannot read {path}: {e} (--generation-config vllm ignores "
+                                                     "it)") from None
+    if not isinstance(raw, dict):
+        raise ServerArgsError("--generation-config", f"{path} must hold a JSON object")
+    values = {k: v for k, v in raw.items() if k in KEYS and v is not None}
+    if values.get("top_k") == 0:
+        values["top_k"] = -1
+    return _checked(values, "--generation-config", f"{path}: ")
+
+
+def override_values(text: str | None) -> dict[str, Any]:
+    """--override-generation-config as SamplingParams fields ({} without it); ServerArgsError naming the flag
+    for bad JSON, a key vLLM would not apply, or a value no request could have."""
+    if text is None:
+        return {}
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
+        raise ServerArgsError(OVERRIDE_FLAG, f"is not valid JSON ({e}): {text!r}") from None
+    if not isinstance(raw, dict):
+        raise ServerArgsError(OVERRIDE_FLAG, f"must be a JSON object of generation_config.json keys, got {text!r}")
+    unknown = sorted(set(raw) - set(KEYS))
+    if unknown:
+        raise ServerArgsError(OVERRIDE_FLAG, f"unknown key {unknown[0]!r}: the keys that set sampling defaults "
+                                             f"are {', '.join(KEYS)}")
+    return _checked({k: v for k, v in raw.items() if v is not None}, OVERRIDE_FLAG, "")
+
+
+def check_flags(args: ServerArgs) -> None:
+    """ServerArgs' check of --generation-config, --override-generation-config and --sampling-defaults."""
+    source = args.generation_config
+    if args.sampling_defaults == "openai" and source not in ("auto", "vllm"):
+        raise ServerArgsError("--sampling-defaults", f"openai (no model defaults) contradicts --generation-config "
+                                                     f"{source}")
+    if source not in ("auto", "vllm") and not (Path(source) / FILE_NAME).is_file():
+        raise ServerArgsError("--generation-config", f"must be auto, vllm or a folder holding a {FILE_NAME}, got "
+                                                     f"{source!r}")
+    override_values(args.override_generation_config)
+
+
+def _checked(values: dict[str, Any], flag: str, where: str) -> dict[str, Any]:
+    """values converted to their fields' types and range-checked as a request's are."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        if not number or (KEYS[key] is int and value != int(value)):
+            raise ServerArgsError(flag, f"{where}{key} must be {'an integer' if KEYS[key] is int else 'a number'}, "
+                                        f"got {value!r}")
+        out[key] = KEYS[key](value)
+    try:
+        SamplingParams(**out).validate()
+    except InvalidRequestError as e:
+        raise ServerArgsError(flag, f"{where}{e.message}") from None
+    return out
+
