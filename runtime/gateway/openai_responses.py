@@ -45,7 +45,7 @@ from runtime.gateway.responses_input import (
     tool_request,
     wants_logprobs,
 )
-from runtime.gateway.responses_output import ResponseItems, new_id
+from runtime.gateway.responses_output import ResponseItems
 from runtime.gateway.responses_protocol import (
     ErrorEvent,
     IncompleteDetails,
@@ -109,7 +109,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
         params = msgspec.structs.replace(params, include_stop_str_in_output=True)
     params, reasoning, reasoning_done = constrain(client.tokenizer, opening, params, constraint,
                                                   state.args.reasoning_parser)
-    base = new_id("resp")
+    base = state.new_id("resp", "_")  # OpenAI's resp_<id> (X-Request-Id names it, as on the other routes)
     reqs = with_priority(state, client, state.choice_requests(client, base, [ids], params, 1,
                                                               lora_name=state.lora_name(body.model),
                                                               cache_salt=body.cache_salt), body.priority)

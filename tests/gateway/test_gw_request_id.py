@@ -100,3 +100,37 @@ def test_duplicates_in_flight_are_told_apart_and_aborted(gw_url, gw_server, gw_e
     assert not state.inflight and not state.named_ids  # released with their handlers
     status, _, r = _post(gw_url + "/v1/completions", {"prompt": "a", **SHORT}, "dup")
     assert r["id"] == "cmpl-dup"
+
+
+def test_ids_that_could_clash_with_engine_rids_get_a_suffix(gw_server):
+    """A header id stays taken RETIRED_ID_S after its handler returned (a dropped client's requests leave the
+    engine at its next step: a retry in between had been refused "already in use"), and a lookalike ("x-0"
+    beside "x", whose choices are x-0, x-1) gets a suffix in either order (review)."""
+    state = gateway_state(gw_server.app)
+    with state.request_scope("retry-1"):
+        assert state.new_id("chatcmpl") == "chatcmpl-retry-1"
+    with state.request_scope("retry-1"):  # the first's engine rids may still be in use
+        assert re.fullmatch(r"chatcmpl-retry-1-[0-9a-f]{8}", state.new_id("chatcmpl"))
+    with state.request_scope("look"):
+        assert state.new_id("gen") == "gen-look"
+        with state.request_scope("look-0"):
+            assert re.fullmatch(r"gen-look-0-[0-9a-f]{8}", state.new_id("gen"))
+    with state.request_scope("other-0"):
+        assert state.new_id("gen") == "gen-other-0"
+        with state.request_scope("other"):
+            assert re.fullmatch(r"gen-other-[0-9a-f]{8}", state.new_id("gen"))
+    with state.request_scope(""):  # an empty header is none: a random id
+        assert re.fullmatch(r"gen-[0-9a-f]{32}", state.new_id("gen"))
+    with state.request_scope("late"):
+        pass
+    assert state.new_id("gen") != "gen-late"  # outside any handler: random
+
+
+def test_responses_take_the_header(gw_url):
+    body = {"input": "Hello", "max_output_tokens": 2}
+    status, echoed, r = _post(gw_url + "/v1/responses", body, "resp-trace-1")
+    assert (status, echoed, r["id"]) == (200, "resp-trace-1", "resp_resp-trace-1")
+    status, _, r = _post(gw_url + "/v1/responses", body, "has space")
+    assert status == 400 and r["error"]["param"] == "X-Request-Id"
+    status, _, r = _post(gw_url + "/v1/chat/completions", {"messages": MSG, **SHORT}, "")
+    assert status == 200 and re.fullmatch(r"chatcmpl-[0-9a-f]{32}", r["id"])
