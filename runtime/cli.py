@@ -8,6 +8,8 @@ import sys
 
 from runtime.config import ServerArgs
 from runtime.errors import ServerArgsError, ShoalError
+from runtime.gateway.http_site import http_site
+from runtime.vllm_flags import add_vllm_flags, apply_vllm_flags, log_notes
 
 # vLLM's --task / --runner values Shoal serves, and whether each is the embedding (pooling) kind.
 _TASKS = ("auto", "generate", "embed", "embedding")
@@ -27,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Not listed in --help, where --is-embedding names them: --help lists ServerArgs' fields, one each.
     serve.add_argument("--task", default=None, choices=_TASKS, help=argparse.SUPPRESS)
     serve.add_argument("--runner", default=None, choices=_RUNNERS, help=argparse.SUPPRESS)
+    add_vllm_flags(serve)  # the rest of `vllm serve`'s flags: translated, logged as no-ops, or refused by name
     gen = sub.add_parser("generate", help="generate a completion for one prompt and print it")
     ServerArgs.add_cli_args(gen)
     gen.add_argument("--prompt", default="The capital of France is")
@@ -41,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def server_args(ns: argparse.Namespace) -> ServerArgs:
-    """The parsed flags as ServerArgs; `shoal serve MODEL` (vLLM's form) is --model-path MODEL."""
+    """The parsed flags as ServerArgs; `shoal serve MODEL` (vLLM's form) is --model-path MODEL, and vLLM's
+    other flags are folded in (runtime/vllm_flags.py), those without effect logged once."""
     positional = getattr(ns, "model", None)
     if positional is not None:
         if ns.model_path is not None and ns.model_path != positional:
@@ -56,7 +60,10 @@ def server_args(ns: argparse.Namespace) -> ServerArgs:
         ns.is_embedding = ns.is_embedding or value in _EMBEDDING_KINDS
     if getattr(ns, "task", None) == "generate" and getattr(ns, "runner", None) == "pooling":
         raise ServerArgsError("--task", "generate contradicts --runner pooling")
-    return ServerArgs.from_cli(ns)
+    notes = apply_vllm_flags(ns) if ns.command == "serve" else []
+    args = ServerArgs.from_cli(ns)
+    log_notes(notes, args.log_level)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,8 +74,12 @@ def main(argv: list[str] | None = None) -> int:
             from runtime.entrypoints.engine_factory import create_engine_client, runs_in_process
             from runtime.gateway.server import run_server
 
+            site = http_site(ns)
             if runs_in_process(args):
-                run_server(args, lambda: create_engine_client(args), in_process=True)
+                run_server(args, lambda: create_engine_client(args), in_process=True, site=site)
+            elif not site.is_plain:  # the gateway actor's site is started from ServerArgs alone
+                raise ServerArgsError(site.flag, "is served by the in-process server (the CPU default, or "
+                                                 "--in-process on one GPU); on Ray, put a proxy in front")
             else:  # on Ray the gateway is an actor too (routing, admission and failover live with it)
                 from runtime.entrypoints.gateway_launcher import serve_gateway_actor
 

@@ -27,6 +27,7 @@ from runtime.server_flags import hf_overrides as _hf_overrides
 from runtime.server_flags import metrics_compat as _metrics_compat
 from runtime.speculative.spec_flags import check_speculative_flags
 from runtime.text.chat_template import read_chat_template
+from runtime.vllm_flags import translate_vllm_kwargs
 
 
 def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
@@ -367,7 +368,7 @@ class ServerArgs:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
-        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs, names = translate_vllm_kwargs(kwargs), {f.name for f in dataclasses.fields(cls)}  # vLLM's LLM(...)
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise ServerArgsError(_flag(unknown[0]), "unknown server argument")

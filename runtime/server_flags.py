@@ -42,6 +42,12 @@ class OneSpelling(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+def spellings(ns: argparse.Namespace) -> Mapping[str, str]:
+    """The settings the command line gave by a OneSpelling flag (every ServerArgs field but the switches),
+    each with the spelling used: what runtime/vllm_flags.py checks a vLLM flag's translation against."""
+    return MappingProxyType(ns.__dict__.get("_spellings", {}))
+
+
 # Flags that take several values (`--lora-modules a=/p b=/q`), joined with spaces into their str field.
 MULTI_VALUE = frozenset({"lora_modules"})
 
@@ -70,7 +76,7 @@ def pooler_config(text: str | None) -> dict[str, Any]:
     """--pooler-config (vLLM's PoolerConfig as JSON) as the keys Shoal applies over the model folder's
     pooling: pooling_type (last / mean / cls), normalize, dimensions, use_activation; {} without it. A
     key at null is vLLM's "unset". activation and softmax are use_activation's older names."""
-    raw = _json_object(text, "--pooler-config", "vLLM PoolerConfig keys")
+    raw = json_object(text, "--pooler-config", "vLLM PoolerConfig keys")
     given = {k: v for k, v in raw.items() if v is not None}
 
     def bad(key: str, why: str) -> ServerArgsError:
@@ -141,10 +147,10 @@ def metrics_compat(value: str) -> tuple[str, ...]:
 
 
 def hf_overrides(text: str | None) -> dict[str, Any]:
-    return _json_object(text, "--hf-overrides", "config.json keys")
+    return json_object(text, "--hf-overrides", "config.json keys")
 
 
-def _json_object(text: str | None, flag: str, of: str) -> dict[str, Any]:
+def json_object(text: str | None, flag: str, of: str) -> dict[str, Any]:
     """A flag's JSON object ({} when unset), or a ServerArgsError naming the flag."""
     if text is None:
         return {}

@@ -62,6 +62,7 @@ from runtime.engine_client import EngineClient
 from runtime.errors import ServerArgsError
 from runtime.gateway.app import build_app, gateway_state
 from runtime.gateway.drain import ABORTED_WRITE_S, drain
+from runtime.gateway.http_site import HttpSite
 from runtime.gateway.state import ClientProvider
 from runtime.gc_guard import GcGuard
 from runtime.logging_setup import setup_logging
@@ -99,10 +100,11 @@ def _shutdown_client(client: Any) -> None:
             logger.exception("error while shutting the engine down")
 
 
-def run_server(args: ServerArgs, load_client: Callable[[], EngineClient], *, in_process: bool = False) -> None:
+def run_server(args: ServerArgs, load_client: Callable[[], EngineClient], *, in_process: bool = False,
+               site: HttpSite | None = None) -> None:
     """Serves on args.host:args.port until SIGINT/SIGTERM; load_client builds the engine client on a
     background thread (routes answer 503 until it returns); raises if it fails. in_process: the
-    scheduler thread shares this interpreter (runtime.engine.Engine)."""
+    scheduler thread shares this interpreter (runtime.engine.Engine). site: TLS and --root-path."""
     setup_logging(args.log_level)
     if in_process:
         # The scheduler thread shares this process's GIL with the HTTP loop: hand it over faster than
@@ -110,12 +112,14 @@ def run_server(args: ServerArgs, load_client: Callable[[], EngineClient], *, in_
         sys.setswitchinterval(float(os.environ.get("SHOAL_SWITCH_INTERVAL", "0.001")))
     loader = _EngineLoader(load_client)
     app = build_app(loader.provider, args)
-    asyncio.run(_serve_until_stopped(app, args, loader, gc_guard=not in_process))
+    site = site or HttpSite()
+    site.install(app)
+    asyncio.run(_serve_until_stopped(app, args, loader, site, gc_guard=not in_process))
     if loader.error is not None:
         raise loader.error
 
 
-async def _serve_until_stopped(app: web.Application, args: ServerArgs, loader: _EngineLoader,
+async def _serve_until_stopped(app: web.Application, args: ServerArgs, loader: _EngineLoader, site: HttpSite,
                                gc_guard: bool) -> None:
     """gc_guard: freeze start-up objects once the client is ready (in-process, the Engine's scheduler host
     already did, for the same interpreter)."""
@@ -130,11 +134,11 @@ async def _serve_until_stopped(app: web.Application, args: ServerArgs, loader: _
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
-        await _start_site(runner, args.host, args.port)
+        await _start_site(runner, args.host, args.port, site)
     except ServerArgsError:
         await runner.cleanup()
         raise
-    url = f"http://{args.host}:{args.port}"
+    url = f"{site.scheme}://{args.host}:{args.port}"
     logger.info("listening at %s; loading the model (routes answer 503 until ready)", url)
     threading.Thread(target=loader.load, name="shoal-engine-loader", daemon=True).start()
     ready = asyncio.ensure_future(asyncio.to_thread(loader.done.wait))
@@ -162,11 +166,11 @@ async def _serve_until_stopped(app: web.Application, args: ServerArgs, loader: _
     logger.info("stopped")
 
 
-async def _start_site(runner: web.AppRunner, host: str, port: int) -> None:
+async def _start_site(runner: web.AppRunner, host: str, port: int, site: HttpSite) -> None:
     """Listens on host:port; a port in use (or a host this machine lacks) is the user's flag to fix, said
     in one line rather than as the socket's traceback."""
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, ssl_context=site.ssl_context).start()
     except OSError as e:
         raise ServerArgsError("--port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "--host",
                               f"cannot listen on {host}:{port}: {e.strerror or e}") from e
@@ -175,9 +179,11 @@ async def _start_site(runner: web.AppRunner, host: str, port: int) -> None:
 class ServerHandle:
     """A gateway running on its own event loop in a thread. url: http://HOST:PORT; stop() ends it."""
 
-    def __init__(self, app: web.Application, host: str, port: int):
+    def __init__(self, app: web.Application, host: str, port: int, site: HttpSite | None = None):
         self.app = app
         self.host = host
+        self._site = site or HttpSite()
+        self._site.install(app)
         self.url = ""
         self._loop = asyncio.new_event_loop()
         self._runner = web.AppRunner(app, access_log=None)
@@ -193,9 +199,9 @@ class ServerHandle:
         asyncio.set_event_loop(self._loop)
         try:
             self._loop.run_until_complete(self._runner.setup())
-            self._loop.run_until_complete(_start_site(self._runner, host, port))
+            self._loop.run_until_complete(_start_site(self._runner, host, port, self._site))
             bound = self._runner.addresses[0][1]
-            self.url = f"http://{host}:{bound}"
+            self.url = f"{self._site.scheme}://{host}:{bound}"
         except BaseException as e:
             self._error = e
             with contextlib.suppress(Exception):  # the runner may not have been set up
@@ -230,9 +236,9 @@ class ServerHandle:
 
 
 def serve_in_thread(client: EngineClient | ClientProvider, args: ServerArgs, *, host: str | None = None,
-                    port: int | None = None) -> ServerHandle:
+                    port: int | None = None, site: HttpSite | None = None) -> ServerHandle:
     """Runs build_app(client, args) on 127.0.0.1 (or host) in a background thread. port overrides
     args.port; 0 takes a free ephemeral port (ServerArgs itself only accepts 1..65535). The client is
-    not shut down by stop(): its owner does that."""
+    not shut down by stop(): its owner does that. site: TLS and --root-path (vLLM's flags)."""
     app = build_app(client, args)
-    return ServerHandle(app, host or "127.0.0.1", args.port if port is None else port)
+    return ServerHandle(app, host or "127.0.0.1", args.port if port is None else port, site)

@@ -1,0 +1,105 @@
+"""HttpSite: how `shoal serve` listens beyond host and port, from vLLM's flags: TLS (--ssl-certfile,
+--ssl-keyfile, --ssl-ca-certs, --ssl-cert-reqs, as uvicorn takes them) and --root-path (FastAPI's root_path:
+the routes also answer under that prefix, for a proxy that forwards /prefix/v1/... unchanged; one that strips
+the prefix reaches them at / as always)."""
+
+from __future__ import annotations
+
+import argparse
+import ssl
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from runtime.errors import ServerArgsError
+
+if TYPE_CHECKING:  # aiohttp is imported where the site starts, not by the CLI's flag parsing
+    from aiohttp import web
+    from aiohttp.typedefs import Handler, Middleware
+
+_FLAGS = ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "ssl_cert_reqs", "root_path")
+
+
+@dataclass(frozen=True, slots=True)
+class HttpSite:
+    ssl_context: ssl.SSLContext | None = None
+    root_path: str = ""  # "" or "/prefix" (no trailing slash)
+    flag: str | None = None  # the first of these flags given, to name where they cannot be honoured
+
+    @property
+    def is_plain(self) -> bool:
+        return self.flag is None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_context is not None else "http"
+
+    def install(self, app: web.Application) -> None:
+        """Adds --root-path's routing to an app not yet started (its middlewares freeze then)."""
+        if self.root_path:
+            app.middlewares.append(_under_prefix(self.root_path))
+
+
+def add_site_flags(group: argparse._ArgumentGroup) -> None:
+    """Registers the flags on `shoal serve`, hidden from --help (vllm_flags' group line names them)."""
+    for name in _FLAGS[:3] + _FLAGS[4:]:
+        group.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=argparse.SUPPRESS)
+    group.add_argument("--ssl-cert-reqs", type=int, default=None, choices=(0, 1, 2), help=argparse.SUPPRESS)
+
+
+def http_site(ns: argparse.Namespace) -> HttpSite:
+    """The parsed flags, checked now: a certificate that does not load is an error naming its flag before
+    the model starts loading."""
+    given = [n for n in _FLAGS if getattr(ns, n, None) is not None]
+    if not given:
+        return HttpSite()
+    context = None
+    if ns.ssl_certfile is None:
+        stray = next((n for n in given if n.startswith("ssl_")), None)
+        if stray is not None:
+            raise ServerArgsError("--" + stray.replace("_", "-"), "needs --ssl-certfile (the server's certificate)")
+    else:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            context.load_cert_chain(ns.ssl_certfile, ns.ssl_keyfile)
+        except (OSError, ssl.SSLError) as e:
+            raise ServerArgsError("--ssl-certfile", f"cannot load the certificate and key: {e}") from None
+        if ns.ssl_ca_certs is not None:
+            try:
+                context.load_verify_locations(cafile=ns.ssl_ca_certs)
+            except (OSError, ssl.SSLError) as e:
+                raise ServerArgsError("--ssl-ca-certs", f"cannot load it: {e}") from None
+        if ns.ssl_cert_reqs is not None:  # uvicorn's ints: ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED
+            context.verify_mode = ssl.VerifyMode(ns.ssl_cert_reqs)
+    return HttpSite(context, _root_path(ns.root_path), "--" + given[0].replace("_", "-"))
+
+
+def _root_path(value: str | None) -> str:
+    if value is None or value.strip("/") == "":
+        return ""
+    if not value.startswith("/"):
+        raise ServerArgsError("--root-path", f"must start with '/', got {value!r}")
+    return value.rstrip("/")
+
+
+def _under_prefix(prefix: str) -> Middleware:
+    # The innermost middleware: a path under the prefix found no route, so it is routed again without the
+    # prefix, as aiohttp's own normalize_path_middleware re-routes a request (the outer middleware, auth and
+    # errors included, has already run on it). Starlette's root_path answers both ways alike.
+    from aiohttp import web
+
+    @web.middleware
+    async def under_prefix(request: web.Request, handler: Handler) -> web.StreamResponse:
+        raw = request.raw_path  # the path as sent (still %-encoded), with its query
+        if request.match_info.http_exception is not None and raw.startswith(prefix) and (
+                raw[len(prefix):len(prefix) + 1] in ("/", "?", "")):
+            rest = raw[len(prefix):]
+            alt = request.clone(rel_url=rest if rest.startswith("/") else "/" + rest)
+            match = await request.app.router.resolve(alt)
+            if match.http_exception is None:
+                match.add_app(request.app)
+                match.freeze()
+                alt._match_info = match
+                return await match.handler(alt)
+        return await handler(request)
+
+    return under_prefix

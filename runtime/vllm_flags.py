@@ -1,0 +1,347 @@
+"""vLLM's `vllm serve` flags and `LLM(...)` keyword arguments beyond the plain renames of
+server_flags.VLLM_ALIASES, so that a vLLM command line works as typed. Each gets one of three treatments:
+
+- translated onto Shoal's knobs: --seed is --random-seed, --no-enable-prefix-caching is --disable-radix-cache,
+  --max-num-batched-tokens bounds the prefill step;
+- accepted as a no-op and logged once at start, where Shoal already behaves so or the knob has no
+  counterpart that changes the output (--block-size: the KV cache is paged per token);
+- refused with a ServerArgsError naming the flag and why, where it asks for something Shoal cannot do
+  (--pipeline-parallel-size 2, --cpu-offload-gb 8, --revision); a value that asks for vLLM's default passes.
+
+One table serves the CLI (add_vllm_flags registers the flags on `shoal serve`, hidden from --help, and
+apply_vllm_flags folds the parsed values into ServerArgs' fields) and the Python API (translate_vllm_kwargs,
+from ServerArgs.from_kwargs); vllm_translation.py holds the machinery. The HTTP site's own flags (--ssl-*,
+--root-path) are not ServerArgs: gateway/http_site.py."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import numbers
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from runtime.errors import ServerArgsError
+from runtime.gateway.http_site import add_site_flags
+from runtime.logging_setup import setup_logging
+from runtime.server_flags import VLLM_ALIASES, flag_name, json_object, spellings
+from runtime.vllm_translation import Translation, VllmFlag, alias, at_least, noop, refuse
+
+logger = logging.getLogger("shoal.vllm_flags")
+
+MAX_LOGPROBS = 20  # the gateway's and the engine's top-N limit (request_validation, openai_responder)
+
+
+def _prefix_caching(on: bool, tr: Translation, flag: str) -> None:
+    tr.set("disable_radix_cache", not on, flag)  # on: Shoal's default, and a contradiction with --disable-radix-cache
+
+
+def _chunked_prefill(on: bool, tr: Translation, flag: str) -> None:
+    if not on:
+        tr.set("chunked_prefill_size", -1, flag)
+    elif tr.get("chunked_prefill_size") == -1:
+        raise ServerArgsError(flag, f"contradicts {tr.given.get('chunked_prefill_size', '--chunked-prefill-size')} -1")
+
+
+def _batched_tokens(n: int, tr: Translation, flag: str) -> None:
+    # vLLM's token budget of one scheduler step. Shoal's steps prefill up to min(--max-prefill-tokens,
+    # --chunked-prefill-size) tokens (decodes run in their own steps unless --enable-mixed-chunk), and vLLM
+    # cuts a long prompt's chunk to fit the budget: both become N. Without chunked prefill only the budget.
+    if n < 1:
+        raise ServerArgsError(flag, f"must be positive, got {n}")
+    tr.set("max_prefill_tokens", n, flag)
+    if tr.get("chunked_prefill_size") != -1:
+        tr.set("chunked_prefill_size", n, flag)
+
+
+def _auto_tool_choice(on: bool, tr: Translation, flag: str) -> None:
+    if not on:
+        return
+    if tr.get("tool_call_parser") is None:  # vLLM refuses the same
+        raise ServerArgsError(flag, "needs --tool-call-parser (the model's tool-call format)")
+    tr.note(flag, on, f"Shoal answers tool_choice auto whenever --tool-call-parser is set "
+                      f"({tr.get('tool_call_parser')} here)")
+
+
+def _disable_log_stats(on: bool, tr: Translation, flag: str) -> None:
+    if on:  # as in vLLM the periodic line and its throughput go (sglang:gen_throughput stays 0); /metrics stays
+        tr.set("log_interval_s", float("inf"), flag)
+
+
+def _max_logprobs(n: int, tr: Translation, flag: str) -> None:
+    if n == -1 or n > MAX_LOGPROBS:
+        raise ServerArgsError(flag, f"Shoal serves at most {MAX_LOGPROBS} logprobs per token (its top-N limit); "
+                                    f"-1 (the whole vocabulary) and more than {MAX_LOGPROBS} are not supported")
+    if n < 0:
+        raise ServerArgsError(flag, f"must be >= 0 (or -1), got {n}")
+    if n != MAX_LOGPROBS:
+        tr.note(flag, n, f"requests may ask for up to {MAX_LOGPROBS} logprobs per token (Shoal's fixed limit)")
+
+
+def _content_format(fmt: str, tr: Translation, flag: str) -> None:
+    why = "Shoal gives the chat template each message's content as one string (its text parts joined)"
+    if fmt == "openai":
+        raise ServerArgsError(flag, f"openai: {why}, not a list of parts")
+    if fmt not in ("auto", "string"):
+        raise ServerArgsError(flag, f"must be auto, string or openai, got {fmt!r}")
+    if fmt == "auto":
+        tr.note(flag, fmt, why)
+
+
+_TOKENIZER_MODES = MappingProxyType({
+    "slow": "Shoal loads the fast tokenizer (tokenizer.json through transformers' AutoTokenizer), not the slow one",
+    "mistral": "Shoal reads Hugging Face tokenizer files, not mistral_common's (tekken.json); serve the "
+               "checkpoint's HF format",
+    "custom": "custom tokenizer classes are not loaded; Shoal uses transformers' AutoTokenizer",
+})
+
+
+def _tokenizer_mode(mode: str, tr: Translation, flag: str) -> None:
+    if mode in _TOKENIZER_MODES:
+        raise ServerArgsError(flag, f"{mode}: {_TOKENIZER_MODES[mode]}")
+    if mode not in ("auto", "hf"):
+        raise ServerArgsError(flag, f"must be auto, hf, slow, mistral or custom, got {mode!r}")
+
+
+def _executor(backend: str, tr: Translation, flag: str) -> None:
+    if backend == "ray":
+        tr.set("use_ray", True, flag)
+    elif backend == "uni":
+        if tr.get("tp_size") > 1 or tr.get("dp_size") > 1 or tr.get("use_ray") or tr.get("address"):
+            raise ServerArgsError(flag, "uni runs one rank in this process, which contradicts Ray (more than one "
+                                        "tensor- or data-parallel rank, --use-ray or --address)")
+        tr.set("in_process", True, flag)
+    elif backend == "mp":
+        tr.note(flag, backend, "Shoal places its own ranks: one process on a CPU, Ray actors on a GPU or for "
+                               "several ranks (--use-ray / --in-process choose)")
+    elif backend == "external_launcher":
+        raise ServerArgsError(flag, "Shoal launches its own ranks (Ray actors); it does not run under torchrun")
+    else:
+        raise ServerArgsError(flag, f"must be ray, mp, uni or external_launcher, got {backend!r}")
+
+
+def _async_scheduling(on: bool, tr: Translation, flag: str) -> None:
+    tr.set("disable_overlap_schedule", not on, flag)  # on: Shoal's default overlap of scheduling and forward
+
+
+_COMPILE = ("Shoal does not torch.compile; it replays CUDA graphs of decode batches up to --cuda-graph-max-bs "
+            "(--enforce-eager turns them off)")
+
+
+def _optimization_level(value: Any, tr: Translation, flag: str) -> None:
+    """-O<n> / --optimization-level n, and vLLM's -O.<key>=<value> (one CompilationConfig key)."""
+    for item in value if isinstance(value, list) else [value]:
+        text = str(item)
+        if text.startswith("."):
+            key, sep, raw = text[1:].partition("=")
+            if not key or not sep:
+                raise ServerArgsError(flag, f"-O.{text[1:]}: give -O.<key>=<value>")
+            try:
+                parsed: Any = json.loads(raw)
+            except ValueError:
+                parsed = raw  # a bare word: -O.cudagraph_mode=NONE
+            _compilation_keys({key: parsed}, tr, f"-O.{key}")
+        elif text in ("0", "1", "2", "3"):
+            if text == "0":  # vLLM's -O0: no compilation and no CUDA graphs
+                tr.set("disable_cuda_graph", True, f"{flag} 0")
+            else:
+                tr.note(flag, text, _COMPILE)
+        else:
+            raise ServerArgsError(flag, f"must be an optimization level 0-3 or .<key>=<value>, got {text!r}")
+
+
+def _compilation_config(value: Any, tr: Translation, flag: str) -> None:
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        _optimization_level(str(value), tr, flag)  # vLLM's older `--compilation-config 3`: a level
+        return
+    cfg = json_object(value, flag, "vLLM CompilationConfig keys") if isinstance(value, str) else value
+    if not isinstance(cfg, Mapping):
+        raise ServerArgsError(flag, f"must be a JSON object (or a level 0-3), got {value!r}")
+    _compilation_keys(dict(cfg), tr, flag)
+
+
+def _compilation_keys(cfg: dict[str, Any], tr: Translation, flag: str) -> None:
+    mode = cfg.pop("cudagraph_mode", None)
+    if mode is not None and str(mode).upper() == "NONE":
+        tr.set("disable_cuda_graph", True, flag)
+    sizes = cfg.pop("cudagraph_capture_sizes", None)
+    cap = next((cfg.pop(k) for k in ("max_cudagraph_capture_size", "max_capture_size") if k in cfg), None)
+    if sizes is not None:
+        if not isinstance(sizes, list) or not all(isinstance(s, int) and s > 0 for s in sizes):
+            raise ServerArgsError(flag, f"cudagraph_capture_sizes must be a list of positive integers, got {sizes!r}")
+        if not sizes:
+            tr.set("disable_cuda_graph", True, flag)
+        cap = max(sizes, default=cap)
+    if cap is not None:
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise ServerArgsError(flag, f"max_cudagraph_capture_size must be a positive integer, got {cap!r}")
+        tr.set("cuda_graph_max_bs", cap, flag)
+    if cfg:
+        tr.note(flag, "keys " + ", ".join(sorted(cfg)), f"{_COMPILE}; these keys have no counterpart")
+
+
+_LOCAL = ("Shoal reads a local model folder and never the Hugging Face Hub: check that revision out into a "
+          "folder and serve the folder")
+_NO_REQUEST_LOG = ("Shoal does not log requests one by one; their counts, latencies and errors are on /metrics "
+                   "and /dashboard")
+_HTTP_LOG = "Shoal's HTTP server (aiohttp) keeps no access log; its own lines follow --log-level"
+_ONE_LONG_PREFILL = ("Shoal prefills one long prompt at a time, in chunks of --chunked-prefill-size, beside the "
+                     "short ones")
+
+# In order: a later entry may read what an earlier one set (--max-num-batched-tokens reads chunked prefill).
+VLLM_FLAGS: tuple[VllmFlag, ...] = (
+    # (a) the same settings under vLLM's names
+    VllmFlag(("--seed",), "int", alias("random_seed")),  # not in VLLM_ALIASES: `shoal generate` has its own --seed
+    VllmFlag(("--enable-prefix-caching",), "bool", _prefix_caching),
+    VllmFlag(("--enable-chunked-prefill",), "bool", _chunked_prefill),
+    VllmFlag(("--max-num-batched-tokens",), "int", _batched_tokens),
+    VllmFlag(("--disable-log-stats",), "bool", _disable_log_stats),
+    VllmFlag(("--distributed-executor-backend",), "str", _executor),
+    VllmFlag(("--async-scheduling",), "bool", _async_scheduling),
+    VllmFlag(("-O", "--optimization-level"), "list", _optimization_level),
+    VllmFlag(("--compilation-config",), "any", _compilation_config),
+    # (b) accepted: Shoal already behaves so, or the knob changes no output
+    VllmFlag(("--enable-auto-tool-choice",), "bool", _auto_tool_choice),
+    VllmFlag(("--trust-remote-code",), "bool", noop(
+        "Shoal runs its own model code for the architectures it serves and never a checkpoint's Python "
+        "(config.json is read as JSON, the tokenizer with transformers' built-in classes)")),
+    VllmFlag(("--block-size",), "int", at_least(1, noop(
+        "Shoal's KV cache is paged per token, so there are no blocks to size (prefix matches are token-exact)"))),
+    VllmFlag(("--swap-space",), "float", at_least(0, noop(
+        "a preempted request's KV is freed and recomputed when it resumes (retraction), never swapped to CPU",
+        unless=(0,)))),
+    VllmFlag(("--download-dir",), "str", noop("nothing is downloaded: Shoal serves a local model folder")),
+    VllmFlag(("--disable-log-requests",), "bool", noop(_NO_REQUEST_LOG)),
+    VllmFlag(("--enable-log-requests",), "bool", noop(_NO_REQUEST_LOG)),
+    VllmFlag(("--enable-log-outputs",), "bool", noop(_NO_REQUEST_LOG)),
+    VllmFlag(("--max-log-len",), "int", noop(_NO_REQUEST_LOG)),
+    VllmFlag(("--uvicorn-log-level",), "str", noop(_HTTP_LOG)),
+    VllmFlag(("--disable-uvicorn-access-log",), "bool", noop(_HTTP_LOG)),
+    VllmFlag(("--disable-fastapi-docs",), "bool", noop("Shoal serves no OpenAPI docs (/docs, /openapi.json)")),
+    VllmFlag(("--disable-frontend-multiprocessing",), "bool", noop(
+        "Shoal's HTTP gateway runs beside the engine in one process, or as a Ray actor (--in-process / --use-ray)")),
+    VllmFlag(("--enable-request-id-headers",), "bool", noop(
+        "Shoal always honours X-Request-Id and returns it on every response")),
+    VllmFlag(("--max-logprobs",), "int", _max_logprobs),
+    VllmFlag(("--tokenizer-mode",), "str", _tokenizer_mode),
+    VllmFlag(("--chat-template-content-format",), "str", _content_format),
+    VllmFlag(("--long-prefill-token-threshold",), "int", at_least(0, noop(_ONE_LONG_PREFILL, unless=(0,)))),
+    VllmFlag(("--max-num-partial-prefills",), "int", at_least(1, noop(_ONE_LONG_PREFILL, unless=(1,)))),
+    VllmFlag(("--max-long-partial-prefills",), "int", at_least(1, noop(_ONE_LONG_PREFILL, unless=(1,)))),
+    VllmFlag(("--num-scheduler-steps",), "int", at_least(1, noop(
+        "Shoal schedules every step, overlapped with the previous forward (multi-step scheduling, which vLLM "
+        "V1 dropped too)", unless=(1,)))),
+    # (c) refused unless they ask for vLLM's default
+    VllmFlag(("--pipeline-parallel-size", "-pp"), "int", at_least(1, refuse(
+        "pipeline parallelism is not implemented; shard with --tensor-parallel-size (and add replicas with "
+        "--data-parallel-size)", unless=(1,)))),
+    VllmFlag(("--enable-expert-parallel",), "bool", refuse(
+        "MoE experts are sharded tensor-parallel across the --tensor-parallel-size ranks; expert parallelism "
+        "is not implemented")),
+    VllmFlag(("--cpu-offload-gb",), "float", at_least(0, refuse(
+        "weights stay on the device: CPU offload is not implemented", unless=(0,)))),
+    VllmFlag(("--kv-cache-memory-bytes",), "str", refuse(
+        "Shoal sizes the KV pool in tokens: give --max-total-tokens (or the device share, "
+        "--gpu-memory-utilization)", unless=())),
+    VllmFlag(("--revision",), "str", refuse(_LOCAL, unless=())),
+    VllmFlag(("--tokenizer-revision",), "str", refuse(_LOCAL, unless=())),
+    VllmFlag(("--code-revision",), "str", refuse(_LOCAL, unless=())),
+    VllmFlag(("--return-tokens-as-token-ids",), "bool", refuse(
+        "a server-wide default Shoal does not have: send \"return_tokens_as_token_ids\": true in the request "
+        "body (chat and completions take it)")),
+    VllmFlag(("--response-role",), "str", refuse("Shoal's responses always carry role assistant",
+                                                  unless=("assistant",))),
+    VllmFlag(("--middleware",), "list", refuse(
+        "Shoal's HTTP server is aiohttp, not an ASGI app: ASGI middleware cannot be added", unless=([],))),
+)
+
+
+def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    """Registers the table's flags and the HTTP site's on `shoal serve`, each hidden: --help lists Shoal's
+    (and VLLM_ALIASES') names, one group line says the rest are accepted."""
+    group = parser.add_argument_group(
+        "vLLM's flags", "`vllm serve` flags not listed above are accepted too, so a vLLM command line works as "
+                        "typed: each sets the matching Shoal setting (TLS and the root path too), is logged "
+                        "at start as having no effect here, or is refused naming why (runtime/vllm_flags.py "
+                        "lists them)")
+    hidden = argparse.SUPPRESS
+    for entry in VLLM_FLAGS:
+        dest = f"vllm_{entry.key}"
+        if entry.kind == "bool":
+            group.add_argument(*entry.names, dest=dest, action=argparse.BooleanOptionalAction, default=None,
+                               help=hidden)
+        elif entry.kind in ("list",):
+            group.add_argument(*entry.names, dest=dest, action="append", default=None, help=hidden)
+        else:
+            kind = {"int": int, "float": float}.get(entry.kind, str)
+            group.add_argument(*entry.names, dest=dest, type=kind, default=None, help=hidden)
+    add_site_flags(group)
+
+
+def apply_vllm_flags(ns: argparse.Namespace) -> list[str]:
+    """Folds the vLLM flags `shoal serve` parsed into ns's ServerArgs fields (after the positional MODEL);
+    returns the lines to log at start."""
+    defaults = _field_defaults()
+    given = {name: spelling for name, spelling in spellings(ns).items() if name in defaults}
+    given.update({name: flag_name(name) for name in defaults if getattr(ns, name, None) is True})
+    tr = Translation({name: getattr(ns, name) for name in defaults}, given)
+    for entry in VLLM_FLAGS:
+        value = getattr(ns, f"vllm_{entry.key}", None)
+        if value is not None:
+            entry.treat(value, tr, entry.flag)
+    for name, (value, _) in tr.changed.items():
+        setattr(ns, name, value)
+    return tr.notes
+
+
+def translate_vllm_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's LLM(...) keyword arguments as ServerArgs.from_kwargs takes them: vLLM's names of Shoal's knobs
+    renamed (max_model_len=, gpu_memory_utilization=, tensor_parallel_size=, enforce_eager=, ...), the table's
+    translated (seed=, enable_prefix_caching=, max_num_batched_tokens=, ...), no-ops logged, refusals raised.
+    A None is vLLM's "unset"; other keys pass through as they are (from_kwargs names an unknown one)."""
+    defaults = _field_defaults()
+    out = dict(kwargs)
+    given = {name: flag_name(name) for name, v in out.items() if name in defaults and v is not None}
+    for name, aliases in VLLM_ALIASES.items():
+        for spelling in (a for a in aliases if a.startswith("--")):
+            key = spelling[2:].replace("-", "_")
+            if key in defaults or key not in out:
+                continue
+            value = out.pop(key)
+            if value is None:
+                continue
+            if name in given:
+                raise ServerArgsError(spelling, f"sets the same setting as {given[name]}; give one of them")
+            out[name], given[name] = value, spelling
+    entries = [e for e in VLLM_FLAGS if e.key in out]
+    if not entries:
+        return out
+    tr = Translation({**defaults, **{k: v for k, v in out.items() if k in defaults and v is not None}}, given)
+    for entry in entries:
+        value = out.pop(entry.key)
+        if value is not None:
+            entry.treat(entry.checked(value), tr, entry.flag)
+    out.update({name: value for name, (value, _) in tr.changed.items()})
+    level = out.get("log_level")
+    log_notes(tr.notes, level if level in ("debug", "info", "warning", "error") else "info")
+    return out
+
+
+def log_notes(notes: list[str], level: str) -> None:
+    """Logs the accepted no-op flags once, at start. Shoal's logging is set up here: these lines come before
+    the Engine or the server would set it up, and would otherwise be dropped."""
+    if notes:
+        setup_logging(level)
+    for line in notes:
+        logger.info("%s", line)
+
+
+def _field_defaults() -> dict[str, Any]:
+    from runtime.config import ServerArgs  # imported here: config.py calls translate_vllm_kwargs
+
+    return {f.name: f.default for f in dataclasses.fields(ServerArgs)}

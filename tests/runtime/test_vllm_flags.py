@@ -1,0 +1,240 @@
+"""vLLM's `vllm serve` flags and LLM(...) kwargs (runtime/vllm_flags.py): a translated flag gives the same
+ServerArgs as Shoal's name for it, a no-op is accepted and logged once naming it, a refusal names the flag
+and why; TLS and --root-path serve (gateway/http_site.py)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import ssl
+import subprocess
+import urllib.error
+import urllib.request
+from argparse import Namespace
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from runtime.cli import build_parser, main, server_args
+from runtime.config import ServerArgs
+from runtime.errors import ServerArgsError
+from runtime.gateway.http_site import http_site
+from runtime.gateway.server import serve_in_thread
+from runtime.vllm_flags import translate_vllm_kwargs
+
+
+def _serve(*argv: str) -> ServerArgs:
+    return server_args(build_parser().parse_args(["serve", "/m", *argv]))
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def logged() -> Iterator[_Lines]:
+    """The INFO lines vllm_flags logs, as .messages (Shoal's loggers do not propagate to caplog's root)."""
+    lines, log = _Lines(), logging.getLogger("shoal.vllm_flags")
+    log.addHandler(lines)
+    yield lines
+    log.removeHandler(lines)
+
+
+def test_a_real_world_vllm_command_line_parses_as_typed(logged):
+    vllm = server_args(build_parser().parse_args(
+        "serve /m --enable-auto-tool-choice --tool-call-parser hermes --enable-prefix-caching "
+        "--max-num-batched-tokens 8192 --seed 0 --disable-log-requests --trust-remote-code "
+        "--gpu-memory-utilization 0.9 --max-model-len 8192 --served-model-name x".split()))
+    ours = server_args(build_parser().parse_args(
+        "serve --model-path /m --tool-call-parser hermes --max-prefill-tokens 8192 --chunked-prefill-size 8192 "
+        "--random-seed 0 --mem-fraction-static 0.9 --context-length 8192 --served-model-name x".split()))
+    assert vllm == ours
+    assert [n.split(":")[0] for n in logged.messages] == ["vLLM's --enable-auto-tool-choice", "vLLM's --trust-remote-code",
+                                                "vLLM's --disable-log-requests"]
+
+
+@pytest.mark.parametrize(("vllm", "shoal"), [
+    ("--seed 7", "--random-seed 7"),
+    ("--no-enable-prefix-caching", "--disable-radix-cache"),
+    ("--enable-prefix-caching --enable-chunked-prefill --async-scheduling", ""),
+    ("--no-enable-chunked-prefill", "--chunked-prefill-size -1"),
+    ("--max-num-batched-tokens 2048", "--max-prefill-tokens 2048 --chunked-prefill-size 2048"),
+    ("--no-enable-chunked-prefill --max-num-batched-tokens 16384", "--chunked-prefill-size -1 --max-prefill-tokens 16384"),
+    ("--disable-log-stats", "--log-interval-s inf"),
+    ("--distributed-executor-backend ray", "--use-ray"),
+    ("--distributed-executor-backend uni", "--in-process"),
+    ("--no-async-scheduling", "--disable-overlap-schedule"),
+    ("-O0", "--disable-cuda-graph"),
+    ("-O.cudagraph_mode=NONE", "--disable-cuda-graph"),
+    ("--compilation-config {\"max_cudagraph_capture_size\":64}", "--cuda-graph-max-bs 64"),
+    ("--compilation-config {\"cudagraph_capture_sizes\":[1,2,4,8]}", "--cuda-graph-max-bs 8"),
+    ("-pp 1 --cpu-offload-gb 0 --response-role assistant --no-enable-expert-parallel --swap-space 0", ""),
+    ("--seed 3 --random-seed 3", "--random-seed 3"),  # both names, one value: no contradiction
+])
+def test_a_translated_flag_is_shoals_setting(vllm, shoal, logged):
+    assert _serve(*vllm.split()) == _serve(*shoal.split())
+    assert logged.messages == []
+
+
+@pytest.mark.parametrize("argv", [
+    "--trust-remote-code", "--disable-log-requests", "--enable-log-requests", "--block-size 16", "--swap-space 4",
+    "--uvicorn-log-level warning", "--max-logprobs 5", "--distributed-executor-backend mp",
+    "--enable-request-id-headers", "--chat-template-content-format auto", "--download-dir /tmp/hf",
+    "--long-prefill-token-threshold 512", "--num-scheduler-steps 8", "--disable-fastapi-docs", "-O3",
+    "--compilation-config {\"level\":3}", "--disable-uvicorn-access-log", "--max-num-partial-prefills 2",
+])
+def test_a_noop_is_accepted_and_logged_once(argv, logged):
+    assert _serve(*argv.split()) == _serve()
+    flag = argv.split()[0]
+    assert len(logged.messages) == 1 and logged.messages[0].startswith(f"vLLM's {flag}"), logged.messages
+
+
+def test_silent_when_asking_for_vllms_default(logged):
+    _serve("--tokenizer-mode", "auto", "--chat-template-content-format", "string", "--max-logprobs", "20",
+           "--num-scheduler-steps", "1", "--no-trust-remote-code")
+    assert logged.messages == []
+
+
+@pytest.mark.parametrize(("argv", "flag", "says"), [
+    ("--pipeline-parallel-size 2", "--pipeline-parallel-size", "pipeline parallelism is not implemented"),
+    ("-pp 4", "--pipeline-parallel-size", "pipeline parallelism"),
+    ("--enable-expert-parallel", "--enable-expert-parallel", "expert parallelism is not implemented"),
+    ("--cpu-offload-gb 8", "--cpu-offload-gb", "CPU offload"),
+    ("--revision main", "--revision", "local model folder"),
+    ("--tokenizer-revision abc", "--tokenizer-revision", "local model folder"),
+    ("--kv-cache-memory-bytes 8G", "--kv-cache-memory-bytes", "--max-total-tokens"),
+    ("--return-tokens-as-token-ids", "--return-tokens-as-token-ids", "in the request body"),
+    ("--response-role bot", "--response-role", "role assistant"),
+    ("--chat-template-content-format openai", "--chat-template-content-format", "one string"),
+    ("--tokenizer-mode mistral", "--tokenizer-mode", "tekken"),
+    ("--tokenizer-mode slow", "--tokenizer-mode", "fast tokenizer"),
+    ("--distributed-executor-backend external_launcher", "--distributed-executor-backend", "torchrun"),
+    ("--distributed-executor-backend uni -tp 2", "--distributed-executor-backend", "one rank"),
+    ("--distributed-executor-backend uni --use-ray", "--distributed-executor-backend", "contradicts Ray"),
+    ("--middleware my.mw", "--middleware", "ASGI"),
+    ("--max-logprobs -1", "--max-logprobs", "whole vocabulary"),
+    ("--max-logprobs 21", "--max-logprobs", "at most 20"),
+    ("--enable-auto-tool-choice", "--enable-auto-tool-choice", "needs --tool-call-parser"),
+    ("--block-size 0", "--block-size", "must be >= 1"),
+    ("--enable-prefix-caching --disable-radix-cache", "--enable-prefix-caching", "contradicts --disable-radix-cache"),
+    ("--seed 1 --random-seed 2", "--seed", "contradicts --random-seed 2"),
+    ("--max-num-batched-tokens 4096 --chunked-prefill-size 2048", "--max-num-batched-tokens",
+     "contradicts --chunked-prefill-size 2048"),
+    ("--enable-chunked-prefill --chunked-prefill-size -1", "--enable-chunked-prefill", "contradicts"),
+    ("--disable-log-stats --log-interval-s 5", "--disable-log-stats", "contradicts --log-interval-s 5"),
+    ("-O7", "-O", "optimization level 0-3"),
+    ("--compilation-config {bad", "--compilation-config", "not valid JSON"),
+    ("--compilation-config {\"cudagraph_capture_sizes\":[0]}", "--compilation-config", "positive integers"),
+])
+def test_a_refusal_names_the_flag(argv, flag, says):
+    with pytest.raises(ServerArgsError, match=says) as info:
+        _serve(*argv.split())
+    assert info.value.flag == flag
+
+
+def test_the_cli_exits_2_naming_a_refused_flag(capsys):
+    assert main(["serve", "/m", "--pipeline-parallel-size", "2"]) == 2
+    assert "--pipeline-parallel-size: pipeline parallelism is not implemented" in capsys.readouterr().err
+
+
+def test_help_hides_the_vllm_flags_behind_one_group_line():
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    text = serve.format_help()
+    assert "vLLM's flags:" in text and "works as typed" in text
+    for hidden in ("--seed", "--enable-prefix-caching", "--ssl-certfile", "-O ", "--max-num-batched-tokens"):
+        assert hidden not in text
+    assert build_parser().parse_args(["generate", "--seed", "3"]).seed == 3  # generate's own --seed stays
+
+
+def test_llm_kwargs_translate_to_server_args(logged):
+    out = translate_vllm_kwargs(dict(model_path=None, model="/m", trust_remote_code=True, seed=1,
+                                     enable_prefix_caching=False, gpu_memory_utilization=0.5, max_num_seqs=8,
+                                     max_model_len=128, tensor_parallel_size=1, enforce_eager=True,
+                                     max_num_batched_tokens=512, swap_space=4, compilation_config={"level": 3},
+                                     pipeline_parallel_size=1, tokenizer=None))
+    assert ServerArgs.from_kwargs(**out) == ServerArgs(
+        model_path="/m", random_seed=1, disable_radix_cache=True, mem_fraction_static=0.5, max_running_requests=8,
+        context_length=128, tp_size=1, disable_cuda_graph=True, max_prefill_tokens=512, chunked_prefill_size=512)
+    assert [n.split(":")[0] for n in logged.messages] == [  # in the table's order
+        "vLLM's --compilation-config keys level", "vLLM's --trust-remote-code", "vLLM's --swap-space 4"]
+    assert translate_vllm_kwargs({"optimization_level": 0, "max_n": 4}) == {"disable_cuda_graph": True, "max_n": 4}
+
+
+@pytest.mark.parametrize(("kwargs", "flag", "says"), [
+    ({"model_path": "/a", "model": "/b"}, "--model", "same setting as --model-path"),
+    ({"max_num_seqs": 4, "max_running_requests": 8}, "--max-num-seqs", "same setting as --max-running-requests"),
+    ({"enable_prefix_caching": "no"}, "--enable-prefix-caching", "must be a bool"),
+    ({"seed": 1.5}, "--seed", "must be an int"),
+    ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size", "pipeline parallelism"),
+    ({"seed": 1, "random_seed": 2}, "--seed", "contradicts --random-seed 2"),
+    ({"compilation_config": [3]}, "--compilation-config", "JSON object"),
+])
+def test_llm_kwargs_refusals_name_the_flag(kwargs, flag, says):
+    with pytest.raises(ServerArgsError, match=says) as info:
+        translate_vllm_kwargs(kwargs)
+    assert info.value.flag == flag
+
+
+@pytest.fixture(scope="module")
+def cert(tmp_path_factory) -> tuple[Path, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a test certificate")
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1", "-days", "1",
+                    "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem")], check=True, capture_output=True)
+    return d / "cert.pem", d / "key.pem"
+
+
+def _site_ns(**given: object) -> Namespace:
+    ns = build_parser().parse_args(["serve"])
+    for k, v in given.items():
+        setattr(ns, k, v)
+    return ns
+
+
+def _get(url: str, context: ssl.SSLContext | None = None) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, context=context, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_tls_and_root_path_serve(cert):
+    """HTTPS with the given certificate; the routes answer at / and under --root-path (503: no engine yet)."""
+    certfile, keyfile = cert
+    ns = build_parser().parse_args(["serve", "--ssl-certfile", str(certfile), "--ssl-keyfile", str(keyfile),
+                                    "--root-path", "/api/"])
+    with serve_in_thread(lambda: None, ServerArgs(), port=0, site=http_site(ns)) as server:
+        assert server.url.startswith("https://")
+        trust = ssl.create_default_context(cafile=str(certfile))
+        assert _get(server.url + "/health", trust)[0] == 503
+        assert _get(server.url + "/api/health", trust)[0] == 503
+        assert _get(server.url + "/api/v1/models?x=1", trust)[0] == 503
+        status, body = _get(server.url + "/apix/health", trust)
+        assert status == 404 and b"no route /apix/health" in body
+        with pytest.raises(OSError):  # plain HTTP is not served
+            _get(server.url.replace("https", "http") + "/health")
+
+
+@pytest.mark.parametrize(("given", "flag", "says"), [
+    ({"ssl_certfile": "/nonexistent.pem"}, "--ssl-certfile", "cannot load"),
+    ({"ssl_keyfile": "/k.pem"}, "--ssl-keyfile", "needs --ssl-certfile"),
+    ({"root_path": "api"}, "--root-path", "must start with '/'"),
+])
+def test_site_flags_are_checked_before_start(given, flag, says):
+    with pytest.raises(ServerArgsError, match=says) as info:
+        http_site(_site_ns(**given))
+    assert info.value.flag == flag
+
+
+def test_tls_on_ray_is_refused_by_name(cert, capsys):
+    assert main(["serve", "/m", "--use-ray", "--ssl-certfile", str(cert[0]), "--ssl-keyfile", str(cert[1])]) == 2
+    assert "--ssl-certfile: is served by the in-process server" in capsys.readouterr().err
