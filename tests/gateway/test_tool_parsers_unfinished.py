@@ -100,9 +100,10 @@ def test_unfinished_call_over_http(hermes_client, regex, max_tokens, finish):
     # the call went out as far as it went (whole name, sure arguments); its text is in the content too
     assert finish == "length" or (deltas and deltas[0].function.name == "search" and deltas[0].id)
     assert all(d.index == 0 and (d is deltas[0] or not d.function.name) for d in deltas)
-    # (how far: up to the last update before the end, which comes with the last token or after it)
+    # (how far: up to the last update before the end, which comes with the last token or after it; how many
+    # tokens an update holds depends on the host's load, so only a prefix of the arguments' text is sure)
     args = "".join(d.function.arguments or "" for d in deltas)
-    assert args in content and (finish == "length" or args.startswith('{"query": "'))
+    assert args in content and (finish == "length" or content.split('"arguments": ', 1)[1].startswith(args))
 
 
 def test_finished_call_over_http_is_still_a_call(hermes_client):
