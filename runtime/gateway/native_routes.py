@@ -54,6 +54,7 @@ _HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 class _GenerateBody(GenerateBody, kw_only=True):
     logprob_start_len: Int64 = -1  # SGLang's: where in the prompt input_token_logprobs start (-1: its last token)
+    custom_logit_processor: str | None = None  # SGLang's server-side code: a 400 (chat and completions refuse it too)
 
 
 class _GenerateMetaInfo(GenerateMetaInfo, kw_only=True):
@@ -117,6 +118,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     else:
         prompts = PromptInput.parse(body.input_ids, client.tokenizer.encode, param="input_ids", allow_text=False)
     _check_int64(body.sampling_params)
+    if body.custom_logit_processor:
+        raise bad_request("custom_logit_processor (server-side code) is not supported", param="custom_logit_processor")
     sampling, n = _split_n(body.sampling_params, state.args.max_n)
     if (prompts.batch or n > 1) and body.stream:
         raise bad_request("streaming a batch (several prompts, or sampling_params.n > 1) is not supported; send "

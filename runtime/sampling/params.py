@@ -71,13 +71,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for key in ("stop", "bad_words", "bad_words_ids"):  # null: none, as vLLM reads it
             if d.get(key) is None:
                 d.pop(key, None)
-        if "sampling_seed" in d:  # SGLang's name for seed
-            alias = d.pop("sampling_seed")
-            if alias is not None and d.get("seed") is not None and d["seed"] != alias:
-                raise InvalidRequestError(f"seed ({d['seed']!r}) and sampling_seed ({alias!r}, SGLang's name for "
-                                          "it) differ: give one", param="sampling_seed")
-            if alias is not None:
-                d["seed"] = alias
+        for alias, name in (("sampling_seed", "seed"), ("no_stop_trim", "include_stop_str_in_output")):
+            if alias in d:  # SGLang's name for the same knob
+                value = d.pop(alias)
+                if value is not None and d.get(name) is not None and d[name] != value:
+                    raise InvalidRequestError(f"{name} ({d[name]!r}) and {alias} ({value!r}, SGLang's name for "
+                                              "it) differ: give one", param=alias)
+                if value is not None:
+                    d[name] = value
         if isinstance(d.get("json_schema"), dict):  # a schema given as an object rather than JSON text
             d["json_schema"] = json.dumps(d["json_schema"])
         try:

@@ -101,3 +101,22 @@ def test_v1_tokenize_paths(gw_url):
         assert http(gw_url + "/v1" + path, "POST", body) == http(gw_url + path, "POST", body)
     status, r = http(gw_url + "/v1/tokenize", "POST", {"prompt": PROMPT})
     assert status == 200 and r["count"] == len(r["tokens"]) > 0
+
+
+def test_no_stop_trim_and_custom_logit_processor(gw_url):
+    """SGLang's sampling_params.no_stop_trim is include_stop_str_in_output (it had been an unknown parameter);
+    a top-level custom_logit_processor is a 400, as on chat and completions (it had been ignored) (review)."""
+    sp = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    status, r = http(gw_url + "/generate", "POST", {"text": PROMPT, "sampling_params": sp})
+    assert status == 200, r
+    stop = next(ch for ch in r["text"] if ch.isascii() and ch.isprintable() and not ch.isspace())  # one it holds
+    trimmed, kept, explicit = (http(gw_url + "/generate", "POST", {"text": PROMPT, "sampling_params": {
+        **sp, "stop": [stop], **extra}})[1]["text"] for extra in ({}, {"no_stop_trim": True},
+                                                                  {"include_stop_str_in_output": True}))
+    assert kept == explicit != trimmed and len(kept) > len(trimmed)
+    status, r = http(gw_url + "/generate", "POST", {"text": PROMPT, "sampling_params": {
+        **sp, "no_stop_trim": True, "include_stop_str_in_output": False}})
+    assert status == 400 and r["error"]["param"] == "no_stop_trim"
+    status, r = http(gw_url + "/generate", "POST", {"text": PROMPT, "sampling_params": sp,
+                                                     "custom_logit_processor": "{}"})
+    assert status == 400 and r["error"]["param"] == "custom_logit_processor"
