@@ -9,7 +9,7 @@ import sys
 from runtime.config import ServerArgs
 from runtime.errors import ServerArgsError, ShoalError
 from runtime.gateway.http_site import http_site
-from runtime.vllm_flags import add_vllm_flags, apply_vllm_flags, log_notes
+from runtime.vllm_flags import add_vllm_flags, apply_vllm_flags, log_notes, vllm_values
 
 # vLLM's --task / --runner values Shoal serves, and whether each is the embedding (pooling) kind.
 _TASKS = ("auto", "generate", "embed", "embedding")
@@ -67,7 +67,7 @@ def server_args(ns: argparse.Namespace) -> ServerArgs:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    ns = build_parser().parse_args(vllm_values(sys.argv[1:] if argv is None else argv))
     try:
         args = server_args(ns)
         if ns.command == "serve":

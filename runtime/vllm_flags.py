@@ -299,6 +299,26 @@ def apply_vllm_flags(ns: argparse.Namespace) -> list[str]:
     return tr.notes
 
 
+# vLLM's names of values Shoal spells otherwise (`--dtype half`, `--kv-cache-dtype fp8`: e4m3 on CUDA in vLLM too)
+VALUE_ALIASES = MappingProxyType({"dtype": {"half": "float16", "float": "float32"},
+                                  "kv_cache_dtype": {"fp8": "fp8_e4m3"}})
+
+
+def vllm_values(argv: list[str]) -> list[str]:
+    """argv with vLLM's value spellings of Shoal's flags (VALUE_ALIASES) in Shoal's, `--flag v` or `--flag=v`."""
+    out = list(argv)
+    for i, token in enumerate(out):
+        flag, eq, value = token.partition("=")
+        names = VALUE_ALIASES.get(flag[2:].replace("-", "_")) if flag.startswith("--") else None
+        if names is None:
+            continue
+        if eq:
+            out[i] = f"{flag}={names.get(value, value)}"
+        elif i + 1 < len(out):
+            out[i + 1] = names.get(out[i + 1], out[i + 1])
+    return out
+
+
 def translate_vllm_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """vLLM's LLM(...) keyword arguments as ServerArgs.from_kwargs takes them: vLLM's names of Shoal's knobs
     renamed (max_model_len=, gpu_memory_utilization=, tensor_parallel_size=, enforce_eager=, ...), the table's
@@ -306,6 +326,9 @@ def translate_vllm_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     A None is vLLM's "unset"; other keys pass through as they are (from_kwargs names an unknown one)."""
     defaults = _field_defaults()
     out = dict(kwargs)
+    for name, names in VALUE_ALIASES.items():
+        if isinstance(out.get(name), str):
+            out[name] = names.get(out[name], out[name])
     given = {name: flag_name(name) for name, v in out.items() if name in defaults and v is not None}
     for name, aliases in VLLM_ALIASES.items():
         for spelling in (a for a in aliases if a.startswith("--")):

@@ -238,3 +238,16 @@ def test_site_flags_are_checked_before_start(given, flag, says):
 def test_tls_on_ray_is_refused_by_name(cert, capsys):
     assert main(["serve", "/m", "--use-ray", "--ssl-certfile", str(cert[0]), "--ssl-keyfile", str(cert[1])]) == 2
     assert "--ssl-certfile: is served by the in-process server" in capsys.readouterr().err
+
+
+def test_vllm_value_spellings():
+    """`--dtype half` and `--kv-cache-dtype fp8` (vLLM's spellings, e4m3 on CUDA there too) as Shoal's values,
+    on the command line (both forms) and as LLM(...) keywords; other values pass untouched."""
+    from runtime.vllm_flags import translate_vllm_kwargs, vllm_values
+
+    assert vllm_values(["serve", "/m", "--dtype", "half", "--kv-cache-dtype=fp8", "--served-model-name", "half"]) \
+        == ["serve", "/m", "--dtype", "float16", "--kv-cache-dtype=fp8_e4m3", "--served-model-name", "half"]
+    assert vllm_values(["--dtype=float", "--dtype", "bfloat16", "--dtype"]) == ["--dtype=float32", "--dtype",
+                                                                                 "bfloat16", "--dtype"]
+    out = translate_vllm_kwargs({"dtype": "half", "kv_cache_dtype": "fp8", "model_path": "/m"})
+    assert (out["dtype"], out["kv_cache_dtype"]) == ("float16", "fp8_e4m3")
