@@ -164,6 +164,8 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise ModelConfigError(f"{path} is not a JSON object")
         cfg = cls.from_dict(merged := _with_overrides(raw, overrides or {}), dtype=dtype)
+        if extra := [i for i in _generation_eos(path.parent) if i not in cfg.eos_token_ids]:
+            cfg = dataclasses.replace(cfg, eos_token_ids=(*cfg.eos_token_ids, *extra))
         tokens = classifier_tokens(merged)
         if tokens and not cfg.num_labels:
             raise ModelConfigError(f"classifier_from_token makes a classifier of {cfg.architecture}: also override "
@@ -357,3 +359,15 @@ def _dtype(raw: dict[str, Any], requested: str) -> torch.dtype:
     if name not in _DTYPES:
         raise ModelConfigError(f"config field 'torch_dtype' has unsupported dtype {name!r}")
     return _DTYPES[name]
+
+
+def _generation_eos(folder: Path) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id (an id or a list): ends a request as config.json's do, as vLLM
+    and SGLang add them to the stop ids (Qwen2.5-Instruct's <|endoftext|> is only there). An unreadable file
+    adds none: its sampling keys are read, and checked, by sampling/generation_defaults.py."""
+    try:
+        eos = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool))

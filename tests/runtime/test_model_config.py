@@ -150,3 +150,28 @@ def test_sliding_windows_per_layer_as_transformers(arch, extra, windows) -> None
     assert cfg.sliding_windows == windows
     assert cfg.has_sliding_window == bool(windows)
     assert [cfg.layer_sliding_window(i) for i in range(4)] == list(windows or (0,) * 4)
+
+
+def test_generation_config_eos_ids_end_requests(tiny_llama, tmp_path) -> None:
+    """generation_config.json's eos_token_id joins config.json's (vLLM and SGLang stop on both; Qwen2.5-Instruct's
+    <|endoftext|> is only there): a greedy request ends with finish_reason stop at the first one it makes."""
+    import shutil
+
+    from tiny_models import hf_greedy_ids
+
+    from runtime import Engine
+
+    folder = tmp_path / "llama"
+    shutil.copytree(tiny_llama, folder)
+    prompt = [5, 17, 42, 99]
+    want = hf_greedy_ids(folder, prompt, 8)
+    base = ModelConfig.from_pretrained(folder).eos_token_ids
+    stop = next(t for t in want[2:] if t not in base)  # not among the first two: the request ends at it
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [*base, stop, True, "x"]}))
+    assert ModelConfig.from_pretrained(folder).eos_token_ids == (*base, stop)
+    (folder / "generation_config.json").write_text("{not json")
+    assert ModelConfig.from_pretrained(folder).eos_token_ids == base  # unreadable: adds none
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": stop}))
+    with Engine(str(folder), device="cpu", dtype="float32", max_total_tokens=512, log_level="warning") as engine:
+        out = engine.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 8})
+    assert out["finish_reason"] == "stop" and out["output_ids"] == want[:want.index(stop) + 1]
