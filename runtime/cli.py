@@ -8,7 +8,7 @@ import sys
 
 from runtime.config import ServerArgs
 from runtime.errors import ServerArgsError, ShoalError
-from runtime.gateway.http_site import http_site
+from runtime.gateway.http_site import add_site_flags, http_site
 from runtime.vllm_flags import add_vllm_flags, apply_vllm_flags, log_notes, vllm_values
 
 # vLLM's --task / --runner values Shoal serves, and whether each is the embedding (pooling) kind.
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Not listed in --help, where --is-embedding names them: --help lists ServerArgs' fields, one each.
     serve.add_argument("--task", default=None, choices=_TASKS, help=argparse.SUPPRESS)
     serve.add_argument("--runner", default=None, choices=_RUNNERS, help=argparse.SUPPRESS)
-    add_vllm_flags(serve)  # the rest of `vllm serve`'s flags: translated, logged as no-ops, or refused by name
+    add_site_flags(add_vllm_flags(serve))  # the rest of `vllm serve`'s flags: translated, logged as no-ops, or refused by name
     gen = sub.add_parser("generate", help="generate a completion for one prompt and print it")
     ServerArgs.add_cli_args(gen)
     gen.add_argument("--prompt", default="The capital of France is")

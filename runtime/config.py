@@ -20,12 +20,12 @@ from runtime.server_flags import (  # noqa: F401  (METRICS_COMPAT, VLLM_ALIASES:
     VLLM_ALIASES,
     OneSpelling,
     check_field_types,
+    check_speculative_flags,
     pooler_config,
 )
 from runtime.server_flags import flag_name as _flag
 from runtime.server_flags import hf_overrides as _hf_overrides
 from runtime.server_flags import metrics_compat as _metrics_compat
-from runtime.speculative.spec_flags import check_speculative_flags
 from runtime.text.chat_template import read_chat_template
 from runtime.vllm_flags import translate_vllm_kwargs
 

@@ -25,7 +25,6 @@ from types import MappingProxyType
 from typing import Any
 
 from runtime.errors import ServerArgsError
-from runtime.gateway.http_site import add_site_flags
 from runtime.logging_setup import setup_logging
 from runtime.server_flags import VLLM_ALIASES, flag_name, json_object, spellings
 from runtime.vllm_translation import Translation, VllmFlag, alias, at_least, noop, refuse
@@ -261,7 +260,7 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
 )
 
 
-def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
+def add_vllm_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Registers the table's flags and the HTTP site's on `shoal serve`, each hidden: --help lists Shoal's
     (and VLLM_ALIASES') names, one group line says the rest are accepted."""
     group = parser.add_argument_group(
@@ -280,7 +279,7 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
         else:
             kind = {"int": int, "float": float}.get(entry.kind, str)
             group.add_argument(*entry.names, dest=dest, type=kind, default=None, help=hidden)
-    add_site_flags(group)
+    return group  # the HTTP site's flags join it (cli.py: gateway/http_site.py is a higher layer)
 
 
 def apply_vllm_flags(ns: argparse.Namespace) -> list[str]:
