@@ -6,7 +6,7 @@ server_flags.VLLM_ALIASES, so that a vLLM command line works as typed. Each gets
 - accepted as a no-op and logged once at start, where Shoal already behaves so or the knob has no
   counterpart that changes the output (--block-size: the KV cache is paged per token);
 - refused with a ServerArgsError naming the flag and why, where it asks for something Shoal cannot do
-  (--pipeline-parallel-size 2, --cpu-offload-gb 8, --revision); a value that asks for vLLM's default passes.
+  (--pipeline-parallel-size 2, --cpu-offload-gb 8, --enable-expert-parallel); a value that asks for vLLM's default passes.
 
 One table serves the CLI (add_vllm_flags registers the flags on `shoal serve`, hidden from --help, and
 apply_vllm_flags folds the parsed values into ServerArgs' fields) and the Python API (translate_vllm_kwargs,
@@ -66,8 +66,9 @@ def _auto_tool_choice(on: bool, tr: Translation, flag: str) -> None:
 
 
 def _disable_log_stats(on: bool, tr: Translation, flag: str) -> None:
-    if on:  # as in vLLM the periodic line and its throughput go (sglang:gen_throughput stays 0); /metrics stays
-        tr.set("log_interval_s", float("inf"), flag)
+    if on:  # the interval also paces the throughput figures /metrics and get_server_info report: kept
+        tr.note(flag, on, "Shoal keeps its stats line every --log-interval-s (the same interval times the "
+                          "throughput /metrics reports); --log-level warning hides it")
 
 
 def _max_logprobs(n: int, tr: Translation, flag: str) -> None:
@@ -184,8 +185,8 @@ def _compilation_keys(cfg: dict[str, Any], tr: Translation, flag: str) -> None:
         tr.note(flag, "keys " + ", ".join(sorted(cfg)), f"{_COMPILE}; these keys have no counterpart")
 
 
-_LOCAL = ("Shoal reads a local model folder and never the Hugging Face Hub: check that revision out into a "
-          "folder and serve the folder")
+_LOCAL = ("Shoal reads a local model folder and never the Hugging Face Hub, so a revision has nothing to "
+          "choose (vLLM ignores it for a local folder too): check a revision out into a folder to serve it")
 _NO_REQUEST_LOG = ("Shoal does not log requests one by one; their counts, latencies and errors are on /metrics "
                    "and /dashboard")
 _HTTP_LOG = "Shoal's HTTP server (aiohttp) keeps no access log; its own lines follow --log-level"
@@ -247,9 +248,9 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--kv-cache-memory-bytes",), "str", refuse(
         "Shoal sizes the KV pool in tokens: give --max-total-tokens (or the device share, "
         "--gpu-memory-utilization)", unless=())),
-    VllmFlag(("--revision",), "str", refuse(_LOCAL, unless=())),
-    VllmFlag(("--tokenizer-revision",), "str", refuse(_LOCAL, unless=())),
-    VllmFlag(("--code-revision",), "str", refuse(_LOCAL, unless=())),
+    VllmFlag(("--revision",), "str", noop(_LOCAL, unless=())),
+    VllmFlag(("--tokenizer-revision",), "str", noop(_LOCAL, unless=())),
+    VllmFlag(("--code-revision",), "str", noop(_LOCAL, unless=())),
     VllmFlag(("--return-tokens-as-token-ids",), "bool", refuse(
         "a server-wide default Shoal does not have: send \"return_tokens_as_token_ids\": true in the request "
         "body (chat and completions take it)")),
@@ -264,7 +265,7 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Registers the table's flags and the HTTP site's on `shoal serve`, each hidden: --help lists Shoal's
     (and VLLM_ALIASES') names, one group line says the rest are accepted."""
     group = parser.add_argument_group(
-        "vLLM's flags", "`vllm serve` flags not listed above are accepted too, so a vLLM command line works as "
+        "vLLM's flags", "most other `vllm serve` flags are accepted too, so a vLLM command line works as "
                         "typed: each sets the matching Shoal setting (TLS and the root path too), is logged "
                         "at start as having no effect here, or is refused naming why (runtime/vllm_flags.py "
                         "lists them)")

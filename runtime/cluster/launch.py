@@ -175,9 +175,12 @@ def create_ray_engine_client(args: ServerArgs, *, replica_resources: list[dict[s
     cluster_fixed: no node will join the cluster (default: when this call started a local one)."""
     from runtime.cluster.ray_engine_client import RayEngineClient
     from runtime.default_model import resolve_model
+    from runtime.sampling.generation_defaults import GenerationDefaults
     from runtime.text.tokenizer import load_tokenizer
 
     model_path, model_name = resolve_model(args.model_path, args.served_model_name)
+    # generation_config.json read (and checked, logged) now, as the in-process Engine does: not at the first request
+    defaults = GenerationDefaults.for_server(args, model_path)
     bundles = args.dp_size * (1 if args.enable_dp_attention else args.tp_size)
     owns_ray = init_ray(args, bundles)
     launcher = None
@@ -196,7 +199,9 @@ def create_ray_engine_client(args: ServerArgs, *, replica_resources: list[dict[s
 
             ray.shutdown()
         raise
-    return RayEngineClient(args, launcher, groups, tokenizer, model_name, owns_ray=owns_ray)
+    client = RayEngineClient(args, launcher, groups, tokenizer, model_name, owns_ray=owns_ray)
+    client.generation_defaults = defaults  # the gateway's sampling defaults (GatewayState.sampling_defaults)
+    return client
 
 
 def launch_gateway_actor(args: ServerArgs, *, port: int | None = None, name: str | None = None,

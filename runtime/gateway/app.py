@@ -38,6 +38,7 @@ from runtime.gateway import (
     tokenize_routes,
 )
 from runtime.gateway.errors import ApiError, from_http_exception, from_shoal_error
+from runtime.gateway.http_site import ROOT_PATH_KEY
 from runtime.gateway.openai_chat import chat_completions
 from runtime.gateway.openai_completions import completions
 from runtime.gateway.openai_embeddings import embeddings, health_embed, pooling
@@ -118,6 +119,12 @@ class Cors:
         response.headers["Access-Control-Expose-Headers"] = self.EXPOSE
 
 
+def _unprefixed(request: web.Request) -> str:
+    """The request's path without --root-path's prefix (vLLM's auth strips it too before its open paths)."""
+    root, path = request.app.get(ROOT_PATH_KEY, ""), request.path
+    return path[len(root):] if root and path.startswith(root + "/") else path
+
+
 def _middleware(api_key: str | None, cors: Cors) -> Callable:
     @web.middleware
     async def gateway_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -125,7 +132,7 @@ def _middleware(api_key: str | None, cors: Cors) -> Callable:
         try:
             if cors.enabled and cors.is_preflight(request):
                 return cors.preflight(request)
-            if api_key and request.path not in _OPEN_PATHS and not _authorized(request, api_key):
+            if api_key and _unprefixed(request) not in _OPEN_PATHS and not _authorized(request, api_key):
                 raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                                code="invalid_api_key")
             with request.app[STATE_KEY].request_scope(request.headers.get(_REQUEST_ID)):

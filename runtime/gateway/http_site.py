@@ -10,7 +10,12 @@ import ssl
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from aiohttp import web as _web
+
 from runtime.errors import ServerArgsError
+
+# --root-path as the app keeps it: the API-key check opens /prefix/health as it opens /health (app.py)
+ROOT_PATH_KEY = _web.AppKey("shoal_root_path", str)
 
 if TYPE_CHECKING:  # aiohttp is imported where the site starts, not by the CLI's flag parsing
     from aiohttp import web
@@ -36,6 +41,7 @@ class HttpSite:
     def install(self, app: web.Application) -> None:
         """Adds --root-path's routing to an app not yet started (its middlewares freeze then)."""
         if self.root_path:
+            app[ROOT_PATH_KEY] = self.root_path
             app.middlewares.append(_under_prefix(self.root_path))
 
 

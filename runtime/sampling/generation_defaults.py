@@ -5,8 +5,8 @@ folder's generation_config.json, as vLLM (--generation-config auto, its default)
 The keys are vLLM's (ModelConfig.get_diff_sampling_param): temperature, top_p, top_k, min_p,
 repetition_penalty, and max_new_tokens as the default max_tokens; a request's own value always wins, and one
 at null counts as unset. The file's other keys do not change sampling here, as there: do_sample is not
-read (a file with do_sample false and a temperature samples at that temperature in vLLM too), and its
-eos_token_id is not merged into the stop ids (EOS comes from config.json and the tokenizer, as before).
+read (a file with do_sample false and a temperature samples at that temperature in vLLM too); its
+eos_token_id ends requests beside config.json's (model_config.py reads it from the model's own folder).
 --generation-config vllm (SGLang: --sampling-defaults openai) reads no file; a folder path reads that
 folder's file instead. --override-generation-config's keys go over the file's (also with vllm), and its
 max_new_tokens, as vLLM's, also caps a request's own max_tokens (with a folder path, the folder's does)."""

@@ -66,7 +66,6 @@ def test_a_real_world_vllm_command_line_parses_as_typed(logged):
     ("--no-enable-chunked-prefill", "--chunked-prefill-size -1"),
     ("--max-num-batched-tokens 2048", "--max-prefill-tokens 2048 --chunked-prefill-size 2048"),
     ("--no-enable-chunked-prefill --max-num-batched-tokens 16384", "--chunked-prefill-size -1 --max-prefill-tokens 16384"),
-    ("--disable-log-stats", "--log-interval-s inf"),
     ("--distributed-executor-backend ray", "--use-ray"),
     ("--distributed-executor-backend uni", "--in-process"),
     ("--no-async-scheduling", "--disable-overlap-schedule"),
@@ -88,6 +87,7 @@ def test_a_translated_flag_is_shoals_setting(vllm, shoal, logged):
     "--enable-request-id-headers", "--chat-template-content-format auto", "--download-dir /tmp/hf",
     "--long-prefill-token-threshold 512", "--num-scheduler-steps 8", "--disable-fastapi-docs", "-O3",
     "--compilation-config {\"level\":3}", "--disable-uvicorn-access-log", "--max-num-partial-prefills 2",
+    "--disable-log-stats", "--revision main", "--tokenizer-revision abc",  # vLLM ignores revisions of a local folder
 ])
 def test_a_noop_is_accepted_and_logged_once(argv, logged):
     assert _serve(*argv.split()) == _serve()
@@ -106,8 +106,6 @@ def test_silent_when_asking_for_vllms_default(logged):
     ("-pp 4", "--pipeline-parallel-size", "pipeline parallelism"),
     ("--enable-expert-parallel", "--enable-expert-parallel", "expert parallelism is not implemented"),
     ("--cpu-offload-gb 8", "--cpu-offload-gb", "CPU offload"),
-    ("--revision main", "--revision", "local model folder"),
-    ("--tokenizer-revision abc", "--tokenizer-revision", "local model folder"),
     ("--kv-cache-memory-bytes 8G", "--kv-cache-memory-bytes", "--max-total-tokens"),
     ("--return-tokens-as-token-ids", "--return-tokens-as-token-ids", "in the request body"),
     ("--response-role bot", "--response-role", "role assistant"),
@@ -127,7 +125,6 @@ def test_silent_when_asking_for_vllms_default(logged):
     ("--max-num-batched-tokens 4096 --chunked-prefill-size 2048", "--max-num-batched-tokens",
      "contradicts --chunked-prefill-size 2048"),
     ("--enable-chunked-prefill --chunked-prefill-size -1", "--enable-chunked-prefill", "contradicts"),
-    ("--disable-log-stats --log-interval-s 5", "--disable-log-stats", "contradicts --log-interval-s 5"),
     ("-O7", "-O", "optimization level 0-3"),
     ("--compilation-config {bad", "--compilation-config", "not valid JSON"),
     ("--compilation-config {\"cudagraph_capture_sizes\":[0]}", "--compilation-config", "positive integers"),
@@ -222,6 +219,11 @@ def test_tls_and_root_path_serve(cert):
         assert status == 404 and b"no route /apix/health" in body
         with pytest.raises(OSError):  # plain HTTP is not served
             _get(server.url.replace("https", "http") + "/health")
+    # with --api-key the open paths stay open under the prefix (a probe through the proxy), the rest need it
+    with serve_in_thread(lambda: None, ServerArgs(api_key="k"), port=0, site=http_site(ns)) as server:
+        trust = ssl.create_default_context(cafile=str(certfile))
+        assert _get(server.url + "/api/health", trust)[0] == _get(server.url + "/health", trust)[0] == 503
+        assert _get(server.url + "/api/v1/models", trust)[0] == _get(server.url + "/v1/models", trust)[0] == 401
 
 
 @pytest.mark.parametrize(("given", "flag", "says"), [
