@@ -92,6 +92,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             elif "`$." in msg:  # a wrong type: msgspec names the path, e.g. `$.stop[0]`, `key` in `$.logit_bias`
                 param = msg.split("`$.", 1)[1].split("`")[0].split("[")[0].split(".")[0] or None
             raise InvalidRequestError(msg, param=param) from None
+        cap = defaults.max_new_tokens_cap if defaults is not None else None
+        if cap is not None and params.max_new_tokens > cap:  # again once converted: 100.0 and "100" are 100 too
+            params = msgspec.structs.replace(params, max_new_tokens=cap)
         params.validate()
         return params
 
