@@ -304,6 +304,10 @@ VALUE_ALIASES = MappingProxyType({"dtype": {"half": "float16", "float": "float32
                                   "kv_cache_dtype": {"fp8": "fp8_e4m3"}})
 
 
+# vLLM's tasks (LLM(task=...)) a pooling model serves: an --is-embedding server (embeddings, classify, score)
+_POOLING_TASKS = ("embed", "embedding", "classify", "score", "reward")
+
+
 def vllm_values(argv: list[str]) -> list[str]:
     """argv with vLLM's value spellings of Shoal's flags (VALUE_ALIASES) in Shoal's, `--flag v` or `--flag=v`."""
     out = list(argv)
@@ -329,6 +333,15 @@ def translate_vllm_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     for name, names in VALUE_ALIASES.items():
         if isinstance(out.get(name), str):
             out[name] = names.get(out[name], out[name])
+    for key, pooled in (("task", _POOLING_TASKS), ("runner", ("pooling",))):  # LLM(model, task="embed")
+        value = out.pop(key, None)
+        if value in (None, "auto"):
+            continue
+        if value not in (*pooled, "generate"):
+            raise ServerArgsError(f"--{key}", f"Shoal serves {', '.join((*pooled, 'generate'))}, not {value!r}")
+        if value == "generate" and out.get("is_embedding"):
+            raise ServerArgsError(f"--{key}", "generate contradicts --is-embedding")
+        out["is_embedding"] = out.get("is_embedding") or value != "generate"
     given = {name: flag_name(name) for name, v in out.items() if name in defaults and v is not None}
     for name, aliases in VLLM_ALIASES.items():
         for spelling in (a for a in aliases if a.startswith("--")):

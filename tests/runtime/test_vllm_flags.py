@@ -253,3 +253,17 @@ def test_vllm_value_spellings():
                                                                                  "bfloat16", "--dtype"]
     out = translate_vllm_kwargs({"dtype": "half", "kv_cache_dtype": "fp8", "model_path": "/m"})
     assert (out["dtype"], out["kv_cache_dtype"]) == ("float16", "fp8_e4m3")
+
+
+def test_llm_task_and_runner_keywords():
+    """vLLM's LLM(model, task="embed") / runner="pooling": an embedding server; "generate" against
+    is_embedding and unknown tasks are refused naming the keyword (review)."""
+    from runtime.vllm_flags import translate_vllm_kwargs
+
+    for kw in ({"task": "embed"}, {"task": "classify"}, {"runner": "pooling"}):
+        assert translate_vllm_kwargs({"model_path": "/m", **kw}) == {"model_path": "/m", "is_embedding": True}
+    assert translate_vllm_kwargs({"task": "generate", "runner": "auto"}) == {"is_embedding": False}
+    for kw, flag in (({"task": "generate", "is_embedding": True}, "--task"), ({"runner": "draft"}, "--runner")):
+        with pytest.raises(ServerArgsError) as info:
+            translate_vllm_kwargs(kw)
+        assert info.value.flag == flag
