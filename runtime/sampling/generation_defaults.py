@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from runtime.errors import InvalidRequestError, ServerArgsError
 from runtime.sampling.params import SamplingParams
+from runtime.server_flags import json_object
 
 if TYPE_CHECKING:
     from runtime.config import ServerArgs
@@ -123,14 +124,7 @@ def file_values(path: Path) -> dict[str, Any]:
 def override_values(text: str | None) -> dict[str, Any]:
     """--override-generation-config as SamplingParams fields ({} without it); ServerArgsError naming the flag
     for bad JSON, a key vLLM would not apply, or a value no request could have."""
-    if text is None:
-        return {}
-    try:
-        raw = json.loads(text)
-    except ValueError as e:
-        raise ServerArgsError(OVERRIDE_FLAG, f"is not valid JSON ({e}): {text!r}") from None
-    if not isinstance(raw, dict):
-        raise ServerArgsError(OVERRIDE_FLAG, f"must be a JSON object of generation_config.json keys, got {text!r}")
+    raw = json_object(text, OVERRIDE_FLAG, "generation_config.json keys")
     unknown = sorted(set(raw) - set(KEYS))
     if unknown:
         raise ServerArgsError(OVERRIDE_FLAG, f"unknown key {unknown[0]!r}: the keys that set sampling defaults "
