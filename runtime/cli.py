@@ -9,7 +9,9 @@ import sys
 from runtime.config import ServerArgs
 from runtime.errors import ServerArgsError, ShoalError
 from runtime.gateway.http_site import add_site_flags, http_site
-from runtime.vllm_flags import add_vllm_flags, apply_vllm_flags, log_notes, vllm_values
+from runtime.vllm_argv import vllm_values
+from runtime.vllm_flags import add_vllm_flags, apply_vllm_flags
+from runtime.vllm_translation import log_notes
 
 # vLLM's --task / --runner values Shoal serves, and whether each is the embedding (pooling) kind.
 _TASKS = ("auto", "generate", "embed", "embedding")
@@ -67,8 +69,8 @@ def server_args(ns: argparse.Namespace) -> ServerArgs:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(vllm_values(sys.argv[1:] if argv is None else argv))
     try:
+        ns = build_parser().parse_args(vllm_values(sys.argv[1:] if argv is None else argv))
         args = server_args(ns)
         if ns.command == "serve":
             from runtime.entrypoints.engine_factory import create_engine_client, runs_in_process

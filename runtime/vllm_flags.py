@@ -18,18 +18,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import numbers
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
 from runtime.errors import ServerArgsError
-from runtime.logging_setup import setup_logging
 from runtime.server_flags import VLLM_ALIASES, flag_name, json_object, spellings
-from runtime.vllm_translation import Translation, VllmFlag, alias, at_least, noop, refuse
-
-logger = logging.getLogger("shoal.vllm_flags")
+from runtime.vllm_speculative import speculative_config
+from runtime.vllm_translation import (
+    Translation,
+    VllmFlag,
+    alias,
+    at_least,
+    human_int,
+    log_notes,
+    noop,
+    refuse,
+)
 
 MAX_LOGPROBS = 20  # the gateway's and the engine's top-N limit (request_validation, openai_responder)
 
@@ -185,11 +191,20 @@ def _compilation_keys(cfg: dict[str, Any], tr: Translation, flag: str) -> None:
         tr.note(flag, "keys " + ", ".join(sorted(cfg)), f"{_COMPILE}; these keys have no counterpart")
 
 
+def _unserved_names(names: list[str], tr: Translation, flag: str) -> None:
+    if names:
+        tr.note("--served-model-name", " ".join(names), f"Shoal serves one name, {tr.get('served_model_name')!r} "
+                "(the first); requests naming these get 404 model_not_found")
+
+
+ALIAS_FLAG = "--served-model-name-alias"  # vllm_argv.py moves --served-model-name's second and later names here
+
 _LOCAL = ("Shoal reads a local model folder and never the Hugging Face Hub, so a revision has nothing to "
           "choose (vLLM ignores it for a local folder too): check a revision out into a folder to serve it")
 _NO_REQUEST_LOG = ("Shoal does not log requests one by one; their counts, latencies and errors are on /metrics "
                    "and /dashboard")
 _HTTP_LOG = "Shoal's HTTP server (aiohttp) keeps no access log; its own lines follow --log-level"
+_XGRAMMAR = "Shoal's structured outputs (json_schema, regex, grammar, choice) always use xgrammar"
 _ONE_LONG_PREFILL = ("Shoal prefills one long prompt at a time, in chunks of --chunked-prefill-size, beside the "
                      "short ones")
 
@@ -205,6 +220,7 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--async-scheduling",), "bool", _async_scheduling),
     VllmFlag(("-O", "--optimization-level"), "list", _optimization_level),
     VllmFlag(("--compilation-config",), "any", _compilation_config),
+    VllmFlag(("--speculative-config",), "any", speculative_config),
     # (b) accepted: Shoal already behaves so, or the knob changes no output
     VllmFlag(("--enable-auto-tool-choice",), "bool", _auto_tool_choice),
     VllmFlag(("--trust-remote-code",), "bool", noop(
@@ -228,6 +244,16 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--enable-request-id-headers",), "bool", noop(
         "Shoal always honours X-Request-Id and returns it on every response")),
     VllmFlag(("--max-logprobs",), "int", _max_logprobs),
+    VllmFlag((ALIAS_FLAG,), "list", _unserved_names),
+    VllmFlag(("--enable-sleep-mode",), "bool", noop(
+        "Shoal always serves /sleep, /wake_up and /is_sleeping (behind --api-key when one is set)")),
+    VllmFlag(("--enable-prompt-tokens-details",), "bool", noop(
+        "Shoal always sends usage.prompt_tokens_details.cached_tokens")),
+    VllmFlag(("--max-seq-len-to-capture",), "int", at_least(1, noop(
+        "Shoal's decode CUDA graphs cover every context length; --cuda-graph-max-bs bounds their batch",
+        unless=(8192,)))),
+    VllmFlag(("--structured-outputs-config",), "any", noop(_XGRAMMAR, unless=())),
+    VllmFlag(("--guided-decoding-backend",), "str", noop(_XGRAMMAR, unless=("xgrammar", "auto"))),
     VllmFlag(("--tokenizer-mode",), "str", _tokenizer_mode),
     VllmFlag(("--chat-template-content-format",), "str", _content_format),
     VllmFlag(("--long-prefill-token-threshold",), "int", at_least(0, noop(_ONE_LONG_PREFILL, unless=(0,)))),
@@ -256,6 +282,15 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
         "body (chat and completions take it)")),
     VllmFlag(("--response-role",), "str", refuse("Shoal's responses always carry role assistant",
                                                   unless=("assistant",))),
+    VllmFlag(("--enable-force-include-usage",), "bool", refuse(
+        "a server-wide default Shoal does not have: a stream ends with a usage chunk when the request sends "
+        "\"stream_options\": {\"include_usage\": true} (non-streaming responses always carry usage)")),
+    VllmFlag(("--disable-sliding-window",), "bool", refuse(
+        "Shoal runs a model's sliding-window layers as its config.json says; to stay within the window as vLLM "
+        "does, give --context-length <the window>")),
+    VllmFlag(("--skip-tokenizer-init",), "bool", refuse(
+        "Shoal needs the tokenizer (chat templates, stop strings, detokenized output); prompts given as token "
+        "ids are served with it loaded")),
     VllmFlag(("--middleware",), "list", refuse(
         "Shoal's HTTP server is aiohttp, not an ASGI app: ASGI middleware cannot be added", unless=([],))),
 )
@@ -308,25 +343,10 @@ VALUE_ALIASES = MappingProxyType({"dtype": {"half": "float16", "float": "float32
 _POOLING_TASKS = ("embed", "embedding", "classify", "score", "reward")
 
 
-def vllm_values(argv: list[str]) -> list[str]:
-    """argv with vLLM's value spellings of Shoal's flags (VALUE_ALIASES) in Shoal's, `--flag v` or `--flag=v`."""
-    out = list(argv)
-    for i, token in enumerate(out):
-        flag, eq, value = token.partition("=")
-        names = VALUE_ALIASES.get(flag[2:].replace("-", "_")) if flag.startswith("--") else None
-        if names is None:
-            continue
-        if eq:
-            out[i] = f"{flag}={names.get(value, value)}"
-        elif i + 1 < len(out):
-            out[i + 1] = names.get(out[i + 1], out[i + 1])
-    return out
-
-
 def translate_vllm_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """vLLM's LLM(...) keyword arguments as ServerArgs.from_kwargs takes them: vLLM's names of Shoal's knobs
     renamed (max_model_len=, gpu_memory_utilization=, tensor_parallel_size=, enforce_eager=, ...), the table's
-    translated (seed=, enable_prefix_caching=, max_num_batched_tokens=, ...), no-ops logged, refusals raised.
+    translated (seed=, enable_prefix_caching=, max_num_batched_tokens=, speculative_config=, ...), no-ops logged, refusals raised.
     A None is vLLM's "unset"; other keys pass through as they are (from_kwargs names an unknown one)."""
     defaults = _field_defaults()
     out = dict(kwargs)
@@ -342,6 +362,12 @@ def translate_vllm_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
         if value == "generate" and out.get("is_embedding"):
             raise ServerArgsError(f"--{key}", "generate contradicts --is-embedding")
         out["is_embedding"] = out.get("is_embedding") or value != "generate"
+    names = out.get("served_model_name")
+    if isinstance(names, list | tuple):  # vLLM's several names: the first is served, the rest logged
+        out["served_model_name"], out[ALIAS_FLAG[2:].replace("-", "_")] = (names[0], list(names[1:])) \
+            if names else (None, None)
+    if isinstance(out.get("max_model_len"), str):  # vLLM's "32K"
+        out["max_model_len"] = human_int(out["max_model_len"], "--max-model-len")
     given = {name: flag_name(name) for name, v in out.items() if name in defaults and v is not None}
     for name, aliases in VLLM_ALIASES.items():
         for spelling in (a for a in aliases if a.startswith("--")):
@@ -366,15 +392,6 @@ def translate_vllm_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     level = out.get("log_level")
     log_notes(tr.notes, level if level in ("debug", "info", "warning", "error") else "info")
     return out
-
-
-def log_notes(notes: list[str], level: str) -> None:
-    """Logs the accepted no-op flags once, at start. Shoal's logging is set up here: these lines come before
-    the Engine or the server would set it up, and would otherwise be dropped."""
-    if notes:
-        setup_logging(level)
-    for line in notes:
-        logger.info("%s", line)
 
 
 def _field_defaults() -> dict[str, Any]:

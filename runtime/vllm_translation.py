@@ -4,13 +4,18 @@ Shoal's own names), adds a note to log, or raises a ServerArgsError naming the f
 
 from __future__ import annotations
 
+import logging
 import numbers
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from runtime.errors import ServerArgsError
+from runtime.logging_setup import setup_logging
 from runtime.server_flags import flag_name
+
+logger = logging.getLogger("shoal.vllm_flags")  # the table's notes: one logger, whichever module logs them
 
 
 class Translation:
@@ -98,3 +103,27 @@ def at_least(low: float, then: Treat) -> Treat:
             raise ServerArgsError(flag, f"must be >= {low}, got {value}")
         then(value, tr, flag)
     return treat
+
+
+def human_int(text: str, flag: str) -> int:
+    """vLLM's human-readable integers (its human_readable_int): 8192, 8k = 8000, 25.6k = 25600 (k m g t
+    decimal), 32K = 32768 (K M G T binary, whole numbers only)."""
+    value = text.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", value)
+    if match is None:
+        raise ServerArgsError(flag, f"must be an integer such as 8192, 8k (8000) or 8K (8192), got {text!r}")
+    number, suffix = match.groups()
+    if suffix.islower():
+        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+    if "." in number:
+        raise ServerArgsError(flag, f"decimals are allowed with k, m, g, t (powers of 1000) only, got {text!r}")
+    return int(number) * 1024 ** ("KMGT".index(suffix) + 1) if suffix else int(number)
+
+
+def log_notes(notes: list[str], level: str) -> None:
+    """Logs the accepted no-op flags once, at start. Shoal's logging is set up here: these lines come before
+    the Engine or the server would set it up, and would otherwise be dropped."""
+    if notes:
+        setup_logging(level)
+    for line in notes:
+        logger.info("%s", line)

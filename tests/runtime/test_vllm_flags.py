@@ -75,6 +75,15 @@ def test_a_real_world_vllm_command_line_parses_as_typed(logged):
     ("--compilation-config {\"cudagraph_capture_sizes\":[1,2,4,8]}", "--cuda-graph-max-bs 8"),
     ("-pp 1 --cpu-offload-gb 0 --response-role assistant --no-enable-expert-parallel --swap-space 0", ""),
     ("--seed 3 --random-seed 3", "--random-seed 3"),  # both names, one value: no contradiction
+    ("--speculative-config {\"method\":\"ngram\",\"num_speculative_tokens\":3,\"prompt_lookup_max\":4,"
+     "\"prompt_lookup_min\":2}", "--speculative-algorithm NGRAM --speculative-num-draft-tokens 3 "
+     "--speculative-ngram-min-match-window-size 2 --speculative-ngram-max-match-window-size 4"),
+    ("--speculative-config {\"model\":\"ngram\",\"num_speculative_tokens\":2}",  # vLLM's defaults: 5, 5
+     "--speculative-algorithm NGRAM --speculative-num-draft-tokens 2 --speculative-ngram-min-match-window-size 5 "
+     "--speculative-ngram-max-match-window-size 5"),
+    ("--speculative-config {\"method\":\"draft_model\",\"model\":\"/d\",\"num_speculative_tokens\":4}",
+     "--speculative-algorithm STANDALONE --speculative-draft-model-path /d --speculative-num-draft-tokens 4"),
+    ("--max-seq-len-to-capture 8192 --guided-decoding-backend xgrammar --no-enable-force-include-usage", ""),
 ])
 def test_a_translated_flag_is_shoals_setting(vllm, shoal, logged):
     assert _serve(*vllm.split()) == _serve(*shoal.split())
@@ -88,6 +97,8 @@ def test_a_translated_flag_is_shoals_setting(vllm, shoal, logged):
     "--long-prefill-token-threshold 512", "--num-scheduler-steps 8", "--disable-fastapi-docs", "-O3",
     "--compilation-config {\"level\":3}", "--disable-uvicorn-access-log", "--max-num-partial-prefills 2",
     "--disable-log-stats", "--revision main", "--tokenizer-revision abc",  # vLLM ignores revisions of a local folder
+    "--enable-sleep-mode", "--enable-prompt-tokens-details", "--max-seq-len-to-capture 4096",
+    "--guided-decoding-backend outlines", "--structured-outputs-config {\"backend\":\"xgrammar\"}",
 ])
 def test_a_noop_is_accepted_and_logged_once(argv, logged):
     assert _serve(*argv.split()) == _serve()
@@ -128,6 +139,16 @@ def test_silent_when_asking_for_vllms_default(logged):
     ("-O7", "-O", "optimization level 0-3"),
     ("--compilation-config {bad", "--compilation-config", "not valid JSON"),
     ("--compilation-config {\"cudagraph_capture_sizes\":[0]}", "--compilation-config", "positive integers"),
+    ("--enable-force-include-usage", "--enable-force-include-usage", "include_usage"),
+    ("--disable-sliding-window", "--disable-sliding-window", "--context-length"),
+    ("--skip-tokenizer-init", "--skip-tokenizer-init", "needs the tokenizer"),
+    ("--speculative-config {\"method\":\"eagle3\",\"model\":\"/e\",\"num_speculative_tokens\":3}",
+     "--speculative-config", "eagle3 draft heads"),
+    ("--speculative-config {\"method\":\"ngram\"}", "--speculative-config", "num_speculative_tokens"),
+    ("--speculative-config {\"method\":\"ngram\",\"num_speculative_tokens\":2,\"typo\":1}",
+     "--speculative-config", "typo"),
+    ("--speculative-config {\"method\":\"ngram\",\"num_speculative_tokens\":2} --speculative-num-draft-tokens 3",
+     "--speculative-config", "contradicts --speculative-num-draft-tokens 3"),
 ])
 def test_a_refusal_names_the_flag(argv, flag, says):
     with pytest.raises(ServerArgsError, match=says) as info:
@@ -245,7 +266,7 @@ def test_tls_on_ray_is_refused_by_name(cert, capsys):
 def test_vllm_value_spellings():
     """`--dtype half` and `--kv-cache-dtype fp8` (vLLM's spellings, e4m3 on CUDA there too) as Shoal's values,
     on the command line (both forms) and as LLM(...) keywords; other values pass untouched."""
-    from runtime.vllm_flags import translate_vllm_kwargs, vllm_values
+    from runtime.vllm_argv import vllm_values
 
     assert vllm_values(["serve", "/m", "--dtype", "half", "--kv-cache-dtype=fp8", "--served-model-name", "half"]) \
         == ["serve", "/m", "--dtype", "float16", "--kv-cache-dtype=fp8_e4m3", "--served-model-name", "half"]
@@ -267,3 +288,66 @@ def test_llm_task_and_runner_keywords():
         with pytest.raises(ServerArgsError) as info:
             translate_vllm_kwargs(kw)
         assert info.value.flag == flag
+
+
+@pytest.mark.parametrize(("value", "n"), [("8192", 8192), ("8k", 8000), ("32K", 32768), ("1m", 1000000),
+                                          ("25.6k", 25600)])
+def test_max_model_len_takes_vllms_human_forms(value, n):
+    from runtime.vllm_argv import vllm_values
+
+    for argv in (["--max-model-len", value], [f"--max-model-len={value}"]):
+        ns = build_parser().parse_args(vllm_values(["serve", "/m", *argv]))
+        assert server_args(ns).context_length == n
+    assert translate_vllm_kwargs({"max_model_len": value}) == {"context_length": n}
+    with pytest.raises(ServerArgsError, match="decimals are allowed with k") as info:
+        translate_vllm_kwargs({"max_model_len": "1.5K"})
+    assert info.value.flag == "--max-model-len"
+
+
+def test_bad_human_max_model_len_exits_2(capsys):
+    assert main(["serve", "/m", "--max-model-len", "8x"]) == 2
+    assert "--max-model-len: must be an integer" in capsys.readouterr().err
+
+
+def test_several_served_model_names_serve_the_first(logged):
+    from runtime.vllm_argv import vllm_values
+
+    for argv in (["serve", "/m", "--served-model-name", "a", "b", "c", "--seed", "1"],
+                 ["serve", "--served-model-name", "a", "b", "c", "--model", "/m", "--seed", "1"]):
+        args = server_args(build_parser().parse_args(vllm_values(argv)))
+        assert (args.served_model_name, args.model_path, args.random_seed) == ("a", "/m", 1)
+    assert len(logged.messages) == 2 and logged.messages[0].startswith("vLLM's --served-model-name b c: "
+                                                                       "Shoal serves one name, 'a'")
+    # MODEL not named yet: the token after the name is MODEL, as before
+    assert vllm_values(["serve", "--served-model-name", "a", "/m"]) == ["serve", "--served-model-name", "a", "/m"]
+    assert translate_vllm_kwargs({"served_model_name": ["x", "y"]}) == {"served_model_name": "x"}
+    assert "vLLM's --served-model-name y" in logged.messages[-1]
+
+
+def test_config_yaml_supplies_flags_the_command_line_overrides(tmp_path, logged):
+    from runtime.vllm_argv import vllm_values
+
+    (tmp_path / "c.yaml").write_text("max-model-len: 4k\nseed: 3\nenable_prefix_caching: false\n"
+                                     "trust-remote-code: true\nspeculative-config: {method: ngram, "
+                                     "num_speculative_tokens: 2}\n")
+    argv = ["serve", "/m", "--config", str(tmp_path / "c.yaml"), "--seed", "5"]
+    args = server_args(build_parser().parse_args(vllm_values(argv)))
+    assert (args.context_length, args.random_seed, args.disable_radix_cache) == (4000, 5, True)
+    assert (args.speculative_algorithm, args.speculative_num_draft_tokens) == ("NGRAM", 2)
+    assert [m.split(":")[0] for m in logged.messages] == ["vLLM's --trust-remote-code"]
+    (tmp_path / "bad.yaml").write_text("- a list\n")
+    for path, says in ((tmp_path / "bad.yaml", "mapping"), (tmp_path / "none.yaml", "cannot read")):
+        with pytest.raises(ServerArgsError, match=says) as info:
+            vllm_values(["serve", "--config", str(path)])
+        assert info.value.flag == "--config"
+
+
+def test_llm_speculative_config_keyword():
+    out = translate_vllm_kwargs({"speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
+                                                        "prompt_lookup_max": 4, "prompt_lookup_min": 1}})
+    assert ServerArgs.from_kwargs(**out) == ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4,
+                                                       speculative_ngram_min_match_window_size=1,
+                                                       speculative_ngram_max_match_window_size=4)
+    with pytest.raises(ServerArgsError, match="medusa") as info:
+        translate_vllm_kwargs({"speculative_config": {"method": "medusa", "num_speculative_tokens": 2}})
+    assert info.value.flag == "--speculative-config"

@@ -1,0 +1,92 @@
+"""The `shoal serve` argv as vLLM users type it, rewritten before argparse sees it: vLLM's value spellings
+(`--dtype half`, `--max-model-len 32K`), several --served-model-name names, and `--config x.yaml` (vLLM's
+flags from a YAML file, the command line's winning)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from runtime.errors import ServerArgsError
+from runtime.vllm_flags import ALIAS_FLAG, VALUE_ALIASES, VLLM_FLAGS
+from runtime.vllm_translation import human_int
+
+_HUMAN_INTS = ("--max-model-len",)  # vLLM parses these with human_readable_int
+_MODEL_FLAGS = ("--model", "--model-path")
+
+
+def vllm_values(argv: list[str]) -> list[str]:
+    """argv with vLLM's value spellings of Shoal's flags in Shoal's, `--flag v` or `--flag=v`; raises a
+    ServerArgsError naming --config for a YAML file it cannot read."""
+    out = _served_names(_yaml_config(list(argv)))
+    for i, token in enumerate(out):
+        flag, eq, value = token.partition("=")
+        if not flag.startswith("--"):
+            continue
+        if flag not in _HUMAN_INTS and flag[2:].replace("-", "_") not in VALUE_ALIASES:
+            continue
+        if eq:
+            out[i] = f"{flag}={_value(flag, value)}"
+        elif i + 1 < len(out):
+            out[i + 1] = _value(flag, out[i + 1])
+    return out
+
+
+def _value(flag: str, value: str) -> str:
+    if flag in _HUMAN_INTS:
+        return str(human_int(value, flag))
+    names = VALUE_ALIASES[flag[2:].replace("-", "_")]
+    return names.get(value, value)
+
+
+def _served_names(argv: list[str]) -> list[str]:
+    """vLLM's `--served-model-name a b c` (nargs="+"): a is Shoal's one name, b and c go to the table's
+    ALIAS_FLAG (logged as not served). Only once the model is named, or the first extra would be MODEL."""
+    try:
+        at = argv.index("--served-model-name")
+    except ValueError:
+        return argv
+    has_model = (len(argv) > 1 and argv[0] == "serve" and not argv[1].startswith("-") and 1 < at) or \
+        any(t.partition("=")[0] in _MODEL_FLAGS for t in argv)
+    end = at + 2
+    while has_model and end < len(argv) and not argv[end].startswith("-"):
+        end += 1
+    extra = argv[at + 2:end]
+    return [*argv[:at + 2], *(t for name in extra for t in (ALIAS_FLAG, name)), *argv[end:]]
+
+
+def _yaml_config(argv: list[str]) -> list[str]:
+    """vLLM's --config FILE: each YAML key is a flag (`max-model-len: 8192`, true a switch, false its --no-
+    form where it has one, a list its values), placed before the command line's flags so the same flag given
+    there wins (as in vLLM)."""
+    at = next((i for i, t in enumerate(argv) if t == "--config" or t.startswith("--config=")), None)
+    if at is None:
+        return argv
+    path = argv[at].partition("=")[2] if "=" in argv[at] else (argv[at + 1] if at + 1 < len(argv) else "")
+    rest = [*argv[:at], *argv[at + (1 if "=" in argv[at] else 2):]]
+    try:
+        loaded: Any = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ServerArgsError("--config", f"cannot read the YAML file {path!r}: {e}") from None
+    if not isinstance(loaded, dict):
+        raise ServerArgsError("--config", f"{path} must hold a mapping of flag names to values")
+    negatable = {n for e in VLLM_FLAGS if e.kind == "bool" for n in e.names}
+    flags: list[str] = []
+    for key, value in loaded.items():
+        flag = f"--{str(key).replace('_', '-')}"
+        if isinstance(value, bool):
+            if value or flag in negatable:
+                flags.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(value, list):
+            flags += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]  # --speculative-config, --compilation-config: JSON
+        elif value is not None:
+            flags += [flag, str(value)]
+    start = 1 if rest and rest[0] == "serve" else 0
+    if start and len(rest) > 1 and not rest[1].startswith("-"):
+        start = 2  # after MODEL
+    return [*rest[:start], *flags, *rest[start:]]
