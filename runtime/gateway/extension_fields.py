@@ -10,8 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.gateway.errors import bad_request, not_supported
-from runtime.gateway.native_routes import _lora_name
-from runtime.gateway.protocol import GenerateBody, OpenAISamplingFields
+from runtime.gateway.protocol import OpenAISamplingFields
 from runtime.gateway.state import GatewayState
 
 
@@ -47,7 +46,7 @@ def request_lora(state: GatewayState, body: OpenAISamplingFields) -> str | None:
     by_model = state.lora_name(body.model)
     if body.lora_path is None:
         return by_model
-    by_path = _lora_name(GenerateBody(lora_path=body.lora_path), state)
+    by_path = state.adapter_of(body.lora_path, "lora_path")
     if by_model is not None and by_model != by_path:
         raise bad_request(f"model names the adapter {by_model!r} but lora_path {body.lora_path!r} names "
                           f"{by_path!r}: give one, or the same", param="lora_path")

@@ -20,7 +20,6 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
-from msgspec import UNSET, UnsetType
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from runtime.errors import InvalidRequestError, ShoalError
@@ -38,7 +37,6 @@ from runtime.gateway.protocol import (
     GenerateFinishReason,
     GenerateMetaInfo,
     GenerateResponse,
-    Int64,
     ModelCard,
     ModelList,
     encode,
@@ -50,17 +48,6 @@ from runtime.sampling.params import SamplingParams
 logger = logging.getLogger("shoal.gateway")
 
 _HEALTH_GENERATE_TIMEOUT_S = 30.0
-
-
-class _GenerateBody(GenerateBody, kw_only=True):
-    logprob_start_len: Int64 = -1  # SGLang's: where in the prompt input_token_logprobs start (-1: its last token)
-    custom_logit_processor: str | None = None  # SGLang's server-side code: a 400 (chat and completions refuse it too)
-
-
-class _GenerateMetaInfo(GenerateMetaInfo, kw_only=True):
-    # SGLang's: from logprob_start_len to the prompt's end, the first logprob null; top: null where none
-    input_token_logprobs: list[list[Any]] | UnsetType = UNSET
-    input_top_logprobs: list[list[list[Any]] | None] | UnsetType = UNSET
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -84,7 +71,7 @@ def _result(c: ChoiceState, scorer: ChoiceState, arrival: float, with_text: bool
     finish = GenerateFinishReason(type=fr.kind, matched=fr.matched, message=fr.message) if fr else None
     if c.detok.stopped and (fr is None or fr.kind != "stop"):  # a stop string only the detokenizer saw
         finish = GenerateFinishReason(type="stop")
-    meta = _GenerateMetaInfo(
+    meta = GenerateMetaInfo(
         id=c.req.rid, prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
         cached_tokens=c.cached_tokens, e2e_latency=time.monotonic() - arrival, finish_reason=finish)
     if c.req.sampling_params.return_logprob:
@@ -109,7 +96,7 @@ def _result(c: ChoiceState, scorer: ChoiceState, arrival: float, with_text: bool
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    gen = await Generation.read(request, _GenerateBody)
+    gen = await Generation.read(request, GenerateBody)
     body, client, state = gen.body, gen.client, gen.state
     if (body.text is None) == (body.input_ids is None):
         raise bad_request("give exactly one of text or input_ids", param="text")
@@ -133,7 +120,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except InvalidRequestError as e:
         raise from_shoal_error(e) from None
     base = body.rid or state.new_id("gen")
-    lora = _lora_name(body, state)
+    lora = (state.adapter_of(body.lora_name, "lora_name") if body.lora_name is not None
+            else state.adapter_of(body.lora_path, "lora_path"))
     several = prompts.batch or n > 1
     reqs = []
     for p, ids in enumerate(prompts.ids):
@@ -167,7 +155,7 @@ def _split_n(sampling: dict[str, Any] | None, max_n: int) -> tuple[dict[str, Any
     return sampling, n
 
 
-def _logprob_start(body: _GenerateBody, prompts: list[list[int]]) -> int:
+def _logprob_start(body: GenerateBody, prompts: list[list[int]]) -> int:
     """logprob_start_len, checked against every prompt (-1: each prompt's last token)."""
     start = body.logprob_start_len
     if start < -1:
@@ -178,19 +166,6 @@ def _logprob_start(body: _GenerateBody, prompts: list[list[int]]) -> int:
         raise bad_request(f"logprob_start_len {start} is past the prompt's end: it has {shortest} tokens",
                           param="logprob_start_len")
     return start
-
-
-def _lora_name(body: GenerateBody, state: Any) -> str | None:
-    """/generate's adapter, by name or by its --lora-modules folder; a 400 naming the field if unknown."""
-    for param, value in (("lora_name", body.lora_name), ("lora_path", body.lora_path)):
-        if value is None:
-            continue
-        by_path = {path: name for name, path in state.lora_adapters.items()}
-        if value not in state.lora_adapters and value not in by_path:
-            served = ", ".join(state.lora_adapters) or "none; start with --lora-modules"
-            raise bad_request(f"no LoRA adapter {value!r} is served (adapters: {served})", param=param)
-        return value if value in state.lora_adapters else by_path[value]
-    return None
 
 
 async def encode_request(request: web.Request) -> web.Response:

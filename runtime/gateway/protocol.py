@@ -346,6 +346,8 @@ class GenerateBody(Struct, kw_only=True):
     lora_name: str | None = None
     priority: Int64 | None = None  # SGLang's: with --enable-priority-scheduling (else only 0)
     cache_salt: str | None = None  # SGLang's extra_key / vLLM's: cached prefix KV shared only within one salt
+    logprob_start_len: Int64 = -1  # SGLang's: where in the prompt input_token_logprobs start (-1: its last token)
+    custom_logit_processor: str | None = None  # SGLang's server-side code: a 400 (chat and completions refuse it too)
 
 
 class GenerateFinishReason(Struct, omit_defaults=True):
@@ -364,6 +366,9 @@ class GenerateMetaInfo(Struct, kw_only=True):
     # [logprob, token_id] or [logprob, token_id, text]; top: one list of those per output token
     output_token_logprobs: list[list[Any]] | UnsetType = UNSET
     output_top_logprobs: list[list[list[Any]]] | UnsetType = UNSET
+    # SGLang's: from logprob_start_len to the prompt's end, the first logprob null; top: null where none
+    input_token_logprobs: list[list[Any]] | UnsetType = UNSET
+    input_top_logprobs: list[list[list[Any]] | None] | UnsetType = UNSET
 
 
 class GenerateResponse(Struct, kw_only=True):

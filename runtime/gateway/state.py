@@ -161,6 +161,17 @@ class GatewayState:
         """The LoRA adapter a request's `model` names (None: the base model)."""
         return model if model in self.lora_adapters else None
 
+    def adapter_of(self, value: str | None, param: str) -> str | None:
+        """The adapter SGLang's lora_path / lora_name names, by its name or its --lora-modules folder (None:
+        the base model); a 400 naming param if none is served so."""
+        if value is None or value in self.lora_adapters:
+            return value
+        by_path = {path: name for name, path in self.lora_adapters.items()}
+        if value not in by_path:
+            served = ", ".join(self.lora_adapters) or "none; start with --lora-modules"
+            raise bad_request(f"no LoRA adapter {value!r} is served (adapters: {served})", param=param)
+        return by_path[value]
+
     def check_n(self, n: int | None) -> int:
         n = 1 if n is None else n
         if not 1 <= n <= self.args.max_n:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import make_tiny_model
+from tiny_models import hf_greedy_ids, make_tiny_model
 
 from runtime import Engine
 from runtime.errors import InvalidRequestError
@@ -26,17 +26,6 @@ N = 24
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
-def _hf_greedy(path: Path, n: int) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    ids = list(PROMPT)
-    with torch.inference_mode():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(PROMPT):]
-
-
 @pytest.fixture(scope="module")
 def ckpts(tiny_llama, tmp_path_factory) -> dict[str, Path]:
     return {"a": tiny_llama, "b": make_tiny_model("llama", tmp_path_factory.mktemp("pause") / "b", seed=1)}
@@ -44,7 +33,7 @@ def ckpts(tiny_llama, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def expected(ckpts) -> dict[str, list[int]]:
-    return {k: _hf_greedy(ckpts[k], N) for k in ("a", "b")}
+    return {k: hf_greedy_ids(ckpts[k], PROMPT, N) for k in ("a", "b")}
 
 
 @pytest.fixture(scope="module")
