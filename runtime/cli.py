@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from runtime.config import ServerArgs
 from runtime.errors import ServerArgsError, ShoalError
 from runtime.gateway.http_site import add_site_flags, http_site
+from runtime.sampling.generation_defaults import GenerationDefaults
 from runtime.vllm_argv import vllm_values
 from runtime.vllm_flags import add_vllm_flags, apply_vllm_flags
 from runtime.vllm_translation import log_notes
@@ -17,6 +19,8 @@ from runtime.vllm_translation import log_notes
 _TASKS = ("auto", "generate", "embed", "embedding")
 _RUNNERS = ("auto", "generate", "pooling")
 _EMBEDDING_KINDS = frozenset({"embed", "embedding", "pooling"})
+# `shoal generate`'s max_new_tokens where neither --max-new-tokens nor the model sets one (a short smoke test).
+_GENERATE_MAX_NEW_TOKENS = 32
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,10 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate a completion for one prompt and print it")
     ServerArgs.add_cli_args(gen)
     gen.add_argument("--prompt", default="The capital of France is")
-    gen.add_argument("--max-new-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1, help="-1: all tokens")
+    # Unset sampling flags send nothing: the model's defaults fill them, as a server request's (runtime/
+    # sampling/generation_defaults.py; --generation-config vllm: Shoal's own).
+    model = "default: the model's generation_config.json (else config.json) value, else"
+    gen.add_argument("--max-new-tokens", type=int, default=None, help=f"{model} {_GENERATE_MAX_NEW_TOKENS}")
+    gen.add_argument("--temperature", type=float, default=None, help=f"{model} 0 (greedy: a one-shot run repeats)")
+    gen.add_argument("--top-p", type=float, default=None, help=f"{model} 1.0")
+    gen.add_argument("--top-k", type=int, default=None, help=f"-1: all tokens; {model} -1")
     gen.add_argument("--seed", type=int, default=None, help="makes a sampled (temperature > 0) run repeatable")
     gen.add_argument("--stop", action="append", default=None, help="a stop string (repeat the flag for more)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -68,6 +75,20 @@ def server_args(ns: argparse.Namespace) -> ServerArgs:
     return args
 
 
+def generate_sampling(ns: argparse.Namespace, defaults: GenerationDefaults) -> dict[str, Any]:
+    """`shoal generate`'s sampling fields: the flags given; those left unset are not sent, so the model's
+    defaults apply; without the model's, the CLI's short max_new_tokens and greedy decoding (a smoke test
+    should print the same line twice; a server request would sample at 1.0)."""
+    given = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "top_p": ns.top_p,
+             "top_k": ns.top_k, "seed": ns.seed}
+    sampling: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+    if ns.max_new_tokens is None and defaults.max_new_tokens is None:
+        sampling["max_new_tokens"] = _GENERATE_MAX_NEW_TOKENS
+    if ns.temperature is None and defaults.temperature is None:
+        sampling["temperature"] = 0.0
+    return {**sampling, "stop": ns.stop or []}
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         ns = build_parser().parse_args(vllm_values(sys.argv[1:] if argv is None else argv))
@@ -79,13 +100,10 @@ def main(argv: list[str] | None = None) -> int:
             site = http_site(ns)
             if runs_in_process(args):
                 run_server(args, lambda: create_engine_client(args), in_process=True, site=site)
-            elif not site.is_plain:  # the gateway actor's site is started from ServerArgs alone
-                raise ServerArgsError(site.flag, "is served by the in-process server (the CPU default, or "
-                                                 "--in-process on one GPU); on Ray, put a proxy in front")
             else:  # on Ray the gateway is an actor too (routing, admission and failover live with it)
                 from runtime.entrypoints.gateway_launcher import serve_gateway_actor
 
-                serve_gateway_actor(args)
+                serve_gateway_actor(args, site=site)  # its files loaded above; the actor opens them again
             return 0
         from runtime.engine import Engine
 
@@ -94,9 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             if ns.chat:
                 ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": ns.prompt}])
             out = engine.generate(prompt=None if ids else ns.prompt, input_ids=ids,
-                                  sampling_params={"max_new_tokens": ns.max_new_tokens,
-                                                   "temperature": ns.temperature, "top_p": ns.top_p,
-                                                   "top_k": ns.top_k, "seed": ns.seed, "stop": ns.stop or []})
+                                  sampling_params=generate_sampling(ns, engine.generation_defaults))
         if out["finish_reason"] in ("error", "abort"):  # a failed step: say why, not an empty line and 0
             print(f"shoal: error: the request ended with {out['finish_reason']}: "
                   f"{out.get('error') or 'no reason given'}", file=sys.stderr)

@@ -150,10 +150,12 @@ class ModelConfig:
         return self.sliding_windows[layer_id] if self.sliding_windows else 0
 
     @classmethod
-    def from_pretrained(cls, model_path: str | Path, dtype: str = "auto",
-                        overrides: Mapping[str, Any] | None = None) -> ModelConfig:
+    def from_pretrained(cls, model_path: str | Path, dtype: str = "auto", overrides: Mapping[str, Any] | None = None,
+                        generation_config: str = "auto") -> ModelConfig:
         """overrides: --hf-overrides, whose keys replace config.json's top-level ones before anything is
-        read (vLLM's flag; a nested value such as rope_scaling is replaced whole)."""
+        read (vLLM's flag; a nested value such as rope_scaling is replaced whole). generation_config:
+        --generation-config, whose folder's generation_config.json eos_token_id ends requests (auto, vllm:
+        the model's own)."""
         path = Path(model_path) / "config.json"
         if not path.is_file():
             raise ModelConfigError(f"no config.json in model folder {model_path}")
@@ -164,7 +166,8 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise ModelConfigError(f"{path} is not a JSON object")
         cfg = cls.from_dict(merged := _with_overrides(raw, overrides or {}), dtype=dtype)
-        if extra := [i for i in _generation_eos(path.parent) if i not in cfg.eos_token_ids]:
+        folder = path.parent if generation_config in ("auto", "vllm") else Path(generation_config)
+        if extra := [i for i in _generation_eos(folder) if i not in cfg.eos_token_ids]:
             cfg = dataclasses.replace(cfg, eos_token_ids=(*cfg.eos_token_ids, *extra))
         tokens = classifier_tokens(merged)
         if tokens and not cfg.num_labels:
@@ -363,8 +366,10 @@ def _dtype(raw: dict[str, Any], requested: str) -> torch.dtype:
 
 def _generation_eos(folder: Path) -> tuple[int, ...]:
     """generation_config.json's eos_token_id (an id or a list): ends a request as config.json's do, as vLLM
-    and SGLang add them to the stop ids (Qwen2.5-Instruct's <|endoftext|> is only there). An unreadable file
-    adds none: its sampling keys are read, and checked, by sampling/generation_defaults.py."""
+    and SGLang add them to the stop ids (Qwen2.5-Instruct's <|endoftext|> is only there). vLLM takes them
+    from the file its sampling defaults come from: a --generation-config folder's replaces the model's (and
+    vllm, which reads no sampling key, still takes the model's). An unreadable file adds none: its sampling
+    keys are read, and checked, by sampling/generation_defaults.py."""
     try:
         eos = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
     except (OSError, ValueError, AttributeError):

@@ -77,7 +77,8 @@ class ModelRunner:
         overrides = args.hf_config_overrides  # --hf-overrides: on every rank, over config.json
         if self.device.type == "cpu":  # threads from the cores given; "auto" → bf16 where the CPU has bf16 math
             dtype = cpu_config.configure(dtype, ModelConfig.from_pretrained(model_path, overrides=overrides).dtype)
-        self.model_config = ModelConfig.from_pretrained(model_path, dtype=dtype, overrides=overrides)
+        self.model_config = ModelConfig.from_pretrained(model_path, dtype=dtype, overrides=overrides,
+                                                        generation_config=args.generation_config)
         if overrides and self.ctx.attn.rank == 0 and self.ctx.mlp.rank == 0:
             logger.info("config.json overridden by --hf-overrides: %s",
                         ", ".join(f"{k}={v!r}" for k, v in sorted(overrides.items())))

@@ -4,9 +4,13 @@ folder's generation_config.json, as vLLM (--generation-config auto, its default)
 
 The keys are vLLM's (ModelConfig.get_diff_sampling_param): temperature, top_p, top_k, min_p,
 repetition_penalty, and max_new_tokens as the default max_tokens; a request's own value always wins, and one
-at null counts as unset. The file's other keys do not change sampling here, as there: do_sample is not
-read (a file with do_sample false and a temperature samples at that temperature in vLLM too); its
-eos_token_id ends requests beside config.json's (model_config.py reads it from the model's own folder).
+at null counts as unset. As vLLM reads the file through transformers' GenerationConfig.to_diff_dict, a value
+equal to transformers' default (HF_DEFAULTS) is no default: a file's top_k 50 leaves top_k off, as there.
+A folder without the file has config.json's generation keys instead (vLLM's try_get_generation_config:
+GenerationConfig.from_model_config, a multimodal config's text_config filling what the top level leaves
+unset). The file's other keys do not change sampling here, as there: do_sample is not read (do_sample false
+and a temperature samples at that temperature in vLLM too); its eos_token_id ends requests beside
+config.json's (model_config.py reads it, from the --generation-config folder when one is given, as vLLM).
 --generation-config vllm (SGLang: --sampling-defaults openai) reads no file; a folder path reads that
 folder's file instead. --override-generation-config's keys go over the file's (also with vllm), and its
 max_new_tokens, as vLLM's, also caps a request's own max_tokens (with a folder path, the folder's does)."""
@@ -32,10 +36,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FILE_NAME = "generation_config.json"
+CONFIG_NAME = "config.json"  # the fallback without FILE_NAME
 # The keys vLLM takes from the file, each as its SamplingParams field: float, or int for top_k and max_new_tokens.
 KEYS: Mapping[str, type] = MappingProxyType({"temperature": float, "top_p": float, "top_k": int, "min_p": float,
                                              "repetition_penalty": float, "max_new_tokens": int})
 OVERRIDE_FLAG = "--override-generation-config"
+# transformers 4's GenerationConfig defaults of those keys (vLLM pins transformers < 5, whose are all None):
+# to_diff_dict drops a value equal to one, so vLLM never sees it. min_p and max_new_tokens default to None.
+HF_DEFAULTS: Mapping[str, float] = MappingProxyType({"temperature": 1.0, "top_p": 1.0, "top_k": 50,
+                                                     "repetition_penalty": 1.0})
+# Where from_model_config looks for a decoder's own generation keys, in this order (a multimodal config's).
+TEXT_CONFIGS = ("decoder", "generator", "text_config")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,15 +69,16 @@ class GenerationDefaults:
         source = args.generation_config_source
         override = override_values(args.override_generation_config)
         values: dict[str, Any] = {}
-        why_none = "--generation-config vllm"
+        read, why_none = "", "--generation-config vllm"
         if source != "vllm":
-            path = Path(model_path if source == "auto" else source) / FILE_NAME
-            values = file_values(path) if path.is_file() else {}
-            why_none = f"{path} sets none of them" if path.is_file() else f"no {path}"
+            folder = Path(model_path if source == "auto" else source)
+            path, values = folder_values(folder)
+            read = f"{path} (no {FILE_NAME})" if path.name == CONFIG_NAME else str(path)
+            why_none = f"{read} sets none of them" if path.is_file() else f"no {folder / FILE_NAME}"
         # vLLM caps requests at the override's max_new_tokens, or at a --generation-config folder's
         cap = override.get("max_new_tokens") if source in ("auto", "vllm") else {**values, **override}.get(
             "max_new_tokens")
-        named = [str(path)] if values else []
+        named = [read] if values else []
         values.update(override)
         named += [OVERRIDE_FLAG] if override else []
         defaults = cls(**values, max_new_tokens_cap=cap, source=" and ".join(named) or why_none)
@@ -105,6 +117,16 @@ class GenerationDefaults:
                 "A request's own values win; --generation-config vllm ignores the file")
 
 
+def folder_values(folder: Path) -> tuple[Path, dict[str, Any]]:
+    """The file read (generation_config.json, else config.json) and its sampling defaults, as vLLM's
+    try_get_generation_config reads a folder."""
+    path = folder / FILE_NAME
+    if path.is_file():
+        return path, file_values(path)
+    path = folder / CONFIG_NAME
+    return path, config_values(path) if path.is_file() else {}
+
+
 def file_values(path: Path) -> dict[str, Any]:
     """The sampling keys of a generation_config.json; ServerArgsError naming --generation-config if it is not
     a JSON object or holds a value no request could (a top_k of 0 is HF's and vLLM's "off": -1 here)."""
@@ -115,10 +137,39 @@ def file_values(path: Path) -> dict[str, Any]:
                                                      "it)") from None
     if not isinstance(raw, dict):
         raise ServerArgsError("--generation-config", f"{path} must hold a JSON object")
-    values = {k: v for k, v in raw.items() if k in KEYS and v is not None}
+    return _sampling_values(raw, path)
+
+
+def config_values(path: Path) -> dict[str, Any]:
+    """The sampling keys of a config.json (a folder without generation_config.json), as transformers'
+    GenerationConfig.from_model_config takes them: the top level's, and a decoder's text config's for each the
+    top level leaves unset or at its default. An unreadable config.json gives none: ModelConfig refuses it,
+    naming it, before any weight loads."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    text = next((raw[name] for name in TEXT_CONFIGS if raw.get(name)), None)
+    if isinstance(text, dict):
+        top = {k: v for k, v in raw.items() if k in KEYS and not _is_hf_default(k, v)}
+        raw = {**{k: v for k, v in text.items() if k in KEYS}, **top}
+    return _sampling_values(raw, path)
+
+
+def _sampling_values(raw: Mapping[str, Any], path: Path) -> dict[str, Any]:
+    """raw's sampling keys set to other than null or transformers' default, checked; ServerArgsError naming
+    --generation-config for one no request could have."""
+    values = {k: v for k, v in raw.items() if k in KEYS and not _is_hf_default(k, v)}
     if values.get("top_k") == 0:
         values["top_k"] = -1
     return _checked(values, "--generation-config", f"{path}: ")
+
+
+def _is_hf_default(key: str, value: Any) -> bool:
+    """Null, or the value transformers' to_diff_dict leaves out (a bool is no number here: it is checked)."""
+    return value is None or (not isinstance(value, bool) and key in HF_DEFAULTS and value == HF_DEFAULTS[key])
 
 
 def override_values(text: str | None) -> dict[str, Any]:

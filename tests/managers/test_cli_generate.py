@@ -1,4 +1,6 @@
-"""`shoal generate` in-process: prints the completion and exits 0; a bad flag value exits 2 naming it."""
+"""`shoal generate` in-process: prints the completion and exits 0; a bad flag value exits 2 naming it. Its
+sampling flags left unset send nothing (the model's defaults apply: tests/sampling/
+test_generation_defaults_fallback.py runs it against HF on a model that has some)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ PROMPT = "The capital of France is"
 
 def test_generate_prints_the_greedy_completion(tiny_llama, capsys):
     rc = main(["generate", "--model-path", str(tiny_llama), "--device", "cpu", "--max-new-tokens", "4",
-               "--max-total-tokens", "1024", "--log-level", "warning", "--prompt", PROMPT])
+               "--max-total-tokens", "1024", "--log-level", "warning", "--prompt", PROMPT, "--temperature", "0"])
     out = capsys.readouterr().out
     assert rc == 0
     with Engine(str(tiny_llama), device="cpu", max_total_tokens=1024, log_level="warning") as e:
@@ -23,7 +25,7 @@ def test_generate_prints_the_greedy_completion(tiny_llama, capsys):
 
 def test_generate_chat_template(tiny_llama, capsys):
     rc = main(["generate", "--model-path", str(tiny_llama), "--device", "cpu", "--max-new-tokens", "3",
-               "--max-total-tokens", "1024", "--log-level", "warning", "--chat", "--prompt", "Hi"])
+               "--max-total-tokens", "1024", "--log-level", "warning", "--chat", "--prompt", "Hi", "--temperature", "0"])
     assert rc == 0
     with Engine(str(tiny_llama), device="cpu", max_total_tokens=1024, log_level="warning") as e:
         ids = e.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
@@ -101,3 +103,21 @@ def test_generate_sampling_flags(tiny_llama, capsys):
     assert first == expected["text"] + "\n"
     assert main(flags[:-2] + ["--top-p", "1.5"]) == 2
     assert "top_p" in capsys.readouterr().err
+
+
+def test_generate_sends_only_the_sampling_flags_given():
+    """Unset flags stay out of the request, so the model's generation config (else Shoal's request defaults)
+    fills them; max_new_tokens falls back to the CLI's 32 and temperature to greedy only where the model sets
+    none (a one-shot run repeats)."""
+    from runtime.cli import build_parser, generate_sampling
+    from runtime.sampling.generation_defaults import GenerationDefaults
+
+    ns = build_parser().parse_args(["generate"])
+    assert generate_sampling(ns, GenerationDefaults()) == {"max_new_tokens": 32, "temperature": 0.0, "stop": []}
+    assert generate_sampling(ns, GenerationDefaults(top_p=0.9)) == {"max_new_tokens": 32, "temperature": 0.0,
+                                                                    "stop": []}
+    assert generate_sampling(ns, GenerationDefaults(max_new_tokens=6, temperature=0.7)) == {"stop": []}
+    ns = build_parser().parse_args(["generate", "--temperature", "0", "--top-k", "-1", "--max-new-tokens", "5",
+                                    "--seed", "3", "--stop", "."])
+    assert generate_sampling(ns, GenerationDefaults(max_new_tokens=6, temperature=0.7, top_k=20)) == {
+        "max_new_tokens": 5, "temperature": 0.0, "top_k": -1, "seed": 3, "stop": ["."]}

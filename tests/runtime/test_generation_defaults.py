@@ -193,3 +193,19 @@ def test_folder_with_openai_and_bad_files_name_the_flag(tmp_path, gen_model):
         with pytest.raises(ServerArgsError, match=words) as e:
             GenerationDefaults.for_server(ServerArgs(), tmp_path)
         assert e.value.flag == "--generation-config"
+
+
+def test_a_folder_paths_eos_ids_replace_the_models_own(gen_model, tmp_path):
+    """vLLM takes generation_config.json's eos_token_id from the file its defaults come from: a
+    --generation-config folder's, not the model's (config.json's always end requests); vllm and auto read the
+    model's own."""
+    from runtime.model_config import ModelConfig
+
+    own = _folder(tmp_path / "own", gen_model, {"eos_token_id": [5]})
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2, 9]}))
+    assert ModelConfig.from_pretrained(gen_model).eos_token_ids == (2,)  # config.json's eos is 2
+    for source in ("auto", "vllm"):
+        assert ModelConfig.from_pretrained(own, generation_config=source).eos_token_ids == (2, 5)
+    assert ModelConfig.from_pretrained(own, generation_config=str(other)).eos_token_ids == (2, 7, 9)
