@@ -23,7 +23,7 @@ from runtime.errors import EngineUnavailableError, InvalidRequestError, ServerAr
 from runtime.logging_setup import setup_logging
 from runtime.lora.engine_lora import EngineLora
 from runtime.lora.lora_config import per_prompt
-from runtime.managers.request_validation import as_id_lists, each_prompt
+from runtime.managers.request_validation import as_id_lists
 from runtime.managers.scheduler_host import SchedulerHost
 from runtime.messages import FinishReason, GenerateRequest, RequestOutput, SchedulerStats
 from runtime.model_executor.tp_worker import TpWorker
@@ -33,6 +33,7 @@ from runtime.sampling.params import SamplingParams
 from runtime.stream_delivery import deliver, gather_or_cancel, next_output
 from runtime.text.bad_words import tokenize_bad_words
 from runtime.text.engine_embeddings import EngineEmbeddings
+from runtime.text.prompt_args import each_prompt
 from runtime.text.result_collector import AsyncResultStream, ResultCollector, collect_result
 from runtime.text.tokenizer import NullTokenizer, Tokenizer, load_tokenizer
 

@@ -52,7 +52,7 @@ async def classify(request: web.Request) -> web.Response:
     activate = next((v for v in (body.use_activation, body.activation) if v is not None), pooling.use_activation)
     ids = [truncate_tokens(x, body.truncate_prompt_tokens, client.context_len) for x in token_inputs(client, body)]
     base = state.new_id("classify")
-    reqs = embedding_requests(client, [f"{base}-{i}" for i in range(len(ids))], ids)
+    reqs = embedding_requests(client, [f"{base}-{i}" for i in range(len(ids))], ids, cache_salt=body.cache_salt)
     all_logits = await run_admitted(state, client, base, reqs, arrival)
     data = []
     for i, logits in enumerate(all_logits):

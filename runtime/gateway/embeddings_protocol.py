@@ -1,7 +1,7 @@
 """The bodies of POST /v1/embeddings as msgspec Structs: OpenAI's request (input as a string, strings, token
 ids or lists of token ids; encoding_format float or base64; Matryoshka `dimensions`; `user`), vLLM's
-additions (truncate_prompt_tokens, add_special_tokens, normalize / use_activation, and `messages` in place
-of `input`: one conversation rendered with the chat template), and OpenAI's response; SGLang's native POST /encode body
+additions (truncate_prompt_tokens, add_special_tokens, normalize / use_activation, cache_salt, and `messages`
+in place of `input`: one conversation rendered with the chat template), and OpenAI's response; SGLang's native POST /encode body
 and answer; POST /classify's body (vLLM's, with SGLang's text / input_ids form) and vLLM's answer."""
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from runtime.gateway.protocol import Int64
 ENCODING_FORMATS = ("float", "base64")
 
 
-class EmbeddingRequest(Struct, kw_only=True):
+class PoolingBody(Struct, kw_only=True):
+    """What /v1/embeddings, /pooling and /classify read alike: the inputs and how they become tokens."""
+
     # str | list[str] | list[int] | list[list[int]]: one union msgspec cannot decode (several array
     # types), so it is checked by hand (openai_embeddings.embedding_inputs) with errors naming `input`.
     input: Any = UNSET
@@ -33,6 +35,15 @@ class EmbeddingRequest(Struct, kw_only=True):
     # name. /classify redeclares use_activation as its probs' activation and refuses normalize.
     normalize: bool | None = None
     use_activation: bool | None = None
+
+
+class EmbeddingRequest(PoolingBody, kw_only=True):
+    """POST /v1/embeddings and /pooling."""
+
+    # vLLM's (its pooling requests'): cached prefix KV shared only between requests of one salt. An embedding
+    # server with last-token pooling keeps a prefix cache (ServerArgs.prefix_cache_for), so a salt keeps
+    # one tenant's cache hits (their timing) from telling another what it embedded.
+    cache_salt: str | None = None
 
 
 class EmbeddingData(Struct):

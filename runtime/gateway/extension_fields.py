@@ -1,9 +1,10 @@
-"""The vLLM and SGLang extension fields of /v1/completions and /v1/chat/completions that are more than a
-SamplingParams field: the ones Shoal cannot honour, refused with a 400 naming them (answering without
-them would be a different answer than the client asked for: beam search, server-side logits processors,
-stop regexes, a top-level structural tag); SGLang's spellings of what Shoal has under vLLM's names
-(no_stop_trim, lora_path), which must agree with those where both are given; and vLLM's documents, which
-join the chat template's variables."""
+"""The vLLM and SGLang extension fields of /v1/completions, /v1/chat/completions and /v1/responses (which
+reads them through an OpenAISamplingFields made of its body's) that are more than a SamplingParams field:
+the ones Shoal cannot honour, refused with a 400 naming them (answering without them would be a different
+answer than the client asked for: beam search, server-side logits processors, stop regexes, a top-level
+structural tag); SGLang's spellings of what Shoal has under vLLM's names (no_stop_trim, lora_path), which
+must agree with those where both are given; and vLLM's documents, which join the chat template's
+variables."""
 
 from __future__ import annotations
 

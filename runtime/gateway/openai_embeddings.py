@@ -11,7 +11,11 @@ the generation routes on an embedding server likewise (runtime/gateway/app.py).
 An embedding batch goes through the gateway's admission as a generation's choices do (run_admitted): each
 input counts against --max-concurrent-requests (429), the queue estimate may refuse it (429 with
 Retry-After), it is tracked (so /abort_request and the shutdown drain see it, which answers it 503), and
-each input's end counts in the metrics (requests, end-to-end latency, queue time, prompt tokens)."""
+each input's end counts in the metrics (requests, end-to-end latency, queue time, prompt tokens).
+
+cache_salt (vLLM's) is honoured as on chat: an embedding server pooling the last token keeps a prefix cache
+(a match never covers the last position, which every prefill computes), so its inputs share cached prefix KV
+only with inputs of the same salt; under mean / CLS pooling there is no cache and the salt changes nothing."""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 from aiohttp import web
 from msgspec import UNSET
 
@@ -35,6 +40,7 @@ from runtime.gateway.embeddings_protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
     EmbeddingUsage,
+    PoolingBody,
     PoolingData,
     PoolingResponse,
 )
@@ -83,7 +89,7 @@ async def _pooled(request: web.Request, prefix: str) -> tuple[str, str, list[lis
     normalize = pooling.normalize_for(body.normalize, body.use_activation)
     ids = [truncate_tokens(x, body.truncate_prompt_tokens, client.context_len) for x in token_inputs(client, body)]
     base = state.new_id(prefix)
-    reqs = embedding_requests(client, [f"{base}-{i}" for i in range(len(ids))], ids)
+    reqs = embedding_requests(client, [f"{base}-{i}" for i in range(len(ids))], ids, cache_salt=body.cache_salt)
     vectors = await run_admitted(state, client, base, reqs, arrival)
     return (base, model, [_encoded(pooling.shorten(v, body.dimensions, normalize), fmt) for v in vectors],
             sum(len(r.input_ids) for r in reqs))
@@ -110,7 +116,7 @@ def pooling_of(client: EngineClient) -> PoolingConfig:
     return client.pooling
 
 
-def token_inputs(client: EngineClient, body: EmbeddingRequest) -> list[list[int]]:
+def token_inputs(client: EngineClient, body: PoolingBody) -> list[list[int]]:
     """Each input's token ids: `input` as OpenAI defines it, or vLLM's `messages` (one conversation)."""
     has_input, has_messages = body.input is not UNSET, body.messages is not UNSET
     if has_input == has_messages:
@@ -142,12 +148,14 @@ def token_inputs(client: EngineClient, body: EmbeddingRequest) -> list[list[int]
                       "lists of token ids (not a mix)", param="input")
 
 
-def embedding_requests(client: EngineClient, rids: list[str], ids: list[list[int]],
-                       param: str = "input") -> list[GenerateRequest]:
+def embedding_requests(client: EngineClient, rids: list[str], ids: list[list[int]], param: str = "input",
+                       cache_salt: str | None = None) -> list[GenerateRequest]:
     """One validated request per input (all checked before any is sent: a bad one leaves nothing running);
-    param: the body field the inputs came in, which errors about them name."""
+    param: the body field the inputs came in, which errors about them name; cache_salt: every input's
+    (validate's rule: None or a non-empty string, else a 400 naming cache_salt)."""
     try:
-        return [client.validate(embedding_request(rid, x, client.context_len, i))
+        return [client.validate(msgspec.structs.replace(embedding_request(rid, x, client.context_len, i),
+                                                        cache_salt=cache_salt))
                 for i, (rid, x) in enumerate(zip(rids, ids))]
     except InvalidRequestError as e:  # validate names the prompt, embedding_request the input
         if e.param in ("prompt", "input"):

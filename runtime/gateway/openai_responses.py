@@ -3,8 +3,11 @@ SGLang serve it, on the chat machinery: instructions and input items through the
 (responses_input.py), text.format as structured output, function tools with tool_choice none / auto
 (--tool-call-parser) / required / named, reasoning split out by --reasoning-parser into a reasoning item,
 and include ["message.output_text.logprobs"] (with top_logprobs alternatives) as the output_text's logprobs.
-Chat's extras mean here what they mean there: the sampling knobs, logit_bias, include_stop_str_in_output,
-truncate_prompt_tokens, and the structured-output fields (one constraint at most, text.format included).
+Chat's extras mean here what they mean there: the sampling knobs, logit_bias, include_stop_str_in_output
+(SGLang's no_stop_trim), truncate_prompt_tokens, documents, add_special_tokens, SGLang's lora_path, the
+structured-output fields (SGLang's json_schema too; one constraint at most, text.format included), and
+chat's refusals (beam search, logits processors, stop_regex, structural_tag, a per-request chat_template:
+extension_fields.check_unhonoured) are 400s here too.
 
 The answer is one Response object: a reasoning item, the assistant message (output_text) and
 function_call items, status "completed" or "incomplete" (max_output_tokens), usage in the Responses
@@ -16,7 +19,8 @@ and response.in_progress at once, then per item output_item.added, content_part.
 Shoal keeps no state: nothing is stored (store is accepted and echoed false), and what needs a stored
 response (previous_response_id, conversation, item_reference, background) is a 400, as are built-in
 tools. reasoning.effort is accepted and ignored (logged and counted), as vLLM accepts it: the models
-Shoal serves have no effort knob. One response a request: the API has no n."""
+Shoal serves have no effort knob. One response a request: the API has no n (n other than 1 is a 400, as
+are chat's other fields a Response names otherwise, max_tokens or logprobs: responses_input.py)."""
 from __future__ import annotations
 
 import time
@@ -29,6 +33,7 @@ from runtime.errors import ShoalError
 from runtime.gateway.chat_output import ChatDelta, ChatOutput
 from runtime.gateway.choice_state import ChoiceState
 from runtime.gateway.errors import ApiError, bad_request, from_shoal_error
+from runtime.gateway.extension_fields import check_unhonoured, keeps_stop_str, request_lora, template_kwargs
 from runtime.gateway.generation import Generation, Responder
 from runtime.gateway.openai_chat import chat_logprobs, constrain, template_messages, with_priority
 from runtime.gateway.prompt_input import truncate_prompt
@@ -61,12 +66,15 @@ from runtime.gateway.responses_token_ends import TokenTextEnds
 from runtime.gateway.tool_request import ToolRequest
 from runtime.messages import RequestOutput
 
-# The sampling fields of a Responses body that mean what they mean on chat (GatewayState.sampling_params).
-# The structured-output ones join text.format (responses_input.output_constraint).
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
-                    "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "skip_special_tokens",
-                    "allowed_token_ids", "bad_words", "logit_bias", "regex", "ebnf", "guided_json", "guided_regex",
-                    "guided_choice", "guided_grammar", "structured_outputs")
+# The fields of a Responses body that mean what they mean on chat, read by chat's own code: the sampling
+# knobs (GatewayState.sampling_params), the structured-output ones (joining text.format:
+# responses_input.output_constraint), and the extension fields (extension_fields.py).
+_CHAT_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
+                "skip_special_tokens", "allowed_token_ids", "bad_words", "logit_bias", "regex", "ebnf", "json_schema",
+                "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                "include_stop_str_in_output", "no_stop_trim", "lora_path", "use_beam_search", "length_penalty",
+                "logits_processors", "custom_logit_processor", "structural_tag", "stop_regex")
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
@@ -74,10 +82,12 @@ async def responses(request: web.Request) -> web.StreamResponse:
     body, client, state = gen.body, gen.client, gen.state
     model = state.check_model(client, body.model)
     check_unsupported(body)
+    fields = OpenAISamplingFields(**{f: getattr(body, f) for f in _CHAT_FIELDS})
+    check_unhonoured(fields)
     state.ignored_fields.count(ignored_reasoning(body), request.path)
     want_lp = wants_logprobs(body)
+    lora = request_lora(state, fields)
     tools = tool_request(body, state.args.tool_call_parser)
-    fields = OpenAISamplingFields(**{f: getattr(body, f) for f in _SAMPLING_FIELDS})
     constraint = output_constraint(format_constraint(body.text), fields)
     tool_constraint = tools.constraint() if tools is not None else None
     if constraint is not None and tool_constraint is not None:
@@ -91,10 +101,11 @@ async def responses(request: web.Request) -> web.StreamResponse:
         e.param = "input"
         raise
     template_tools = tools.template_tools() if tools is not None else None
+    kwargs = template_kwargs(body.documents, body.chat_template_kwargs)
     try:
-        ids = client.tokenizer.apply_chat_template(rendered, tools=template_tools,
-                                                   template_kwargs=body.chat_template_kwargs)
-        opening = turn_opening(client.tokenizer, rendered, template_tools, True, False, body.chat_template_kwargs) \
+        ids = client.tokenizer.apply_chat_template(rendered, tools=template_tools, template_kwargs=kwargs,
+                                                   add_special_tokens=body.add_special_tokens)
+        opening = turn_opening(client.tokenizer, rendered, template_tools, True, False, kwargs) \
             if state.args.reasoning_parser is not None else ""
     except ShoalError as e:
         raise from_shoal_error(e) from None
@@ -105,13 +116,12 @@ async def responses(request: web.Request) -> web.StreamResponse:
     params = state.sampling_params(fields, max_new, return_logprob=want_lp, top_logprobs_num=body.top_logprobs or 0,
                                    logprob_param="top_logprobs", max_param="max_output_tokens",
                                    max_given=body.max_output_tokens is not None)
-    if body.include_stop_str_in_output:
+    if keeps_stop_str(fields):
         params = msgspec.structs.replace(params, include_stop_str_in_output=True)
     params, reasoning, reasoning_done = constrain(client.tokenizer, opening, params, constraint,
                                                   state.args.reasoning_parser)
     base = state.new_id("resp", "_")  # OpenAI's resp_<id> (X-Request-Id names it, as on the other routes)
-    reqs = with_priority(state, client, state.choice_requests(client, base, [ids], params, 1,
-                                                              lora_name=state.lora_name(body.model),
+    reqs = with_priority(state, client, state.choice_requests(client, base, [ids], params, 1, lora_name=lora,
                                                               cache_salt=body.cache_salt), body.priority)
     if constraint is not None:
         await state.check_grammar(client, reqs[0], constraint.param)

@@ -2,11 +2,14 @@
 items (and instructions) as chat messages for the model's chat template, function tools and tool_choice
 as a ToolRequest, text.format as an OutputConstraint, and a 400 naming the field for whatever Shoal cannot
 honour — anything that needs a stored response or conversation (Shoal keeps no state), built-in tools,
-background runs. reasoning.effort / summary are accepted and ignored (ignored_reasoning)."""
+background runs, chat's fields that a Response names otherwise (max_tokens, logprobs, n, ...), vLLM's
+Responses extras for features Shoal lacks (vllm_xargs, kv_transfer_params, ...). reasoning.effort /
+summary are accepted and ignored (ignored_reasoning)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from runtime.gateway.errors import ApiError, bad_request, not_supported
@@ -26,6 +29,50 @@ _EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh", "max"
 _SUMMARIES = frozenset({"auto", "concise", "detailed"})
 
 
+def _given(value: Any) -> bool:
+    return value is not None
+
+
+def _true(value: Any) -> bool:
+    return bool(value)
+
+
+def _not_one(value: Any) -> bool:
+    return value not in (None, 1)
+
+
+# Fields of chat / completions (and vLLM's Responses extras for what Shoal lacks) that a Response cannot
+# honour: (field, whether its value asks for something, why). Dropping one would answer another question
+# than the client asked (a different length, no logprobs, one answer for n), so each is a 400 naming it.
+_REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("prompt_logprobs", _given, "prompt_logprobs has no place in a Response: ask /v1/chat/completions or "
+                                "/v1/completions for them"),
+    ("response_format", _given, "response_format is chat's: a Response takes text.format"),
+    ("max_tokens", _given, "max_tokens is chat's: a Response takes max_output_tokens"),
+    ("max_completion_tokens", _given, "max_completion_tokens is chat's: a Response takes max_output_tokens"),
+    ("logprobs", _true, f"logprobs is chat's: a Response takes include [{LOGPROBS_INCLUDE!r}] (and top_logprobs)"),
+    ("n", _not_one, "a Response is one answer: n other than 1 has no place in it (send n requests)"),
+    ("best_of", _not_one, "a Response is one answer: best_of other than 1 has no place in it"),
+    ("echo", _true, "echo has no place in a Response: ask /v1/completions to echo a prompt"),
+    ("return_token_ids", _true, "return_token_ids has no place in a Response: ask /v1/chat/completions"),
+    ("return_tokens_as_token_ids", _true, "return_tokens_as_token_ids has no place in a Response: ask "
+                                          "/v1/chat/completions"),
+    ("add_generation_prompt", lambda v: v is False, "a Response always opens the assistant's turn: "
+                                                    "add_generation_prompt false is chat's"),
+    ("continue_final_message", _true, "a Response always opens a new turn: to continue the last message ask "
+                                      "/v1/chat/completions with continue_final_message"),
+    ("prompt_embeds", _given, "prompt_embeds is not supported by this server yet"),
+    ("chat_template", _given, "a per-request chat_template is not supported by this server yet (the server's "
+                              "template renders every prompt)"),
+    ("vllm_xargs", _true, "vllm_xargs (arguments of server-side extensions) is not supported by this server yet"),
+    ("kv_transfer_params", _given, "kv_transfer_params (disaggregated prefill) is not supported by this server yet"),
+    ("previous_input_messages", _given, "previous_input_messages (harmony messages) is not supported by this "
+                                        "server yet: send the conversation as input items"),
+    ("enable_response_messages", _true, "enable_response_messages (the rendered messages in the answer) is not "
+                                        "supported by this server yet"),
+)
+
+
 def check_unsupported(body: ResponsesRequest) -> None:
     stateless = "Shoal keeps no state: send the whole conversation in input"
     if body.previous_response_id is not None:
@@ -39,12 +86,9 @@ def check_unsupported(body: ResponsesRequest) -> None:
     for entry in body.include or ():
         if entry not in _INCLUDES_OK:
             raise not_supported(f"include {entry!r}", "include")
-    if body.prompt_logprobs is not None:
-        raise bad_request("prompt_logprobs has no place in a Response: ask /v1/chat/completions or "
-                          "/v1/completions for them", param="prompt_logprobs", code="unsupported")
-    if body.response_format is not None:
-        raise bad_request("response_format is chat's: a Response takes text.format", param="response_format",
-                          code="unsupported")
+    for name, asks, why in _REFUSED:
+        if asks(getattr(body, name)):
+            raise bad_request(why, param=name, code="unsupported")
     if body.max_tool_calls is not None:
         raise not_supported("max_tool_calls", "max_tool_calls")
     if body.truncation not in (None, "disabled"):
@@ -183,12 +227,12 @@ def tool_request(body: ResponsesRequest, parser_name: str | None) -> ToolRequest
 
 
 def output_constraint(text_format: OutputConstraint | None, fields: OpenAISamplingFields) -> OutputConstraint | None:
-    """text.format's constraint or one of chat's structured-output fields (regex, ebnf, guided_*,
-    structured_outputs): at most one of them all, as on chat (a 400 naming the second)."""
+    """text.format's constraint or one of chat's structured-output fields (regex, ebnf, SGLang's json_schema,
+    guided_*, structured_outputs): at most one of them all, as on chat (a 400 naming the second)."""
     found = [c for c in (text_format, OutputConstraint.from_body(fields)) if c is not None]
     if len(found) > 1:
-        raise bad_request(f"give at most one structured-output constraint (text.format, regex, ebnf, guided_json, "
-                          f"guided_regex, guided_choice, guided_grammar, structured_outputs); got "
+        raise bad_request(f"give at most one structured-output constraint (text.format, regex, ebnf, json_schema, "
+                          f"guided_json, guided_regex, guided_choice, guided_grammar, structured_outputs); got "
                           f"{found[0].param} and {found[1].param}", param=found[1].param)
     return found[0] if found else None
 

@@ -87,10 +87,42 @@ class ResponsesRequest(Struct, kw_only=True):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
-    # vLLM's chat and completions fields that a Response has no place for: any value is a 400
-    # (response_format: text.format says it here).
+    json_schema: dict[str, Any] | str | None = None  # SGLang's: a JSON Schema (JSON text), one more constraint
+    # SGLang's spellings, as on chat (extension_fields.py): the adapter by name or --lora-modules folder
+    # (agreeing with `model`), and include_stop_str_in_output's other name (agreeing with it).
+    lora_path: str | None = None
+    no_stop_trim: bool | None = None
+    documents: list[dict[str, str]] | None = None  # vLLM's: RAG documents, for templates that take them
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens on top of the template's
+    # What chat refuses, refused alike (extension_fields.check_unhonoured; a per-request chat_template).
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    logits_processors: list[Any] | None = None
+    custom_logit_processor: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    stop_regex: str | list[str] | None = None
+    chat_template: str | None = None
+    # vLLM's Responses fields for what Shoal lacks (server-side extensions, disaggregated prefill, harmony
+    # messages, the rendered messages in the answer): a value that asks is a 400 (responses_input.py).
+    vllm_xargs: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    previous_input_messages: list[Any] | None = None
+    enable_response_messages: bool | None = None
+    # Chat's and completions' fields that a Response names otherwise or has no place for: a value that
+    # asks is a 400 saying so (OpenAI refuses them on this route too), never a silently different answer.
     prompt_logprobs: Int64 | None = None
     response_format: dict[str, Any] | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
+    logprobs: bool | Int64 | None = None
+    n: Int64 | None = None
+    best_of: Int64 | None = None
+    echo: bool | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    prompt_embeds: Any = None
 
 
 # ---- the Response object -------------------------------------------------------------------------

@@ -97,16 +97,6 @@ def check_cache_salt(salt: object) -> None:
                                   param="cache_salt")
 
 
-def each_prompt(value: Any, n: int, param: str) -> list[Any]:
-    """A Python API argument given once for every prompt, or as a list of one per prompt (each checked later):
-    priority, cache_salt."""
-    if not isinstance(value, (list, tuple)):
-        return [value] * n
-    if len(value) != n:
-        raise InvalidRequestError(f"{param}: {len(value)} given for {n} prompts", param=param)
-    return list(value)
-
-
 def _check_embedding_length(limits: RequestLimits, n: int) -> None:
     if n > limits.context_len:
         raise InvalidRequestError(f"This model's maximum context length is {limits.context_len} tokens, but the "

@@ -24,6 +24,7 @@ from runtime.messages import GenerateRequest, RequestOutput
 from runtime.text.embedding_request import check_task, embedding_request, task_mismatch, truncate_tokens
 from runtime.text.engine_scores import EngineScores
 from runtime.text.pooling_config import PoolingConfig, require_classifier
+from runtime.text.prompt_args import each_prompt
 
 
 class EmbeddingOutput(msgspec.Struct, frozen=True):
@@ -77,7 +78,8 @@ class EngineEmbeddings(EngineScores, EngineClient):
     def encode(self, prompts: str | Sequence[str] | None = None, *,
                input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None, dimensions: int | None = None,
                prompt_name: str | None = None, prompt: str | None = None, truncate_prompt_tokens: int | None = None,
-               normalize: bool | None = None) -> dict[str, Any] | list[dict[str, Any]]:
+               normalize: bool | None = None, cache_salt: str | Sequence[str | None] | None = None,
+               ) -> dict[str, Any] | list[dict[str, Any]]:
         """SGLang's shape: {"embedding": [floats], "meta_info": {"id", "prompt_tokens", "e2e_latency"}} for a
         prompt string or one list of token ids; a list of them, in order, for a list of either.
         dimensions: Matryoshka models only (truncated, renormalized); prompt_name / prompt: the text put
@@ -85,10 +87,11 @@ class EngineEmbeddings(EngineScores, EngineClient):
         config_sentence_transformers.json's prompts; prompt: the text itself, '' for none); with neither,
         that file's default_prompt_name applies; truncate_prompt_tokens: keep each input's last k tokens
         (-1: as many as the model takes); normalize: L2-normalize each vector (after any `dimensions`
-        truncation), or give it raw (False), as vLLM's normalize; None: the model's pooler config."""
+        truncation), or give it raw (False), as vLLM's normalize; None: the model's pooler config;
+        cache_salt: vLLM's, one for every input or one per input (cached prefixes are shared only within one)."""
         t0 = time.monotonic()
         single, done = self._embed(prompts, input_ids, dimensions, prompt_name, prompt, truncate_prompt_tokens,
-                                   normalize)
+                                   normalize, cache_salt)
         latency = time.monotonic() - t0
         out = [{"embedding": vector, "meta_info": {"id": r.rid, "prompt_tokens": len(r.input_ids),
                                                    "e2e_latency": latency}} for r, vector in done]
@@ -97,11 +100,12 @@ class EngineEmbeddings(EngineScores, EngineClient):
     def embed(self, prompts: str | Sequence[str] | None = None, *,
               input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None, dimensions: int | None = None,
               prompt_name: str | None = None, prompt: str | None = None, truncate_prompt_tokens: int | None = None,
-              normalize: bool | None = None) -> list[EmbeddingRequestOutput]:
+              normalize: bool | None = None, cache_salt: str | Sequence[str | None] | None = None,
+              ) -> list[EmbeddingRequestOutput]:
         """vLLM's LLM.embed: one EmbeddingRequestOutput per input, in order (a list for a single prompt too);
         the vector is `o.outputs.embedding`. The arguments are encode()'s."""
         _, done = self._embed(prompts, input_ids, dimensions, prompt_name, prompt, truncate_prompt_tokens,
-                              normalize)
+                              normalize, cache_salt)
         return [EmbeddingRequestOutput(r.rid, EmbeddingOutput(vector), list(r.input_ids)) for r, vector in done]
 
     def classify(self, prompts: str | Sequence[str] | None = None, *,
@@ -121,7 +125,7 @@ class EngineEmbeddings(EngineScores, EngineClient):
 
     def _embed(self, prompts: Any, input_ids: Any, dimensions: int | None, prompt_name: str | None,
                prompt: str | None, truncate_prompt_tokens: int | None, normalize: bool | None = None,
-               ) -> tuple[bool, list[tuple[GenerateRequest, list[float]]]]:
+               cache_salt: str | Sequence[str | None] | None = None) -> tuple[bool, list[tuple[GenerateRequest, list[float]]]]:
         """(whether the input was a single one, each input's request and vector in order)."""
         pooling = self.pooling
         if pooling is None:
@@ -148,10 +152,10 @@ class EngineEmbeddings(EngineScores, EngineClient):
             ids = [input_ids] if single else [_plain(x) for x in input_ids]
         if not ids:
             raise InvalidRequestError("nothing to embed: the list of inputs is empty", param="prompts")
-        tag = uuid.uuid4().hex[:16]
-        reqs = [self.validate(embedding_request(f"embed-{tag}-{i}",
-                                                truncate_tokens(x, truncate_prompt_tokens, self.context_len),
-                                                self.context_len, i))
+        tag, salts = uuid.uuid4().hex[:16], each_prompt(cache_salt, len(ids), "cache_salt")
+        reqs = [self.validate(msgspec.structs.replace(embedding_request(
+                    f"embed-{tag}-{i}", truncate_tokens(x, truncate_prompt_tokens, self.context_len),
+                    self.context_len, i), cache_salt=salts[i]))
                 for i, x in enumerate(ids)]
         outs = self._run_embeddings(reqs)
         return single, [(r, pooling.shorten(o.embedding, dimensions, normalize)) for r, o in zip(reqs, outs)]
