@@ -12,26 +12,33 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.config import ServerArgs
+from runtime.gateway.http_site import SiteSpec
 from runtime.gc_guard import GcGuard
 
 
 class GatewayActor:
-    def __init__(self, args: ServerArgs, port: int | None = None, cluster_fixed: bool = False):
-        """cluster_fixed: the launcher started this cluster for itself (see ReplicaLauncher)."""
+    def __init__(self, args: ServerArgs, port: int | None = None, cluster_fixed: bool = False,
+                 site: SiteSpec | None = None):
+        """cluster_fixed: the launcher started this cluster for itself (see ReplicaLauncher). site: TLS and
+        --root-path, as the CLI's flags gave them (files read on this actor's node)."""
         self.args, self.port, self.cluster_fixed = args, port, cluster_fixed
+        self.site = site or SiteSpec()
         self.client: Any = None  # RayEngineClient, once started
         self.server: Any = None  # ServerHandle, once started
 
     def start(self) -> str:
         """Loads the replicas and opens the port; returns url(). Raises what stopped it (a model that does
-        not load, a busy port)."""
+        not load, a busy port, a certificate file this node cannot read)."""
         from runtime.cluster.launch import create_ray_engine_client
+        from runtime.gateway.http_site import open_site
         from runtime.gateway.server import serve_in_thread
 
+        site = open_site(self.site)  # before the replicas load: a bad file fails in a second, not minutes
         # Ray is up inside an actor: this joins the actor's cluster.
         self.client = create_ray_engine_client(self.args, cluster_fixed=self.cluster_fixed)
         try:
-            self.server = serve_in_thread(self.client, self.args, host=self.args.host, port=self.port)
+            self.server = serve_in_thread(self.client, self.args, host=self.args.host, port=self.port,
+                                          site=site)
         except BaseException:
             self.client.shutdown()
             raise
@@ -39,7 +46,8 @@ class GatewayActor:
         return self.server.url
 
     def url(self) -> str:
-        """http://HOST:PORT the gateway listens on (on this actor's node)."""
+        """http://HOST:PORT (https with TLS) the gateway listens on, on this actor's node; with --root-path
+        the routes answer under URL + root_path too."""
         return self.server.url
 
     def ready(self) -> bool:

@@ -14,7 +14,7 @@ import os
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runtime.cluster import placement
 from runtime.cluster.remote_error import remote_cause
@@ -22,6 +22,9 @@ from runtime.cluster.replica_group import ReplicaGroup
 from runtime.config import ServerArgs
 from runtime.engine_client import EngineClient
 from runtime.errors import EngineUnavailableError, ServerArgsError
+
+if TYPE_CHECKING:
+    from runtime.gateway.http_site import SiteSpec
 
 logger = logging.getLogger(__name__)
 
@@ -206,10 +209,11 @@ def create_ray_engine_client(args: ServerArgs, *, replica_resources: list[dict[s
 
 def launch_gateway_actor(args: ServerArgs, *, port: int | None = None, name: str | None = None,
                          detached: bool = False, on_this_node: bool = False,
-                         cluster_fixed: bool | None = None) -> Any:
+                         cluster_fixed: bool | None = None, site: SiteSpec | None = None) -> Any:
     """Starts a GatewayActor (the HTTP server plus its replicas) and waits until it serves; returns the
     handle (`ray.get(handle.url.remote())` gives the address). detached: it outlives this driver.
-    on_this_node: pinned to the caller's node, so args.host:port is an address of this machine."""
+    on_this_node: pinned to the caller's node, so args.host:port is an address of this machine.
+    site: TLS and --root-path (gateway/http_site.py); the actor reads its files on its own node."""
     import ray
 
     from runtime.cluster.gateway_actor import GatewayActor
@@ -229,7 +233,7 @@ def launch_gateway_actor(args: ServerArgs, *, port: int | None = None, name: str
         options["name"] = name
     if detached:
         options["lifetime"] = "detached"
-    handle = ray.remote(GatewayActor).options(**options).remote(args, port, cluster_fixed=fixed)
+    handle = ray.remote(GatewayActor).options(**options).remote(args, port, cluster_fixed=fixed, site=site)
     try:
         ray.get(handle.start.remote())
     except ray.exceptions.RayError as e:  # say why in one line; the remote traceback is for --log-level debug

@@ -11,13 +11,16 @@ import signal
 import threading
 
 from runtime.config import ServerArgs
+from runtime.gateway.http_site import HttpSite
 from runtime.logging_setup import setup_logging
 
 logger = logging.getLogger("shoal.gateway")
 
 
-def serve_gateway_actor(args: ServerArgs, stop: threading.Event | None = None) -> None:
-    """Blocks until `stop` is set (default: SIGINT/SIGTERM), then shuts the gateway and its replicas down."""
+def serve_gateway_actor(args: ServerArgs, stop: threading.Event | None = None, site: HttpSite | None = None) -> None:
+    """Blocks until `stop` is set (default: SIGINT/SIGTERM), then shuts the gateway and its replicas down.
+    site: TLS and --root-path (http_site(ns), its files already loaded here); the actor gets its SiteSpec and
+    opens the same files, as it is pinned to this node."""
     import ray
 
     from runtime.cluster.launch import init_ray, launch_gateway_actor
@@ -35,7 +38,8 @@ def serve_gateway_actor(args: ServerArgs, stop: threading.Event | None = None) -
                 signal.signal(sig, signal.default_int_handler)
         logger.info("Ray is up; loading the replicas")
         handle = launch_gateway_actor(args, port=args.port, on_this_node=True,
-                                      cluster_fixed=started and args.address is None)
+                                      cluster_fixed=started and args.address is None,
+                                      site=None if site is None else site.spec)
     except (KeyboardInterrupt, SystemExit):  # SystemExit: Ray's own SIGTERM handler, during ray.init
         logger.info("stopped while the replicas were loading")
         if owned and ray.is_initialized():

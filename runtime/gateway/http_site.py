@@ -1,15 +1,21 @@
 """HttpSite: how `shoal serve` listens beyond host and port, from vLLM's flags: TLS (--ssl-certfile,
 --ssl-keyfile, --ssl-ca-certs, --ssl-cert-reqs, as uvicorn takes them) and --root-path (FastAPI's root_path:
 the routes also answer under that prefix, for a proxy that forwards /prefix/v1/... unchanged; one that strips
-the prefix reaches them at / as always)."""
+the prefix reaches them at / as always).
+
+On Ray the gateway actor gets the flags as a SiteSpec (paths, not an SSLContext) and opens the files again on
+its node, the CLI's node (serve_gateway_actor pins it there); the CLI has loaded them first, so a bad file is
+an error naming its flag before Ray starts."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import ssl
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
 from aiohttp import web as _web
 
 from runtime.errors import ServerArgsError
@@ -24,15 +30,34 @@ if TYPE_CHECKING:  # aiohttp is imported where the site starts, not by the CLI's
 _FLAGS = ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "ssl_cert_reqs", "root_path")
 
 
+class SiteSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """The flags as given: what crosses to the Ray gateway actor, which builds its HttpSite from them on its
+    own node (an ssl.SSLContext does not pickle). root_path is already checked ("" or "/prefix")."""
+
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int | None = None  # uvicorn's ints: ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED
+    root_path: str = ""
+    flag: str | None = None  # the first of these flags given, to name where they cannot be honoured
+
+
 @dataclass(frozen=True, slots=True)
 class HttpSite:
-    ssl_context: ssl.SSLContext | None = None
-    root_path: str = ""  # "" or "/prefix" (no trailing slash)
-    flag: str | None = None  # the first of these flags given, to name where they cannot be honoured
+    spec: SiteSpec = SiteSpec()
+    ssl_context: ssl.SSLContext | None = None  # built from spec (open_site)
+
+    @property
+    def root_path(self) -> str:
+        return self.spec.root_path
+
+    @property
+    def flag(self) -> str | None:
+        return self.spec.flag
 
     @property
     def is_plain(self) -> bool:
-        return self.flag is None
+        return self.spec.flag is None
 
     @property
     def scheme(self) -> str:
@@ -54,29 +79,50 @@ def add_site_flags(group: argparse._ArgumentGroup) -> None:
 
 def http_site(ns: argparse.Namespace) -> HttpSite:
     """The parsed flags, checked now: a certificate that does not load is an error naming its flag before
-    the model starts loading."""
+    the model starts loading (on Ray too: the gateway actor loads it again on its node)."""
+    return open_site(site_spec(ns))
+
+
+def site_spec(ns: argparse.Namespace) -> SiteSpec:
+    """The parsed flags as a SiteSpec, their combination checked (no file is read)."""
     given = [n for n in _FLAGS if getattr(ns, n, None) is not None]
     if not given:
-        return HttpSite()
-    context = None
+        return SiteSpec()
     if ns.ssl_certfile is None:
         stray = next((n for n in given if n.startswith("ssl_")), None)
         if stray is not None:
             raise ServerArgsError("--" + stray.replace("_", "-"), "needs --ssl-certfile (the server's certificate)")
-    else:
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    return SiteSpec(ssl_certfile=_absolute(ns.ssl_certfile), ssl_keyfile=_absolute(ns.ssl_keyfile),
+                    ssl_ca_certs=_absolute(ns.ssl_ca_certs), ssl_cert_reqs=ns.ssl_cert_reqs, root_path=_root_path(ns.root_path),
+                    flag="--" + given[0].replace("_", "-"))
+
+
+def open_site(spec: SiteSpec) -> HttpSite:
+    """Loads spec's certificate, key and CA file from this machine; a file that does not load (or a
+    --ssl-cert-reqs outside 0..2) is a ServerArgsError naming its flag."""
+    if spec.ssl_certfile is None:
+        return HttpSite(spec)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(spec.ssl_certfile, spec.ssl_keyfile)
+    except (OSError, ssl.SSLError) as e:
+        raise ServerArgsError("--ssl-certfile", f"cannot load the certificate and key: {e}") from None
+    if spec.ssl_ca_certs is not None:
         try:
-            context.load_cert_chain(ns.ssl_certfile, ns.ssl_keyfile)
+            context.load_verify_locations(cafile=spec.ssl_ca_certs)
         except (OSError, ssl.SSLError) as e:
-            raise ServerArgsError("--ssl-certfile", f"cannot load the certificate and key: {e}") from None
-        if ns.ssl_ca_certs is not None:
-            try:
-                context.load_verify_locations(cafile=ns.ssl_ca_certs)
-            except (OSError, ssl.SSLError) as e:
-                raise ServerArgsError("--ssl-ca-certs", f"cannot load it: {e}") from None
-        if ns.ssl_cert_reqs is not None:  # uvicorn's ints: ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED
-            context.verify_mode = ssl.VerifyMode(ns.ssl_cert_reqs)
-    return HttpSite(context, _root_path(ns.root_path), "--" + given[0].replace("_", "-"))
+            raise ServerArgsError("--ssl-ca-certs", f"cannot load it: {e}") from None
+    if spec.ssl_cert_reqs is not None:
+        try:
+            context.verify_mode = ssl.VerifyMode(spec.ssl_cert_reqs)
+        except ValueError:
+            raise ServerArgsError("--ssl-cert-reqs", f"must be 0, 1 or 2, got {spec.ssl_cert_reqs!r}") from None
+    return HttpSite(spec, context)
+
+
+def _absolute(path: str | None) -> str | None:
+    # The gateway actor's working directory is Ray's, not the shell's: a relative path would miss there.
+    return None if path is None else os.path.abspath(os.path.expanduser(path))
 
 
 def _root_path(value: str | None) -> str:
