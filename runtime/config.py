@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.errors import ServerArgsError
-from runtime.lora.lora_config import parse_lora_modules
+from runtime.lora.lora_flags import check_lora_flags
 from runtime.sampling.generation_defaults import check_flags as check_generation_flags
 from runtime.server_flags import (  # noqa: F401  (METRICS_COMPAT, VLLM_ALIASES: still importable from here)
     METRICS_COMPAT,
     MULTI_VALUE,
+    NEGATABLE,
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
     VLLM_ALIASES,
@@ -22,6 +23,7 @@ from runtime.server_flags import (  # noqa: F401  (METRICS_COMPAT, VLLM_ALIASES:
     check_field_types,
     check_speculative_flags,
     pooler_config,
+    served_model_aliases,
 )
 from runtime.server_flags import flag_name as _flag
 from runtime.server_flags import hf_overrides as _hf_overrides
@@ -39,7 +41,12 @@ class ServerArgs:
     # Model
     model_path: str | None = _opt(None, "HF model folder (config.json + safetensors); default: embedded SmolLM2-135M-Instruct")
     tokenizer_path: str | None = _opt(None, "tokenizer folder; default: the model folder")
-    served_model_name: str | None = _opt(None, "model name reported by the API; default: the model folder name")
+    served_model_name: str | None = _opt(None, "model name reported by the API (vLLM's `--served-model-name a b c` "
+                                               "serves b and c too: --served-model-aliases); default: the model "
+                                               "folder name")
+    served_model_aliases: tuple[str, ...] | None = _opt(None, "more names a request's `model` may give (listed by "
+                                                              "/v1/models); responses and metrics carry "
+                                                              "--served-model-name")
     chat_template: str | None = _opt(None, "Jinja chat template (or a file holding one) used instead of the tokenizer's")
     dtype: str = _opt("auto", "weight and activation dtype", ("auto", "float32", "bfloat16", "float16"))
     load_format: str = _opt("auto", "auto/safetensors read the checkpoint; dummy makes random weights", ("auto", "safetensors", "dummy"))
@@ -189,6 +196,10 @@ class ServerArgs:
     port: int = _opt(30000, "HTTP port")
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every route but /health and /metrics")
     max_request_bytes: int = _opt(8 * 1024 * 1024, "largest accepted request body")
+    enable_force_include_usage: bool = _opt(False, "streamed completions and chat completions carry usage as if "
+                                                   "every request asked stream_options {include_usage, "
+                                                   "continuous_usage_stats} (vLLM's flag; a request's false is "
+                                                   "overridden, as there)")
     max_n: int = _opt(16, "largest n (choices per request)")
     max_concurrent_requests: int | None = _opt(None, "most requests in flight (each choice counts); past it a new one gets 429")
     max_queue_wait_s: float = _opt(30.0, "refuse a request (429 + Retry-After) when its estimated wait in the "
@@ -221,6 +232,8 @@ class ServerArgs:
             items = self.lora_modules.items() if isinstance(self.lora_modules, Mapping) else None
             object.__setattr__(self, "lora_modules", " ".join(
                 [f"{k}={v}" for k, v in items] if items is not None else [str(x) for x in self.lora_modules]))
+        object.__setattr__(self, "served_model_aliases", served_model_aliases(self.served_model_name,
+                                                                                self.served_model_aliases))
         check_field_types(self)
         _hf_overrides(self.hf_overrides)
         if pooler_config(self.pooler_config) and not self.is_embedding:
@@ -284,7 +297,7 @@ class ServerArgs:
                                                     "--speculative-algorithm and --enable-dp-attention")
         check_speculative_flags(self)
         check_generation_flags(self)
-        self._check_lora()
+        check_lora_flags(self)
         self._check_priority()
 
     def _check_priority(self) -> None:
@@ -296,19 +309,6 @@ class ServerArgs:
                 if getattr(self, name) not in (False, None):
                     raise ServerArgsError(_flag(name), "needs --enable-priority-scheduling (vLLM: "
                                                        "--scheduling-policy priority)")
-
-    def _check_lora(self) -> None:
-        if self.max_loras < 1 or self.max_lora_rank < 1:
-            raise ServerArgsError("--max-loras" if self.max_loras < 1 else "--max-lora-rank", "must be positive")
-        if not self.enable_lora:
-            if self.lora_modules:
-                raise ServerArgsError("--lora-modules", "needs --enable-lora")
-            return
-        parse_lora_modules(self.lora_modules)  # a malformed list fails here, before anything loads
-        for name, on in (("--speculative-algorithm", self.speculative_algorithm),
-                         ("--enable-dp-attention", self.enable_dp_attention), ("--is-embedding", self.is_embedding)):
-            if on:
-                raise ServerArgsError("--enable-lora", f"does not run with {name} yet")
 
     @property
     def priority_scheduling(self) -> bool:
@@ -380,6 +380,8 @@ class ServerArgs:
             flags, helptext = (_flag(f.name), *VLLM_ALIASES.get(f.name, ())), f.metadata.get("help", "")
             if f.type in ("bool", bool):
                 parser.add_argument(*flags, dest=f.name, action="store_true", default=f.default, help=helptext)
+                if f.name in NEGATABLE:
+                    parser.add_argument(f"--no-{flags[0][2:]}", dest=f.name, action="store_false", help=argparse.SUPPRESS)
                 continue
             kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
             if f.name in MULTI_VALUE:
@@ -393,8 +395,4 @@ class ServerArgs:
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> ServerArgs:
-        values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)}
-        for name in MULTI_VALUE:
-            if isinstance(values[name], list):
-                values[name] = " ".join(values[name])
-        return cls(**values)
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})  # lists: __post_init__

@@ -48,8 +48,11 @@ def spellings(ns: argparse.Namespace) -> Mapping[str, str]:
     return MappingProxyType(ns.__dict__.get("_spellings", {}))
 
 
-# Flags that take several values (`--lora-modules a=/p b=/q`), joined with spaces into their str field.
-MULTI_VALUE = frozenset({"lora_modules"})
+# Flags that take several values: `--lora-modules a=/p b=/q` (joined with spaces into its str field),
+# `--served-model-aliases b c` (a tuple: served_model_aliases).
+MULTI_VALUE = frozenset({"lora_modules", "served_model_aliases"})
+# Switches vLLM also takes as --no-X (its BooleanOptionalAction), so a vLLM command line's --no-X parses too.
+NEGATABLE = frozenset({"enable_force_include_usage"})
 
 # Names of the gateway's parser registries (runtime/gateway/tool_parsers, reasoning_parsers), checked at start.
 TOOL_CALL_PARSERS = ("llama3_json", "hermes", "mistral", "qwen3_coder", "qwen3_xml", "pythonic", "llama4_pythonic")
@@ -134,6 +137,23 @@ def check_field_types(args: ServerArgs) -> None:
         if ok is not None and not ok(value):
             raise ServerArgsError(flag_name(f.name), f"must be {'a' if kind != 'int' else 'an'} {kind}"
                                                      f"{' or None' if optional else ''}, got {value!r}")
+
+
+def served_model_aliases(first: str | None, names: Any) -> tuple[str, ...] | None:
+    """--served-model-aliases (vLLM's `--served-model-name a b c`: b and c) as the tuple ServerArgs keeps:
+    each a non-empty string, in order, without repeats or the first name (each is served once); None for
+    none (as an unset flag reads, so an instance's flags parse back to it)."""
+    if names is None:
+        return None
+    if isinstance(names, str) or not isinstance(names, list | tuple):
+        raise ServerArgsError("--served-model-aliases", f"must be a list of names, got {names!r}")
+    for name in names:
+        if not isinstance(name, str) or not name.strip():
+            raise ServerArgsError("--served-model-aliases", f"each name must be a non-empty string, got {name!r}")
+    if names and not first:
+        raise ServerArgsError("--served-model-aliases", "needs --served-model-name, the name responses carry "
+                                                        "(vLLM: --served-model-name FIRST OTHER ...)")
+    return tuple(dict.fromkeys(n for n in names if n != first)) or None
 
 
 def metrics_compat(value: str) -> tuple[str, ...]:

@@ -11,11 +11,12 @@ from typing import Any
 import yaml
 
 from runtime.errors import ServerArgsError
-from runtime.vllm_flags import ALIAS_FLAG, VALUE_ALIASES, VLLM_FLAGS
+from runtime.vllm_flags import VALUE_ALIASES, VLLM_FLAGS
 from runtime.vllm_translation import human_int
 
 _HUMAN_INTS = ("--max-model-len",)  # vLLM parses these with human_readable_int
 _MODEL_FLAGS = ("--model", "--model-path")
+_ALIASES = "--served-model-aliases"
 
 
 def vllm_values(argv: list[str]) -> list[str]:
@@ -43,8 +44,9 @@ def _value(flag: str, value: str) -> str:
 
 
 def _served_names(argv: list[str]) -> list[str]:
-    """vLLM's `--served-model-name a b c` (nargs="+"): a is Shoal's one name, b and c go to the table's
-    ALIAS_FLAG (logged as not served). Only once the model is named, or the first extra would be MODEL."""
+    """vLLM's `--served-model-name a b c` (nargs="+"): a is --served-model-name (the name responses carry), b
+    and c go to --served-model-aliases (served too). Only once the model is named, or the first extra would
+    be MODEL."""
     try:
         at = argv.index("--served-model-name")
     except ValueError:
@@ -55,7 +57,11 @@ def _served_names(argv: list[str]) -> list[str]:
     while has_model and end < len(argv) and not argv[end].startswith("-"):
         end += 1
     extra = argv[at + 2:end]
-    return [*argv[:at + 2], *(t for name in extra for t in (ALIAS_FLAG, name)), *argv[end:]]
+    if not extra:
+        return argv
+    if any(t.partition("=")[0] == _ALIASES for t in argv):  # argparse would keep one list, dropping the other
+        raise ServerArgsError(_ALIASES, "give the further names after --served-model-name or here, not both")
+    return [*argv[:at + 2], _ALIASES, *extra, *argv[end:]]
 
 
 def _yaml_config(argv: list[str]) -> list[str]:

@@ -191,14 +191,6 @@ def _compilation_keys(cfg: dict[str, Any], tr: Translation, flag: str) -> None:
         tr.note(flag, "keys " + ", ".join(sorted(cfg)), f"{_COMPILE}; these keys have no counterpart")
 
 
-def _unserved_names(names: list[str], tr: Translation, flag: str) -> None:
-    if names:
-        tr.note("--served-model-name", " ".join(names), f"Shoal serves one name, {tr.get('served_model_name')!r} "
-                "(the first); requests naming these get 404 model_not_found")
-
-
-ALIAS_FLAG = "--served-model-name-alias"  # vllm_argv.py moves --served-model-name's second and later names here
-
 _LOCAL = ("Shoal reads a local model folder and never the Hugging Face Hub, so a revision has nothing to "
           "choose (vLLM ignores it for a local folder too): check a revision out into a folder to serve it")
 _NO_REQUEST_LOG = ("Shoal does not log requests one by one; their counts, latencies and errors are on /metrics "
@@ -244,7 +236,6 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--enable-request-id-headers",), "bool", noop(
         "Shoal always honours X-Request-Id and returns it on every response")),
     VllmFlag(("--max-logprobs",), "int", _max_logprobs),
-    VllmFlag((ALIAS_FLAG,), "list", _unserved_names),
     VllmFlag(("--enable-sleep-mode",), "bool", noop(
         "Shoal always serves /sleep, /wake_up and /is_sleeping (behind --api-key when one is set)")),
     VllmFlag(("--enable-prompt-tokens-details",), "bool", noop(
@@ -282,9 +273,6 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
         "body (chat and completions take it)")),
     VllmFlag(("--response-role",), "str", refuse("Shoal's responses always carry role assistant",
                                                   unless=("assistant",))),
-    VllmFlag(("--enable-force-include-usage",), "bool", refuse(
-        "a server-wide default Shoal does not have: a stream ends with a usage chunk when the request sends "
-        "\"stream_options\": {\"include_usage\": true} (non-streaming responses always carry usage)")),
     VllmFlag(("--disable-sliding-window",), "bool", refuse(
         "Shoal runs a model's sliding-window layers as its config.json says; to stay within the window as vLLM "
         "does, give --context-length <the window>")),
@@ -363,9 +351,13 @@ def translate_vllm_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
             raise ServerArgsError(f"--{key}", "generate contradicts --is-embedding")
         out["is_embedding"] = out.get("is_embedding") or value != "generate"
     names = out.get("served_model_name")
-    if isinstance(names, list | tuple):  # vLLM's several names: the first is served, the rest logged
-        out["served_model_name"], out[ALIAS_FLAG[2:].replace("-", "_")] = (names[0], list(names[1:])) \
-            if names else (None, None)
+    if isinstance(names, list | tuple):  # vLLM's several names: all served, responses carry the first
+        if len(names) > 1 and out.get("served_model_aliases"):
+            raise ServerArgsError("--served-model-aliases", "give the further names in served_model_name's "
+                                                            "list or here, not both")
+        out["served_model_name"] = names[0] if names else None
+        if len(names) > 1:
+            out["served_model_aliases"] = tuple(names[1:])
     if isinstance(out.get("max_model_len"), str):  # vLLM's "32K"
         out["max_model_len"] = human_int(out["max_model_len"], "--max-model-len")
     given = {name: flag_name(name) for name, v in out.items() if name in defaults and v is not None}

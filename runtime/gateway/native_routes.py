@@ -319,13 +319,15 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def _model_card(request: web.Request) -> ModelCard:
-    """The served model's card; with a {model} in the path, a 404 model_not_found unless it names it."""
+    """The card of the name in the path (a served name's own, the first served name's for the model's own
+    name), or of the first served name without one; a 404 model_not_found for a name not served."""
     state = request.app[STATE_KEY]
     client = state.client()
-    name = state.check_model(client, request.match_info.get("model"))
-    card = ModelCard(id=state.served_model(client), created=state.created, root=client.model_name,
-                     max_model_len=client.context_len)
-    if name in state.lora_adapters:  # an adapter's card (vLLM's: its folder as root, the base as parent)
+    asked = request.match_info.get("model")
+    name = state.check_model(client, asked)
+    card = ModelCard(id=asked if asked in state.served_names(client) else state.served_model(client),
+                     created=state.created, root=client.model_name, max_model_len=client.context_len)
+    if name in state.lora_adapters:  # an adapter's card (vLLM's: its folder as root, the first name as parent)
         return _adapter_card(card, name, state.lora_adapters[name])
     return card
 
@@ -333,8 +335,10 @@ def _model_card(request: web.Request) -> ModelCard:
 async def models(request: web.Request) -> web.Response:
     base = _model_card(request)
     state = request.app[STATE_KEY]
-    # vLLM's listing of --lora-modules: the base's card, then one per adapter
-    cards = [base] + [_adapter_card(base, name, path) for name, path in state.lora_adapters.items()]
+    # vLLM's show_available_models: one card per served name, then one per --lora-modules adapter
+    names = state.served_names(state.client())
+    cards = [msgspec.structs.replace(base, id=name) for name in names]
+    cards += [_adapter_card(base, name, path) for name, path in state.lora_adapters.items()]
     return _json(ModelList(data=cards))
 
 
@@ -344,7 +348,7 @@ def _adapter_card(base: ModelCard, name: str, path: str) -> ModelCard:
 
 
 async def model(request: web.Request) -> web.Response:
-    """OpenAI's retrieve: the card of a name the generating routes accept (the served name, or the model's
+    """OpenAI's retrieve: the card of a name the generating routes accept (a served name, or the model's
     own when --served-model-name renames it), else 404 model_not_found."""
     return _json(_model_card(request))
 

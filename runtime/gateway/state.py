@@ -132,7 +132,12 @@ class GatewayState:
         return client.lora_adapters() if client is not None else {}
 
     def served_model(self, client: EngineClient) -> str:
+        """The name responses (and metrics) carry: --served-model-name's first, else the model's own."""
         return self.args.served_model_name or client.model_name
+
+    def served_names(self, client: EngineClient) -> tuple[str, ...]:
+        """Every name served, first the one responses carry (vLLM's --served-model-name a b c: a, b, c)."""
+        return (self.served_model(client), *(self.args.served_model_aliases or ()))
 
     def _served_model_name(self) -> str | None:
         """The served model's name as a scrape sees it (the compat metrics' model_name label)."""
@@ -147,15 +152,14 @@ class GatewayState:
 
     def check_model(self, client: EngineClient, model: str | None) -> str:
         """The model name a response carries; a 404 model_not_found for a name this server does not serve."""
-        names = {client.model_name, self.served_model(client)}
+        names = self.served_names(client)
         if model in self.lora_adapters:
             return model
-        if model is not None and model not in names:
+        if model is not None and model not in names and model != client.model_name:
             raise ApiError(404, f"The model `{model}` does not exist. This server serves "
-                                f"`{self.served_model(client)}`"
-                                + "".join(f", `{a}`" for a in self.lora_adapters) + ".",
+                                + ", ".join(f"`{n}`" for n in (*names, *self.lora_adapters)) + ".",
                                 param="model", code="model_not_found")
-        return self.served_model(client)
+        return names[0]
 
     def lora_name(self, model: str | None) -> str | None:
         """The LoRA adapter a request's `model` names (None: the base model)."""
@@ -178,14 +182,16 @@ class GatewayState:
             raise bad_request(f"n must be in [1, {self.args.max_n}] on this server, got {n}", param="n")
         return n
 
-    @staticmethod
-    def usage_modes(body: OpenAISamplingFields) -> tuple[bool, bool]:
+    def usage_modes(self, body: OpenAISamplingFields) -> tuple[bool, bool]:
         """(a final usage chunk, usage in every chunk) from stream_options, which, as in OpenAI's API and
-        vLLM's, only a streaming request may send."""
+        vLLM's, only a streaming request may send; --enable-force-include-usage streams both whatever the
+        request says (vLLM's should_include_usage: a usage-metering proxy must see every stream's tokens)."""
+        if body.stream_options is not None and not body.stream:
+            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        if self.args.enable_force_include_usage and body.stream:
+            return True, True
         if body.stream_options is None:
             return False, False
-        if not body.stream:
-            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
         return body.stream_options.usage_modes()
 
     # ---- building requests ------------------------------------------------------------------------

@@ -28,6 +28,13 @@ def _serve(*argv: str) -> ServerArgs:
     return server_args(build_parser().parse_args(["serve", "/m", *argv]))
 
 
+def _vllm_serve(*argv: str) -> ServerArgs:
+    """_serve through the argv rewrite `shoal serve` applies first (vllm_argv.py)."""
+    from runtime.vllm_argv import vllm_values
+
+    return server_args(build_parser().parse_args(vllm_values(["serve", "/m", *argv])))
+
+
 class _Lines(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -139,7 +146,6 @@ def test_silent_when_asking_for_vllms_default(logged):
     ("-O7", "-O", "optimization level 0-3"),
     ("--compilation-config {bad", "--compilation-config", "not valid JSON"),
     ("--compilation-config {\"cudagraph_capture_sizes\":[0]}", "--compilation-config", "positive integers"),
-    ("--enable-force-include-usage", "--enable-force-include-usage", "include_usage"),
     ("--disable-sliding-window", "--disable-sliding-window", "--context-length"),
     ("--skip-tokenizer-init", "--skip-tokenizer-init", "needs the tokenizer"),
     ("--speculative-config {\"method\":\"eagle3\",\"model\":\"/e\",\"num_speculative_tokens\":3}",
@@ -258,9 +264,13 @@ def test_site_flags_are_checked_before_start(given, flag, says):
     assert info.value.flag == flag
 
 
-def test_tls_on_ray_is_refused_by_name(cert, capsys):
-    assert main(["serve", "/m", "--use-ray", "--ssl-certfile", str(cert[0]), "--ssl-keyfile", str(cert[1])]) == 2
-    assert "--ssl-certfile: is served by the in-process server" in capsys.readouterr().err
+def test_bad_certificate_on_ray_is_refused_before_ray_starts(capsys):
+    """On Ray the CLI loads the files too (the gateway actor reopens them): a bad one is named at once."""
+    import ray
+
+    assert main(["serve", "/m", "--use-ray", "--ssl-certfile", "/nonexistent.pem"]) == 2
+    assert "--ssl-certfile: cannot load the certificate and key" in capsys.readouterr().err
+    assert not ray.is_initialized()
 
 
 def test_vllm_value_spellings():
@@ -309,19 +319,49 @@ def test_bad_human_max_model_len_exits_2(capsys):
     assert "--max-model-len: must be an integer" in capsys.readouterr().err
 
 
-def test_several_served_model_names_serve_the_first(logged):
+def test_several_served_model_names_are_all_served(logged, tmp_path):
+    """vLLM's `--served-model-name a b c`: a is the name responses carry, b and c are served too
+    (--served-model-aliases); the same from LLM(served_model_name=[...]), Shoal's own flag, or YAML."""
     from runtime.vllm_argv import vllm_values
 
     for argv in (["serve", "/m", "--served-model-name", "a", "b", "c", "--seed", "1"],
-                 ["serve", "--served-model-name", "a", "b", "c", "--model", "/m", "--seed", "1"]):
+                 ["serve", "--served-model-name", "a", "b", "c", "--model", "/m", "--seed", "1"],
+                 ["serve", "/m", "--served-model-name", "a", "--served-model-aliases", "b", "c", "a", "b",
+                  "--random-seed", "1"]):
         args = server_args(build_parser().parse_args(vllm_values(argv)))
-        assert (args.served_model_name, args.model_path, args.random_seed) == ("a", "/m", 1)
-    assert len(logged.messages) == 2 and logged.messages[0].startswith("vLLM's --served-model-name b c: "
-                                                                       "Shoal serves one name, 'a'")
+        assert (args.served_model_name, args.served_model_aliases, args.model_path, args.random_seed) \
+            == ("a", ("b", "c"), "/m", 1)
+    assert logged.messages == []
+    assert _serve("--served-model-name", "a").served_model_aliases is None
+    (tmp_path / "c.yaml").write_text("served-model-name: [a, b]\n")
+    assert _vllm_serve("--config", str(tmp_path / "c.yaml")).served_model_aliases == ("b",)
     # MODEL not named yet: the token after the name is MODEL, as before
     assert vllm_values(["serve", "--served-model-name", "a", "/m"]) == ["serve", "--served-model-name", "a", "/m"]
-    assert translate_vllm_kwargs({"served_model_name": ["x", "y"]}) == {"served_model_name": "x"}
-    assert "vLLM's --served-model-name y" in logged.messages[-1]
+    assert translate_vllm_kwargs({"served_model_name": ["x", "y"]}) == {"served_model_name": "x",
+                                                                        "served_model_aliases": ("y",)}
+    assert translate_vllm_kwargs({"served_model_name": ["x"]}) == {"served_model_name": "x"}
+    assert ServerArgs.from_kwargs(served_model_name=("x", "y", "z")).served_model_aliases == ("y", "z")
+
+
+@pytest.mark.parametrize(("make", "says"), [
+    (lambda: ServerArgs(served_model_aliases=("b",)), "needs --served-model-name"),
+    (lambda: ServerArgs(served_model_name="a", served_model_aliases="b"), "must be a list of names"),
+    (lambda: ServerArgs(served_model_name="a", served_model_aliases=("b", "")), "non-empty string"),
+    (lambda: ServerArgs(served_model_name="a", served_model_aliases=(1,)), "non-empty string"),
+    (lambda: ServerArgs.from_kwargs(served_model_name=["a", "b"], served_model_aliases=["c"]), "not both"),
+    (lambda: _vllm_serve("--served-model-name", "a", "b", "--served-model-aliases", "c"), "not both"),
+])
+def test_bad_served_model_names_are_refused_by_name(make, says):
+    with pytest.raises(ServerArgsError, match=says) as info:
+        make()
+    assert info.value.flag == "--served-model-aliases"
+
+
+def test_force_include_usage_is_a_server_setting():
+    """--enable-force-include-usage (vLLM's flag and Shoal's, its --no- form too) and LLM(...)'s keyword."""
+    assert _serve("--enable-force-include-usage").enable_force_include_usage is True
+    assert _serve("--no-enable-force-include-usage") == _serve()
+    assert ServerArgs.from_kwargs(enable_force_include_usage=True) == ServerArgs(enable_force_include_usage=True)
 
 
 def test_config_yaml_supplies_flags_the_command_line_overrides(tmp_path, logged):
