@@ -189,3 +189,9 @@ def test_dockerfile_installs_shoal_gpu():
             for src in [p for p in ln.split()[1:-1] if not p.startswith("--")]:
                 assert (ROOT / src).exists(), src
     assert "shoal" in next(ln for ln in lines if ln.startswith("CMD"))
+    # The Ray image runs as `ray`, and setuptools writes build/ beside the sources: the WORKDIR must be the
+    # installing user's (a WORKDIR Docker creates is root's; pip then fails with "could not create 'build'").
+    install = next(i for i, ln in enumerate(lines) if '".[gpu]"' in ln)
+    user = next((ln.split()[1] for ln in reversed(lines[:install]) if ln.startswith("USER ")), "ray")
+    workdir = next(ln.split()[1] for ln in reversed(lines[:install]) if ln.startswith("WORKDIR "))
+    assert user == "root" or any(f"chown {user}" in ln and workdir in ln for ln in lines[:install]), (user, workdir)
