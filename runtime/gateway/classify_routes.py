@@ -41,6 +41,9 @@ async def classify(request: web.Request) -> web.Response:
     if sglang and (body.input is not UNSET or body.messages is not UNSET):
         raise bad_request("give input (or messages), vLLM's form, or text / input_ids, SGLang's; not both",
                           param="input")
+    if sglang and body.request_id is not None:  # /encode's answer is named by SGLang's rid, never request_id
+        raise bad_request("request_id goes with input / messages, vLLM's form; SGLang's names its request by rid",
+                          param="request_id")
     if sglang:
         return await native_routes.encode_request(request)  # reads the same body as SGLang's EncodeRequest
     for name, value in (("dimensions", body.dimensions), ("encoding_format", body.encoding_format),
@@ -51,7 +54,7 @@ async def classify(request: web.Request) -> web.Response:
         raise bad_request("use_activation and activation (its older name) disagree", param="use_activation")
     activate = next((v for v in (body.use_activation, body.activation) if v is not None), pooling.use_activation)
     ids = [truncate_tokens(x, body.truncate_prompt_tokens, client.context_len) for x in token_inputs(client, body)]
-    base = state.new_id("classify")
+    base = state.new_id("classify", request_id=body.request_id)
     reqs = embedding_requests(client, [f"{base}-{i}" for i in range(len(ids))], ids, cache_salt=body.cache_salt)
     all_logits = await run_admitted(state, client, base, reqs, arrival)
     data = []

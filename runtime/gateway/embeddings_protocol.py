@@ -10,12 +10,12 @@ from typing import Any
 
 from msgspec import UNSET, Struct, UnsetType
 
-from runtime.gateway.protocol import Int64
+from runtime.gateway.protocol import Int64, NamedRequest
 
 ENCODING_FORMATS = ("float", "base64")
 
 
-class PoolingBody(Struct, kw_only=True):
+class PoolingBody(NamedRequest, kw_only=True):
     """What /v1/embeddings, /pooling and /classify read alike: the inputs and how they become tokens."""
 
     # str | list[str] | list[int] | list[list[int]]: one union msgspec cannot decode (several array

@@ -221,7 +221,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         params = msgspec.structs.replace(params, skip_special_tokens=False)
     params, reasoning, reasoning_done = constrain(client.tokenizer, opening, params, constraint,
                                                   state.args.reasoning_parser)
-    base = state.new_id("chatcmpl")
+    base = state.new_id("chatcmpl", request_id=body.request_id)
     reqs = state.choice_requests(client, base, [ids], params, n, return_input_logprob=prompt_lp is not None,
                                  input_top_logprobs_num=prompt_lp or 0, lora_name=request_lora(state, body),
                                  cache_salt=body.cache_salt)

@@ -106,7 +106,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         params = msgspec.structs.replace(params, include_stop_str_in_output=True)
     if constraint is not None:
         params = constraint.apply(params)
-    base = state.new_id("cmpl")
+    base = state.new_id("cmpl", request_id=body.request_id)
     echo_lp = want_lp and bool(body.echo)
     if prompt_lp is None and echo_lp and not body.stream:
         prompt_lp = body.logprobs  # vLLM's default: echo's logprobs N are the prompt's too

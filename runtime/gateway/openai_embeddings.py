@@ -88,7 +88,7 @@ async def _pooled(request: web.Request, prefix: str) -> tuple[str, str, list[lis
     pooling.check_dimensions(body.dimensions)
     normalize = pooling.normalize_for(body.normalize, body.use_activation)
     ids = [truncate_tokens(x, body.truncate_prompt_tokens, client.context_len) for x in token_inputs(client, body)]
-    base = state.new_id(prefix)
+    base = state.new_id(prefix, request_id=body.request_id)
     reqs = embedding_requests(client, [f"{base}-{i}" for i in range(len(ids))], ids, cache_salt=body.cache_salt)
     vectors = await run_admitted(state, client, base, reqs, arrival)
     return (base, model, [_encoded(pooling.shorten(v, body.dimensions, normalize), fmt) for v in vectors],

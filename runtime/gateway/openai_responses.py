@@ -120,7 +120,9 @@ async def responses(request: web.Request) -> web.StreamResponse:
         params = msgspec.structs.replace(params, include_stop_str_in_output=True)
     params, reasoning, reasoning_done = constrain(client.tokenizer, opening, params, constraint,
                                                   state.args.reasoning_parser)
-    base = state.new_id("resp", "_")  # OpenAI's resp_<id> (X-Request-Id names it, as on the other routes)
+    # OpenAI's resp_<id>, named by X-Request-Id or request_id as on the other routes; a request_id already
+    # resp_<...> is the id as sent, as vLLM answers with it
+    base = state.new_id("resp", "_", body.request_id, as_sent=True)
     reqs = with_priority(state, client, state.choice_requests(client, base, [ids], params, 1, lora_name=lora,
                                                               cache_salt=body.cache_salt), body.priority)
     if constraint is not None:

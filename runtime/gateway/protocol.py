@@ -79,7 +79,14 @@ class StructuredOutputs(Struct, kw_only=True):
     structural_tag: str | None = None  # not supported: a 400
 
 
-class OpenAISamplingFields(Struct, kw_only=True):
+class NamedRequest(Struct, kw_only=True):
+    """vLLM's request_id, on every body a response id comes from (chat, completions, /v1/responses, embeddings,
+    /pooling, /classify): the response is named by it as by X-Request-Id, which goes first (request_ids.py)."""
+
+    request_id: str | None = None  # null: none sent (a random id); "" or a non-string: a 400 naming it
+
+
+class OpenAISamplingFields(NamedRequest, kw_only=True):
     """The fields /v1/completions and /v1/chat/completions share (GatewayState.sampling_params reads them)."""
 
     model: str | None = None

@@ -11,7 +11,7 @@ from typing import Any
 
 from msgspec import Struct
 
-from runtime.gateway.protocol import ChatTokenLogprob, ErrorInfo, Int64, StructuredOutputs
+from runtime.gateway.protocol import ChatTokenLogprob, ErrorInfo, Int64, NamedRequest, StructuredOutputs
 
 # ---- the request ---------------------------------------------------------------------------------
 
@@ -30,7 +30,7 @@ class ResponsesReasoning(Struct, kw_only=True):
     generate_summary: str | None = None
 
 
-class ResponsesRequest(Struct, kw_only=True):
+class ResponsesRequest(NamedRequest, kw_only=True):
     model: str | None = None
     input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None

@@ -2,15 +2,8 @@
 provider that returns it once loaded), the metrics, and the rids of requests in flight (so
 /abort_request can name a whole n>1 request by its response id).
 
-X-Request-Id, as vLLM takes it: a request that sends the header is named by it — new_id(prefix) gives
-"<prefix>-<header>" (chatcmpl-<id>, cmpl-<id>, gen-<id>, ...; its choices' rids add -<k> as always) rather
-than a random id — and /abort_request finds it by either. Where that id could clash with an engine rid still
-in use (the same header in flight or dropped less than RETIRED_ID_S ago, whose abort the engine has yet to
-take; or a lookalike such as "x-0" beside "x" with n=2, whose choices are x-0 and x-1), the request gets
-"<prefix>-<header>-<8 hex>": every response id names one request, so aborting by it never stops another
-(vLLM now keeps the client's id as the response id and makes only its engine ids unique). Not a 400: a
-proxy that retries a timed-out attempt sends the same X-Request-Id while the first may still be running.
-An empty header counts as none. The middleware (app.py) opens request_scope around each handler."""
+Response ids named by the client (X-Request-Id, or the body's request_id) are request_ids.py's: new_id,
+request_scope and rids_of hand over to it."""
 
 from __future__ import annotations
 
@@ -19,10 +12,8 @@ import hashlib
 import importlib.metadata
 import re
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import msgspec
@@ -39,6 +30,7 @@ from runtime.gateway.errors import ApiError, bad_request, from_shoal_error
 from runtime.gateway.ignored_fields import IgnoredFields
 from runtime.gateway.metrics import GatewayMetrics
 from runtime.gateway.protocol import OpenAISamplingFields
+from runtime.gateway.request_ids import RequestIds
 from runtime.gateway.ttft_trace import TtftTrace
 from runtime.messages import GenerateRequest
 from runtime.sampling.generation_defaults import GenerationDefaults
@@ -50,30 +42,6 @@ ClientProvider = Callable[[], EngineClient | None]
 _TOKEN_ID = re.compile(r"-?[0-9]+")
 # Our SamplingParams names → the OpenAI request field a user wrote, for error messages.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs_num": "logprobs"}
-# X-Request-Id: visible ASCII, bounded (it is repeated in every chunk of a stream, and echoed as a header).
-RETIRED_ID_S = 30.0  # an X-Request-Id stays taken this long after its handler returned (_clashes)
-_REQUEST_ID_FORM = re.compile(r"[\x21-\x7e]{1,256}")
-
-
-def _choice_of(rid: str, base: str) -> bool:
-    """Whether rid is the rid of a choice of base: base-<k>."""
-    return rid.startswith(base) and rid[len(base):len(base) + 1] == "-" and rid[len(base) + 1:].isdigit()
-
-
-class _RequestIds:
-    """One HTTP request's X-Request-Id (None: not sent) and the ids new_id made from it."""
-
-    __slots__ = ("header", "made", "closed")
-
-    def __init__(self, header: str | None):
-        self.header = header or None  # an empty header is none, as an absent one
-        self.made: list[str] = []
-        self.closed = False  # the handler returned: a task it left behind gets random ids (nothing releases them)
-
-
-# The handler's own request (aiohttp runs each in its task, so each sees its own): a ContextVar is made once,
-# at import, as Python asks, and holds nothing between requests.
-_CURRENT: ContextVar[_RequestIds | None] = ContextVar("shoal_request_ids", default=None)
 
 
 @functools.cache
@@ -101,8 +69,7 @@ class GatewayState:
         self.created = int(time.time())
         self.shutting_down = False
         self.inflight: dict[str, list[str]] = {}  # response id → rids of its choices
-        self.named_ids: dict[str, str] = {}  # an id new_id made from X-Request-Id → that header, while its handler runs
-        self._retired: dict[str, float] = {}  # such an id whose handler returned → until when it stays taken
+        self.ids = RequestIds(self.inflight)  # the response ids clients named
         self.active = 0  # choices in flight, against --max-concurrent-requests
         self._sampling_defaults: GenerationDefaults | None = None  # sampling_defaults() reads them once
 
@@ -249,56 +216,17 @@ class GatewayState:
             raise bad_request(message, param=param) from None
         return params
 
-    @contextmanager
-    def request_scope(self, request_id: str | None) -> Iterator[None]:
-        """Around one handler: new_id names its ids by request_id (the X-Request-Id header, None: not sent)."""
-        ids = _RequestIds(request_id)
-        token = _CURRENT.set(ids)
-        try:
-            yield
-        finally:
-            _CURRENT.reset(token)
-            ids.closed = True
-            retire = time.monotonic() + RETIRED_ID_S
-            for made in ids.made:
-                self.named_ids.pop(made, None)
-                self._retired[made] = retire
+    def request_scope(self, header: str | None) -> AbstractContextManager[None]:
+        """Around one handler (app.py's middleware): header is its X-Request-Id (None: not sent)."""
+        return self.ids.scope(header)
 
-    def new_id(self, prefix: str, sep: str = "-") -> str:
-        """A response id: "<prefix><sep><X-Request-Id>" where the request sent one (a 400 naming the header if
-        it is not 1-256 visible ASCII characters), suffixed where it would clash; else a random one."""
-        ids = _CURRENT.get()
-        if ids is None or ids.header is None or ids.closed:
-            return f"{prefix}{sep}{uuid.uuid4().hex}"
-        if not _REQUEST_ID_FORM.fullmatch(ids.header):
-            raise bad_request("the X-Request-Id header must be 1-256 visible ASCII characters (no spaces)",
-                              param="X-Request-Id")
-        rid = f"{prefix}{sep}{ids.header}"
-        while self._clashes(rid):
-            rid = f"{prefix}{sep}{ids.header}-{uuid.uuid4().hex[:8]}"
-        self.named_ids[rid] = ids.header
-        ids.made.append(rid)
-        return rid
-
-    def _clashes(self, rid: str) -> bool:
-        """Whether rid, or a choice's rid made from it (rid-<k>), could equal an engine rid still in use: a
-        named id in flight, or one whose handler returned less than RETIRED_ID_S ago (a client that dropped
-        its connection: the engine frees the rids at its next step), or an id that is one of these plus -<k>
-        or the other way round (X-Request-Id "x-0" beside "x" with n=2). Only header ids are scanned: random
-        ones cannot clash. (A suffix of digits only would look like a choice: drawn again.)"""
-        now = time.monotonic()
-        while self._retired and next(iter(self._retired.values())) < now:  # oldest first (insertion order)
-            del self._retired[next(iter(self._retired))]
-        return any(live == rid or _choice_of(live, rid) or _choice_of(rid, live)
-                   for live in (*self.named_ids, *self._retired, *self.inflight))
+    def new_id(self, prefix: str, sep: str = "-", request_id: str | None = None, as_sent: bool = False) -> str:
+        """A response id: "<prefix><sep><X-Request-Id or the body's request_id>" or a random one (RequestIds)."""
+        return self.ids.new_id(prefix, sep, request_id, as_sent)
 
     def rids_of(self, rid: str) -> list[str]:
-        """What /abort_request stops for rid: the choices of the response it names, or of every request in
-        flight that sent it as X-Request-Id; else rid itself (one engine request's own rid)."""
-        if rid in self.inflight:
-            return self.inflight[rid]
-        named = [r for made, header in self.named_ids.items() if header == rid for r in self.inflight.get(made, ())]
-        return named or [rid]
+        """What /abort_request stops for rid: a response id's choices, a client id's requests, or rid itself."""
+        return self.ids.rids_of(rid)
 
     def choice_requests(self, client: EngineClient, base_id: str, prompts: list[list[int]],
                         params: SamplingParams, n: int, return_input_logprob: bool = False,

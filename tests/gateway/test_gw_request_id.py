@@ -97,7 +97,7 @@ def test_duplicates_in_flight_are_told_apart_and_aborted(gw_url, gw_server, gw_e
     second.join(10)
     status, echoed, r = results["second"]
     assert (status, echoed, r["id"], r["choices"][0]["finish_reason"]) == (200, "dup", other, "abort")
-    assert not state.inflight and not state.named_ids  # released with their handlers
+    assert not state.inflight and not state.ids.named  # released with their handlers
     status, _, r = _post(gw_url + "/v1/completions", {"prompt": "a", **SHORT}, "dup")
     assert r["id"] == "cmpl-dup"
 
