@@ -33,7 +33,8 @@ class GatewayActor:
         from runtime.gateway.http_site import open_site
         from runtime.gateway.server import serve_in_thread
 
-        site = open_site(self.site)  # before the replicas load: a bad file fails in a second, not minutes
+        # before the replicas load: a bad file fails in a second, not minutes; no terminal to ask a passphrase
+        site = open_site(self.site, interactive=False)
         # Ray is up inside an actor: this joins the actor's cluster.
         self.client = create_ray_engine_client(self.args, cluster_fixed=self.cluster_fixed)
         try:

@@ -39,7 +39,6 @@ class SiteSpec(msgspec.Struct, frozen=True, kw_only=True):
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int | None = None  # uvicorn's ints: ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED
     root_path: str = ""
-    flag: str | None = None  # the first of these flags given, to name where they cannot be honoured
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,14 +49,6 @@ class HttpSite:
     @property
     def root_path(self) -> str:
         return self.spec.root_path
-
-    @property
-    def flag(self) -> str | None:
-        return self.spec.flag
-
-    @property
-    def is_plain(self) -> bool:
-        return self.spec.flag is None
 
     @property
     def scheme(self) -> str:
@@ -93,18 +84,26 @@ def site_spec(ns: argparse.Namespace) -> SiteSpec:
         if stray is not None:
             raise ServerArgsError("--" + stray.replace("_", "-"), "needs --ssl-certfile (the server's certificate)")
     return SiteSpec(ssl_certfile=_absolute(ns.ssl_certfile), ssl_keyfile=_absolute(ns.ssl_keyfile),
-                    ssl_ca_certs=_absolute(ns.ssl_ca_certs), ssl_cert_reqs=ns.ssl_cert_reqs, root_path=_root_path(ns.root_path),
-                    flag="--" + given[0].replace("_", "-"))
+                    ssl_ca_certs=_absolute(ns.ssl_ca_certs), ssl_cert_reqs=ns.ssl_cert_reqs, root_path=_root_path(ns.root_path))
 
 
-def open_site(spec: SiteSpec) -> HttpSite:
+def open_site(spec: SiteSpec, interactive: bool = True) -> HttpSite:
     """Loads spec's certificate, key and CA file from this machine; a file that does not load (or a
-    --ssl-cert-reqs outside 0..2) is a ServerArgsError naming its flag."""
+    --ssl-cert-reqs outside 0..2, or a spec built in Python with a bad root path) is a ServerArgsError naming
+    its flag. interactive False (the Ray gateway actor, no terminal): an encrypted key is refused by name
+    rather than prompting for its passphrase where nobody can answer."""
+    if _root_path(spec.root_path or None) != spec.root_path:  # a SiteSpec made in Python, not by site_spec
+        raise ServerArgsError("--root-path", f"must be '' or '/prefix' without a trailing '/', got {spec.root_path!r}")
+    for name in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"):
+        if not isinstance(getattr(spec, name), str | None):
+            raise ServerArgsError("--" + name.replace("_", "-"), f"must be a path, got {getattr(spec, name)!r}")
     if spec.ssl_certfile is None:
         return HttpSite(spec)
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
-        context.load_cert_chain(spec.ssl_certfile, spec.ssl_keyfile)
+        context.load_cert_chain(spec.ssl_certfile, spec.ssl_keyfile, password=None if interactive else _no_passphrase)
+    except ServerArgsError:
+        raise
     except (OSError, ssl.SSLError) as e:
         raise ServerArgsError("--ssl-certfile", f"cannot load the certificate and key: {e}") from None
     if spec.ssl_ca_certs is not None:
@@ -118,6 +117,11 @@ def open_site(spec: SiteSpec) -> HttpSite:
         except ValueError:
             raise ServerArgsError("--ssl-cert-reqs", f"must be 0, 1 or 2, got {spec.ssl_cert_reqs!r}") from None
     return HttpSite(spec, context)
+
+
+def _no_passphrase() -> str:
+    raise ServerArgsError("--ssl-keyfile", "is encrypted; the Ray gateway actor cannot ask for its passphrase "
+                                           "(give a key without one, or serve in process)")
 
 
 def _absolute(path: str | None) -> str | None:

@@ -58,14 +58,33 @@ def test_site_spec_crosses_and_reopens(cert, monkeypatch, tmp_path):
     monkeypatch.chdir(certfile.parent)
     spec = site_spec(_ns(ssl_certfile="cert.pem", ssl_keyfile="key.pem", ssl_cert_reqs=0, root_path="/api/"))
     assert spec == SiteSpec(ssl_certfile=str(certfile), ssl_keyfile=str(keyfile), ssl_cert_reqs=0,
-                            root_path="/api", flag="--ssl-certfile")
+                            root_path="/api")
     assert pickle.loads(pickle.dumps(spec)) == spec
     site = open_site(spec)
-    assert (site.scheme, site.root_path, site.flag, site.spec) == ("https", "/api", "--ssl-certfile", spec)
-    assert site_spec(_ns()) == SiteSpec() and http_site(_ns()).is_plain
+    assert (site.scheme, site.root_path, site.spec) == ("https", "/api", spec)
+    assert site_spec(_ns()) == SiteSpec() and http_site(_ns()).ssl_context is None
     with pytest.raises(ServerArgsError, match="must be 0, 1 or 2") as info:
         open_site(SiteSpec(ssl_certfile=str(certfile), ssl_keyfile=str(keyfile), ssl_cert_reqs=7))
     assert info.value.flag == "--ssl-cert-reqs"
+    for bad in ("api", "/api/"):  # a spec built in Python is checked as the flag is
+        with pytest.raises(ServerArgsError, match="must start with|without a trailing") as info:
+            open_site(SiteSpec(root_path=bad))
+        assert info.value.flag == "--root-path"
+    with pytest.raises(ServerArgsError, match="must be a path") as info:
+        open_site(SiteSpec(ssl_certfile=5))  # type: ignore[arg-type]
+    assert info.value.flag == "--ssl-certfile"
+
+
+def test_an_encrypted_key_is_refused_where_no_one_can_type_its_passphrase(cert, tmp_path):
+    """The gateway actor opens the files with no terminal: an encrypted key is named, not a prompt that hangs."""
+    certfile, keyfile = cert
+    locked = tmp_path / "locked.pem"
+    subprocess.run(["openssl", "pkey", "-in", str(keyfile), "-aes256", "-passout", "pass:secret", "-out", str(locked)],
+                   check=True, capture_output=True)
+    spec = SiteSpec(ssl_certfile=str(certfile), ssl_keyfile=str(locked))
+    with pytest.raises(ServerArgsError, match="is encrypted; the Ray gateway actor cannot ask") as info:
+        open_site(spec, interactive=False)
+    assert info.value.flag == "--ssl-keyfile"
 
 
 @pytest.mark.ray
@@ -75,7 +94,7 @@ def test_gateway_actor_with_a_certificate_it_cannot_load_says_which(ray_local, t
     from runtime.errors import EngineUnavailableError
 
     args = ServerArgs(model_path=str(tiny_llama), use_ray=True, device="cpu", max_total_tokens=1024)
-    missing = SiteSpec(ssl_certfile=str(tmp_path / "gone.pem"), flag="--ssl-certfile")
+    missing = SiteSpec(ssl_certfile=str(tmp_path / "gone.pem"))
     t0 = time.monotonic()
     with pytest.raises(EngineUnavailableError, match="ServerArgsError: --ssl-certfile: cannot load the certificate"):
         launch_gateway_actor(args, port=0, site=missing)
