@@ -11,6 +11,7 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 from runtime.config import ServerArgs
 from runtime.distributed.step_channel import StepChannel, create_step_channel
@@ -22,11 +23,15 @@ COLLECTIVE_TIMEOUT_S = 120
 
 
 def local_model_path(args: ServerArgs, model_path: str) -> str:
-    """The folder this rank loads. The launcher resolved the embedded default model (no --model-path) in its
-    own node's cache, which another node may lack: there each rank finds or builds it in its node's cache
-    (the build is file-locked, so a node's ranks share one)."""
+    """The folder this rank loads. The launcher resolved the embedded default model (no --model-path), or a
+    Hub repo id's snapshot, in its own node's cache, which another node may lack or keep elsewhere: there each
+    rank finds it in its node's cache (the default model's build is file-locked, so a node's ranks share one)."""
     if args.model_path is not None:
-        return model_path
+        from runtime.hf_cache import HfCache, looks_like_repo_id
+
+        if Path(model_path).exists() or not looks_like_repo_id(args.model_path):
+            return model_path
+        return str(HfCache.from_env().resolve(args.model_path, None, "--model-path"))
     from runtime.default_model import ensure_default_model
 
     return str(ensure_default_model())

@@ -141,3 +141,19 @@ def test_hf_hub_cache_names_the_cache_over_hf_home(hf_home, tmp_path, monkeypatc
     monkeypatch.delenv("HF_HOME")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert HfCache.from_env().root == tmp_path / "huggingface" / "hub"
+
+
+def test_each_ray_node_finds_the_repo_in_its_own_cache(hf_home, tmp_path):
+    """A TP rank on another node gets the launcher's snapshot path, which its own cache may lack: it looks the
+    repo id up again there; a path that exists, or a local folder given as one, is taken as sent."""
+    from runtime.cluster.tp_rank import local_model_path
+
+    snapshot = hf_home / "hub" / "models--Org--Tiny" / "snapshots" / COMMIT
+    args = ServerArgs(model_path=REPO)
+    assert local_model_path(args, str(tmp_path / "launcher-node" / "snapshot")) == str(snapshot)
+    assert local_model_path(args, str(snapshot)) == str(snapshot)
+    folder = ServerArgs(model_path=str(tmp_path))
+    assert local_model_path(folder, str(tmp_path)) == str(tmp_path)
+    with pytest.raises(ServerArgsError) as e:
+        local_model_path(ServerArgs(model_path="Org/Absent"), "/elsewhere/snapshot")
+    assert e.value.flag == "--model-path"
