@@ -19,6 +19,7 @@ import torch
 from runtime.config import ServerArgs
 from runtime.default_model import resolve_model
 from runtime.engine_admin import EngineAdmin
+from runtime.engine_client import EngineHealth
 from runtime.errors import EngineUnavailableError, InvalidRequestError, ServerArgsError
 from runtime.logging_setup import setup_logging
 from runtime.lora.engine_lora import EngineLora
@@ -81,6 +82,9 @@ class Engine(EngineLora, EngineAdmin, EngineEmbeddings):  # an EngineClient; run
 
     def is_ready(self) -> bool:
         return self.host.is_running()
+
+    def health(self) -> EngineHealth:
+        return self.host.health()  # unhealthy for good once its steps keep failing (runtime/managers/step_health.py)
 
     def validate(self, req: GenerateRequest) -> GenerateRequest:
         return self.host.validate(self.check_task(req))

@@ -7,6 +7,8 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from runtime.admin_messages import (
     AdminReply,
     DistributedWeights,
@@ -16,11 +18,32 @@ from runtime.admin_messages import (
     WeightSyncInit,
     WeightUpdate,
 )
-from runtime.errors import InvalidRequestError
+from runtime.errors import EngineUnavailableError, InvalidRequestError
 from runtime.messages import GenerateRequest, RequestOutput, RoutingStats, SchedulerStats
 
 if TYPE_CHECKING:
     from runtime.text.pooling_config import PoolingConfig
+
+
+class EngineHealth(msgspec.Struct, frozen=True, kw_only=True):
+    """Whether the engine can serve (GET /health: 200, or 503 with `reason`). Read `healthy`: a Struct is
+    always truthy."""
+
+    healthy: bool = True
+    reason: str | None = None  # why not, when not
+
+
+class EngineUnhealthyError(EngineUnavailableError):
+    """A request refused because the engine is unhealthy (the gateway's 503): its steps keep failing, or met
+    a device error no step recovers from (runtime/managers/step_health.py); only a restart (on Ray: the
+    replica's relaunch) clears it."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"the engine is unhealthy: {reason}")
+        self.reason = reason
+
+    def __reduce__(self):  # pickled across Ray actors: rebuilt from the reason, not the message
+        return type(self), (self.reason,)
 
 
 class EngineClient(ABC):
@@ -38,6 +61,12 @@ class EngineClient(ABC):
     @abstractmethod
     def is_ready(self) -> bool:
         """False while starting or shutting down (the gateway answers 503)."""
+
+    def health(self) -> EngineHealth:
+        """Whether the engine can still serve, asked even when not ready (GET /health answers 503 with the
+        reason when not, so a liveness probe restarts a server whose every step fails). Never waits: the
+        gateway's event loop calls it. A client that cannot tell is healthy."""
+        return EngineHealth()
 
     @abstractmethod
     def validate(self, req: GenerateRequest) -> GenerateRequest:

@@ -26,6 +26,7 @@ from runtime.cluster.live_stream import LiveStream, pin_seed
 from runtime.cluster.ray_admin_client import RayAdminClient
 from runtime.cluster.ray_lora_client import RayLoraClient
 from runtime.cluster.replica_group import ReplicaGroup
+from runtime.cluster.replica_health import ReplicaHealth
 from runtime.cluster.replica_links import ReplicaLinks
 from runtime.cluster.request_link import RequestLink
 from runtime.cluster.routing import CacheAware, ReplicaLoad, create_routing_policy
@@ -43,7 +44,7 @@ from runtime.text.pooling_config import PoolingConfig
 logger = logging.getLogger(__name__)
 
 
-class RayEngineClient(RayLoraClient, RayAdminClient, EngineClient):  # run-time LoRA, operator calls
+class RayEngineClient(ReplicaHealth, RayLoraClient, RayAdminClient, EngineClient):  # health, LoRA, operator calls
     def __init__(self, args: ServerArgs, launcher: Any, groups: list[ReplicaGroup], tokenizer: Any,
                  model_name: str, *, health_interval_s: float = 1.0, health_timeout_s: float = 10.0,
                  owns_ray: bool = False):
@@ -79,6 +80,7 @@ class RayEngineClient(RayLoraClient, RayAdminClient, EngineClient):  # run-time 
         self._thread = threading.Thread(target=self._loop.run_forever, name="shoal-ray-client", daemon=True)
         self._thread.start()
         self._tasks: set[asyncio.Future] = set()
+        self._init_health()
         self._init_loras()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result()
 
@@ -185,14 +187,6 @@ class RayEngineClient(RayLoraClient, RayAdminClient, EngineClient):  # run-time 
     def replica_stats_sync(self) -> list[SchedulerStats | None]:
         return asyncio.run_coroutine_threadsafe(self.replica_stats(), self._loop).result()
 
-    def wait_until_healthy(self, timeout_s: float = 120.0) -> None:
-        """Blocks until every replica is alive again (after a relaunch)."""
-        deadline = time.monotonic() + timeout_s
-        while not all(r.alive for r in self.replicas):
-            if time.monotonic() > deadline:
-                raise EngineUnavailableError(f"replicas still down after {timeout_s:.0f} s")
-            time.sleep(0.1)
-
     def _actor(self, i: int) -> Any:
         group = self.groups[self._target_group[i]]
         return group.schedulers[i - self._first_target(group.index)]
@@ -255,37 +249,6 @@ class RayEngineClient(RayLoraClient, RayAdminClient, EngineClient):  # run-time 
                 self._on_failure(gi, generation, f"replica {gi} failed: {poll.error}")
                 return
 
-    async def _health_loop(self) -> None:
-        while not self._closing:
-            await asyncio.sleep(self.health_interval_s)
-            for g in list(self.groups):
-                if g.index in self._restarting:
-                    continue
-                for i in self._targets_of(g.index):
-                    await self._check_target(i, g.generation)
-
-    async def _check_target(self, i: int, generation: int) -> None:
-        gi = self._target_group[i]
-        try:  # liveness: the actor answers on its event loop even while a long step runs
-            healthy = await asyncio.wait_for(self._actor(i).health.remote(), self.health_timeout_s)
-        except Exception as e:
-            if not self._closing:
-                self._on_failure(gi, generation, self._failure_message(gi, e))
-            return
-        if not healthy:
-            self._on_failure(gi, generation, f"replica {gi} failed its health check")
-            return
-        try:  # load: waits for the step in progress; a slow answer keeps the last known load
-            stats = await asyncio.wait_for(self._actor(i).stats.remote(), self.health_timeout_s)
-        except Exception:
-            return
-        self.replicas[i].load = stats.num_used_tokens + stats.waiting_tokens
-
-    @staticmethod
-    def _failure_message(gi: int, e: BaseException) -> str:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return f"replica {gi} is down: {type(e).__name__}" + (f": {first}" if first else "")
-
     def _on_failure(self, gi: int, generation: int, message: str) -> None:
         """On the client loop: route around the group, relaunch it in the background, and move each of
         its in-flight requests (of that generation) to a live replica."""
@@ -295,6 +258,7 @@ class RayEngineClient(RayLoraClient, RayAdminClient, EngineClient):  # run-time 
         targets = set(self._targets_of(gi))
         if group.generation == generation and gi not in self._restarting:
             logger.error("%s; relaunching it", message)
+            self._mark_down(gi, message)
             self._restarting.add(gi)
             for i in targets:
                 self.replicas[i].alive = False
@@ -360,6 +324,7 @@ class RayEngineClient(RayLoraClient, RayAdminClient, EngineClient):  # run-time 
         await self._start_pumps(new)  # links first: a routed request is sent over its target's link
         await self._restore_pause(gi, new)  # paused as the others are, its LoRA adapters, then live (RayAdminClient)
         if self.groups[gi] is new and gi not in self._restarting:  # unless it failed again meanwhile
+            self._mark_up(gi)
             for i in self._targets_of(gi):
                 self.replicas[i].alive = True
         logger.info("replica %d is back (generation %d)", gi, new.generation)

@@ -10,7 +10,7 @@ requests stream. A client without a link (--disable-request-link) calls `submit(
 
 A watcher thread awaits the other ranks' follow loops: a rank that dies or fails ends the replica's
 requests with an error naming it, and every later answer says unhealthy (the client then relaunches the
-replica)."""
+replica). So does a scheduler whose steps keep failing or met a dead device (StepHealth), with its reason."""
 
 from __future__ import annotations
 
@@ -138,7 +138,16 @@ class SchedulerActor(ReplicaRanks):  # the weight loads and sleeps of all its TP
         return self.name
 
     def healthy(self) -> bool:
-        return self.failed is None and self.host is not None and self.host.is_running()
+        return self.down_reason() is None
+
+    def down_reason(self) -> str | None:
+        """Why this replica cannot serve, None while it can: a TP rank failed, the scheduler stopped, or its
+        steps keep failing or met a dead device (SchedulerHost.health): the client then relaunches it."""
+        if self.failed is not None:
+            return str(self.failed)
+        if self.host is None or not self.host.is_running():
+            return f"{self.name}'s scheduler is not running"
+        return self.host.health().reason
 
     def link_address(self) -> tuple[str, int]:
         """Where clients open their links (LinkServer)."""
@@ -192,11 +201,11 @@ class SchedulerActor(ReplicaRanks):  # the weight loads and sleeps of all its TP
         """Any thread: the consumer's deltas (those given, or all pending), health, and cache changes."""
         if outputs is None:
             outputs = self._take(consumer)
-        healthy = self.healthy()
+        error = self.down_reason()
+        healthy = error is None
         if not healthy:
             self._fail_unstarted()
             outputs += self._take(consumer)
-        error = None if healthy else str(self.failed) if self.failed else "scheduler stopped"
         # Read after the outputs: a finished request's prefix is in the log before its last delta.
         cache = self.cache_events.since(cache_seq) if cache_seq is not None and self.cache_events else None
         now = time.perf_counter()
@@ -325,7 +334,7 @@ class SchedulerActor(ReplicaRanks):  # the weight loads and sleeps of all its TP
                 self._error_out([rid], consumer)
 
     def _error_out(self, rids: list[str], consumer: str) -> None:
-        message = str(self.failed) if self.failed else f"{self.name} is not serving"
+        message = self.down_reason() or f"{self.name} is not serving"
         with self._lock:
             self._pending.setdefault(consumer, []).extend(
                 RequestOutput(rid=rid, new_token_ids=[], finished=True,

@@ -22,6 +22,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from runtime.engine_client import EngineHealth
 from runtime.errors import InvalidRequestError, ShoalError
 from runtime.gateway.body import read_body
 from runtime.gateway.choice_state import ChoiceState
@@ -41,7 +42,7 @@ from runtime.gateway.protocol import (
     ModelList,
     encode,
 )
-from runtime.gateway.state import STATE_KEY
+from runtime.gateway.state import STATE_KEY, GatewayState
 from runtime.messages import GenerateRequest, RequestOutput
 from runtime.sampling.params import SamplingParams
 
@@ -240,7 +241,13 @@ async def abort_request(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 while the engine serves; 503 {"status": "unhealthy", "reason"} once it cannot (EngineClient.health: its
+    steps keep failing or met a dead device, as vLLM's /health after EngineDeadError; on Ray, no replica left to
+    serve), so a liveness probe restarts the server; 503 engine_not_ready while it starts or shuts down."""
     state = request.app[STATE_KEY]
+    down = _unhealthy(state)
+    if down is not None:
+        return _json({"status": "unhealthy", "reason": down.reason}, status=503)
     client = state.current_client()
     if client is None:
         raise ApiError(503, "not ready: the engine is starting or shutting down", code="engine_not_ready")
@@ -254,11 +261,29 @@ async def health(request: web.Request) -> web.Response:
     return _json({"status": status, "replicas_up": up, "replicas": len(routing.alive)})
 
 
+def _unhealthy(state: GatewayState) -> EngineHealth | None:
+    """The engine's health when it says it cannot serve, asked even when it is not ready (on Ray, not ready
+    means no replica is live: the reason says why); None while it can, loads, or shuts down."""
+    client = None if state.shutting_down else state.provider()
+    if client is None:
+        return None
+    try:
+        health = client.health()
+    except Exception:  # cannot tell: readiness decides (a false 503 would have a probe restart a good server)
+        logger.warning("could not read the engine's health", exc_info=True)
+        return None
+    return None if health.healthy else health
+
+
 async def health_generate(request: web.Request) -> web.Response:
-    """Ready and able to generate: runs one greedy token. While generation is paused (/pause_generation) a
-    probe would wait for /continue_generation, so it answers 200 without one, as SGLang's: a paused engine is
-    healthy (its body says paused)."""
+    """Ready and able to generate: runs one greedy token (an unhealthy engine answers 503 with its reason
+    without one). While generation is paused (/pause_generation) a probe would wait for
+    /continue_generation, so it answers 200 without one, as SGLang's: a paused engine is healthy (its body
+    says paused)."""
     state = request.app[STATE_KEY]
+    down = _unhealthy(state)
+    if down is not None:
+        raise ApiError(503, f"generation check failed: the engine is unhealthy: {down.reason}", code="unhealthy")
     client = state.client()
     paused = await _paused_replicas(client)
     if paused:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from runtime.config import ServerArgs
-from runtime.errors import InvalidRequestError
+from runtime.errors import EngineUnavailableError, InvalidRequestError
 from runtime.lora.lora_registry import LoraRegistry
 from runtime.managers.grammar_manager import GrammarManager
 from runtime.managers.kv_cache_manager import KVCacheManager
@@ -23,8 +23,10 @@ from runtime.managers.request_validation import RequestLimits, validate_request
 from runtime.managers.retract import Retractor
 from runtime.managers.rid_ledger import RidLedger
 from runtime.managers.schedule_batch import ScheduleBatch
+from runtime.managers.scheduler_stats import scheduler_stats
 from runtime.managers.spec_decoding import SpecDecoding
 from runtime.managers.stats import ForwardModeStats
+from runtime.managers.step_health import StepHealth
 from runtime.managers.token_intake import TokenIntake
 from runtime.managers.worker_client import WorkerClient
 from runtime.mem_cache.cache_event_log import CacheEventLog
@@ -78,12 +80,14 @@ class Scheduler:
                         and not args.is_embedding)
         self.pending: tuple[ScheduleBatch, object] | None = None
         self._defer_grammar = getattr(worker, "can_defer_sampling", False)
+        self.health = StepHealth()  # failing steps, a dead device: unhealthy (GET /health 503), new requests refused
         self.gen_throughput = 0.0
         self.device_busy_s = 0.0
         self._busy_since: float | None = None  # wall clock of the last result while steps run back to back
 
     # ---- requests in ----------------------------------------------------------------------------
     def validate(self, req: GenerateRequest, limits: RequestLimits | None = None) -> GenerateRequest:
+        self.health.check()  # unhealthy: EngineUnhealthyError (a 503) before it waits for a step that fails
         self.lora_ids.id_of(req.lora_name)  # any thread; an unserved adapter: a 400 naming model
         return validate_request((limits or self.limits).with_priority(self.limits.priority_scheduling), req)
 
@@ -120,10 +124,11 @@ class Scheduler:
         try:  # again: a caller that skipped validate() must fail alone, not the batch it would join
             g = self.validate(check_task(self.args.is_embedding, g))
             lora_id = self.lora_ids.enter(g.rid, g.lora_name)  # its adapter, held until _finish
-        except InvalidRequestError as e:
+        except (InvalidRequestError, EngineUnavailableError) as e:  # the latter: the engine turned unhealthy
             self.rids.refused(g.rid)
-            self.sink([RequestOutput(rid=g.rid, new_token_ids=[], finished=True, finish_reason=FinishReason(
-                "error", message=f"invalid request ({e.param}): {e.message}"))])
+            why = f"invalid request ({e.param}): {e.message}" if isinstance(e, InvalidRequestError) else str(e)
+            self.sink([RequestOutput(rid=g.rid, new_token_ids=[], finished=True,
+                                     finish_reason=FinishReason("error", message=why))])
             return
         p = g.sampling_params
         seed = p.seed if p.seed is not None else self.rng.getrandbits(62)
@@ -159,16 +164,19 @@ class Scheduler:
     def run_forever(self, stop: threading.Event) -> None:
         while not stop.is_set():
             try:
-                if not self.step():
-                    try:  # wait for work; DP ranks poll fast since their peers block on our collective
-                        fast = self.must_step or self.grammars.compiling  # compiles finish without a message
-                        item = self.inbox.get(timeout=0.002 if fast else 0.05)
-                    except queue.Empty:
-                        continue
-                    with self.lock:  # handled at once, so messages keep their order
-                        self._handle(item)
+                if self.step():
+                    self.health.succeeded()
+                    continue
+                try:  # wait for work; DP ranks poll fast since their peers block on our collective
+                    fast = self.must_step or self.grammars.compiling  # compiles finish without a message
+                    item = self.inbox.get(timeout=0.002 if fast else 0.05)
+                except queue.Empty:
+                    continue
+                with self.lock:  # handled at once, so messages keep their order
+                    self._handle(item)
             except Exception as e:  # never lose requests silently: fail what is in flight, keep serving
                 logger.exception("scheduler step failed")
+                self.health.failed(e)  # first: on Ray the answer carrying the failures says if it is healthy
                 with self.lock:
                     self.fail_all(f"internal error: {type(e).__name__}: {e}")
 
@@ -342,7 +350,7 @@ class Scheduler:
             self.sink(outputs)
         if self.stats.due():  # the numbers walk every live request: only when a line is due
             self.gen_throughput = self.stats.log(batch.forward_mode, len(self.running), len(self.waiting),
-                                                 self.kv.held_by(self._live()), self.kv.size,
+                                                 self.kv.held_by(self.live_reqs()), self.kv.size,
                                                  self.kv.cache.total_size())
 
     def _finish(self, r: Req, emit: bool = True, cache: bool = True) -> None:
@@ -379,22 +387,12 @@ class Scheduler:
         self.pending = None
 
     # ---- introspection ------------------------------------------------------------------------------
-    def _live(self) -> list[Req]:
+    def live_reqs(self) -> list[Req]:
         """Requests holding KV: running, mid chunked prefill, or prefilled in a batch still in flight."""
         return [r for r in self.reqs.values() if r.req_pool_idx is not None]
 
     def check_kv_invariant(self) -> None:
-        self.kv.check_invariant(self._live())
+        self.kv.check_invariant(self.live_reqs())
 
     def get_stats(self) -> SchedulerStats:
-        return SchedulerStats(
-            num_running_reqs=len(self.running), num_queue_reqs=len(self.waiting),
-            num_used_tokens=self.kv.held_by(self._live()) + self.kv.cache.protected_size(),
-            num_cached_tokens=self.kv.cache.evictable_size(), max_total_tokens=self.kv.size,
-            gen_throughput=self.gen_throughput, forward_modes=self.stats.snapshot(),
-            retractions=self.stats.retractions, evictions=self.kv.evictions,
-            cache_hit_tokens=self.prefill.cache_hit_tokens, cache_query_tokens=self.prefill.cache_query_tokens,
-            device_busy_s=self.device_busy_s, overlap=self.overlap,
-            waiting_tokens=sum(r.remaining_prefill for r in self.waiting), max_running_reqs=self.max_running,
-            **self.stats.admission_fields(self.running, self.waiting, self.retractor.expected_new),
-            **(self.spec.counters() if self.spec is not None else {}))
+        return scheduler_stats(self)

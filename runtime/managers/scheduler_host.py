@@ -23,7 +23,11 @@ are. Weight updates run while paused, at once (they do not wait for paused reque
 a request paused in place keeps the KV it computed with the old weights and continues on it after an update;
 SGLang's flush after such an update fails (flush_cache asserts an idle scheduler), so here an update that
 would flush is refused (the old weights serve) while a request paused in place holds KV: pause with
-retract or abort, or update with flush_cache=false, which keeps that stale KV on purpose."""
+retract or abort, or update with flush_cache=false, which keeps that stale KV on purpose.
+
+Health (runtime/managers/step_health.py): steps that keep failing, or one that met a dead device, make the
+scheduler unhealthy for good: new requests are refused (EngineUnhealthyError, the gateway's 503) and health()
+says why (GET /health's 503); on Ray the SchedulerActor then answers unhealthy and its replica is relaunched."""
 
 from __future__ import annotations
 
@@ -48,11 +52,11 @@ from runtime.admin_messages import (
     pause_control,
 )
 from runtime.config import ServerArgs
+from runtime.engine_client import EngineHealth
 from runtime.errors import EngineUnavailableError, InvalidRequestError
 from runtime.gc_guard import GcGuard
+from runtime.managers.pausable_scheduler import PausableScheduler
 from runtime.managers.request_validation import RequestLimits
-from runtime.managers.schedule_batch import ScheduleBatch
-from runtime.managers.scheduler import Scheduler
 from runtime.managers.worker_client import WorkerClient
 from runtime.mem_cache.cache_event_log import CacheEventLog
 from runtime.messages import FinishReason, GenerateRequest, RequestOutput, SchedulerStats, WorkerInfo
@@ -73,45 +77,6 @@ def reserve_known_wanted(args: ServerArgs, info: WorkerInfo) -> bool:
     """--reserve-known-output: auto is on for a GPU worker (runtime/managers/retract.py says why)."""
     mode = args.reserve_known_output
     return mode == "on" or (mode == "auto" and info.device.startswith("cuda"))
-
-
-class PausableScheduler(Scheduler):
-    """The Scheduler with SchedulerHost's pause: while paused its loop takes messages (aborts, calls) but
-    builds no batch, as SGLang's event loop skips to the next receive while _engine_paused."""
-
-    paused = False
-
-    def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        return None if self.paused else super().get_next_batch_to_run()
-
-    def pause_now(self, mode: str) -> int:
-        """On the scheduler thread, between two steps: how many requests the mode aborted or retracted."""
-        if self.pending is not None:  # the batch in flight finishes its step: its tokens and KV are real
-            try:
-                self._collect_pending()
-            except Exception as e:  # as run_forever does with a failed step: nothing waits forever on it
-                self.fail_all(f"internal error: {type(e).__name__}: {e}")
-                raise
-        self.paused = True
-        if mode == "abort":
-            reqs = list(self.reqs)
-            for rid in reqs:
-                self._abort(rid)
-            return len(reqs)
-        if mode != "retract":
-            return 0
-        held = list(self.running) + ([self.chunked_req] if self.chunked_req is not None else [])
-        self.running.clear()
-        self.chunked_req = None
-        for r in reversed(held):  # back at the head of the queue in their order
-            self.kv.release_retracted(r)
-            r.reset_for_retract()
-            self.waiting.insert(0, r)
-        return len(held)
-
-    def holds_kv(self) -> int:
-        """Requests holding KV (paused in place: computed with the weights serving now)."""
-        return sum(r.req_pool_idx is not None for r in self.reqs.values())
 
 
 class SchedulerHost:
@@ -154,6 +119,12 @@ class SchedulerHost:
     # ---- any thread -----------------------------------------------------------------------------
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
+
+    def health(self) -> EngineHealth:
+        """The scheduler's StepHealth, or unhealthy when its thread ended without being stopped; never waits."""
+        if self._thread.ident is not None and not self._thread.is_alive() and not self._stop.is_set():
+            return EngineHealth(healthy=False, reason="the scheduler thread ended without being stopped")
+        return self.scheduler.health.state
 
     def validate(self, req: GenerateRequest) -> GenerateRequest:
         if self.asleep:
