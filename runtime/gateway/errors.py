@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
+from runtime.engine_client import EngineUnhealthyError
 from runtime.errors import (
     ContextLengthError,
     EngineUnavailableError,
@@ -57,6 +58,8 @@ def from_shoal_error(e: ShoalError) -> ApiError:
     if isinstance(e, InvalidRequestError):
         code = None if e.code == "invalid_request_error" else e.code
         return ApiError(400, e.message, param=e.param, code=code or "invalid_value")
+    if isinstance(e, EngineUnhealthyError):  # its message names the reason already
+        return ApiError(503, str(e), code="engine_unhealthy")
     if isinstance(e, EngineUnavailableError):
         return ApiError(503, f"the engine is unavailable: {e}")
     if isinstance(e, RequestAbortedError):

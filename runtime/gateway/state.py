@@ -88,9 +88,20 @@ class GatewayState:
         """The ready client, or a 503 while the engine loads or shuts down."""
         client = self.current_client()
         if client is None:
+            reason = None if self.shutting_down else self._unhealthy_reason()
+            if reason is not None:  # every replica down (Ray): not "still starting"
+                raise ApiError(503, f"the engine is unhealthy: {reason}", code="engine_unhealthy")
             what = "shutting down" if self.shutting_down else "still starting (loading the model)"
             raise ApiError(503, f"the server is {what}; retry shortly", code="engine_not_ready")
         return client
+
+    def _unhealthy_reason(self) -> str | None:
+        client = self.provider()
+        try:
+            health = client.health() if client is not None else None
+        except Exception:  # a client that cannot say: the readiness answer stands
+            return None
+        return None if health is None or health.healthy else (health.reason or "no reason given")
 
     @property
     def lora_adapters(self) -> dict[str, str]:

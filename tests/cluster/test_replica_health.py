@@ -65,17 +65,21 @@ def test_health_is_unhealthy_only_while_no_replica_can_serve():
                 client.groups[1].schedulers[0].reason = "3 scheduler steps failed in a row"
                 await wait_alive([False, False])
                 await probe()
+                r = await http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
+                seen.append((r.status, (await r.json())["error"]))  # a model route says why, not "starting"
                 client.launcher.scheduler = SickScheduler  # the next relaunches work
                 await wait_alive([True, True])
                 await probe()
             return seen
 
-        ok, degraded, down, back = asyncio.run(scenario())
+        ok, degraded, down, refused, back = asyncio.run(scenario())
         assert ok == (200, {"status": "ok", "replicas_up": 2, "replicas": 2})
         assert degraded == (200, {"status": "degraded", "replicas_up": 1, "replicas": 2})
         assert down == (503, {"status": "unhealthy", "reason": (
             "no replica can serve: replica 0 failed: a scheduler step met a device error (CUDA error: boom) "
             "(relaunching); replica 1 failed: 3 scheduler steps failed in a row (relaunching)")})
+        assert refused[0] == 503 and refused[1]["code"] == "engine_unhealthy", refused
+        assert refused[1]["message"] == "the engine is unhealthy: " + down[1]["reason"], refused
         assert back == ok and client.health() == EngineHealth() and client.restarts == 2
     finally:
         client.shutdown()
