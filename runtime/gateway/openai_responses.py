@@ -16,6 +16,9 @@ and response.in_progress at once, then per item output_item.added, content_part.
 / arguments deltas and their done events, output_item.done, and last response.completed
 (response.incomplete on a length end) with the whole Response; every event numbered by sequence_number.
 
+A last input item that is an assistant message of status in_progress or incomplete is continued (the
+prompt ends inside it, no new turn opened), as vLLM continues it; the output is the continuation.
+
 Shoal keeps no state: nothing is stored (store is accepted and echoed false), and what needs a stored
 response (previous_response_id, conversation, item_reference, background) is a 400, as are built-in
 tools. reasoning.effort is accepted and ignored (logged and counted), as vLLM accepts it: the models
@@ -43,6 +46,7 @@ from runtime.gateway.reasoning_parsers.base import THINK_CLOSE
 from runtime.gateway.reasoning_parsers.grammar_gate import AnswerOnlyParser, turn_opening
 from runtime.gateway.responses_input import (
     check_unsupported,
+    continues_final_message,
     format_constraint,
     ignored_reasoning,
     input_messages,
@@ -95,6 +99,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
                           param=constraint.param)
     constraint = constraint or tool_constraint
     messages = input_messages(body)
+    cont = continues_final_message(body)
     try:
         rendered = template_messages(messages)
     except ApiError as e:  # worded for chat's messages; here they are the instructions and input items
@@ -103,9 +108,10 @@ async def responses(request: web.Request) -> web.StreamResponse:
     template_tools = tools.template_tools() if tools is not None else None
     kwargs = template_kwargs(body.documents, body.chat_template_kwargs)
     try:
-        ids = client.tokenizer.apply_chat_template(rendered, tools=template_tools, template_kwargs=kwargs,
+        ids = client.tokenizer.apply_chat_template(rendered, add_generation_prompt=not cont, tools=template_tools,
+                                                   continue_final_message=cont, template_kwargs=kwargs,
                                                    add_special_tokens=body.add_special_tokens)
-        opening = turn_opening(client.tokenizer, rendered, template_tools, True, False, kwargs) \
+        opening = turn_opening(client.tokenizer, rendered, template_tools, not cont, cont, kwargs) \
             if state.args.reasoning_parser is not None else ""
     except ShoalError as e:
         raise from_shoal_error(e) from None

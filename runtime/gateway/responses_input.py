@@ -2,9 +2,10 @@
 items (and instructions) as chat messages for the model's chat template, function tools and tool_choice
 as a ToolRequest, text.format as an OutputConstraint, and a 400 naming the field for whatever Shoal cannot
 honour — anything that needs a stored response or conversation (Shoal keeps no state), built-in tools,
-background runs, chat's fields that a Response names otherwise (max_tokens, logprobs, n, ...), vLLM's
-Responses extras for features Shoal lacks (vllm_xargs, kv_transfer_params, ...). reasoning.effort /
-summary are accepted and ignored (ignored_reasoning)."""
+background runs, chat's fields that a Response names otherwise (max_tokens, logprobs, n, functions,
+messages, ...), vLLM's Responses extras for features Shoal lacks (vllm_xargs, kv_transfer_params, ...).
+reasoning.effort / summary are accepted and ignored (ignored_reasoning). A last assistant message cut short
+(status in_progress / incomplete) is continued, as vLLM continues it (continues_final_message)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ _INCLUDES_OK = frozenset({"reasoning.encrypted_content", LOGPROBS_INCLUDE})
 # OpenAI's values of reasoning.effort and reasoning.summary (openai.types.shared.Reasoning)
 _EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh", "max"})
 _SUMMARIES = frozenset({"auto", "concise", "detailed"})
+# An output item's status (OpenAI's); a last item still partial is continued, as vLLM continues it.
+_STATUSES = frozenset({"in_progress", "completed", "incomplete"})
+_PARTIAL = frozenset({"in_progress", "incomplete"})
+_PARTIAL_LAST = "a last input item that is an assistant message of status in_progress or incomplete"
 
 
 def _given(value: Any) -> bool:
@@ -50,17 +55,19 @@ _REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("response_format", _given, "response_format is chat's: a Response takes text.format"),
     ("max_tokens", _given, "max_tokens is chat's: a Response takes max_output_tokens"),
     ("max_completion_tokens", _given, "max_completion_tokens is chat's: a Response takes max_output_tokens"),
-    ("logprobs", _true, f"logprobs is chat's: a Response takes include [{LOGPROBS_INCLUDE!r}] (and top_logprobs)"),
+    # 0 is refused too: on chat it asks for logprobs (with no alternatives)
+    ("logprobs", lambda v: v is not None and v is not False,
+     f"logprobs is chat's: a Response takes include [{LOGPROBS_INCLUDE!r}] (and top_logprobs)"),
     ("n", _not_one, "a Response is one answer: n other than 1 has no place in it (send n requests)"),
     ("best_of", _not_one, "a Response is one answer: best_of other than 1 has no place in it"),
     ("echo", _true, "echo has no place in a Response: ask /v1/completions to echo a prompt"),
     ("return_token_ids", _true, "return_token_ids has no place in a Response: ask /v1/chat/completions"),
     ("return_tokens_as_token_ids", _true, "return_tokens_as_token_ids has no place in a Response: ask "
                                           "/v1/chat/completions"),
-    ("add_generation_prompt", lambda v: v is False, "a Response always opens the assistant's turn: "
-                                                    "add_generation_prompt false is chat's"),
-    ("continue_final_message", _true, "a Response always opens a new turn: to continue the last message ask "
-                                      "/v1/chat/completions with continue_final_message"),
+    ("add_generation_prompt", lambda v: v is False,
+     f"a Response opens the assistant's turn, or continues {_PARTIAL_LAST}: add_generation_prompt false is chat's"),
+    ("continue_final_message", _true,
+     f"a Response continues {_PARTIAL_LAST}, and only that: continue_final_message is chat's"),
     ("prompt_embeds", _given, "prompt_embeds is not supported by this server yet"),
     ("chat_template", _given, "a per-request chat_template is not supported by this server yet (the server's "
                               "template renders every prompt)"),
@@ -70,6 +77,14 @@ _REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
                                         "server yet: send the conversation as input items"),
     ("enable_response_messages", _true, "enable_response_messages (the rendered messages in the answer) is not "
                                         "supported by this server yet"),
+    ("functions", _true, "functions is chat's legacy function calling: a Response takes tools "
+                         '([{"type": "function", "name": ..., "parameters": ...}])'),
+    ("function_call", lambda v: v is not None and v != "none",
+     "function_call is chat's legacy function calling: a Response takes tool_choice"),
+    ("modalities", lambda v: v is not None and bool(set(v) - {"text"}),
+     "a Response answers in text only: modalities other than ['text'] (audio output) are not supported"),
+    ("audio", _given, "audio output is not supported: a Response answers in text only"),
+    ("messages", _given, "messages is chat's: a Response takes input (a string or a list of input items)"),
 )
 
 
@@ -170,6 +185,29 @@ def input_messages(body: ResponsesRequest) -> list[ChatMessage]:
             raise not_supported(f"input[{k}]: items of type {kind!r} (only message, function_call, "
                                 f"function_call_output and reasoning)", "input")
     return out
+
+
+def continues_final_message(body: ResponsesRequest) -> bool:
+    """Whether the prompt continues the last input item instead of opening a new assistant turn (vLLM's
+    should_continue_final_message): it is an assistant message whose status says it was cut short
+    (in_progress or incomplete: a Response that ran out of max_output_tokens, sent back for more). vLLM
+    continues a partial reasoning item too, but Shoal drops reasoning items from the prompt (chat templates
+    drop a finished turn's reasoning), so one last is a 400 rather than a new turn the client did not ask."""
+    items = body.input
+    if not isinstance(items, list) or not items:
+        return False
+    k, last = len(items) - 1, items[-1]
+    status = last.get("status")
+    if status is not None and status not in _STATUSES:
+        raise bad_request(f"input[{k}].status must be one of {', '.join(sorted(_STATUSES))}, got {status!r}",
+                          param="input")
+    if status not in _PARTIAL:
+        return False
+    kind = last.get("type", "message")
+    if kind == "reasoning":
+        raise not_supported(f"input[{k}]: continuing a reasoning item of status {status!r} (only an assistant "
+                            f"message is continued)", "input")
+    return kind == "message" and last.get("role") == "assistant"
 
 
 def _string(k: int, item: dict[str, Any], key: str) -> str:

@@ -123,6 +123,13 @@ class ResponsesRequest(NamedRequest, kw_only=True):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     prompt_embeds: Any = None
+    # Chat's fields for what a Response asks otherwise or never: legacy function calling (tools /
+    # tool_choice), audio output, and chat's conversation (input): a value that asks is a 400 too.
+    functions: list[Any] | None = None
+    function_call: Any = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    messages: Any = None
 
 
 # ---- the Response object -------------------------------------------------------------------------

@@ -17,6 +17,10 @@ class ScoreRequest(Struct, kw_only=True):
     truncate_prompt_tokens: int | None = None
     use_activation: bool | None = None  # False: the raw logit (None: the server's --pooler-config)
     activation: bool | None = None  # vLLM's older name of use_activation
+    # vLLM's (its score requests'): cached prefix KV shared only between requests of one salt, as on
+    # /v1/embeddings; a reranker pooling the last token keeps a prefix cache, and a shared query prefix
+    # would tell one tenant (by its timing) what another scored.
+    cache_salt: str | None = None
     user: str | None = None
 
 
@@ -44,6 +48,7 @@ class RerankRequest(Struct, kw_only=True):
     truncate_prompt_tokens: int | None = None
     use_activation: bool | None = None
     activation: bool | None = None
+    cache_salt: str | None = None  # as ScoreRequest's
     user: str | None = None
 
 

@@ -4,8 +4,9 @@ Cohere-compatible form: `query`, `documents`, `top_n`, answered {"results": [{"i
 "relevance_score"}], "usage"} best first; SGLang's /v1/rerank fields (`return_documents`, `top_n`) are taken
 too, but its bare-list answer is not: every path answers vLLM's shape). Each pair is the tokenizer's text-pair
 encoding scored by a 1-label classifier's head (text/engine_scores.py): sigmoid of the logit, or raw with
-use_activation false. Admitted, tracked and counted as /v1/embeddings is. A 400 naming `model` on a
-generation server, or one whose classifier has several labels."""
+use_activation false. Admitted, tracked and counted as /v1/embeddings is, cache_salt keeping cached prefixes
+within one salt as there. A 400 naming `model` on a generation server, or one whose classifier has several
+labels."""
 
 from __future__ import annotations
 
@@ -84,6 +85,7 @@ async def _scores(state: GatewayState, client: EngineClient, base: str, pairs: l
     pooling = require_scorer(client.pooling)
     activate = next((v for v in (body.use_activation, body.activation) if v is not None), pooling.use_activation)
     ids = pair_ids(client.tokenizer, pairs, body.truncate_prompt_tokens, client.context_len, param)
-    reqs = embedding_requests(client, [f"{base}-{i}" for i in range(len(ids))], ids, param)
+    reqs = embedding_requests(client, [f"{base}-{i}" for i in range(len(ids))], ids, param,
+                              cache_salt=body.cache_salt)
     all_logits = await run_admitted(state, client, base, reqs, arrival, param)
     return [relevance(pooling, logits, activate) for logits in all_logits], sum(len(r.input_ids) for r in reqs)

@@ -110,15 +110,15 @@ class EngineEmbeddings(EngineScores, EngineClient):
 
     def classify(self, prompts: str | Sequence[str] | None = None, *,
                  input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
-                 truncate_prompt_tokens: int | None = None,
-                 use_activation: bool | None = None) -> list[ClassificationRequestOutput]:
+                 truncate_prompt_tokens: int | None = None, use_activation: bool | None = None,
+                 cache_salt: str | Sequence[str | None] | None = None) -> list[ClassificationRequestOutput]:
         """vLLM's LLM.classify, for a *ForSequenceClassification model (a reward model or classifier): one
         ClassificationRequestOutput per input, in order; `o.outputs.probs` is the score head's logits pooled
         as the server pools (the last token's by default; --pooler-config MEAN / CLS) through vLLM's
         activation (softmax over several labels, sigmoid of a single one), or the raw logits with
-        use_activation=False (a reward model's score, as encode() also gives it)."""
+        use_activation=False (a reward model's score, as encode() also gives it); cache_salt as encode()'s."""
         pooling = require_classifier(self.pooling)
-        _, done = self._embed(prompts, input_ids, None, None, None, truncate_prompt_tokens)
+        _, done = self._embed(prompts, input_ids, None, None, None, truncate_prompt_tokens, None, cache_salt)
         activate = pooling.use_activation if use_activation is None else use_activation  # --pooler-config's default
         return [ClassificationRequestOutput(r.rid, ClassificationOutput(
             pooling.probabilities(logits) if activate else logits), list(r.input_ids)) for r, logits in done]

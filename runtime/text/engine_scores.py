@@ -98,13 +98,15 @@ class EngineScores:
 
     def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], *,
               truncate_prompt_tokens: int | None = None,
-              use_activation: bool | None = None) -> list[ScoringRequestOutput]:
+              use_activation: bool | None = None,
+              cache_salt: str | Sequence[str | None] | None = None) -> list[ScoringRequestOutput]:
         """vLLM's LLM.score: one ScoringRequestOutput per pair, in order; `o.outputs.score` is sigmoid of the
-        score head's logit on the pair's encoding (the raw logit with use_activation=False)."""
+        score head's logit on the pair's encoding (the raw logit with use_activation=False). cache_salt:
+        one for every pair or one per pair, as Engine.embed takes it."""
         pooling = require_scorer(self.pooling)
         ids = pair_ids(self.tokenizer, pair_up(text_1, text_2), truncate_prompt_tokens, self.context_len)
         done: list[tuple[GenerateRequest, list[float]]]
-        _, done = self._embed(None, ids, None, None, None, None)  # type: ignore[attr-defined]
+        _, done = self._embed(None, ids, None, None, None, None, None, cache_salt)  # type: ignore[attr-defined]
         activate = pooling.use_activation if use_activation is None else use_activation  # --pooler-config's default
         return [ScoringRequestOutput(r.rid, ScoringOutput(relevance(pooling, logits, activate)), list(r.input_ids))
                 for r, logits in done]

@@ -69,8 +69,9 @@ class Tokenizer:
         # return_dict) or collide with what Shoal passes: refused rather than passed on.
         reserved = sorted(set(kwargs) & _reserved_template_kwargs(self.hf))
         if reserved:
-            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)} (set "
-                                      f"add_generation_prompt / continue_final_message as request fields)",
+            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}: the server passes "
+                                      f"the template call's own parameters itself (/v1/chat/completions takes "
+                                      f"add_generation_prompt and continue_final_message as request fields)",
                                       param="chat_template_kwargs")
         try:
             return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,

@@ -2,8 +2,10 @@
 lora_path, json_schema and no_stop_trim, vLLM's documents and add_special_tokens: each answer is chat's for
 the same messages and fields, the adapter's the Engine's own), refused the same way (beam search, logits
 processors, stop_regex, structural_tag, a per-request chat_template: 400s naming them), and chat's fields a
-Response names otherwise (max_tokens, logprobs, n, ...) and vLLM's Responses extras for what Shoal lacks
-(vllm_xargs, kv_transfer_params, ...) are 400s naming them too, while values asking for nothing pass."""
+Response names otherwise (max_tokens, logprobs, n, functions, messages, ...) and vLLM's Responses extras for
+what Shoal lacks (vllm_xargs, kv_transfer_params, ...) are 400s naming them too, while values asking for
+nothing pass. A last assistant message cut short (status in_progress / incomplete) is continued: the prompt
+and answer are chat's with continue_final_message."""
 
 from __future__ import annotations
 
@@ -162,6 +164,16 @@ def test_no_stop_trim_keeps_the_stop_as_include_stop_str_in_output(served):
     ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
     ({"previous_input_messages": [{"role": "user", "content": "x"}]}, "previous_input_messages"),
     ({"enable_response_messages": True}, "enable_response_messages"),
+    # chat's fields that ask what a Response asks otherwise or never (each a 400 on chat too)
+    ({"logprobs": 0}, "logprobs"),
+    ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
+    ({"function_call": {"name": "f"}}, "function_call"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"messages": [{"role": "user", "content": "something else"}]}, "messages"),
+    # the template call's own parameters, which a Response sets itself
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
 ])
 def test_fields_that_would_change_the_answer_are_400(gw_url, extra, param):
     status, r = http(gw_url + "/v1/responses", "POST", {"input": "Hi", "max_output_tokens": 1, **extra})
@@ -173,6 +185,27 @@ def test_values_that_ask_for_nothing_are_accepted(gw_url):
     nothing = {"use_beam_search": False, "length_penalty": 1.0, "logits_processors": [], "stop_regex": [],
                "n": 1, "best_of": 1, "echo": False, "logprobs": False, "return_token_ids": False,
                "add_generation_prompt": True, "continue_final_message": False, "vllm_xargs": {},
-               "enable_response_messages": False}
+               "enable_response_messages": False, "functions": [], "function_call": "none", "modalities": ["text"]}
     plain = _post(gw_url, "/v1/responses", body)["output"]
     assert _post(gw_url, "/v1/responses", {**body, **nothing})["output"][-1]["content"] == plain[-1]["content"]
+
+
+def test_a_partial_last_assistant_message_is_continued(served):
+    """vLLM's should_continue_final_message: the prompt is chat's continue_final_message one, and the answer
+    its continuation; a completed one (or none) opens a new turn, as on chat."""
+    _, url, _ = served
+    said = {"role": "assistant", "content": "The answer is"}
+    new_turn = chat(url, messages=[*INPUT, said])[1]["usage"]["prompt_tokens"]
+    want, c = chat(url, messages=[*INPUT, said], add_generation_prompt=False, continue_final_message=True)
+    assert c["usage"]["prompt_tokens"] < new_turn  # no closing of the message, no new assistant header
+    for status, tokens in (("incomplete", c["usage"]["prompt_tokens"]), ("in_progress", c["usage"]["prompt_tokens"]),
+                           ("completed", new_turn)):
+        item = {"type": "message", "role": "assistant", "status": status,
+                "content": [{"type": "output_text", "text": "The answer is"}]}
+        text, r = responses(url, input=[*INPUT, item])
+        assert r["usage"]["input_tokens"] == tokens, status
+        if status != "completed":
+            assert text == want, status
+    for item in ({"type": "reasoning", "status": "incomplete", "content": [{"type": "reasoning_text", "text": "x"}]},
+                 {**said, "status": "partly"}):
+        assert _error(url, {"input": [*INPUT, item]})["param"] == "input", item
