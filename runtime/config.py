@@ -10,16 +10,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.errors import ServerArgsError
+from runtime.fp8_flags import check_fp8_flags
+from runtime.http_flags import api_keys, check_http_flags, json_or_list
 from runtime.lora.lora_flags import check_lora_flags
 from runtime.sampling.generation_defaults import check_flags as check_generation_flags
 from runtime.server_flags import (  # noqa: F401  (METRICS_COMPAT, VLLM_ALIASES: still importable from here)
     METRICS_COMPAT,
-    MULTI_VALUE,
-    NEGATABLE,
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
     VLLM_ALIASES,
-    OneSpelling,
+    add_server_flags,
     check_field_types,
     check_speculative_flags,
     pooler_config,
@@ -194,7 +194,10 @@ class ServerArgs:
     # HTTP
     host: str = _opt("127.0.0.1", "HTTP host")
     port: int = _opt(30000, "HTTP port")
-    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every route but /health and /metrics")
+    api_key: tuple[str, ...] | None = _opt(None, "require 'Authorization: Bearer KEY' on every route but /health*, "
+                                                 "/metrics, /ping, /version and /dashboard; several keys (vLLM's "
+                                                 "--api-key k1 k2): any one; `shoal serve` reads $VLLM_API_KEY "
+                                                 "when none is given")
     max_request_bytes: int = _opt(8 * 1024 * 1024, "largest accepted request body")
     enable_force_include_usage: bool = _opt(False, "streamed completions and chat completions carry usage as if "
                                                    "every request asked stream_options {include_usage, "
@@ -206,8 +209,21 @@ class ServerArgs:
                                          "queue (from waiting tokens, free KV and recent rates) exceeds this")
     max_waiting_requests: int = _opt(4096, "refuse a request (429 + Retry-After) when more requests than this "
                                            "already wait to be scheduled")
-    allowed_origins: str = _opt("*", "CORS: comma-separated origins a browser page may call the API from "
-                                     "('*': any; '' turns CORS off)")
+    allowed_origins: str = _opt("*", "CORS: origins a browser page may call the API from, comma-separated or "
+                                     "vLLM's JSON list ('[\"https://a.com\"]'); '*': any, '' turns CORS off")
+    allowed_methods: str = _opt("*", "CORS: methods a preflight may ask for (a list as --allowed-origins; '*': any)")
+    allowed_headers: str = _opt("*", "CORS: request headers a preflight may ask for beyond the CORS-safelisted ones "
+                                     "(a list as --allowed-origins; '*': any)")
+    allow_credentials: bool = _opt(False, "CORS: answer Access-Control-Allow-Credentials: true (with the page's "
+                                          "origin, never '*')")
+    disable_access_log: bool = _opt(False, "no access log line (method, path, status, request id, latency) per "
+                                           "request")
+    disable_access_log_for_endpoints: str | None = _opt(None, "paths whose requests get no access log line, "
+                                                              "comma-separated: /health,/metrics")
+    enable_log_requests: bool = _opt(False, "log each request as it is sent to the engine: its id, prompt (see "
+                                            "--max-log-len) and sampling params")
+    max_log_len: int | None = _opt(None, "--enable-log-requests: a prompt's characters logged; default: all")
+    enable_server_load_tracking: bool = _opt(False, "vLLM's: count the requests in flight for GET /load")
     shutdown_timeout_s: float = _opt(25.0, "on SIGINT/SIGTERM, seconds in-flight requests may run on before they "
                                            "are aborted (a second signal aborts them at once); under Kubernetes' "
                                            "30 s default grace period")
@@ -234,6 +250,9 @@ class ServerArgs:
                 [f"{k}={v}" for k, v in items] if items is not None else [str(x) for x in self.lora_modules]))
         object.__setattr__(self, "served_model_aliases", served_model_aliases(self.served_model_name,
                                                                                 self.served_model_aliases))
+        object.__setattr__(self, "api_key", api_keys(self.api_key))
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):  # Engine(...) or YAML lists
+            object.__setattr__(self, name, json_or_list(getattr(self, name)))
         check_field_types(self)
         _hf_overrides(self.hf_overrides)
         if pooler_config(self.pooler_config) and not self.is_embedding:
@@ -244,21 +263,7 @@ class ServerArgs:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ServerArgsError(_flag(name), f"must be positive, got {getattr(self, name)}")
-        if self.kv_cache_scale is not None and not 0 < self.kv_cache_scale < float("inf"):
-            raise ServerArgsError("--kv-cache-scale", f"must be positive, got {self.kv_cache_scale}")
-        if self.fp8_lm_head and self.disable_fp8_lm_head:
-            raise ServerArgsError("--fp8-lm-head", "contradicts --disable-fp8-lm-head")
-        if self.kv_cache_scale is not None and self.kv_cache_scale_mode in ("checkpoint", "calibrate"):
-            raise ServerArgsError("--kv-cache-scale", f"is a static scale; it cannot be combined with "
-                                                      f"--kv-cache-scale-mode {self.kv_cache_scale_mode}")
-        if self.kv_cache_rotation in ("hadamard", "calibrated"):
-            if self.kv_cache_dtype != "fp8_e4m3":
-                raise ServerArgsError("--kv-cache-rotation", f"{self.kv_cache_rotation} applies to an FP8 KV cache "
-                                                             "(--kv-cache-dtype fp8_e4m3)")
-            if self.kv_cache_scale_mode == "checkpoint":
-                raise ServerArgsError("--kv-cache-rotation", "a checkpoint's k_scale/v_scale describe unrotated "
-                                                             "K/V: use --kv-cache-scale-mode auto or calibrate "
-                                                             "(recalibrated on the rotated K/V) or none")
+        check_fp8_flags(self)
         for name in ("max_total_tokens", "context_length", "max_concurrent_requests"):
             v = getattr(self, name)
             if v is not None and v < 1:
@@ -285,6 +290,7 @@ class ServerArgs:
             if getattr(self, name) is not None and getattr(self, name) not in allowed:
                 raise ServerArgsError(_flag(name), f"must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         _metrics_compat(self.metrics_compat)
+        check_http_flags(self)
         if self.chat_template is not None:
             read_chat_template(self.chat_template)  # before any weights load: a bad one names the flag now
         if self.in_process and self.uses_ray:
@@ -376,22 +382,7 @@ class ServerArgs:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        for f in dataclasses.fields(cls):
-            flags, helptext = (_flag(f.name), *VLLM_ALIASES.get(f.name, ())), f.metadata.get("help", "")
-            if f.type in ("bool", bool):
-                parser.add_argument(*flags, dest=f.name, action="store_true", default=f.default, help=helptext)
-                if f.name in NEGATABLE:
-                    parser.add_argument(f"--no-{flags[0][2:]}", dest=f.name, action="store_false", help=argparse.SUPPRESS)
-                continue
-            kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
-            if f.name in MULTI_VALUE:
-                parser.add_argument(*flags, dest=f.name, nargs="+", default=f.default, help=helptext,
-                                    action=OneSpelling)
-                continue
-            if f.default is not None:  # a None default is described in words by the help text itself
-                helptext = f"{helptext} (default: {f.default})"
-            parser.add_argument(*flags, dest=f.name, type=kind, default=f.default, choices=f.metadata.get("choices"),
-                                help=helptext, action=OneSpelling)
+        add_server_flags(parser, dataclasses.fields(cls))
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> ServerArgs:

@@ -25,6 +25,7 @@ VLLM_ALIASES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "disable_cuda_graph": ("--enforce-eager",),
     "lora_modules": ("--lora-paths",), "max_loras": ("--max-loras-per-batch",),
     "pooler_config": ("--override-pooler-config",),  # vLLM's older name of --pooler-config, same JSON
+    "disable_access_log": ("--disable-uvicorn-access-log",),  # vLLM's HTTP server is uvicorn
 })
 
 
@@ -42,6 +43,28 @@ class OneSpelling(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+def add_server_flags(parser: argparse.ArgumentParser, fields: tuple[dataclasses.Field, ...]) -> None:
+    """One flag per ServerArgs field (`--field-name`, then VLLM_ALIASES' names of it), its help from the
+    field's metadata; a switch is store_true (and --no-X where NEGATABLE), a MULTI_VALUE one takes nargs="+"."""
+    for f in fields:
+        flags, helptext = (flag_name(f.name), *VLLM_ALIASES.get(f.name, ())), f.metadata.get("help", "")
+        if f.type in ("bool", bool):
+            parser.add_argument(*flags, dest=f.name, action="store_true", default=f.default, help=helptext)
+            if f.name in NEGATABLE:
+                parser.add_argument(*(f"--no-{n[2:]}" for n in flags if n.startswith("--")), dest=f.name,
+                                    action="store_false", help=argparse.SUPPRESS)
+            continue
+        kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+        if f.name in MULTI_VALUE:
+            parser.add_argument(*flags, dest=f.name, nargs="+", default=f.default, help=helptext,
+                                action=OneSpelling)
+            continue
+        if f.default is not None:  # a None default is described in words by the help text itself
+            helptext = f"{helptext} (default: {f.default})"
+        parser.add_argument(*flags, dest=f.name, type=kind, default=f.default, choices=f.metadata.get("choices"),
+                            help=helptext, action=OneSpelling)
+
+
 def spellings(ns: argparse.Namespace) -> Mapping[str, str]:
     """The settings the command line gave by a OneSpelling flag (every ServerArgs field but the switches),
     each with the spelling used: what runtime/vllm_flags.py checks a vLLM flag's translation against."""
@@ -49,10 +72,11 @@ def spellings(ns: argparse.Namespace) -> Mapping[str, str]:
 
 
 # Flags that take several values: `--lora-modules a=/p b=/q` (joined with spaces into its str field),
-# `--served-model-aliases b c` (a tuple: served_model_aliases).
-MULTI_VALUE = frozenset({"lora_modules", "served_model_aliases"})
+# `--served-model-aliases b c` and vLLM's `--api-key k1 k2` (tuples: served_model_aliases, http_flags.api_keys).
+MULTI_VALUE = frozenset({"lora_modules", "served_model_aliases", "api_key"})
 # Switches vLLM also takes as --no-X (its BooleanOptionalAction), so a vLLM command line's --no-X parses too.
-NEGATABLE = frozenset({"enable_force_include_usage"})
+NEGATABLE = frozenset({"enable_force_include_usage", "enable_log_requests", "allow_credentials",
+                       "enable_server_load_tracking", "disable_access_log"})
 
 # Names of the gateway's parser registries (runtime/gateway/tool_parsers, reasoning_parsers), checked at start.
 TOOL_CALL_PARSERS = ("llama3_json", "hermes", "mistral", "qwen3_coder", "qwen3_xml", "pythonic", "llama4_pythonic")

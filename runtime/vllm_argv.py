@@ -1,10 +1,11 @@
 """The `shoal serve` argv as vLLM users type it, rewritten before argparse sees it: vLLM's value spellings
-(`--dtype half`, `--max-model-len 32K`), several --served-model-name names, and `--config x.yaml` (vLLM's
-flags from a YAML file, the command line's winning)."""
+(`--dtype half`, `--max-model-len 32K`), several --served-model-name names, several --api-key keys, and
+`--config x.yaml` (vLLM's flags from a YAML file, the command line's winning)."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +18,14 @@ from runtime.vllm_translation import human_int
 _HUMAN_INTS = ("--max-model-len",)  # vLLM parses these with human_readable_int
 _MODEL_FLAGS = ("--model", "--model-path")
 _ALIASES = "--served-model-aliases"
+_JSON_LISTS = ("--allowed-origins", "--allowed-methods", "--allowed-headers")  # vLLM parses them with json.loads
+_PATH_LIKE = ("/", "./", "../", "~")
 
 
 def vllm_values(argv: list[str]) -> list[str]:
     """argv with vLLM's value spellings of Shoal's flags in Shoal's, `--flag v` or `--flag=v`; raises a
     ServerArgsError naming --config for a YAML file it cannot read."""
-    out = _served_names(_yaml_config(list(argv)))
+    out = _api_keys(_served_names(_yaml_config(list(argv))))
     for i, token in enumerate(out):
         flag, eq, value = token.partition("=")
         if not flag.startswith("--"):
@@ -43,6 +46,36 @@ def _value(flag: str, value: str) -> str:
     return names.get(value, value)
 
 
+def _model_named(argv: list[str], at: int) -> bool:
+    """Whether MODEL is given before position `at` (`serve MODEL ...`) or by --model / --model-path."""
+    return (len(argv) > 1 and argv[0] == "serve" and not argv[1].startswith("-") and 1 < at) or \
+        any(t.partition("=")[0] in _MODEL_FLAGS for t in argv)
+
+
+def _api_keys(argv: list[str]) -> list[str]:
+    """vLLM's `--api-key k1 k2` takes every word up to the next flag (nargs="+"). Where MODEL is not named yet,
+    `--api-key KEY MODEL` kept its meaning: a last word that is a folder is MODEL (put after `serve`); one
+    that looks like a path but is none is refused (a mistyped folder would otherwise become a key, and the
+    default model would be served)."""
+    if "--api-key" not in argv or not argv or argv[0] != "serve":
+        return argv
+    at = argv.index("--api-key")
+    end = at + 1
+    while end < len(argv) and not argv[end].startswith("-"):
+        end += 1
+    values = argv[at + 1:end]
+    if len(values) < 2 or _model_named(argv, at):
+        return argv
+    last = values[-1]
+    if os.path.isdir(last):
+        return ["serve", last, *argv[1:end - 1], *argv[end:]]
+    if last.startswith(_PATH_LIKE):
+        raise ServerArgsError("--api-key", f"takes every word after it as a key, and {last!r} looks like a model "
+                                           "folder that does not exist: name MODEL first (`shoal serve MODEL "
+                                           "--api-key k1 k2`) or with --model-path")
+    return argv
+
+
 def _served_names(argv: list[str]) -> list[str]:
     """vLLM's `--served-model-name a b c` (nargs="+"): a is --served-model-name (the name responses carry), b
     and c go to --served-model-aliases (served too). Only once the model is named, or the first extra would
@@ -51,8 +84,7 @@ def _served_names(argv: list[str]) -> list[str]:
         at = argv.index("--served-model-name")
     except ValueError:
         return argv
-    has_model = (len(argv) > 1 and argv[0] == "serve" and not argv[1].startswith("-") and 1 < at) or \
-        any(t.partition("=")[0] in _MODEL_FLAGS for t in argv)
+    has_model = _model_named(argv, at)
     end = at + 2
     while has_model and end < len(argv) and not argv[end].startswith("-"):
         end += 1
@@ -86,6 +118,8 @@ def _yaml_config(argv: list[str]) -> list[str]:
         if isinstance(value, bool):
             if value or flag in negatable:
                 flags.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(value, list) and flag in _JSON_LISTS:
+            flags += [flag, json.dumps(value)]  # `allowed-origins: [a, b]`: the JSON list the flag takes
         elif isinstance(value, list):
             flags += [flag, *map(str, value)]
         elif isinstance(value, dict):

@@ -10,21 +10,23 @@ server_flags.VLLM_ALIASES, so that a vLLM command line works as typed. Each gets
 
 One table serves the CLI (add_vllm_flags registers the flags on `shoal serve`, hidden from --help, and
 apply_vllm_flags folds the parsed values into ServerArgs' fields) and the Python API (translate_vllm_kwargs,
-from ServerArgs.from_kwargs); vllm_translation.py holds the machinery. The HTTP site's own flags (--ssl-*,
+from ServerArgs.from_kwargs); vllm_translation.py holds the machinery, vllm_speculative.py and
+vllm_compilation.py the flags whose value is a config of its own. The HTTP site's own flags (--ssl-*,
 --root-path) are not ServerArgs: gateway/http_site.py."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import numbers
+import os
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
 from runtime.errors import ServerArgsError
-from runtime.server_flags import VLLM_ALIASES, flag_name, json_object, spellings
+from runtime.http_flags import API_KEY_ENV
+from runtime.server_flags import VLLM_ALIASES, flag_name, spellings
+from runtime.vllm_compilation import compilation_config, optimization_level
 from runtime.vllm_speculative import speculative_config
 from runtime.vllm_translation import (
     Translation,
@@ -69,6 +71,15 @@ def _auto_tool_choice(on: bool, tr: Translation, flag: str) -> None:
         raise ServerArgsError(flag, "needs --tool-call-parser (the model's tool-call format)")
     tr.note(flag, on, f"Shoal answers tool_choice auto whenever --tool-call-parser is set "
                       f"({tr.get('tool_call_parser')} here)")
+
+
+def _disable_log_requests(on: bool, tr: Translation, flag: str) -> None:
+    # vLLM's older switch, from when requests were logged by default; now they are not (there or here).
+    if not on:
+        return
+    if tr.get("enable_log_requests"):
+        raise ServerArgsError(flag, f"contradicts {tr.given.get('enable_log_requests', '--enable-log-requests')}")
+    tr.note(flag, on, "requests are logged only with --enable-log-requests (off by default, as in vLLM now)")
 
 
 def _disable_log_stats(on: bool, tr: Translation, flag: str) -> None:
@@ -133,69 +144,12 @@ def _async_scheduling(on: bool, tr: Translation, flag: str) -> None:
     tr.set("disable_overlap_schedule", not on, flag)  # on: Shoal's default overlap of scheduling and forward
 
 
-_COMPILE = ("Shoal does not torch.compile; it replays CUDA graphs of decode batches up to --cuda-graph-max-bs "
-            "(--enforce-eager turns them off)")
-
-
-def _optimization_level(value: Any, tr: Translation, flag: str) -> None:
-    """-O<n> / --optimization-level n, and vLLM's -O.<key>=<value> (one CompilationConfig key)."""
-    for item in value if isinstance(value, list) else [value]:
-        text = str(item)
-        if text.startswith("."):
-            key, sep, raw = text[1:].partition("=")
-            if not key or not sep:
-                raise ServerArgsError(flag, f"-O.{text[1:]}: give -O.<key>=<value>")
-            try:
-                parsed: Any = json.loads(raw)
-            except ValueError:
-                parsed = raw  # a bare word: -O.cudagraph_mode=NONE
-            _compilation_keys({key: parsed}, tr, f"-O.{key}")
-        elif text in ("0", "1", "2", "3"):
-            if text == "0":  # vLLM's -O0: no compilation and no CUDA graphs
-                tr.set("disable_cuda_graph", True, f"{flag} 0")
-            else:
-                tr.note(flag, text, _COMPILE)
-        else:
-            raise ServerArgsError(flag, f"must be an optimization level 0-3 or .<key>=<value>, got {text!r}")
-
-
-def _compilation_config(value: Any, tr: Translation, flag: str) -> None:
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        value = int(value)
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        _optimization_level(str(value), tr, flag)  # vLLM's older `--compilation-config 3`: a level
-        return
-    cfg = json_object(value, flag, "vLLM CompilationConfig keys") if isinstance(value, str) else value
-    if not isinstance(cfg, Mapping):
-        raise ServerArgsError(flag, f"must be a JSON object (or a level 0-3), got {value!r}")
-    _compilation_keys(dict(cfg), tr, flag)
-
-
-def _compilation_keys(cfg: dict[str, Any], tr: Translation, flag: str) -> None:
-    mode = cfg.pop("cudagraph_mode", None)
-    if mode is not None and str(mode).upper() == "NONE":
-        tr.set("disable_cuda_graph", True, flag)
-    sizes = cfg.pop("cudagraph_capture_sizes", None)
-    cap = next((cfg.pop(k) for k in ("max_cudagraph_capture_size", "max_capture_size") if k in cfg), None)
-    if sizes is not None:
-        if not isinstance(sizes, list) or not all(isinstance(s, int) and s > 0 for s in sizes):
-            raise ServerArgsError(flag, f"cudagraph_capture_sizes must be a list of positive integers, got {sizes!r}")
-        if not sizes:
-            tr.set("disable_cuda_graph", True, flag)
-        cap = max(sizes, default=cap)
-    if cap is not None:
-        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-            raise ServerArgsError(flag, f"max_cudagraph_capture_size must be a positive integer, got {cap!r}")
-        tr.set("cuda_graph_max_bs", cap, flag)
-    if cfg:
-        tr.note(flag, "keys " + ", ".join(sorted(cfg)), f"{_COMPILE}; these keys have no counterpart")
-
-
 _LOCAL = ("Shoal reads a local model folder and never the Hugging Face Hub, so a revision has nothing to "
           "choose (vLLM ignores it for a local folder too): check a revision out into a folder to serve it")
-_NO_REQUEST_LOG = ("Shoal does not log requests one by one; their counts, latencies and errors are on /metrics "
-                   "and /dashboard")
-_HTTP_LOG = "Shoal's HTTP server (aiohttp) keeps no access log; its own lines follow --log-level"
+_NO_OUTPUT_LOG = ("Shoal logs a request as it arrives (--enable-log-requests), not its output; outputs' counts, "
+                  "latencies and errors are on /metrics and /dashboard")
+_HTTP_LOG = ("Shoal's HTTP server is aiohttp: its access log lines (logger shoal.access) follow --log-level; "
+             "--disable-uvicorn-access-log turns them off")
 _XGRAMMAR = "Shoal's structured outputs (json_schema, regex, grammar, choice) always use xgrammar"
 _ONE_LONG_PREFILL = ("Shoal prefills one long prompt at a time, in chunks of --chunked-prefill-size, beside the "
                      "short ones")
@@ -210,8 +164,8 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--disable-log-stats",), "bool", _disable_log_stats),
     VllmFlag(("--distributed-executor-backend",), "str", _executor),
     VllmFlag(("--async-scheduling",), "bool", _async_scheduling),
-    VllmFlag(("-O", "--optimization-level"), "list", _optimization_level),
-    VllmFlag(("--compilation-config",), "any", _compilation_config),
+    VllmFlag(("-O", "--optimization-level"), "list", optimization_level),
+    VllmFlag(("--compilation-config",), "any", compilation_config),
     VllmFlag(("--speculative-config",), "any", speculative_config),
     # (b) accepted: Shoal already behaves so, or the knob changes no output
     VllmFlag(("--enable-auto-tool-choice",), "bool", _auto_tool_choice),
@@ -224,12 +178,9 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
         "a preempted request's KV is freed and recomputed when it resumes (retraction), never swapped to CPU",
         unless=(0,)))),
     VllmFlag(("--download-dir",), "str", noop("nothing is downloaded: Shoal serves a local model folder")),
-    VllmFlag(("--disable-log-requests",), "bool", noop(_NO_REQUEST_LOG)),
-    VllmFlag(("--enable-log-requests",), "bool", noop(_NO_REQUEST_LOG)),
-    VllmFlag(("--enable-log-outputs",), "bool", noop(_NO_REQUEST_LOG)),
-    VllmFlag(("--max-log-len",), "int", noop(_NO_REQUEST_LOG)),
+    VllmFlag(("--disable-log-requests",), "bool", _disable_log_requests),
+    VllmFlag(("--enable-log-outputs",), "bool", noop(_NO_OUTPUT_LOG)),
     VllmFlag(("--uvicorn-log-level",), "str", noop(_HTTP_LOG)),
-    VllmFlag(("--disable-uvicorn-access-log",), "bool", noop(_HTTP_LOG)),
     VllmFlag(("--disable-fastapi-docs",), "bool", noop("Shoal serves no OpenAPI docs (/docs, /openapi.json)")),
     VllmFlag(("--disable-frontend-multiprocessing",), "bool", noop(
         "Shoal's HTTP gateway runs beside the engine in one process, or as a Ray actor (--in-process / --use-ray)")),
@@ -319,6 +270,11 @@ def apply_vllm_flags(ns: argparse.Namespace) -> list[str]:
             entry.treat(value, tr, entry.flag)
     for name, (value, _) in tr.changed.items():
         setattr(ns, name, value)
+    env_key = os.environ.get(API_KEY_ENV)
+    if env_key and ns.api_key is None:  # vLLM's `args.api_key or envs.VLLM_API_KEY`: the flag wins
+        ns.api_key = [env_key]
+        tr.notes.append(f"vLLM's ${API_KEY_ENV} is set: every route but the open ones (/health*, /metrics, ...) "
+                        "needs it as 'Authorization: Bearer <key>'")
     return tr.notes
 
 

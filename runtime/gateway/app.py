@@ -1,13 +1,6 @@
-"""build_app: the gateway's aiohttp Application — the route table, CORS (--allowed-origins) and the one
-middleware that checks the API key and turns every failure into an OpenAI-style error body (never a bare
-500 page).
-
-CORS, as vLLM's --allowed-origins and SGLang do it, so a browser page can call the API: a preflight
-(OPTIONS with Access-Control-Request-Method) from an allowed origin is answered 204 on any path, before
-the API key is checked (a browser never sends Authorization on a preflight); every response to a
-request from an allowed origin — errors and SSE streams included — carries Access-Control-Allow-Origin,
-added as its headers go out (on_response_prepare: a stream's headers leave before its handler returns).
-A disallowed origin gets no CORS headers, so the browser blocks the page from reading the answer.
+"""build_app: the gateway's aiohttp Application — the route table and its middlewares: the access log
+(access_log.py, outermost), then one that answers CORS preflights (cors.py), checks the API key
+(api_keys.py) and turns every failure into an OpenAI-style error body (never a bare 500 page).
 
 X-Request-Id, as vLLM's: a request that sends it is named by it (GatewayState.new_id: chatcmpl-<id>, ...),
 and every response to it, streams and errors included, carries the header back (vLLM echoes it with
@@ -17,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -31,14 +23,17 @@ from runtime.gateway import (
     classify_routes,
     dashboard_routes,
     debug_routes,
+    load_routes,
     lora_routes,
     native_routes,
     pause_routes,
     score_routes,
     tokenize_routes,
 )
+from runtime.gateway.access_log import AccessLog
+from runtime.gateway.api_keys import ApiKeys
+from runtime.gateway.cors import Cors
 from runtime.gateway.errors import ApiError, from_http_exception, from_shoal_error
-from runtime.gateway.http_site import ROOT_PATH_KEY
 from runtime.gateway.openai_chat import chat_completions
 from runtime.gateway.openai_completions import completions
 from runtime.gateway.openai_embeddings import embeddings, health_embed, pooling
@@ -50,89 +45,17 @@ logger = logging.getLogger("shoal.gateway")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-# No API key needed: probes, scrapers, and the dashboard's page (it holds no data; its script sends the
-# key it finds in the page's #key=... fragment to /dashboard/data, which needs it like any route).
-_OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/dashboard", "/version"})  # /ping: SageMaker's /health
 _REQUEST_ID = "X-Request-Id"
 
 
-def _authorized(request: web.Request, api_key: str) -> bool:
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    # surrogateescape: a header with bytes that are not UTF-8 is simply a wrong key (401), not a 500.
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"),
-                                                               api_key.encode())
-
-
-class Cors:
-    """--allowed-origins: comma-separated origins, '*' any, '' none (CORS off)."""
-
-    METHODS = "GET, POST, OPTIONS"
-    BASE_HEADERS = ("Authorization", "Content-Type")
-    # Not CORS-safelisted, so a page cannot read them unless told: a 429's pacing, OpenAI-style.
-    EXPOSE = "Retry-After, retry-after-ms, X-Request-Id"
-    MAX_AGE_S = 600
-
-    def __init__(self, allowed_origins: str):
-        origins = {o.strip().rstrip("/").lower() for o in allowed_origins.split(",")} - {""}
-        self.any = "*" in origins
-        self.origins = frozenset(origins - {"*"})
-        self.enabled = self.any or bool(self.origins)
-
-    def allows(self, origin: str | None) -> bool:
-        # Browsers serialize an origin as lower-case scheme://host[:port]; the flag may be written loosely.
-        return bool(origin) and self.enabled and (self.any or origin.rstrip("/").lower() in self.origins)
-
-    def _origin_headers(self, origin: str) -> dict[str, str]:
-        # '*' needs no Vary; an echoed origin does, or a shared cache would serve one origin's answer to another.
-        return {"Access-Control-Allow-Origin": "*"} if self.any else {
-            "Access-Control-Allow-Origin": origin, "Vary": "Origin"}
-
-    @staticmethod
-    def is_preflight(request: web.Request) -> bool:
-        return (request.method == "OPTIONS" and "Origin" in request.headers
-                and "Access-Control-Request-Method" in request.headers)
-
-    def preflight(self, request: web.Request) -> web.Response:
-        origin = request.headers["Origin"]
-        if not self.allows(origin):
-            raise ApiError(403, f"origin {origin!r} may not call this server (see --allowed-origins)",
-                           code="cors_origin_not_allowed")
-        asked = [h.strip() for h in request.headers.get("Access-Control-Request-Headers", "").split(",")]
-        allow = list(self.BASE_HEADERS)
-        allow += [h for h in asked if h and h.lower() not in {a.lower() for a in allow}]
-        headers = self._origin_headers(origin)
-        headers.update({"Access-Control-Allow-Methods": self.METHODS,
-                        "Access-Control-Allow-Headers": ", ".join(allow),
-                        "Access-Control-Max-Age": str(self.MAX_AGE_S)})
-        return web.Response(status=204, headers=headers)
-
-    async def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
-        origin = request.headers.get("Origin")
-        if not self.allows(origin) or "Access-Control-Allow-Origin" in response.headers:
-            return
-        for k, v in self._origin_headers(origin).items():
-            if k == "Vary" and "Vary" in response.headers:
-                response.headers["Vary"] = f"{response.headers['Vary']}, {v}"
-            else:
-                response.headers[k] = v
-        response.headers["Access-Control-Expose-Headers"] = self.EXPOSE
-
-
-def _unprefixed(request: web.Request) -> str:
-    """The request's path without --root-path's prefix (vLLM's auth strips it too before its open paths)."""
-    root, path = request.app.get(ROOT_PATH_KEY, ""), request.path
-    return path[len(root):] if root and path.startswith(root + "/") else path
-
-
-def _middleware(api_key: str | None, cors: Cors) -> Callable:
+def _middleware(api_keys: ApiKeys, cors: Cors) -> Callable:
     @web.middleware
     async def gateway_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         headers = None
         try:
             if cors.enabled and cors.is_preflight(request):
                 return cors.preflight(request)
-            if api_key and _unprefixed(request) not in _OPEN_PATHS and not _authorized(request, api_key):
+            if not api_keys.authorized(request):
                 raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                                code="invalid_api_key")
             with request.app[STATE_KEY].request_scope(request.headers.get(_REQUEST_ID)):
@@ -186,9 +109,11 @@ async def _stop_samplers(app: web.Application) -> None:
 def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) -> web.Application:
     """client_provider: a ready EngineClient, or a zero-arg callable returning it (None while the
     model loads: model routes and /health answer 503 until then)."""
-    cors = Cors(args.allowed_origins)
-    app = web.Application(client_max_size=args.max_request_bytes, middlewares=[_middleware(args.api_key, cors)])
+    cors, api_keys = Cors.from_args(args), ApiKeys(args.api_key)
+    middlewares = [AccessLog(args).middleware(), _middleware(api_keys, cors)]
+    app = web.Application(client_max_size=args.max_request_bytes, middlewares=middlewares)
     app[STATE_KEY] = GatewayState(client_provider, args)
+    _log_settings(args, len(api_keys))
     app.on_cleanup.append(_stop_samplers)
     app.on_response_prepare.append(_echo_request_id)
     if cors.enabled:
@@ -226,8 +151,21 @@ def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) 
     app.router.add_get("/debug/ttft_trace", debug_routes.ttft_trace)
     app.router.add_post("/debug/ttft_trace", debug_routes.ttft_trace)
     pause_routes.add_routes(app)  # SGLang's /pause_generation, /continue_generation
+    load_routes.add_routes(app)  # vLLM's /load, SGLang's /get_load
     admin_routes.add_routes(app)  # /flush_cache, /reset_prefix_cache, server info, /ping, /invocations, profiling
     return app
+
+
+def _log_settings(args: ServerArgs, keys: int) -> None:
+    """The gateway's access settings, once at start (never a key itself)."""
+    if keys:
+        logger.info("API key required (%d key%s set): send 'Authorization: Bearer <key>' on every route but "
+                    "/health*, /metrics, /ping, /version and /dashboard", keys, "s" if keys > 1 else "")
+    if args.enable_log_requests:
+        cut = "in full" if args.max_log_len is None else f"up to {args.max_log_len} characters"
+        logger.info("logging each request's prompt (%s) and sampling params (--enable-log-requests)", cut)
+    elif args.max_log_len is not None:
+        logger.warning("--max-log-len %d has no effect without --enable-log-requests", args.max_log_len)
 
 
 def gateway_state(app: web.Application) -> GatewayState:

@@ -24,7 +24,8 @@ curl::
         -d '{"text": "Hello", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}'
     curl http://127.0.0.1:30000/metrics            # Prometheus text, shoal:* metrics
 
-With --api-key, add `-H 'Authorization: Bearer sk-local'` (not needed for /health and /metrics).
+With --api-key (or $VLLM_API_KEY; several keys: `--api-key k1 k2`, any one), add
+`-H 'Authorization: Bearer sk-local'` (not needed for /health, /health_generate, /metrics).
 
 openai client::
 
@@ -131,7 +132,7 @@ async def _serve_until_stopped(app: web.Application, args: ServerArgs, loader: _
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None)  # the app logs its own (access_log.py: request ids, latency)
     await runner.setup()
     try:
         await _start_site(runner, args.host, args.port, site)

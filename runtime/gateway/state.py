@@ -31,6 +31,7 @@ from runtime.gateway.ignored_fields import IgnoredFields
 from runtime.gateway.metrics import GatewayMetrics
 from runtime.gateway.protocol import OpenAISamplingFields
 from runtime.gateway.request_ids import RequestIds
+from runtime.gateway.request_log import RequestLog
 from runtime.gateway.ttft_trace import TtftTrace
 from runtime.messages import GenerateRequest
 from runtime.model_names import BaseModelNames
@@ -61,12 +62,14 @@ class GatewayState:
         else:
             self.provider = client_provider
         self.args = args
-        self.metrics = GatewayMetrics(args.metrics_compat_names, model_name=self._served_model_name)
+        self.metrics = GatewayMetrics(args.metrics_compat_names, model_name=self._served_model_name,
+                                      max_model_len=self._max_model_len)
         self.admission = AdmissionController(args.max_queue_wait_s, args.max_waiting_requests)
         self.ignored_fields = IgnoredFields(self.metrics.ignored_fields)
         self.errors = ErrorLog()
         self.ttft_trace = TtftTrace()
         self.dashboard = Dashboard(self.metrics, self.errors)
+        self.request_log = RequestLog(args.enable_log_requests, args.max_log_len)  # and the access log's ids
         self.created = int(time.time())
         self.shutting_down = False
         self.inflight: dict[str, list[str]] = {}  # response id → rids of its choices
@@ -122,6 +125,11 @@ class GatewayState:
         """The served model's name as a scrape sees it (the compat metrics' model_name label)."""
         client = self.current_client()
         return self.served_model(client) if client is not None else self.args.served_model_name
+
+    def _max_model_len(self) -> int | None:
+        """The context length as the metrics see it (vLLM's token histograms' buckets; None while loading)."""
+        client = self.current_client()
+        return client.context_len if client is not None else None
 
     def system_fingerprint(self, client: EngineClient) -> str:
         """OpenAI's system_fingerprint: names the serving configuration (Shoal's version, the model and
@@ -316,6 +324,9 @@ class GatewayState:
         self.active += len(reqs)
         rids = [r.rid for r in reqs]
         self.inflight.setdefault(base_id, rids)  # a duplicate user rid must not hide the first request
+        client = self.current_client()
+        for req in reqs:  # the access log's ids; with --enable-log-requests each prompt's line
+            self.request_log.received(client, req)
         return rids
 
     async def admit(self, client: EngineClient, reqs: list[GenerateRequest]) -> None:

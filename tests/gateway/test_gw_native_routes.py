@@ -135,12 +135,13 @@ def test_api_key(gw_engine):
     args = GATEWAY_ARGS.replace(api_key="sk-test")
     with serve_in_thread(gw_engine, args, port=0) as server:
         for path, method, body in (("/v1/models", "GET", None), ("/v1/completions", "POST", {"prompt": "hi"}),
-                                   ("/generate", "POST", {"text": "hi"}), ("/health_generate", "GET", None)):
+                                   ("/generate", "POST", {"text": "hi"})):
             status, err = http(server.url + path, method, body)
             assert status == 401 and err["error"]["code"] == "invalid_api_key", path
             status, _ = http(server.url + path, method, body, headers={"Authorization": "Bearer wrong"})
             assert status == 401
         assert http(server.url + "/health")[0] == 200
+        assert http(server.url + "/health_generate")[0] == 200  # every /health* path is a probe's, as SGLang's
         assert http(server.url + "/metrics")[0] == 200
         # An Authorization header whose bytes are not UTF-8 is a wrong key, not a server error.
         import socket

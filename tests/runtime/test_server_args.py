@@ -82,6 +82,8 @@ def test_cli_round_trip() -> None:
         flag = "--" + f.name.replace("_", "-")
         if isinstance(v, bool):
             argv += [flag] if v else []
+        elif isinstance(v, tuple):  # several values (--api-key k1 k2, --served-model-aliases a b)
+            argv += [flag, *v]
         elif v is not None:
             argv += [flag, str(v)]
     assert _parse(argv) == args

@@ -98,11 +98,11 @@ def test_a_translated_flag_is_shoals_setting(vllm, shoal, logged):
 
 
 @pytest.mark.parametrize("argv", [
-    "--trust-remote-code", "--disable-log-requests", "--enable-log-requests", "--block-size 16", "--swap-space 4",
+    "--trust-remote-code", "--disable-log-requests", "--block-size 16", "--swap-space 4", "--enable-log-outputs",
     "--uvicorn-log-level warning", "--max-logprobs 5", "--distributed-executor-backend mp",
     "--enable-request-id-headers", "--chat-template-content-format auto", "--download-dir /tmp/hf",
     "--long-prefill-token-threshold 512", "--num-scheduler-steps 8", "--disable-fastapi-docs", "-O3",
-    "--compilation-config {\"level\":3}", "--disable-uvicorn-access-log", "--max-num-partial-prefills 2",
+    "--compilation-config {\"level\":3}", "--max-num-partial-prefills 2",
     "--disable-log-stats", "--revision main", "--tokenizer-revision abc",  # vLLM ignores revisions of a local folder
     "--enable-sleep-mode", "--enable-prompt-tokens-details", "--max-seq-len-to-capture 4096",
     "--guided-decoding-backend outlines", "--structured-outputs-config {\"backend\":\"xgrammar\"}",

@@ -1,0 +1,163 @@
+"""--api-key as vLLM's and SGLang's take it: several keys (any one authorizes), vLLM's $VLLM_API_KEY when the
+command line gives none, every /health* path and every OPTIONS request open (SGLang's and vLLM's checks), the
+keys logged as a count only, and kept by the ServerArgs a Ray gateway actor gets. CORS as vLLM's flags ask:
+JSON-list origins, --allowed-methods / --allowed-headers / --allow-credentials honoured in preflights and
+answers, and a value no browser could match refused by name."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import urllib.request
+from collections.abc import Iterator
+
+import openai
+import pytest
+from gw_helpers import GATEWAY_ARGS, http
+
+from runtime.cli import build_parser, server_args
+from runtime.config import ServerArgs
+from runtime.errors import ServerArgsError
+from runtime.gateway.server import serve_in_thread
+from runtime.vllm_argv import vllm_values
+
+KEYS = ("sk-one", "sk-two")
+
+
+def raw(url: str, method: str = "GET", headers: dict[str, str] | None = None,
+        body: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def gateway_lines() -> Iterator[_Lines]:
+    lines, log = _Lines(), logging.getLogger("shoal.gateway")
+    level = log.level
+    log.addHandler(lines)
+    log.setLevel(logging.INFO)
+    yield lines
+    log.removeHandler(lines)
+    log.setLevel(level)
+
+
+def _serve(*argv: str) -> ServerArgs:
+    return server_args(build_parser().parse_args(vllm_values(["serve", *argv])))
+
+
+def test_several_keys_any_one_authorizes(gw_engine, gateway_lines):
+    with serve_in_thread(gw_engine, GATEWAY_ARGS.replace(api_key=KEYS), port=0) as server:
+        for key in KEYS:  # each key serves a real completion
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+            r = client.completions.create(model="llama", prompt="hi", max_tokens=2, temperature=0)
+            assert r.usage.completion_tokens >= 1
+        for header in ({}, {"Authorization": "Bearer sk-three"}, {"Authorization": "Bearer sk-one sk-two"},
+                       {"Authorization": "Basic sk-one"}):
+            status, body = http(server.url + "/v1/models", headers=header)
+            assert status == 401 and body["error"]["code"] == "invalid_api_key", header
+        # SGLang leaves every /health* path open: /health_generate runs a real one-token generation.
+        assert http(server.url + "/health_generate") == (200, {"status": "ok"})
+        assert http(server.url + "/health")[0] == 200
+        # Any OPTIONS passes the key check (vLLM, SGLang): not a preflight, so the router's 405.
+        status, _, _ = raw(server.url + "/v1/completions", "OPTIONS")
+        assert status == 405
+    joined = "\n".join(gateway_lines.messages)
+    assert "API key required (2 keys set)" in joined and not any(k in joined for k in KEYS)
+
+
+def test_preflight_without_key_with_cors_off_is_not_a_401(gw_engine):
+    args = GATEWAY_ARGS.replace(api_key=KEYS, allowed_origins="")
+    with serve_in_thread(gw_engine, args, port=0) as server:
+        status, headers, _ = raw(server.url + "/v1/chat/completions", "OPTIONS", {
+            "Origin": "http://example.com", "Access-Control-Request-Method": "POST"})
+        assert status == 405 and "Access-Control-Allow-Origin" not in headers
+
+
+def test_keys_from_the_command_line_and_vllm_env(monkeypatch, tmp_path):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert _serve("--api-key", "k1", "k2").api_key == ("k1", "k2")  # the default model: every word a key
+    assert _serve("/m", "--api-key", "k1", "k2").api_key == ("k1", "k2")
+    args = _serve("--api-key", "k1", str(tmp_path))  # `--api-key KEY MODEL` keeps its meaning
+    assert args.api_key == ("k1",) and args.model_path == str(tmp_path)
+    with pytest.raises(ServerArgsError, match="looks like a model folder") as info:
+        _serve("--api-key", "k1", str(tmp_path / "typo"))
+    assert info.value.flag == "--api-key"
+    assert _serve().api_key is None
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert _serve().api_key == ("from-env",)
+    assert _serve("--api-key", "cli").api_key == ("cli",)  # the flag wins, as in vLLM
+    monkeypatch.setenv("VLLM_API_KEY", "")
+    assert _serve().api_key is None  # empty is unset (vLLM filters it out)
+
+
+@pytest.mark.parametrize("bad", ["", " k", "k\n", [], ["k", ""], 5])
+def test_a_key_that_could_never_be_sent_is_refused(bad):
+    with pytest.raises(ServerArgsError) as info:
+        ServerArgs(api_key=bad)
+    assert info.value.flag == "--api-key"
+
+
+def test_keys_travel_to_a_ray_gateway_actor():
+    """Ray pickles the ServerArgs it hands GatewayActor: the keys arrive as given."""
+    args = ServerArgs(api_key=["a", "b", "a"])
+    assert args.api_key == ("a", "b")
+    assert pickle.loads(pickle.dumps(args)).api_key == ("a", "b")
+
+
+def test_cors_flags_as_vllm_gives_them(gw_engine):
+    args = GATEWAY_ARGS.replace(allowed_origins='["https://UI.example/"]', allowed_methods='["POST"]',
+                                allowed_headers='["Authorization", "X-Trace"]', allow_credentials=True)
+    with serve_in_thread(gw_engine, args, port=0) as server:
+        url = server.url + "/v1/completions"
+        ask = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+               "Access-Control-Request-Headers": "authorization, x-trace, content-type"}
+        status, headers, _ = raw(url, "OPTIONS", ask)
+        assert status == 204 and headers["Access-Control-Allow-Origin"] == "https://ui.example"
+        assert headers["Access-Control-Allow-Credentials"] == "true" and headers["Access-Control-Allow-Methods"] == "POST"
+        assert {"authorization", "x-trace", "content-type"} <= set(headers["Access-Control-Allow-Headers"].split(", "))
+        for change, code in (({"Access-Control-Request-Method": "PUT"}, "cors_method_not_allowed"),
+                             ({"Access-Control-Request-Headers": "x-other"}, "cors_headers_not_allowed"),
+                             ({"Origin": "https://evil.example"}, "cors_origin_not_allowed")):
+            status, _, body = raw(url, "OPTIONS", {**ask, **change})
+            assert status == 403 and code.encode() in body, change
+        status, headers, _ = raw(url, "POST", {"Origin": "https://ui.example", "Content-Type": "application/json"},
+                                 b'{"prompt": "hi", "max_tokens": 2}')
+        assert status == 200 and headers["Access-Control-Allow-Origin"] == "https://ui.example"
+        assert headers["Access-Control-Allow-Credentials"] == "true" and "Origin" in headers["Vary"]
+    # '*' with credentials: the page's origin is echoed (browsers refuse '*' with credentials)
+    with serve_in_thread(gw_engine, GATEWAY_ARGS.replace(allow_credentials=True), port=0) as server:
+        status, headers, _ = raw(server.url + "/v1/models", headers={"Origin": "http://a.example"})
+        assert status == 200 and headers["Access-Control-Allow-Origin"] == "http://a.example"
+
+
+@pytest.mark.parametrize(("kwargs", "flag", "says"), [
+    ({"allowed_origins": '["https://a.com/path"]'}, "--allowed-origins", "is not an origin"),
+    ({"allowed_origins": "a.com"}, "--allowed-origins", "is not an origin"),
+    ({"allowed_origins": '["https://a.com"'}, "--allowed-origins", "is not valid JSON"),
+    ({"allowed_origins": "[1]"}, "--allowed-origins", "JSON list of strings"),
+    ({"allowed_methods": "[]"}, "--allowed-methods", "names no method"),
+    ({"allowed_headers": "x trace"}, "--allowed-headers", "is not a header name"),
+])
+def test_cors_values_no_browser_could_match_are_refused(kwargs, flag, says):
+    with pytest.raises(ServerArgsError, match=says) as info:
+        ServerArgs(**kwargs)
+    assert info.value.flag == flag
+
+
+def test_cors_lists_in_either_form():
+    assert ServerArgs(allowed_origins=["https://a.com", "https://b.com"]) == \
+        ServerArgs(allowed_origins='["https://a.com", "https://b.com"]')  # Engine(...) / YAML lists
+    assert _serve("--allowed-origins", '["https://a.com"]').allowed_origins == '["https://a.com"]'
