@@ -3,7 +3,11 @@ text so far, token ids, logprobs, the finish reason — and the latency metrics 
 
 hide_output: prompt scoring (/v1/completions with echo and max_tokens 0). The engine generates at least
 one token, so the request asks for one; the choice then shows none of it and counts no completion
-tokens, as vLLM answers the same request."""
+tokens, as vLLM answers the same request.
+
+A choice that ends counts itself in the metrics (GatewayMetrics.finished); the n choices of one prompt,
+linked by group_choices, count the prompt once when the last of them ends (GatewayMetrics.finished_prompt:
+vLLM's n and max_num_generation_tokens of a parent request)."""
 
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ class ChoiceState:
         self.out = OutputAccumulator(req, tokenizer)
         self._last_token_at: float | None = None
         self.input_ranks: list[int | None] | None = None  # with the prompt's logprobs: each token's rank
+        self.group: ChoiceGroup | None = None  # the choices of its prompt (group_choices); None: not linked
 
     @property
     def finished(self) -> bool:
@@ -60,8 +65,16 @@ class ChoiceState:
         if o.input_token_ranks is not None:
             self.input_ranks = o.input_token_ranks
         if o.finished:
-            self.metrics.prompt_tokens.inc(self.out.usage[0])
+            self._count_finish()
         return "" if self.hide_output else text
+
+    def _count_finish(self) -> None:
+        prompt, generated = self.out.usage[0], self.out.usage[1]  # the engine's counts, a hidden token included
+        # Prompt scoring: the user asked max_tokens 0 (the engine's 1 is our doing), and vLLM counts no 0.
+        max_tokens = None if self.hide_output else self.req.sampling_params.max_new_tokens
+        self.metrics.finished(prompt, generated, max_tokens, self.finish_reason or "abort")
+        if self.group is not None:
+            self.group.finished(generated, self.metrics)
 
     # The accumulated answer, read by the route handlers.
     @property
@@ -158,6 +171,31 @@ class ChoiceState:
     @property
     def cached_tokens(self) -> int:
         return self.out.usage[2]
+
+
+class ChoiceGroup:
+    """The n choices of one prompt, until the last of them ends."""
+
+    __slots__ = ("n", "pending", "longest")
+
+    def __init__(self, n: int):
+        self.n, self.pending, self.longest = n, n, 0
+
+    def finished(self, generated: int, metrics: GatewayMetrics) -> None:
+        self.longest = max(self.longest, generated)
+        self.pending -= 1
+        if self.pending == 0:
+            metrics.finished_prompt(self.n, self.longest)
+
+
+def group_choices(choices: list[ChoiceState], n: int) -> None:
+    """Links each prompt's choices (they come n per prompt, prompt by prompt) into one ChoiceGroup."""
+    if n < 1 or len(choices) % n:
+        raise ValueError(f"{len(choices)} choices do not come in groups of n={n}")
+    for start in range(0, len(choices), n):
+        group = ChoiceGroup(n)
+        for c in choices[start:start + n]:
+            c.group = group
 
 
 def usage_info(choices: list[ChoiceState], n: int) -> UsageInfo:

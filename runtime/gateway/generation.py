@@ -21,7 +21,7 @@ from aiohttp import web
 from runtime.engine_client import EngineClient
 from runtime.errors import RequestAbortedError, ShoalError
 from runtime.gateway.body import read_body
-from runtime.gateway.choice_state import ChoiceState
+from runtime.gateway.choice_state import ChoiceState, group_choices
 from runtime.gateway.errors import ApiError, from_shoal_error
 from runtime.gateway.fan_in import OutputFanIn
 from runtime.gateway.protocol import encode
@@ -51,6 +51,7 @@ class Responder(ABC):
     """What a route makes of its choices: the whole answer, or the SSE events of each delta."""
 
     fail_on_engine_error = True  # OpenAI routes answer a failed choice with an error; /generate reports it
+    n = 1  # choices per prompt (the request's n): OpenAI's and /generate's responders set theirs
 
     @abstractmethod
     def body(self) -> Any:
@@ -105,6 +106,7 @@ class Generation(Generic[B]):
 
     async def respond(self, stream: bool, responder: Responder) -> web.StreamResponse:
         self.stamps.built = time.monotonic()
+        group_choices(self.choices, responder.n)  # n and the longest choice per prompt, for the metrics
         tracked = self.state.track(self.base_id, [c.req for c in self.choices])
         try:  # untrack also forgets an admitted request that never started (admission counts it waiting)
             await self.state.admit(self.client, [c.req for c in self.choices])
