@@ -44,9 +44,6 @@ async def classify(request: web.Request) -> web.Response:
     if sglang and body.request_id is not None:  # /encode's answer is named by SGLang's rid, never request_id
         raise bad_request("request_id goes with input / messages, vLLM's form; SGLang's names its request by rid",
                           param="request_id")
-    if sglang and body.cache_salt is not None:  # /encode's body has no salt: dropping it would share the cache
-        raise bad_request("cache_salt goes with input / messages, vLLM's form; SGLang's text / input_ids form "
-                          "takes none", param="cache_salt")
     if sglang:
         return await native_routes.encode_request(request)  # reads the same body as SGLang's EncodeRequest
     for name, value in (("dimensions", body.dimensions), ("encoding_format", body.encoding_format),

@@ -88,6 +88,7 @@ class EncodeRequest(Struct, kw_only=True):
     input_ids: list[Any] | None = None  # list[int] or list[list[int]], checked by the handler
     rid: str | list[str] | None = None  # a list: one per input of a batch (SGLang's); a string: the batch's base
     dimensions: Int64 | None = None
+    cache_salt: str | None = None  # as on /v1/embeddings: cached prefixes shared only within one salt
 
 
 class EncodeMetaInfo(Struct):

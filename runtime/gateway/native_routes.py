@@ -187,7 +187,7 @@ async def encode_request(request: web.Request) -> web.Response:
     prompts = PromptInput.parse(body.text if body.text is not None else body.input_ids, client.tokenizer.encode,
                                 param=param, allow_text=body.text is not None)
     base, rids = _encode_rids(body.rid, len(prompts.ids), prompts.batch, state.new_id("embd"))
-    reqs = embedding_requests(client, rids, prompts.ids, param)
+    reqs = embedding_requests(client, rids, prompts.ids, param, cache_salt=body.cache_salt)
     vectors = await run_admitted(state, client, base, reqs, arrival, param)
     latency = time.monotonic() - arrival
     out = [EncodeResponse(pooling.shorten(v, body.dimensions), EncodeMetaInfo(r.rid, len(r.input_ids), latency))

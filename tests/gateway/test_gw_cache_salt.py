@@ -22,12 +22,14 @@ def test_completions_share_cached_prefixes_only_within_a_salt(gw_url):
         assert status == 200, r
         return r["usage"]["prompt_tokens_details"]["cached_tokens"], [c["text"] for c in r["choices"]]
 
-    prompt = _prompt()
-    first, text = cached(prompt, "tenant-a")
+    # The prompt's fixed opening (and any fresh one's first token) may be cached unsalted by an earlier test.
+    assert http(gw_url + "/flush_cache", "POST")[0] == 200
+    prompt, a, b = _prompt(), f"tenant-a-{uuid.uuid4().hex}", f"tenant-b-{uuid.uuid4().hex}"
+    first, text = cached(prompt, a)
     assert first == 0
-    assert cached(prompt, "tenant-b")[0] == 0  # another tenant sees nothing of tenant-a's prompt
+    assert cached(prompt, b)[0] == 0  # another tenant sees nothing of tenant-a's prompt
     assert cached(prompt, None)[0] == 0  # nor does an unsalted request
-    again, text_again = cached(prompt, "tenant-a")
+    again, text_again = cached(prompt, a)
     assert again > 0 and text_again == text  # its own salt: the prefix is reused, the answer unchanged
 
 
