@@ -79,21 +79,29 @@ def _api_keys(argv: list[str]) -> list[str]:
 def _served_names(argv: list[str]) -> list[str]:
     """vLLM's `--served-model-name a b c` (nargs="+"): a is --served-model-name (the name responses carry), b
     and c go to --served-model-aliases (served too). Only once the model is named, or the first extra would
-    be MODEL."""
-    try:
-        at = argv.index("--served-model-name")
-    except ValueError:
+    be MODEL. As argparse in vLLM, the last occurrence wins whole: an earlier one (--config's YAML flags come
+    first) is dropped with its names, so its extras cannot linger as aliases or be read as MODEL."""
+    flag = "--served-model-name"
+    spans = []  # (start, end) of each occurrence and its names
+    for at, token in enumerate(argv):
+        if token.startswith(flag + "="):
+            spans.append((at, at + 1))
+        elif token == flag:
+            end = at + 2
+            while _model_named(argv, at) and end < len(argv) and not argv[end].startswith("-"):
+                end += 1
+            spans.append((at, end))
+    if not spans:
         return argv
-    has_model = _model_named(argv, at)
-    end = at + 2
-    while has_model and end < len(argv) and not argv[end].startswith("-"):
-        end += 1
+    at, end = spans[-1]
+    dropped = {i for s, e in spans[:-1] for i in range(s, e)}
+    kept = [t for i, t in enumerate(argv[:at]) if i not in dropped]
     extra = argv[at + 2:end]
     if not extra:
-        return argv
+        return [*kept, *argv[at:]]
     if any(t.partition("=")[0] == _ALIASES for t in argv):  # argparse would keep one list, dropping the other
         raise ServerArgsError(_ALIASES, "give the further names after --served-model-name or here, not both")
-    return [*argv[:at + 2], _ALIASES, *extra, *argv[end:]]
+    return [*kept, *argv[at:at + 2], _ALIASES, *extra, *argv[end:]]
 
 
 def _yaml_config(argv: list[str]) -> list[str]:

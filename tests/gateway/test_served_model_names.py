@@ -84,3 +84,24 @@ def test_the_names_travel_to_a_ray_actor():
     assert args.served_model_aliases == ("b", "c")
     assert pickle.loads(pickle.dumps(args)) == args
     assert msgspec.json.decode(msgspec.json.encode(args), type=ServerArgs) == args
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--config", "one.yaml", "--served-model-name", "a", "b"], ("a", ("b",))),  # the command line wins
+    (["--config", "two.yaml", "--served-model-name", "c"], ("c", None)),  # YAML's y does not linger
+    (["--served-model-name", "a", "b", "--served-model-name", "c"], ("c", None)),
+    (["--served-model-name", "a", "--served-model-name", "c", "d"], ("c", ("d",))),
+    (["--served-model-name", "a", "b", "--served-model-name=c"], ("c", None)),
+    (["--served-model-name", "a", "b", "c", "--seed", "1"], ("a", ("b", "c"))),
+])
+def test_the_last_served_model_name_wins_whole(argv, names, tmp_path, monkeypatch):
+    """As argparse keeps vLLM's nargs="+" list: the last occurrence, all of its names, and nothing of any
+    earlier one (--config's YAML flags come first)."""
+    from runtime.cli import build_parser, server_args
+    from runtime.vllm_argv import vllm_values
+
+    (tmp_path / "one.yaml").write_text("served-model-name: x\n")
+    (tmp_path / "two.yaml").write_text("served-model-name: [x, y]\n")
+    monkeypatch.chdir(tmp_path)
+    args = server_args(build_parser().parse_args(vllm_values(["serve", "/m", *argv])))
+    assert (args.served_model_name, args.served_model_aliases) == names
