@@ -3,10 +3,12 @@
 
     127.0.0.1 "POST /v1/chat/completions HTTP/1.1" 200 chatcmpl-1f0c...-0 532.4 ms
 
-the status (499: the client went away first), the request's id (its first engine request's rid, which
-starts with the response id the client got; else its X-Request-Id; else '-') and the time to the answer's
-last byte. --disable-access-log (vLLM: --disable-uvicorn-access-log) turns it off, and vLLM's
---disable-access-log-for-endpoints /health,/metrics leaves those paths out.
+the status (499, nginx's: the client went away first: before a whole answer was written, or before a
+stream's last event), the request's id (its first engine request's rid, which starts with the response id
+the client got; else its X-Request-Id where it has a client id's form (request_ids.py), so a caller cannot
+forge fields or lines with it; else '-') and the time to the answer's last byte (the middleware writes a
+whole answer itself, to time that). --disable-access-log (vLLM: --disable-uvicorn-access-log) turns it
+off, and vLLM's --disable-access-log-for-endpoints /health,/metrics leaves those paths out.
 
 Its middleware is the outermost: it also opens the Exchange, the record of one HTTP request that the
 engine's view (request_log.py) notes each engine request on."""
@@ -23,6 +25,8 @@ from aiohttp import web
 
 from runtime.config import ServerArgs
 from runtime.gateway.http_site import ROOT_PATH_KEY
+from runtime.gateway.request_ids import well_formed_id
+from runtime.gateway.sse import is_disconnected, stream_ended
 from runtime.http_flags import quiet_paths
 
 logger = logging.getLogger("shoal.access")
@@ -64,7 +68,7 @@ class AccessLog:
             status = 500  # an exception the inner middleware did not turn into an answer
             try:
                 response = await handler(request)
-                status = response.status
+                status = await _written(request, response)
                 return response
             except web.HTTPException as e:  # a redirect the inner middleware passes on
                 status = e.status
@@ -89,7 +93,24 @@ class AccessLog:
     @staticmethod
     def _log(request: web.Request, status: int, exchange: Exchange, elapsed_s: float) -> None:
         header = request.headers.get("X-Request-Id")
-        rid = exchange.rids[0] if exchange.rids else header[:256] if header and header.isprintable() else "-"
+        # Engine rids are made of checked ids only (request_ids.py, the /generate and /encode rid checks).
+        rid = exchange.rids[0] if exchange.rids else header if header and well_formed_id(header) else "-"
         version = f"{request.version.major}.{request.version.minor}"
         logger.info('%s "%s %s HTTP/%s" %d %s %.1f ms', request.remote or "-", request.method, request.path_qs,
                     version, status, rid, elapsed_s * 1000)
+
+
+async def _written(request: web.Request, response: web.StreamResponse) -> int:
+    """The status the client got: response's once the whole answer is written (here for an answer the handler
+    left unsent, as aiohttp would write it right after, so the line comes after its last byte), else 499: the
+    client left before it, or before a stream's last event (a 503 or a cut stream to the handler)."""
+    if response.prepared:  # a stream: the handler wrote it
+        return response.status if stream_ended(response) is not False else CLIENT_GONE
+    if is_disconnected(request):
+        return CLIENT_GONE
+    try:
+        await response.prepare(request)
+        await response.write_eof()
+    except ConnectionError:  # aiohttp's write_eof after this one finds the same and gives up quietly
+        return CLIENT_GONE
+    return response.status

@@ -70,7 +70,7 @@ from runtime.admin_messages import (
 from runtime.errors import InvalidRequestError, ShoalError
 from runtime.gateway.body import read_optional_body
 from runtime.gateway.errors import ApiError, bad_request, from_shoal_error, not_supported
-from runtime.gateway.native_routes import health
+from runtime.gateway.health_routes import health
 from runtime.gateway.openai_chat import chat_completions
 from runtime.gateway.openai_completions import completions
 from runtime.gateway.openai_embeddings import embeddings

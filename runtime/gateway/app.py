@@ -23,6 +23,7 @@ from runtime.gateway import (
     classify_routes,
     dashboard_routes,
     debug_routes,
+    health_routes,
     load_routes,
     lora_routes,
     native_routes,
@@ -34,6 +35,7 @@ from runtime.gateway.access_log import AccessLog
 from runtime.gateway.api_keys import ApiKeys
 from runtime.gateway.cors import Cors
 from runtime.gateway.errors import ApiError, from_http_exception, from_shoal_error
+from runtime.gateway.health_probe import HEALTH_PROBE_KEY, HealthProbe
 from runtime.gateway.openai_chat import chat_completions
 from runtime.gateway.openai_completions import completions
 from runtime.gateway.openai_embeddings import embeddings, health_embed, pooling
@@ -102,8 +104,9 @@ async def _echo_request_id(request: web.Request, response: web.StreamResponse) -
         response.headers[_REQUEST_ID] = value
 
 
-async def _stop_samplers(app: web.Application) -> None:
+async def _stop_background_tasks(app: web.Application) -> None:
     app[STATE_KEY].admission.loop_lag.stop()
+    await app[HEALTH_PROBE_KEY].close()
 
 
 def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) -> web.Application:
@@ -113,8 +116,9 @@ def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) 
     middlewares = [AccessLog(args).middleware(), _middleware(api_keys, cors)]
     app = web.Application(client_max_size=args.max_request_bytes, middlewares=middlewares)
     app[STATE_KEY] = GatewayState(client_provider, args)
+    app[HEALTH_PROBE_KEY] = HealthProbe()  # /health_generate's check, shared by its callers
     _log_settings(args, len(api_keys))
-    app.on_cleanup.append(_stop_samplers)
+    app.on_cleanup.append(_stop_background_tasks)
     app.on_response_prepare.append(_echo_request_id)
     if cors.enabled:
         app.on_response_prepare.append(cors.on_prepare)
@@ -134,8 +138,8 @@ def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) 
     app.router.add_post("/generate", _generation(native_routes.generate))
     app.router.add_post("/encode", native_routes.encode_request)
     app.router.add_post("/abort_request", native_routes.abort_request)
-    app.router.add_get("/health", native_routes.health)
-    app.router.add_get("/health_generate", _generation(native_routes.health_generate, health_embed))
+    app.router.add_get("/health", health_routes.health)
+    app.router.add_get("/health_generate", _generation(health_routes.health_generate, health_embed))
     app.router.add_get("/version", native_routes.version)
     app.router.add_get("/metrics", native_routes.metrics)
     app.router.add_post("/v1/load_lora_adapter", lora_routes.vllm_load)  # LoRA adapters at run time
@@ -163,7 +167,8 @@ def _log_settings(args: ServerArgs, keys: int) -> None:
                     "/health*, /metrics, /ping, /version and /dashboard", keys, "s" if keys > 1 else "")
     if args.enable_log_requests:
         cut = "in full" if args.max_log_len is None else f"up to {args.max_log_len} characters"
-        logger.info("logging each request's prompt (%s) and sampling params (--enable-log-requests)", cut)
+        logger.info("logging each request's sampling params at INFO and its prompt (%s) at DEBUG, on logger "
+                    "shoal.requests (--enable-log-requests)", cut)
     elif args.max_log_len is not None:
         logger.warning("--max-log-len %d has no effect without --enable-log-requests", args.max_log_len)
 

@@ -10,7 +10,8 @@ still there and answers 0, as here.
 GET /get_load, SGLang's: a list, one entry per replica (SGLang's DP rank) that is up: dp_rank, num_reqs
 (running + waiting), num_waiting_reqs, num_tokens (KV slots held by running requests + prompt tokens still
 to prefill: SGLang's num_total_tokens), num_pending_tokens (those prompt tokens alone) and ts_tic
-(time.perf_counter() as answered). From the engine's stats, so a 503 while the engine is not ready."""
+(time.perf_counter() as answered). From the engine's stats, so a 503 engine_not_ready while the engine is not
+ready, and while no replica is up (an empty list would read as an idle server to a router)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import msgspec
 from aiohttp import web
 
 from runtime.errors import ShoalError
-from runtime.gateway.errors import from_shoal_error
+from runtime.gateway.errors import ApiError, from_shoal_error
 from runtime.gateway.protocol import encode
 from runtime.gateway.state import STATE_KEY, GatewayState
 from runtime.messages import SchedulerStats
@@ -68,8 +69,10 @@ async def get_load(request: web.Request) -> web.Response:
     except ShoalError as e:
         raise from_shoal_error(e) from None
     now = time.perf_counter()
-    return web.Response(body=encode([replica_load(i, s, now) for i, s in enumerate(replicas) if s is not None]),
-                        content_type="application/json")
+    up = [replica_load(i, s, now) for i, s in enumerate(replicas) if s is not None]
+    if not up:
+        raise ApiError(503, f"not ready: none of the {len(replicas)} replicas is up", code="engine_not_ready")
+    return web.Response(body=encode(up), content_type="application/json")
 
 
 def add_routes(app: web.Application) -> None:

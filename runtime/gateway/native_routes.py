@@ -1,6 +1,6 @@
 """The non-OpenAI routes: SGLang-style POST /generate, POST /encode (an embedding server's), POST
-/abort_request, GET /health, GET /health_generate, GET /metrics, and OpenAI's GET /v1/models and
-GET /v1/models/{model}.
+/abort_request, GET /metrics, and OpenAI's GET /v1/models and GET /v1/models/{model} (the health routes:
+health_routes.py).
 
 /generate streams like SGLang: every event carries the whole text and output_ids so far (not a delta)
 with meta_info, whose finish_reason is null until the last event; then `data: [DONE]`. As SGLang's:
@@ -12,9 +12,9 @@ top_logprobs_num)."""
 
 from __future__ import annotations
 
-import asyncio
 import importlib.metadata
 import logging
+import re
 import time
 from typing import Any
 
@@ -22,12 +22,11 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from runtime.engine_client import EngineHealth
-from runtime.errors import InvalidRequestError, ShoalError
+from runtime.errors import InvalidRequestError
 from runtime.gateway.body import read_body
 from runtime.gateway.choice_state import ChoiceState
 from runtime.gateway.embeddings_protocol import EncodeMetaInfo, EncodeRequest, EncodeResponse
-from runtime.gateway.errors import ApiError, bad_request, from_shoal_error
+from runtime.gateway.errors import bad_request, from_shoal_error
 from runtime.gateway.generation import Generation, Responder
 from runtime.gateway.openai_embeddings import embedding_requests, pooling_of, run_admitted
 from runtime.gateway.openai_responder import score_prompts_once
@@ -42,17 +41,28 @@ from runtime.gateway.protocol import (
     ModelList,
     encode,
 )
-from runtime.gateway.state import STATE_KEY, GatewayState
+from runtime.gateway.request_ids import ID_RULE, well_formed_id
+from runtime.gateway.state import STATE_KEY
 from runtime.messages import GenerateRequest, RequestOutput
 from runtime.sampling.params import SamplingParams
 
 logger = logging.getLogger("shoal.gateway")
 
-_HEALTH_GENERATE_TIMEOUT_S = 30.0
-
-
 def _json(obj: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=encode(obj), content_type="application/json")
+
+
+# /abort_request's rid may also be an engine rid made from a client's id, longer by its prefix and suffixes
+# (chatcmpl-<id>-<8 hex>-<k>); visible ASCII either way, as the logs print it.
+_ABORTABLE = re.compile(r"[\x21-\x7e]{1,512}")
+
+
+def _check_rid(rid: str, abort: bool = False) -> str:
+    """A client's rid, as request_ids.py takes a client's id: the logs print it and engine rids start with it."""
+    if not (_ABORTABLE.fullmatch(rid) if abort else well_formed_id(rid)):
+        rule = "1-512 visible ASCII characters (no spaces)" if abort else ID_RULE
+        raise bad_request(f"rid must be {rule}, got {rid[:64]!r}", param="rid")
+    return rid
 
 
 def _check_int64(sampling: dict[str, Any] | None) -> None:
@@ -120,12 +130,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
             params.validate()
     except InvalidRequestError as e:
         raise from_shoal_error(e) from None
-    base = body.rid or state.new_id("gen")
+    base = _check_rid(body.rid) if body.rid is not None else state.new_id("gen")
     lora = (state.adapter_of(body.lora_name, "lora_name") if body.lora_name is not None
             else state.adapter_of(body.lora_path, "lora_path"))
     several = prompts.batch or n > 1
     reqs = []
-    for p, ids in enumerate(prompts.ids):
+    for p, prompt in enumerate(prompts.ids):
+        ids = tuple(prompt)  # one tuple for the prompt's n choices: the request log logs it once
         # From the last position on there is nothing to score (its logprob is null): only an earlier start asks
         scored = body.return_logprob and -1 < start < len(ids) - 1
         for j in range(n):
@@ -199,13 +210,15 @@ def _encode_rids(rid: str | list[str] | None, n: int, batch: bool, fresh: str) -
     """(the tracking id, each input's rid) for /encode: a list names each input (SGLang's batch form), a
     string is the single input's rid or a batch's base (suffixed -i), None a fresh one."""
     if not isinstance(rid, list):
-        base = rid or fresh
+        base = fresh if rid is None else _check_rid(rid)
         return base, [f"{base}-{i}" for i in range(n)] if batch else [base]
     if len(rid) != n:
         raise bad_request(f"rid lists {len(rid)} ids for {n} input{'s' if n != 1 else ''}: give one per input",
                           param="rid")
-    if not all(rid) or len(set(rid)) != n:
-        raise bad_request("rid's ids must be non-empty and distinct", param="rid")
+    for r in rid:
+        _check_rid(r)
+    if len(set(rid)) != n:
+        raise bad_request("rid's ids must be distinct", param="rid")
     return (rid[0] if n == 1 else fresh), list(rid)  # /abort_request finds each input by its own rid
 
 
@@ -234,93 +247,11 @@ async def abort_request(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     body = await read_body(request, AbortRequestBody)
     client = state.client()
-    rids = state.rids_of(body.rid)  # a response id, an X-Request-Id, or one engine request's rid
+    # A response id, an X-Request-Id, or one engine request's rid
+    rids = state.rids_of(_check_rid(body.rid, abort=True))
     for rid in rids:
         await client.abort(rid)
     return _json({"aborted": rids})
-
-
-async def health(request: web.Request) -> web.Response:
-    """200 while the engine serves; 503 {"status": "unhealthy", "reason"} once it cannot (EngineClient.health: its
-    steps keep failing or met a dead device, as vLLM's /health after EngineDeadError; on Ray, no replica left to
-    serve), so a liveness probe restarts the server; 503 engine_not_ready while it starts or shuts down."""
-    state = request.app[STATE_KEY]
-    down = _unhealthy(state)
-    if down is not None:
-        return _json({"status": "unhealthy", "reason": down.reason}, status=503)
-    client = state.current_client()
-    if client is None:
-        raise ApiError(503, "not ready: the engine is starting or shutting down", code="engine_not_ready")
-    routing = client.routing_stats()
-    if routing is None or not routing.alive:
-        return _json({"status": "ok"})
-    # Still 200 while any replica serves (a load balancer should keep sending here); the body tells a probe
-    # or an operator that some replica is down or relaunching.
-    up = sum(routing.alive)
-    status = "ok" if up == len(routing.alive) else "degraded"
-    return _json({"status": status, "replicas_up": up, "replicas": len(routing.alive)})
-
-
-def _unhealthy(state: GatewayState) -> EngineHealth | None:
-    """The engine's health when it says it cannot serve, asked even when it is not ready (on Ray, not ready
-    means no replica is live: the reason says why); None while it can, loads, or shuts down."""
-    client = None if state.shutting_down else state.provider()
-    if client is None:
-        return None
-    try:
-        health = client.health()
-    except Exception:  # cannot tell: readiness decides (a false 503 would have a probe restart a good server)
-        logger.warning("could not read the engine's health", exc_info=True)
-        return None
-    return None if health.healthy else health
-
-
-async def health_generate(request: web.Request) -> web.Response:
-    """Ready and able to generate: runs one greedy token (an unhealthy engine answers 503 with its reason
-    without one). While generation is paused (/pause_generation) a probe would wait for
-    /continue_generation, so it answers 200 without one, as SGLang's: a paused engine is healthy (its body
-    says paused)."""
-    state = request.app[STATE_KEY]
-    down = _unhealthy(state)
-    if down is not None:
-        raise ApiError(503, f"generation check failed: the engine is unhealthy: {down.reason}", code="unhealthy")
-    client = state.client()
-    paused = await _paused_replicas(client)
-    if paused:
-        return _json({"status": "ok", "generation": "paused",
-                      "message": f"generation is paused on {paused} scheduler{'s' if paused != 1 else ''} "
-                                 "(/pause_generation): no probe was run; /continue_generation resumes it"})
-    ids = [0] if getattr(client.tokenizer, "is_null", False) else client.tokenizer.encode("ping") or [0]
-    req = GenerateRequest(rid=state.new_id("health"), input_ids=ids,
-                          sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))
-
-    async def one_token() -> str | None:
-        async for out in client.stream(client.validate(req)):
-            if out.finished:
-                fr = out.finish_reason
-                return fr.message if fr is not None and fr.kind == "error" else None
-        return "the stream ended without finishing"
-
-    try:
-        error = await asyncio.wait_for(one_token(), _HEALTH_GENERATE_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        error = f"no token within {_HEALTH_GENERATE_TIMEOUT_S:.0f} s"
-    except ShoalError as e:
-        error = str(e)
-    if error is not None:
-        raise ApiError(503, f"generation check failed: {error}", code="unhealthy")
-    return _json({"status": "ok"})
-
-
-async def _paused_replicas(client: Any) -> int:
-    """How many schedulers say they are paused (their stats); 0 when the stats cannot be read: the probe then
-    finds out what is wrong."""
-    try:
-        stats = await client.stats()
-    except Exception:
-        logger.debug("could not read scheduler stats for /health_generate", exc_info=True)
-        return 0
-    return getattr(stats, "paused_replicas", 0)
 
 
 async def metrics(request: web.Request) -> web.Response:

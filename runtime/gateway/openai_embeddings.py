@@ -11,7 +11,9 @@ the generation routes on an embedding server likewise (runtime/gateway/app.py).
 An embedding batch goes through the gateway's admission as a generation's choices do (run_admitted): each
 input counts against --max-concurrent-requests (429), the queue estimate may refuse it (429 with
 Retry-After), it is tracked (so /abort_request and the shutdown drain see it, which answers it 503), and
-each input's end counts in the metrics (requests, end-to-end latency, queue time, prompt tokens).
+each input's end counts in the metrics as a finished request of n=1 that generated nothing (vLLM's series
+of finished requests count pooling requests so: request_success by reason, request_prompt_tokens, params_n;
+no max_tokens), beside end-to-end latency and queue time.
 
 cache_salt (vLLM's) is honoured as on chat: an embedding server pooling the last token keeps a prefix cache
 (a match never covers the last position, which every prefill computes), so its inputs share cached prefix KV
@@ -45,6 +47,7 @@ from runtime.gateway.embeddings_protocol import (
     PoolingResponse,
 )
 from runtime.gateway.errors import ApiError, bad_request
+from runtime.gateway.health_probe import HEALTH_PROBE_KEY
 from runtime.gateway.protocol import encode
 from runtime.gateway.state import STATE_KEY, GatewayState
 from runtime.messages import GenerateRequest, RequestOutput
@@ -96,17 +99,25 @@ async def _pooled(request: web.Request, prefix: str) -> tuple[str, str, list[lis
 
 
 async def health_embed(request: web.Request) -> web.Response:
-    """/health_generate on an embedding server: ready and able to embed (one short input)."""
+    """/health_generate on an embedding server: ready and able to embed (one short input); the check is shared
+    by concurrent callers and reused for a second, as /health_generate's (health_probe.py)."""
     state = request.app[STATE_KEY]
     client = state.client()
-    ids = client.tokenizer.encode("ping") or [0]
+    error = await request.app[HEALTH_PROBE_KEY].result(lambda: _embed_check(state, client))
+    if error is not None:
+        raise ApiError(503, f"embedding check failed: {error}", code="engine_unhealthy")
+    return web.Response(body=encode({"status": "ok"}), content_type="application/json")
+
+
+async def _embed_check(state: GatewayState, client: EngineClient) -> str | None:
+    """None once one short input was embedded, else why it was not."""
     try:
+        ids = client.tokenizer.encode("ping") or [0]
         await asyncio.wait_for(run_embeddings(client, [client.validate(
             embedding_request(state.new_id("health"), ids, client.context_len))]), 20.0)
     except (asyncio.TimeoutError, ApiError, InvalidRequestError) as e:
-        raise ApiError(503, f"embedding check failed: {getattr(e, 'message', None) or type(e).__name__}",
-                       code="unhealthy") from None
-    return web.Response(body=encode({"status": "ok"}), content_type="application/json")
+        return getattr(e, "message", None) or type(e).__name__
+    return None
 
 
 def pooling_of(client: EngineClient) -> PoolingConfig:
@@ -189,14 +200,17 @@ def _check_batch_size(state: GatewayState, n: int, param: str) -> None:
 
 def _metrics_hook(state: GatewayState, arrival: float) -> OutputHook:
     """What ChoiceState counts for a generated choice, for an input: it started (admission's queue and
-    start rate), then its end (request count and e2e latency, queue time, prompt tokens)."""
+    start rate), then its end: e2e latency, queue time, and through finished() (which counts its prompt
+    tokens) a finished request as vLLM counts a pooling one: n=1, nothing generated, no max_tokens."""
     def seen(req: GenerateRequest, out: RequestOutput) -> None:
         state.admission.started(req.rid)
         if out.finished:
             m = state.metrics
             m.queue_time.observe(max(out.queue_time_s, 0.0))
             m.e2e.observe(time.monotonic() - arrival)
-            m.prompt_tokens.inc(len(req.input_ids))
+            reason = out.finish_reason.openai_reason() if out.finish_reason is not None else "abort"
+            m.finished(len(req.input_ids), 0, None, reason)
+            m.finished_prompt(1, 0)
     return seen
 
 

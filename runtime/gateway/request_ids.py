@@ -27,6 +27,13 @@ from runtime.gateway.errors import bad_request
 RETIRED_ID_S = 30.0  # a client's id stays taken this long after its handler returned (_clashes)
 # Visible ASCII, bounded: the id is repeated in every chunk of a stream, and the header is echoed back.
 _FORM = re.compile(r"[\x21-\x7e]{1,256}")
+ID_RULE = "1-256 visible ASCII characters (no spaces)"  # _FORM in words, for the 400s that name it
+
+
+def well_formed_id(value: str) -> bool:
+    """Whether value has the form of a client's id (_FORM): what the logs may print as sent, as nothing in
+    it can end a line or forge a field."""
+    return _FORM.fullmatch(value) is not None
 
 
 def _choice_of(rid: str, base: str) -> bool:

@@ -2,13 +2,15 @@
 --enable-log-requests (vLLM's, off by default as there) each prompt is logged once, on logger `shoal.requests`,
 as vLLM's RequestLogger does: at INFO
 
-    Received request chatcmpl-1f0c...-0: params: SamplingParams(max_new_tokens=64, temperature=0.0),
+    Received request 'chatcmpl-1f0c...-0': params: SamplingParams(max_new_tokens=64, temperature=0.0),
     prompt_tokens: 12, lora: None
 
 (the sampling params that differ from their defaults), and at DEBUG (prompts are user data) the prompt as the
-model reads it (chat template applied, special tokens shown), cut to --max-log-len characters. The n choices
-of one prompt share it, so they are logged once, by their first rid. Every engine request's rid is also noted on the HTTP
-request's Exchange: the access log names the request by it."""
+model reads it (chat template applied, special tokens shown), cut to --max-log-len characters. The rid is
+quoted (repr) as the prompt is: a client names it, and no character of it may end the line. The n choices of
+one prompt share one input_ids tuple (the routes build it once per prompt), so they are logged once, by
+their first rid. Every engine request's rid is also noted on the HTTP request's Exchange: the access log
+names the request by it."""
 
 from __future__ import annotations
 
@@ -21,7 +23,6 @@ from runtime.messages import GenerateRequest
 from runtime.sampling.params import SamplingParams
 
 logger = logging.getLogger("shoal.requests")
-
 
 
 class RequestLog:
@@ -40,10 +41,10 @@ class RequestLog:
                 return
             exchange.prompts.append(req.input_ids)
         params = "embedding" if req.embed else _changed(req.sampling_params)
-        logger.info("Received request %s: params: %s, prompt_tokens: %d, lora: %s", req.rid, params,
+        logger.info("Received request %r: params: %s, prompt_tokens: %d, lora: %s", req.rid, params,
                     len(req.input_ids), req.lora_name)
         if logger.isEnabledFor(logging.DEBUG):  # prompts are user data: at DEBUG only, as vLLM logs them
-            logger.debug("Request %s prompt: %r", req.rid, self._prompt(client, req.input_ids))
+            logger.debug("Request %r prompt: %r", req.rid, self._prompt(client, req.input_ids))
 
     def _prompt(self, client: EngineClient, ids: tuple[int, ...]) -> str | list[int]:
         """The prompt's text, cut to --max-log-len characters (its ids, so cut, where there is no tokenizer)."""

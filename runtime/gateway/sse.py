@@ -4,7 +4,9 @@ delta comes. Two framings: completions and chat send `data: {json}\n\n` per even
 (`event: response.output_text.delta\ndata: {json}\n\n`) and just ends (send_typed, end), as OpenAI and
 vLLM do; the caller gives the name, which it has from the event before encoding it (reading it back
 from the bytes would decode every event again, response.completed's whole Response among them). A write
-to a client that went away raises RequestAbortedError, so the caller stops generating for it."""
+to a client that went away raises RequestAbortedError, so the caller stops generating for it. The response
+notes whether the stream reached its end (its last event written: stream_ended), which the access log reads:
+a stream cut off before it is logged 499."""
 
 from __future__ import annotations
 
@@ -14,10 +16,18 @@ from runtime.errors import RequestAbortedError, ShoalError
 from runtime.gateway.errors import ApiError, from_shoal_error
 from runtime.gateway.protocol import encode
 
+# On an SSE response: whether its last event was written (an aiohttp ResponseKey: made once, holds nothing).
+_ENDED = web.ResponseKey("shoal_stream_ended", bool)
+
 
 def is_disconnected(request: web.Request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
+
+
+def stream_ended(response: web.StreamResponse) -> bool | None:
+    """Whether the SseWriter of response wrote its last event; None: response is no SseWriter's."""
+    return response.get(_ENDED)
 
 
 class SseWriter:
@@ -26,6 +36,7 @@ class SseWriter:
         self.response = web.StreamResponse(status=200, headers={
             "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
             "Connection": "keep-alive", "X-Accel-Buffering": "no"})
+        self.response[_ENDED] = False
         self.started = False
 
     async def start(self) -> None:
@@ -50,6 +61,8 @@ class SseWriter:
         await self._write(b"event: " + name.encode() + b"\ndata: " + payload + b"\n\n")
 
     async def end(self) -> web.StreamResponse:
+        """After the last event (finish's [DONE], the Responses API's last event, an error event)."""
+        self.response[_ENDED] = True
         try:
             await self.response.write_eof()
         except (ConnectionError, RuntimeError):

@@ -2,19 +2,23 @@
 uvicorn's in vLLM, off with --disable-access-log / vLLM's --disable-uvicorn-access-log, paths left out with
 --disable-access-log-for-endpoints) and --enable-log-requests (each prompt once: its sampling params at INFO
 and, at DEBUG, the prompt as the model reads it, cut to --max-log-len), and their vLLM flags on the command
-line."""
+line. A client that leaves before its whole answer (or a stream's last event) is logged 499."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+import socket
+import time
 from collections.abc import Iterator
 
 import pytest
-from gw_helpers import GATEWAY_ARGS, http
+from gw_helpers import GATEWAY_ARGS, http, slow_steps, wait_kv_full
 
 from runtime.cli import build_parser, server_args
 from runtime.errors import ServerArgsError
+from runtime.gateway.app import build_app
 from runtime.gateway.server import serve_in_thread
 
 _LINE = re.compile(r'(\S+) "(\w+) (\S+) HTTP/1\.1" (\d{3}) (\S+) (\d+\.\d) ms')
@@ -79,13 +83,67 @@ def test_access_and_request_lines(gw_engine, lines):
     # Each prompt once (the n=2 choices share it): its params at INFO; at DEBUG (user data, as vLLM logs it)
     # the prompt as the model reads it, cut to --max-log-len characters.
     received = lines["shoal.requests"].messages
-    assert len(received) == 4 and received[0].startswith("Received request cmpl-trace-7-0: params: ")
+    assert len(received) == 4 and received[0].startswith("Received request 'cmpl-trace-7-0': params: ")
     ids = gw_engine.tokenizer.encode(prompt)
     expected = gw_engine.tokenizer.decode(ids, skip_special_tokens=False)[:12]
-    assert received[1] == f"Request cmpl-trace-7-0 prompt: {expected!r}"
+    assert received[1] == f"Request 'cmpl-trace-7-0' prompt: {expected!r}"
     assert f"prompt_tokens: {len(ids)}, " in received[0] and prompt not in received[0]
     assert "params: SamplingParams(max_new_tokens=3, temperature=0.0)" in received[0]
-    assert received[2].startswith("Received request chatcmpl-") and received[3].startswith("Request chatcmpl-")
+    assert received[2].startswith("Received request 'chatcmpl-") and received[3].startswith("Request 'chatcmpl-")
+
+
+def test_generate_choices_logged_once(gw_engine, lines):
+    """/generate's n choices of a prompt are logged once (by the first's rid); each prompt of a batch is logged,
+    equal prompts too (they are two prompts)."""
+    with serve_in_thread(gw_engine, GATEWAY_ARGS.replace(enable_log_requests=True), port=0) as server:
+        for body in ({"text": "hello there", "rid": "one", "sampling_params": {"n": 3, "max_new_tokens": 2}},
+                     {"input_ids": [[1, 2, 3], [1, 2, 3]], "rid": "two",
+                      "sampling_params": {"n": 2, "max_new_tokens": 1}}):
+            assert http(server.url + "/generate", "POST", body)[0] == 200
+    received = [m.split(":")[0] for m in lines["shoal.requests"].messages if m.startswith("Received")]
+    assert received == ["Received request 'one-0'", "Received request 'two-0'", "Received request 'two-2'"]
+
+
+def test_log_requests_setting_says_where_prompts_go(caplog):
+    with caplog.at_level(logging.INFO, logger="shoal.gateway"):
+        build_app(lambda: None, GATEWAY_ARGS.replace(enable_log_requests=True, max_log_len=9))
+    [said] = [r.getMessage() for r in caplog.records if "--enable-log-requests" in r.getMessage()]
+    assert "sampling params at INFO" in said and "prompt (up to 9 characters) at DEBUG" in said
+
+
+def _leave_early(port: int, body: dict, read_first: bool) -> None:
+    """POSTs /v1/completions on a raw socket and closes it: after the stream's first bytes, or at once."""
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+        got = b""
+        while read_first and b"data: " not in got:  # the headers come first, then the first event
+            chunk = sock.recv(4096)
+            assert chunk, got
+            got += chunk
+
+
+def test_client_gone_is_499(gw_engine, lines, monkeypatch):
+    """nginx's 499 when the client leaves first: a stream cut after its first event (its handler returns a
+    200 response it could not finish), and a whole answer it left before (the handler's 503: aborted)."""
+    slow_steps(gw_engine, monkeypatch, 0.05)  # 40 tokens: 2 s unless the request is aborted
+    body = {"prompt": "hi", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    with serve_in_thread(gw_engine, GATEWAY_ARGS, port=0) as server:
+        port = int(server.url.rsplit(":", 1)[1])
+        start = time.monotonic()
+        _leave_early(port, {**body, "stream": True}, read_first=True)
+        _leave_early(port, body, read_first=False)
+        while len(lines["shoal.access"].messages) < 2:
+            assert time.monotonic() - start < 10, lines["shoal.access"].messages
+            time.sleep(0.02)
+        assert time.monotonic() - start < 1.8  # both aborted, not run to their end
+        status, done = http(server.url + "/v1/completions", "POST", {**body, "max_tokens": 2, "stream": True})
+        assert status == 200 and done.rstrip().endswith("[DONE]")
+    access = _access(lines)
+    assert [a[:3] for a in access] == [("POST", "/v1/completions", 499)] * 2 + [("POST", "/v1/completions", 200)]
+    assert all(a[3].startswith("cmpl-") for a in access)
+    wait_kv_full(gw_engine)
 
 
 def test_access_log_off(gw_engine, lines):

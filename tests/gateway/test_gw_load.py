@@ -1,7 +1,7 @@
 """Load routes: vLLM's GET /load ({"server_load": HTTP requests in flight on the model's routes, 0 without
 --enable-server-load-tracking}) and SGLang's GET /get_load (one entry per replica that is up: its running and
-waiting requests, KV held plus prompt tokens to prefill, and the latter alone). Checked on a small app with
-only the routes they need, against the live tiny-Llama engine, and on the real app."""
+waiting requests, KV held plus prompt tokens to prefill, and the latter alone; 503 when none is). Checked on
+a small app with only the routes they need, against the live tiny-Llama engine, and on the real app."""
 
 from __future__ import annotations
 
@@ -129,6 +129,15 @@ def test_get_load_per_replica(serve):
         {"dp_rank": 0, "num_reqs": 5, "num_waiting_reqs": 2, "num_tokens": 850, "num_pending_tokens": 150},
         {"dp_rank": 2, "num_reqs": 1, "num_waiting_reqs": 0, "num_tokens": 40, "num_pending_tokens": 0}]
     assert before <= body[0]["ts_tic"] == body[1]["ts_tic"] <= time.perf_counter()  # one clock, this process's
+
+
+def test_get_load_with_every_replica_down():
+    """No replica up is not an idle server (a router would send there): 503 engine_not_ready, as while loading
+    (the real app: its middleware answers the error)."""
+    with serve_in_thread(lambda: _Replicas([None, None]), GATEWAY_ARGS, port=0) as h:
+        status, body = http(h.url + "/get_load")
+    assert status == 503 and body["error"]["code"] == "engine_not_ready", body
+    assert "none of the 2 replicas is up" in body["error"]["message"]
 
 
 def test_get_load_of_the_engine(serve, gw_engine, monkeypatch):

@@ -1,16 +1,21 @@
 """vLLM's series of finished requests on /metrics (its Grafana dashboard's length heatmaps and finish reason
 panel): vllm:request_prompt_tokens, _generation_tokens, _params_max_tokens, _max_num_generation_tokens,
 _params_n and vllm:request_success by finished_reason, with vLLM's labels and buckets
-(build_1_2_5_buckets(max_model_len); n's own), read from shoal:* series of the same values."""
+(build_1_2_5_buckets(max_model_len); n's own), read from shoal:* series of the same values; pooling
+requests (embeddings, /encode) among them, as vLLM counts them."""
 
 from __future__ import annotations
 
 import urllib.request
+from collections.abc import Iterator
 
 import pytest
+from gw_helpers import GATEWAY_ARGS, http
 from prometheus_client.parser import text_string_to_metric_families
 
+from runtime import Engine
 from runtime.gateway.metrics import GatewayMetrics
+from runtime.gateway.server import serve_in_thread
 
 INF = float("inf")
 TOKEN_TWINS = {  # vLLM's -> ours
@@ -144,3 +149,44 @@ def test_live_requests(gw_engine, gw_url, oai):
     assert delta("vllm:request_params_n") == (expected([2, 2, 1], N_BOUNDS), 3, 5)
     grew = {k: v - reasons(before).get(k, 0) for k, v in reasons(after).items()}
     assert grew == {"stop": 1, "length": 4, "abort": 0, "error": 0}
+
+
+@pytest.fixture()
+def emb_server(tiny_model_dirs) -> Iterator[tuple[Engine, str]]:
+    engine = Engine(str(tiny_model_dirs["qwen3"]), device="cpu", is_embedding=True, log_level="warning")
+    try:
+        with serve_in_thread(engine, GATEWAY_ARGS, port=0) as server:
+            yield engine, server.url
+    finally:
+        engine.shutdown()
+
+
+def test_pooling_requests_counted(emb_server):
+    """vLLM counts a pooling request among its finished requests: finish reason stop, n=1, nothing generated,
+    no max_tokens; its prompt tokens once in vllm:prompt_tokens (not again beside the finished count)."""
+    engine, url = emb_server
+    before = scrape(url)
+    status, emb = http(url + "/v1/embeddings", "POST", {"input": ["hello world", "a b c d"]})
+    assert status == 200, emb
+    status, enc = http(url + "/encode", "POST", {"text": "one more input"})
+    assert status == 200, enc
+    after = scrape(url)
+    prompts = emb["usage"]["prompt_tokens"] + enc["meta_info"]["prompt_tokens"]
+    check_twins(after, bounds_1_2_5(engine.context_len), http(url + "/v1/models")[1]["data"][0]["id"])
+
+    def grew(name: str) -> tuple[float, float]:
+        (_, c1, s1), (_, c0, s0) = hist(after[name]), hist(before[name])
+        return c1 - c0, s1 - s0
+
+    assert grew("vllm:request_prompt_tokens") == (3, prompts)
+    assert grew("vllm:request_generation_tokens") == (3, 0)
+    assert grew("vllm:request_max_num_generation_tokens") == (3, 0)
+    assert grew("vllm:request_params_n") == (3, 3)
+    assert grew("vllm:request_params_max_tokens") == (0, 0)
+    assert {k: v - reasons(before)[k] for k, v in reasons(after).items()} == {
+        "stop": 3, "length": 0, "abort": 0, "error": 0}
+
+    def total(fams: dict, name: str) -> float:
+        return next(s.value for s in fams[name].samples if s.name.endswith("_total"))
+
+    assert total(after, "vllm:prompt_tokens") - total(before, "vllm:prompt_tokens") == prompts
