@@ -11,6 +11,7 @@ from typing import Any
 
 from runtime.errors import ServerArgsError
 from runtime.fp8_flags import check_fp8_flags
+from runtime.hf_cache import check_revisions
 from runtime.http_flags import api_keys, check_http_flags, json_or_list
 from runtime.lora.lora_flags import check_lora_flags
 from runtime.sampling.generation_defaults import check_flags as check_generation_flags
@@ -40,7 +41,9 @@ def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
 class ServerArgs:
     # Model
     model_path: str | None = _opt(None, "HF model folder (config.json + safetensors); default: embedded SmolLM2-135M-Instruct")
-    tokenizer_path: str | None = _opt(None, "tokenizer folder; default: the model folder")
+    revision: str | None = _opt(None, "a Hub repo id's branch, tag or commit in the local HF cache (default main)")
+    tokenizer_path: str | None = _opt(None, "tokenizer folder (or cached Hub repo id); default: the model folder")
+    tokenizer_revision: str | None = _opt(None, "--tokenizer-path's revision, as --revision is the model's")
     served_model_name: str | None = _opt(None, "model name reported by the API (vLLM's `--served-model-name a b c` "
                                                "serves b and c too: --served-model-aliases); default: the model "
                                                "folder name")
@@ -291,6 +294,7 @@ class ServerArgs:
                 raise ServerArgsError(_flag(name), f"must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         _metrics_compat(self.metrics_compat)
         check_http_flags(self)
+        check_revisions(self)
         if self.chat_template is not None:
             read_chat_template(self.chat_template)  # before any weights load: a bad one names the flag now
         if self.in_process and self.uses_ray:

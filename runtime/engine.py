@@ -53,13 +53,15 @@ class Engine(EngineLora, EngineAdmin, EngineEmbeddings):  # an EngineClient; run
                                   "create_ray_engine_client)")
         self.args = server_args
         setup_logging(server_args.log_level)
-        self.model_path, self.model_name = resolve_model(server_args.model_path, server_args.served_model_name)
+        self.model_path, self.model_name = resolve_model(server_args.model_path, server_args.served_model_name,
+                                                          server_args.revision)
         # what requests leave unset (a bad generation_config.json fails here, before the weights load)
         self.generation_defaults = GenerationDefaults.for_server(server_args, self.model_path)
         self.worker = TpWorker(server_args, self.model_path)
         info = self.worker.info()
         self._tokenizer = load_tokenizer(server_args.tokenizer_path or self.model_path, tuple(info.eos_token_ids),
-                                         server_args.chat_template, explicit=server_args.tokenizer_path is not None)
+                                         server_args.chat_template, explicit=server_args.tokenizer_path is not None,
+                                         revision=server_args.tokenizer_revision or server_args.revision)
         self.context_len = info.context_len
         self.grammar = create_grammar_compiler(self._tokenizer, info.vocab_size, server_args.grammar_compile_timeout_s)
         self.host = SchedulerHost(server_args, self.worker, info, self._tokenizer.eos_token_ids, self._on_outputs,

@@ -113,8 +113,31 @@ def quiet_paths(text: str | None) -> frozenset[str]:
     return frozenset(p.rstrip("/") or "/" for p in paths)
 
 
+def check_credentials(origins: tuple[str, ...], credentials: bool) -> None:
+    """--allow-credentials beside --allowed-origins '*' (its default) or "null" is refused.
+
+    Credentials are what the browser attaches on its own: cookies (an SSO proxy's session in front of the
+    server), HTTP auth, TLS client certificates. Allowing them for any origin (Starlette, and so vLLM,
+    echoes whatever Origin comes) lets every site a user visits send requests as that user and read the
+    answers, which is why browsers refuse '*' with credentials in the first place; "null" is the origin of
+    any sandboxed iframe, so any site can send it too. Refused rather than warned: the flag is off by default,
+    so whoever gives it wants credentials, and the fix is one flag (the page origins by name), whereas a
+    warning scrolls past while the server stays open to every site."""
+    if not credentials:
+        return
+    if "*" in origins:
+        raise ServerArgsError("--allow-credentials", "with --allowed-origins '*' (the default) any web site could "
+                                                     "send requests carrying a visitor's cookies or client "
+                                                     "certificate and read the answers: list the page origins "
+                                                     "that may, e.g. --allowed-origins https://ui.example.com")
+    if "null" in origins:
+        raise ServerArgsError("--allow-credentials", "with --allowed-origins null: \"null\" is the origin of any "
+                                                     "sandboxed or file:// page, so any web site can send it; list "
+                                                     "the page origins by name")
+
+
 def check_http_flags(args: ServerArgs) -> None:
-    cors_origins(args.allowed_origins)
+    check_credentials(cors_origins(args.allowed_origins), args.allow_credentials)
     cors_methods(args.allowed_methods)
     cors_headers(args.allowed_headers)
     quiet_paths(args.disable_access_log_for_endpoints)

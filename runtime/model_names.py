@@ -20,15 +20,16 @@ class BaseModelNames:
     names: frozenset[str]
 
     @classmethod
-    def of(cls, model_path: str | None, folder: str | None = None) -> BaseModelNames:
+    def of(cls, model_path: str | None, folder: str | None = None, revision: str | None = None) -> BaseModelNames:
         """model_path: --model-path as typed (None: the embedded default model); folder: the folder the
         engine loaded, where the client knows it (an in-process Engine does; a Ray client does not, and it
-        is looked up here from model_path, never built or downloaded)."""
+        is looked up here from model_path at revision, never built or downloaded: a file-system walk, so
+        the gateway builds this once per client, GatewayState.base_names)."""
         names = {SGLANG_DEFAULT_MODEL}
         if model_path is not None:
             names.add(model_path)
         if folder is None:
-            folder = _known_folder(model_path)
+            folder = _known_folder(model_path, revision)
         if folder is not None:
             names.update((str(folder), os.path.abspath(folder)))
         return cls(frozenset(names))
@@ -37,7 +38,7 @@ class BaseModelNames:
         return model in self.names
 
 
-def _known_folder(model_path: str | None) -> str | None:
+def _known_folder(model_path: str | None, revision: str | None) -> str | None:
     from runtime.default_model import DEFAULT_MODEL_NAME, default_cache_root
     from runtime.hf_cache import HfCache, is_repo_id
 
@@ -45,5 +46,5 @@ def _known_folder(model_path: str | None) -> str | None:
         return str(default_cache_root() / DEFAULT_MODEL_NAME)
     if not is_repo_id(model_path):
         return model_path
-    snapshot = HfCache.from_env().snapshot(model_path)
+    snapshot = HfCache.from_env().snapshot(model_path, revision)
     return str(snapshot) if snapshot is not None else None

@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from runtime.errors import ServerArgsError
+from runtime.hf_cache import HfCache, hub_id_form, is_repo_id
 from runtime.vllm_flags import VALUE_ALIASES, VLLM_FLAGS
 from runtime.vllm_translation import human_int
 
@@ -54,9 +55,9 @@ def _model_named(argv: list[str], at: int) -> bool:
 
 def _api_keys(argv: list[str]) -> list[str]:
     """vLLM's `--api-key k1 k2` takes every word up to the next flag (nargs="+"). Where MODEL is not named yet,
-    `--api-key KEY MODEL` kept its meaning: a last word that is a folder is MODEL (put after `serve`); one
-    that looks like a path but is none is refused (a mistyped folder would otherwise become a key, and the
-    default model would be served)."""
+    `--api-key KEY MODEL` kept its meaning: a last word that is a folder, or a Hub repo id the local Hugging
+    Face cache holds, is MODEL (put after `serve`); one that looks like a path or an Org/Name repo id but is
+    neither is refused (a mistyped MODEL would otherwise become a key, and the default model would be served)."""
     if "--api-key" not in argv or not argv or argv[0] != "serve":
         return argv
     at = argv.index("--api-key")
@@ -67,13 +68,22 @@ def _api_keys(argv: list[str]) -> list[str]:
     if len(values) < 2 or _model_named(argv, at):
         return argv
     last = values[-1]
-    if os.path.isdir(last):
+    if os.path.isdir(last) or _cached_repo(last):
         return ["serve", last, *argv[1:end - 1], *argv[end:]]
     if last.startswith(_PATH_LIKE):
         raise ServerArgsError("--api-key", f"takes every word after it as a key, and {last!r} looks like a model "
                                            "folder that does not exist: name MODEL first (`shoal serve MODEL "
                                            "--api-key k1 k2`) or with --model-path")
+    if hub_id_form(last):
+        raise ServerArgsError("--api-key", f"takes every word after it as a key, and {last!r} looks like a Hugging "
+                                           f"Face repo id that the local cache ({HfCache.from_env().root}) does not "
+                                           "hold: name MODEL first (`shoal serve MODEL --api-key k1 k2`) or with "
+                                           "--model-path")
     return argv
+
+
+def _cached_repo(word: str) -> bool:
+    return is_repo_id(word) and HfCache.from_env().holds(word)
 
 
 def _served_names(argv: list[str]) -> list[str]:

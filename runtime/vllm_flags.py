@@ -24,6 +24,7 @@ from types import MappingProxyType
 from typing import Any
 
 from runtime.errors import ServerArgsError
+from runtime.hf_cache import is_repo_id
 from runtime.http_flags import API_KEY_ENV
 from runtime.server_flags import VLLM_ALIASES, flag_name, spellings
 from runtime.vllm_compilation import compilation_config, optimization_level
@@ -144,8 +145,9 @@ def _async_scheduling(on: bool, tr: Translation, flag: str) -> None:
     tr.set("disable_overlap_schedule", not on, flag)  # on: Shoal's default overlap of scheduling and forward
 
 
-_LOCAL = ("Shoal reads a local model folder and never the Hugging Face Hub, so a revision has nothing to "
-          "choose (vLLM ignores it for a local folder too): check a revision out into a folder to serve it")
+_LOCAL = ("Shoal reads a local folder as it is (the embedded default model too), so a revision has nothing to "
+          "choose there (vLLM ignores it for a local folder too); it picks a Hugging Face repo id's snapshot in "
+          "the local cache")
 _NO_OUTPUT_LOG = ("Shoal logs a request as it arrives (--enable-log-requests), not its output; outputs' counts, "
                   "latencies and errors are on /metrics and /dashboard")
 _HTTP_LOG = ("Shoal's HTTP server is aiohttp: its access log lines (logger shoal.access) follow --log-level; "
@@ -216,9 +218,10 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--kv-cache-memory-bytes",), "str", refuse(
         "Shoal sizes the KV pool in tokens: give --max-total-tokens (or the device share, "
         "--gpu-memory-utilization)", unless=())),
-    VllmFlag(("--revision",), "str", noop(_LOCAL, unless=())),
-    VllmFlag(("--tokenizer-revision",), "str", noop(_LOCAL, unless=())),
-    VllmFlag(("--code-revision",), "str", noop(_LOCAL, unless=())),
+    # --revision and --tokenizer-revision are ServerArgs' own (a repo id's snapshot): _revision_notes
+    VllmFlag(("--code-revision",), "str", noop(
+        "Shoal runs no checkpoint's Python code (see --trust-remote-code), so its revision has nothing to choose",
+        unless=())),
     VllmFlag(("--return-tokens-as-token-ids",), "bool", refuse(
         "a server-wide default Shoal does not have: send \"return_tokens_as_token_ids\": true in the request "
         "body (chat and completions take it)")),
@@ -233,6 +236,16 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--middleware",), "list", refuse(
         "Shoal's HTTP server is aiohttp, not an ASGI app: ASGI middleware cannot be added", unless=([],))),
 )
+
+
+def _revision_notes(tr: Translation) -> None:
+    """--revision / --tokenizer-revision with a local folder (or the default model): logged as vLLM ignores
+    them there; with a Hub repo id they pick its snapshot (hf_cache.py, checked by ServerArgs)."""
+    for name, target in (("revision", tr.get("model_path")),
+                         ("tokenizer_revision", tr.get("tokenizer_path") or tr.get("model_path"))):
+        value = tr.get(name)
+        if value is not None and (target is None or not is_repo_id(str(target))):
+            tr.note(tr.given.get(name, flag_name(name)), value, _LOCAL)
 
 
 def add_vllm_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -268,6 +281,7 @@ def apply_vllm_flags(ns: argparse.Namespace) -> list[str]:
         value = getattr(ns, f"vllm_{entry.key}", None)
         if value is not None:
             entry.treat(value, tr, entry.flag)
+    _revision_notes(tr)
     for name, (value, _) in tr.changed.items():
         setattr(ns, name, value)
     env_key = os.environ.get(API_KEY_ENV)
@@ -329,13 +343,14 @@ def translate_vllm_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
                 raise ServerArgsError(spelling, f"sets the same setting as {given[name]}; give one of them")
             out[name], given[name] = value, spelling
     entries = [e for e in VLLM_FLAGS if e.key in out]
-    if not entries:
+    if not entries and out.get("revision") is None and out.get("tokenizer_revision") is None:
         return out
     tr = Translation({**defaults, **{k: v for k, v in out.items() if k in defaults and v is not None}}, given)
     for entry in entries:
         value = out.pop(entry.key)
         if value is not None:
             entry.treat(entry.checked(value), tr, entry.flag)
+    _revision_notes(tr)
     out.update({name: value for name, (value, _) in tr.changed.items()})
     level = out.get("log_level")
     log_notes(tr.notes, level if level in ("debug", "info", "warning", "error") else "info")

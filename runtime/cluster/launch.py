@@ -181,7 +181,7 @@ def create_ray_engine_client(args: ServerArgs, *, replica_resources: list[dict[s
     from runtime.sampling.generation_defaults import GenerationDefaults
     from runtime.text.tokenizer import load_tokenizer
 
-    model_path, model_name = resolve_model(args.model_path, args.served_model_name)
+    model_path, model_name = resolve_model(args.model_path, args.served_model_name, args.revision)
     # generation_config.json read (and checked, logged) now, as the in-process Engine does: not at the first request
     defaults = GenerationDefaults.for_server(args, model_path)
     bundles = args.dp_size * (1 if args.enable_dp_attention else args.tp_size)
@@ -193,7 +193,8 @@ def create_ray_engine_client(args: ServerArgs, *, replica_resources: list[dict[s
                                    else cluster_fixed)
         groups = launcher.launch_all()
         tokenizer = load_tokenizer(args.tokenizer_path or model_path, tuple(groups[0].info.eos_token_ids),
-                                   args.chat_template, explicit=args.tokenizer_path is not None)
+                                   args.chat_template, explicit=args.tokenizer_path is not None,
+                                   revision=args.tokenizer_revision or args.revision)  # vLLM's default
     except BaseException:
         if launcher is not None:
             launcher.shutdown()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from runtime.config import ServerArgs
 from runtime.distributed.step_channel import StepChannel, create_step_channel
+from runtime.errors import ServerArgsError
 from runtime.model_executor.tp_worker import TpWorker
 
 # A dead peer must surface as an error well before torch's 30-minute default; the scheduler actor notices
@@ -25,16 +26,30 @@ COLLECTIVE_TIMEOUT_S = 120
 def local_model_path(args: ServerArgs, model_path: str) -> str:
     """The folder this rank loads. The launcher resolved the embedded default model (no --model-path), or a
     Hub repo id's snapshot, in its own node's cache, which another node may lack or keep elsewhere: there each
-    rank finds it in its node's cache (the default model's build is file-locked, so a node's ranks share one)."""
+    rank finds it in its node's cache (the default model's build is file-locked, so a node's ranks share one),
+    at the commit the launcher loaded (.../snapshots/<commit>), never at whatever that node's refs/main
+    names now: a rank whose node lacks the commit fails, naming it, rather than loading other weights."""
     if args.model_path is not None:
-        from runtime.hf_cache import HfCache, looks_like_repo_id
+        from runtime.hf_cache import HfCache, looks_like_repo_id, snapshot_commit
 
         if Path(model_path).exists() or not looks_like_repo_id(args.model_path):
             return model_path
-        return str(HfCache.from_env().resolve(args.model_path, None, "--model-path"))
+        commit = snapshot_commit(model_path)
+        if commit is None:  # not a cache snapshot (a caller's own path): the revision asked for
+            return str(HfCache.from_env().resolve(args.model_path, args.revision, "--model-path"))
+        try:
+            return str(HfCache.from_env().resolve(args.model_path, commit, "--model-path"))
+        except ServerArgsError as e:
+            raise ServerArgsError("--model-path", f"the launcher loaded {args.model_path!r} at commit {commit}"
+                                                  f"{_asked(args.revision)}, which the Hugging Face cache of "
+                                                  f"node {socket.gethostname()} lacks: {e.detail}") from None
     from runtime.default_model import ensure_default_model
 
     return str(ensure_default_model())
+
+
+def _asked(revision: str | None) -> str:
+    return f" (--revision {revision})" if revision else " (refs/main on its node)"
 
 
 @dataclass(frozen=True, slots=True)

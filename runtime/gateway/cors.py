@@ -7,7 +7,7 @@ origin, the method or a header. Every response to a request from an allowed orig
 included) carries Access-Control-Allow-Origin, added as its headers go out (on_prepare: a stream's headers
 leave before its handler returns). A disallowed origin gets no CORS headers, so the browser keeps the answer
 from the page. With --allow-credentials the page's own origin is echoed, never '*' (browsers refuse '*'
-with credentials)."""
+with credentials), and only for origins listed by name: check_credentials refuses it beside '*' or "null"."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from aiohttp import web
 
 from runtime.config import ServerArgs
 from runtime.gateway.errors import ApiError
-from runtime.http_flags import cors_headers, cors_methods, cors_origins
+from runtime.http_flags import check_credentials, cors_headers, cors_methods, cors_origins
 
 ANY_METHOD = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")  # what '*' allows (Starlette's)
 # A page may always send these (the Fetch standard's CORS-safelisted request headers).
@@ -31,7 +31,8 @@ class Cors:
     def __init__(self, origins: tuple[str, ...], methods: tuple[str, ...] = ("*",),
                  headers: tuple[str, ...] = ("*",), credentials: bool = False):
         """origins: as http_flags.cors_origins gives them (('*',) any, () CORS off); methods and headers:
-        cors_methods / cors_headers' ('*',) any."""
+        cors_methods / cors_headers' ('*',) any; credentials with '*' or "null": check_credentials refuses."""
+        check_credentials(origins, credentials)
         self.any = "*" in origins
         self.origins = frozenset(origins) - {"*"}
         self.enabled = self.any or bool(self.origins)
@@ -51,7 +52,7 @@ class Cors:
 
     def _origin_headers(self, origin: str) -> dict[str, str]:
         # '*' needs no Vary; an echoed origin does, or a shared cache would serve one origin's answer to another.
-        if self.any and not self.credentials:
+        if self.any:  # never with credentials (check_credentials)
             return {"Access-Control-Allow-Origin": "*"}
         headers = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
         if self.credentials:

@@ -76,6 +76,7 @@ class GatewayState:
         self.ids = RequestIds(self.inflight)  # the response ids clients named
         self.active = 0  # choices in flight, against --max-concurrent-requests
         self._sampling_defaults: GenerationDefaults | None = None  # sampling_defaults() reads them once
+        self._base_names: tuple[EngineClient, BaseModelNames] | None = None  # base_names(): once per client
 
     # ---- the engine -------------------------------------------------------------------------------
     def current_client(self) -> EngineClient | None:
@@ -147,12 +148,20 @@ class GatewayState:
             return model
         if model is None or model in names or model == client.model_name:
             return names[0]
-        if self.args.served_model_name is None and model in BaseModelNames.of(
-                self.args.model_path, getattr(client, "model_path", None)):
+        if self.args.served_model_name is None and model in self.base_names(client):
             return names[0]
         raise ApiError(404, f"The model `{model}` does not exist. This server serves "
                             + ", ".join(f"`{n}`" for n in (*names, *self.lora_adapters)) + ".",
                             param="model", code="model_not_found")
+
+    def base_names(self, client: EngineClient) -> BaseModelNames:
+        """BaseModelNames of client, built once per client: for a Ray client it walks the HF cache, which
+        would otherwise run on the event loop for every request naming the model by path or "default"."""
+        cached = self._base_names
+        if cached is None or cached[0] is not client:
+            cached = self._base_names = (client, BaseModelNames.of(
+                self.args.model_path, getattr(client, "model_path", None), self.args.revision))
+        return cached[1]
 
     def lora_name(self, model: str | None) -> str | None:
         """The LoRA adapter a request's `model` names (None: the base model)."""

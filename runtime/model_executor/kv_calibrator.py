@@ -109,11 +109,11 @@ class KVCalibrator:
         self.model, self.num_layers, self.ctx, self.device = model, num_layers, ctx, device
 
     @staticmethod
-    def calibration_ids(tokenizer_path: str, vocab_size: int, max_len: int, chat_template: str | None = None
-                        ) -> list[int]:
+    def calibration_ids(tokenizer_path: str, vocab_size: int, max_len: int, chat_template: str | None = None,
+                        revision: str | None = None) -> list[int]:
         """The chat-templated CALIBRATION_MESSAGES (at most max_len tokens: positions the model has rotary
         angles for); without a tokenizer, a fixed spread of token ids."""
-        tok = load_tokenizer(tokenizer_path, (), chat_template)
+        tok = load_tokenizer(tokenizer_path, (), chat_template, revision=revision)
         if tok.is_null:
             ids = [(1 + 7919 * i) % vocab_size for i in range(256)]
         elif getattr(tok, "has_chat_template", False):
@@ -126,7 +126,8 @@ class KVCalibrator:
     def calibration_ids_for(args: ServerArgs, cfg: ModelConfig, context_len: int, model_path: str) -> list[int]:
         """calibration_ids for a served model: its tokenizer and chat template, within its context."""
         return KVCalibrator.calibration_ids(args.tokenizer_path or model_path, cfg.vocab_size,
-                                            min(context_len, cfg.max_position_embeddings), args.chat_template)
+                                            min(context_len, cfg.max_position_embeddings), args.chat_template,
+                                            args.tokenizer_revision or args.revision)
 
     @torch.inference_mode()
     def amax(self, token_ids: list[int]) -> tuple[list[float], list[float]]:

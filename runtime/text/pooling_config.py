@@ -180,7 +180,7 @@ class PoolingConfig:
             return None
         from runtime.default_model import resolve_model
 
-        return cls.for_model(args, resolve_model(args.model_path, args.served_model_name)[0])
+        return cls.for_model(args, resolve_model(args.model_path, args.served_model_name, args.revision)[0])
 
     def check_dimensions(self, dimensions: int | None) -> None:
         """InvalidRequestError (param dimensions) unless this model may be shortened to `dimensions`."""

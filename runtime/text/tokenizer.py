@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import InvalidRequestError, ServerArgsError
+from runtime.hf_cache import HfCache, local_model_folder, looks_like_repo_id
 from runtime.text.chat_template import read_chat_template
 from runtime.text.token_spelling import TokenSpelling
 
@@ -22,10 +23,14 @@ except ImportError:  # tokenizers < 0.21
 class Tokenizer:
     is_null = False
 
-    def __init__(self, path: str | Path, eos_token_ids: tuple[int, ...] = (), chat_template: str | None = None):
+    def __init__(self, path: str | Path, eos_token_ids: tuple[int, ...] = (), chat_template: str | None = None,
+                 revision: str | None = None):
+        """path: a folder, or a Hub repo id read from its snapshot at revision in the local HF cache."""
         from transformers import AutoTokenizer
 
-        self.hf = AutoTokenizer.from_pretrained(str(path))
+        folder = local_model_folder(str(path), revision, "--tokenizer-path", TOKENIZER_FILES)
+        # local_files_only: a folder needs no hub, and without HF_HUB_OFFLINE transformers would still ask one
+        self.hf = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         if chat_template is not None:
             self.hf.chat_template = read_chat_template(chat_template)
         eos = set(eos_token_ids)
@@ -143,37 +148,42 @@ class NullTokenizer:
 
 
 # Files one of which every transformers tokenizer folder holds (fast, sentencepiece, BPE or WordPiece).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                    "spiece.model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
 
 
 def load_tokenizer(path: str | Path, eos_token_ids: tuple[int, ...], chat_template: str | None = None,
-                   explicit: bool | None = None) -> Tokenizer | NullTokenizer:
+                   explicit: bool | None = None, revision: str | None = None) -> Tokenizer | NullTokenizer:
     """The tokenizer at path. A model folder holding no tokenizer files (benchmarks: config.json and
     dummy weights) gives the NullTokenizer; a tokenizer that is there but does not load, or a path the
     operator named (--tokenizer-path) that holds none, fails the start: ServerArgsError("--tokenizer-path").
+    A Hub repo id that is no folder is read from its snapshot at revision (default main) in the local HF
+    cache, as --model-path's is: never from the network (ServerArgsError naming the cache when not there).
 
     explicit: whether path came from --tokenizer-path. Callers that pass `tokenizer_path or model_path`
     leave it None, and the path tells: a missing path, or a folder with neither tokenizer files nor a
     config.json, was not the model folder (which the weights already loaded from)."""
     folder = Path(path)
     name = str(path)
-    if not folder.exists() and (folder.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1):
+    if not folder.exists() and not looks_like_repo_id(name):
         # Not a Hugging Face id ([namespace/]name) either: a typo or a folder that is not there.
         raise ServerArgsError("--tokenizer-path", f"{name!r}: no such folder")
-    if folder.is_dir() and not any((folder / f).is_file() for f in _TOKENIZER_FILES):
+    if not folder.exists():  # a Hub repo id: its snapshot holds tokenizer files (config.json need not be there)
+        folder = HfCache.from_env().resolve(name, revision, "--tokenizer-path", TOKENIZER_FILES)
+        path = folder
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
         is_model_folder = (folder / "config.json").is_file() if explicit is None else not explicit
         if is_model_folder:
             logging.getLogger(__name__).warning("the model folder %s has no tokenizer: only token-id requests "
                                                 "work (pass --tokenizer-path for text)", path)
             return NullTokenizer(eos_token_ids)
         raise ServerArgsError("--tokenizer-path", f"{name!r} holds no tokenizer files (looked for "
-                                                  f"{', '.join(_TOKENIZER_FILES)})")
+                                                  f"{', '.join(TOKENIZER_FILES)})")
     try:
         return Tokenizer(path, eos_token_ids, chat_template)
     except ServerArgsError:  # a bad --chat-template names its own flag
         raise
-    except Exception as e:  # a typo, a missing folder, broken files: the start fails, saying why
+    except Exception as e:  # broken or unsupported files: the start fails, saying why
         why = " ".join(str(e).split())[:300] or type(e).__name__
-        what = "is no folder, nor a Hugging Face id that loads" if not folder.exists() else "does not load"
-        raise ServerArgsError("--tokenizer-path", f"the tokenizer at {name!r} {what}: {why}") from None
+        where = f"{name!r}" if str(folder) == name else f"{name!r} ({folder})"
+        raise ServerArgsError("--tokenizer-path", f"the tokenizer at {where} does not load: {why}") from None

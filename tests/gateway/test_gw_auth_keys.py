@@ -86,6 +86,26 @@ def test_preflight_without_key_with_cors_off_is_not_a_401(gw_engine):
         assert status == 405 and "Access-Control-Allow-Origin" not in headers
 
 
+def test_a_cached_repo_id_after_the_keys_is_model(monkeypatch, tmp_path):
+    """`--api-key KEY Org/Name` (vLLM's form) serves the repo from the HF cache, as a folder there would be:
+    the word is MODEL, not a second key; one written as Org/Name that the cache lacks is refused, naming
+    the cache (the default model would be served otherwise); other words stay keys."""
+    hub = tmp_path / "hub"
+    for repo in ("models--Org--Tiny", "models--gpt2"):
+        (hub / repo / "snapshots" / ("a" * 40)).mkdir(parents=True)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "VLLM_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    for model in ("Org/Tiny", "gpt2"):
+        args = _serve("--api-key", "sk-1", model)
+        assert args.model_path == model and args.api_key == ("sk-1",)
+    with pytest.raises(ServerArgsError, match=f"'Org/Absent' looks like a Hugging Face repo id.*{hub}") as info:
+        _serve("--api-key", "sk-1", "Org/Absent")
+    assert info.value.flag == "--api-key"
+    for keys in (("sk-1", "sk-2"), ("sk-1", "ab+c/d=="), ("sk-1", "x/y/z")):  # no Org/Name: keys as typed
+        assert _serve("--api-key", *keys).api_key == keys and _serve("--api-key", *keys).model_path is None
+
+
 def test_keys_from_the_command_line_and_vllm_env(monkeypatch, tmp_path):
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     assert _serve("--api-key", "k1", "k2").api_key == ("k1", "k2")  # the default model: every word a key
@@ -137,10 +157,27 @@ def test_cors_flags_as_vllm_gives_them(gw_engine):
                                  b'{"prompt": "hi", "max_tokens": 2}')
         assert status == 200 and headers["Access-Control-Allow-Origin"] == "https://ui.example"
         assert headers["Access-Control-Allow-Credentials"] == "true" and "Origin" in headers["Vary"]
-    # '*' with credentials: the page's origin is echoed (browsers refuse '*' with credentials)
-    with serve_in_thread(gw_engine, GATEWAY_ARGS.replace(allow_credentials=True), port=0) as server:
-        status, headers, _ = raw(server.url + "/v1/models", headers={"Origin": "http://a.example"})
-        assert status == 200 and headers["Access-Control-Allow-Origin"] == "http://a.example"
+        for other in ("https://evil.example", "null"):  # a credentialed answer no other page may read
+            status, headers, _ = raw(server.url + "/v1/models", headers={"Origin": other, "Cookie": "session=1"})
+            assert status == 200 and not any(h.startswith("Access-Control") for h in headers), other
+            status, headers, _ = raw(url, "OPTIONS", {**ask, "Origin": other})
+            assert status == 403 and "Access-Control-Allow-Origin" not in headers, other
+
+
+@pytest.mark.parametrize("origins", ["*", '["*"]', "null", "https://ui.example,null"])
+def test_credentials_for_any_origin_are_refused_at_start(origins):
+    """'*' (the default) or "null" (any sandboxed page's) with --allow-credentials: every site could send
+    requests with a visitor's cookies or client certificate and read the answers (Starlette, so vLLM, echoes
+    any origin): refused, naming the flag and the fix, before anything loads (the CLI, Engine kwargs)."""
+    from runtime.gateway.cors import Cors
+
+    argv = ["--allow-credentials"] + (["--allowed-origins", origins] if origins != "*" else [])
+    for start in (lambda: _serve(*argv), lambda: ServerArgs(allowed_origins=origins, allow_credentials=True),
+                  lambda: Cors(("*",) if "*" in origins else ("null",), credentials=True)):
+        with pytest.raises(ServerArgsError, match="list the page origins|--allowed-origins https://") as info:
+            start()
+        assert info.value.flag == "--allow-credentials"
+    assert ServerArgs(allowed_origins=origins).allow_credentials is False  # without credentials: as before
 
 
 @pytest.mark.parametrize(("kwargs", "flag", "says"), [

@@ -6,13 +6,11 @@ HF_HOME answers greedy as HF does on the same weights; a repo id the cache lacks
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hf_cache_dirs import cache_repo, hf_home_env
 from tiny_models import hf_greedy_ids
 
 from runtime.config import ServerArgs
@@ -27,21 +25,10 @@ PROMPT = [5, 17, 42, 99, 7]
 
 
 def _cache(hub: Path, model: Path) -> Path:
-    """hub/models--Org--Tiny as huggingface_hub writes it: each file once in blobs/ (named by its hash), the
-    snapshots linking to them; refs/main names COMMIT, and an older snapshot (OLD_COMMIT) lies beside it."""
-    repo = hub / "models--Org--Tiny"
-    (repo / "blobs").mkdir(parents=True)
-    for commit in (COMMIT, OLD_COMMIT):
-        snapshot = repo / "snapshots" / commit
-        snapshot.mkdir(parents=True)
-        for f in model.iterdir():
-            blob = repo / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
-            if not blob.exists():
-                shutil.copyfile(f, blob)
-            (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
-    (repo / "snapshots" / OLD_COMMIT / "config.json").unlink()  # tells the two apart
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(COMMIT)
+    """hub/models--Org--Tiny as huggingface_hub writes it (blobs linked from the snapshots): refs/main names
+    COMMIT, and an older snapshot (OLD_COMMIT) lies beside it, without config.json to tell the two apart."""
+    repo = cache_repo(hub, REPO, {COMMIT: model, OLD_COMMIT: model}, {"main": COMMIT})
+    (repo / "snapshots" / OLD_COMMIT / "config.json").unlink()
     return repo
 
 
@@ -49,11 +36,7 @@ def _cache(hub: Path, model: Path) -> Path:
 def hf_home(tiny_llama, tmp_path_factory) -> Iterator[Path]:
     home = tmp_path_factory.mktemp("hf_home")
     _cache(home / "hub", tiny_llama)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HOME", str(home))
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-            mp.delenv(var, raising=False)
+    with hf_home_env(home):
         yield home
 
 

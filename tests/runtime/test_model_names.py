@@ -111,3 +111,31 @@ def test_names_compare_exactly(tmp_path):
     names = BaseModelNames.of(str(folder))
     assert str(folder) in names and os.path.abspath(folder) in names and Path(folder) not in names
     assert str(folder).upper() not in names and None not in names
+
+
+def test_a_ray_gateway_looks_the_repo_up_once_per_client(tmp_path, monkeypatch):
+    """The HF cache walk behind a Ray client's names runs once per client, not on the event loop for every
+    request naming the repo id or "default"; at --revision's snapshot."""
+    from runtime.hf_cache import HfCache
+
+    repo = tmp_path / "hub" / "models--Org--Tiny"
+    for commit in ("a" * 40, "b" * 40):
+        (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    (repo / "refs" / "v2").write_text("b" * 40)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    looked: list[str | None] = []
+    snapshot = HfCache.snapshot
+    monkeypatch.setattr(HfCache, "snapshot", lambda self, r, rev=None: looked.append(rev) or snapshot(self, r, rev))
+    client = _Client("Tiny", None)
+    state = _state(client, model_path="Org/Tiny", revision="v2")
+    for model in ("Org/Tiny", SGLANG_DEFAULT_MODEL, str(repo / "snapshots" / ("b" * 40))) * 3:
+        assert state.check_model(client, model) == "Tiny", model
+    assert "`Tiny`" in _refused(state, client, str(repo / "snapshots" / ("a" * 40)))  # main's: not served
+    assert looked == ["v2"]
+    other = _Client("Tiny", None)  # a new client (the gateway's provider swapped it): looked up again
+    state.check_model(other, SGLANG_DEFAULT_MODEL)
+    assert looked == ["v2", "v2"]

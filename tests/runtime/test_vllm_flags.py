@@ -103,7 +103,7 @@ def test_a_translated_flag_is_shoals_setting(vllm, shoal, logged):
     "--enable-request-id-headers", "--chat-template-content-format auto", "--download-dir /tmp/hf",
     "--long-prefill-token-threshold 512", "--num-scheduler-steps 8", "--disable-fastapi-docs", "-O3",
     "--compilation-config {\"level\":3}", "--max-num-partial-prefills 2",
-    "--disable-log-stats", "--revision main", "--tokenizer-revision abc",  # vLLM ignores revisions of a local folder
+    "--disable-log-stats", "--code-revision abc",  # --revision: test_hf_revision.py
     "--enable-sleep-mode", "--enable-prompt-tokens-details", "--max-seq-len-to-capture 4096",
     "--guided-decoding-backend outlines", "--structured-outputs-config {\"backend\":\"xgrammar\"}",
 ])
