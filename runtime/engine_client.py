@@ -19,10 +19,17 @@ from runtime.admin_messages import (
     WeightUpdate,
 )
 from runtime.errors import EngineUnavailableError, InvalidRequestError
-from runtime.messages import GenerateRequest, RequestOutput, RoutingStats, SchedulerStats
+from runtime.messages import GenerateRequest, RequestOutput, SchedulerStats
 
 if TYPE_CHECKING:
     from runtime.text.pooling_config import PoolingConfig
+
+
+# FinishReason.code of an "error" that is the engine's, not the request's (the gateway's 503; on Ray the request
+# moves to another replica). ENGINE_UNHEALTHY: refused or ended by a scheduler its steps made unhealthy (StepHealth)
+# without running in the step that failed; REPLICA_FAILED: its replica failed under it (a TP rank died).
+ENGINE_UNHEALTHY = "engine_unhealthy"
+REPLICA_FAILED = "replica_failed"
 
 
 class EngineHealth(msgspec.Struct, frozen=True, kw_only=True):
@@ -31,6 +38,18 @@ class EngineHealth(msgspec.Struct, frozen=True, kw_only=True):
 
     healthy: bool = True
     reason: str | None = None  # why not, when not
+
+
+class RoutingStats(msgspec.Struct, kw_only=True):
+    """A multi-replica client's routing and failover counters (routing_stats(); the gateway's /metrics shows them)."""
+
+    failovers: int = 0  # in-flight requests moved to another replica when theirs died
+    failover_errors: int = 0  # in-flight requests that could not move (no healthy replica, or moved too often)
+    restarts: int = 0  # replica relaunches
+    cache_routed: int = 0  # cache_aware decisions the prefix cache made
+    load_routed: int = 0  # cache_aware decisions load made (no better prefix, or too imbalanced)
+    inflight: list[int] = []  # per routing target, this client's requests on it now
+    alive: list[bool] = []  # per routing target: routed to now (False while its group is down or relaunching)
 
 
 class EngineUnhealthyError(EngineUnavailableError):

@@ -47,6 +47,9 @@ class FinishReason(msgspec.Struct, frozen=True):
     # The request parameter an "error" is the user's to fix (a 400 naming it), e.g. allowed_token_ids that
     # leave a grammar no token; None: the engine's own failure.
     param: str | None = None
+    # An "error" that is the engine's, not the request's (runtime/engine_client.py: ENGINE_UNHEALTHY, REPLICA_FAILED):
+    # the gateway answers 503, the Ray client moves the request to another replica. None: the request's own.
+    code: str | None = None
 
     def openai_reason(self) -> str:
         return {"length": "length", "stop": "stop"}.get(self.kind, self.kind)
@@ -347,18 +350,6 @@ class CacheEvents(msgspec.Struct, kw_only=True):
     stored: list[int] = []
     removed: list[int] = []
     snapshot: bool = False
-
-
-class RoutingStats(msgspec.Struct, kw_only=True):
-    """A multi-replica client's routing and failover counters (the gateway's /metrics shows them)."""
-
-    failovers: int = 0  # in-flight requests moved to another replica when theirs died
-    failover_errors: int = 0  # in-flight requests that could not move (no healthy replica)
-    restarts: int = 0  # replica relaunches
-    cache_routed: int = 0  # cache_aware decisions the prefix cache made
-    load_routed: int = 0  # cache_aware decisions load made (no better prefix, or too imbalanced)
-    inflight: list[int] = []  # per routing target, this client's requests on it now
-    alive: list[bool] = []  # per routing target: routed to now (False while its group is down or relaunching)
 
 
 class LinkHello(msgspec.Struct, tag="hello", kw_only=True):

@@ -19,7 +19,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from typing import Any
 
 from runtime.cluster.live_stream import LiveStream, pin_seed
@@ -31,11 +31,11 @@ from runtime.cluster.replica_links import ReplicaLinks
 from runtime.cluster.request_link import RequestLink
 from runtime.cluster.routing import CacheAware, ReplicaLoad, create_routing_policy
 from runtime.config import ServerArgs
-from runtime.engine_client import EngineClient
+from runtime.engine_client import ENGINE_UNHEALTHY, REPLICA_FAILED, EngineClient, RoutingStats
 from runtime.errors import EngineUnavailableError, InvalidRequestError
 from runtime.managers.request_validation import RequestLimits, validate_request
 from runtime.mem_cache.block_hash import page_hashes
-from runtime.messages import GenerateRequest, RequestOutput, RoutingStats, SchedulerStats
+from runtime.messages import GenerateRequest, RequestOutput, SchedulerStats
 from runtime.sampling.grammar_compiler import create_grammar_compiler
 from runtime.stream_delivery import deliver, next_output
 from runtime.text.embedding_request import check_task
@@ -232,7 +232,7 @@ class RayEngineClient(ReplicaHealth, RayLoraClient, RayAdminClient, EngineClient
                 return
             if poll.cache is not None:  # before the outputs: a finished request's prefix is in it
                 prefixes.apply(poll.cache)
-            batch = []
+            batch, moving = [], {}
             now = time.perf_counter()
             for out in poll.outputs:
                 if out.trace is not None:
@@ -240,18 +240,23 @@ class RayEngineClient(ReplicaHealth, RayLoraClient, RayAdminClient, EngineClient
                 st = self._streams.get(out.rid)
                 if st is None or st.target != i or st.generation != generation or st.finished:
                     continue  # gone, or moved elsewhere: what the old replica still says is stale
-                if not poll.healthy and out.finished and out.finish_reason and out.finish_reason.kind == "error":
-                    continue  # the replica's failure, not the request's: it fails over below
-                st.record(out)
+                fr = out.finish_reason
+                if out.finished and fr is not None and fr.code in (ENGINE_UNHEALTHY, REPLICA_FAILED):
+                    moving[out.rid] = fr  # the replica's failure, never ran there: it moves below
+                    continue
+                st.record(out)  # a step's own error too: moving it would fail the next replica alike
                 batch.append((st.loop, st.queue, out))
             deliver(batch)
-            if not poll.healthy:
-                self._on_failure(gi, generation, f"replica {gi} failed: {poll.error}")
+            if moving or not poll.healthy:
+                why = poll.error or next(iter(moving.values())).message or "it refused a request"
+                self._on_failure(gi, generation, f"replica {gi} failed: {why}",
+                                 {rid for rid, fr in moving.items() if fr.code == ENGINE_UNHEALTHY})
                 return
 
-    def _on_failure(self, gi: int, generation: int, message: str) -> None:
+    def _on_failure(self, gi: int, generation: int, message: str, unhealthy: Collection[str] = ()) -> None:
         """On the client loop: route around the group, relaunch it in the background, and move each of
-        its in-flight requests (of that generation) to a live replica."""
+        its in-flight requests (of that generation) to a live replica. unhealthy: rids its steps' health
+        refused or ended (a request moved once after that ends with the error: _fail_over)."""
         if self._closing:
             return
         group = self.groups[gi]
@@ -267,14 +272,21 @@ class RayEngineClient(ReplicaHealth, RayLoraClient, RayAdminClient, EngineClient
             self._spawn(self._relaunch(gi))
         for st in list(self._streams.values()):
             if st.target in targets and st.generation == generation:
-                self._fail_over(st, message)
+                self._fail_over(st, message, st.req.rid in unhealthy)
 
-    def _fail_over(self, st: LiveStream, message: str) -> None:
-        """On the client loop: resubmit st elsewhere with what it already streamed, or end it."""
+    def _fail_over(self, st: LiveStream, message: str, unhealthy: bool = False) -> None:
+        """On the client loop: resubmit st elsewhere with what it already streamed, or end it: when no replica
+        is left, when it has moved once per routing target, or when a replica's steps' health fails it again
+        after a move for that (a request that breaks every replica it runs on must not go round them all)."""
         with self._route_lock:
             if st.finished or self._streams.get(st.req.rid) is not st:
                 return
             self._release(st)
+            if st.moves >= len(self.replicas) or (unhealthy and st.unhealthy_moves):
+                st.finished = True
+                self.failover_errors += 1
+                st.fail(f"{message}; not moved again: it has moved {st.moves} times already")
+                return
             try:
                 target = self.policy.pick(st.req, self.replicas, st.hashes)
             except EngineUnavailableError:
@@ -284,6 +296,7 @@ class RayEngineClient(ReplicaHealth, RayLoraClient, RayAdminClient, EngineClient
                 return
             st.target, st.generation = target.index, self.groups[self._target_group[target.index]].generation
             st.moves += 1
+            st.unhealthy_moves += unhealthy
             self._assign(st, target)
             self.failovers += 1
             resumed = st.resumed_request()

@@ -1,9 +1,10 @@
 """ReplicaHealth: RayEngineClient's view of its replicas' health (kept here: ray_engine_client.py is at its size
-limit). A loop pings every routing target (SchedulerActor.health: a dead actor, a failed TP rank, or a scheduler
-whose steps keep failing or met a dead device answer unhealthy or not at all) and refreshes the loads least_load
-routes by; a failure routes around the replica and relaunches it (RayEngineClient._on_failure), and the reason
-is kept until the relaunched replica serves. health() (GET /health) is unhealthy only while no replica can
-serve, with each down replica's reason: one replica down leaves the server healthy (the others serve)."""
+limit). A loop pings every routing target (SchedulerActor.health: a dead actor answers not at all, a failed TP
+rank or a scheduler whose steps keep failing or met a dead device answers unhealthy) and refreshes the loads
+least_load routes by; a failure routes around the replica and relaunches it (RayEngineClient._on_failure), and
+the reason is kept until the relaunched replica serves. An unhealthy answer is left to the target's output pump,
+which hears it (with the reason) in order with the outputs before it. health() (GET /health) is unhealthy only
+while no replica can serve, with each down replica's reason: one replica down leaves the server healthy."""
 
 from __future__ import annotations
 
@@ -68,22 +69,13 @@ class ReplicaHealth:
             if not self._closing:
                 self._on_failure(gi, generation, self._failure_message(gi, e))
             return
-        if not healthy:
-            self._on_failure(gi, generation, f"replica {gi} failed: {await self._down_reason(i)}")
-            return
+        if not healthy:  # its pump hears the same from it, after the outputs before it (whose failure each is
+            return  # decides whether it moves: RayEngineClient._pump); moving them from here could overtake those
         try:  # load: waits for the step in progress; a slow answer keeps the last known load
             stats = await asyncio.wait_for(self._actor(i).stats.remote(), self.health_timeout_s)
         except Exception:
             return
         self.replicas[i].load = stats.num_used_tokens + stats.waiting_tokens
-
-    async def _down_reason(self, i: int) -> str:
-        """Why target i says it cannot serve (SchedulerActor.down_reason), for the log and /health."""
-        try:
-            reason = await asyncio.wait_for(self._actor(i).down_reason.remote(), self.health_timeout_s)
-        except Exception:  # it died meanwhile, or cannot say
-            reason = None
-        return reason or "its health check failed"
 
     @staticmethod
     def _failure_message(gi: int, e: BaseException) -> str:

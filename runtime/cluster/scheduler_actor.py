@@ -10,7 +10,9 @@ requests stream. A client without a link (--disable-request-link) calls `submit(
 
 A watcher thread awaits the other ranks' follow loops: a rank that dies or fails ends the replica's
 requests with an error naming it, and every later answer says unhealthy (the client then relaunches the
-replica). So does a scheduler whose steps keep failing or met a dead device (StepHealth), with its reason."""
+replica). So does a scheduler whose steps keep failing or met a dead device (StepHealth), with its reason. The
+requests of the step that failed end with its error; those a failed replica never ran end with a FinishReason
+code (ENGINE_UNHEALTHY, REPLICA_FAILED) that has the client move them (runtime/managers/step_failure.py)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from runtime.cluster.replica_ranks import ReplicaRanks
 from runtime.cluster.tp_rank import RankSpec, TpRank, endpoint, local_model_path
 from runtime.cluster.weight_sync_actor import WeightSyncRanks
 from runtime.config import ServerArgs
+from runtime.engine_client import ENGINE_UNHEALTHY, REPLICA_FAILED
 from runtime.errors import EngineUnavailableError, InvalidRequestError
 from runtime.lora.lora_config import LoraNotFoundError
 from runtime.messages import (
@@ -334,11 +337,14 @@ class SchedulerActor(ReplicaRanks):  # the weight loads and sleeps of all its TP
                 self._error_out([rid], consumer)
 
     def _error_out(self, rids: list[str], consumer: str) -> None:
+        """Ends requests this replica never ran: its client moves them to a healthy replica (their FinishReason
+        code says whose failure it is: its steps' health, or the replica itself)."""
         message = self.down_reason() or f"{self.name} is not serving"
+        lost = self.failed is not None or self.host is None or not self.host.is_running()
+        reason = FinishReason("error", message=message, code=REPLICA_FAILED if lost else ENGINE_UNHEALTHY)
         with self._lock:
             self._pending.setdefault(consumer, []).extend(
-                RequestOutput(rid=rid, new_token_ids=[], finished=True,
-                              finish_reason=FinishReason("error", message=message)) for rid in rids)
+                RequestOutput(rid=rid, new_token_ids=[], finished=True, finish_reason=reason) for rid in rids)
         self._wake({consumer})
 
 

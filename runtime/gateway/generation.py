@@ -161,6 +161,9 @@ class Generation(Generic[B]):
                 if responder.fail_on_engine_error and c.error:
                     if c.error_param:  # the request's own parameters cannot be met: the user's error
                         raise ApiError(400, c.error, param=c.error_param, code="invalid_value")
+                    code = c.last.finish_reason.code  # set: the engine's failure, not the request's (it went
+                    if code is not None:  # unhealthy before running it): a 503, as for a request refused up front
+                        raise ApiError(503, c.error, code=code)
                     raise ApiError(500, f"generation failed: {c.error}", code="engine_error")
                 if c.done and not c.finished:
                     await self.client.abort(c.req.rid)

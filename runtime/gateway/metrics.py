@@ -19,6 +19,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from runtime.config import METRICS_COMPAT
+from runtime.engine_client import RoutingStats
 from runtime.gateway.metrics_compat import (
     HISTOGRAM_TWINS,
     LATENCY_BUCKETS,
@@ -30,7 +31,7 @@ from runtime.gateway.metrics_compat import (
     system_of,
 )
 from runtime.gateway.wait_estimator import WaitEstimate
-from runtime.messages import RoutingStats, SchedulerStats
+from runtime.messages import SchedulerStats
 
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                 0.5, 0.75, 1.0, 2.5, 5.0)

@@ -234,6 +234,8 @@ async def _one(client: EngineClient, req: GenerateRequest, hook: OutputHook | No
     message = (fr.message if fr is not None else None) or "the request ended without an embedding"
     if fr is not None and fr.kind == "abort":
         raise ApiError(503, f"the embedding request was aborted: {message}", code="request_aborted")
+    if fr is not None and fr.code is not None:  # the engine's failure (unhealthy before running it): a 503
+        raise ApiError(503, f"the embedding request failed: {message}", code=fr.code)
     raise ApiError(500, f"the embedding request failed: {message}")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from runtime.managers.schedule_batch import ScheduleBatch
 from runtime.managers.scheduler import Scheduler
+from runtime.managers.step_failure import fail_step
 
 
 class PausableScheduler(Scheduler):
@@ -18,11 +19,11 @@ class PausableScheduler(Scheduler):
     def pause_now(self, mode: str) -> int:
         """On the scheduler thread, between two steps: how many requests the mode aborted or retracted."""
         if self.pending is not None:  # the batch in flight finishes its step: its tokens and KV are real
+            self.stepping = [self.pending[0]]
             try:
                 self._collect_pending()
             except Exception as e:  # as run_forever does with a failed step: nothing waits forever on it
-                self.health.failed(e)
-                self.fail_all(f"internal error: {type(e).__name__}: {e}")
+                fail_step(self, e)
                 raise
         self.paused = True
         if mode == "abort":

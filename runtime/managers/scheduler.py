@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from runtime.config import ServerArgs
+from runtime.engine_client import ENGINE_UNHEALTHY, EngineUnhealthyError
 from runtime.errors import EngineUnavailableError, InvalidRequestError
 from runtime.lora.lora_registry import LoraRegistry
 from runtime.managers.grammar_manager import GrammarManager
@@ -26,6 +27,7 @@ from runtime.managers.schedule_batch import ScheduleBatch
 from runtime.managers.scheduler_stats import scheduler_stats
 from runtime.managers.spec_decoding import SpecDecoding
 from runtime.managers.stats import ForwardModeStats
+from runtime.managers.step_failure import fail_step
 from runtime.managers.step_health import StepHealth
 from runtime.managers.token_intake import TokenIntake
 from runtime.managers.worker_client import WorkerClient
@@ -81,6 +83,7 @@ class Scheduler:
         self.pending: tuple[ScheduleBatch, object] | None = None
         self._defer_grammar = getattr(worker, "can_defer_sampling", False)
         self.health = StepHealth()  # failing steps, a dead device: unhealthy (GET /health 503), new requests refused
+        self.stepping: list[ScheduleBatch] = []  # the step's batch and the one in flight: whose failure (fail_step)
         self.gen_throughput = 0.0
         self.device_busy_s = 0.0
         self._busy_since: float | None = None  # wall clock of the last result while steps run back to back
@@ -127,8 +130,9 @@ class Scheduler:
         except (InvalidRequestError, EngineUnavailableError) as e:  # the latter: the engine turned unhealthy
             self.rids.refused(g.rid)
             why = f"invalid request ({e.param}): {e.message}" if isinstance(e, InvalidRequestError) else str(e)
+            code = ENGINE_UNHEALTHY if isinstance(e, EngineUnhealthyError) else None  # never ran: a 503, moved on Ray
             self.sink([RequestOutput(rid=g.rid, new_token_ids=[], finished=True,
-                                     finish_reason=FinishReason("error", message=why))])
+                                     finish_reason=FinishReason("error", message=why, code=code))])
             return
         p = g.sampling_params
         seed = p.seed if p.seed is not None else self.rng.getrandbits(62)
@@ -173,15 +177,16 @@ class Scheduler:
                 except queue.Empty:
                     continue
                 with self.lock:  # handled at once, so messages keep their order
+                    self.stepping = []
                     self._handle(item)
             except Exception as e:  # never lose requests silently: fail what is in flight, keep serving
                 logger.exception("scheduler step failed")
-                self.health.failed(e)  # first: on Ray the answer carrying the failures says if it is healthy
                 with self.lock:
-                    self.fail_all(f"internal error: {type(e).__name__}: {e}")
+                    fail_step(self, e)  # and judge health: unhealthy (for good), or a probe first
 
     def step(self) -> bool:
         with self.lock:
+            self.stepping = [self.pending[0]] if self.pending is not None else []
             self._drain_inbox()
             self._poll_grammars()
             if self.pending is not None and self._must_flush():
@@ -195,6 +200,7 @@ class Scheduler:
                 self._busy_since = None
                 return False
             self._busy_since = self._busy_since or time.perf_counter()
+            self.stepping.append(batch)
             self.batch_id += 1
             wb = batch.to_worker_batch(self.batch_id, embed=self.args.is_embedding, loras=self.kv.loras)
             # Overlap with grammars: the forward goes first; the masks are filled while it runs (after
@@ -371,20 +377,6 @@ class Scheduler:
         self.rids.finished(r.rid)
         if emit:
             self.sink([r.take_delta()])
-
-    def fail_all(self, message: str) -> None:
-        self.grammars.take_all()
-        for r in list(self.reqs.values()):
-            if r in self.waiting:
-                self.waiting.remove(r)
-            r.finish_reason = FinishReason("error", message=message)
-            try:
-                self._finish(r, cache=False)
-            except Exception:  # the pool may be inconsistent after the failure: reset it below
-                self.reqs.pop(r.rid, None)
-        self.running.clear()
-        self.chunked_req = None
-        self.pending = None
 
     # ---- introspection ------------------------------------------------------------------------------
     def live_reqs(self) -> list[Req]:

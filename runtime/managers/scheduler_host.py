@@ -25,9 +25,10 @@ SGLang's flush after such an update fails (flush_cache asserts an idle scheduler
 would flush is refused (the old weights serve) while a request paused in place holds KV: pause with
 retract or abort, or update with flush_cache=false, which keeps that stale KV on purpose.
 
-Health (runtime/managers/step_health.py): steps that keep failing, or one that met a dead device, make the
-scheduler unhealthy for good: new requests are refused (EngineUnhealthyError, the gateway's 503) and health()
-says why (GET /health's 503); on Ray the SchedulerActor then answers unhealthy and its replica is relaunched."""
+Health (runtime/managers/step_health.py): a step that met a dead device, or steps that keep failing when a probe
+request fails too, make the scheduler unhealthy for good: new requests are refused (EngineUnhealthyError, the
+gateway's 503; one validated before ends with code ENGINE_UNHEALTHY, a 503 too) and health() says why (GET
+/health's 503); on Ray the SchedulerActor then answers unhealthy and its replica is relaunched."""
 
 from __future__ import annotations
 
@@ -95,6 +96,8 @@ class SchedulerHost:
             reserve_known_output=reserve_known_wanted(args, info),
             grammar=grammar, pooling=info.pooling,
             pad_drafts=info.device.startswith("cuda") and not args.disable_cuda_graph)  # graph-shaped verify steps
+        if info.device.startswith("cuda"):  # a sticky-looking CUDA error is fatal only if the device still fails
+            self.scheduler.health.device = info.device
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.gc = GcGuard(name)

@@ -2,16 +2,24 @@
 
 A step that raises fails the requests it held and the scheduler serves on (Scheduler.run_forever): most such
 failures are one batch's. But some errors leave the device unusable — a sticky CUDA error (an illegal memory
-access, a device-side assert: torch.AcceleratorError) makes every later step fail too — and a server that
-answers /health 200 meanwhile is never restarted. So a step that met such an error, or FAILED_STEPS_LIMIT
-steps failing in a row, mark the scheduler unhealthy with the reason, for good: new requests are refused
-(EngineUnhealthyError, the gateway's 503) and /health answers 503, as vLLM's /health does once its EngineCore
-died (EngineDeadError). Only a restart clears it (on Ray, the replica's relaunch). A successful step resets
-the count. Out of memory is not fatal (the allocator recovers); it counts like any other failure."""
+access, a device-side assert, an uncorrectable ECC error) makes every later kernel launch fail too — and a
+server that answers /health 200 meanwhile is never restarted. So such a step marks the scheduler unhealthy
+with the reason, for good: new requests are refused (EngineUnhealthyError, the gateway's 503) and /health
+answers 503, as vLLM's /health does once its EngineCore died (EngineDeadError). Only a restart clears it (on
+Ray, the replica's relaunch). Other CUDA errors (an invalid argument, too many resources for a launch, a cuBLAS
+status) are one batch's shape, and out of memory (CUBLAS_STATUS_ALLOC_FAILED included) the allocator recovers
+from: they count like any other failure. On a CUDA device a sticky-looking error counts as fatal only when the
+device still fails a synchronize and a tiny kernel afterwards (a sticky error fails every later call).
+
+FAILED_STEPS_LIMIT steps failing in a row are not enough on their own: one bad request retried by its client
+(the OpenAI SDK retries a 500 twice) fails that many. The scheduler then runs a probe, one greedy token of a
+1-token prompt alone in its batch (runtime/managers/step_probe.py): unhealthy only if the probe fails too; a
+probe that passes starts the count again. A successful step resets the count."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 import torch
 
@@ -20,24 +28,43 @@ from runtime.engine_client import EngineHealth, EngineUnhealthyError
 logger = logging.getLogger(__name__)
 
 FAILED_STEPS_LIMIT = 3  # a few in a row: one bad batch (or two) is not a broken engine
-# Messages of CUDA errors that stay set in the context: every later kernel launch fails with them.
-_FATAL_TEXT = ("CUDA error", "illegal memory access", "device-side assert")
-_ACCELERATOR_ERROR = getattr(torch, "AcceleratorError", ())  # torch >= 2.8: a CUDA runtime error
+# CUDA errors that stay set in the context (every later launch fails with them), as the runtime's messages and
+# the driver's enum names say them; matched lowercase.
+_STICKY_TEXT = ("illegal memory access", "illegal_address", "device-side assert", "unspecified launch failure",
+                "launch_failed", "misaligned address", "illegal instruction", "uncorrectable ecc",
+                "ecc_uncorrectable", "hardware stack error", "invalid program counter", "launch timed out",
+                "uncorrectable nvlink")
+_OOM_TEXT = ("out of memory", "cublas_status_alloc_failed")  # cuBLAS could not allocate its workspace
 
 
-def is_fatal(e: BaseException) -> bool:
-    """A device error no later step recovers from, here or anywhere in its chain (a TP rank's error
-    arrives wrapped: a Ray task error's `cause`, an exception raised from it)."""
+def _chain(e: BaseException) -> Iterator[BaseException]:
+    """e and what it wraps: a TP rank's error arrives wrapped (a Ray task error's `cause`, raise ... from)."""
     seen: set[int] = set()
     cur: BaseException | None = e
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
-        text = str(cur)
-        if isinstance(cur, torch.OutOfMemoryError) or "out of memory" in text:
-            return False
-        if isinstance(cur, _ACCELERATOR_ERROR) or any(t in text for t in _FATAL_TEXT):
-            return True
+        yield cur
         cur = getattr(cur, "cause", None) or cur.__cause__ or cur.__context__
+
+
+def is_fatal(e: BaseException) -> bool:
+    """e (or an error it wraps) says a sticky device error: no later step recovers from it. Out of memory never."""
+    for cur in _chain(e):
+        text = str(cur).lower()
+        if isinstance(cur, torch.OutOfMemoryError) or any(t in text for t in _OOM_TEXT):
+            return False
+        if any(t in text for t in _STICKY_TEXT):
+            return True
+    return False
+
+
+def device_still_fails(device: str) -> bool:
+    """A CUDA context holding a sticky error fails every later call: a synchronize and a tiny kernel raise."""
+    try:
+        torch.cuda.synchronize(device)
+        torch.ones(1, device=device).add_(1).item()
+    except Exception:
+        return True
     return False
 
 
@@ -52,25 +79,46 @@ class StepHealth:
     def __init__(self, limit: int = FAILED_STEPS_LIMIT):
         self.limit = limit
         self.failed_in_a_row = 0
+        self.last: BaseException | None = None  # the latest failure
         self.state = EngineHealth()
+        self.device: str | None = None  # a CUDA device confirms a sticky-looking error (device_still_fails)
 
     def succeeded(self) -> None:
         self.failed_in_a_row = 0
 
-    def failed(self, e: BaseException) -> EngineHealth:
-        """A step raised e: unhealthy from now on if e is fatal or the limit is reached."""
+    def fatal(self, e: BaseException) -> bool:
+        return is_fatal(e) and (self.device is None or device_still_fails(self.device))
+
+    def failed(self, e: BaseException) -> str | None:
+        """Counts a failed step; the reason it makes the engine unhealthy when e is fatal, else None (see
+        probe_due). Nothing changes until mark_unhealthy: the caller first ends the step's requests."""
         self.failed_in_a_row += 1
-        if not self.state.healthy:
-            return self.state
-        if is_fatal(e):
-            reason = f"a scheduler step met a device error no later step recovers from ({_describe(e)})"
-        elif self.failed_in_a_row >= self.limit:
-            reason = f"{self.failed_in_a_row} scheduler steps failed in a row, the last with {_describe(e)}"
-        else:
-            return self.state
-        self.state = EngineHealth(healthy=False, reason=reason)
-        logger.critical("the engine is unhealthy: %s", self.state.reason)
-        return self.state
+        self.last = e
+        if self.state.healthy and self.fatal(e):
+            return f"a scheduler step met a device error no later step recovers from ({_describe(e)})"
+        return None
+
+    @property
+    def probe_due(self) -> bool:
+        """The limit of failures in a row is reached: a probe decides (probed)."""
+        return self.state.healthy and self.failed_in_a_row >= self.limit
+
+    def probed(self, error: BaseException | None) -> str | None:
+        """The probe's outcome: None when it passed (the count starts again), else the reason to be unhealthy."""
+        last = _describe(self.last) if self.last is not None else "an unknown error"
+        if error is None:
+            logger.warning("%d scheduler steps failed in a row (the last with %s), but a probe request passed: "
+                           "still serving", self.failed_in_a_row, last)
+            self.failed_in_a_row = 0
+            return None
+        return (f"{self.failed_in_a_row} scheduler steps failed in a row, the last with {last}, and a probe "
+                f"request alone in its batch failed too ({_describe(error)})")
+
+    def mark_unhealthy(self, reason: str) -> None:
+        """Unhealthy from now on, for good."""
+        if self.state.healthy:
+            self.state = EngineHealth(healthy=False, reason=reason)
+            logger.critical("the engine is unhealthy: %s", reason)
 
     def check(self) -> None:
         """EngineUnhealthyError once unhealthy: a new request would only fail in its first step."""

@@ -1,0 +1,91 @@
+"""fail_step: what a Scheduler does when a step raises (run_forever, PausableScheduler.pause_now): it ends the
+requests it holds, judges its health (StepHealth) and, once steps keep failing, probes its worker.
+
+Whose failure it is decides how each request ends. The requests in the failing step (its batch, and the batch
+still in flight with overlap: a CUDA error surfaces a step late) end with the step's error, a 500: on Ray too,
+where moving them would only fail the next replica the same way. The others never ran in it: once the engine is
+unhealthy they end with code ENGINE_UNHEALTHY (a 503; on Ray they move to a healthy replica), else with the
+step's error as before. A step that failed because the replica lost a TP rank (EngineUnavailableError, no
+device error named) is nobody's: all end with REPLICA_FAILED, and on Ray all move.
+
+The probe: one greedy token of a 1-token prompt, alone in its batch, right after the requests ended (nothing
+else holds KV). Its output goes nowhere: no client owns the request, and it never enters the scheduler's queues."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from runtime.engine_client import ENGINE_UNHEALTHY, REPLICA_FAILED
+from runtime.errors import EngineUnavailableError
+from runtime.managers.req import Req
+from runtime.managers.step_health import is_fatal
+from runtime.messages import FinishReason
+from runtime.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.managers.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+PROBE_PROMPT = [0]  # a valid id in every vocabulary
+
+
+def fail_step(s: Scheduler, e: Exception) -> None:
+    """Under the scheduler's lock, on its thread: e is what the step raised; s.stepping its batches."""
+    down = s.health.failed(e)  # the reason, when e is fatal; published only once the requests have ended
+    message = f"internal error: {type(e).__name__}: {e}"
+    lost = isinstance(e, EngineUnavailableError)  # a TP rank failed: this replica serves no more
+    in_step = set() if lost and not is_fatal(e) else {r.rid for b in s.stepping for r in b.reqs}
+    others = (FinishReason("error", message=message, code=REPLICA_FAILED) if lost else
+              FinishReason("error", message=f"the engine is unhealthy: {down}", code=ENGINE_UNHEALTHY) if down
+              else None)
+    fail_all(s, message, in_step, others)
+    if down is None and s.health.probe_due:
+        down = s.health.probed(probe_step(s))
+    if down is not None:  # after the outputs: on Ray the answer carrying them says healthy, then a later one not
+        s.health.mark_unhealthy(down)
+
+
+def fail_all(s: Scheduler, message: str, in_step: set[str] | None = None, others: FinishReason | None = None) -> None:
+    """Ends every request of s with error `message`; with `others`, those whose rid is not in `in_step` end with
+    it instead. One sink call: a client hears of them all in one answer."""
+    s.grammars.take_all()
+    outputs = []
+    for r in list(s.reqs.values()):
+        if r in s.waiting:
+            s.waiting.remove(r)
+        own = others is None or (in_step is not None and r.rid in in_step)
+        r.finish_reason = FinishReason("error", message=message) if own else others
+        try:
+            s._finish(r, emit=False, cache=False)
+        except Exception:  # the pool may be inconsistent after the failure: reset it below
+            s.reqs.pop(r.rid, None)
+        outputs.append(r.take_delta())
+    if outputs:
+        s.sink(outputs)
+    s.running.clear()
+    s.chunked_req = None
+    s.pending = None
+
+
+def probe_step(s: Scheduler) -> BaseException | None:
+    """Does the worker still run a step? None when the probe's step ran, else what it raised."""
+    req = Req(f"shoal-probe-{s.batch_id}", PROBE_PROMPT, SamplingParams(max_new_tokens=1, temperature=0.0), 0,
+              frozenset(), embed=s.args.is_embedding)
+    s.stepping = []
+    try:
+        batch, _ = s.prefill.build([req], [], None, s.max_running)
+        if batch is None:
+            return RuntimeError("the probe request found no free KV slot")
+        s.stepping = [batch]  # its step's only request
+        s.batch_id += 1
+        s.worker.run_batch(batch.to_worker_batch(s.batch_id, embed=s.args.is_embedding, loras=s.kv.loras))
+        return None
+    except Exception as e:
+        return e
+    finally:
+        try:
+            s.kv.release_retracted(req)  # never cached: the step may not have written its KV
+        except Exception:  # the pool is what failed: the probe's verdict stands
+            logger.warning("freeing the probe request's KV failed", exc_info=True)
