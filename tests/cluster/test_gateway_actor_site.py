@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import shutil
 import socket
 import ssl
 import subprocess
@@ -18,6 +17,7 @@ from argparse import Namespace
 from pathlib import Path
 
 import pytest
+from tls_cert import self_signed
 
 from runtime.config import ServerArgs
 from runtime.errors import ServerArgsError
@@ -26,14 +26,7 @@ from runtime.gateway.http_site import SiteSpec, http_site, open_site, site_spec
 
 @pytest.fixture(scope="module")
 def cert(tmp_path_factory) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1 (as tests/runtime/test_vllm_flags.py makes its own)."""
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command to make a test certificate")
-    d = tmp_path_factory.mktemp("tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                    "-nodes", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1", "-days", "1",
-                    "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem")], check=True, capture_output=True)
-    return d / "cert.pem", d / "key.pem"
+    return self_signed(tmp_path_factory.mktemp("tls"))
 
 
 def _ns(**given: object) -> Namespace:

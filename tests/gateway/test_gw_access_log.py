@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 from gw_helpers import GATEWAY_ARGS, http, slow_steps, wait_kv_full
+from log_lines import LogLines
 
 from runtime.cli import build_parser, server_args
 from runtime.errors import ServerArgsError
@@ -24,21 +25,12 @@ from runtime.gateway.server import serve_in_thread
 _LINE = re.compile(r'(\S+) "(\w+) (\S+) HTTP/1\.1" (\d{3}) (\S+) (\d+\.\d) ms')
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 @pytest.fixture
-def lines() -> Iterator[dict[str, _Lines]]:
+def lines() -> Iterator[dict[str, LogLines]]:
     """The lines of the access log (INFO) and the request log (DEBUG: its prompt lines too), by logger."""
     handlers, levels = {}, {}
     for name in ("shoal.access", "shoal.requests"):
-        log, handlers[name] = logging.getLogger(name), _Lines()
+        log, handlers[name] = logging.getLogger(name), LogLines()
         levels[name] = log.level
         log.addHandler(handlers[name])
         log.setLevel(logging.DEBUG if name == "shoal.requests" else logging.INFO)
@@ -48,7 +40,7 @@ def lines() -> Iterator[dict[str, _Lines]]:
         logging.getLogger(name).setLevel(levels[name])
 
 
-def _access(lines: dict[str, _Lines]) -> list[tuple[str, str, str, int, str]]:
+def _access(lines: dict[str, LogLines]) -> list[tuple[str, str, str, int, str]]:
     """(method, path, status, id, ...) of each access line."""
     out = []
     for message in lines["shoal.access"].messages:

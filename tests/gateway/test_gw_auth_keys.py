@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 from gw_helpers import GATEWAY_ARGS, http
+from log_lines import LogLines
 
 from runtime.cli import build_parser, server_args
 from runtime.config import ServerArgs
@@ -34,18 +35,9 @@ def raw(url: str, method: str = "GET", headers: dict[str, str] | None = None,
         return e.code, dict(e.headers), e.read()
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 @pytest.fixture
-def gateway_lines() -> Iterator[_Lines]:
-    lines, log = _Lines(), logging.getLogger("shoal.gateway")
+def gateway_lines() -> Iterator[LogLines]:
+    lines, log = LogLines(logging.INFO), logging.getLogger("shoal.gateway")
     level = log.level
     log.addHandler(lines)
     log.setLevel(logging.INFO)

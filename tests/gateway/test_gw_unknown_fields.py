@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 from gw_helpers import GATEWAY_ARGS, http
+from log_lines import LogLines
 from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.gateway.server import serve_in_thread
@@ -26,18 +27,9 @@ def _ignored_counts(url: str) -> dict[str, float]:
             for s in fam.samples if s.name == "shoal:ignored_request_fields_total"}
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 @pytest.fixture()
 def gateway_log():
-    handler = _Records()
+    handler = LogLines(logging.INFO)
     log = logging.getLogger("shoal.gateway")
     level = log.level
     log.addHandler(handler)

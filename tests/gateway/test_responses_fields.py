@@ -10,19 +10,14 @@ and answer are chat's with continue_final_message."""
 from __future__ import annotations
 
 import json
-import shutil
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
+from bos_model import bos_llama_with_adapters
 from gw_helpers import http
 
 from runtime import Engine
 from runtime.gateway.server import serve_in_thread
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "lora"))
-from lora_files import write_adapter  # noqa: E402
 
 # ChatML that also renders vLLM's documents.
 TEMPLATE = (
@@ -31,7 +26,6 @@ TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-BOS = 1  # <|im_start|>, which this copy of the tiny tokenizer puts before every encoded text
 INPUT = [{"role": "user", "content": "Hello world!"}]
 GREEDY = {"temperature": 0, "ignore_eos": True}
 DOCS = [{"title": "fox", "text": "The quick brown fox."}]
@@ -41,18 +35,7 @@ SCHEMA = {"type": "object", "properties": {"c": {"enum": ["red", "blue"]}}, "req
 @pytest.fixture(scope="module")
 def served(tiny_llama, tmp_path_factory):
     """A copy of the tiny Llama whose tokenizer adds BOS, with TEMPLATE and two LoRA adapters."""
-    root = tmp_path_factory.mktemp("responses_fields")
-    model = Path(shutil.copytree(tiny_llama, root / "bos"))
-    spec = json.loads((model / "tokenizer.json").read_text())
-    bos = {"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}
-    spec["post_processor"] = {"type": "TemplateProcessing", "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
-                              "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}},
-                                       {"Sequence": {"id": "B", "type_id": 1}}],
-                              "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [BOS],
-                                                                  "tokens": ["<|im_start|>"]}}}
-    (model / "tokenizer.json").write_text(json.dumps(spec))
-    adapters = {name: write_adapter(root / name, model, seed, ("q_proj", "v_proj")) for name, seed in
-                (("ad", 1), ("ad2", 2))}
+    model, adapters = bos_llama_with_adapters(tiny_llama, tmp_path_factory.mktemp("responses_fields"))
     engine = Engine(str(model), device="cpu", max_total_tokens=4096, chat_template=TEMPLATE, enable_lora=True,
                     lora_modules={k: str(v) for k, v in adapters.items()}, max_lora_rank=8)
     try:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from hf_cache_dirs import cache_repo, hf_home_env
+from log_lines import LogLines
 from tiny_models import hf_greedy_ids
 
 from runtime.cli import build_parser, server_args
@@ -54,18 +55,9 @@ def _serve(*argv: str) -> ServerArgs:
     return server_args(build_parser().parse_args(vllm_values(["serve", *argv])))
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 @pytest.fixture
-def logged() -> Iterator[_Lines]:
-    lines, log = _Lines(), logging.getLogger("shoal.vllm_flags")
+def logged() -> Iterator[LogLines]:
+    lines, log = LogLines(logging.INFO), logging.getLogger("shoal.vllm_flags")
     log.addHandler(lines)
     yield lines
     log.removeHandler(lines)

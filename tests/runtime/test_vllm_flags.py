@@ -5,9 +5,7 @@ and why; TLS and --root-path serve (gateway/http_site.py)."""
 from __future__ import annotations
 
 import logging
-import shutil
 import ssl
-import subprocess
 import urllib.error
 import urllib.request
 from argparse import Namespace
@@ -15,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from log_lines import LogLines
+from tls_cert import self_signed
 
 from runtime.cli import build_parser, main, server_args
 from runtime.config import ServerArgs
@@ -35,19 +35,10 @@ def _vllm_serve(*argv: str) -> ServerArgs:
     return server_args(build_parser().parse_args(vllm_values(["serve", "/m", *argv])))
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 @pytest.fixture
-def logged() -> Iterator[_Lines]:
+def logged() -> Iterator[LogLines]:
     """The INFO lines vllm_flags logs, as .messages (Shoal's loggers do not propagate to caplog's root)."""
-    lines, log = _Lines(), logging.getLogger("shoal.vllm_flags")
+    lines, log = LogLines(logging.INFO), logging.getLogger("shoal.vllm_flags")
     log.addHandler(lines)
     yield lines
     log.removeHandler(lines)
@@ -207,13 +198,7 @@ def test_llm_kwargs_refusals_name_the_flag(kwargs, flag, says):
 
 @pytest.fixture(scope="module")
 def cert(tmp_path_factory) -> tuple[Path, Path]:
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command to make a test certificate")
-    d = tmp_path_factory.mktemp("tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                    "-nodes", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1", "-days", "1",
-                    "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem")], check=True, capture_output=True)
-    return d / "cert.pem", d / "key.pem"
+    return self_signed(tmp_path_factory.mktemp("tls"))
 
 
 def _site_ns(**given: object) -> Namespace:
