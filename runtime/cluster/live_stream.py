@@ -44,7 +44,6 @@ class LiveStream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     delivered: list[int] = field(default_factory=list)  # output tokens handed to the consumer so far
     moves: int = 0  # failovers so far
-    unhealthy_moves: int = 0  # of those, after a replica's steps' health refused or ended it (StepHealth)
     finished: bool = False  # its last delta was handed over, or the consumer closed it
     assigned: bool = False  # counted in its target's load and routed-prefix index
 

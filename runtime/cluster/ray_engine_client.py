@@ -19,7 +19,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator
 from typing import Any
 
 from runtime.cluster.live_stream import LiveStream, pin_seed
@@ -249,14 +249,12 @@ class RayEngineClient(ReplicaHealth, RayLoraClient, RayAdminClient, EngineClient
             deliver(batch)
             if moving or not poll.healthy:
                 why = poll.error or next(iter(moving.values())).message or "it refused a request"
-                self._on_failure(gi, generation, f"replica {gi} failed: {why}",
-                                 {rid for rid, fr in moving.items() if fr.code == ENGINE_UNHEALTHY})
+                self._on_failure(gi, generation, f"replica {gi} failed: {why}")
                 return
 
-    def _on_failure(self, gi: int, generation: int, message: str, unhealthy: Collection[str] = ()) -> None:
+    def _on_failure(self, gi: int, generation: int, message: str) -> None:
         """On the client loop: route around the group, relaunch it in the background, and move each of
-        its in-flight requests (of that generation) to a live replica. unhealthy: rids its steps' health
-        refused or ended (a request moved once after that ends with the error: _fail_over)."""
+        its in-flight requests (of that generation) to a live replica."""
         if self._closing:
             return
         group = self.groups[gi]
@@ -272,20 +270,21 @@ class RayEngineClient(ReplicaHealth, RayLoraClient, RayAdminClient, EngineClient
             self._spawn(self._relaunch(gi))
         for st in list(self._streams.values()):
             if st.target in targets and st.generation == generation:
-                self._fail_over(st, message, st.req.rid in unhealthy)
+                self._fail_over(st, message)
 
-    def _fail_over(self, st: LiveStream, message: str, unhealthy: bool = False) -> None:
+    def _fail_over(self, st: LiveStream, message: str) -> None:
         """On the client loop: resubmit st elsewhere with what it already streamed, or end it: when no replica
-        is left, when it has moved once per routing target, or when a replica's steps' health fails it again
-        after a move for that (a request that breaks every replica it runs on must not go round them all)."""
+        is left, or when it has moved once per routing target (a request that breaks every replica it runs on
+        must not go round them all; one whose own step broke a replica already ends there, unmoved)."""
         with self._route_lock:
             if st.finished or self._streams.get(st.req.rid) is not st:
                 return
             self._release(st)
-            if st.moves >= len(self.replicas) or (unhealthy and st.unhealthy_moves):
+            if st.moves >= len(self.replicas):
                 st.finished = True
                 self.failover_errors += 1
-                st.fail(f"{message}; not moved again: it has moved {st.moves} times already")
+                times = "1 time" if st.moves == 1 else f"{st.moves} times"
+                st.fail(f"{message}; not moved again: it has moved {times} already")
                 return
             try:
                 target = self.policy.pick(st.req, self.replicas, st.hashes)
@@ -296,7 +295,6 @@ class RayEngineClient(ReplicaHealth, RayLoraClient, RayAdminClient, EngineClient
                 return
             st.target, st.generation = target.index, self.groups[self._target_group[target.index]].generation
             st.moves += 1
-            st.unhealthy_moves += unhealthy
             self._assign(st, target)
             self.failovers += 1
             resumed = st.resumed_request()

@@ -4,9 +4,11 @@ requests it holds, judges its health (StepHealth) and, once steps keep failing, 
 Whose failure it is decides how each request ends. The requests in the failing step (its batch, and the batch
 still in flight with overlap: a CUDA error surfaces a step late) end with the step's error, a 500: on Ray too,
 where moving them would only fail the next replica the same way. The others never ran in it: once the engine is
-unhealthy they end with code ENGINE_UNHEALTHY (a 503; on Ray they move to a healthy replica), else with the
-step's error as before. A step that failed because the replica lost a TP rank (EngineUnavailableError, no
-device error named) is nobody's: all end with REPLICA_FAILED, and on Ray all move.
+unhealthy they end with code ENGINE_UNHEALTHY (a 503; on Ray they move to a healthy replica). While it is still
+healthy, those holding KV (running, mid chunked prefill: the pool may be inconsistent) end with the step's error
+too; the queued ones, which hold nothing, stay queued (ENGINE_UNHEALTHY, should the probe fail). A step that
+failed because the replica lost a TP rank (EngineUnavailableError, no device error named) is nobody's: all end
+with REPLICA_FAILED, and on Ray all move.
 
 The probe: one greedy token of a 1-token prompt, alone in its batch, right after the requests ended (nothing
 else holds KV). Its output goes nowhere: no client owns the request, and it never enters the scheduler's queues."""
@@ -14,13 +16,14 @@ else holds KV). Its output goes nowhere: no client owns the request, and it neve
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from runtime.engine_client import ENGINE_UNHEALTHY, REPLICA_FAILED
 from runtime.errors import EngineUnavailableError
 from runtime.managers.req import Req
 from runtime.managers.step_health import is_fatal
-from runtime.messages import FinishReason
+from runtime.messages import FinishReason, RequestOutput
 from runtime.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -37,36 +40,59 @@ def fail_step(s: Scheduler, e: Exception) -> None:
     message = f"internal error: {type(e).__name__}: {e}"
     lost = isinstance(e, EngineUnavailableError)  # a TP rank failed: this replica serves no more
     in_step = set() if lost and not is_fatal(e) else {r.rid for b in s.stepping for r in b.reqs}
-    others = (FinishReason("error", message=message, code=REPLICA_FAILED) if lost else
-              FinishReason("error", message=f"the engine is unhealthy: {down}", code=ENGINE_UNHEALTHY) if down
-              else None)
-    fail_all(s, message, in_step, others)
-    if down is None and s.health.probe_due:
-        down = s.health.probed(probe_step(s))
+    if lost or down is not None:  # nothing is served here any more: every request ends now
+        others = (FinishReason("error", message=message, code=REPLICA_FAILED) if lost else
+                  FinishReason("error", message=f"the engine is unhealthy: {down}", code=ENGINE_UNHEALTHY))
+        fail_all(s, message, in_step, others)
+    else:
+        # The step's requests and those holding KV (the pool may be inconsistent) end; a queued one that holds
+        # nothing stays queued: it never ran, and the probe runs alone while it waits.
+        outputs = _end(s, [r for r in s.reqs.values() if r.rid in in_step or _holds(s, r)],
+                       lambda r: FinishReason("error", message=message))
+        if s.health.probe_due:
+            down = s.health.probed(probe_step(s))
+        if down is not None:  # the engine is broken: the queued ones would only fail their first step
+            others = FinishReason("error", message=f"the engine is unhealthy: {down}", code=ENGINE_UNHEALTHY)
+            s.grammars.take_all()
+            outputs += _end(s, list(s.reqs.values()), lambda r: others)
+        if outputs:
+            s.sink(outputs)
     if down is not None:  # after the outputs: on Ray the answer carrying them says healthy, then a later one not
         s.health.mark_unhealthy(down)
+
+
+def _holds(s: Scheduler, r: Req) -> bool:
+    """r holds KV or a place in the step machinery (running, mid chunked prefill)."""
+    return r.req_pool_idx is not None or r is s.chunked_req or r in s.running
+
+
+def _end(s: Scheduler, reqs: list[Req], reason: Callable[[Req], FinishReason]) -> list[RequestOutput]:
+    """Ends reqs without emitting (their KV freed, never cached); their last deltas, for one sink call."""
+    outputs = []
+    for r in reqs:
+        if r in s.waiting:
+            s.waiting.remove(r)
+        r.finish_reason = reason(r)
+        try:
+            s._finish(r, emit=False, cache=False)
+        except Exception:  # the pool may be inconsistent after the failure
+            s.reqs.pop(r.rid, None)
+        outputs.append(r.take_delta())
+    s.running.clear()
+    s.chunked_req = None
+    s.pending = None
+    return outputs
 
 
 def fail_all(s: Scheduler, message: str, in_step: set[str] | None = None, others: FinishReason | None = None) -> None:
     """Ends every request of s with error `message`; with `others`, those whose rid is not in `in_step` end with
     it instead. One sink call: a client hears of them all in one answer."""
     s.grammars.take_all()
-    outputs = []
-    for r in list(s.reqs.values()):
-        if r in s.waiting:
-            s.waiting.remove(r)
-        own = others is None or (in_step is not None and r.rid in in_step)
-        r.finish_reason = FinishReason("error", message=message) if own else others
-        try:
-            s._finish(r, emit=False, cache=False)
-        except Exception:  # the pool may be inconsistent after the failure: reset it below
-            s.reqs.pop(r.rid, None)
-        outputs.append(r.take_delta())
+    own = FinishReason("error", message=message)
+    outputs = _end(s, list(s.reqs.values()),
+                   lambda r: own if others is None or (in_step is not None and r.rid in in_step) else others)
     if outputs:
         s.sink(outputs)
-    s.running.clear()
-    s.chunked_req = None
-    s.pending = None
 
 
 def probe_step(s: Scheduler) -> BaseException | None:

@@ -9,24 +9,29 @@ answers 503, as vLLM's /health does once its EngineCore died (EngineDeadError). 
 Ray, the replica's relaunch). Other CUDA errors (an invalid argument, too many resources for a launch, a cuBLAS
 status) are one batch's shape, and out of memory (CUBLAS_STATUS_ALLOC_FAILED included) the allocator recovers
 from: they count like any other failure. On a CUDA device a sticky-looking error counts as fatal only when the
-device still fails a synchronize and a tiny kernel afterwards (a sticky error fails every later call).
+device still fails a synchronize and a tiny kernel afterwards (a sticky error fails every later call), within
+DEVICE_CHECK_TIMEOUT_S (one that hangs fails); a lost TP rank's error (EngineUnavailableError) is its own device's,
+so it is taken at its word.
 
 FAILED_STEPS_LIMIT steps failing in a row are not enough on their own: one bad request retried by its client
 (the OpenAI SDK retries a 500 twice) fails that many. The scheduler then runs a probe, one greedy token of a
-1-token prompt alone in its batch (runtime/managers/step_probe.py): unhealthy only if the probe fails too; a
+1-token prompt alone in its batch (step_failure.probe_step): unhealthy only if the probe fails too; a
 probe that passes starts the count again. A successful step resets the count."""
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 
 import torch
 
 from runtime.engine_client import EngineHealth, EngineUnhealthyError
+from runtime.errors import EngineUnavailableError
 
 logger = logging.getLogger(__name__)
 
+DEVICE_CHECK_TIMEOUT_S = 10.0  # a synchronize and a tiny kernel take milliseconds on a working device
 FAILED_STEPS_LIMIT = 3  # a few in a row: one bad batch (or two) is not a broken engine
 # CUDA errors that stay set in the context (every later launch fails with them), as the runtime's messages and
 # the driver's enum names say them; matched lowercase.
@@ -58,14 +63,29 @@ def is_fatal(e: BaseException) -> bool:
     return False
 
 
-def device_still_fails(device: str) -> bool:
-    """A CUDA context holding a sticky error fails every later call: a synchronize and a tiny kernel raise."""
-    try:
-        torch.cuda.synchronize(device)
-        torch.ones(1, device=device).add_(1).item()
-    except Exception:
+def device_still_fails(device: str, timeout_s: float = DEVICE_CHECK_TIMEOUT_S) -> bool:
+    """A CUDA context holding a sticky error fails every later call: a synchronize and a tiny kernel raise. It
+    runs under the scheduler's lock, so in a daemon thread, waited for at most timeout_s: a synchronize that
+    never returns (a stream stuck in a collective with a dead peer) is a device that fails too."""
+    failed: list[bool] = []
+
+    def check() -> None:
+        try:
+            torch.cuda.set_device(device)  # a new thread starts on device 0
+            torch.cuda.synchronize(device)
+            torch.ones(1, device=device).add_(1).item()
+            failed.append(False)
+        except Exception:
+            failed.append(True)
+
+    t = threading.Thread(target=check, name="shoal-device-check", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        logger.error("the device check on %s did not return within %.0f s: the device counts as failed",
+                     device, timeout_s)
         return True
-    return False
+    return failed[0]
 
 
 def _describe(e: BaseException) -> str:
@@ -82,12 +102,15 @@ class StepHealth:
         self.last: BaseException | None = None  # the latest failure
         self.state = EngineHealth()
         self.device: str | None = None  # a CUDA device confirms a sticky-looking error (device_still_fails)
+        self.device_check_timeout_s = DEVICE_CHECK_TIMEOUT_S
 
     def succeeded(self) -> None:
         self.failed_in_a_row = 0
 
     def fatal(self, e: BaseException) -> bool:
-        return is_fatal(e) and (self.device is None or device_still_fails(self.device))
+        # A lost TP rank's error is that rank's device's: this one's check says nothing of it.
+        return is_fatal(e) and (self.device is None or isinstance(e, EngineUnavailableError)
+                                or device_still_fails(self.device, self.device_check_timeout_s))
 
     def failed(self, e: BaseException) -> str | None:
         """Counts a failed step; the reason it makes the engine unhealthy when e is fatal, else None (see

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -71,10 +72,56 @@ def test_which_errors_are_fatal(monkeypatch):
     # on a CUDA device a sticky-looking error is fatal only while the device still fails (a sticky one does)
     health, device = StepHealth(), {"fails": False}
     health.device = "cuda:0"
-    monkeypatch.setattr(step_health, "device_still_fails", lambda d: d == "cuda:0" and device["fails"])
+    monkeypatch.setattr(step_health, "device_still_fails", lambda d, timeout_s: d == "cuda:0" and device["fails"])
     assert not health.fatal(RuntimeError(STICKY)) and health.failed(RuntimeError(STICKY)) is None
     device["fails"] = True
     assert health.fatal(RuntimeError(STICKY)) and not health.fatal(RuntimeError("CUDA error: invalid argument"))
+    # a lost TP rank's error is that rank's device's: taken at its word, this device is not checked
+    device["fails"] = False
+    assert health.fatal(EngineUnavailableError(f"TP worker rank 1 of replica 0 failed: RuntimeError: {STICKY}"))
+
+
+def test_the_device_check_is_bounded(monkeypatch):
+    """device_still_fails runs under the scheduler's lock: a synchronize that never returns (a stream stuck in a
+    collective with a dead peer) counts as a failing device after timeout_s, not a scheduler hung for good."""
+    release = threading.Event()
+    sync = {"mode": "ok"}
+
+    def synchronize(device=None):
+        if sync["mode"] == "raises":
+            raise RuntimeError(STICKY)
+        if sync["mode"] == "hangs":
+            release.wait()
+
+    monkeypatch.setattr(step_health.torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(step_health.torch.cuda, "synchronize", synchronize)
+    try:
+        assert not step_health.device_still_fails("cpu", 5.0)  # a working device (the tiny kernel runs)
+        sync["mode"] = "raises"
+        assert step_health.device_still_fails("cpu", 5.0)
+        sync["mode"] = "hangs"
+        start = time.monotonic()
+        assert step_health.device_still_fails("cpu", 0.2)
+        assert time.monotonic() - start < 2
+    finally:
+        release.set()
+
+
+def test_a_hanging_device_check_makes_the_engine_unhealthy(make_engine, tiny_llama, monkeypatch):
+    engine = make_engine(tiny_llama)
+    s = engine.scheduler
+    s.health.device, s.health.device_check_timeout_s = "cpu", 0.2  # as SchedulerHost sets a CUDA worker's
+    release = threading.Event()
+    monkeypatch.setattr(step_health.torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(step_health.torch.cuda, "synchronize", lambda device=None: release.wait())
+    break_worker(engine, monkeypatch, STICKY)
+    try:
+        out = engine.generate(input_ids=PROMPT, sampling_params=GREEDY)
+        assert out["finish_reason"] == "error" and "illegal memory access" in out["error"]
+        engine.get_stats()  # the scheduler's lock is free again
+        assert engine.health() == EngineHealth(healthy=False, reason=REASON)
+    finally:
+        release.set()
 
 
 def _wrapped(inner: BaseException) -> BaseException:
