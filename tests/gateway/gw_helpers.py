@@ -31,6 +31,17 @@ def http(url: str, method: str = "GET", body: Any = None, headers: dict[str, str
         return status, raw.decode()
 
 
+def raw(url: str, method: str = "GET", headers: dict[str, str] | None = None,
+        body: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, body bytes) as sent: headers and bodies a test checks byte for byte."""
+    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
 def sse_events(raw: str) -> list[Any]:
     """Parsed `data:` payloads of an SSE body, "[DONE]" kept as the string."""
     out = []

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import logging
 import pickle
-import urllib.request
 from collections.abc import Iterator
 
 import openai
 import pytest
-from gw_helpers import GATEWAY_ARGS, http
+from gw_helpers import GATEWAY_ARGS, http, raw
 from log_lines import LogLines
 
 from runtime.cli import build_parser, server_args
@@ -23,16 +22,6 @@ from runtime.gateway.server import serve_in_thread
 from runtime.vllm_argv import vllm_values
 
 KEYS = ("sk-one", "sk-two")
-
-
-def raw(url: str, method: str = "GET", headers: dict[str, str] | None = None,
-        body: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
-    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, dict(resp.headers), resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read()
 
 
 @pytest.fixture

@@ -4,23 +4,11 @@ and OpenAI's GET /v1/models/{model} (names with '/'; 404 model_not_found for any
 
 from __future__ import annotations
 
-import urllib.request
-
-from gw_helpers import GATEWAY_ARGS, http
+from gw_helpers import GATEWAY_ARGS, http, raw
 
 from runtime.gateway.server import serve_in_thread
 
 PREFLIGHT = {"Origin": "http://example.com", "Access-Control-Request-Method": "POST"}
-
-
-def raw(url: str, method: str = "GET", headers: dict[str, str] | None = None,
-        body: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
-    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, dict(resp.headers), resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read()
 
 
 def test_preflight_and_responses_carry_cors_headers_by_default(gw_url):

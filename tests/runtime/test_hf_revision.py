@@ -6,7 +6,6 @@ too, without asking the network."""
 
 from __future__ import annotations
 
-import logging
 import shutil
 import socket
 from collections.abc import Iterator
@@ -14,7 +13,6 @@ from pathlib import Path
 
 import pytest
 from hf_cache_dirs import cache_repo, hf_home_env
-from log_lines import LogLines
 from tiny_models import hf_greedy_ids
 
 from runtime.cli import build_parser, server_args
@@ -53,14 +51,6 @@ def _snapshot(home: Path, repo: str, commit: str) -> Path:
 
 def _serve(*argv: str) -> ServerArgs:
     return server_args(build_parser().parse_args(vllm_values(["serve", *argv])))
-
-
-@pytest.fixture
-def logged() -> Iterator[LogLines]:
-    lines, log = LogLines(logging.INFO), logging.getLogger("shoal.vllm_flags")
-    log.addHandler(lines)
-    yield lines
-    log.removeHandler(lines)
 
 
 def test_vllms_revision_serves_that_snapshot_greedy_as_hf(hf_home, tiny_model_dirs, logged):

@@ -4,16 +4,13 @@ and why; TLS and --root-path serve (gateway/http_site.py)."""
 
 from __future__ import annotations
 
-import logging
 import ssl
 import urllib.error
 import urllib.request
 from argparse import Namespace
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from log_lines import LogLines
 from tls_cert import self_signed
 
 from runtime.cli import build_parser, main, server_args
@@ -33,15 +30,6 @@ def _vllm_serve(*argv: str) -> ServerArgs:
     from runtime.vllm_argv import vllm_values
 
     return server_args(build_parser().parse_args(vllm_values(["serve", "/m", *argv])))
-
-
-@pytest.fixture
-def logged() -> Iterator[LogLines]:
-    """The INFO lines vllm_flags logs, as .messages (Shoal's loggers do not propagate to caplog's root)."""
-    lines, log = LogLines(logging.INFO), logging.getLogger("shoal.vllm_flags")
-    log.addHandler(lines)
-    yield lines
-    log.removeHandler(lines)
 
 
 def test_a_real_world_vllm_command_line_parses_as_typed(logged):
