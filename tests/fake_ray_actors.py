@@ -14,7 +14,7 @@ from typing import Any
 
 from runtime.cluster.ray_engine_client import RayEngineClient
 from runtime.config import ServerArgs
-from runtime.messages import OutputPoll, RequestOutput, SchedulerStats, WorkerInfo
+from runtime.messages import GenerateRequest, OutputPoll, RequestOutput, SchedulerStats, WorkerInfo
 
 INFO = WorkerInfo(max_total_tokens=10000, max_reqs=64, context_len=1000, vocab_size=1000, eos_token_ids=[0],
                   attention_backend="fake", device="cpu")
@@ -104,3 +104,12 @@ def fake_client(args: ServerArgs, schedulers: list[FakeScheduler],
     groups = [FakeGroup(g, [s]) for g, s in enumerate(schedulers)]
     return RayEngineClient(args, FakeLauncher(relaunch), groups, tokenizer=None, model_name="fake",
                            health_interval_s=health_interval_s)
+
+
+async def consume(client: RayEngineClient, req: GenerateRequest, seen: dict[str, list[int]]) -> RequestOutput:
+    """Streams req to its end through client, each delta's tokens appended to seen[rid]; its last output."""
+    last = None
+    async for out in client.stream(req):
+        seen.setdefault(req.rid, []).extend(out.new_token_ids)
+        last = out
+    return last

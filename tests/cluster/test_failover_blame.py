@@ -11,7 +11,7 @@ import asyncio
 import threading
 from collections.abc import Sequence
 
-from fake_ray_actors import FakeScheduler, actor_method, fake_client
+from fake_ray_actors import FakeScheduler, actor_method, consume, fake_client
 
 from runtime.cluster.ray_engine_client import RayEngineClient
 from runtime.cluster.routing import ReplicaLoad, RoutingPolicy
@@ -117,14 +117,6 @@ def make_client(kind: type[PoisonScheduler], dp: int) -> RayEngineClient:
 def request(rid: str, n: int = 30) -> GenerateRequest:
     return GenerateRequest(rid=rid, input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=n,
                                                                                           temperature=0.0))
-
-
-async def consume(client: RayEngineClient, req: GenerateRequest, seen: dict[str, list[int]]) -> RequestOutput:
-    last = None
-    async for out in client.stream(req):
-        seen.setdefault(req.rid, []).extend(out.new_token_ids)
-        last = out
-    return last
 
 
 def run_poison(client: RayEngineClient, with_bystander: bool) -> tuple[RequestOutput, RequestOutput | None, dict]:

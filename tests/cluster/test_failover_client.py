@@ -10,7 +10,7 @@ import asyncio
 import threading
 import time
 
-from fake_ray_actors import FakeScheduler, actor_method, fake_client
+from fake_ray_actors import FakeScheduler, actor_method, consume, fake_client
 
 from runtime.cluster.ray_engine_client import RayEngineClient
 from runtime.cluster.routing import create_routing_policy
@@ -63,14 +63,6 @@ def make_client(fail_relaunch: bool = False) -> RayEngineClient:
 def request(i: int, n: int = 40) -> GenerateRequest:
     return GenerateRequest(rid=f"r{i}", input_ids=[i, i + 1, i + 2],
                            sampling_params=SamplingParams(max_new_tokens=n, temperature=0.0))
-
-
-async def consume(client: RayEngineClient, req: GenerateRequest, seen: dict[str, list[int]]) -> RequestOutput:
-    last = None
-    async for out in client.stream(req):
-        seen.setdefault(req.rid, []).extend(out.new_token_ids)
-        last = out
-    return last
 
 
 def test_streams_move_on_mid_stream_and_the_replica_comes_back():

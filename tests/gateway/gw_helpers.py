@@ -4,9 +4,11 @@ engine steps."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 from runtime import Engine, ServerArgs
@@ -40,6 +42,19 @@ def raw(url: str, method: str = "GET", headers: dict[str, str] | None = None,
             return resp.status, dict(resp.headers), resp.read()
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), e.read()
+
+
+def last_token_embedder(src: Path, path: Path) -> Path:
+    """A copy of the checkpoint at src as a sentence-transformers model: last-token pooling, then Normalize."""
+    shutil.copytree(src, path)
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True,
+                                                               "pooling_mode_mean_tokens": False}))
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    return path
 
 
 def sse_events(raw: str) -> list[Any]:

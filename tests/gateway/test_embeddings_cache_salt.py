@@ -6,15 +6,13 @@ is a 400 naming it."""
 
 from __future__ import annotations
 
-import json
-import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from gw_helpers import GATEWAY_ARGS, http
+from gw_helpers import GATEWAY_ARGS, http, last_token_embedder
 
 from runtime import Engine
 from runtime.errors import InvalidRequestError
@@ -26,14 +24,7 @@ from runtime.gateway.server import ServerHandle
 def served(tiny_model_dirs, tmp_path_factory) -> Iterator[tuple[Engine, str, Path]]:
     """The tiny Qwen3 as a sentence-transformers model with last-token pooling and normalization."""
     path: Path = tmp_path_factory.mktemp("emb_salt") / "qwen3"
-    shutil.copytree(tiny_model_dirs["qwen3"], path)
-    (path / "1_Pooling").mkdir()
-    (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True,
-                                                               "pooling_mode_mean_tokens": False}))
-    (path / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    last_token_embedder(tiny_model_dirs["qwen3"], path)
     engine = Engine(str(path), device="cpu", dtype="float32", is_embedding=True, log_level="warning")
     try:
         with ServerHandle(build_app(engine, GATEWAY_ARGS), "127.0.0.1", 0) as handle:

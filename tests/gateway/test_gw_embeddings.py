@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
-import json
-import shutil
 import struct
 import threading
 import time
@@ -20,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gw_helpers import GATEWAY_ARGS, http, wait_kv_full
+from gw_helpers import GATEWAY_ARGS, http, last_token_embedder, wait_kv_full
 
 from runtime import Engine
 from runtime.config import ServerArgs
@@ -34,14 +32,7 @@ TEXTS = ["The quick brown fox jumps over the lazy dog. The capital of France is 
 @pytest.fixture(scope="module")
 def emb_engine(tiny_model_dirs, tmp_path_factory) -> Iterator[Engine]:
     path: Path = tmp_path_factory.mktemp("gw_emb") / "qwen3"
-    shutil.copytree(tiny_model_dirs["qwen3"], path)
-    (path / "1_Pooling").mkdir()
-    (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True,
-                                                               "pooling_mode_mean_tokens": False}))
-    (path / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    last_token_embedder(tiny_model_dirs["qwen3"], path)
     engine = Engine(str(path), device="cpu", dtype="float32", is_embedding=True, chunked_prefill_size=16,
                     log_level="warning")
     yield engine
