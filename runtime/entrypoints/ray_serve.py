@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -32,6 +33,8 @@ from ray import serve
 from starlette.responses import StreamingResponse
 
 from runtime.config import ServerArgs
+from runtime.errors import ServerArgsError
+from runtime.http_flags import API_KEY_ENV, api_keys
 
 logger = logging.getLogger(__name__)
 
@@ -307,7 +310,18 @@ def drain_grace_s(replica: Any | None = None) -> float:
 def replica_args(server_args: dict[str, Any]) -> ServerArgs:
     """A replica's ServerArgs. tp = dp = 1 without use_ray runs the Engine inside the replica, which holds
     the GPU its ray_actor_options ask for (shoal serve would start a scheduler actor on a GPU machine, and
-    that actor would need a second GPU the replica's pod does not have)."""
+    that actor would need a second GPU the replica's pod does not have). $VLLM_API_KEY keys it where args
+    name no api_key, as `shoal serve` and vLLM take it (`args.api_key or envs.VLLM_API_KEY`): read here, in
+    the replica, whose runtime_env (the app's or the deployment's) sets it."""
+    env_key = os.environ.get(API_KEY_ENV)
+    if env_key and server_args.get("api_key") is None:
+        try:
+            api_keys(env_key)
+        except ServerArgsError as e:  # named as set: the replica's args hold no --api-key to blame
+            raise ServerArgsError(f"${API_KEY_ENV}", e.detail) from None
+        server_args = {**server_args, "api_key": env_key}
+        logger.info("vLLM's $%s is set: every route but the open ones (/health*, /metrics, ...) needs it as "
+                    "'Authorization: Bearer <key>'", API_KEY_ENV)
     args = ServerArgs.from_kwargs(**server_args)
     return args if args.uses_ray or args.in_process else dataclasses.replace(args, in_process=True)
 

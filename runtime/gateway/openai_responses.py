@@ -126,8 +126,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
         params = msgspec.structs.replace(params, include_stop_str_in_output=True)
     params, reasoning, reasoning_done = constrain(client.tokenizer, opening, params, constraint,
                                                   state.args.reasoning_parser)
-    # OpenAI's resp_<id>, named by X-Request-Id or request_id as on the other routes; a request_id already
-    # resp_<...> is the id as sent, as vLLM answers with it
+    # vLLM answers with the body's request_id verbatim (its default is resp_<uuid>), whatever X-Request-Id
+    # says; without one, X-Request-Id names it resp_<header> as on the other routes
     base = state.new_id("resp", "_", body.request_id, as_sent=True)
     reqs = with_priority(state, client, state.choice_requests(client, base, [ids], params, 1, lora_name=lora,
                                                               cache_salt=body.cache_salt), body.priority)

@@ -3,7 +3,10 @@ else vLLM's body field `request_id` (chat, completions, /v1/responses, /v1/embed
 is named by it: new_id(prefix) gives "<prefix>-<id>" (chatcmpl-<id>, cmpl-<id>, embd-<id>, gen-<id>, ...;
 its choices' rids add -<k> as always) rather than a random id, and /abort_request finds it by either. The
 header goes first, as vLLM's _base_request_id takes it; a body id that is not 1-256 visible ASCII characters
-is a 400 naming request_id even then (bad input is never passed over in silence).
+is a 400 naming request_id even then (bad input is never passed over in silence). /v1/responses differs, as
+vLLM's does: its body request_id is the response id verbatim (no resp_ added) and goes before the header,
+which vLLM's Responses API never reads for the id (new_id's as_sent); the header alone still names it
+resp_<header>, where vLLM would draw a random resp_<uuid>.
 
 Where that id could clash with an engine rid still in use (the same id in flight or dropped less than
 RETIRED_ID_S ago, whose abort the engine has yet to take; or a lookalike such as "x-0" beside "x" with n=2,
@@ -81,18 +84,20 @@ class RequestIds:
     def new_id(self, prefix: str, sep: str = "-", request_id: str | None = None, as_sent: bool = False) -> str:
         """A response id: "<prefix><sep><id>", the id being the request's X-Request-Id, else request_id (the
         body's), suffixed where it would clash; else a random one. A bad header or body id is a 400 naming it.
-        as_sent: an id that already starts with "<prefix><sep>" is the response id itself (vLLM's Responses
-        API answers with its request_id as sent, resp_<uuid> by default). Outside a handler: random."""
+        as_sent: request_id, when given, is the response id itself, unprefixed and before the header (vLLM's
+        Responses API answers with its body request_id verbatim, resp_<uuid> by default, and reads no header
+        for it). Outside a handler: random."""
         if request_id is not None and not _FORM.fullmatch(request_id):
             raise bad_request("request_id must be 1-256 visible ASCII characters (no spaces)", param="request_id")
         ids = _CURRENT.get()
         if ids is not None and ids.header is not None and not ids.closed and not _FORM.fullmatch(ids.header):
             raise bad_request("the X-Request-Id header must be 1-256 visible ASCII characters (no spaces)",
                               param="X-Request-Id")
-        name = None if ids is None or ids.closed else ids.header or request_id
+        verbatim = as_sent and request_id is not None
+        name = None if ids is None or ids.closed else request_id if verbatim else ids.header or request_id
         if name is None:
             return f"{prefix}{sep}{uuid.uuid4().hex}"
-        stem = name if as_sent and name.startswith(prefix + sep) else f"{prefix}{sep}{name}"
+        stem = name if verbatim else f"{prefix}{sep}{name}"
         rid = stem
         while self._clashes(rid):
             rid = f"{stem}-{uuid.uuid4().hex[:8]}"

@@ -12,8 +12,9 @@ unset). The file's other keys do not change sampling here, as there: do_sample i
 and a temperature samples at that temperature in vLLM too); its eos_token_id ends requests beside
 config.json's (model_config.py reads it, from the --generation-config folder when one is given, as vLLM).
 --generation-config vllm (SGLang: --sampling-defaults openai) reads no file; a folder path reads that
-folder's file instead. --override-generation-config's keys go over the file's (also with vllm), and its
-max_new_tokens, as vLLM's, also caps a request's own max_tokens (with a folder path, the folder's does)."""
+folder's file instead, or its config.json where it has none (the same fallback: vLLM reads any folder so).
+--override-generation-config's keys go over the file's (also with vllm), and its max_new_tokens, as vLLM's,
+also caps a request's own max_tokens (with a folder path, the folder's does)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ class GenerationDefaults:
         read, why_none = "", "--generation-config vllm"
         if source != "vllm":
             folder = Path(model_path if source == "auto" else source)
-            path, values = folder_values(folder)
+            # A --generation-config folder's config.json is read by nothing else: a bad one is refused here
+            path, values = folder_values(folder, strict=source != "auto")
             read = f"{path} (no {FILE_NAME})" if path.name == CONFIG_NAME else str(path)
             why_none = f"{read} sets none of them" if path.is_file() else f"no {folder / FILE_NAME}"
         # vLLM caps requests at the override's max_new_tokens, or at a --generation-config folder's
@@ -117,14 +119,15 @@ class GenerationDefaults:
                 "A request's own values win; --generation-config vllm ignores the file")
 
 
-def folder_values(folder: Path) -> tuple[Path, dict[str, Any]]:
+def folder_values(folder: Path, strict: bool = False) -> tuple[Path, dict[str, Any]]:
     """The file read (generation_config.json, else config.json) and its sampling defaults, as vLLM's
-    try_get_generation_config reads a folder."""
+    try_get_generation_config reads a folder, the model's or a --generation-config one alike. strict: an
+    unreadable config.json is a ServerArgsError naming --generation-config, not "no defaults"."""
     path = folder / FILE_NAME
     if path.is_file():
         return path, file_values(path)
     path = folder / CONFIG_NAME
-    return path, config_values(path) if path.is_file() else {}
+    return path, config_values(path, strict) if path.is_file() else {}
 
 
 def file_values(path: Path) -> dict[str, Any]:
@@ -140,16 +143,21 @@ def file_values(path: Path) -> dict[str, Any]:
     return _sampling_values(raw, path)
 
 
-def config_values(path: Path) -> dict[str, Any]:
+def config_values(path: Path, strict: bool = False) -> dict[str, Any]:
     """The sampling keys of a config.json (a folder without generation_config.json), as transformers'
     GenerationConfig.from_model_config takes them: the top level's, and a decoder's text config's for each the
-    top level leaves unset or at its default. An unreadable config.json gives none: ModelConfig refuses it,
-    naming it, before any weight loads."""
+    top level leaves unset or at its default. An unreadable model config.json gives none: ModelConfig refuses
+    it, naming it, before any weight loads; strict (a --generation-config folder's, which ModelConfig does not
+    read) refuses it here."""
     try:
         raw = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError) as e:
+        if strict:
+            raise ServerArgsError("--generation-config", f"cannot read {path}: {e}") from None
         return {}
     if not isinstance(raw, dict):
+        if strict:
+            raise ServerArgsError("--generation-config", f"{path} must hold a JSON object")
         return {}
     text = next((raw[name] for name in TEXT_CONFIGS if raw.get(name)), None)
     if isinstance(text, dict):
@@ -189,9 +197,9 @@ def check_flags(args: ServerArgs) -> None:
     if args.sampling_defaults == "openai" and source not in ("auto", "vllm"):
         raise ServerArgsError("--sampling-defaults", f"openai (no model defaults) contradicts --generation-config "
                                                      f"{source}")
-    if source not in ("auto", "vllm") and not (Path(source) / FILE_NAME).is_file():
-        raise ServerArgsError("--generation-config", f"must be auto, vllm or a folder holding a {FILE_NAME}, got "
-                                                     f"{source!r}")
+    if source not in ("auto", "vllm") and not any((Path(source) / name).is_file() for name in (FILE_NAME, CONFIG_NAME)):
+        raise ServerArgsError("--generation-config", f"must be auto, vllm or a folder holding a {FILE_NAME} (or a "
+                                                     f"{CONFIG_NAME}, read as vLLM reads one), got {source!r}")
     override_values(args.override_generation_config)
 
 

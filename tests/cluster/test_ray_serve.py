@@ -1,4 +1,5 @@
-"""Ray Serve: the built app answers the openai client through Serve's HTTP proxy (plain and streaming),
+"""Ray Serve: the built app answers the openai client through Serve's HTTP proxy (plain and streaming), keyed
+by $VLLM_API_KEY from the replica's runtime_env as `shoal serve` is by it (a keyless request is a 401),
 stopping it drains (`serve.delete`: streams end with finish_reason "abort" within graceful_shutdown_timeout_s;
 `serve shutdown`, which kills the proxy at once: the orphaned streams are aborted in one log line, no
 traceback each), and the deploy/ manifests are valid — serve_config.yaml and rayservice.yaml against Ray's
@@ -24,6 +25,8 @@ pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 8.0  # the tests' budget: streams in flight may run 3 s of it, then are aborted
+API_KEY = "serve-test-key"  # the replica's $VLLM_API_KEY: every request below but /health sends it
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def free_port() -> int:
@@ -38,7 +41,9 @@ def deploy(tiny_llama: Path) -> None:
     from runtime.entrypoints.ray_serve import ShoalDeployment
 
     args = {"model_path": str(tiny_llama), "device": "cpu", "max_total_tokens": 60000, "context_length": 60000}
-    serve.run(ShoalDeployment.options(graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_TIMEOUT_S).bind(args),
+    keyed = {"runtime_env": {"env_vars": {"VLLM_API_KEY": API_KEY}}}  # as a serve_config.yaml's runtime_env sets it
+    serve.run(ShoalDeployment.options(graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_TIMEOUT_S,
+                                      ray_actor_options=keyed).bind(args),
               name="shoal", route_prefix="/")
 
 
@@ -65,7 +70,7 @@ def long_streams(url: str, n: int) -> tuple[list[threading.Thread], list[list[st
     def stream(out: list[str]) -> None:
         body = {"prompt": "Once upon a time", "max_tokens": 50000, "ignore_eos": True, "stream": True}
         try:
-            with requests.post(url + "/v1/completions", json=body, stream=True, timeout=60) as r:
+            with requests.post(url + "/v1/completions", json=body, stream=True, timeout=60, headers=AUTH) as r:
                 out.extend(line.decode()[len("data: "):] for line in r.iter_lines() if line)
         except requests.RequestException as e:
             out.append(f"cut: {e!r}")
@@ -94,7 +99,7 @@ def test_serve_answers_openai_client(serve_url, tiny_llama):
     import requests
 
     assert requests.get(serve_url + "/health", timeout=30).status_code == 200
-    client = openai.OpenAI(base_url=serve_url + "/v1", api_key="none", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=serve_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
     model = client.models.list().data[0].id
     assert model == tiny_llama.name
     r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=6, temperature=0)
@@ -107,6 +112,18 @@ def test_serve_answers_openai_client(serve_url, tiny_llama):
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 4
     with pytest.raises(openai.BadRequestError):  # the gateway's typed errors pass through the proxy
         client.completions.create(model=model, prompt="x", max_tokens=4, temperature=-1.0)
+
+
+def test_vllm_api_key_in_the_runtime_env_keys_the_replica(serve_url):
+    """The replica's runtime_env sets $VLLM_API_KEY and its args name no api_key: it is keyed, as `shoal
+    serve` is (it ran open before); /health stays open for Serve's and load balancers' probes."""
+    import requests
+
+    assert requests.get(serve_url + "/v1/models", timeout=30).status_code == 401
+    r = requests.get(serve_url + "/v1/models", headers={"Authorization": "Bearer wrong"}, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert requests.get(serve_url + "/v1/models", headers=AUTH, timeout=30).status_code == 200
+    assert requests.get(serve_url + "/health", timeout=30).status_code == 200
 
 
 def test_deleting_the_app_drains_its_streams(serve_url):

@@ -35,3 +35,21 @@ def test_build_app_takes_a_list_of_origins_and_names_args_serve_ignores(caplog):
                          "metrics_compat": ["vllm"], "port": 9000})
     assert app is not None
     assert "args.port has no effect under Ray Serve" in caplog.text and "allowed_origins" not in caplog.text
+
+
+def test_vllm_api_key_keys_a_replica_unless_args_name_one(monkeypatch):
+    """$VLLM_API_KEY in a replica's runtime_env keys it, as `shoal serve` and vLLM take it: the replica ran
+    open before. An api_key in args wins; an empty variable is none; a key no header could carry is refused
+    naming the variable."""
+    from runtime.errors import ServerArgsError
+
+    monkeypatch.setenv("VLLM_API_KEY", "env-key")
+    assert replica_args({"model_path": "/models/m"}).api_key == ("env-key",)
+    assert replica_args({"model_path": "/models/m", "api_key": None}).api_key == ("env-key",)
+    assert replica_args({"model_path": "/models/m", "api_key": "flag-key"}).api_key == ("flag-key",)
+    monkeypatch.setenv("VLLM_API_KEY", "")
+    assert replica_args({"model_path": "/models/m"}).api_key is None
+    monkeypatch.setenv("VLLM_API_KEY", " spaced ")
+    with pytest.raises(ServerArgsError, match="whitespace") as e:
+        replica_args({"model_path": "/models/m"})
+    assert e.value.flag == "$VLLM_API_KEY"

@@ -1,6 +1,6 @@
 """vLLM's body field `request_id` names the response as X-Request-Id does, the header going first: chat
-(chatcmpl-<id>, streams too), completions (cmpl-<id>), /v1/responses (resp_<id>; an id already resp_<...> as
-sent, as vLLM answers), /v1/embeddings (embd-<id>), /pooling (pool-<id>), /classify (classify-<id>). The same
+(chatcmpl-<id>, streams too), completions (cmpl-<id>), /v1/responses (the id verbatim, before the header: vLLM
+answers with it as sent), /v1/embeddings (embd-<id>), /pooling (pool-<id>), /classify (classify-<id>). The same
 clash rules (a suffix, never a 400), /abort_request by it, and a 400 naming request_id for an empty, spaced or
 non-string one (even beside a good header). It is no longer counted as an ignored field."""
 
@@ -42,12 +42,16 @@ def test_body_request_id_names_each_generation_route(gw_url, gw_server):
                            {"messages": MSG, **SHORT, "stream": True, "request_id": "b-3"})
     assert status == 200 and events[-1] == "[DONE]" and {e["id"] for e in events[:-1]} == {"chatcmpl-b-3"}
     body = {"input": "Hello", "max_output_tokens": 2}
-    status, r = _post(gw_url + "/v1/responses", {**body, "request_id": "b-4"})
-    assert (status, r["id"]) == (200, "resp_b-4")
-    status, r = _post(gw_url + "/v1/responses", {**body, "request_id": "resp_b-5"})  # vLLM's form: as sent
+    status, r = _post(gw_url + "/v1/responses", {**body, "request_id": "b-4"})  # vLLM's: verbatim, no resp_
+    assert (status, r["id"]) == (200, "b-4")
+    status, r = _post(gw_url + "/v1/responses", {**body, "request_id": "resp_b-5"})
     assert (status, r["id"]) == (200, "resp_b-5")
     status, events = _post(gw_url + "/v1/responses", {**body, "stream": True, "request_id": "b-6"})
-    assert status == 200 and events[0]["response"]["id"] == "resp_b-6"
+    assert status == 200 and {e["response"]["id"] for e in events if "response" in e} == {"b-6"}
+    # vLLM's Responses API reads no header for the id: the body's goes first there (the header alone names it
+    # resp_<header>: test_gw_request_id.py)
+    status, r = _post(gw_url + "/v1/responses", {**body, "request_id": "b-8"}, "h-8")
+    assert (status, r["id"]) == (200, "b-8")
     # The header goes first; null is none sent
     status, r = _post(gw_url + "/v1/chat/completions", {"messages": MSG, **SHORT, "request_id": "b-7"}, "h-7")
     assert (status, r["id"]) == (200, "chatcmpl-h-7")
@@ -76,9 +80,10 @@ def test_body_ids_follow_the_header_clash_rules(gw_server):
         assert state.new_id("gen") == "gen-like"
         with state.request_scope(None):
             assert re.fullmatch(r"gen-like-0-[0-9a-f]{8}", state.new_id("gen", request_id="like-0"))
-    with state.request_scope(None):
-        assert state.new_id("resp", "_", "resp_kept", as_sent=True) == "resp_kept"
-        assert re.fullmatch(r"resp_kept-[0-9a-f]{8}", state.new_id("resp", "_", "resp_kept", as_sent=True))
+    with state.request_scope("hdr"):
+        assert state.new_id("resp", "_", "kept", as_sent=True) == "kept"
+        assert re.fullmatch(r"kept-[0-9a-f]{8}", state.new_id("resp", "_", "kept", as_sent=True))
+        assert state.new_id("resp", "_", None, as_sent=True) == "resp_hdr"
     assert state.new_id("gen", request_id="outside") != "gen-outside"  # outside any handler: random
 
 

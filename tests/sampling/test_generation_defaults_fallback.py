@@ -105,3 +105,23 @@ def test_engine_and_shoal_generate_match_hf_generate_on_the_model_defaults(model
     assert capsys.readouterr().out == tok.decode(want, skip_special_tokens=True) + "\n"
     assert main([*flags, "--max-new-tokens", "3"]) == 0  # a flag wins; the rest stay the model's
     assert capsys.readouterr().out == tok.decode(want[:3], skip_special_tokens=True) + "\n"
+
+
+def test_a_generation_config_folder_with_only_config_json_is_read_as_vllm_reads_it(model, tiny_llama, tmp_path):
+    """--generation-config /folder without a generation_config.json: its config.json's keys, as vLLM's
+    try_get_generation_config falls back for any folder (it was refused as "must be ... a folder holding a
+    generation_config.json"); the folder's max_new_tokens caps requests as a folder file's does."""
+    args = ServerArgs(generation_config=str(model))
+    d = GenerationDefaults.for_server(args, tiny_llama)  # the model's own generation_config.json is not read
+    assert d.values() == DEFAULTS and d.max_new_tokens_cap == 6
+    assert d.source == f"{model}/config.json (no generation_config.json)"
+    with pytest.raises(ServerArgsError, match="must be auto, vllm or a folder holding a generation_config.json "
+                                              r"\(or a config.json") as e:
+        ServerArgs(generation_config=str(tmp_path))  # neither file
+    assert e.value.flag == "--generation-config"
+    for text, words in (("{bad", "cannot read"), ("[]", "must hold a JSON object"),
+                        ('{"top_p": 0}', r"config.json: top_p must be in \(0, 1\]")):
+        (tmp_path / "config.json").write_text(text)  # read by nothing else: refused, not taken as no defaults
+        with pytest.raises(ServerArgsError, match=words) as e:
+            GenerationDefaults.for_server(ServerArgs(generation_config=str(tmp_path)), tiny_llama)
+        assert e.value.flag == "--generation-config"
