@@ -247,6 +247,10 @@ class BatchResult(msgspec.Struct, kw_only=True):
     embeddings: list[list[float]] | None = None
 
 
+# vLLM's bounds of vllm:iteration_tokens_total (tokens per engine step): SchedulerStats.iteration_tokens' buckets.
+ITERATION_TOKEN_BOUNDS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 class ModeStats(msgspec.Struct):
     batches: int = 0
     tokens: int = 0
@@ -285,6 +289,8 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     reserved_decode_tokens: int = 0  # KV the engine holds back for the running requests' output (Retractor)
     waiting_reserved_decode_tokens: int = 0  # what it will hold back for the waiting ones as they start
     paused_replicas: int = 0  # schedulers paused by /pause_generation (summed: how many of them are)
+    iteration_tokens: list[int] = []  # engine steps by tokens: per ITERATION_TOKEN_BOUNDS bound, then past it
+    iteration_tokens_sum: int = 0  # the tokens of those steps
 
     @property
     def spec_accept_length(self) -> float:
@@ -313,6 +319,9 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
                 acc.batches += m.batches
                 acc.tokens += m.tokens
                 acc.time_s += m.time_s
+            if s.iteration_tokens:
+                ours = total.iteration_tokens or [0] * len(s.iteration_tokens)
+                total.iteration_tokens = [a + b for a, b in zip(ours, s.iteration_tokens)]
         for m in modes.values():
             m.time_s /= max(len(parts), 1)
         total.forward_modes = modes

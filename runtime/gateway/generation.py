@@ -7,7 +7,7 @@ stream, as the Responder writes them.
 A choice can be over for the client before the engine knows (ChoiceState.done: a stop string made of
 special-token text the scheduler decodes away): the Responder sees its finish at once and its engine
 request is aborted rather than left running to max_tokens; the engine's final delta then only settles
-the counts."""
+the counts. A client that leaves aborts its choices still running, and they count as aborted."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from runtime.gateway.protocol import encode
 from runtime.gateway.sse import SseWriter, is_disconnected
 from runtime.gateway.state import STATE_KEY, GatewayState
 from runtime.gateway.ttft_trace import TtftStamps
-from runtime.messages import GenerateRequest, RequestOutput
+from runtime.messages import FinishReason, GenerateRequest, RequestOutput
 
 B = TypeVar("B")
 Sender = Callable[[Any], Awaitable[None]]  # writes one event object to the stream
@@ -146,6 +146,23 @@ class Generation(Generic[B]):
             return await sse.end()
 
     async def _run(self, responder: Responder, send: Sender | None) -> None:
+        try:
+            await self._relay(responder, send)
+        except RequestAbortedError:
+            self._count_abandoned()
+            raise
+
+    def _count_abandoned(self) -> None:
+        """The client left: each choice still running counts as aborted, as one /abort_request stops does
+        (vLLM's finished_reason "abort": aborted by the client). Closing its stream aborted the engine
+        request, whose last delta no one reads: an end made here stands for it."""
+        for c in self.choices:
+            if not c.finished:
+                c.add(RequestOutput(rid=c.req.rid, new_token_ids=[], finished=True,
+                                    finish_reason=FinishReason("abort", message="the client disconnected"),
+                                    queue_time_s=time.monotonic() - self.arrival))
+
+    async def _relay(self, responder: Responder, send: Sender | None) -> None:
         async with OutputFanIn(self.client, [c.req for c in self.choices],
                                lambda: is_disconnected(self.request)) as fan:
             stamps = self.stamps

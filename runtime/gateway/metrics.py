@@ -3,9 +3,10 @@ one process, as in tests, never share counters).
 
 Latencies (TTFT, inter-token, end-to-end, queue) and token counters are measured in the gateway as
 deltas stream through; each finished request's lengths, max_tokens and finish reason, and each prompt's n
-and longest choice, as its choices end (ChoiceState). Scheduler gauges and cumulative counters come from
-EngineClient.stats(), fetched at scrape time by the /metrics handler (stats() is async; collectors are
-not) and handed to a custom collector that turns that snapshot into metric families.
+and longest choice, as its choices end (ChoiceState). Scheduler gauges, cumulative counters and the steps
+by tokens (shoal:iteration_tokens) come from EngineClient.stats(), fetched at scrape time by the /metrics
+handler (stats() is async; collectors are not) and handed to a custom collector that turns that snapshot
+into metric families. A request's client leaving counts it as aborted (Generation), as /abort_request does.
 
 --metrics-compat (default vllm,sglang) also exposes, under vLLM's and SGLang's own names, types and labels,
 the series of theirs that one of ours already measures (metrics_compat.py)."""
@@ -15,7 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from runtime.config import METRICS_COMPAT
@@ -28,6 +34,7 @@ from runtime.gateway.metrics_compat import (
     CompatCollector,
     counter_value,
     cumulative_counts,
+    iteration_buckets,
     system_of,
 )
 from runtime.gateway.wait_estimator import WaitEstimate
@@ -87,7 +94,12 @@ class _SchedulerStatsCollector(Collector):
             evictions.add_metric([], s.evictions)
             gc_seconds.add_metric([], s.gc_pause_s)
             gc_slow.add_metric([], s.gc_slow_pauses)
-        yield from (batches, tokens, retractions, evictions, gc_seconds, gc_slow)
+        # vLLM's bounds: this is vllm:iteration_tokens_total (metrics_compat.py).
+        steps = HistogramMetricFamily("shoal:iteration_tokens", "tokens of each engine step (a DP rank's idle "
+                                      "steps not counted)")
+        if s is not None:
+            steps.add_metric([], iteration_buckets(s), sum_value=s.iteration_tokens_sum)
+        yield from (batches, tokens, retractions, evictions, gc_seconds, gc_slow, steps)
         # Speculative decoding, per replica (or DP rank) and over all of them ("all").
         length = GaugeMetricFamily("shoal:spec_accept_length", "speculative decoding: mean tokens a request "
                                    "emits per verify step (accepted drafts + 1)", labels=["replica"])

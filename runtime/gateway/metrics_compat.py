@@ -7,8 +7,12 @@ ours read at its own bounds, exactly.
 vLLM's histograms of counts (its Grafana dashboard's prompt and generation length heatmaps) take
 build_1_2_5_buckets(max_model_len) as bounds: 1, 2, 5, 10, ... up to the context length. Ours hold that
 series far past any context, so theirs is a prefix of ours; they appear once the context length is known
-(the engine is ready), as the scheduler's series do. Not here: vllm:iteration_tokens_total, the tokens of
-each engine step, which the gateway never sees (the scheduler's stats keep only per-mode totals)."""
+(the engine is ready), as the scheduler's series do.
+
+vllm:iteration_tokens_total is shoal:iteration_tokens: the scheduler counts each step's tokens at vLLM's
+bounds (ITERATION_TOKEN_BOUNDS), summed over replicas and DP ranks. Ours are the tokens a step runs (a prompt
+chunk's uncached tokens, one per decode, a verify step's drafts); vLLM adds up what a step finished: the
+whole prompt (its cached part too) in the step that ends its prefill, and the tokens emitted."""
 
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from runtime.messages import SchedulerStats
+from runtime.messages import ITERATION_TOKEN_BOUNDS, SchedulerStats
 
 if TYPE_CHECKING:
     from runtime.gateway.metrics import GatewayMetrics
@@ -196,6 +200,11 @@ class CompatCollector(Collector):
                 f, values = labelled(family, name, f"{what}, {_under(name)}", kind)
                 f.add_metric(values, float(value(s)))
                 yield f
+        if "vllm" in on:
+            name = "vllm:iteration_tokens_total"
+            h, values = labelled(HistogramMetricFamily, name, f"shoal:iteration_tokens, {_under(name)}", "vllm")
+            h.add_metric(values, iteration_buckets(s), sum_value=s.iteration_tokens_sum)
+            yield h
 
     def _vllm_requests(self, histogram: Callable[..., Metric], labelled: Callable[..., tuple[Metric, list[str]]]
                        ) -> Iterable[Metric]:
@@ -214,6 +223,16 @@ class CompatCollector(Collector):
                     continue
                 bounds = build_1_2_5_buckets(max_model_len)
             yield histogram(name, getattr(m, attr), "vllm", bounds)
+
+
+def iteration_buckets(s: SchedulerStats) -> list[tuple[str, float]]:
+    """The scheduler's steps by tokens as Prometheus buckets: (le, cumulative count), +Inf last."""
+    counts = s.iteration_tokens or [0] * (len(ITERATION_TOKEN_BOUNDS) + 1)
+    out, running = [], 0
+    for bound, n in zip((*ITERATION_TOKEN_BOUNDS, float("inf")), counts):
+        running += n
+        out.append((floatToGoString(bound), float(running)))
+    return out
 
 
 def cumulative_counts(hist: Histogram) -> tuple[str, dict[float, float], float]:

@@ -23,4 +23,5 @@ def scheduler_stats(s: Scheduler) -> SchedulerStats:
         device_busy_s=s.device_busy_s, overlap=s.overlap,
         waiting_tokens=sum(r.remaining_prefill for r in s.waiting), max_running_reqs=s.max_running,
         **s.stats.admission_fields(s.running, s.waiting, s.retractor.expected_new),
+        **s.stats.iteration_fields(),
         **(s.spec.counters() if s.spec is not None else {}))

@@ -1,14 +1,16 @@
-"""ForwardModeStats: batches and tokens per ForwardMode, retractions, how much of max_new_tokens finished
-requests used, and the periodic log line."""
+"""ForwardModeStats: batches and tokens per ForwardMode, the tokens of each engine step (vLLM's
+iteration_tokens histogram), retractions, how much of max_new_tokens finished requests used, and the periodic
+log line."""
 
 from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from runtime.messages import ModeStats
+from runtime.messages import ITERATION_TOKEN_BOUNDS, ModeStats
 from runtime.model_executor.forward_mode import ForwardMode
 
 if TYPE_CHECKING:
@@ -22,6 +24,10 @@ class ForwardModeStats:
         self.modes: dict[str, ModeStats] = {m.name: ModeStats() for m in ForwardMode}
         self.retractions = 0
         self.generated_tokens = 0
+        # Engine steps by tokens: one count per bound of ITERATION_TOKEN_BOUNDS (tokens <= it, above the
+        # previous one), then past the last; and their tokens.
+        self.iteration_tokens = [0] * (len(ITERATION_TOKEN_BOUNDS) + 1)
+        self.iteration_tokens_sum = 0
         # Requests that could stop early (EOS, stop ids or strings, a grammar) and ended by stop or length:
         # how many, their output and their max_new_tokens (admission scales open requests' remaining output).
         self.open_reqs = self.open_output = self.open_max_new = 0
@@ -34,6 +40,11 @@ class ForwardModeStats:
         s.batches += 1
         s.tokens += num_tokens
         s.time_s += forward_s
+        # A step of the target model is one of vLLM's engine steps; a DP rank's IDLE batch runs no tokens,
+        # and the draft model's DRAFT_EXTEND is recorded beside its TARGET_VERIFY step, not as a step.
+        if not (mode.is_idle() or mode.is_draft_extend()):
+            self.iteration_tokens[bisect_left(ITERATION_TOKEN_BOUNDS, num_tokens)] += 1
+            self.iteration_tokens_sum += num_tokens
 
     def finished(self, r: Req) -> None:
         """A request ended. Aborts and errors say nothing about how long the model writes: not counted;
@@ -64,6 +75,10 @@ class ForwardModeStats:
                     reserved_decode_tokens=round(reserved), waiting_reserved_decode_tokens=round(wait_reserved),
                     finished_open_reqs=self.open_reqs, finished_open_output_tokens=self.open_output,
                     finished_open_max_new_tokens=self.open_max_new)
+
+    def iteration_fields(self) -> dict[str, list[int] | int]:
+        """SchedulerStats' fields of the tokens per engine step (copied: the snapshot leaves this thread)."""
+        return dict(iteration_tokens=list(self.iteration_tokens), iteration_tokens_sum=self.iteration_tokens_sum)
 
     def snapshot(self) -> dict[str, ModeStats]:
         return {k: ModeStats(v.batches, v.tokens, v.time_s) for k, v in self.modes.items()}
