@@ -142,6 +142,9 @@ class ServerArgs:
     cuda_graph_max_bs: int = _opt(512, "largest decode batch captured in a CUDA graph (never more than "
                                        "--max-running-requests)")
     disable_overlap_schedule: bool = _opt(False, "prepare the next batch only after the current one finishes")
+    watchdog_timeout: float | None = _opt(300.0, "a scheduler step (forward, collect) running longer than this many "
+                                                 "seconds is a hang: the engine turns unhealthy (GET /health 503) "
+                                                 "and the threads' stacks are logged; <= 0 turns it off")
     # Speculative decoding (runtime/speculative): drafts checked by one TARGET_VERIFY forward per step
     speculative_algorithm: str | None = _opt(None, "NGRAM: drafts from the request's own prompt and output; "
                                                    "STANDALONE: a small draft model", ("NGRAM", "STANDALONE"))
@@ -152,7 +155,8 @@ class ServerArgs:
     # Sampling defaults (runtime/sampling/generation_defaults.py): what a request leaves unset, as vLLM and SGLang fill it
     generation_config: str = _opt("auto", "defaults of a request's unset temperature, top_p, top_k, min_p, "
                                           "repetition_penalty and max_tokens (max_new_tokens): auto = the model "
-                                          "folder's generation_config.json, vllm = none, or a folder holding one")
+                                          "folder's generation_config.json, vllm = none, or a folder holding one "
+                                          "(else its config.json)")
     override_generation_config: str | None = _opt(None, "a JSON object over those defaults (vLLM's): "
                                                         "'{\"temperature\": 0.5}'; its max_new_tokens also caps "
                                                         "a request's own max_tokens")
@@ -279,6 +283,8 @@ class ServerArgs:
             raise ServerArgsError("--balance-abs-threshold", f"must be >= 0, got {self.balance_abs_threshold}")
         if not 0 < self.port < 65536:
             raise ServerArgsError("--port", f"must be in 1..65535, got {self.port}")
+        if self.watchdog_timeout is not None and self.watchdog_timeout != self.watchdog_timeout:  # NaN
+            raise ServerArgsError("--watchdog-timeout", "must be a number of seconds (<= 0 turns it off), got nan")
         if not self.retract_ratio_growth >= 1.0:  # NaN too
             raise ServerArgsError("--retract-ratio-growth", f"must be >= 1 (1 turns it off), got {self.retract_ratio_growth}")
         if not 0 <= self.shutdown_timeout_s < float("inf"):

@@ -4,6 +4,8 @@ batch, as SGLang's event loop skips to the next receive while _engine_paused."""
 
 from __future__ import annotations
 
+import time
+
 from runtime.managers.schedule_batch import ScheduleBatch
 from runtime.managers.scheduler import Scheduler
 from runtime.managers.step_failure import fail_step
@@ -20,11 +22,14 @@ class PausableScheduler(Scheduler):
         """On the scheduler thread, between two steps: how many requests the mode aborted or retracted."""
         if self.pending is not None:  # the batch in flight finishes its step: its tokens and KV are real
             self.stepping = [self.pending[0]]
+            self.watchdog.started = time.monotonic()  # a collect: timed as a step's
             try:
                 self._collect_pending()
             except Exception as e:  # as run_forever does with a failed step: nothing waits forever on it
-                fail_step(self, e)
+                fail_step(self, e)  # counted once: SchedulerHost.call hands what this raises to the caller alone
                 raise
+            finally:
+                self.watchdog.started = None
         self.paused = True
         if mode == "abort":
             reqs = list(self.reqs)

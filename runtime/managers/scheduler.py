@@ -16,6 +16,7 @@ from runtime.config import ServerArgs
 from runtime.engine_client import ENGINE_UNHEALTHY, EngineUnhealthyError
 from runtime.errors import EngineUnavailableError, InvalidRequestError
 from runtime.lora.lora_registry import LoraRegistry
+from runtime.managers.decode_batch import prepare_decode
 from runtime.managers.grammar_manager import GrammarManager
 from runtime.managers.kv_cache_manager import KVCacheManager
 from runtime.managers.prefill import PrefillAdder
@@ -29,6 +30,7 @@ from runtime.managers.spec_decoding import SpecDecoding
 from runtime.managers.stats import ForwardModeStats
 from runtime.managers.step_failure import fail_step
 from runtime.managers.step_health import StepHealth
+from runtime.managers.step_watchdog import StepWatchdog
 from runtime.managers.token_intake import TokenIntake
 from runtime.managers.worker_client import WorkerClient
 from runtime.mem_cache.cache_event_log import CacheEventLog
@@ -83,6 +85,7 @@ class Scheduler:
         self.pending: tuple[ScheduleBatch, object] | None = None
         self._defer_grammar = getattr(worker, "can_defer_sampling", False)
         self.health = StepHealth()  # failing steps, a dead device: unhealthy (GET /health 503), new requests refused
+        self.watchdog = StepWatchdog(args.watchdog_timeout, self.health)  # a step that never returns: unhealthy too
         self.stepping: list[ScheduleBatch] = []  # the step's batch and the one in flight: whose failure (fail_step)
         self.gen_throughput = 0.0
         self.device_busy_s = 0.0
@@ -166,9 +169,15 @@ class Scheduler:
         return bool(self.waiting or self.running or self.chunked_req or self.grammars.compiling)
 
     def run_forever(self, stop: threading.Event) -> None:
+        with self.watchdog.watching():  # its own thread times each step (step_watchdog.py)
+            self._loop(stop)
+
+    def _loop(self, stop: threading.Event) -> None:
         while not stop.is_set():
             try:
-                if self.step():
+                stepped = self.step()
+                self.watchdog.started = None  # the step is over: waiting for work, and calls, are no step
+                if stepped:
                     self.health.succeeded()
                     continue
                 try:  # wait for work; DP ranks poll fast since their peers block on our collective
@@ -182,12 +191,14 @@ class Scheduler:
             except Exception as e:  # never lose requests silently: fail what is in flight, keep serving
                 logger.exception("scheduler step failed")
                 with self.lock:
-                    fail_step(self, e)  # and judge health: unhealthy (for good), or a probe first
+                    fail_step(self, e)  # and judge health: unhealthy (for good), or a probe first (still timed)
+                self.watchdog.started = None
 
     def step(self) -> bool:
         with self.lock:
             self.stepping = [self.pending[0]] if self.pending is not None else []
-            self._drain_inbox()
+            self._drain_inbox()  # calls run here, untimed: a weight update takes minutes
+            self.watchdog.started = time.monotonic()  # the step's clock; run_forever stops it
             self._poll_grammars()
             if self.pending is not None and self._must_flush():
                 self._collect_pending()
@@ -265,14 +276,14 @@ class Scheduler:
                                                        self.chunked_req, self.max_running, keep_free)
         if prefill is not None:
             if self.args.enable_mixed_chunk and self.running:
-                decode = self._prepare_decode(in_batch=prefill.reqs)
+                decode = prepare_decode(self, in_batch=prefill.reqs)
                 if decode is not None and decode.reqs:
                     prefill.reqs += decode.reqs
                     prefill.out_cache_loc += decode.out_cache_loc
                     prefill.forward_mode = ForwardMode.MIXED
             return prefill
         if self.running:
-            batch = self._prepare_decode()
+            batch = prepare_decode(self)
             if batch is not None and self.spec is not None:
                 self.spec.upgrade(batch)  # TARGET_VERIFY where drafts and KV allow
             return batch
@@ -280,53 +291,12 @@ class Scheduler:
             return ScheduleBatch(ForwardMode.IDLE)
         return None
 
-    def _prepare_decode(self, in_batch: list[Req] | None = None) -> ScheduleBatch | None:
-        """The running requests' next decode, retracting when the pool cannot hold it. `in_batch`: the
-        prefill part of a MIXED step being built (its requests must not be retracted)."""
-        need = len(self.running)
-        if self.kv.available() < need and self.pending is not None:
-            self._collect_pending()  # retraction needs every running request's real tokens
-            need = len(self.running)
-        if self.kv.available() < need:
-            victims = self.retractor.pick_victims(self.running, need, self.kv.available(), self.priority)
-            for v in victims:
-                self.running.remove(v)
-                self._retract(v)
-            self.retractor.after_retract(self.running)
-            ch = self.chunked_req
-            if self.kv.available() < len(self.running) and ch is not None:
-                if in_batch is not None and ch in in_batch:
-                    return None  # MIXED: this step runs the prefill chunk alone; the next decides
-                # The request mid chunked prefill holds the slots the decodes need: it waits instead.
-                self.chunked_req = None
-                self._retract(ch)
-            if self.kv.available() < len(self.running):  # one request larger than the whole pool
-                for r in list(self.running):
-                    r.finish_reason = FinishReason("error", message="out of KV memory for this request")
-                    self._finish(r)
-                return None
-        batch = ScheduleBatch(ForwardMode.DECODE)
-        batch.reqs = [r for r in self.running if not (r.pending_tokens and self._finishes_with_pending(r))]
-        if batch.reqs:
-            slots = self.kv.alloc(len(batch.reqs))  # one allocation for the whole step
-            assert slots is not None  # checked above
-            for r, slot in zip(batch.reqs, slots.tolist()):
-                r.append_kv_slot(slot)
-                r.extend_len = 1
-            batch.out_cache_loc.append(slots)
-        self.retractor.on_decode_step()
-        return batch if batch.reqs else None
-
     def _retract(self, r: Req) -> None:
         """Frees the request's own KV and puts it back at the head of the queue with its tokens."""
         self.kv.release_retracted(r)
         r.reset_for_retract()
         self.waiting.insert(0, r)
         self.stats.retractions += 1
-
-    def _finishes_with_pending(self, r: Req) -> bool:
-        return (len(r.output_ids) + r.pending_tokens >= r.params.max_new_tokens
-                or r.seq_len + r.pending_tokens >= self.context_len)
 
     # ---- results --------------------------------------------------------------------------------
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:

@@ -28,7 +28,8 @@ retract or abort, or update with flush_cache=false, which keeps that stale KV on
 Health (runtime/managers/step_health.py): a step that met a dead device, or steps that keep failing when a probe
 request fails too, make the scheduler unhealthy for good: new requests are refused (EngineUnhealthyError, the
 gateway's 503; one validated before ends with code ENGINE_UNHEALTHY, a 503 too) and health() says why (GET
-/health's 503); on Ray the SchedulerActor then answers unhealthy and its replica is relaunched."""
+/health's 503); on Ray the SchedulerActor then answers unhealthy and its replica is relaunched. So does a step
+that runs past --watchdog-timeout (runtime/managers/step_watchdog.py: a hang raises nothing)."""
 
 from __future__ import annotations
 
@@ -124,10 +125,10 @@ class SchedulerHost:
         return self._thread.is_alive() and not self._stop.is_set()
 
     def health(self) -> EngineHealth:
-        """The scheduler's StepHealth, or unhealthy when its thread ended without being stopped; never waits."""
+        """The scheduler's StepHealth, or unhealthy when its thread ended without being stopped."""
         if self._thread.ident is not None and not self._thread.is_alive() and not self._stop.is_set():
             return EngineHealth(healthy=False, reason="the scheduler thread ended without being stopped")
-        return self.scheduler.health.state
+        return self.scheduler.health.current()  # waits only while a failed step's errors are being delivered
 
     def validate(self, req: GenerateRequest) -> GenerateRequest:
         if self.asleep:

@@ -43,7 +43,7 @@ def fail_step(s: Scheduler, e: Exception) -> None:
     if lost or down is not None:  # nothing is served here any more: every request ends now
         others = (FinishReason("error", message=message, code=REPLICA_FAILED) if lost else
                   FinishReason("error", message=f"the engine is unhealthy: {down}", code=ENGINE_UNHEALTHY))
-        fail_all(s, message, in_step, others)
+        outputs = _end_all(s, message, in_step, others)
     else:
         # The step's requests and those holding KV (the pool may be inconsistent) end; a queued one that holds
         # nothing stays queued: it never ran, and the probe runs alone while it waits.
@@ -55,10 +55,11 @@ def fail_step(s: Scheduler, e: Exception) -> None:
             others = FinishReason("error", message=f"the engine is unhealthy: {down}", code=ENGINE_UNHEALTHY)
             s.grammars.take_all()
             outputs += _end(s, list(s.reqs.values()), lambda r: others)
-        if outputs:
+    # Unhealthy before the errors go out (a client that got its 500 finds /health 503), and readers of the health
+    # wait while they go: on Ray the answer saying unhealthy carries them, so their requests end, never moved.
+    with s.health.publishing(down):
+        if outputs:  # one sink call: a client hears of them all in one answer
             s.sink(outputs)
-    if down is not None:  # after the outputs: on Ray the answer carrying them says healthy, then a later one not
-        s.health.mark_unhealthy(down)
 
 
 def _holds(s: Scheduler, r: Req) -> bool:
@@ -84,15 +85,11 @@ def _end(s: Scheduler, reqs: list[Req], reason: Callable[[Req], FinishReason]) -
     return outputs
 
 
-def fail_all(s: Scheduler, message: str, in_step: set[str] | None = None, others: FinishReason | None = None) -> None:
-    """Ends every request of s with error `message`; with `others`, those whose rid is not in `in_step` end with
-    it instead. One sink call: a client hears of them all in one answer."""
+def _end_all(s: Scheduler, message: str, in_step: set[str], others: FinishReason) -> list[RequestOutput]:
+    """Ends every request of s: those whose rid is in `in_step` with error `message`, the others with `others`."""
     s.grammars.take_all()
     own = FinishReason("error", message=message)
-    outputs = _end(s, list(s.reqs.values()),
-                   lambda r: own if others is None or (in_step is not None and r.rid in in_step) else others)
-    if outputs:
-        s.sink(outputs)
+    return _end(s, list(s.reqs.values()), lambda r: own if r.rid in in_step else others)
 
 
 def probe_step(s: Scheduler) -> BaseException | None:

@@ -16,13 +16,19 @@ so it is taken at its word.
 FAILED_STEPS_LIMIT steps failing in a row are not enough on their own: one bad request retried by its client
 (the OpenAI SDK retries a 500 twice) fails that many. The scheduler then runs a probe, one greedy token of a
 1-token prompt alone in its batch (step_failure.probe_step): unhealthy only if the probe fails too; a
-probe that passes starts the count again. A successful step resets the count."""
+probe that passes starts the count again. A successful step resets the count.
+
+A verdict is published before the failed step's errors are delivered (publishing): a client that got its 500
+finds /health 503 already. Readers of the health (current) wait while those errors are being delivered, so on Ray
+the answer that says unhealthy carries them too: their requests end there with their error, never moved. A step
+that never returns (step_watchdog.py) makes the scheduler unhealthy from another thread."""
 
 from __future__ import annotations
 
 import logging
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -33,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 DEVICE_CHECK_TIMEOUT_S = 10.0  # a synchronize and a tiny kernel take milliseconds on a working device
 FAILED_STEPS_LIMIT = 3  # a few in a row: one bad batch (or two) is not a broken engine
+PUBLISH_WAIT_S = 1.0  # delivering a step's outputs takes microseconds: a reader never waits long on a stuck one
 # CUDA errors that stay set in the context (every later launch fails with them), as the runtime's messages and
 # the driver's enum names say them; matched lowercase.
 _STICKY_TEXT = ("illegal memory access", "illegal_address", "device-side assert", "unspecified launch failure",
@@ -94,13 +101,15 @@ def _describe(e: BaseException) -> str:
 
 
 class StepHealth:
-    """Written on the scheduler thread; `state` is replaced whole, so any thread reads it without a lock."""
+    """Written on the scheduler thread (and the watchdog's, once); `state` is replaced whole, so any thread reads it
+    without a lock while healthy (current)."""
 
     def __init__(self, limit: int = FAILED_STEPS_LIMIT):
         self.limit = limit
         self.failed_in_a_row = 0
         self.last: BaseException | None = None  # the latest failure
         self.state = EngineHealth()
+        self._publishing = threading.RLock()  # held from a verdict until the failed step's outputs are delivered
         self.device: str | None = None  # a CUDA device confirms a sticky-looking error (device_still_fails)
         self.device_check_timeout_s = DEVICE_CHECK_TIMEOUT_S
 
@@ -114,7 +123,7 @@ class StepHealth:
 
     def failed(self, e: BaseException) -> str | None:
         """Counts a failed step; the reason it makes the engine unhealthy when e is fatal, else None (see
-        probe_due). Nothing changes until mark_unhealthy: the caller first ends the step's requests."""
+        probe_due). Nothing changes until publishing: the caller first ends the step's requests."""
         self.failed_in_a_row += 1
         self.last = e
         if self.state.healthy and self.fatal(e):
@@ -138,12 +147,37 @@ class StepHealth:
                 f"request alone in its batch failed too ({_describe(error)})")
 
     def mark_unhealthy(self, reason: str) -> None:
-        """Unhealthy from now on, for good."""
-        if self.state.healthy:
-            self.state = EngineHealth(healthy=False, reason=reason)
-            logger.critical("the engine is unhealthy: %s", reason)
+        """Unhealthy from now on, for good; the first reason stays."""
+        # The lock: another thread's verdict being published goes first (its reason is the one a client saw).
+        locked = self._publishing.acquire(timeout=PUBLISH_WAIT_S)
+        try:
+            if self.state.healthy:
+                self.state = EngineHealth(healthy=False, reason=reason)
+                logger.critical("the engine is unhealthy: %s", reason)
+        finally:
+            if locked:
+                self._publishing.release()
+
+    @contextmanager
+    def publishing(self, reason: str | None) -> Iterator[None]:
+        """The block delivers a failed step's outputs. With a reason, the engine is unhealthy from the block's
+        start, and current() waits for its end in other threads (the scheduler's own reads pass: an RLock)."""
+        if reason is None:
+            yield
+            return
+        with self._publishing:
+            self.mark_unhealthy(reason)
+            yield
+
+    def current(self) -> EngineHealth:
+        """The state; an unhealthy one once the outputs of the step that made it so are delivered (publishing)."""
+        state = self.state
+        if not state.healthy and self._publishing.acquire(timeout=PUBLISH_WAIT_S):
+            self._publishing.release()
+        return state
 
     def check(self) -> None:
         """EngineUnhealthyError once unhealthy: a new request would only fail in its first step."""
-        if not self.state.healthy:
-            raise EngineUnhealthyError(self.state.reason or "unknown")
+        state = self.current()
+        if not state.healthy:
+            raise EngineUnhealthyError(state.reason or "unknown")

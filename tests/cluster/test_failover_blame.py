@@ -40,8 +40,9 @@ class PoisonScheduler(FakeScheduler):
     """One token per request per poll, as SchedulerActor over a scheduler would answer, until a step holds a rid
     starting "poison" (after it streamed `poison_after` tokens here): then that step fails with a fatal device
     error. The poison ends with the step's own error (code None); the others end with ENGINE_UNHEALTHY, as
-    requests that never ran in it; the answer carrying them says healthy (the verdict follows the outputs), later
-    ones not, and later submissions are refused with the code. With `dies`, the step kills the actor instead (a
+    requests that never ran in it; the answer carrying them says healthy, later ones not (the old order: a
+    scheduler now publishes the verdict first, and the client must end the poison either way), and later
+    submissions are refused with the code. With `dies`, the step kills the actor instead (a
     dead process: the client's calls raise)."""
 
     broken: list[str] = []  # every replica a poison step broke, across relaunches (reset by each test)

@@ -199,7 +199,7 @@ async def test_a_sticky_cuda_error_makes_the_engine_unhealthy(make_engine, tiny_
         assert await asyncio.to_thread(stepping.wait, 10)
         rb = await http.post("/v1/completions", json=body)  # validated healthy, refused by the scheduler after
         ra = await a
-        await asyncio.to_thread(engine.get_stats)  # the verdict follows the failed step's outputs
+        await asyncio.to_thread(engine.get_stats)  # the scheduler thread is past the failed step
         assert ra.status == 500 and "illegal memory access" in (await ra.json())["error"]["message"]
         assert rb.status == 503 and (await rb.json())["error"] == {
             "message": f"the engine is unhealthy: {REASON}", "type": "service_unavailable_error", "param": None,
@@ -251,7 +251,7 @@ def test_failing_steps_and_a_failing_probe_make_it_unhealthy_and_a_good_step_res
     switch["on"] = True
     for _ in range(3):
         assert generate()["finish_reason"] == "error"
-    engine.get_stats()  # on the scheduler thread, after the failed step's probe and verdict (they follow its outputs)
+    engine.get_stats()  # on the scheduler thread: past the failed step (its probe and verdict precede its outputs)
     assert engine.health() == EngineHealth(healthy=False, reason=(
         "3 scheduler steps failed in a row, the last with RuntimeError: injected failure, and a probe request alone "
         "in its batch failed too (RuntimeError: injected failure)"))
@@ -277,7 +277,7 @@ def test_one_bad_request_retried_leaves_the_engine_healthy(make_engine, tiny_lla
     for _ in range(3):  # the OpenAI SDK sends it three times: max_retries=2 on a 500
         out = engine.generate(input_ids=list(poison), sampling_params=GREEDY)
         assert out["finish_reason"] == "error" and "shape-specific kernel failure" in out["error"]
-    engine.get_stats()  # after the last failure's probe (it follows the failure's outputs)
+    engine.get_stats()  # past the last failure's step (its probe precedes the failure's outputs)
     assert steps == ["poison", "poison", "poison", 1]  # then a probe: one token alone in its batch, which passed
     assert engine.health() == EngineHealth() and engine.scheduler.health.failed_in_a_row == 0
     assert engine.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"] == hf_greedy(PROMPT, N)
