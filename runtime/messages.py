@@ -7,6 +7,9 @@ from __future__ import annotations
 import msgspec
 
 from runtime.admin_messages import ProfileControl
+from runtime.lora.lora_messages import LoraLoad as LoraLoad  # re-exported: the LoRA messages live there
+from runtime.lora.lora_messages import LoraRequests
+from runtime.lora.lora_messages import LoraUpdate as LoraUpdate
 from runtime.sampling.params import SamplingParams
 
 
@@ -208,25 +211,6 @@ class WorkerBatch(msgspec.Struct, kw_only=True):
     profile: ProfileControl | None = None  # a control frame (batch_id -1, nothing to run): ranks 1.. apply it
 
 
-class LoraLoad(msgspec.Struct, frozen=True):
-    """An adapter loaded at run time (POST /v1/load_lora_adapter, Engine.load_lora_adapter), as every TP rank
-    reads it before any request may name it. lora_id is fresh for each load (never reused): it names the
-    adapter on the workers and is its prefix-cache namespace, so a reload under the same name never meets
-    the KV of the weights it replaced."""
-
-    lora_id: int
-    name: str
-    path: str
-
-
-class LoraUpdate(msgspec.Struct, kw_only=True):
-    """The answer of a load or unload that crossed an actor boundary: error None on success; not_found: the
-    name is not served (an unload's 404)."""
-
-    error: str | None = None
-    not_found: bool = False
-
-
 class BatchResult(msgspec.Struct, kw_only=True):
     batch_id: int
     next_token_ids: list[int]
@@ -291,6 +275,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     paused_replicas: int = 0  # schedulers paused by /pause_generation (summed: how many of them are)
     iteration_tokens: list[int] = []  # engine steps by tokens: per ITERATION_TOKEN_BOUNDS bound, then past it
     iteration_tokens_sum: int = 0  # the tokens of those steps
+    lora: LoraRequests | None = None  # --enable-lora: the adapters of the requests running and waiting; None: off
 
     @property
     def spec_accept_length(self) -> float:
@@ -305,7 +290,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     def summed(parts: list[SchedulerStats]) -> SchedulerStats:
         """Replicas' stats added up (a cluster-wide view for /metrics): every counter and gauge is summed,
         overlap is any replica's; a mode's time is the replicas' mean (they run side by side, so
-        tokens / time stays the cluster's rate)."""
+        tokens / time stays the cluster's rate); the LoRA adapters are merged (LoraRequests.merged)."""
         total = SchedulerStats()
         numeric = [f.name for f in msgspec.structs.fields(SchedulerStats)
                    if type(f.default) in (int, float)]  # not bool (overlap), not the per-mode dict
@@ -325,6 +310,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
         for m in modes.values():
             m.time_s /= max(len(parts), 1)
         total.forward_modes = modes
+        total.lora = LoraRequests.merged([s.lora for s in parts])
         return total
 
     @property

@@ -12,10 +12,21 @@ series far past any context, so theirs is a prefix of ours; they appear once the
 vllm:iteration_tokens_total is shoal:iteration_tokens: the scheduler counts each step's tokens at vLLM's
 bounds (ITERATION_TOKEN_BOUNDS), summed over replicas and DP ranks. Ours are the tokens a step runs (a prompt
 chunk's uncached tokens, one per decode, a verify step's drafts); vLLM adds up what a step finished: the
-whole prompt (its cached part too) in the step that ends its prefill, and the tokens emitted."""
+whole prompt (its cached part too) in the step that ends its prefill, and the tokens emitted.
+
+vllm:lora_requests_info (--enable-lora only, as vLLM's): one gauge series whose labels carry the adapters
+(SchedulerStats.lora: max_lora = --max-loras, waiting_lora_adapters and running_lora_adapters the
+comma-joined names, "" for none; over replicas and DP ranks, any one's names and their max_lora summed)
+and whose value is the time they were read (Unix seconds). vLLM sets the series of the current labels to
+the time at each engine step and keeps every label set it ever showed at its last time, so its readers (the
+endpoint picker) take the series with the latest value; ours is only that one. Where vLLM's lists are by
+first arrival, ours are sorted, so an unchanged set keeps its series; vLLM's recent releases name every
+adapter with a request in both lists, ours as before them (and as the label names say): running the
+adapters of requests running, waiting those of requests queued."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING
@@ -30,7 +41,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from runtime.messages import ITERATION_TOKEN_BOUNDS, SchedulerStats
+from runtime.messages import ITERATION_TOKEN_BOUNDS, LoraRequests, SchedulerStats
 
 if TYPE_CHECKING:
     from runtime.gateway.metrics import GatewayMetrics
@@ -205,6 +216,8 @@ class CompatCollector(Collector):
             h, values = labelled(HistogramMetricFamily, name, f"shoal:iteration_tokens, {_under(name)}", "vllm")
             h.add_metric(values, iteration_buckets(s), sum_value=s.iteration_tokens_sum)
             yield h
+            if s.lora is not None:
+                yield lora_info(s.lora)
 
     def _vllm_requests(self, histogram: Callable[..., Metric], labelled: Callable[..., tuple[Metric, list[str]]]
                        ) -> Iterable[Metric]:
@@ -223,6 +236,15 @@ class CompatCollector(Collector):
                     continue
                 bounds = build_1_2_5_buckets(max_model_len)
             yield histogram(name, getattr(m, attr), "vllm", bounds)
+
+
+def lora_info(lora: LoraRequests) -> Metric:
+    """vllm:lora_requests_info: the adapters in its labels, the time they were read as its value."""
+    g = GaugeMetricFamily("vllm:lora_requests_info", "adapters of the requests running and waiting (labels), "
+                          "as of the time in seconds since the epoch (value), under vLLM's name",
+                          labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+    g.add_metric([str(lora.max_loras), ",".join(lora.waiting), ",".join(lora.running)], time.time())
+    return g
 
 
 def iteration_buckets(s: SchedulerStats) -> list[tuple[str, float]]:
