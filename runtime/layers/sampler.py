@@ -25,17 +25,32 @@ _GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9)
 _STEP = _signed(0xD1B54A32D192ED03)
 
 
-def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, V] uniforms in (0, 1): splitmix64 of (seed, step, token id) in wrapping int64 arithmetic."""
-    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    x = seeds[:, None] * _GOLDEN + steps[:, None] * _STEP + ids[None, :] * _GOLDEN
+def _splitmix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer in wrapping int64 arithmetic (logical shifts by masking)."""
     x = x ^ ((x >> 30) & ((1 << 34) - 1))
     x = x * _MIX1
     x = x ^ ((x >> 27) & ((1 << 37) - 1))
     x = x * _MIX2
-    x = x ^ ((x >> 31) & ((1 << 33) - 1))
-    return (((x >> 40) & ((1 << 24) - 1)).float() + 0.5) * (1.0 / (1 << 24))
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
 
+
+def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] uniforms in (0, 1): splitmix64 of (seed, step), then of that plus the token id.
+
+    The (seed, step) pair is mixed before the id joins: added linearly, seed s + 1 drew token t's noise from
+    seed s's token t + 1, so the n choices of one request (seeds s, s+1, ...) sampled from shifted copies of
+    one noise row. 23 bits, so that k + 0.5 and the scale are exact in float32: with 24 bits the top value
+    rounded up to 1.0, whose -log is 0 and made probs / noise NaN for every zero-probability token — argmax
+    then picked one outside top-k / top-p / a grammar's mask."""
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    row = _splitmix(seeds * _GOLDEN + steps * _STEP)
+    x = _splitmix(row[:, None] + ids[None, :] * _GOLDEN)
+    return _unit(x)
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    """The top 23 of 64 hashed bits as (k + 0.5) / 2**23: never 0, at most 1 - 2**-24 (exact in float32)."""
+    return (((x >> 41) & ((1 << 23) - 1)).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:

@@ -69,6 +69,31 @@ def test_hash_uniform_in_open_interval() -> None:
     assert abs(u.mean().item() - 0.5) < 0.02
 
 
+def test_hash_uniform_extremes_stay_inside() -> None:
+    """All hashed bits set or clear: still strictly inside (0, 1) in float32 (24 bits once rounded up to 1.0,
+    so -log(u) was 0 and a zero-probability token won the draw as NaN)."""
+    from runtime.layers.sampler import _unit
+
+    u = _unit(torch.tensor([-1, 0, (1 << 63) - 1, -(1 << 63)], dtype=torch.int64))
+    assert bool((u > 0).all()) and bool((u < 1).all()) and bool((-torch.log(u) > 0).all())
+
+
+def test_hash_uniform_seeds_are_not_shifted_copies() -> None:
+    """Choice j of a request samples with seed s + j: its noise row is no shift of choice 0's."""
+    u = hash_uniform(torch.tensor([7, 8]), torch.tensor([3, 3]), 512)
+    assert not torch.equal(u[1, :-1], u[0, 1:])
+    assert abs(torch.corrcoef(torch.stack([u[1, :-1], u[0, 1:]]))[0, 1].item()) < 0.2
+
+
+def test_masked_tokens_are_never_sampled() -> None:
+    """top_k 2 over many seeds and steps: only the two top ids ever come out (a u of 1.0 once let NaN pick any)."""
+    row = _logits(1, seed=9)[0]
+    n = 4096
+    out = Sampler()(row.expand(n, -1).clone(), _batch(n, seeds=list(range(n)), steps=[s % 97 for s in range(n)],
+                                                     top_ks=[2] * n)).next_token_ids
+    assert set(out.tolist()) <= set(row.topk(2).indices.tolist())
+
+
 def test_greedy_is_argmax() -> None:
     logits = _logits(5, seed=3)
     out = Sampler()(logits.clone(), _batch(5, temperatures=[0.0] * 5))
