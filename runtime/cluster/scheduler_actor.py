@@ -10,9 +10,11 @@ requests stream. A client without a link (--disable-request-link) calls `submit(
 
 A watcher thread awaits the other ranks' follow loops: a rank that dies or fails ends the replica's
 requests with an error naming it, and every later answer says unhealthy (the client then relaunches the
-replica). So does a scheduler whose steps keep failing or met a dead device (StepHealth), with its reason. The
-requests of the step that failed end with its error; those a failed replica never ran end with a FinishReason
-code (ENGINE_UNHEALTHY, REPLICA_FAILED) that has the client move them (runtime/managers/step_failure.py)."""
+replica). So does a scheduler whose steps keep failing or met a dead device (StepHealth), or whose step hangs past
+--watchdog-timeout, with its reason. The requests of the step that failed (or hangs) end with its error; those a
+failed replica never ran end with a FinishReason code (ENGINE_UNHEALTHY, REPLICA_FAILED) that has the client move
+them (runtime/managers/step_failure.py). Those ends are in the answer that first says unhealthy: the scheduler
+publishes its verdict while it delivers them to _sink, and reading the health waits for that delivery."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from runtime.managers.schedule_batch import ScheduleBatch
 from runtime.managers.scheduler_stats import scheduler_stats
 from runtime.managers.spec_decoding import SpecDecoding
 from runtime.managers.stats import ForwardModeStats
-from runtime.managers.step_failure import fail_step
+from runtime.managers.step_failure import fail_hung_step, fail_step
 from runtime.managers.step_health import StepHealth
 from runtime.managers.step_watchdog import StepWatchdog
 from runtime.managers.token_intake import TokenIntake
@@ -85,7 +85,9 @@ class Scheduler:
         self.pending: tuple[ScheduleBatch, object] | None = None
         self._defer_grammar = getattr(worker, "can_defer_sampling", False)
         self.health = StepHealth()  # failing steps, a dead device: unhealthy (GET /health 503), new requests refused
-        self.watchdog = StepWatchdog(args.watchdog_timeout, self.health)  # a step that never returns: unhealthy too
+        # A step that never returns: unhealthy too, its requests ended from the watchdog's thread
+        self.watchdog = StepWatchdog(args.watchdog_timeout, self.health,
+                                     lambda reason, started: fail_hung_step(self, reason, started))
         self.stepping: list[ScheduleBatch] = []  # the step's batch and the one in flight: whose failure (fail_step)
         self.gen_throughput = 0.0
         self.device_busy_s = 0.0
@@ -203,6 +205,9 @@ class Scheduler:
             if self.pending is not None and self._must_flush():
                 self._collect_pending()
             batch = self.get_next_batch_to_run()
+            if batch is not None and batch.forward_mode.is_idle():  # no overlap with DP attention: nothing pending
+                # Untimed: it waits in a collective for its DP peers, one of which may be in a call between steps
+                self.watchdog.started = None
             if batch is None:
                 if self.pending is not None:
                     self._collect_pending()

@@ -29,7 +29,8 @@ Health (runtime/managers/step_health.py): a step that met a dead device, or step
 request fails too, make the scheduler unhealthy for good: new requests are refused (EngineUnhealthyError, the
 gateway's 503; one validated before ends with code ENGINE_UNHEALTHY, a 503 too) and health() says why (GET
 /health's 503); on Ray the SchedulerActor then answers unhealthy and its replica is relaunched. So does a step
-that runs past --watchdog-timeout (runtime/managers/step_watchdog.py: a hang raises nothing)."""
+that runs past --watchdog-timeout (runtime/managers/step_watchdog.py: a hang raises nothing); its requests end at
+once, from the watchdog's thread (step_failure.fail_hung_step)."""
 
 from __future__ import annotations
 

@@ -11,18 +11,24 @@ failed because the replica lost a TP rank (EngineUnavailableError, no device err
 with REPLICA_FAILED, and on Ray all move.
 
 The probe: one greedy token of a 1-token prompt, alone in its batch, right after the requests ended (nothing
-else holds KV). Its output goes nowhere: no client owns the request, and it never enters the scheduler's queues."""
+else holds KV). Its output goes nowhere: no client owns the request, and it never enters the scheduler's queues.
+It is a step: timed by the watchdog (step_watchdog.py) even after a failure between steps.
+
+A step that never returns (fail_hung_step, on the watchdog's thread) ends its requests alike, as if it had failed:
+those in it with an error naming the watchdog (on Ray not moved: a request that hangs one replica's step would hang
+the next one's), the others with ENGINE_UNHEALTHY (moved on Ray), so no client waits on a step that may never end."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from runtime.engine_client import ENGINE_UNHEALTHY, REPLICA_FAILED
 from runtime.errors import EngineUnavailableError
 from runtime.managers.req import Req
-from runtime.managers.step_health import is_fatal
+from runtime.managers.step_health import PUBLISH_WAIT_S, is_fatal
 from runtime.messages import FinishReason, RequestOutput
 from runtime.sampling.params import SamplingParams
 
@@ -92,8 +98,36 @@ def _end_all(s: Scheduler, message: str, in_step: set[str], others: FinishReason
     return _end(s, list(s.reqs.values()), lambda r: own if r.rid in in_step else others)
 
 
+def fail_hung_step(s: Scheduler, reason: str, started: float) -> None:
+    """On the watchdog's thread, once the step stamped `started` has run past --watchdog-timeout: the engine turns
+    unhealthy and the requests s holds end (the module docstring says how). The scheduler thread holds s.lock in
+    that step, so nothing here takes it or changes s: the reads are racy (of state the stuck thread no longer
+    touches), the outputs go through s.sink, which is thread-safe (Engine._on_outputs and SchedulerActor._sink claim
+    a request's consumer under their own lock with its first finished output, so what the step says of it should it
+    end after all is dropped), and each request is aborted through the inbox (thread-safe): a step that returns after
+    all leaves none behind. Delivered while publishing, so on Ray the answer saying unhealthy carries them."""
+    try:
+        held = set(list(s.reqs))
+        in_step = {r.rid for b in list(s.stepping) for r in list(b.reqs)} & held
+    except RuntimeError:  # changed while read: the thread is moving after all
+        held, in_step = set(), set()
+    if s.watchdog.started != started:  # the step ended meanwhile: its requests are served (moved, on Ray)
+        held, in_step = set(), set()
+    own = FinishReason("error", message=f"internal error: the scheduler step running this request hung: {reason}")
+    others = FinishReason("error", message=f"the engine is unhealthy: {reason}", code=ENGINE_UNHEALTHY)
+    outputs = [RequestOutput(rid=rid, new_token_ids=[], finished=True, finish_reason=own if rid in in_step else others)
+               for rid in sorted(held)]
+    with s.health.publishing(reason, wait_s=PUBLISH_WAIT_S):
+        if outputs:
+            s.sink(outputs)
+    for rid in held:
+        s.abort(rid)
+
+
 def probe_step(s: Scheduler) -> BaseException | None:
     """Does the worker still run a step? None when the probe's step ran, else what it raised."""
+    if s.watchdog.started is None:  # a failure between steps (a message's handling): the probe is a step all the same
+        s.watchdog.started = time.monotonic()  # the caller clears it
     req = Req(f"shoal-probe-{s.batch_id}", PROBE_PROMPT, SamplingParams(max_new_tokens=1, temperature=0.0), 0,
               frozenset(), embed=s.args.is_embedding)
     s.stepping = []

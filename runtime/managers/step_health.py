@@ -21,7 +21,8 @@ probe that passes starts the count again. A successful step resets the count.
 A verdict is published before the failed step's errors are delivered (publishing): a client that got its 500
 finds /health 503 already. Readers of the health (current) wait while those errors are being delivered, so on Ray
 the answer that says unhealthy carries them too: their requests end there with their error, never moved. A step
-that never returns (step_watchdog.py) makes the scheduler unhealthy from another thread."""
+that never returns (step_watchdog.py) makes the scheduler unhealthy from another thread, publishing its requests'
+errors alike (step_failure.fail_hung_step)."""
 
 from __future__ import annotations
 
@@ -148,26 +149,31 @@ class StepHealth:
 
     def mark_unhealthy(self, reason: str) -> None:
         """Unhealthy from now on, for good; the first reason stays."""
-        # The lock: another thread's verdict being published goes first (its reason is the one a client saw).
-        locked = self._publishing.acquire(timeout=PUBLISH_WAIT_S)
-        try:
-            if self.state.healthy:
-                self.state = EngineHealth(healthy=False, reason=reason)
-                logger.critical("the engine is unhealthy: %s", reason)
-        finally:
-            if locked:
-                self._publishing.release()
+        with self.publishing(reason, wait_s=PUBLISH_WAIT_S):
+            pass
 
     @contextmanager
-    def publishing(self, reason: str | None) -> Iterator[None]:
+    def publishing(self, reason: str | None, wait_s: float | None = None) -> Iterator[None]:
         """The block delivers a failed step's outputs. With a reason, the engine is unhealthy from the block's
-        start, and current() waits for its end in other threads (the scheduler's own reads pass: an RLock)."""
+        start (for good; the first reason stays), and current() waits for its end in other threads (the
+        scheduler's own reads pass: an RLock). wait_s: how long to wait for another thread's verdict being
+        published (it goes first: its reason is the one a client saw); past it, this one goes on without the
+        lock (that thread is stuck delivering). None: as long as it takes."""
         if reason is None:
             yield
             return
-        with self._publishing:
-            self.mark_unhealthy(reason)
+        locked = self._publishing.acquire(timeout=-1 if wait_s is None else wait_s)
+        first = False
+        try:
+            first = self.state.healthy
+            if first:
+                self.state = EngineHealth(healthy=False, reason=reason)
             yield
+        finally:
+            if locked:
+                self._publishing.release()
+            if first:  # after the release: a slow log handler must not hold up readers of the health
+                logger.critical("the engine is unhealthy: %s", reason)
 
     def current(self) -> EngineHealth:
         """The state; an unhealthy one once the outputs of the step that made it so are delivered (publishing)."""

@@ -5,22 +5,34 @@ thread just stops, its requests wait for good, and /health would answer 200 mean
 watchdog thread that, once one forward batch has run past --watchdog-timeout (300 s), dumps the stacks and kills
 the server. Here it marks the scheduler unhealthy (StepHealth) with the reason, for good: /health answers 503, so
 Kubernetes' liveness probe restarts the pod, and on Ray the replica's actor answers unhealthy and its client
-relaunches it, moving its requests. Every thread's stack is logged once, at ERROR: where it hangs.
+relaunches it. Every thread's stack is logged once, at ERROR: where it hangs. The requests end at once
+(step_failure.fail_hung_step): those in the stuck step with an error naming the watchdog (on Ray never moved: a
+request that hangs one replica's step would hang the next one's too), the others with ENGINE_UNHEALTHY (on Ray
+they move to a healthy replica).
 
 The check runs on a daemon thread of its own, never on the stuck one. The step loop only writes `started` (a
 time.monotonic() stamp) as a step begins and None once it is over: no lock per step. A step is the work on a batch
 (its forward, the collect of the batch in flight, the results, a failure's probe); what runs between steps (a
 weight update called on the scheduler thread takes minutes) is not one. A step is flagged only once it has run
-longer than the timeout: the clock is read before the stamp, so a step that ended meanwhile is never measured long."""
+longer than the timeout: the clock is read before the stamp, so a step that ended meanwhile is never measured long.
+An IDLE step (DP attention: a rank with nothing to do) is not timed: it waits in a collective for its peers, and a
+peer running a call between its steps (untimed there: a profile stop writing its trace) would make it look hung.
+
+What it cannot see: a call between steps that hangs on the device (wake_up, a weight update, a profile stop) runs
+untimed, so it hangs the scheduler with /health still 200 (only that call's caller times out, SchedulerHost.call).
+And, as in SGLang, it cannot tell a slow step from a hung one: a first-use kernel compile (a Triton JIT or autotune)
+longer than the timeout makes the engine unhealthy. `--watchdog-timeout` 0, a negative value, None or inf turns it
+off (no thread)."""
 
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from runtime.managers.step_health import StepHealth
@@ -31,9 +43,14 @@ POLL_LIMIT_S = 5.0  # a hang is seen at most this late past the timeout (SGLang 
 
 
 class StepWatchdog:
-    def __init__(self, timeout_s: float | None, health: StepHealth):
-        self.timeout_s = timeout_s if timeout_s is not None and timeout_s > 0 else None  # <= 0 or None: off
+    def __init__(self, timeout_s: float | None, health: StepHealth,
+                 on_hang: Callable[[str, float], None] | None = None):
+        """on_hang(reason, started): on the watchdog's thread, once the step stamped `started` ran past the
+        timeout; it must make `health` unhealthy (the default does only that)."""
+        on = timeout_s is not None and 0 < timeout_s < math.inf  # <= 0, None or inf: off
+        self.timeout_s = timeout_s if on else None
         self.health = health
+        self.on_hang = on_hang or (lambda reason, started: health.mark_unhealthy(reason))
         self.started: float | None = None  # time.monotonic() as the step in progress began; None between steps
 
     @contextmanager
@@ -55,21 +72,32 @@ class StepWatchdog:
 
     def overdue(self) -> float | None:
         """How long the step in progress has run, when that is past the timeout; else None."""
+        late = self._late()
+        return None if late is None else late[0]
+
+    def _late(self) -> tuple[float, float] | None:
+        """(how long it has run, its stamp) for a step in progress past the timeout."""
         now = time.monotonic()  # before the stamp: a step that ended since is never measured long
         started = self.started
         if self.timeout_s is None or started is None or now - started <= self.timeout_s:
             return None
-        return now - started
+        return now - started, started
 
     def check(self, stepper: threading.Thread) -> bool:
         """True once the step in progress has run past the timeout: the engine is now unhealthy, the stacks logged."""
-        ran = self.overdue()
-        if ran is None:
+        late = self._late()
+        if late is None:
             return False
+        ran, started = late
         logger.error("a scheduler step has run for %.1f s, past --watchdog-timeout %g s: it hangs (a collective "
                      "waiting for a dead peer, a kernel that never ends); the threads' stacks:\n%s",
                      ran, self.timeout_s, thread_stacks(stepper))
-        self.health.mark_unhealthy(f"a step has run for {ran:.1f} s (--watchdog-timeout)")
+        reason = f"a step has run for {ran:.1f} s (--watchdog-timeout)"
+        try:
+            self.on_hang(reason, started)
+        except Exception:  # ending its requests failed: the verdict stands all the same
+            logger.exception("ending the hung step's requests failed")
+            self.health.mark_unhealthy(reason)
         return True
 
     def _watch(self, stop: threading.Event, stepper: threading.Thread) -> None:

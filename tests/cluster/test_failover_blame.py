@@ -3,7 +3,9 @@ tests/fake_ray_actors.py). A request whose own step meets a fatal device error e
 moved: one bad request breaks one replica, not each in turn (it took every replica down, relaunch after relaunch,
 before). A request the broken replica never ran (FinishReason code ENGINE_UNHEALTHY, as SchedulerActor and the
 scheduler answer it) moves and finishes its undisturbed sequence, however many replicas such failures break while one
-is left. And moves are capped: a request that moved once per replica ends with the error."""
+is left. Alike whether the answer carrying those ends still says healthy or already unhealthy (as SchedulerActor answers
+now: a failed step's verdict, or the step watchdog's for a step that hangs, is published before the ends go out, and
+readers wait for them). And moves are capped: a request that moved once per replica ends with the error."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import asyncio
 import threading
 from collections.abc import Sequence
 
+import pytest
 from fake_ray_actors import FakeScheduler, actor_method, consume, fake_client
 
 from runtime.cluster.ray_engine_client import RayEngineClient
@@ -43,10 +46,12 @@ class PoisonScheduler(FakeScheduler):
     requests that never ran in it; the answer carrying them says healthy, later ones not (the old order: a
     scheduler now publishes the verdict first, and the client must end the poison either way), and later
     submissions are refused with the code. With `dies`, the step kills the actor instead (a
-    dead process: the client's calls raise)."""
+    dead process: the client's calls raise). With `verdict_first`, the answer carrying them says unhealthy already.
+    """
 
     broken: list[str] = []  # every replica a poison step broke, across relaunches (reset by each test)
     dies = False
+    verdict_first = False
     poison_after = 2
 
     def __init__(self):
@@ -73,6 +78,8 @@ class PoisonScheduler(FakeScheduler):
         healthy = self.reason is None
         if healthy:
             self.step()
+            if self.verdict_first:
+                healthy = self.reason is None
         out, self.out = self.out, []
         return OutputPoll(outputs=out, healthy=healthy, error=None if healthy else self.reason).encode()
 
@@ -135,12 +142,17 @@ def run_poison(client: RayEngineClient, with_bystander: bool) -> tuple[RequestOu
     return poison, other, seen
 
 
-def test_the_failing_request_ends_with_its_error_and_the_others_move():
-    client = make_client(PoisonScheduler, dp=3)
+class VerdictFirst(PoisonScheduler):
+    verdict_first = True
+
+
+@pytest.mark.parametrize("kind", [PoisonScheduler, VerdictFirst])
+def test_the_failing_request_ends_with_its_error_and_the_others_move(kind: type[PoisonScheduler]):
+    client = make_client(kind, dp=3)
     try:
         poison, bystander, seen = run_poison(client, with_bystander=True)
         assert poison.finish_reason == FinishReason("error", message=OWN)  # its own error, not moved
-        assert PoisonScheduler.broken == ["replica 0"]  # it broke one replica, not each in turn
+        assert kind.broken == ["replica 0"]  # it broke one replica, not each in turn
         assert bystander.finish_reason.kind == "length"  # never ran in that step: moved, finished undisturbed
         assert seen["bystander"] == [token("bystander", k) for k in range(30)]
         assert client.failovers == 1 and client.failover_errors == 0
