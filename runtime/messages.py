@@ -4,6 +4,8 @@ same objects pass by reference in one process and encode cheaply between Ray act
 
 from __future__ import annotations
 
+from itertools import zip_longest
+
 import msgspec
 
 from runtime.admin_messages import ProfileControl
@@ -304,9 +306,10 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
                 acc.batches += m.batches
                 acc.tokens += m.tokens
                 acc.time_s += m.time_s
-            if s.iteration_tokens:
-                ours = total.iteration_tokens or [0] * len(s.iteration_tokens)
-                total.iteration_tokens = [a + b for a, b in zip(ours, s.iteration_tokens)]
+            # zip_longest: a replica of another release may count at more or fewer bounds; zip would cut
+            # to the shorter and drop the +Inf bucket (and with it steps from the count).
+            total.iteration_tokens = [a + b for a, b in zip_longest(total.iteration_tokens, s.iteration_tokens,
+                                                                    fillvalue=0)]
         for m in modes.values():
             m.time_s /= max(len(parts), 1)
         total.forward_modes = modes

@@ -20,6 +20,7 @@ from runtime.classifier_config import (  # noqa: F401 (classifier_labels: re-exp
     is_classifier_architecture,
 )
 from runtime.errors import ModelConfigError
+from runtime.sampling.generation_defaults import CONFIG_NAME, FILE_NAME, TEXT_CONFIGS
 
 # The one list of architectures: config.json `architectures` name → (model_type, the class that runs it,
 # as "module:Class" so this foundation module imports nothing of runtime.models; models/registry.py reads it).
@@ -154,8 +155,8 @@ class ModelConfig:
                         generation_config: str = "auto") -> ModelConfig:
         """overrides: --hf-overrides, whose keys replace config.json's top-level ones before anything is
         read (vLLM's flag; a nested value such as rope_scaling is replaced whole). generation_config:
-        --generation-config, whose folder's generation_config.json eos_token_id ends requests (auto, vllm:
-        the model's own)."""
+        --generation-config, whose folder's generation_config.json eos_token_id (else its config.json's) ends
+        requests (auto, vllm: the model's own)."""
         path = Path(model_path) / "config.json"
         if not path.is_file():
             raise ModelConfigError(f"no config.json in model folder {model_path}")
@@ -166,8 +167,9 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise ModelConfigError(f"{path} is not a JSON object")
         cfg = cls.from_dict(merged := _with_overrides(raw, overrides or {}), dtype=dtype)
-        folder = path.parent if generation_config in ("auto", "vllm") else Path(generation_config)
-        if extra := [i for i in _generation_eos(folder) if i not in cfg.eos_token_ids]:
+        own = generation_config in ("auto", "vllm")
+        folder = path.parent if own else Path(generation_config)
+        if extra := [i for i in _generation_eos(folder, fallback=not own) if i not in cfg.eos_token_ids]:
             cfg = dataclasses.replace(cfg, eos_token_ids=(*cfg.eos_token_ids, *extra))
         tokens = classifier_tokens(merged)
         if tokens and not cfg.num_labels:
@@ -364,14 +366,24 @@ def _dtype(raw: dict[str, Any], requested: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _generation_eos(folder: Path) -> tuple[int, ...]:
+def _generation_eos(folder: Path, fallback: bool = False) -> tuple[int, ...]:
     """generation_config.json's eos_token_id (an id or a list): ends a request as config.json's do, as vLLM
     and SGLang add them to the stop ids (Qwen2.5-Instruct's <|endoftext|> is only there). vLLM takes them
     from the file its sampling defaults come from: a --generation-config folder's replaces the model's (and
-    vllm, which reads no sampling key, still takes the model's). An unreadable file adds none: its sampling
-    keys are read, and checked, by sampling/generation_defaults.py."""
+    vllm, which reads no sampling key, still takes the model's). fallback (a --generation-config folder): one
+    without generation_config.json has its config.json's instead, the top level's else a decoder's text
+    config's, as vLLM's try_get_generation_config (GenerationConfig.from_model_config) reads it; the model's
+    own config.json needs none, its ids (--hf-overrides applied) being the model's already. An unreadable
+    file adds none: its sampling keys are read, and checked, by sampling/generation_defaults.py."""
+    path = folder / FILE_NAME
+    if fallback and not path.is_file():
+        path = folder / CONFIG_NAME
     try:
-        eos = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
+        raw = json.loads(path.read_text())
+        eos = raw.get("eos_token_id")
+        if eos is None and path.name == CONFIG_NAME:
+            eos = next((t["eos_token_id"] for name in TEXT_CONFIGS
+                        if isinstance(t := raw.get(name), dict) and t.get("eos_token_id") is not None), None)
     except (OSError, ValueError, AttributeError):
         return ()
     ids = eos if isinstance(eos, list) else [eos]

@@ -187,7 +187,7 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--disable-frontend-multiprocessing",), "bool", noop(
         "Shoal's HTTP gateway runs beside the engine in one process, or as a Ray actor (--in-process / --use-ray)")),
     VllmFlag(("--enable-request-id-headers",), "bool", noop(
-        "Shoal always honours X-Request-Id and returns it on every response")),
+        "Shoal always honours X-Request-Id and returns one on every response (the client's, else a generated id)")),
     VllmFlag(("--max-logprobs",), "int", _max_logprobs),
     VllmFlag(("--enable-sleep-mode",), "bool", noop(
         "Shoal always serves /sleep, /wake_up and /is_sleeping (behind --api-key when one is set)")),

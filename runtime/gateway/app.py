@@ -3,8 +3,9 @@
 (api_keys.py) and turns every failure into an OpenAI-style error body (never a bare 500 page).
 
 X-Request-Id, as vLLM's: a request that sends it is named by it (GatewayState.new_id: chatcmpl-<id>, ...),
-and every response to it, streams and errors included, carries the header back (vLLM echoes it with
---enable-request-id-headers; here always, as it costs nothing)."""
+and every response, streams and errors included, carries the header (vLLM does with
+--enable-request-id-headers; here always, as it costs nothing): the client's own, or where it sent none the
+id its response was named by (chatcmpl-<hex> answers <hex>), else a random one (request_ids.response_header)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from runtime.gateway.openai_chat import chat_completions
 from runtime.gateway.openai_completions import completions
 from runtime.gateway.openai_embeddings import embeddings, health_embed, pooling
 from runtime.gateway.openai_responses import responses
+from runtime.gateway.request_ids import IdScope, current_scope, response_header
 from runtime.gateway.state import STATE_KEY, ClientProvider, GatewayState
 from runtime.text.embedding_request import task_mismatch
 
@@ -48,6 +50,7 @@ logger = logging.getLogger("shoal.gateway")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 _REQUEST_ID = "X-Request-Id"
+_ID_SCOPE = web.RequestKey("shoal_id_scope", IdScope)  # the handler's ids, for the header as the answer goes out
 
 
 def _middleware(api_keys: ApiKeys, cors: Cors) -> Callable:
@@ -61,6 +64,8 @@ def _middleware(api_keys: ApiKeys, cors: Cors) -> Callable:
                 raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                                code="invalid_api_key")
             with request.app[STATE_KEY].request_scope(request.headers.get(_REQUEST_ID)):
+                if (scope := current_scope()) is not None:
+                    request[_ID_SCOPE] = scope
                 return await handler(request)
         except ApiError as e:
             err = e
@@ -98,10 +103,9 @@ def _generation(handler: Handler, on_embedding: Handler | None = None) -> Handle
 
 
 async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
-    # As the headers go out: a stream's leave before its handler returns. Only what a header can carry as sent.
-    value = request.headers.get(_REQUEST_ID)
-    if value is not None and value.isascii() and value.isprintable() and _REQUEST_ID not in response.headers:
-        response.headers[_REQUEST_ID] = value
+    # As the headers go out: a stream's leave before its handler returns, once its id is made.
+    if _REQUEST_ID not in response.headers:
+        response.headers[_REQUEST_ID] = response_header(request.headers.get(_REQUEST_ID), request.get(_ID_SCOPE))
 
 
 async def _stop_background_tasks(app: web.Application) -> None:

@@ -21,6 +21,11 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inva
           503: "service_unavailable_error", 500: "internal_server_error"}
 _CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
           429: "too_many_requests", 503: "service_unavailable", 500: "internal_error"}
+# Retry-After (whole seconds) of a 503 engine_not_ready: the model still loading, or a drain handing over to
+# another replica. Neither vLLM (no HTTP server until its engine is up) nor SGLang sends one; a loading
+# server cannot say when it is done, and a refusal costs next to nothing, so clients look again each second
+# (OpenAI's SDK sleeps what this says rather than its own backoff).
+NOT_READY_RETRY_S = 1
 
 
 class ApiError(Exception):
@@ -29,11 +34,13 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.headers = headers
         self.status = status
         self.message = message
         self.param = param
         self.code = code if code is not None else _CODES.get(status)
+        if headers is None and status == 503 and self.code == "engine_not_ready":
+            headers = {"Retry-After": str(NOT_READY_RETRY_S)}
+        self.headers = headers
         self.type = type or _TYPES.get(status, "invalid_request_error")
 
     def body(self) -> ErrorResponse:

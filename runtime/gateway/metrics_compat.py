@@ -248,8 +248,14 @@ def lora_info(lora: LoraRequests) -> Metric:
 
 
 def iteration_buckets(s: SchedulerStats) -> list[tuple[str, float]]:
-    """The scheduler's steps by tokens as Prometheus buckets: (le, cumulative count), +Inf last."""
-    counts = s.iteration_tokens or [0] * (len(ITERATION_TOKEN_BOUNDS) + 1)
+    """The scheduler's steps by tokens as Prometheus buckets: (le, cumulative count), +Inf last.
+
+    Read at len(ITERATION_TOKEN_BOUNDS) + 1 counts whatever length the replicas sent: short lists are padded
+    with 0, extras (bounds this gateway does not know) are folded into +Inf, so +Inf is always there and equals
+    the count of steps."""
+    size = len(ITERATION_TOKEN_BOUNDS) + 1
+    counts = [*s.iteration_tokens[:size], *[0] * (size - len(s.iteration_tokens))]
+    counts[-1] += sum(s.iteration_tokens[size:])
     out, running = [], 0
     for bound, n in zip((*ITERATION_TOKEN_BOUNDS, float("inf")), counts):
         running += n

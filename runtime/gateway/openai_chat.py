@@ -89,7 +89,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         role = _ROLES.get(m.role)
         if role is None:
             what = "function messages are" if m.role == "function" else f"role {m.role!r} is"
-            raise bad_request(f"messages[{k}]: {what} not supported (use system, user, assistant or tool)",
+            raise bad_request(f"messages[{k}]: {what} not supported (use {', '.join(_ROLES)})",
                               param="messages")
         if m.function_call is not None:
             raise not_supported(f"messages[{k}]: function_call (use tool_calls)", "messages")
@@ -303,7 +303,10 @@ class _ChatResponder(OpenAIResponder):
         return ChatOutput(parser, self.tools.parser() if self.tools is not None else None)
 
     def _finish_reason(self, c: ChoiceState, output: ChatOutput | None) -> str | None:
-        if output is not None and output.parsed.calls and c.finish_reason == "stop":
+        # OpenAI's and vLLM's: "tool_calls" where the model chose to call ("auto", "required"); a call the
+        # request named was not the model's choice, so it ends "stop" (stream and not alike).
+        named = self.tools is not None and self.tools.mode == "named"
+        if output is not None and output.parsed.calls and c.finish_reason == "stop" and not named:
             return "tool_calls"
         return c.finish_reason
 

@@ -69,6 +69,7 @@ from runtime.gateway.responses_protocol import (
 from runtime.gateway.responses_token_ends import TokenTextEnds
 from runtime.gateway.tool_request import ToolRequest
 from runtime.messages import RequestOutput
+from runtime.sampling.params import SamplingParams
 
 # The fields of a Responses body that mean what they mean on chat, read by chat's own code: the sampling
 # knobs (GatewayState.sampling_params), the structured-output ones (joining text.format:
@@ -134,17 +135,18 @@ async def responses(request: web.Request) -> web.StreamResponse:
     if constraint is not None:
         await state.check_grammar(client, reqs[0], constraint.param)
     gen.set_choices(base, reqs)
-    responder = _ResponsesResponder(gen, model, _echo(body), tools, reasoning, reasoning_done, want_lp)
+    responder = _ResponsesResponder(gen, model, _echo(body, params), tools, reasoning, reasoning_done, want_lp)
     return await gen.respond(bool(body.stream), responder)
 
 
-def _echo(body: ResponsesRequest) -> dict[str, Any]:
-    """The request's settings as the Response object repeats them."""
+def _echo(body: ResponsesRequest, params: SamplingParams) -> dict[str, Any]:
+    """The request's settings as the Response object repeats them; temperature and top_p as sampled with (the
+    body's, else the model's defaults), as vLLM's and OpenAI's, never null."""
     text: dict[str, Any] = {"format": (body.text.format if body.text and body.text.format else {"type": "text"})}
     if body.text is not None and body.text.verbosity is not None:
         text["verbosity"] = body.text.verbosity
     return {"instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "temperature": body.temperature, "top_p": body.top_p, "tools": body.tools or [],
+            "temperature": params.temperature, "top_p": params.top_p, "tools": body.tools or [],
             "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "parallel_tool_calls": body.parallel_tool_calls is not False, "text": text,
             "metadata": body.metadata or {}, "user": body.user, "safety_identifier": body.safety_identifier,

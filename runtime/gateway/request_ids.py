@@ -14,7 +14,13 @@ whose choices are x-0 and x-1), the request gets "<prefix>-<id>-<8 hex>": every 
 request, so aborting by it never stops another (vLLM now keeps the client's id as the response id and makes
 only its engine ids unique). Not a 400: a proxy that retries a timed-out attempt sends the same id while the
 first may still be running. An empty header counts as none. The middleware (app.py) opens scope() around
-each handler."""
+each handler.
+
+X-Request-Id comes back on every response (response_header), as vLLM's --enable-request-id-headers sends it:
+the client's own where a header can carry it as sent; else the id this request's first response id was made
+from (chatcmpl-<hex> answers <hex>, a body request_id answers itself), so the header names the request the same
+way whether the client sent one or not; else (no id made: an error before it, a route that names nothing) a
+random uuid hex, as vLLM's."""
 
 from __future__ import annotations
 
@@ -44,20 +50,36 @@ def _choice_of(rid: str, base: str) -> bool:
     return rid.startswith(base) and rid[len(base):len(base) + 1] == "-" and rid[len(base) + 1:].isdigit()
 
 
-class _Scope:
+class IdScope:
     """One HTTP request's X-Request-Id (None: not sent) and the ids new_id made for it."""
 
-    __slots__ = ("header", "made", "closed")
+    __slots__ = ("header", "made", "closed", "base")
 
     def __init__(self, header: str | None):
         self.header = header or None  # an empty header is none, as an absent one
         self.made: list[str] = []
         self.closed = False  # the handler returned: a task it left behind gets random ids (nothing releases them)
+        self.base: str | None = None  # the id its first response id was made from: what X-Request-Id answers
 
 
 # The handler's own request (aiohttp runs each in its task, so each sees its own): a ContextVar is made once,
 # at import, as Python asks, and holds nothing between requests.
-_CURRENT: ContextVar[_Scope | None] = ContextVar("shoal_request_ids", default=None)
+_CURRENT: ContextVar[IdScope | None] = ContextVar("shoal_request_ids", default=None)
+
+
+def current_scope() -> IdScope | None:
+    """The running handler's scope (None outside one): the middleware keeps it on its request for the header."""
+    return _CURRENT.get()
+
+
+def response_header(sent: str | None, scope: IdScope | None) -> str:
+    """The X-Request-Id to answer with: the client's own if a header can carry it back as sent, else the id its
+    response was named by, else a random uuid hex (vLLM's)."""
+    if sent and sent.isascii() and sent.isprintable():
+        return sent
+    if scope is not None and scope.base is not None:
+        return scope.base
+    return uuid.uuid4().hex
 
 
 class RequestIds:
@@ -69,7 +91,7 @@ class RequestIds:
     @contextmanager
     def scope(self, header: str | None) -> Iterator[None]:
         """Around one handler: new_id names its ids by header (X-Request-Id, None: not sent) or the body's id."""
-        ids = _Scope(header)
+        ids = IdScope(header)
         token = _CURRENT.set(ids)
         try:
             yield
@@ -96,7 +118,12 @@ class RequestIds:
         verbatim = as_sent and request_id is not None
         name = None if ids is None or ids.closed else request_id if verbatim else ids.header or request_id
         if name is None:
-            return f"{prefix}{sep}{uuid.uuid4().hex}"
+            drawn = uuid.uuid4().hex
+            if ids is not None and not ids.closed and ids.base is None:
+                ids.base = drawn
+            return f"{prefix}{sep}{drawn}"
+        if ids.base is None:
+            ids.base = name
         stem = name if verbatim else f"{prefix}{sep}{name}"
         rid = stem
         while self._clashes(rid):

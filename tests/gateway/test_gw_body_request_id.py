@@ -103,6 +103,20 @@ def test_abort_by_the_body_request_id(gw_url, gw_server, gw_engine, monkeypatch)
     sender.join(10)
     status, r = result["r"]
     assert (status, r["id"], r["choices"][0]["finish_reason"]) == (200, "chatcmpl-stop-me", "abort")
+    # /v1/responses sent both: the body's id named it, so that finds it; the header names nothing there
+    body = {"input": "Hello", "temperature": 0, "max_output_tokens": 200, "ignore_eos": True, "request_id": "resp-me"}
+    sender = threading.Thread(target=lambda: result.update(r=_post(gw_url + "/v1/responses", body, "hdr-me")))
+    sender.start()
+    while "resp-me" not in state.inflight:
+        assert time.monotonic() < deadline + 10
+        time.sleep(0.01)
+    assert http(gw_url + "/abort_request", "POST", {"rid": "hdr-me"})[1]["aborted"] == ["hdr-me"]  # none such
+    assert sender.is_alive() and "resp-me" in state.inflight
+    status, r = http(gw_url + "/abort_request", "POST", {"rid": "resp-me"})
+    assert status == 200 and r["aborted"] == ["resp-me-0"]
+    sender.join(10)
+    status, r = result["r"]
+    assert status == 200 and r["id"] == "resp-me" and r["usage"]["output_tokens"] < 200, r
 
 
 @pytest.fixture(scope="module")

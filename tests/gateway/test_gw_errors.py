@@ -4,7 +4,11 @@ No input may produce a 500 or take the server down."""
 from __future__ import annotations
 
 import pytest
-from gw_helpers import http, wait_kv_full
+from gw_helpers import GATEWAY_ARGS, http, wait_kv_full
+from gw_helpers import raw as raw_http
+
+from runtime.gateway.errors import NOT_READY_RETRY_S
+from runtime.gateway.server import serve_in_thread
 
 MODEL = "llama"
 CONTEXT = 512  # the tiny model's max_position_embeddings
@@ -109,6 +113,13 @@ def test_bad_prompts_and_messages(gw_url):
     for path, body, param in cases:
         err = _error(http(gw_url + path, "POST", body), 400)
         assert err["param"] == param, (body, err)
+    # The roles it names are the roles accepted (developer reads as system, as OpenAI's)
+    err = _error(http(gw_url + "/v1/chat/completions", "POST", {"messages": [{"role": "wizard", "content": "hi"}]}),
+                 400)
+    assert err["message"].endswith("(use system, developer, user, assistant, tool)"), err
+    status, _ = http(gw_url + "/v1/chat/completions", "POST", {"messages": [
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}], "max_tokens": 1})
+    assert status == 200
 
 
 def test_no_input_makes_a_500(gw_url, gw_engine):
@@ -204,3 +215,14 @@ def test_stream_options_without_stream_is_400(gw_url, path, body, stream):
     err = _error(http(gw_url + path, "POST", request), 400)
     assert err["param"] == "stream_options" and "stream" in err["message"]
     assert http(gw_url + path, "POST", {**request, "stream_options": None})[0] == 200
+
+
+def test_not_ready_503_says_when_to_retry():
+    """While the model loads, model routes and /health answer 503 engine_not_ready with Retry-After (whole
+    seconds), which OpenAI's SDK sleeps before its retry; and X-Request-Id, as every response."""
+    with serve_in_thread(lambda: None, GATEWAY_ARGS, port=0) as loading:
+        for method, path, body in [("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": '
+                                    b'"hi"}]}'), ("GET", "/health", None)]:
+            status, headers, out = raw_http(loading.url + path, method, {"Content-Type": "application/json"}, body)
+            assert status == 503 and b'"engine_not_ready"' in out, out
+            assert headers["Retry-After"] == str(NOT_READY_RETRY_S) == "1" and headers["X-Request-Id"]

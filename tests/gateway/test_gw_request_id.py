@@ -1,6 +1,6 @@
 """X-Request-Id, as vLLM takes it: the response id is <prefix>-<id> (chatcmpl-, cmpl-, gen-; choices and
-batched prompts keep their -k rids), the header comes back on every response (streams and errors too), a
-bad one is a 400 naming it. A second request sending an id still in flight gets <prefix>-<id>-<8 hex>, so
+batched prompts keep their -k rids), the header comes back on every response (streams and errors too; one
+made where none was sent), a bad one is a 400 naming it. A second request sending an id still in flight gets <prefix>-<id>-<8 hex>, so
 /abort_request by a response id stops exactly one request; by the bare X-Request-Id it stops all that sent
 it. The ids are free again once their requests end."""
 
@@ -49,16 +49,39 @@ def test_ids_come_from_the_header_on_every_route(gw_url):
     assert (status, echoed, r["meta_info"]["id"]) == (200, "trace-4", "gen-trace-4")
     status, _, r = _post(gw_url + "/generate", {"text": ["a", "b"], "sampling_params": NATIVE}, "trace-5")
     assert [x["meta_info"]["id"] for x in r] == ["gen-trace-5-0", "gen-trace-5-1"]
-    # Without the header: random ids, no header back
+    # Without the header: random ids, and the header names the request as a sent one would (chatcmpl-<header>)
     status, echoed, r = _post(gw_url + "/v1/chat/completions", {"messages": MSG, **SHORT}, None)
-    assert status == 200 and echoed is None and re.fullmatch(r"chatcmpl-[0-9a-f]{32}", r["id"])
+    assert status == 200 and re.fullmatch(r"[0-9a-f]{32}", echoed) and r["id"] == f"chatcmpl-{echoed}"
+    status, echoed, events = _post(gw_url + "/v1/completions", {"prompt": "a", **SHORT, "stream": True}, None)
+    assert status == 200 and {e["id"] for e in events[:-1]} == {f"cmpl-{echoed}"}
+
+
+def test_a_header_comes_back_unsent(gw_url, oai):
+    """vLLM's --enable-request-id-headers sends X-Request-Id on every response, a uuid hex where the client sent
+    none: errors (before any id was made), other routes, and the body request_id where that named the response;
+    so the OpenAI client's request_id is never None."""
+    raw = oai.chat.completions.with_raw_response.create(model="llama", messages=MSG, **SHORT)
+    assert raw.request_id is not None and raw.parse().id == f"chatcmpl-{raw.request_id}"
+    status, echoed, r = _post(gw_url + "/v1/chat/completions", {"messages": MSG, "max_tokens": -1}, None)
+    assert status == 400 and re.fullmatch(r"[0-9a-f]{32}", echoed), r
+    status, echoed, r = _post(gw_url + "/v1/nothing-here", {}, None)
+    assert status == 404 and re.fullmatch(r"[0-9a-f]{32}", echoed), r
+    status, echoed, r = _post(gw_url + "/v1/responses", {"input": "Hi", "max_output_tokens": 2,
+                                                         "request_id": "resp_mine"}, None)
+    assert (status, echoed, r["id"]) == (200, "resp_mine", "resp_mine")
+    status, echoed, r = _post(gw_url + "/v1/chat/completions", {"messages": MSG, **SHORT, "request_id": "body-1"},
+                              None)
+    assert (status, echoed, r["id"]) == (200, "body-1", "chatcmpl-body-1")
+    with urllib.request.urlopen(gw_url + "/v1/models", timeout=10) as resp:
+        assert re.fullmatch(r"[0-9a-f]{32}", resp.headers["X-Request-Id"])
 
 
 def test_a_bad_header_is_a_400_naming_it(gw_url):
     for bad in ("has space", "x" * 257, "\u00e9"):
         status, echoed, r = _post(gw_url + "/v1/chat/completions", {"messages": MSG, **SHORT}, bad)
         assert status == 400 and r["error"]["param"] == "X-Request-Id", r
-        assert echoed == (bad if bad.isascii() else None)  # errors carry it back too (if a header can)
+        # errors carry it back too (if a header can: else one made)
+        assert echoed == bad if bad.isascii() else re.fullmatch(r"[0-9a-f]{32}", echoed)
 
 
 def test_duplicates_in_flight_are_told_apart_and_aborted(gw_url, gw_server, gw_engine, monkeypatch):
@@ -130,6 +153,9 @@ def test_responses_take_the_header(gw_url):
     body = {"input": "Hello", "max_output_tokens": 2}
     status, echoed, r = _post(gw_url + "/v1/responses", body, "resp-trace-1")
     assert (status, echoed, r["id"]) == (200, "resp-trace-1", "resp_resp-trace-1")
+    # Both sent: the body's id names the response, the header still comes back as sent
+    status, echoed, r = _post(gw_url + "/v1/responses", {**body, "request_id": "resp_body"}, "resp-trace-2")
+    assert (status, echoed, r["id"]) == (200, "resp-trace-2", "resp_body")
     status, _, r = _post(gw_url + "/v1/responses", body, "has space")
     assert status == 400 and r["error"]["param"] == "X-Request-Id"
     status, _, r = _post(gw_url + "/v1/chat/completions", {"messages": MSG, **SHORT}, "")

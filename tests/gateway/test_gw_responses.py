@@ -296,6 +296,11 @@ def test_accepted_fields_are_echoed_and_unknown_ones_ignored(gw_url):
     assert (r["safety_identifier"], r["prompt_cache_key"], r["top_logprobs"]) == ("s1", "k1", None)
     assert r["store"] is False  # nothing is stored, whatever was asked
     assert r["tools"] == [] and r["tool_choice"] == "auto" and r["text"] == {"format": {"type": "text"}}
+    # temperature and top_p as sampled with: the defaults applied (the tiny model's generation config sets
+    # none), else the body's, as vLLM's; never null
+    assert (r["temperature"], r["top_p"]) == (1.0, 1.0)
+    status, r = http(gw_url + "/v1/responses", "POST", {**body, "temperature": 0.5, "top_p": 0.25})
+    assert status == 200 and (r["temperature"], r["top_p"]) == (0.5, 0.25), r
     status, missing = http(gw_url + "/v1/responses", "POST", {"model": "other", "input": "hi"})
     assert status == 404 and missing["error"]["param"] == "model"
 

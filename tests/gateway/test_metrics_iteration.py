@@ -74,6 +74,30 @@ def test_steps_counted_at_vllm_bounds():
     assert "vllm:iteration_tokens_total" not in ready  # engine not ready: no scheduler series, as for the rest
 
 
+def test_replicas_of_other_lengths_merge():
+    """Replicas whose iteration_tokens differ in length (another release's bounds) add up bucket by bucket,
+    the shorter padded with 0; the scrape reads len(bounds) + 1 buckets, extras folded into +Inf, so +Inf
+    is there and equals _count."""
+    size = len(ITERATION_TOKEN_BOUNDS) + 1
+    full = [1] * size
+    short = [2, 3]  # steps of 1 and of 2..8 tokens
+    longer = [0] * size + [4, 5]  # 9 steps past our last bound, at bounds we don't know
+    total = SchedulerStats.summed([SchedulerStats(iteration_tokens=full), SchedulerStats(),
+                                   SchedulerStats(iteration_tokens=short), SchedulerStats(iteration_tokens=longer)])
+    assert total.iteration_tokens == [3, 4, *[1] * (size - 2), 4, 5]
+    fams = {f.name: f for f in text_string_to_metric_families(
+        GatewayMetrics(("vllm",), model_name=lambda: "tiny").render(total).decode())}
+    for name in ("vllm:iteration_tokens_total", "shoal:iteration_tokens"):
+        buckets, count, _ = hist(fams[name])
+        assert list(buckets) == [*map(float, VLLM_BOUNDS), INF]
+        assert buckets[INF] == count == size + 5 + 9
+        assert buckets[1.0] == 3 and buckets[8.0] == 7 and buckets[16384.0] == count - 1 - 9  # full's +Inf, extras
+    only_short = {f.name: f for f in text_string_to_metric_families(GatewayMetrics(("vllm",)).render(
+        SchedulerStats(iteration_tokens=short)).decode())}
+    buckets, count, _ = hist(only_short["vllm:iteration_tokens_total"])
+    assert buckets[INF] == buckets[8.0] == count == 5
+
+
 @pytest.fixture(scope="module", params=[-1, 8], ids=["unchunked", "chunk8"])
 def served(request, tiny_llama) -> Iterator[tuple[str, int]]:
     engine = Engine(str(tiny_llama), device="cpu", max_total_tokens=2048, chunked_prefill_size=request.param,

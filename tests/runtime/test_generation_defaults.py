@@ -209,3 +209,24 @@ def test_a_folder_paths_eos_ids_replace_the_models_own(gen_model, tmp_path):
     for source in ("auto", "vllm"):
         assert ModelConfig.from_pretrained(own, generation_config=source).eos_token_ids == (2, 5)
     assert ModelConfig.from_pretrained(own, generation_config=str(other)).eos_token_ids == (2, 7, 9)
+
+
+def test_a_folder_with_only_config_json_gives_its_eos_ids(gen_model, tmp_path):
+    """A --generation-config folder without generation_config.json: its config.json's eos_token_id counts as the
+    generation config's, as vLLM's try_get_generation_config (from_model_config) reads it, the top level's
+    else a text config's; the model's own config.json adds nothing its config did not (auto)."""
+    from runtime.model_config import ModelConfig
+
+    other, nested = tmp_path / "other", tmp_path / "nested"
+    for folder, config in ((other, {"eos_token_id": [11, 2]}), (nested, {"text_config": {"eos_token_id": 12}})):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": "llama", **config}))
+    assert ModelConfig.from_pretrained(gen_model, generation_config=str(other)).eos_token_ids == (2, 11)
+    assert ModelConfig.from_pretrained(gen_model, generation_config=str(nested)).eos_token_ids == (2, 12)
+    bare = tmp_path / "bare"  # the model's folder with no generation_config.json at all
+    bare.mkdir()
+    for f in gen_model.iterdir():
+        if f.name != "generation_config.json":
+            (bare / f.name).symlink_to(f.resolve())
+    assert ModelConfig.from_pretrained(bare, generation_config="auto").eos_token_ids == (2,)
+    assert ModelConfig.from_pretrained(bare, generation_config=str(bare)).eos_token_ids == (2,)
