@@ -14,6 +14,7 @@ from runtime.fp8_flags import check_fp8_flags
 from runtime.hf_cache import check_revisions
 from runtime.http_flags import api_keys, check_http_flags, json_or_list
 from runtime.lora.lora_flags import check_lora_flags
+from runtime.priority_flags import check_priority_flags
 from runtime.sampling.generation_defaults import check_flags as check_generation_flags
 from runtime.server_flags import (  # noqa: F401  (METRICS_COMPAT, VLLM_ALIASES: still importable from here)
     METRICS_COMPAT,
@@ -144,7 +145,7 @@ class ServerArgs:
     disable_overlap_schedule: bool = _opt(False, "prepare the next batch only after the current one finishes")
     watchdog_timeout: float | None = _opt(300.0, "a scheduler step (forward, collect) running longer than this many "
                                                  "seconds is a hang: the engine turns unhealthy (GET /health 503) "
-                                                 "and the threads' stacks are logged; <= 0 turns it off")
+                                                 "and the threads' stacks are logged; <= 0 or inf turns it off")
     # Speculative decoding (runtime/speculative): drafts checked by one TARGET_VERIFY forward per step
     speculative_algorithm: str | None = _opt(None, "NGRAM: drafts from the request's own prompt and output; "
                                                    "STANDALONE: a small draft model", ("NGRAM", "STANDALONE"))
@@ -190,7 +191,10 @@ class ServerArgs:
                                       "instead of the client's direct socket link to each scheduler actor")
     in_process: bool = _opt(False, "tp=dp=1: scheduler and worker in the server's own process, also on a GPU "
                                    "(the default on CPU)")
-    address: str | None = _opt(None, "Ray cluster address ('auto' joins a running one); default: start a local one")
+    address: str | None = _opt(None, "Ray cluster address ('auto' joins a running one); default: $RAY_ADDRESS, else a "
+                                     "local cluster of its own (--ray-join-running: the one `ray start` runs here)")
+    ray_join_running: bool = _opt(False, "on Ray with no --address or $RAY_ADDRESS: join the cluster `ray start` runs "
+                                         "on this machine, if any (vLLM's --distributed-executor-backend ray)")
     placement: str = _opt("pack", "placement of a replica's TP ranks across nodes", ("pack", "spread"))
     routing_policy: str = _opt("cache_aware", "gateway routing across replicas (cache_aware: where the longest "
                                               "prefix is cached, per the replicas' own radix caches)",
@@ -284,7 +288,7 @@ class ServerArgs:
         if not 0 < self.port < 65536:
             raise ServerArgsError("--port", f"must be in 1..65535, got {self.port}")
         if self.watchdog_timeout is not None and self.watchdog_timeout != self.watchdog_timeout:  # NaN
-            raise ServerArgsError("--watchdog-timeout", "must be a number of seconds (<= 0 turns it off), got nan")
+            raise ServerArgsError("--watchdog-timeout", "must be a number of seconds (<= 0 or inf turns it off), got nan")
         if not self.retract_ratio_growth >= 1.0:  # NaN too
             raise ServerArgsError("--retract-ratio-growth", f"must be >= 1 (1 turns it off), got {self.retract_ratio_growth}")
         if not 0 <= self.shutdown_timeout_s < float("inf"):
@@ -314,17 +318,7 @@ class ServerArgs:
         check_speculative_flags(self)
         check_generation_flags(self)
         check_lora_flags(self)
-        self._check_priority()
-
-    def _check_priority(self) -> None:
-        threshold = self.priority_scheduling_preemption_threshold
-        if threshold is not None and threshold < 0:  # a negative gap would let equals retract each other forever
-            raise ServerArgsError("--priority-scheduling-preemption-threshold", f"must be >= 0, got {threshold}")
-        if not self.priority_scheduling:
-            for name in ("schedule_low_priority_values_first", "priority_scheduling_preemption_threshold"):
-                if getattr(self, name) not in (False, None):
-                    raise ServerArgsError(_flag(name), "needs --enable-priority-scheduling (vLLM: "
-                                                       "--scheduling-policy priority)")
+        check_priority_flags(self)
 
     @property
     def priority_scheduling(self) -> bool:

@@ -127,6 +127,7 @@ def _tokenizer_mode(mode: str, tr: Translation, flag: str) -> None:
 def _executor(backend: str, tr: Translation, flag: str) -> None:
     if backend == "ray":
         tr.set("use_ray", True, flag)
+        tr.set("ray_join_running", True, flag)  # as vllm serve's ray.init(): a running `ray start` cluster
     elif backend == "uni":
         if tr.get("tp_size") > 1 or tr.get("dp_size") > 1 or tr.get("use_ray") or tr.get("address"):
             raise ServerArgsError(flag, "uni runs one rank in this process, which contradicts Ray (more than one "

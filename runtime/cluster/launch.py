@@ -9,11 +9,14 @@ group is relaunched the same way into the same placement group."""
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import socket
 import threading
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from runtime.cluster import placement
@@ -31,9 +34,79 @@ logger = logging.getLogger(__name__)
 LOCAL_OBJECT_STORE_BYTES = 512 << 20  # only small messages travel: the 30%-of-RAM default is waste
 
 
-def check_reachable(address: str, timeout_s: float = 5.0) -> None:
-    """For --address host:port (or ray://host:port): fails in seconds when nothing listens there, where
-    ray.init would retry the GCS connection for minutes. 'auto' and 'local' are Ray's to resolve."""
+class RayStart(enum.Enum):
+    """What init_ray did: found Ray already up (its caller's or this actor's), joined a cluster, or started
+    a local one of its own."""
+
+    ALREADY = "already"
+    JOINED = "joined"
+    STARTED = "started"
+
+    @property
+    def owned(self) -> bool:
+        """This call connected: its caller disconnects (ray.shutdown), which for STARTED stops the cluster."""
+        return self is not RayStart.ALREADY
+
+    @property
+    def fixed(self) -> bool:
+        """A cluster Shoal started for itself: no node will join it (a shortfall fails at once)."""
+        return self is RayStart.STARTED
+
+
+@dataclass(frozen=True, slots=True)
+class RayAddress:
+    """Where init_ray connects: address for ray.init (None: start a local cluster of our own) and, for the
+    log and errors, where it came from."""
+
+    address: str | None
+    source: str  # "--address", "$RAY_ADDRESS", "the local cluster `ray start` left running", or why none
+
+    @property
+    def joins(self) -> bool:
+        return self.address is not None
+
+
+def choose_ray_address(flag: str | None, env: Mapping[str, str], join_running: bool,
+                       running: Callable[[], str | None]) -> RayAddress:
+    """vLLM's rule (initialize_ray_cluster's ray.init(address=None)): --address first, then $RAY_ADDRESS, then
+    -- only for vLLM's --distributed-executor-backend ray (join_running) -- the cluster `ray start` left
+    running on this machine (running() finds it). Otherwise, as SGLang's launcher does and `--use-ray` always
+    has, a local cluster of Shoal's own: a bare ray.init() would join whatever runs here and then refuse
+    num_cpus. "local" (flag or env) is Ray's word for a cluster of one's own."""
+    if flag is not None:
+        return RayAddress(None if flag == "local" else flag, "--address")
+    env_address = env.get("RAY_ADDRESS", "").strip()
+    if env_address:
+        return RayAddress(None if env_address == "local" else env_address, "$RAY_ADDRESS")
+    found = running() if join_running else None
+    if found:
+        return RayAddress(found, "the local cluster `ray start` left running")
+    return RayAddress(None, "no running cluster found" if join_running else "no --address or $RAY_ADDRESS")
+
+
+def running_local_cluster() -> str | None:
+    """The head address the last `ray start --head` on this machine recorded ($RAY_TMPDIR/ray/ray_current_cluster,
+    where ray.init(address=None) looks), if a head still answers there; else None (a crashed cluster's file)."""
+    try:
+        from ray._private.services import find_bootstrap_address
+    except ImportError:  # a private helper: a Ray without it finds nothing, and Shoal starts its own
+        return None
+    address = find_bootstrap_address(None)
+    if not address:
+        return None
+    try:
+        check_reachable(address, timeout_s=2.0)
+    except EngineUnavailableError:
+        logger.warning("`ray start` recorded a Ray cluster at %s, but nothing answers there: starting a local one",
+                       address)
+        return None
+    return address
+
+
+def check_reachable(address: str, timeout_s: float = 5.0, source: str = "--address") -> None:
+    """For host:port (or ray://host:port): fails in seconds when nothing listens there, where ray.init would
+    retry the GCS connection for minutes. 'auto' and 'local' are Ray's to resolve. source: where the
+    address came from, for the message."""
     target = address.removeprefix("ray://")
     host, sep, port = target.rpartition(":")
     if not sep or not port.isdigit() or not host:
@@ -42,37 +115,41 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as e:
         raise EngineUnavailableError(
-            f"cannot join the Ray cluster at --address {address}: nothing answers at {host}:{port} ({e}); "
+            f"cannot join the Ray cluster at {source} {address}: nothing answers at {host}:{port} ({e}); "
             f"start the head there (`ray start --head --port {port}`) or give the address `ray start --head` "
             f"printed") from None
 
 
-def init_ray(args: ServerArgs, num_bundles: int = 1) -> bool:
-    """Connects to args.address ('auto' joins the running cluster) or starts a local one bound to
-    loopback. Returns True when it started Ray (its owner shuts it down)."""
+def init_ray(args: ServerArgs, num_bundles: int = 1) -> RayStart:
+    """Joins the cluster choose_ray_address picks or starts a local one bound to loopback; says which."""
     import ray
 
     if ray.is_initialized():
-        return False
-    if args.address is not None:
-        check_reachable(args.address)
+        return RayStart.ALREADY
+    # vLLM's --distributed-executor-backend ray joins a running local cluster (ServerArgs.ray_join_running)
+    target = choose_ray_address(args.address, os.environ, args.ray_join_running,
+                                running_local_cluster)
+    if target.joins:
+        logger.info("joining the Ray cluster at %s (%s)", target.address, target.source)
+        check_reachable(target.address, source=target.source)
         try:
-            ray.init(address=args.address, log_to_driver=True)
-        except ConnectionError as e:  # --address auto with no cluster running: one line, not Ray's traceback
-            raise EngineUnavailableError(f"cannot join the Ray cluster at --address {args.address}: {e}") from None
-        return True
+            ray.init(address=target.address, log_to_driver=True)
+        except ConnectionError as e:  # 'auto' with no cluster running: one line, not Ray's traceback
+            raise EngineUnavailableError(
+                f"cannot join the Ray cluster at {target.source} {target.address}: {e}") from None
+        return RayStart.JOINED
+    logger.info("starting a local Ray cluster (%s)", target.source)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # without it Ray binds the machine's own interface address, not loopback
     # Ray starts its workers at nice 15 (below its raylet and GCS, as background jobs); ours are the server
     # itself: the scheduler actor's host-bound launches and the gateway are what a request waits for.
     os.environ.setdefault("RAY_worker_niceness", "0")
     # Bundles are logical: a replica's CPU bundle is a scheduling slot, not a core it spins on.
-    # address="local": a cluster of our own even when another runs on this machine (a bare ray.init()
-    # would join that one, and then refuse num_cpus); joining is what --address auto is for.
+    # address="local": a cluster of our own even when another runs here (choose_ray_address says when to join).
     kwargs = dict(address="local", num_cpus=max(os.cpu_count() or 1, num_bundles), include_dashboard=False,
                   object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=True)
     if threading.current_thread() is threading.main_thread():
         ray.init(**kwargs)
-        return True
+        return RayStart.STARTED
     # Ray's local GCS and raylet get PR_SET_PDEATHSIG, which fires when the *thread* that spawned them
     # exits: started from a short-lived thread (the gateway's model loader), the cluster would die with
     # it. Start it from a daemon thread that lives as long as the process.
@@ -92,7 +169,24 @@ def init_ray(args: ServerArgs, num_bundles: int = 1) -> bool:
     started.wait()
     if failure:
         raise failure[0]
-    return True
+    return RayStart.STARTED
+
+
+def replica_group_name(g: int, launcher_pid: int) -> str:
+    """Replica g's placement group, named after the process whose ReplicaLauncher reserved it."""
+    return f"shoal-replica-{g}-{launcher_pid}"
+
+
+def remove_replica_groups(args: ServerArgs, launcher_pid: int) -> None:
+    """Frees the placement groups a dead launcher (a GatewayActor killed with -9) left: Ray frees a group only
+    once its creator actor and its job have both ended, and the job here is the caller's, still running."""
+    from ray.util import get_placement_group
+
+    for g in range(1 if args.enable_dp_attention else args.dp_size):
+        try:
+            placement.remove(get_placement_group(replica_group_name(g, launcher_pid)))
+        except ValueError:  # none by that name: never reserved, or already freed
+            pass
 
 
 class ReplicaLauncher:
@@ -122,7 +216,7 @@ class ReplicaLauncher:
         placement.check_capacity([placement.bundle_resources(self.use_gpu, extra) for extra in extras
                                   for _ in range(self.ranks)], ray.cluster_resources(), cluster_fixed)
         self.pgs = [placement.create_placement_group(
-            self.ranks, args.placement, self.use_gpu, name=f"shoal-replica-{g}-{os.getpid()}", extra=extra)
+            self.ranks, args.placement, self.use_gpu, name=replica_group_name(g, os.getpid()), extra=extra)
             for g, extra in enumerate(extras)]
 
     def launch_all(self) -> list[ReplicaGroup]:
@@ -185,12 +279,12 @@ def create_ray_engine_client(args: ServerArgs, *, replica_resources: list[dict[s
     # generation_config.json read (and checked, logged) now, as the in-process Engine does: not at the first request
     defaults = GenerationDefaults.for_server(args, model_path)
     bundles = args.dp_size * (1 if args.enable_dp_attention else args.tp_size)
-    owns_ray = init_ray(args, bundles)
+    ray_start = init_ray(args, bundles)
+    owns_ray = ray_start.owned
     launcher = None
     try:
         launcher = ReplicaLauncher(args, model_path, replica_resources,
-                                   cluster_fixed=(owns_ray and args.address is None) if cluster_fixed is None
-                                   else cluster_fixed)
+                                   cluster_fixed=ray_start.fixed if cluster_fixed is None else cluster_fixed)
         groups = launcher.launch_all()
         tokenizer = load_tokenizer(args.tokenizer_path or model_path, tuple(groups[0].info.eos_token_ids),
                                    args.chat_template, explicit=args.tokenizer_path is not None,
@@ -211,20 +305,19 @@ def create_ray_engine_client(args: ServerArgs, *, replica_resources: list[dict[s
 def launch_gateway_actor(args: ServerArgs, *, port: int | None = None, name: str | None = None,
                          detached: bool = False, on_this_node: bool = False,
                          cluster_fixed: bool | None = None, site: SiteSpec | None = None) -> Any:
-    """Starts a GatewayActor (the HTTP server plus its replicas) and waits until it serves; returns the
-    handle (`ray.get(handle.url.remote())` gives the address). detached: it outlives this driver.
+    """Starts a GatewayActor, which opens the port at once (503 while loading; a busy port fails now), then
+    loads its replicas; waits until it serves and returns the handle (`ray.get(handle.url.remote())` gives
+    the address; a pending `handle.wait_stopped.remote()` fails if it dies). detached: it outlives this driver.
     on_this_node: pinned to the caller's node, so args.host:port is an address of this machine.
     site: TLS and --root-path (gateway/http_site.py); the actor reads its files on its own node."""
     import ray
 
-    from runtime.cluster.gateway_actor import GatewayActor
+    from runtime.cluster.gateway_actor import MAX_CONCURRENCY, GatewayActor
 
     bundles = args.dp_size * (1 if args.enable_dp_attention else args.tp_size)
-    # A local cluster of our own (not one joined with --address): nothing will join it. (A caller that
-    # started Ray itself says so.)
-    started = init_ray(args, bundles)
-    fixed = (started and args.address is None) if cluster_fixed is None else cluster_fixed
-    options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
+    # A local cluster of our own (not one joined): nothing will join it. (A caller that started Ray itself says so.)
+    fixed = init_ray(args, bundles).fixed if cluster_fixed is None else cluster_fixed
+    options: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0, "max_concurrency": MAX_CONCURRENCY}
     if on_this_node:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -236,7 +329,9 @@ def launch_gateway_actor(args: ServerArgs, *, port: int | None = None, name: str
         options["lifetime"] = "detached"
     handle = ray.remote(GatewayActor).options(**options).remote(args, port, cluster_fixed=fixed, site=site)
     try:
-        ray.get(handle.start.remote())
+        url = ray.get(handle.listen.remote())
+        logger.info("the gateway listens at %s; loading the replicas (routes answer 503 until they are up)", url)
+        ray.get(handle.load.remote())
     except ray.exceptions.RayError as e:  # say why in one line; the remote traceback is for --log-level debug
         ray.kill(handle)
         logger.debug("the gateway actor did not start:\n%s", e)

@@ -39,6 +39,7 @@ from runtime.cluster.weight_sync_actor import WeightSyncRanks
 from runtime.config import ServerArgs
 from runtime.engine_client import ENGINE_UNHEALTHY, REPLICA_FAILED
 from runtime.errors import EngineUnavailableError, InvalidRequestError
+from runtime.logging_setup import setup_logging
 from runtime.lora.lora_config import LoraNotFoundError
 from runtime.messages import (
     FinishReason,
@@ -56,6 +57,7 @@ logger = logging.getLogger(__name__)
 
 class SchedulerActor(ReplicaRanks):  # the weight loads and sleeps of all its TP ranks
     def __init__(self, args: ServerArgs, model_path: str, spec: RankSpec):
+        setup_logging(args.log_level)  # an actor's own process: the server's level, timestamps, logger names
         self.args, self.model_path, self.spec = args, model_path, spec
         self.name = f"rank {spec.rank}"
         self.rank: TpRank | None = None

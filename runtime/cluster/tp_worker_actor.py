@@ -26,6 +26,7 @@ from runtime.cluster.tp_rank import RankSpec, TpRank, endpoint, local_model_path
 from runtime.config import ServerArgs
 from runtime.errors import InvalidRequestError
 from runtime.gc_guard import GcGuard
+from runtime.logging_setup import setup_logging
 from runtime.messages import LoraLoad, LoraUpdate, WorkerBatch, WorkerInfo
 from runtime.model_executor.forward_mode import ForwardMode
 
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 class TpWorkerActor:
     def __init__(self, args: ServerArgs, model_path: str, spec: RankSpec):
+        setup_logging(args.log_level)  # a Ray worker's loggers otherwise print WARNING and up, bare
         self.args, self.model_path, self.spec = args, model_path, spec
         self.rank: TpRank | None = None
         self._fault: tuple[int, str] | None = None

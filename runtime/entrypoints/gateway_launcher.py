@@ -1,44 +1,77 @@
 """serve_gateway_actor: `shoal serve` on Ray — the HTTP gateway runs as a GatewayActor (which owns the
 replicas' RayEngineClient: routing, admission, failover), pinned to this machine so HOST:PORT is where
-the user expects it; the CLI process only starts it, waits for Ctrl-C or SIGTERM, and takes it down.
+the user expects it; the CLI process starts it, watches it, and takes it down on Ctrl-C or SIGTERM.
+If the actor dies (OOM killer, kill -9, its node lost) the CLI says why at ERROR and exits non-zero, as
+vLLM's API server does when its engine dies, so a supervisor (systemd, Kubernetes) restarts the server.
 The same actor can be started detached (launch.launch_gateway_actor(..., detached=True)) to outlive
 the CLI; this function is the foreground form."""
 
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import threading
+from typing import Any
 
 from runtime.config import ServerArgs
+from runtime.errors import EngineUnavailableError
 from runtime.gateway.http_site import HttpSite
 from runtime.logging_setup import setup_logging
 
 logger = logging.getLogger("shoal.gateway")
 
+WATCH_POLL_S = 0.5  # how soon a stop signal ends the watch (the actor's death ends it at once)
+_EXIT_DETAIL = re.compile(r"Worker exit detail: (.*?)(?: Some common causes|$)", re.S)
+
+
+def death_cause(error: BaseException) -> str:
+    """One line out of Ray's error for a dead actor: its worker's exit detail ("Worker unexpectedly exits
+    with a connection error code 2. End of file." for a kill -9), else the remote exception's line."""
+    from runtime.cluster.remote_error import remote_cause
+
+    found = _EXIT_DETAIL.search(str(error))
+    return " ".join(found[1].split()) if found else remote_cause(error)
+
+
+def watch_gateway(handle: Any, stop: threading.Event, poll_s: float = WATCH_POLL_S) -> str | None:
+    """Waits until `stop` is set (returns None) or the gateway actor ends first (returns why). Holds one
+    wait_stopped() call open on the actor: Ray fails it as soon as the actor dies."""
+    import ray
+
+    done = handle.wait_stopped.remote()
+    while not stop.is_set():
+        if ray.wait([done], timeout=poll_s)[0]:
+            try:
+                ray.get(done)
+            except ray.exceptions.RayError as e:
+                return death_cause(e)
+            return "it was shut down by another caller"
+    return None
+
 
 def serve_gateway_actor(args: ServerArgs, stop: threading.Event | None = None, site: HttpSite | None = None) -> None:
     """Blocks until `stop` is set (default: SIGINT/SIGTERM), then shuts the gateway and its replicas down.
+    Raises EngineUnavailableError if the gateway actor dies first (after taking down what it started).
     site: TLS and --root-path (http_site(ns), its files already loaded here); the actor gets its SiteSpec and
     opens the same files, as it is pinned to this node."""
     import ray
 
-    from runtime.cluster.launch import init_ray, launch_gateway_actor
+    from runtime.cluster.launch import init_ray, launch_gateway_actor, remove_replica_groups
 
     setup_logging(args.log_level)
     owned = not ray.is_initialized()
-    logger.info("starting the gateway actor and its replicas on Ray (the port opens once they are loaded)")
+    logger.info("starting the gateway actor on Ray (it listens at once, then loads the replicas)")
     signals = stop is None
     try:
-        started = init_ray(args, args.dp_size * (1 if args.enable_dp_attention else args.tp_size))
+        fixed = init_ray(args, args.dp_size * (1 if args.enable_dp_attention else args.tp_size)).fixed
         if signals:
             # After ray.init, which installs its own SIGTERM handler (a crash dump and exit 1 while the replicas
             # load; later, streams cut mid-body): either signal while loading stops the launch cleanly.
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, signal.default_int_handler)
         logger.info("Ray is up; loading the replicas")
-        handle = launch_gateway_actor(args, port=args.port, on_this_node=True,
-                                      cluster_fixed=started and args.address is None,
+        handle = launch_gateway_actor(args, port=args.port, on_this_node=True, cluster_fixed=fixed,
                                       site=None if site is None else site.spec)
     except (KeyboardInterrupt, SystemExit):  # SystemExit: Ray's own SIGTERM handler, during ray.init
         logger.info("stopped while the replicas were loading")
@@ -53,22 +86,36 @@ def serve_gateway_actor(args: ServerArgs, stop: threading.Event | None = None, s
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
+    died: str | None = None
+    actor_pid: int | None = None
     try:
-        url = ray.get(handle.url.remote())
+        url, actor_pid = ray.get([handle.url.remote(), handle.pid.remote()])
         logger.info("Shoal is ready: the gateway actor serves at %s (OpenAI API: %s/v1)", url, url)
-        stop.wait()
-        logger.info("shutting down: requests in flight may finish for up to %.0f s%s", args.shutdown_timeout_s,
-                    " (Ctrl-C again to stop now)" if signals else "")
+        died = watch_gateway(handle, stop)
+        if died is None:
+            logger.info("shutting down: requests in flight may finish for up to %.0f s%s", args.shutdown_timeout_s,
+                        " (Ctrl-C again to stop now)" if signals else "")
+        else:
+            logger.error("the gateway actor died (%s): nothing serves %s any more; stopping, so that a "
+                         "supervisor can restart `shoal serve`", died, url)
+    except ray.exceptions.RayError as e:  # died between its start and the watch
+        died = death_cause(e)
+        logger.error("the gateway actor died (%s); stopping", died)
     finally:
         if signals:  # a second signal while the actor drains: stop waiting for it
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, signal.default_int_handler)
-        try:
-            ray.get(handle.shutdown.remote(), timeout=args.shutdown_timeout_s + 30)
-        except KeyboardInterrupt:
-            logger.warning("stopping now: requests still in flight are cut")
-        except Exception:
-            logger.warning("the gateway actor did not shut down cleanly", exc_info=True)
-        ray.kill(handle)
+        if died is None:
+            try:
+                ray.get(handle.shutdown.remote(), timeout=args.shutdown_timeout_s + 30)
+            except KeyboardInterrupt:
+                logger.warning("stopping now: requests still in flight are cut")
+            except Exception:
+                logger.warning("the gateway actor did not shut down cleanly", exc_info=True)
+        ray.kill(handle)  # with it go the replicas it owns
+        if died is not None and actor_pid is not None:
+            remove_replica_groups(args, actor_pid)  # the placement groups it reserved, which outlive it
         if owned:
             ray.shutdown()
+    if died is not None:
+        raise EngineUnavailableError(f"the gateway actor died: {died}")

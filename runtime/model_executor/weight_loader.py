@@ -41,7 +41,8 @@ def safetensors_files(model_path: str | Path) -> list[Path]:
 
 def iterate_safetensors(model_path: str | Path, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     files = safetensors_files(model_path)
-    bar = tqdm(total=len(files), desc="Loading safetensors shards", disable=not show_progress, unit="shard")
+    bar = tqdm(total=len(files), desc="Loading safetensors shards", unit="shard",
+               disable=None if show_progress else True)  # None: on a terminal only, not in a Ray actor's log
     for f in files:
         with open_safetensors(f) as handle:
             for name in handle.keys():

@@ -45,7 +45,7 @@ def run_all(client, reqs: list[GenerateRequest]) -> list[tuple[list[int], Reques
 
 
 def wait_healthy(url: str, timeout_s: float = 120, alive=lambda: True, why=lambda: "") -> None:
-    """Polls url/health until a 200 (a gateway on Ray opens its port only once the replicas are loaded);
+    """Polls url/health until a 200 (a gateway on Ray answers 503 while its replicas load);
     fails after timeout_s or once alive() says the server process is gone, with why() in the message."""
     import time
 

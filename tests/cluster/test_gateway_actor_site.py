@@ -115,7 +115,7 @@ def test_cli_on_ray_serves_tls_under_root_path(ray_local, tiny_llama, cert):
     trust = ssl.create_default_context(cafile=str(certfile))
     try:
         deadline = time.monotonic() + 120
-        while True:  # the port opens once the replica is loaded
+        while True:  # 503 (or no answer yet) until the replica is loaded
             try:
                 if _call(url + "/api/health", trust)[0] == 200:
                     break

@@ -52,7 +52,7 @@ def test_a_real_world_vllm_command_line_parses_as_typed(logged):
     ("--no-enable-chunked-prefill", "--chunked-prefill-size -1"),
     ("--max-num-batched-tokens 2048", "--max-prefill-tokens 2048 --chunked-prefill-size 2048"),
     ("--no-enable-chunked-prefill --max-num-batched-tokens 16384", "--chunked-prefill-size -1 --max-prefill-tokens 16384"),
-    ("--distributed-executor-backend ray", "--use-ray"),
+    ("--distributed-executor-backend ray", "--use-ray --ray-join-running"),
     ("--distributed-executor-backend uni", "--in-process"),
     ("--no-async-scheduling", "--disable-overlap-schedule"),
     ("-O0", "--disable-cuda-graph"),
