@@ -8,7 +8,9 @@ the replica owns — and runs the regular aiohttp gateway (runtime.gateway) on a
 `__call__` relays each proxied request to that gateway and streams the answer back, so routes, errors,
 SSE and metrics are exactly those of `shoal serve` — and so are admission (the gateway's), cache-aware
 routing and mid-stream failover across the replica's DP ranks (its RayEngineClient's): one code path.
-Serve's health check calls the gateway's /health.
+Serve's health check calls the gateway's /health. The answer's Date, Server and X-Request-Id are Serve's
+(the gateway's would come twice); LoRA adapters load per replica on demand (serve_lora.py); `args` may also
+be Ray Serve LLM's LLMConfig (serve_app_args.py).
 
 Stopping a replica (scale-down, a redeploy, `serve delete`, `serve shutdown`) drains it as `shoal serve`
 drains on SIGTERM: requests in flight may finish for graceful_shutdown_timeout_s less TEARDOWN_RESERVE_S,
@@ -26,13 +28,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from ray import serve
 from starlette.responses import StreamingResponse
 
 from runtime.config import ServerArgs
+from runtime.entrypoints.serve_app_args import ServeAppArgs
+from runtime.entrypoints.serve_lora import LoraLoading, ServeLora
 from runtime.errors import ServerArgsError
 from runtime.http_flags import API_KEY_ENV, api_keys
 
@@ -40,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade",
                         "proxy-authenticate", "proxy-authorization", "te", "trailer"})
+# The gateway's answer headers that Serve's HTTP server (uvicorn) writes again itself: relayed, each came twice.
+SERVE_WRITES = frozenset({"date", "server"})
+REQUEST_ID = "x-request-id"  # Serve's RequestIdMiddleware sets it on the request and echoes it on the answer
 # Serve force-kills a stopping replica this long after asking it to stop. 30 s, like `shoal serve`'s 25 s
 # drain plus the reserve below; Kubernetes pods running Serve need a terminationGracePeriodSeconds above it.
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 30.0
@@ -61,12 +68,15 @@ class ShoalDeployment:
         from runtime.gateway.server import serve_in_thread
         from runtime.gc_guard import GcGuard
 
+        server_args, loading = LoraLoading.split(server_args)
+        loading.check_here()
         self.args = replica_args(server_args)
         try:
             self.client = create_engine_client(self.args)
         except Exception as e:  # noqa: BLE001 — a model that does not load, a cluster too small, a bug
             raise replica_start_error(e) from None
         self.gateway = serve_in_thread(self.client, self.args, host="127.0.0.1", port=0)
+        self.lora = ServeLora(self.args, loading, self._serves, self._admin)
         if not isinstance(self.client, Engine):  # an in-process Engine's scheduler host has frozen this process
             GcGuard("serve replica").start()
         self._session: Any = None
@@ -92,21 +102,53 @@ class ShoalDeployment:
         import aiohttp
         from starlette.responses import Response
 
+        from runtime.gateway.protocol import encode
+
+        method, path, body = request.method, request.url.path, await request.body()
+        refused = await self.lora.refusal(method, path, request.headers)
+        if refused is not None:
+            return Response(refused[1], status_code=refused[0], media_type="application/json")
+        adapter, error = await self.lora.prepare(method, body)  # an adapter of the loading path: loaded now
+        if error is not None:
+            return Response(encode(error.body()), status_code=error.status, headers=error.headers,
+                            media_type="application/json")
         session = await self._http()
-        url = self.gateway.url + request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        url = self.gateway.url + path + (f"?{request.url.query}" if request.url.query else "")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         try:
-            resp = await session.request(request.method, url, data=await request.body(), headers=headers)
+            resp = await session.request(method, url, data=body, headers=headers)
         except aiohttp.ClientConnectionError:  # a late request after the drain closed the gateway
             return Response('{"error":{"message":"not ready: the server is shutting down","type":'
                             '"service_unavailable_error","param":null,"code":"engine_not_ready"}}',
                             status_code=503, media_type="application/json")  # the gateway's own 503, as it says it
-        out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP}
+        finally:  # answered (a stream: its first event): the engine holds the adapter now, eviction may take it
+            self.lora.release(adapter)
+        out_headers = relayed_headers(resp.headers, request.headers)
         if resp.content_type == "text/event-stream":
             return RelayResponse(resp, out_headers, self._orphans.add)
         body = await resp.read()
         resp.release()
+        if method == "GET" and path == "/v1/models" and resp.status == 200:
+            body = self.lora.with_loadable(body)
         return Response(body, status_code=resp.status, headers=out_headers)
+
+    def _serves(self, model: str) -> bool:
+        """Whether the gateway takes `model` now (a served name, or an adapter loaded here): its own check."""
+        from runtime.gateway.errors import ApiError
+        from runtime.gateway.state import STATE_KEY
+
+        try:
+            self.gateway.app[STATE_KEY].check_model(self.client, model)
+        except ApiError:
+            return False
+        return True
+
+    async def _admin(self, route: str, payload: dict[str, Any]) -> tuple[int, bytes]:
+        """A call to the gateway's own admin route, keyed as the replica is (ServeLora's loads)."""
+        session = await self._http()
+        headers = {"Authorization": f"Bearer {self.args.api_key[0]}"} if self.args.api_key else {}
+        async with session.post(self.gateway.url + route, json=payload, headers=headers) as resp:
+            return resp.status, await resp.read()
 
     async def check_health(self) -> None:
         """Serve restarts the replica when this raises: the gateway's own /health decides."""
@@ -152,6 +194,15 @@ class ShoalDeployment:
             self._stop_gateway(0.0)  # what still runs (normally nothing: Serve waited) is aborted, its KV freed
         finally:
             self.client.shutdown()
+
+
+def relayed_headers(upstream: Mapping[str, str], request: Mapping[str, str]) -> dict[str, str]:
+    """The gateway's answer headers a client gets through Serve: not hop-by-hop ones, not those Serve's server
+    writes itself (date, server), and X-Request-Id only where Serve's middleware does not echo one. The
+    gateway's is the same id: the request reached it carrying Serve's (the client's own, or one Serve made),
+    and the gateway names its response by it."""
+    drop = HOP_BY_HOP | SERVE_WRITES | ({REQUEST_ID} if REQUEST_ID in request else set())
+    return {k: v for k, v in upstream.items() if k.lower() not in drop}
 
 
 class RelayResponse(StreamingResponse):
@@ -327,19 +378,17 @@ def replica_args(server_args: dict[str, Any]) -> ServerArgs:
 
 
 def build_app(args: dict[str, Any] | ServerArgs | None = None) -> Any:
-    """Serve application builder: `args` are ServerArgs fields (the YAML's `args:` block). Invalid ones
-    raise ServerArgsError here, before any replica starts."""
+    """Serve application builder: `args` (the YAML's `args:` block) are ServerArgs fields, or Ray Serve LLM's
+    LLMConfig (serve_app_args.py). Invalid ones raise ServerArgsError naming the YAML key here, before any
+    replica starts."""
     if isinstance(args, ServerArgs):
-        kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerArgs)}
+        app = ServeAppArgs({f.name: getattr(args, f.name) for f in dataclasses.fields(ServerArgs)}, {}, {})
     else:
-        kwargs = dict(args or {})
-        for name in ("allowed_origins", "metrics_compat"):  # a YAML list, as vLLM's allowed_origins is
-            if isinstance(kwargs.get(name), list):
-                kwargs[name] = ",".join(map(str, kwargs[name]))
-        ServerArgs.from_kwargs(**kwargs)
+        app = ServeAppArgs.of(args)
     # Serve's proxy owns the address and Serve's graceful_shutdown_timeout_s the drain: said, not ignored.
     for name in ("host", "port", "shutdown_timeout_s"):
-        if name in kwargs:
+        if name in app.kwargs:
             logger.warning("ray_serve: args.%s has no effect under Ray Serve (the proxy's http_options and "
-                           "the deployment's graceful_shutdown_timeout_s set these)", name)
-    return ShoalDeployment.bind(kwargs)
+                           "the deployment's graceful_shutdown_timeout_s set these)", app.names.get(name, name))
+    deployment = ShoalDeployment.options(**app.options) if app.options else ShoalDeployment
+    return deployment.bind(app.kwargs)

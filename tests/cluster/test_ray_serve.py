@@ -1,6 +1,8 @@
 """Ray Serve: the built app answers the openai client through Serve's HTTP proxy (plain and streaming), keyed
-by $VLLM_API_KEY from the replica's runtime_env as `shoal serve` is by it (a keyless request is a 401),
-stopping it drains (`serve.delete`: streams end with finish_reason "abort" within graceful_shutdown_timeout_s;
+by $VLLM_API_KEY from the replica's runtime_env as `shoal serve` is by it (a keyless request is a 401), with
+Date, Server and X-Request-Id once each (Serve's; the gateway's came too), LoRA adapters of
+dynamic_lora_loading_path loaded on the replica a request reaches (the admin routes refused, as the app may
+autoscale to two replicas), stopping it drains (`serve.delete`: streams end with finish_reason "abort" within graceful_shutdown_timeout_s;
 `serve shutdown`, which kills the proxy at once: the orphaned streams are aborted in one log line, no
 traceback each), and the deploy/ manifests are valid — serve_config.yaml and rayservice.yaml against Ray's
 own Serve schema with an import_path that resolves, cluster.yaml and the Dockerfile pointing at real entry
@@ -13,8 +15,10 @@ import importlib.metadata
 import json
 import re
 import socket
+import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -27,6 +31,8 @@ DEPLOY = ROOT / "deploy"
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 8.0  # the tests' budget: streams in flight may run 3 s of it, then are aborted
 API_KEY = "serve-test-key"  # the replica's $VLLM_API_KEY: every request below but /health sends it
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+PROMPT = [5, 9, 13, 40, 22, 7, 31, 18, 44, 3, 27, 11]  # token ids: the LoRA answer is checked against HF's
+N = 8
 
 
 def free_port() -> int:
@@ -35,27 +41,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def deploy(tiny_llama: Path) -> None:
+def deploy(tiny_llama: Path, loras: Path) -> None:
     from ray import serve
 
     from runtime.entrypoints.ray_serve import ShoalDeployment
 
-    args = {"model_path": str(tiny_llama), "device": "cpu", "max_total_tokens": 60000, "context_length": 60000}
+    # KV for three 50,000-token streams at once: the admission's wait estimate never queues long_streams' (it
+    # would refuse one with a 429 once the tests before have measured the decode rate).
+    args = {"model_path": str(tiny_llama), "device": "cpu", "max_total_tokens": 160000, "context_length": 60000,
+            "dynamic_lora_loading_path": str(loras), "max_lora_rank": 8}
     keyed = {"runtime_env": {"env_vars": {"VLLM_API_KEY": API_KEY}}}  # as a serve_config.yaml's runtime_env sets it
-    serve.run(ShoalDeployment.options(graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_TIMEOUT_S,
-                                      ray_actor_options=keyed).bind(args),
+    # May scale to 2 replicas (so the LoRA admin routes are refused), but never does here: one runs.
+    scaling = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1000, "upscale_delay_s": 3600}
+    serve.run(ShoalDeployment.options(graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_TIMEOUT_S, ray_actor_options=keyed,
+                                      autoscaling_config=scaling).bind(args),
               name="shoal", route_prefix="/")
 
 
 @pytest.fixture(scope="module")
-def serve_url(ray_session, tiny_llama):
+def loras(tiny_llama, tmp_path_factory) -> Path:
+    """The loading path: `ad` (served on demand), `bad` (its rank is over max_lora_rank 8)."""
+    sys.path.insert(0, str(ROOT / "tests" / "lora"))
+    from lora_files import write_adapter
+
+    root = tmp_path_factory.mktemp("serve_loras")
+    write_adapter(root / "ad", tiny_llama, 21, ("q_proj", "v_proj", "down_proj"))
+    write_adapter(root / "bad", tiny_llama, 22, ("q_proj",), r=16)
+    return root
+
+
+@pytest.fixture(scope="module")
+def serve_url(ray_session, tiny_llama, loras):
     from ray import serve
     from ray_helpers import start_local_ray
 
     start_local_ray()
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    deploy(tiny_llama)
+    deploy(tiny_llama, loras)
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
 
@@ -126,6 +149,60 @@ def test_vllm_api_key_in_the_runtime_env_keys_the_replica(serve_url):
     assert requests.get(serve_url + "/health", timeout=30).status_code == 200
 
 
+def test_date_server_and_request_id_come_once(serve_url):
+    """Serve's server writes Date, Server and X-Request-Id itself: the gateway's are not relayed too (a client
+    read "abc2, abc2"). The one X-Request-Id names the response, whether the client sent it or Serve made it."""
+    import requests
+
+    body = {"prompt": "Hi", "max_tokens": 2}
+    for sent, stream in (({"X-Request-Id": "abc2"}, False), ({}, False), ({"X-Request-Id": "abc3"}, True)):
+        r = requests.post(serve_url + "/v1/completions", json={**body, "stream": stream}, headers={**AUTH, **sent},
+                          timeout=60)
+        assert r.status_code == 200
+        for name in ("date", "server", "x-request-id"):
+            assert len(r.raw.headers.getlist(name)) == 1, (name, r.raw.headers.getlist(name))
+        rid = r.headers["x-request-id"]
+        assert rid == sent.get("X-Request-Id", rid)
+        first = r.json() if not stream else json.loads(r.text.split("\n")[0][len("data: "):])
+        assert first["id"] == f"cmpl-{rid}"
+
+
+def test_lora_adapters_load_on_demand_on_the_replica(serve_url, tiny_llama, loras):
+    """A request naming an adapter of dynamic_lora_loading_path loads it on the replica it reaches (three at
+    once: one load), by its id or Ray's `<base>:<id>`, and it answers as HF does with the adapter merged;
+    /v1/models lists it before; one that does not load is a 400 naming it. The admin routes, which would load
+    on one replica of a deployment that may have two, are refused saying what to do instead."""
+    import requests
+    from lora_files import hf_greedy, hf_merged
+    from transformers import AutoTokenizer
+
+    expected = AutoTokenizer.from_pretrained(tiny_llama).decode(
+        hf_greedy(hf_merged(tiny_llama, loras / "ad"), PROMPT, N))
+    cards = {c["id"]: c for c in requests.get(serve_url + "/v1/models", headers=AUTH, timeout=30).json()["data"]}
+    assert cards["ad"]["parent"] == tiny_llama.name and cards["ad"]["root"] == str(loras / "ad")
+
+    def complete(model: str) -> requests.Response:
+        return requests.post(serve_url + "/v1/completions", headers=AUTH, timeout=60, json={
+            "model": model, "prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True})
+
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(complete, ["ad"] * 3))
+    assert [(r.status_code, r.json()["model"]) for r in answers] == [(200, "ad")] * 3
+    assert all(r.json()["choices"][0]["text"] == expected for r in answers)
+    assert replica_log().count("loaded the LoRA adapter 'ad'") == 1
+    r = complete(f"{tiny_llama.name}:ad")
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
+    r = complete("bad")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    assert "did not load" in r.json()["error"]["message"] and "max-lora-rank" in r.json()["error"]["message"]
+    assert complete("nope").json()["error"]["code"] == "model_not_found"
+
+    load = {"lora_name": "x", "lora_path": str(loras / "ad")}
+    r = requests.post(serve_url + "/v1/load_lora_adapter", json=load, headers=AUTH, timeout=30)
+    assert r.status_code == 400 and "autoscaling up to 2 replicas" in r.json()["error"]["message"], r.text
+    assert requests.post(serve_url + "/v1/load_lora_adapter", json=load, timeout=30).status_code == 401
+
+
 def test_deleting_the_app_drains_its_streams(serve_url):
     """A replica stopped with streams in flight (here the app deleted; a scale-down or redeploy likewise)
     drains as `shoal serve` does: they run on, then end with finish_reason "abort" and [DONE] before Serve's
@@ -145,13 +222,13 @@ def test_deleting_the_app_drains_its_streams(serve_url):
     assert GRACEFUL_SHUTDOWN_TIMEOUT_S - 5 <= took < GRACEFUL_SHUTDOWN_TIMEOUT_S, took
 
 
-def test_serve_shutdown_aborts_the_orphaned_streams_in_one_line(serve_url, tiny_llama):
+def test_serve_shutdown_aborts_the_orphaned_streams_in_one_line(serve_url, tiny_llama, loras):
     """`serve shutdown` kills Serve's proxy at once, cutting its clients' streams (Serve's doing); the
     replica's requests, orphaned, are aborted quietly: one line for them all, no traceback. Before, each
     failed with a ~40-line traceback, one a second."""
     from ray import serve
 
-    deploy(tiny_llama)  # again: the test before deleted it
+    deploy(tiny_llama, loras)  # again: the test before deleted it
     threads, events = long_streams(serve_url, 3)
     serve.shutdown()
     for t in threads:
@@ -185,7 +262,13 @@ def test_serve_config_validates():
 def test_rayservice_and_cluster_manifests():
     svc = yaml.safe_load((DEPLOY / "rayservice.yaml").read_text())
     assert svc["apiVersion"] == "ray.io/v1" and svc["kind"] == "RayService"
-    _check_serve_config(yaml.safe_load(svc["spec"]["serveConfigV2"]))
+    serve_config = yaml.safe_load(svc["spec"]["serveConfigV2"])
+    _check_serve_config(serve_config)
+    # Every pod outlives a stopping replica's drain: Kubernetes' SIGKILL would cut it (its default is 30 s).
+    drain_s = max(d["graceful_shutdown_timeout_s"] for a in serve_config["applications"] for d in a["deployments"])
+    cluster_config = svc["spec"]["rayClusterConfig"]
+    pods = [cluster_config["headGroupSpec"], *cluster_config["workerGroupSpecs"]]
+    assert all(p["template"]["spec"]["terminationGracePeriodSeconds"] > drain_s for p in pods)
     import ray
 
     assert svc["spec"]["rayClusterConfig"]["rayVersion"] == ray.__version__
