@@ -34,9 +34,13 @@ def death_cause(error: BaseException) -> str:
     return " ".join(found[1].split()) if found else remote_cause(error)
 
 
+SHUT_DOWN_ELSEWHERE = "it was shut down by another caller"
+
+
 def watch_gateway(handle: Any, stop: threading.Event, poll_s: float = WATCH_POLL_S) -> str | None:
-    """Waits until `stop` is set (returns None) or the gateway actor ends first (returns why). Holds one
-    wait_stopped() call open on the actor: Ray fails it as soon as the actor dies."""
+    """Waits until `stop` is set (returns None) or the gateway actor ends first (returns why; SHUT_DOWN_ELSEWHERE
+    for a deliberate shutdown() by another holder of its handle). Holds one wait_stopped() call open on the
+    actor: Ray fails it as soon as the actor dies."""
     import ray
 
     done = handle.wait_stopped.remote()
@@ -46,7 +50,7 @@ def watch_gateway(handle: Any, stop: threading.Event, poll_s: float = WATCH_POLL
                 ray.get(done)
             except ray.exceptions.RayError as e:
                 return death_cause(e)
-            return "it was shut down by another caller"
+            return SHUT_DOWN_ELSEWHERE
     return None
 
 
@@ -92,7 +96,10 @@ def serve_gateway_actor(args: ServerArgs, stop: threading.Event | None = None, s
         url, actor_pid = ray.get([handle.url.remote(), handle.pid.remote()])
         logger.info("Shoal is ready: the gateway actor serves at %s (OpenAI API: %s/v1)", url, url)
         died = watch_gateway(handle, stop)
-        if died is None:
+        if died == SHUT_DOWN_ELSEWHERE:  # deliberate, and already drained: a clean exit, nothing to restart
+            logger.info("the gateway actor was shut down by another caller; exiting")
+            died = None
+        elif died is None:
             logger.info("shutting down: requests in flight may finish for up to %.0f s%s", args.shutdown_timeout_s,
                         " (Ctrl-C again to stop now)" if signals else "")
         else:

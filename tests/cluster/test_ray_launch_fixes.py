@@ -173,3 +173,30 @@ def test_serve_answers_503_while_loading_and_exits_when_its_actor_dies(ray_local
     gateway_log = _actor_log("GatewayActor")
     assert "INFO runtime.cluster.launch: replica group 0 up" in gateway_log, gateway_log[-2000:]
     assert "Loading safetensors shards" not in _actor_log("SchedulerActor")
+
+
+def test_a_deliberate_shutdown_elsewhere_is_no_death(ray_local):
+    """watch_gateway tells a shutdown() by another holder of the handle (a clean exit for the CLI) from a death."""
+    import ray
+
+    from runtime.entrypoints.gateway_launcher import SHUT_DOWN_ELSEWHERE, watch_gateway
+
+    @ray.remote(num_cpus=0, max_concurrency=2)
+    class Stoppable:
+        def __init__(self) -> None:
+            self.stopped = threading.Event()
+
+        def wait_stopped(self) -> None:
+            self.stopped.wait()
+
+        def shutdown(self) -> None:
+            self.stopped.set()
+
+    actor = Stoppable.remote()
+    threading.Timer(0.3, lambda: actor.shutdown.remote()).start()
+    assert watch_gateway(actor, threading.Event(), poll_s=0.05) == SHUT_DOWN_ELSEWHERE
+    stop, running = threading.Event(), Stoppable.remote()
+    stop.set()
+    assert watch_gateway(running, stop) is None
+    for a in (actor, running):
+        ray.kill(a)
