@@ -5,9 +5,10 @@
 Each Serve replica (ShoalDeployment) holds an EngineClient — an in-process Engine when tp = dp = 1 and
 use_ray is off (give the replica a GPU in ray_actor_options), else a RayEngineClient whose TP/DP actors
 the replica owns — and runs the regular aiohttp gateway (runtime.gateway) on a loopback port beside it.
-`__call__` relays each proxied request to that gateway and streams the answer back, so routes, errors,
-SSE and metrics are exactly those of `shoal serve` — and so are admission (the gateway's), cache-aware
-routing and mid-stream failover across the replica's DP ranks (its RayEngineClient's): one code path.
+`__call__` relays each proxied request (its route below Serve's route_prefix) to that gateway and streams
+the answer back (serve_relay.py), so routes, errors, SSE and metrics are exactly those of `shoal serve` — and
+so are admission (the gateway's), cache-aware routing and mid-stream failover across the replica's DP ranks
+(its RayEngineClient's): one code path.
 Serve's health check calls the gateway's /health. The answer's Date, Server and X-Request-Id are Serve's
 (the gateway's would come twice); LoRA adapters load per replica on demand (serve_lora.py); `args` may also
 be Ray Serve LLM's LLMConfig (serve_app_args.py).
@@ -28,25 +29,20 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from ray import serve
-from starlette.responses import StreamingResponse
 
 from runtime.config import ServerArgs
 from runtime.entrypoints.serve_app_args import ServeAppArgs
 from runtime.entrypoints.serve_lora import LoraLoading, ServeLora
+from runtime.entrypoints.serve_relay import HOP_BY_HOP, RelayResponse, relayed_headers, route_path
 from runtime.errors import ServerArgsError
 from runtime.http_flags import API_KEY_ENV, api_keys
 
 logger = logging.getLogger(__name__)
 
-HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade",
-                        "proxy-authenticate", "proxy-authorization", "te", "trailer"})
-# The gateway's answer headers that Serve's HTTP server (uvicorn) writes again itself: relayed, each came twice.
-SERVE_WRITES = frozenset({"date", "server"})
-REQUEST_ID = "x-request-id"  # Serve's RequestIdMiddleware sets it on the request and echoes it on the answer
 # Serve force-kills a stopping replica this long after asking it to stop. 30 s, like `shoal serve`'s 25 s
 # drain plus the reserve below; Kubernetes pods running Serve need a terminationGracePeriodSeconds above it.
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 30.0
@@ -104,30 +100,36 @@ class ShoalDeployment:
 
         from runtime.gateway.protocol import encode
 
-        method, path, body = request.method, request.url.path, await request.body()
+        method, body = request.method, await request.body()
+        path = route_path(request.url.path, request.scope.get("root_path", ""))  # the gateway's route
         refused = await self.lora.refusal(method, path, request.headers)
         if refused is not None:
             return Response(refused[1], status_code=refused[0], media_type="application/json")
-        adapter, error = await self.lora.prepare(method, body)  # an adapter of the loading path: loaded now
-        if error is not None:
-            return Response(encode(error.body()), status_code=error.status, headers=error.headers,
-                            media_type="application/json")
+        prepared = await self.lora.prepare(method, body, request.headers)  # an adapter of the loading path: loaded
+        if prepared.error is not None:
+            return Response(encode(prepared.error.body()), status_code=prepared.error.status,
+                            headers=prepared.error.headers, media_type="application/json")
         session = await self._http()
         url = self.gateway.url + path + (f"?{request.url.query}" if request.url.query else "")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        try:
-            resp = await session.request(method, url, data=body, headers=headers)
-        except aiohttp.ClientConnectionError:  # a late request after the drain closed the gateway
-            return Response('{"error":{"message":"not ready: the server is shutting down","type":'
-                            '"service_unavailable_error","param":null,"code":"engine_not_ready"}}',
-                            status_code=503, media_type="application/json")  # the gateway's own 503, as it says it
-        finally:  # answered (a stream: its first event): the engine holds the adapter now, eviction may take it
-            self.lora.release(adapter)
-        out_headers = relayed_headers(resp.headers, request.headers)
-        if resp.content_type == "text/event-stream":
-            return RelayResponse(resp, out_headers, self._orphans.add)
-        body = await resp.read()
-        resp.release()
+        streaming = False
+        try:  # the adapter is held until the answer's end: a stream's engine request may start after its headers
+            try:
+                resp = await session.request(method, url, data=prepared.body, headers=headers)
+            except aiohttp.ClientConnectionError:  # a late request after the drain closed the gateway
+                return Response('{"error":{"message":"not ready: the server is shutting down","type":'
+                                '"service_unavailable_error","param":null,"code":"engine_not_ready"}}',
+                                status_code=503, media_type="application/json")  # the gateway's own 503
+            out_headers = relayed_headers(resp.headers, request.headers)
+            if resp.content_type == "text/event-stream":
+                relay = RelayResponse(resp, out_headers, self._orphans.add, lambda: self.lora.release(prepared.held))
+                streaming = True
+                return relay
+            body = await resp.read()
+            resp.release()
+        finally:
+            if not streaming:
+                self.lora.release(prepared.held)
         if method == "GET" and path == "/v1/models" and resp.status == 200:
             body = self.lora.with_loadable(body)
         return Response(body, status_code=resp.status, headers=out_headers)
@@ -194,48 +196,6 @@ class ShoalDeployment:
             self._stop_gateway(0.0)  # what still runs (normally nothing: Serve waited) is aborted, its KV freed
         finally:
             self.client.shutdown()
-
-
-def relayed_headers(upstream: Mapping[str, str], request: Mapping[str, str]) -> dict[str, str]:
-    """The gateway's answer headers a client gets through Serve: not hop-by-hop ones, not those Serve's server
-    writes itself (date, server), and X-Request-Id only where Serve's middleware does not echo one. The
-    gateway's is the same id: the request reached it carrying Serve's (the client's own, or one Serve made),
-    and the gateway names its response by it."""
-    drop = HOP_BY_HOP | SERVE_WRITES | ({REQUEST_ID} if REQUEST_ID in request else set())
-    return {k: v for k, v in upstream.items() if k.lower() not in drop}
-
-
-class RelayResponse(StreamingResponse):
-    """The gateway's SSE answer, relayed chunk by chunk. Serve's proxy hands a client's disconnect to
-    `receive`; when the proxy itself is gone (`serve shutdown` kills it at once) `receive` raises instead,
-    which Starlette would let out as a failed request with a traceback, one per stream. Either way the
-    client is gone: closing the gateway connection makes the gateway abort the request (its KV is freed)."""
-
-    def __init__(self, upstream: Any, headers: dict[str, str], orphaned: Callable[[BaseException], None]):
-        super().__init__(self._relay(), status_code=upstream.status, headers=headers)
-        self.upstream, self.orphaned = upstream, orphaned
-
-    async def _relay(self) -> AsyncIterator[bytes]:
-        import aiohttp
-
-        try:
-            async for chunk in self.upstream.content.iter_any():
-                yield chunk
-        except aiohttp.ClientError as e:  # the gateway went down mid-stream (this replica is being killed)
-            logger.warning("a stream from the replica's gateway broke off: %s", e)
-
-    async def __call__(self, scope: Any, receive: Callable[[], Any], send: Callable[[Any], Any]) -> None:
-        async def client_events() -> dict[str, Any]:
-            try:
-                return await receive()
-            except Exception as e:  # noqa: BLE001 — any failure to hear from the proxy: it is gone
-                self.orphaned(e)
-                return {"type": "http.disconnect"}
-
-        try:
-            await super().__call__(scope, client_events, send)
-        finally:
-            self.upstream.close()
 
 
 class OrphanReport:

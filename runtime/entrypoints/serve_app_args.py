@@ -8,8 +8,10 @@ Two shapes are accepted:
   model_loading_config (model_id → served_model_name; model_source → model_path, model_id where it has none, as
   Ray's; tokenizer_source → tokenizer_path), engine_kwargs (vLLM's engine arguments, flattened and translated
   as above: Shoal's own field names work there too), lora_config (dynamic_lora_loading_path,
-  max_num_adapters_per_replica), deployment_config and runtime_env (the deployment's .options); or
-  build_openai_app's {"llm_configs": [one]}.
+  max_num_adapters_per_replica), deployment_config and runtime_env (the deployment's .options),
+  accelerator_type (the replica's ray_actor_options.accelerator_type, a node with that accelerator, as Ray's)
+  and placement_group_config (its strategy as args.placement; its bundles are not used: Shoal reserves its
+  TP ranks' own); or build_openai_app's {"llm_configs": [one]}.
 
 Unknown keys are one error that lists each by its YAML key (engine_kwargs.foo, not --foo); other bad values
 name the YAML key too where the error traces back to one."""
@@ -30,11 +32,16 @@ from runtime.vllm_flags import translate_vllm_kwargs
 logger = logging.getLogger(__name__)
 
 FIELDS = frozenset(f.name for f in dataclasses.fields(ServerArgs))
-LLM_CONFIG_KEYS = frozenset({"model_loading_config", "engine_kwargs", "lora_config", "deployment_config",
-                             "runtime_env", "llm_engine", "log_engine_metrics"})
+# An LLMConfig's keys; the first ones tell its shape from the flat one (accelerator_type alone is a flat typo)
+LLM_CONFIG_SHAPE = frozenset({"model_loading_config", "engine_kwargs", "lora_config", "deployment_config",
+                              "runtime_env", "llm_engine", "log_engine_metrics"})
+LLM_CONFIG_KEYS = LLM_CONFIG_SHAPE | {"accelerator_type", "placement_group_config"}
 MODEL_LOADING = {"model_id": "served_model_name", "model_source": "model_path", "tokenizer_source": "tokenizer_path"}
 LORA_CONFIG = {"dynamic_lora_loading_path": PATH_KEY, "max_num_adapters_per_replica": MAX_KEY}
 LORA_NO_EFFECT = frozenset({"download_timeout_s", "max_download_tries"})  # Ray's bucket downloads
+# placement_group_config's strategy → Shoal's placement of a replica's TP ranks (its own placement group)
+PLACEMENT = {"PACK": "pack", "STRICT_PACK": "pack", "SPREAD": "spread", "STRICT_SPREAD": "spread"}
+PLACEMENT_GROUP_KEYS = frozenset({"bundle_per_worker", "bundles", "strategy"})
 # Serve's deployment options build_app can set (not name: the deployment is ShoalDeployment, as the config's
 # `deployments:` names it; not user_config: ShoalDeployment has no reconfigure()).
 DEPLOYMENT_OPTIONS = frozenset({"num_replicas", "autoscaling_config", "max_ongoing_requests", "max_queued_requests",
@@ -49,7 +56,8 @@ FLAT_HINT = ("each must be a ServerArgs field (`shoal serve --help`), a vLLM eng
 LLM_CONFIG_HINT = ("an LLMConfig here takes model_loading_config (model_id, model_source, tokenizer_source), "
                    "engine_kwargs (vLLM engine arguments Shoal takes, or ServerArgs fields), lora_config "
                    f"({', '.join(LORA_CONFIG)}), deployment_config (Serve deployment options: "
-                   f"{', '.join(sorted(DEPLOYMENT_OPTIONS))}), runtime_env, llm_engine and log_engine_metrics")
+                   f"{', '.join(sorted(DEPLOYMENT_OPTIONS))}), runtime_env, accelerator_type, "
+                   "placement_group_config (strategy), llm_engine and log_engine_metrics")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +72,7 @@ class ServeAppArgs:
         args = dict(args or {})
         if "llm_configs" in args:
             return cls._of_llm_configs(args)
-        if LLM_CONFIG_KEYS & args.keys():
+        if LLM_CONFIG_SHAPE & args.keys():
             return cls._of_llm_config(args, "", [])
         kwargs, names = _joined_lists(args), {k: k for k in args}
         check(kwargs, names, FLAT_HINT)
@@ -128,9 +136,11 @@ class ServeAppArgs:
                 unknown.append(f"{at}lora_config.{key}")
         options = dict(_mapping(config, "deployment_config", at))
         unknown += [f"{at}deployment_config.{k}" for k in options if k not in DEPLOYMENT_OPTIONS]
+        unknown += _apply_placement_group(config, kwargs, names, at)
         kwargs = _joined_lists(kwargs)
-        check(kwargs, names, LLM_CONFIG_HINT, unknown)
+        server = check(kwargs, names, LLM_CONFIG_HINT, unknown)
         _apply_runtime_env(config, options, at)
+        _apply_accelerator_type(config, options, at, server)
         engine_name = config.get("llm_engine", "vLLM")
         if str(engine_name).lower() != "vllm":
             raise ServerArgsError(f"{at}llm_engine", f"Shoal runs the model; its engine_kwargs take vLLM's names "
@@ -141,7 +151,8 @@ class ServeAppArgs:
         return cls(kwargs, options, names)
 
 
-def check(kwargs: Mapping[str, Any], names: Mapping[str, str], hint: str, unknown: list[str] | None = None) -> None:
+def check(kwargs: Mapping[str, Any], names: Mapping[str, str], hint: str,
+          unknown: list[str] | None = None) -> ServerArgs:
     """What the replica's ServerArgs.from_kwargs does (vLLM's names translated, then ServerArgs built), with
     every unknown key listed at once (those found before too) and errors named by YAML key."""
     unknown = list(unknown or ())
@@ -156,7 +167,7 @@ def check(kwargs: Mapping[str, Any], names: Mapping[str, str], hint: str, unknow
     if unknown:
         raise unknown_keys(unknown, hint)
     try:
-        ServerArgs(**translated)
+        return ServerArgs(**translated)
     except ServerArgsError as e:
         raise renamed(e, names) from None
 
@@ -216,6 +227,56 @@ def _apply_runtime_env(config: Mapping[str, Any], options: dict[str, Any], at: s
         raise ServerArgsError(f"{at}runtime_env", f"{at}deployment_config.ray_actor_options.runtime_env sets "
                                                   "it too; give one of them")
     options["ray_actor_options"] = {**actor, "runtime_env": dict(env)}
+
+
+def _apply_accelerator_type(config: Mapping[str, Any], options: dict[str, Any], at: str, server: ServerArgs) -> None:
+    """LLMConfig's accelerator_type, as Ray Serve LLM applies it (`accelerator_type:<type>` in the replica's
+    bundle, and the engine's actors' `accelerator_type` option): the replica's ray_actor_options'."""
+    value = config.get("accelerator_type")
+    if value is None:
+        return
+    from ray.util.accelerators import accelerators
+
+    known = sorted({v for k, v in vars(accelerators).items() if k.isupper() and isinstance(v, str)})
+    value = "A10G" if value == "A10" else value  # as Ray's LLMConfig reads it
+    if value not in known:
+        raise ServerArgsError(f"{at}accelerator_type", f"{value!r} is not one of Ray's accelerator types: "
+                                                       f"{', '.join(known)}")
+    actor = options.get("ray_actor_options") or {}
+    if not isinstance(actor, Mapping):
+        return  # Serve's .options names the bad ray_actor_options itself
+    if actor.get("accelerator_type") not in (None, value):
+        raise ServerArgsError(f"{at}accelerator_type", f"{at}deployment_config.ray_actor_options.accelerator_type "
+                                                       f"is {actor['accelerator_type']!r}; give one of them")
+    options["ray_actor_options"] = {**actor, "accelerator_type": value}
+    if server.uses_ray:  # tp/dp > 1 or use_ray: the ranks run in actors of Shoal's own placement group
+        logger.warning("ray_serve: %saccelerator_type %s places the replica on a node with it; the replica's "
+                       "TP/DP rank actors go to GPU nodes of any type (Shoal places them itself)", at, value)
+
+
+def _apply_placement_group(config: Mapping[str, Any], kwargs: dict[str, Any], names: dict[str, str],
+                           at: str) -> list[str]:
+    """LLMConfig's placement_group_config (its unknown keys): Shoal places a replica's TP ranks itself, one
+    {CPU: 1, GPU: 1} bundle each, so only the strategy carries over, as args.placement."""
+    group = _mapping(config, "placement_group_config", at)
+    where = f"{at}placement_group_config"
+    if "strategy" in group:
+        strategy = group["strategy"]
+        if not isinstance(strategy, str) or strategy not in PLACEMENT:
+            raise ServerArgsError(f"{where}.strategy", f"must be one of {', '.join(PLACEMENT)}, got {strategy!r}")
+        if kwargs.get("placement", PLACEMENT[strategy]) != PLACEMENT[strategy]:
+            raise ServerArgsError(f"{where}.strategy", f"{names['placement']} is {kwargs['placement']!r}; "
+                                                       "give one of them")
+        kwargs["placement"], names["placement"] = PLACEMENT[strategy], f"{where}.strategy"
+        if strategy.startswith("STRICT_"):
+            logger.warning("ray_serve: %s.strategy %s is taken as placement %s: Shoal's TP ranks are placed as "
+                           "Ray's %s places them, as far as the cluster allows (not strictly)", where, strategy,
+                           PLACEMENT[strategy], strategy.removeprefix("STRICT_"))
+    if group.keys() & {"bundles", "bundle_per_worker"}:
+        logger.warning("ray_serve: %s's bundles are not used: Shoal reserves one {CPU: 1, GPU: 1} bundle per TP "
+                       "rank itself (tp > 1, dp > 1 or use_ray); the replica's own resources are "
+                       "deployment_config.ray_actor_options'", where)
+    return [f"{where}.{k}" for k in group if k not in PLACEMENT_GROUP_KEYS]
 
 
 def _joined_lists(kwargs: Mapping[str, Any]) -> dict[str, Any]:

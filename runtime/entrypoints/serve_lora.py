@@ -4,9 +4,13 @@ A replica loads adapters on demand, as Ray Serve LLM's `lora_config.dynamic_lora
 `dynamic_lora_loading_path` (a folder on every node, one PEFT sub-folder per adapter) in the app's args, a
 request whose `model` is not served but names a sub-folder there (`adapter`, or Ray's `<base>:adapter`) has
 that replica load it first, through the gateway's own /v1/load_lora_adapter (the admin route's engine load),
-then goes on as usual. Concurrent first requests wait for one load. A replica keeps at most
+then goes on as usual; only a request whose API key the gateway takes does (the load uses the replica's own
+key), any other is relayed as it is for the gateway's 401. Both spellings are one adapter, served by its
+folder's name (the request is relayed naming it so). Concurrent first requests wait for one load; a load
+that failed is a 400 for FAILED_LOAD_TTL_S before a request tries it again. A replica keeps at most
 `max_num_adapters_per_replica` adapters so loaded (Ray's 16), unloading the least recently used one that no
-request it relays still names (running requests keep their adapter anyway: runtime/lora/lora_registry.py).
+request it relays names until its answer ends (a stream: its last chunk); a request for one being unloaded
+waits for that and loads it again.
 
 The admin routes themselves (vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter and SGLang's) would
 change the one replica that got the request: the others would answer 404 for the adapter, and replicas
@@ -23,6 +27,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -38,6 +43,9 @@ logger = logging.getLogger(__name__)
 PATH_KEY = "dynamic_lora_loading_path"
 MAX_KEY = "max_num_adapters_per_replica"
 DEFAULT_MAX_ADAPTERS = 16  # Ray Serve LLM's LoraConfig default
+# Serve's AutoscalingConfig.default() max_replicas: what `num_replicas: auto` may scale to
+AUTO_MAX_REPLICAS = 100
+FAILED_LOAD_TTL_S = 30.0  # an adapter whose load failed answers that 400 this long before a request tries again
 ADMIN_ROUTES = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/load_lora_adapter",
                           "/unload_lora_adapter"})
 _REMOTE = ("s3://", "gs://", "abfss://", "azure://", "http://", "https://")
@@ -87,60 +95,120 @@ class _ModelField(msgspec.Struct):
     model: Any = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """What ServeLora.prepare() made of a request."""
+
+    body: bytes  # what to relay: the request's, its `model` renamed where `<base>:x` is served as x
+    held: str | None = None  # the on-demand adapter it names, loaded and held until release()
+    error: ApiError | None = None  # the answer instead (an adapter that does not load)
+
+
 class ServeLora:
     """One replica's side of LoRA under Serve. served(model): whether the gateway serves that name now (its own
     check_model); call(route, payload): the gateway's admin routes, keyed as the replica is."""
 
-    def __init__(self, args: ServerArgs, loading: LoraLoading, served: Callable[[str], bool], call: GatewayCall):
-        self.args, self.loading, self._served, self._call = args, loading, served, call
-        self._loaded: collections.OrderedDict[str, str] = collections.OrderedDict()  # on-demand: name → folder, LRU first
+    def __init__(self, args: ServerArgs, loading: LoraLoading, served: Callable[[str], bool], call: GatewayCall,
+                 clock: Callable[[], float] = time.monotonic):
+        self.args, self.loading, self._served, self._call, self._clock = args, loading, served, call, clock
+        # On-demand adapters loaded here: name → folder, least recently used first. One being unloaded is in
+        # _unloading instead, never in both: a request for it waits for the unload, then loads it again.
+        self._loaded: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._loading: dict[str, asyncio.Future[ApiError | None]] = {}
+        self._unloading: dict[str, asyncio.Future[None]] = {}
         self._holds: collections.Counter[str] = collections.Counter()  # relayed requests naming each, in flight
+        self._failed: dict[str, tuple[float, ApiError]] = {}  # name → (until when, the 400 its load got)
+        self._evicting = asyncio.Lock()  # one eviction at a time, each choosing on the state as it is then
 
     # ---- on-demand loading --------------------------------------------------------------------------------
-    async def prepare(self, method: str, body: bytes) -> tuple[str | None, ApiError | None]:
-        """Before relaying a request: (the on-demand adapter it names, now loaded and held until release(),
-        or None; the error to answer instead, e.g. an adapter that does not load)."""
-        if self.loading.root is None or method != "POST" or b'"model"' not in body:
-            return None, None
+    async def prepare(self, method: str, body: bytes, headers: Mapping[str, str]) -> Prepared:
+        """Before relaying a request: its on-demand adapter loaded and held, or the error to answer instead.
+        A request the gateway will refuse for its key changes nothing here (it loads through the replica's
+        own key): it is relayed as it is, for the gateway's 401."""
+        if self.loading.root is None or method != "POST" or b'"model"' not in body or not self._keyed(headers):
+            return Prepared(body)
         try:
             model = msgspec.json.decode(body, type=_ModelField).model
         except msgspec.DecodeError:  # not a JSON object: the gateway's 400 names it
-            return None, None
-        if not isinstance(model, str):
-            return None, None
-        for _ in range(3):  # again if another load evicted it before this request could hold it
-            if self._served(model):
-                break
-            folder = self.adapter_folder(model)
-            if folder is None:
-                return None, None  # not one of ours: the gateway's 404 lists what is served
-            error = await self._load_once(model, folder)
-            if error is not None:
-                return None, error
-        if model not in self._loaded:
-            return None, None
-        self._loaded.move_to_end(model)
-        self._holds[model] += 1
-        return model, None
+            return Prepared(body)
+        target = self._target(model) if isinstance(model, str) else None
+        if target is None:
+            return Prepared(body)  # not one of ours: the gateway serves it, or its 404 lists what is served
+        name, folder = target
+        self._holds[name] += 1  # before any await: from here on no eviction chooses it
+        try:
+            error = await self._ensure(name, folder)
+        except BaseException:
+            self.release(name)
+            raise
+        if error is not None:
+            self.release(name)
+            return Prepared(body, error=error)
+        if name in self._loaded:
+            self._loaded.move_to_end(name)
+        return Prepared(body if name == model else _renamed(body, name), held=name)
 
     def release(self, name: str | None) -> None:
+        """The relayed request naming `name` ended (its response, a stream's last chunk, was sent)."""
         if name is not None:
             self._holds[name] -= 1
             if self._holds[name] <= 0:
                 del self._holds[name]
 
-    def adapter_folder(self, model: str) -> str | None:
-        """The loading path's sub-folder `model` names (`adapter` or `<base>:adapter`), if it holds an adapter."""
-        assert self.loading.root is not None
+    def _target(self, model: str) -> tuple[str, str] | None:
+        """(the name it is served by here, its folder) for a `model` of the loading path: `adapter` or Ray's
+        `<base>:adapter`, one adapter under the name `adapter` (a second copy would take a second slot);
+        None for a model served another way (the base, args.lora_modules, the admin route's)."""
+        if not self._ours(model) and self._served(model):
+            return None
         base, colon, rest = model.partition(":")
         adapter = rest if colon and rest and self._served(base) else model
+        folder = self._folder(adapter)
+        if folder is None:
+            return None
+        if adapter != model and not self._ours(adapter) and self._served(adapter):
+            return model, folder  # `adapter` names another one here: this one is served by the name given
+        return adapter, folder
+
+    def _ours(self, name: str) -> bool:
+        return name in self._loaded or name in self._loading or name in self._unloading
+
+    def _folder(self, adapter: str) -> str | None:
+        """The loading path's sub-folder named `adapter`, if it holds an adapter."""
+        assert self.loading.root is not None
         if not _ADAPTER_ID.fullmatch(adapter) or adapter.startswith("."):
             return None
         folder = os.path.join(self.loading.root, adapter)
         return folder if os.path.isfile(os.path.join(folder, "adapter_config.json")) else None
 
+    async def _ensure(self, name: str, folder: str) -> ApiError | None:
+        """`name` served here, loaded if need be; the caller holds it, so once loaded it stays. The state is
+        read again after every wait: a wait is when other requests load and evict."""
+        for _ in range(4):
+            unloading = self._unloading.get(name)
+            if unloading is not None:  # evicted before this request held it: loaded again once that is done
+                await asyncio.shield(unloading)
+                continue
+            if name in self._loaded:
+                if self._served(name):
+                    return None
+                del self._loaded[name]  # unloaded another way (the admin route, on a one-replica deployment)
+            elif self._served(name) and name not in self._loading:
+                return None  # loaded another way meanwhile (the admin route): served, and not ours to evict
+            error = await self._load_once(name, folder)
+            if error is not None:
+                return error
+        return ApiError(503, f"the LoRA adapter {name!r} was unloaded again and again while this request waited "
+                        "for it; retry", code="engine_not_ready")
+
     async def _load_once(self, name: str, folder: str) -> ApiError | None:
+        """One load at a time per name, however many requests wait for it; a load that failed is not tried
+        again for FAILED_LOAD_TTL_S (each request naming it would otherwise read the folder again)."""
+        failed = self._failed.get(name)
+        if failed is not None:
+            if self._clock() < failed[0]:
+                return failed[1]
+            del self._failed[name]
         pending = self._loading.get(name)
         if pending is None:
             pending = self._loading[name] = asyncio.ensure_future(self._load(name, folder))
@@ -148,32 +216,54 @@ class ServeLora:
         return await asyncio.shield(pending)
 
     async def _load(self, name: str, folder: str) -> ApiError | None:
-        status, body = await self._call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder})
+        try:
+            status, body = await self._call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder})
+        except Exception as e:  # noqa: BLE001 — the replica's own gateway unreachable: it is shutting down
+            return ApiError(503, f"the LoRA adapter {name!r} did not load: the replica's gateway did not answer "
+                            f"({type(e).__name__}: {e})", code="engine_not_ready")
         if status != 200:
             if self._served(name):  # loaded meanwhile by another way in (the admin route on one replica)
                 return None
             message = _error_message(body)
-            if status >= 500:
+            if status >= 500:  # the engine's state, not the adapter's: the next request tries again
                 return ApiError(status, message, code="engine_not_ready" if status == 503 else None)
-            return ApiError(400, f"the LoRA adapter {name!r} (from {PATH_KEY}: {folder}) did not load: {message}",
-                            param="model", code="invalid_value")
+            error = ApiError(400, f"the LoRA adapter {name!r} (from {PATH_KEY}: {folder}) did not load: {message} "
+                             f"(not tried again for {FAILED_LOAD_TTL_S:.0f} s)", param="model", code="invalid_value")
+            self._failed[name] = (self._clock() + FAILED_LOAD_TTL_S, error)
+            return error
         logger.info("loaded the LoRA adapter %r from %s on first request (%s)", name, folder, PATH_KEY)
         self._loaded[name] = folder
-        await self._evict(keep=name)
+        await self._evict()
         return None
 
-    async def _evict(self, keep: str) -> None:
+    async def _evict(self) -> None:
         """Over max_num_adapters_per_replica: unloads the least recently used on-demand adapters that no request
         in flight names (the cap is exceeded until one is free, never a request failed for it)."""
-        for name in list(self._loaded):
-            if len(self._loaded) <= self.loading.max_adapters:
-                return
-            if name == keep or self._holds[name] or name in self._loading:
-                continue
-            del self._loaded[name]
+        async with self._evicting:
+            while len(self._loaded) > self.loading.max_adapters:
+                name = next((n for n in self._loaded if not self._holds[n] and n not in self._loading), None)
+                if name is None or not await self._unload(name):
+                    return
+
+    async def _unload(self, name: str) -> bool:
+        """Whether `name` is unloaded. Out of _loaded and into _unloading at once, before the call's await."""
+        folder = self._loaded.pop(name)
+        done = self._unloading[name] = asyncio.get_running_loop().create_future()
+        unloaded = False
+        try:
             status, body = await self._call("/v1/unload_lora_adapter", {"lora_name": name})
-            if status not in (200, 404):  # 404: unloaded already (the admin route)
+            unloaded = status in (200, 404)  # 404: unloaded already (the admin route)
+            if not unloaded:
                 logger.warning("could not unload the LoRA adapter %r: %s", name, _error_message(body))
+        except Exception as e:  # noqa: BLE001 — the replica's gateway unreachable (shutting down)
+            logger.warning("could not unload the LoRA adapter %r: %s: %s", name, type(e).__name__, e)
+        finally:
+            del self._unloading[name]
+            done.set_result(None)
+        if not unloaded and self._served(name):  # still served: counted again, first in line for the next try
+            self._loaded[name] = folder
+            self._loaded.move_to_end(name, last=False)
+        return unloaded
 
     def with_loadable(self, body: bytes) -> bytes:
         """GET /v1/models' answer plus a card for each adapter of the loading path not loaded here yet, so that
@@ -189,14 +279,15 @@ class ServeLora:
             return body
         for entry in entries:
             folder = os.path.join(self.loading.root, entry)
-            if entry not in listed and self.adapter_folder(entry) == folder:
+            if entry not in listed and self._folder(entry) == folder:
                 cards.append({**base, "id": entry, "root": folder, "parent": base["id"]})
         return json.dumps(listing).encode()
 
     # ---- the admin routes ---------------------------------------------------------------------------------
     async def refusal(self, method: str, path: str, headers: Mapping[str, str]) -> tuple[int, bytes] | None:
         """(status, JSON body) refusing a LoRA admin route on a deployment of several replicas; None to relay it
-        (one replica, LoRA off, or a request the gateway will refuse for its key anyway)."""
+        (one replica, LoRA off, or a request the gateway will refuse for its key anyway). path: the route, below
+        Serve's root path (its http_options.root_path and the app's route_prefix: serve_relay.route_path)."""
         if method != "POST" or path not in ADMIN_ROUTES or not self.args.enable_lora or not self._keyed(headers):
             return None
         scale = await deployment_scale()
@@ -258,7 +349,16 @@ async def deployment_scale() -> DeploymentScale | None:
 def _scale(num_replicas: Any, max_replicas: Any) -> DeploymentScale:
     if max_replicas is not None:
         return DeploymentScale(int(max_replicas), autoscaling=True)
+    if num_replicas == "auto":  # Serve's default autoscaling (the config as written, not yet filled in)
+        return DeploymentScale(AUTO_MAX_REPLICAS, autoscaling=True)
     return DeploymentScale(num_replicas if isinstance(num_replicas, int) else 1, autoscaling=False)
+
+
+def _renamed(body: bytes, model: str) -> bytes:
+    """The request's JSON object with `model` replaced (prepare() has decoded it as an object already)."""
+    request = msgspec.json.decode(body)
+    request["model"] = model
+    return msgspec.json.encode(request)
 
 
 def _error_message(body: bytes) -> str:

@@ -64,14 +64,16 @@ def test_unknown_keys_are_one_error_naming_each_yaml_key():
                                "engine_kwargs": {"max_model_len": 4096, "frobnicate": 1, "max_num_seqs": 8,
                                                  "dynamic_lora_loading_path": "/a"},
                                "deployment_config": {"user_config": {}},
-                               "accelerator_type": "L4"}],
+                               "placement_group_config": {"bundles": [{"GPU": 1}], "gang": True},
+                               "accelerator_kind": "L4"}],
               "ingress_deployment_config": {}}
     with pytest.raises(ServerArgsError) as e:
         build_app(config)
     keys = e.value.flag.split(", ")
-    assert keys == ["ingress_deployment_config", "llm_configs[0].accelerator_type",
+    assert keys == ["ingress_deployment_config", "llm_configs[0].accelerator_kind",
                     "llm_configs[0].model_loading_config.mirror", "llm_configs[0].engine_kwargs.dynamic_lora_loading_path",
-                    "llm_configs[0].deployment_config.user_config", "llm_configs[0].engine_kwargs.frobnicate"], keys
+                    "llm_configs[0].deployment_config.user_config", "llm_configs[0].placement_group_config.gang",
+                    "llm_configs[0].engine_kwargs.frobnicate"], keys
     assert "unknown keys in the app's args" in str(e.value) and "--" not in e.value.flag
     with pytest.raises(ServerArgsError) as e:  # Shoal's flat shape: every unknown one too, as written
         build_app({"model_path": "/m", "max_model_len": 512, "foo": 1, "bar": 2})
@@ -105,6 +107,17 @@ def test_bad_values_name_the_yaml_key(engine_kwargs, flag, detail):
     ({"model_loading_config": {"model_id": "m"}, "llm_engine": "SGLang"}, "llm_engine", "vLLM"),
     ({"model_loading_config": {"model_id": "m"}, "runtime_env": {"env_vars": {}},
       "deployment_config": {"ray_actor_options": {"runtime_env": {}}}}, "runtime_env", "give one of them"),
+    ({"model_loading_config": {"model_id": "m"}, "accelerator_type": "GTX-1080"}, "accelerator_type",
+     "not one of Ray's accelerator types: .*H100"),
+    ({"model_loading_config": {"model_id": "m"}, "accelerator_type": "L4",
+      "deployment_config": {"ray_actor_options": {"accelerator_type": "T4"}}}, "accelerator_type", "give one"),
+    ({"model_loading_config": {"model_id": "m"}, "placement_group_config": {"strategy": "RANDOM"}},
+     "placement_group_config.strategy", "must be one of PACK, STRICT_PACK, SPREAD, STRICT_SPREAD"),
+    ({"model_loading_config": {"model_id": "m"}, "engine_kwargs": {"placement": "pack"},
+      "placement_group_config": {"strategy": "SPREAD"}}, "placement_group_config.strategy",
+     "engine_kwargs.placement is 'pack'; give one"),
+    ({"model_loading_config": {"model_id": "m"}, "placement_group_config": [{"GPU": 1}]}, "placement_group_config",
+     "must be a mapping"),
 ])
 def test_malformed_llm_configs_are_refused_by_key(config, flag, detail):
     with pytest.raises(ServerArgsError, match=detail) as e:
@@ -121,3 +134,30 @@ def test_flat_args_keep_working_and_take_the_loading_path():
     app = build_app(ServerArgs(model_path="/m"))  # a ServerArgs as is
     assert app._bound_deployment.init_args[0] == {f.name: getattr(ServerArgs(model_path="/m"), f.name)
                                                   for f in dataclasses.fields(ServerArgs)}
+
+
+def test_accelerator_type_and_placement_group_config_as_ray_serve_llm_copies_carry_them(caplog):
+    """Common in configs copied from Ray Serve LLM; before, both were "unknown keys". accelerator_type pins the
+    replica to a node with that accelerator (Ray's `accelerator_type:<type>` resource); placement_group_config's
+    strategy places the TP ranks, its bundles are said to be unused."""
+    import logging
+
+    config = {**LLM_CONFIG, "accelerator_type": "A10",  # Ray's LLMConfig reads A10 as A10G
+              "placement_group_config": {"bundles": [{"GPU": 1, "CPU": 4}] * 2, "strategy": "STRICT_SPREAD"}}
+    with caplog.at_level(logging.WARNING, logger="runtime.entrypoints.serve_app_args"):
+        app = build_app(config)
+    d = app._bound_deployment
+    assert d.ray_actor_options["accelerator_type"] == "A10G" and d.ray_actor_options["num_cpus"] == 2
+    assert replica_args(LoraLoading.split(d.init_args[0])[0]).placement == "spread"
+    said = caplog.text
+    assert "placement_group_config's bundles are not used" in said and "STRICT_SPREAD is taken as placement spread" in said
+    assert "accelerator_type A10G places the replica on a node with it" in said  # tp 2: the ranks are Shoal's
+    caplog.clear()
+    app = build_app({"model_loading_config": {"model_id": "m", "model_source": "/m"}, "accelerator_type": "L4",
+                     "placement_group_config": {"bundle_per_worker": {"GPU": 1}}})
+    d = app._bound_deployment
+    assert d.ray_actor_options["accelerator_type"] == "L4" and "placement" not in d.init_args[0]
+    assert "accelerator_type" not in caplog.text  # tp = dp = 1: the engine runs in the replica itself
+    with pytest.raises(ServerArgsError, match="unknown key in the app's args") as e:  # not the LLMConfig shape
+        build_app({"model_path": "/m", "accelerator_type": "L4"})
+    assert e.value.flag == "accelerator_type"
