@@ -89,6 +89,7 @@ class Scheduler:
         self.watchdog = StepWatchdog(args.watchdog_timeout, self.health,
                                      lambda reason, started: fail_hung_step(self, reason, started))
         self.stepping: list[ScheduleBatch] = []  # the step's batch and the one in flight: whose failure (fail_step)
+        self.undelivered: list[RequestOutput] = []  # ends fail_step holds through its probe (the watchdog's, too)
         self.gen_throughput = 0.0
         self.device_busy_s = 0.0
         self._busy_since: float | None = None  # wall clock of the last result while steps run back to back
@@ -102,6 +103,12 @@ class Scheduler:
     def submit(self, req: GenerateRequest) -> None:
         """Thread-safe. The request must have passed validate()."""
         self.inbox.put(("add", req))
+        # Read after the put: the watchdog flags the hang before it drains the inbox (step_failure.fail_hung_step).
+        # Validated before its verdict, maybe put after its drain: nobody may ever take it (should the step return
+        # after all, the thread refuses it too: the sinks drop a second end)
+        if self.watchdog.stuck():
+            self.sink([RequestOutput(rid=req.rid, new_token_ids=[], finished=True, finish_reason=FinishReason(
+                "error", message=f"the engine is unhealthy: {self.watchdog.hung}", code=ENGINE_UNHEALTHY))])
 
     def abort(self, rid: str) -> None:
         """Thread-safe; unknown or finished rids are ignored."""

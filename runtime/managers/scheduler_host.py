@@ -30,7 +30,8 @@ request fails too, make the scheduler unhealthy for good: new requests are refus
 gateway's 503; one validated before ends with code ENGINE_UNHEALTHY, a 503 too) and health() says why (GET
 /health's 503); on Ray the SchedulerActor then answers unhealthy and its replica is relaunched. So does a step
 that runs past --watchdog-timeout (runtime/managers/step_watchdog.py: a hang raises nothing); its requests end at
-once, from the watchdog's thread (step_failure.fail_hung_step)."""
+once, from the watchdog's thread (step_failure.fail_hung_step). While that step hangs, calls (call: admin ones)
+fail at once with EngineUnhealthyError and stats (/metrics) are read without the lock it holds."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ from runtime.admin_messages import (
     pause_control,
 )
 from runtime.config import ServerArgs
-from runtime.engine_client import EngineHealth
+from runtime.engine_client import EngineHealth, EngineUnhealthyError
 from runtime.errors import EngineUnavailableError, InvalidRequestError
 from runtime.gc_guard import GcGuard
 from runtime.managers.pausable_scheduler import PausableScheduler
@@ -161,16 +162,29 @@ class SchedulerHost:
         self.scheduler.abort(rid)
 
     def stats(self, timeout_s: float = 10.0) -> SchedulerStats:
-        """Waits for the step in progress: call off event loops."""
-        return self._with_gc(self.call(self.scheduler.get_stats, timeout_s))
+        """Waits for the step in progress: call off event loops. While a step hangs (the watchdog's verdict) it
+        answers at once, read without the lock that step holds (racy, but the stuck thread changes nothing):
+        /metrics keeps answering."""
+        try:
+            stats = self.call(self.scheduler.get_stats, timeout_s)
+        except EngineUnhealthyError:
+            try:
+                stats = self.scheduler.get_stats()
+            except RuntimeError:  # a dict changed while read: the step returned after all, so calls are answered
+                stats = self.call(self.scheduler.get_stats, timeout_s)
+        return self._with_gc(stats)
 
     def call(self, fn: Callable[[], T], timeout_s: float = 10.0, on_thread: bool = False) -> T:
         """fn() on the scheduler thread between two steps, under its lock; waits for it (call off event loops)
         and raises what it raised. A running loop answers through its inbox: waiting for its lock would starve
         while it steps back to back (a Lock is not fair). A loop that does not answer in timeout_s (or is not
-        running): fn runs here, under the lock, unless on_thread (fn needs that thread): EngineUnavailableError."""
+        running): fn runs here, under the lock, unless on_thread (fn needs that thread): EngineUnavailableError.
+        While a step hangs (the lock and the thread are that step's): EngineUnhealthyError, at once or as soon
+        as the watchdog says so (StepWatchdog.refuse_calls), unless fn has begun."""
+        watchdog = self.scheduler.watchdog
         if not self.is_running() and on_thread:
             raise EngineUnavailableError("the scheduler is not running")
+        watchdog.refuse_calls()
         if self.is_running():
             answer: Future[T] = Future()
 
@@ -184,15 +198,15 @@ class SchedulerHost:
 
             self.scheduler.inbox.put(("call", run))
             try:
-                return answer.result(timeout_s)
+                return watchdog.wait(answer, timeout_s)
             except FutureTimeout:
                 if not answer.cancel():  # it started meanwhile: its answer is coming
                     return answer.result()
                 logger.warning("the scheduler did not answer in %.0f s", timeout_s)
                 if on_thread:
                     raise EngineUnavailableError(f"the scheduler did not answer in {timeout_s:.0f} s") from None
-        with self.scheduler.lock, torch.inference_mode(False):  # as on its thread: the caller's mode would make
-            return fn()  # what fn allocates inference tensors, which the scheduler thread cannot update later
+        with watchdog.holding(self.scheduler.lock), torch.inference_mode(False):  # as on its thread: the caller's
+            return fn()  # mode would make what fn allocates inference tensors, which that thread cannot update
 
     def flush_cache(self) -> AdminReply:
         """SGLang's /flush_cache, vLLM's /reset_prefix_cache: drops every cached prefix no request uses now."""
@@ -280,9 +294,11 @@ class SchedulerHost:
         def resume() -> None:
             self.scheduler.paused = False
 
-        self.call(resume)  # not on_thread: a stopped loop's flag is cleared here
-        self.paused = None
-        self._release()  # after the flag: the held requests queue behind the paused ones
+        try:
+            self.call(resume)  # not on_thread: a stopped loop's flag is cleared here
+        finally:  # a step that hangs refuses the call: the held requests end (Scheduler.submit), never wait on
+            self.paused = None
+            self._release()  # after the flag: the held requests queue behind the paused ones
 
     def _hold(self) -> None:
         with self._gate:

@@ -12,15 +12,19 @@ with REPLICA_FAILED, and on Ray all move.
 
 The probe: one greedy token of a 1-token prompt, alone in its batch, right after the requests ended (nothing
 else holds KV). Its output goes nowhere: no client owns the request, and it never enters the scheduler's queues.
-It is a step: timed by the watchdog (step_watchdog.py) even after a failure between steps.
+It is a step: timed by the watchdog (step_watchdog.py) even after a failure between steps. The ended requests'
+errors go out after it, with its verdict (a client that got its 500 finds /health 503): meanwhile they wait on
+the scheduler (s.undelivered), where the watchdog finds them should the probe hang.
 
 A step that never returns (fail_hung_step, on the watchdog's thread) ends its requests alike, as if it had failed:
 those in it with an error naming the watchdog (on Ray not moved: a request that hangs one replica's step would hang
-the next one's), the others with ENGINE_UNHEALTHY (moved on Ray), so no client waits on a step that may never end."""
+the next one's), the others with ENGINE_UNHEALTHY (moved on Ray), those in its inbox (submitted during the hang)
+too, so no client waits on a step that may never end. One submitted after that drain ends in Scheduler.submit."""
 
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -46,24 +50,26 @@ def fail_step(s: Scheduler, e: Exception) -> None:
     message = f"internal error: {type(e).__name__}: {e}"
     lost = isinstance(e, EngineUnavailableError)  # a TP rank failed: this replica serves no more
     in_step = set() if lost and not is_fatal(e) else {r.rid for b in s.stepping for r in b.reqs}
+    # The ends wait in s.undelivered, not here: should the probe hang, the watchdog delivers them (fail_hung_step)
     if lost or down is not None:  # nothing is served here any more: every request ends now
         others = (FinishReason("error", message=message, code=REPLICA_FAILED) if lost else
                   FinishReason("error", message=f"the engine is unhealthy: {down}", code=ENGINE_UNHEALTHY))
-        outputs = _end_all(s, message, in_step, others)
+        s.undelivered += _end_all(s, message, in_step, others)
     else:
         # The step's requests and those holding KV (the pool may be inconsistent) end; a queued one that holds
         # nothing stays queued: it never ran, and the probe runs alone while it waits.
-        outputs = _end(s, [r for r in s.reqs.values() if r.rid in in_step or _holds(s, r)],
-                       lambda r: FinishReason("error", message=message))
+        s.undelivered += _end(s, [r for r in s.reqs.values() if r.rid in in_step or _holds(s, r)],
+                              lambda r: FinishReason("error", message=message))
         if s.health.probe_due:
             down = s.health.probed(probe_step(s))
         if down is not None:  # the engine is broken: the queued ones would only fail their first step
             others = FinishReason("error", message=f"the engine is unhealthy: {down}", code=ENGINE_UNHEALTHY)
             s.grammars.take_all()
-            outputs += _end(s, list(s.reqs.values()), lambda r: others)
+            s.undelivered += _end(s, list(s.reqs.values()), lambda r: others)
     # Unhealthy before the errors go out (a client that got its 500 finds /health 503), and readers of the health
     # wait while they go: on Ray the answer saying unhealthy carries them, so their requests end, never moved.
     with s.health.publishing(down):
+        outputs, s.undelivered = s.undelivered, []
         if outputs:  # one sink call: a client hears of them all in one answer
             s.sink(outputs)
 
@@ -100,28 +106,57 @@ def _end_all(s: Scheduler, message: str, in_step: set[str], others: FinishReason
 
 def fail_hung_step(s: Scheduler, reason: str, started: float) -> None:
     """On the watchdog's thread, once the step stamped `started` has run past --watchdog-timeout: the engine turns
-    unhealthy and the requests s holds end (the module docstring says how). The scheduler thread holds s.lock in
-    that step, so nothing here takes it or changes s: the reads are racy (of state the stuck thread no longer
-    touches), the outputs go through s.sink, which is thread-safe (Engine._on_outputs and SchedulerActor._sink claim
-    a request's consumer under their own lock with its first finished output, so what the step says of it should it
-    end after all is dropped), and each request is aborted through the inbox (thread-safe): a step that returns after
-    all leaves none behind. Delivered while publishing, so on Ray the answer saying unhealthy carries them."""
+    unhealthy and the requests s holds end (the module docstring says how), with those a failed step ended before
+    its probe hung (s.undelivered) and those submitted meanwhile (in the inbox, which the stuck thread never
+    drains). The scheduler thread holds s.lock in that step, so nothing here takes it or changes s but its inbox:
+    the reads are racy (of state the stuck thread no longer touches), the outputs go through s.sink, which is
+    thread-safe (Engine._on_outputs and SchedulerActor._sink claim a request's consumer under their own lock with
+    its first finished output, so what the step says of it should it end after all is dropped), and each request
+    is aborted through the inbox: a step that returns after all leaves none behind. Delivered while publishing, so
+    on Ray the answer saying unhealthy carries them."""
     try:
         held = set(list(s.reqs))
         in_step = {r.rid for b in list(s.stepping) for r in list(b.reqs)} & held
+        ended = list(s.undelivered)
     except RuntimeError:  # changed while read: the thread is moving after all
-        held, in_step = set(), set()
-    if s.watchdog.started != started:  # the step ended meanwhile: its requests are served (moved, on Ray)
-        held, in_step = set(), set()
+        held, in_step, ended = set(), set(), []
+    stuck = s.watchdog.started == started
+    if not stuck:  # the step ended meanwhile: its requests are served (moved, on Ray), its inbox drained
+        held, in_step, ended = set(), set(), []
     own = FinishReason("error", message=f"internal error: the scheduler step running this request hung: {reason}")
     others = FinishReason("error", message=f"the engine is unhealthy: {reason}", code=ENGINE_UNHEALTHY)
-    outputs = [RequestOutput(rid=rid, new_token_ids=[], finished=True, finish_reason=own if rid in in_step else others)
-               for rid in sorted(held)]
     with s.health.publishing(reason, wait_s=PUBLISH_WAIT_S):
+        # Under the verdict: a request validated before it and put in the inbox after this drain finds it set
+        # (Scheduler.submit ends it), one put before is here
+        keep, added = _drain_inbox(s) if stuck else ([], [])
+        done = {o.rid for o in ended}
+        outputs = ended + [RequestOutput(rid=rid, new_token_ids=[], finished=True,
+                                         finish_reason=own if rid in in_step else others)
+                           for rid in sorted(held - done)]
+        outputs += [RequestOutput(rid=rid, new_token_ids=[], finished=True, finish_reason=others) for rid in added]
         if outputs:
             s.sink(outputs)
+    for message in keep:  # back, in order: a call waits for a step that returns, or its caller withdraws it
+        s.inbox.put(message)
     for rid in held:
         s.abort(rid)
+
+
+def _drain_inbox(s: Scheduler) -> tuple[list[tuple[str, object]], list[str]]:
+    """Takes what waits in the stuck scheduler's inbox: the rids of the requests added (none will run: the engine
+    is unhealthy for good), and the other messages but those requests' aborts (no-ops), in order."""
+    keep: list[tuple[str, object]] = []
+    added: list[str] = []
+    while True:
+        try:
+            message = s.inbox.get_nowait()
+        except queue.Empty:
+            return keep, added
+        kind, item = message
+        if kind == "add":
+            added.append(item.rid)
+        elif kind != "abort" or item not in added:
+            keep.append(message)
 
 
 def probe_step(s: Scheduler) -> BaseException | None:

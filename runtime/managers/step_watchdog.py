@@ -8,7 +8,10 @@ Kubernetes' liveness probe restarts the pod, and on Ray the replica's actor answ
 relaunches it. Every thread's stack is logged once, at ERROR: where it hangs. The requests end at once
 (step_failure.fail_hung_step): those in the stuck step with an error naming the watchdog (on Ray never moved: a
 request that hangs one replica's step would hang the next one's too), the others with ENGINE_UNHEALTHY (on Ray
-they move to a healthy replica).
+they move to a healthy replica), those submitted during the hang (left in the inbox) included. While that step
+still hangs (stuck()) it holds the scheduler's lock and its thread answers nothing: a call to the scheduler
+(SchedulerHost.call: admin calls) fails at once with EngineUnhealthyError, and stats (/metrics) are read
+without the lock.
 
 The check runs on a daemon thread of its own, never on the stuck one. The step loop only writes `started` (a
 time.monotonic() stamp) as a step begins and None once it is over: no lock per step. A step is the work on a batch
@@ -33,13 +36,19 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
+from typing import TypeVar
 
+from runtime.engine_client import EngineUnhealthyError
 from runtime.managers.step_health import StepHealth
 
 logger = logging.getLogger(__name__)
 
 POLL_LIMIT_S = 5.0  # a hang is seen at most this late past the timeout (SGLang looks every timeout / 2)
+CALL_POLL_S = 0.2  # how often a caller waiting on the scheduler looks for the verdict
+T = TypeVar("T")
 
 
 class StepWatchdog:
@@ -52,6 +61,8 @@ class StepWatchdog:
         self.health = health
         self.on_hang = on_hang or (lambda reason, started: health.mark_unhealthy(reason))
         self.started: float | None = None  # time.monotonic() as the step in progress began; None between steps
+        self.hung: str | None = None  # the verdict's reason, once a step ran past the timeout (for good)
+        self.hung_started: float | None = None  # that step's stamp
 
     @contextmanager
     def watching(self) -> Iterator[None]:
@@ -69,6 +80,42 @@ class StepWatchdog:
         finally:
             stop.set()
             self.started = None
+
+    def stuck(self) -> bool:
+        """The step flagged as hung still runs: it holds the scheduler's lock, and nothing it would take from the
+        inbox is taken. False again should it return after all."""
+        return self.hung_started is not None and self.started == self.hung_started
+
+    def refuse_calls(self) -> None:
+        """EngineUnhealthyError while stuck(): a call to the scheduler (SchedulerHost.call) would wait for good."""
+        if self.stuck():
+            raise self._refusal()
+
+    def _refusal(self) -> EngineUnhealthyError:
+        return EngineUnhealthyError(f"{self.hung}; a call to the scheduler would wait for that step")
+
+    def wait(self, answer: Future[T], timeout_s: float) -> T:
+        """A call's answer (FutureTimeout past timeout_s), looked at every CALL_POLL_S: once stuck(), a call not
+        begun is withdrawn (EngineUnhealthyError), not waited for the hours its caller may allow."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return answer.result(max(0.0, min(CALL_POLL_S, deadline - time.monotonic())))
+            except FutureTimeout:
+                if self.stuck() and answer.cancel():
+                    raise self._refusal() from None
+                if time.monotonic() >= deadline:
+                    raise
+
+    @contextmanager
+    def holding(self, lock: threading.Lock) -> Iterator[None]:
+        """The scheduler's lock; EngineUnhealthyError instead once the step holding it is stuck()."""
+        while not lock.acquire(timeout=CALL_POLL_S):
+            self.refuse_calls()
+        try:
+            yield
+        finally:
+            lock.release()
 
     def overdue(self) -> float | None:
         """How long the step in progress has run, when that is past the timeout; else None."""
@@ -93,6 +140,9 @@ class StepWatchdog:
                      "waiting for a dead peer, a kernel that never ends); the threads' stacks:\n%s",
                      ran, self.timeout_s, thread_stacks(stepper))
         reason = f"a step has run for {ran:.1f} s (--watchdog-timeout)"
+        # Before on_hang: a submitter that finds the verdict set ends its own request (Scheduler.submit), one
+        # that does not has put it in the inbox before on_hang drains it (step_failure.fail_hung_step)
+        self.hung, self.hung_started = reason, started  # in this order: stuck() says a reason is there
         try:
             self.on_hang(reason, started)
         except Exception:  # ending its requests failed: the verdict stands all the same

@@ -7,6 +7,10 @@ refused, and every thread's stack (the hanging call's frame in the scheduler thr
 requests end while the step still hangs: the one in the step with an error naming the watchdog (code None: on Ray not
 moved), one queued with ENGINE_UNHEALTHY (moved on Ray), and a SchedulerActor over that host answers unhealthy with
 both in that very answer (published before the verdict is read); a step that returns after all leaves nothing held.
+A request submitted during the hang (left in the inbox the stuck thread never drains) ends with the verdict, one
+validated before it and submitted after ends at once; calls to the scheduler (admin ones) fail fast while the step
+hangs, those already waiting as the verdict lands, and /metrics answers (stats read without the step's lock). A
+failed step's errors held through a probe that hangs are delivered by the watchdog, in the first unhealthy answer.
 Slow steps that finish under the timeout, calls run on the scheduler thread between steps for longer than it (a weight
 update takes minutes) and IDLE steps (a DP rank waiting for its peers) leave it healthy; <= 0, None or inf turns the
 watchdog off (no thread); NaN is refused naming the flag. When a step's failure makes the engine unhealthy, the sink
@@ -29,7 +33,7 @@ from test_engine_health import GREEDY, PROMPT, STICKY, N, break_worker
 
 from runtime.config import ServerArgs
 from runtime.engine_client import ENGINE_UNHEALTHY, EngineHealth, EngineUnhealthyError
-from runtime.errors import ServerArgsError
+from runtime.errors import InvalidRequestError, ServerArgsError
 from runtime.managers.step_health import StepHealth
 from runtime.managers.step_watchdog import StepWatchdog
 from runtime.messages import BatchResult, FinishReason
@@ -49,6 +53,50 @@ class Records(logging.Handler):
         self.records.append(record)
 
 
+class RayView:
+    """A SchedulerActor over the engine's host: what a Ray client hears of it. Every sink call goes to both (a
+    slow one, from the watchdog's thread, when slow); poller pumps answers, in order, until one says unhealthy."""
+
+    def __init__(self, engine: Any, monkeypatch: Any, rids: list[str], slow: bool = False):
+        from runtime.cluster.scheduler_actor import SchedulerActor
+
+        self.actor = SchedulerActor(ServerArgs(), "/m", SimpleNamespace(rank=0))
+        self.actor.host = engine.host
+        self.actor._owner.update(dict.fromkeys(rids, "client"))
+        self.answers: list[Any] = []
+        sink = engine.scheduler.sink
+
+        def both(outputs: list) -> None:
+            if slow and threading.current_thread().name.endswith("-watchdog"):
+                time.sleep(0.2)  # a slow delivery: readers of the health wait for it
+            self.actor._sink(outputs)
+            sink(outputs)
+
+        monkeypatch.setattr(engine.scheduler, "sink", both)
+        self.poller = threading.Thread(target=self._poll_until_unhealthy)
+
+    def _poll_until_unhealthy(self) -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (not self.answers or self.answers[-1].healthy):
+            self.answers.append(self.actor._answer("client", None))
+            time.sleep(0.02)
+
+    def first_unhealthy(self) -> Any:
+        """The answer that first says unhealthy; those before carry nothing."""
+        self.poller.join(10)
+        *before, last = self.answers
+        assert all(a.healthy and not a.outputs for a in before) and not last.healthy
+        return last
+
+
+def wait_unstuck(s: Any) -> None:
+    """Until the step the watchdog flagged has returned (calls are answered again)."""
+    deadline = time.monotonic() + 10
+    while s.watchdog.stuck() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not s.watchdog.stuck()
+
+
 def test_the_watchdog_flags_only_a_step_past_the_timeout():
     health = StepHealth()
     dog = StepWatchdog(10.0, health)
@@ -57,8 +105,9 @@ def test_the_watchdog_flags_only_a_step_past_the_timeout():
     assert dog.overdue() is None and not dog.check(threading.current_thread()) and health.state.healthy
     dog.started = time.monotonic() - 10.5
     assert 10.5 <= dog.overdue() < 12
-    assert dog.check(threading.current_thread())
+    assert not dog.stuck() and dog.check(threading.current_thread()) and dog.stuck()
     assert not health.state.healthy and health.state.reason.startswith("a step has run for 10.")
+    assert dog.hung == health.state.reason
     assert health.state.reason.endswith(" s (--watchdog-timeout)")
     for off in (None, 0, -1.0, math.inf):
         dog = StepWatchdog(off, StepHealth())
@@ -89,7 +138,6 @@ def test_the_flag():
 async def test_a_hanging_step_makes_the_engine_unhealthy(make_engine, tiny_llama, monkeypatch, hf_greedy):
     from aiohttp.test_utils import TestClient, TestServer
 
-    from runtime.cluster.scheduler_actor import SchedulerActor
     from runtime.gateway.app import build_app
     from runtime.managers import step_watchdog
 
@@ -99,16 +147,7 @@ async def test_a_hanging_step_makes_the_engine_unhealthy(make_engine, tiny_llama
     logging.getLogger(step_watchdog.__name__).addHandler(records)
     real, mode, release = engine.worker.run_batch, {"slow": 0, "hang": False}, threading.Event()
     queued = engine.make_request(input_ids=PROMPT, sampling_params=GREEDY)
-    actor = SchedulerActor(ServerArgs(), "/m", SimpleNamespace(rank=0))  # what a Ray client hears of the same host
-    actor.host = engine.host
-    actor._owner.update({"hung": "client", queued.rid: "client"})
-    sink, answers = s.sink, []
-
-    def both(outputs: list) -> None:
-        if threading.current_thread().name.endswith("-watchdog"):
-            time.sleep(0.2)  # a slow delivery: readers of the health wait for it
-        actor._sink(outputs)
-        sink(outputs)
+    ray = RayView(engine, monkeypatch, ["hung", queued.rid], slow=True)
 
     def hang_in_the_forward(batch: Any) -> Any:
         if mode["hang"]:
@@ -120,14 +159,7 @@ async def test_a_hanging_step_makes_the_engine_unhealthy(make_engine, tiny_llama
             time.sleep(0.4 * TIMEOUT_S)
         return real(batch)
 
-    def poll_until_unhealthy() -> None:  # the Ray client's pump: every answer, in order
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (not answers or answers[-1].healthy):
-            answers.append(actor._answer("client", None))
-            time.sleep(0.02)
-
     monkeypatch.setattr(engine.worker, "run_batch", hang_in_the_forward)
-    monkeypatch.setattr(s, "sink", both)
     try:
         mode["slow"] = 3  # slow steps that finish under the timeout (1.2 s in all: past it, summed)
         out = await asyncio.to_thread(engine.generate, input_ids=PROMPT, sampling_params=GREEDY)
@@ -136,8 +168,7 @@ async def test_a_hanging_step_makes_the_engine_unhealthy(make_engine, tiny_llama
         assert engine.health() == EngineHealth() and not records.records
 
         mode["hang"] = True
-        poller = threading.Thread(target=poll_until_unhealthy)
-        poller.start()
+        ray.poller.start()
         task = asyncio.create_task(asyncio.to_thread(engine.generate, input_ids=PROMPT, sampling_params=GREEDY,
                                                      rid="hung"))
         out = await asyncio.wait_for(task, 10)  # ended while its step still hangs: no client waits on it
@@ -147,10 +178,8 @@ async def test_a_hanging_step_makes_the_engine_unhealthy(make_engine, tiny_llama
             " s (--watchdog-timeout)")
         assert TIMEOUT_S <= float(reason.split()[5]) < TIMEOUT_S + 5  # seen within a poll (TIMEOUT_S / 4)
         assert out["error"] == f"internal error: the scheduler step running this request hung: {reason}"
-        poller.join(10)
-        *before, last = answers  # the answer that first says unhealthy carries both ends
-        assert all(a.healthy and not a.outputs for a in before) and not last.healthy and last.error == reason
-        assert {o.rid: o.finish_reason for o in last.outputs} == {
+        last = ray.first_unhealthy()  # it carries both ends
+        assert last.error == reason and {o.rid: o.finish_reason for o in last.outputs} == {
             "hung": FinishReason("error", message=out["error"]),  # code None: its client ends it, never moves it
             queued.rid: FinishReason("error", message=f"the engine is unhealthy: {reason}", code=ENGINE_UNHEALTHY)}
         async with TestClient(TestServer(build_app(engine, engine.args))) as http:
@@ -165,12 +194,120 @@ async def test_a_hanging_step_makes_the_engine_unhealthy(make_engine, tiny_llama
         stuck = text.split("Thread shoal-scheduler (the step):")[1].split("\nThread ")[0]
         assert "in hang_in_the_forward" in stuck and "release.wait(30)" in stuck  # where it hangs
         release.set()  # the step ends after all: its requests were aborted, the engine stays unhealthy (restart it)
+        await asyncio.to_thread(wait_unstuck, s)
         await asyncio.to_thread(engine.get_stats)  # a call: handled after those aborts, in the inbox before it
         assert engine.health().reason == reason and s.watchdog.started is None and not s.reqs
-        assert not actor._answer("client", None).outputs  # what the step said of them after went nowhere
+        assert not ray.actor._answer("client", None).outputs  # what the step said of them after went nowhere
     finally:
         release.set()
         logging.getLogger(step_watchdog.__name__).removeHandler(records)
+
+
+async def test_requests_and_calls_meeting_a_hang_end_at_once(make_engine, tiny_llama, monkeypatch):
+    """A request submitted during the hang (validated while the engine looked healthy) sits in the inbox the stuck
+    thread never drains: it ends with the verdict, ENGINE_UNHEALTHY. One validated before the verdict and submitted
+    after it ends in submit. Calls need the lock the stuck step holds: those waiting end as the verdict lands, new
+    ones at once (EngineUnhealthyError, a 503), a pause holds nothing back; stats are read without the lock, so
+    /metrics answers."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from runtime.gateway.app import build_app
+
+    engine = make_engine(tiny_llama, watchdog_timeout=TIMEOUT_S)
+    s = engine.scheduler
+    real, hanging, release = engine.worker.run_batch, threading.Event(), threading.Event()
+
+    def hang_once(batch: Any) -> Any:
+        if not hanging.is_set():
+            hanging.set()
+            release.wait(30)
+        return real(batch)
+
+    monkeypatch.setattr(engine.worker, "run_batch", hang_once)
+    racer = engine.make_request(input_ids=PROMPT, sampling_params=GREEDY)  # validated now, submitted after the verdict
+    try:
+        hung = asyncio.create_task(asyncio.to_thread(engine.generate, input_ids=PROMPT, sampling_params=GREEDY))
+        assert await asyncio.to_thread(hanging.wait, 10)
+        late = asyncio.create_task(asyncio.to_thread(engine.generate, input_ids=PROMPT, sampling_params=GREEDY,
+                                                     rid="late"))
+        # Calls waiting since before the verdict: in the inbox (a pause's or an update's waits up to an hour), and
+        # one past its timeout waiting for the lock
+        on_thread = asyncio.create_task(asyncio.to_thread(engine.host.call, lambda: "ran", 600.0, True))
+        locked = asyncio.create_task(asyncio.to_thread(engine.host.call, lambda: "ran", 0.1))
+        await asyncio.sleep(0.3)
+        assert engine.health().healthy and not late.done() and not on_thread.done() and not locked.done()
+        out = await asyncio.wait_for(late, 10)
+        reason = engine.health().reason
+        assert not release.is_set() and s.watchdog.stuck() and reason.endswith("(--watchdog-timeout)")
+        assert out["finish_reason"] == "error" and out["error"] == f"the engine is unhealthy: {reason}"
+        assert (await asyncio.wait_for(hung, 1))["error"].startswith("internal error: the scheduler step running")
+        for waiting in (on_thread, locked):
+            with pytest.raises(EngineUnhealthyError, match="would wait for that step"):
+                await asyncio.wait_for(waiting, 1)
+        [end] = [o async for o in engine.stream(racer)]
+        assert end.finish_reason == FinishReason("error", message=f"the engine is unhealthy: {reason}",
+                                                 code=ENGINE_UNHEALTHY)
+
+        began = time.monotonic()
+        stats = await asyncio.to_thread(engine.get_stats)  # the stuck step's request holds its prompt's KV
+        assert stats.num_used_tokens >= len(PROMPT) and time.monotonic() - began < 0.5
+        with pytest.raises(InvalidRequestError, match="would wait for that step"):  # EngineAdmin's error reply
+            await asyncio.to_thread(engine.pause_generation, "retract")
+        assert engine.host.paused is None and engine.host._held is None  # nothing held back for a continue
+        async with TestClient(TestServer(build_app(engine, engine.args))) as http:
+            r = await asyncio.wait_for(http.get("/metrics"), 2)
+            assert r.status == 200 and "num_used_tokens" in await r.text()
+            r = await asyncio.wait_for(http.post("/flush_cache"), 2)
+            assert r.status == 503 and (await r.json())["error"]["code"] == "engine_unhealthy"
+        assert time.monotonic() - began < 1.5 and s.watchdog.stuck()
+    finally:
+        release.set()
+    await asyncio.to_thread(wait_unstuck, s)
+    assert (await asyncio.to_thread(engine.host.call, lambda: "ran")) == "ran"  # the step returned: calls answer
+    assert not s.reqs and engine.health().reason == reason
+
+
+async def test_a_hanging_probe_delivers_the_failed_steps_errors(make_engine, tiny_llama, monkeypatch):
+    """A failed step's requests end before its probe, their errors held for the verdict (a client that got its 500
+    finds /health 503). Should the probe hang, the watchdog delivers them, with its own verdict: the failed request
+    ends with its step's error (code None, never moved), a queued one with ENGINE_UNHEALTHY, both in the Ray
+    answer that first says unhealthy."""
+    engine = make_engine(tiny_llama, watchdog_timeout=TIMEOUT_S)
+    s = engine.scheduler
+    engine.host.call(lambda: setattr(s.health, "failed_in_a_row", s.health.limit - 1))  # the next failure probes
+    real, calls, release = engine.worker.run_batch, [], threading.Event()
+    queued = engine.make_request(input_ids=PROMPT, sampling_params=GREEDY)
+    ray = RayView(engine, monkeypatch, ["failed", queued.rid])
+
+    def fail_then_hang_the_probe(batch: Any) -> Any:
+        calls.append(batch)
+        if len(calls) == 1:
+            s._add(queued)  # queued behind the failing step: it holds nothing, so it waits through the probe
+            raise RuntimeError("an ordinary step failure")
+        if len(calls) == 2:
+            release.wait(30)
+        return real(batch)
+
+    monkeypatch.setattr(engine.worker, "run_batch", fail_then_hang_the_probe)
+    ray.poller.start()
+    try:
+        out = await asyncio.wait_for(asyncio.to_thread(engine.generate, input_ids=PROMPT, sampling_params=GREEDY,
+                                                       rid="failed"), 10)
+        assert out["error"] == "internal error: RuntimeError: an ordinary step failure"
+        assert not release.is_set() and len(calls) == 2 and s.watchdog.stuck()
+        reason = engine.health().reason
+        last = ray.first_unhealthy()
+        assert last.error == reason and reason.endswith("(--watchdog-timeout)")
+        assert {o.rid: o.finish_reason for o in last.outputs} == {
+            "failed": FinishReason("error", message=out["error"]),
+            queued.rid: FinishReason("error", message=f"the engine is unhealthy: {reason}", code=ENGINE_UNHEALTHY)}
+    finally:
+        release.set()
+        ray.poller.join(10)
+    await asyncio.to_thread(wait_unstuck, s)
+    await asyncio.to_thread(engine.get_stats)  # the probe returned: its failure's handling is over
+    assert not s.undelivered and not s.reqs and engine.health().reason == reason
+    assert not ray.actor._answer("client", None).outputs  # the late delivery of those ends went nowhere
 
 
 def test_idle_steps_are_not_timed_and_a_probe_after_a_failure_between_steps_is(make_engine, tiny_llama,
