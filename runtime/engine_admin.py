@@ -42,7 +42,7 @@ from runtime.admin_messages import (
     sleep_control,
     weight_sync_init,
 )
-from runtime.errors import InvalidRequestError, ShoalError
+from runtime.errors import EngineUnavailableError, InvalidRequestError, ShoalError
 
 
 class EngineAdmin:
@@ -246,12 +246,16 @@ class EngineAdmin:
             return self.host.pause_generation(ctl.mode)
         except InvalidRequestError as e:
             return AdminReply(error=e.message)
+        except EngineUnavailableError:  # unhealthy (a hung step): the caller's 503, not a refused request
+            raise
         except ShoalError as e:  # the scheduler stopped or did not answer
             return AdminReply(error=str(e))
 
     def _continue(self) -> AdminReply:
         try:
             return self.host.continue_generation()
+        except EngineUnavailableError:
+            raise
         except ShoalError as e:
             return AdminReply(error=str(e))
 
@@ -275,6 +279,8 @@ class EngineAdmin:
                 weight_version: str | None) -> AdminReply:
         try:
             return self.host.update_weights(apply, bool(abort_all), bool(flush), weight_version)
+        except EngineUnavailableError:
+            raise
         except ShoalError as e:  # the scheduler stopped or did not answer
             return AdminReply(error=str(e))
 

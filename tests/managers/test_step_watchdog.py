@@ -33,7 +33,7 @@ from test_engine_health import GREEDY, PROMPT, STICKY, N, break_worker
 
 from runtime.config import ServerArgs
 from runtime.engine_client import ENGINE_UNHEALTHY, EngineHealth, EngineUnhealthyError
-from runtime.errors import InvalidRequestError, ServerArgsError
+from runtime.errors import ServerArgsError
 from runtime.managers.step_health import StepHealth
 from runtime.managers.step_watchdog import StepWatchdog
 from runtime.messages import BatchResult, FinishReason
@@ -251,7 +251,7 @@ async def test_requests_and_calls_meeting_a_hang_end_at_once(make_engine, tiny_l
         began = time.monotonic()
         stats = await asyncio.to_thread(engine.get_stats)  # the stuck step's request holds its prompt's KV
         assert stats.num_used_tokens >= len(PROMPT) and time.monotonic() - began < 0.5
-        with pytest.raises(InvalidRequestError, match="would wait for that step"):  # EngineAdmin's error reply
+        with pytest.raises(EngineUnhealthyError, match="would wait for that step"):  # a 503 over HTTP
             await asyncio.to_thread(engine.pause_generation, "retract")
         assert engine.host.paused is None and engine.host._held is None  # nothing held back for a continue
         async with TestClient(TestServer(build_app(engine, engine.args))) as http:
