@@ -83,6 +83,7 @@ class FakeLauncher:
 
     def __init__(self, scheduler: Callable[[], FakeScheduler] | None):
         self.scheduler = scheduler
+        self.waiting: dict[int, str] = {}  # ReplicaLauncher's: what a relaunch waits for, per replica
 
     def launch(self, g: int, generation: int = 0) -> FakeGroup:
         if self.scheduler is None:

@@ -4,16 +4,19 @@ replica's actors, and hand back a RayEngineClient (what `shoal serve` uses when 
 Startup of one replica group: one actor per rank in the group's bundles — rank 0 a SchedulerActor, the
 others TpWorkerActors (with DP attention every rank is a SchedulerActor) → rank 0 picks the rendezvous
 address → every rank joins the torch.distributed group and loads its shard (concurrently) → the
-scheduler actors start, and with them the other ranks' follow loops. Groups launch in parallel; a dead
-group is relaunched the same way into the same placement group."""
+scheduler actors start, and with them the other ranks' follow loops. Each wait is bounded and says what it
+waits for. Groups launch in parallel; a dead group is relaunched the same way into the same placement group,
+or a new one once that one lost bundles with a node (placement.ReplicaPlacements)."""
 
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,6 +35,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LOCAL_OBJECT_STORE_BYTES = 512 << 20  # only small messages travel: the 30%-of-RAM default is waste
+ACTOR_START_TIMEOUT_S = 120.0  # a replica's actors started (a worker process each) and, later, serving
+LOAD_TIMEOUT_S = 3600.0  # its ranks joined and loaded their shards (a large model from a slow disk)
+LOAD_LOG_S = 60.0  # how often a load in progress says so
+
+
+class ReplicaStartError(EngineUnavailableError):
+    """A replica's actors did not start in time, or its placement group lost bundles meanwhile: it is not placed."""
 
 
 class RayStart(enum.Enum):
@@ -73,11 +83,12 @@ def choose_ray_address(flag: str | None, env: Mapping[str, str], join_running: b
     running on this machine (running() finds it). Otherwise, as SGLang's launcher does and `--use-ray` always
     has, a local cluster of Shoal's own: a bare ray.init() would join whatever runs here and then refuse
     num_cpus. "local" (flag or env) is Ray's word for a cluster of one's own."""
-    if flag is not None:
-        return RayAddress(None if flag == "local" else flag, "--address")
-    env_address = env.get("RAY_ADDRESS", "").strip()
-    if env_address:
-        return RayAddress(None if env_address == "local" else env_address, "$RAY_ADDRESS")
+    given, source = (flag, "--address") if flag is not None else (env.get("RAY_ADDRESS", "").strip(), "$RAY_ADDRESS")
+    if given.startswith(("http://", "https://")):  # the Jobs CLI's $RAY_ADDRESS, which no ray.init() joins
+        raise EngineUnavailableError(f"{source} {given} is the Ray dashboard's (Jobs API) URL: give the cluster's "
+                                     "address instead (host:6379, ray://host:10001 or auto)")
+    if given:
+        return RayAddress(None if given == "local" else given, source)
     found = running() if join_running else None
     if found:
         return RayAddress(found, "the local cluster `ray start` left running")
@@ -215,9 +226,13 @@ class ReplicaLauncher:
         extras = [replica_resources[g] if replica_resources else None for g in range(self.num_groups)]
         placement.check_capacity([placement.bundle_resources(self.use_gpu, extra) for extra in extras
                                   for _ in range(self.ranks)], ray.cluster_resources(), cluster_fixed)
-        self.pgs = [placement.create_placement_group(
-            self.ranks, args.placement, self.use_gpu, name=replica_group_name(g, os.getpid()), extra=extra)
-            for g, extra in enumerate(extras)]
+        names = [replica_group_name(g, os.getpid()) for g in range(self.num_groups)]
+        self.placements = placement.ReplicaPlacements(self.ranks, args.placement, self.use_gpu, names, extras)
+
+    @property
+    def waiting(self) -> dict[int, str]:
+        """Replica group → what its placement waits for, while it does (RayEngineClient's /health reason)."""
+        return self.placements.waiting
 
     def launch_all(self) -> list[ReplicaGroup]:
         with ThreadPoolExecutor(self.num_groups) as pool:
@@ -231,7 +246,7 @@ class ReplicaLauncher:
         from runtime.cluster.tp_rank import RankSpec
         from runtime.cluster.tp_worker_actor import TpWorkerActor
 
-        pg = self.pgs[g]
+        pg = self.placements.acquire(g)
         leads = [self.dp_attention or r == 0 for r in range(self.ranks)]  # ranks that run a scheduler
         actors = []
         for r, lead in enumerate(leads):
@@ -247,22 +262,64 @@ class ReplicaLauncher:
             actors.append(cls.options(**options).remote(self.args, self.model_path,
                                                         RankSpec(r, self.ranks, self.dp_attention)))
         schedulers = [a for a, lead in zip(actors, leads) if lead]
+        ranks = [f"rank {r}" for r in range(self.ranks)]
+        where = f"replica {g} (placement group {self.placements.names[g]})"
+        broken = functools.partial(self.placements.broken, g)
         try:
-            addr, port = ray.get(actors[0].endpoint.remote())
-            infos = ray.get([a.init.remote(addr, port) for a in actors])
+            started = wait_all([actors[0].endpoint.remote()] + [a.node_id.remote() for a in actors[1:]], ranks,
+                               f"the actors of {where} to start", ACTOR_START_TIMEOUT_S, placement.WAIT_LOG_S, broken)
+            addr, port = started[0]
+            infos = wait_all([a.init.remote(addr, port) for a in actors], ranks, f"the ranks of {where} to load "
+                             f"the model", LOAD_TIMEOUT_S, LOAD_LOG_S, broken)
             followers = [a for a, lead in zip(actors, leads) if not lead]
             names = [f"dp rank {r}" for r in range(self.ranks)] if self.dp_attention else [f"replica {g}"]
-            ray.get([s.start.remote(name, followers) for s, name in zip(schedulers, names)])
-        except BaseException:
+            wait_all([s.start.remote(name, followers) for s, name in zip(schedulers, names)],
+                     [ranks[r] for r, lead in enumerate(leads) if lead], f"the schedulers of {where} to start",
+                     ACTOR_START_TIMEOUT_S, placement.WAIT_LOG_S, broken)
+        except BaseException as e:
             ReplicaGroup(g, actors, schedulers, None, generation).kill()  # type: ignore[arg-type]
+            lost = None if isinstance(e, ReplicaStartError) else self.placements.broken(g)
+            if isinstance(e, ReplicaStartError) or lost is not None:
+                self.placements.release(g)  # while it waits to be placed again, its bundles serve other replicas
+            if lost is not None and isinstance(e, Exception):  # a rank died with its node: that is the news
+                raise ReplicaStartError(f"{where} did not start: {lost} ({remote_cause(e)})") from e
             raise
         logger.info("replica group %d up: %d rank(s), %s, KV pool %d tokens", g, self.ranks,
                     "GPU" if self.use_gpu else "CPU", infos[0].max_total_tokens)
         return ReplicaGroup(g, actors, schedulers, infos[0], generation)
 
     def shutdown(self) -> None:
-        for pg in self.pgs:
-            placement.remove(pg)
+        self.placements.shutdown()
+
+
+def wait_all(refs: list[Any], labels: list[str], what: str, timeout_s: float, log_s: float,
+             broken: Callable[[], str | None]) -> list[Any]:
+    """ray.get(refs), bounded: a failure raises at once; ReplicaStartError once timeout_s passed or broken()
+    says why they cannot finish (a lost placement group); every log_s a warning names the labels (refs[i]'s is
+    labels[i]) still pending and `what` they are."""
+    import ray
+
+    start = time.monotonic()
+    next_log = start + log_s
+    pending = dict(zip(refs, labels))
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=placement.POLL_S)
+        for ref in ready:
+            ray.get(ref)  # a failed task or dead actor raises now, not after the others finish
+            del pending[ref]
+        if ready or not pending:
+            continue
+        now = time.monotonic()
+        late = ", ".join(pending.values())
+        why = broken()
+        if why is not None:
+            raise ReplicaStartError(f"gave up waiting for {what}: {why} ({late} not done)")
+        if now - start >= timeout_s:
+            raise ReplicaStartError(f"gave up waiting for {what}: {late} not done within {timeout_s:.0f} s")
+        if now >= next_log:
+            next_log = now + log_s
+            logger.warning("waiting %.0f s now for %s: %s not done", now - start, what, late)
+    return ray.get(refs)
 
 
 def create_ray_engine_client(args: ServerArgs, *, replica_resources: list[dict[str, float]] | None = None,

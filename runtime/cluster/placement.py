@@ -2,12 +2,20 @@
 
 --placement pack puts a replica's bundles on as few nodes as possible (NVLink within a node);
 --placement spread puts them on different nodes where it can (a TP group across nodes). Extra custom
-resources per replica (e.g. {"node:rack-a": 0.01}) pin replicas to nodes that advertise them."""
+resources per replica (e.g. {"node:rack-a": 0.01}) pin replicas to nodes that advertise them.
+
+ReplicaPlacements keeps each replica's group across relaunches while it is whole. When a node dies, Ray
+reschedules the group's lost bundles but keeps holding its surviving ones: two replicas spread over a lost node
+would then each hold half of the node left and neither come back. So a relaunch replaces a group that lost
+bundles, and a replica that cannot be placed holds nothing while it waits (a pending group reserves no bundle
+until all of them fit)."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from runtime.errors import EngineUnavailableError
@@ -17,6 +25,7 @@ logger = logging.getLogger(__name__)
 STRATEGIES = {"pack": "PACK", "spread": "SPREAD"}
 PLACEMENT_TIMEOUT_S = 120.0
 WAIT_LOG_S = 15.0  # how often a placement that waits on busy resources says so
+POLL_S = 1.0  # how soon a wait is reported (on_wait) and how often it checks for a shutdown
 
 
 def bundle_resources(use_gpu: bool, extra: dict[str, float] | None = None) -> dict[str, float]:
@@ -64,8 +73,12 @@ def check_capacity(bundles: list[dict[str, float]], cluster: dict[str, float], f
 
 
 def create_placement_group(num_bundles: int, placement: str, use_gpu: bool, name: str,
-                           extra: dict[str, float] | None = None, timeout_s: float | None = None) -> Any:
-    """Reserves the bundles, waiting until the cluster can hold them (EngineUnavailableError if not)."""
+                           extra: dict[str, float] | None = None, timeout_s: float | None = None,
+                           on_wait: Callable[[str], None] | None = None,
+                           stop: threading.Event | None = None) -> Any:
+    """Reserves the bundles, waiting until the cluster can hold them (EngineUnavailableError if not).
+    on_wait(what): told what the placement waits for, from a second in and then at every poll.
+    stop: set by a shutdown, which gives the wait up (EngineUnavailableError) and reserves nothing."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -73,20 +86,33 @@ def create_placement_group(num_bundles: int, placement: str, use_gpu: bool, name
         raise ValueError(f"placement must be one of {', '.join(STRATEGIES)}, got {placement!r}")
     bundles = [bundle_resources(use_gpu, extra) for _ in range(num_bundles)]
     pg = placement_group(bundles, strategy=STRATEGIES[placement], name=name)
+    ready = pg.ready()  # once: each call schedules a task of its own
     # Other jobs may hold what we need, or nodes are still joining (check_capacity): wait, and say so.
     timeout_s = PLACEMENT_TIMEOUT_S if timeout_s is None else timeout_s
-    deadline = time.monotonic() + timeout_s
-    while not ray.wait([pg.ready()], timeout=min(WAIT_LOG_S, max(deadline - time.monotonic(), 0.0)))[0]:
-        free = plain_resources(ray.available_resources())
-        if time.monotonic() >= deadline:
+    start = time.monotonic()
+    deadline, next_log = start + timeout_s, start + POLL_S
+    while not ray.wait([ready], timeout=min(POLL_S, max(deadline - time.monotonic(), 0.0)))[0]:
+        now = time.monotonic()
+        if stop is not None and stop.is_set():
+            remove_placement_group(pg)
+            raise EngineUnavailableError(f"the placement of {name} was given up: shutting down")
+        if now < start + POLL_S and now < deadline:  # placing takes a moment even when it fits
+            continue
+        # What the bundles need, 0 where none is free (Ray leaves a resource out once it is all taken).
+        free = {k: ray.available_resources().get(k, 0.0) for k in bundles[0]}
+        if on_wait is not None:  # every poll: the /health reason stays current
+            on_wait(f"{num_bundles} x {bundles[0]} ({placement}) for {name}, free now {free}")
+        if now >= deadline:
             remove_placement_group(pg)
             short = shortfall(bundles, ray.cluster_resources())
             raise EngineUnavailableError(
                 f"cannot place {name} within {timeout_s:.0f} s: " + (short or (
                     f"{num_bundles} x {bundles[0]} ({placement}) did not fit in the cluster's free resources "
                     f"{free} (other jobs hold the rest; `ray status` shows them)")))
-        logger.warning("waiting for the Ray cluster to free %d x %s for %s (free now: %s)", num_bundles,
-                       bundles[0], name, free)
+        if now >= next_log:
+            next_log = now + WAIT_LOG_S
+            logger.warning("waiting for the Ray cluster to free %d x %s for %s (free now: %s)", num_bundles,
+                           bundles[0], name, free)
     return pg
 
 
@@ -104,3 +130,79 @@ def remove(pg: Any) -> None:
         remove_placement_group(pg)
     except Exception:  # already gone with the cluster
         pass
+
+
+def group_state(pg: Any) -> str:
+    """Ray's word for the group: CREATED when whole; PENDING or RESCHEDULING while bundles wait (after a node
+    loss Ray keeps holding the surviving ones); REMOVED."""
+    from ray.util.placement_group import placement_group_table
+
+    try:
+        return placement_group_table(pg).get("state", "REMOVED")
+    except Exception:  # the cluster itself is gone
+        return "REMOVED"
+
+
+class ReplicaPlacements:
+    """One placement group per replica (names[g], with extras[g] in every bundle): reserved at once, kept across
+    relaunches while whole, replaced when it lost bundles, and released while its replica cannot be placed.
+    waiting[g]: what replica g's placement waits for, while it does (the /health reason says so)."""
+
+    def __init__(self, num_bundles: int, placement: str, use_gpu: bool, names: list[str],
+                 extras: list[dict[str, float] | None]):
+        self.num_bundles, self.placement, self.use_gpu = num_bundles, placement, use_gpu
+        self.names, self.extras = names, extras
+        self.waiting: dict[int, str] = {}
+        self._pgs: list[Any | None] = [None] * len(names)
+        self._lock = threading.Lock()  # relaunches acquire and release from their own threads
+        self._stop = threading.Event()
+        try:
+            for g in range(len(names)):
+                self.acquire(g)
+        except BaseException:  # those already reserved would outlive the failed start
+            self.shutdown()
+            raise
+
+    def acquire(self, g: int) -> Any:
+        """Replica g's group, whole: the one it has, or a new one once the old one lost bundles (waits for
+        resources as create_placement_group does)."""
+        pg = self._pgs[g]
+        if pg is not None:
+            state = group_state(pg)
+            if state == "CREATED":
+                return pg
+            logger.warning("placement group %s is %s (it lost bundles with a node): replacing it", self.names[g],
+                           state)
+            self.release(g)
+        pg = create_placement_group(self.num_bundles, self.placement, self.use_gpu, self.names[g], self.extras[g],
+                                    on_wait=lambda what: self.waiting.__setitem__(g, what), stop=self._stop)
+        with self._lock:
+            if self._stop.is_set():  # shut down while it was being placed: nobody would free it
+                remove(pg)
+                raise EngineUnavailableError(f"the placement of {self.names[g]} was given up: shutting down")
+            self._pgs[g] = pg
+        self.waiting.pop(g, None)
+        return pg
+
+    def broken(self, g: int) -> str | None:
+        """Why replica g's group cannot host its ranks now, None while it can."""
+        pg = self._pgs[g]
+        if pg is None:
+            return f"its placement group {self.names[g]} was released"
+        state = group_state(pg)
+        return None if state == "CREATED" else f"its placement group {self.names[g]} lost bundles (it is {state})"
+
+    def release(self, g: int) -> None:
+        """Frees replica g's group, so the bundles it still holds serve other replicas while it waits."""
+        with self._lock:
+            pg, self._pgs[g] = self._pgs[g], None
+        if pg is not None:
+            remove(pg)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stop.set()
+            pgs, self._pgs = self._pgs, [None] * len(self.names)
+        for pg in pgs:
+            if pg is not None:
+                remove(pg)

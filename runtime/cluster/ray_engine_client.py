@@ -44,7 +44,7 @@ from runtime.text.pooling_config import PoolingConfig
 logger = logging.getLogger(__name__)
 
 
-class RayEngineClient(ReplicaHealth, RayLoraClient, RayAdminClient, EngineClient):  # health, LoRA, operator calls
+class RayEngineClient(ReplicaHealth, RayLoraClient, RayAdminClient, EngineClient):  # health+relaunch, LoRA, admin
     def __init__(self, args: ServerArgs, launcher: Any, groups: list[ReplicaGroup], tokenizer: Any,
                  model_name: str, *, health_interval_s: float = 1.0, health_timeout_s: float = 10.0,
                  owns_ray: bool = False):
@@ -309,36 +309,6 @@ class RayEngineClient(ReplicaHealth, RayLoraClient, RayAdminClient, EngineClient
         except Exception as e:  # that one died too: its failure moves st on again
             gi = self._target_group[i]
             self._on_failure(gi, generation, self._failure_message(gi, e))
-
-    async def _relaunch(self, gi: int) -> None:
-        old = self.groups[gi]
-        await asyncio.to_thread(old.kill)
-        delay = 1.0
-        while not self._closing:
-            try:
-                new = await asyncio.to_thread(self.launcher.launch, gi, old.generation + 1)
-                break
-            except Exception:
-                logger.exception("relaunch of replica %d failed; retrying in %.0f s", gi, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 30.0)
-        else:
-            return
-        if self._closing:
-            await asyncio.to_thread(new.kill)
-            return
-        self.groups[gi] = new
-        self._restarting.discard(gi)
-        self.restarts += 1
-        for i in self._targets_of(gi):
-            self.replicas[i].prefixes.reset()  # a fresh cache, and a fresh event log to read from -1
-        await self._start_pumps(new)  # links first: a routed request is sent over its target's link
-        await self._restore_pause(gi, new)  # paused as the others are, its LoRA adapters, then live (RayAdminClient)
-        if self.groups[gi] is new and gi not in self._restarting:  # unless it failed again meanwhile
-            self._mark_up(gi)
-            for i in self._targets_of(gi):
-                self.replicas[i].alive = True
-        logger.info("replica %d is back (generation %d)", gi, new.generation)
 
     # ---- shutdown -------------------------------------------------------------------------------
     def shutdown(self) -> None:

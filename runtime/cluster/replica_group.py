@@ -11,6 +11,8 @@ from runtime.messages import WorkerInfo
 
 logger = logging.getLogger(__name__)
 
+STOP_WAIT_S = 2.0
+
 
 @dataclass
 class ReplicaGroup:
@@ -21,8 +23,19 @@ class ReplicaGroup:
     generation: int = 0  # bumped on every relaunch
 
     def kill(self) -> None:
+        """Kills every rank. A started group's schedulers hear first that it is on purpose: the followers' deaths
+        that they would otherwise see before their own (ray.kill is asynchronous) are then no failure to log."""
         import ray
 
+        if self.info is not None and len(self.workers) > len(self.schedulers):
+            stops = []
+            for s in self.schedulers:
+                try:
+                    stops.append(s.stop.remote())
+                except Exception:  # already dead
+                    logger.debug("stop failed", exc_info=True)
+            if stops:  # a hung one is killed all the same
+                ray.wait(stops, num_returns=len(stops), timeout=STOP_WAIT_S)
         for actor in self.workers:
             try:
                 ray.kill(actor, no_restart=True)

@@ -8,12 +8,13 @@ call per request or per step); a step's deltas for one client go out as one push
 requests stream. A client without a link (--disable-request-link) calls `submit()` and long-polls
 `poll()` instead, which returns the same answer: every delta for that consumer since its last poll.
 
-A watcher thread awaits the other ranks' follow loops: a rank that dies or fails ends the replica's
+A watcher task awaits the other ranks' follow loops: a rank that dies or fails ends the replica's
 requests with an error naming it, and every later answer says unhealthy (the client then relaunches the
-replica). So does a scheduler whose steps keep failing or met a dead device (StepHealth), or whose step hangs past
---watchdog-timeout, with its reason. The requests of the step that failed (or hangs) end with its error; those a
-failed replica never ran end with a FinishReason code (ENGINE_UNHEALTHY, REPLICA_FAILED) that has the client move
-them (runtime/managers/step_failure.py). Those ends are in the answer that first says unhealthy: the scheduler
+replica), unless stop() said the group is being killed on purpose. So does a scheduler whose steps keep
+failing or met a dead device (StepHealth), or whose step hangs past --watchdog-timeout, with its reason.
+The requests of the step that failed (or hangs) end with its error; those a failed replica never ran end
+with a FinishReason code (ENGINE_UNHEALTHY, REPLICA_FAILED) that has the client move them
+(runtime/managers/step_failure.py). Those ends are in the answer that first says unhealthy: the scheduler
 publishes its verdict while it delivers them to _sink, and reading the health waits for that delivery."""
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ class SchedulerActor(ReplicaRanks):  # the weight loads and sleeps of all its TP
         self.host: Any = None  # SchedulerHost, once started
         self.group: Any = None  # BroadcastWorker when other ranks follow this one
         self.failed: EngineUnavailableError | None = None
+        self.stopping = False  # the group is being killed on purpose (stop()): a follower's death is no failure
         self._followers: list[Any] = []
+        self._watcher: asyncio.Future | None = None
         self._lock = threading.Lock()
         self._owner: dict[str, str] = {}  # rid → consumer that submitted it
         self._pending: dict[str, list[RequestOutput]] = {}  # consumer → deltas not yet polled
@@ -108,8 +111,7 @@ class SchedulerActor(ReplicaRanks):  # the weight loads and sleeps of all its TP
                                   tokenizer.decode, name=f"shoal-scheduler-{name}", grammar=grammar,
                                   cache_events=self.cache_events)
         if self._followers:
-            refs = [f.serve.remote() for f in self._followers]
-            threading.Thread(target=self._watch, args=(refs,), name=f"shoal-watch-{name}", daemon=True).start()
+            self._watcher = asyncio.ensure_future(self._watch([f.serve.remote() for f in self._followers]))
         self.host.start()
         return name
 
@@ -227,6 +229,10 @@ class SchedulerActor(ReplicaRanks):  # the weight loads and sleeps of all its TP
     async def health(self) -> bool:
         return self.healthy()
 
+    async def stop(self) -> None:
+        """Its group is about to be killed (a shutdown, a relaunch): the followers may die before this actor."""
+        self.stopping = True
+
     # ---- operator calls (runtime/cluster/ray_admin_client.py) -------------------------------------
     async def flush_cache(self) -> AdminReply:
         """Drops every prefix-cache entry no running request uses, between two steps."""
@@ -301,20 +307,19 @@ class SchedulerActor(ReplicaRanks):  # the weight loads and sleeps of all its TP
         return os.getpid()
 
     # ---- failure --------------------------------------------------------------------------------
-    def _watch(self, refs: list[Any]) -> None:
-        """Waits for any follower's loop to end; outside a clean shutdown that is a failed replica."""
-        import ray
-
+    async def _watch(self, loops: list[Any]) -> None:
+        """Awaits the followers' loops (ObjectRefs of serve(), rank 1 first) on the actor's event loop -- a blocking
+        ray.get here would warn and hold the loop: the first to end, outside a stop(), is a failed replica."""
         from runtime.cluster.broadcast_worker import describe_exception
 
-        ready, _ = ray.wait(refs, num_returns=1)
-        rank = refs.index(ready[0]) + 1
-        try:
-            ray.get(ready[0])
-            reason = "its step loop ended"
-        except Exception as e:
-            reason = describe_exception(e)
-        if self.host is not None and self.host.is_running():
+        ends = [asyncio.ensure_future(ref) for ref in loops]
+        done, pending = await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
+        for end in pending:
+            end.cancel()
+        rank, end = next((r, e) for r, e in enumerate(ends, 1) if e in done)
+        error = end.exception()
+        reason = "its step loop ended" if error is None else describe_exception(error)
+        if not self.stopping and self.host is not None and self.host.is_running():
             self.group.fail(f"TP worker rank {rank} of {self.name} failed: {reason}")
 
     def _on_group_failure(self, error: EngineUnavailableError) -> None:

@@ -200,3 +200,12 @@ def test_a_deliberate_shutdown_elsewhere_is_no_death(ray_local):
     assert watch_gateway(running, stop) is None
     for a in (actor, running):
         ray.kill(a)
+
+
+@pytest.mark.parametrize("flag, env", [(None, {"RAY_ADDRESS": "http://127.0.0.1:8265"}), ("https://head:8265", {})])
+def test_a_dashboard_url_is_refused_by_name(flag, env):
+    """The Jobs CLI's $RAY_ADDRESS is the dashboard's URL, which no ray.init() joins: said so, not 'nothing answers'."""
+    from runtime.errors import EngineUnavailableError
+
+    with pytest.raises(EngineUnavailableError, match="dashboard's \\(Jobs API\\) URL"):
+        choose_ray_address(flag, env, False, _no_lookup)
