@@ -4,9 +4,10 @@ replica's actors, and hand back a RayEngineClient (what `shoal serve` uses when 
 Startup of one replica group: one actor per rank in the group's bundles — rank 0 a SchedulerActor, the
 others TpWorkerActors (with DP attention every rank is a SchedulerActor) → rank 0 picks the rendezvous
 address → every rank joins the torch.distributed group and loads its shard (concurrently) → the
-scheduler actors start, and with them the other ranks' follow loops. Each wait is bounded and says what it
-waits for. Groups launch in parallel; a dead group is relaunched the same way into the same placement group,
-or a new one once that one lost bundles with a node (placement.ReplicaPlacements)."""
+scheduler actors start, and with them the other ranks' follow loops. Each wait says what it waits for and
+ends once the group lost bundles; starting is bounded too, loading is not (replica_start.py). Groups launch
+in parallel; a dead group is relaunched the same way into the same placement group, or a new one once that one
+lost bundles with a node (placement.ReplicaPlacements)."""
 
 from __future__ import annotations
 
@@ -16,15 +17,15 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from runtime.cluster import placement
+from runtime.cluster import placement, replica_start
 from runtime.cluster.remote_error import remote_cause
 from runtime.cluster.replica_group import ReplicaGroup
+from runtime.cluster.replica_start import ReplicaStartError, wait_all
 from runtime.config import ServerArgs
 from runtime.engine_client import EngineClient
 from runtime.errors import EngineUnavailableError, ServerArgsError
@@ -35,13 +36,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LOCAL_OBJECT_STORE_BYTES = 512 << 20  # only small messages travel: the 30%-of-RAM default is waste
-ACTOR_START_TIMEOUT_S = 120.0  # a replica's actors started (a worker process each) and, later, serving
-LOAD_TIMEOUT_S = 3600.0  # its ranks joined and loaded their shards (a large model from a slow disk)
-LOAD_LOG_S = 60.0  # how often a load in progress says so
-
-
-class ReplicaStartError(EngineUnavailableError):
-    """A replica's actors did not start in time, or its placement group lost bundles meanwhile: it is not placed."""
 
 
 class RayStart(enum.Enum):
@@ -265,24 +259,28 @@ class ReplicaLauncher:
         ranks = [f"rank {r}" for r in range(self.ranks)]
         where = f"replica {g} (placement group {self.placements.names[g]})"
         broken = functools.partial(self.placements.broken, g)
+        start_s = replica_start.ACTOR_START_TIMEOUT_S
         try:
             started = wait_all([actors[0].endpoint.remote()] + [a.node_id.remote() for a in actors[1:]], ranks,
-                               f"the actors of {where} to start", ACTOR_START_TIMEOUT_S, placement.WAIT_LOG_S, broken)
+                               f"the actors of {where} to start", start_s, placement.WAIT_LOG_S, broken)
             addr, port = started[0]
+            # No limit: a slow load is no failure, and a rank lost with its node ends it (broken(), a dead actor).
             infos = wait_all([a.init.remote(addr, port) for a in actors], ranks, f"the ranks of {where} to load "
-                             f"the model", LOAD_TIMEOUT_S, LOAD_LOG_S, broken)
+                             f"the model", None, replica_start.LOAD_LOG_S, broken, logging.INFO)
             followers = [a for a, lead in zip(actors, leads) if not lead]
             names = [f"dp rank {r}" for r in range(self.ranks)] if self.dp_attention else [f"replica {g}"]
             wait_all([s.start.remote(name, followers) for s, name in zip(schedulers, names)],
                      [ranks[r] for r, lead in enumerate(leads) if lead], f"the schedulers of {where} to start",
-                     ACTOR_START_TIMEOUT_S, placement.WAIT_LOG_S, broken)
+                     start_s, placement.WAIT_LOG_S, broken)
         except BaseException as e:
             ReplicaGroup(g, actors, schedulers, None, generation).kill()  # type: ignore[arg-type]
-            lost = None if isinstance(e, ReplicaStartError) else self.placements.broken(g)
-            if isinstance(e, ReplicaStartError) or lost is not None:
-                self.placements.release(g)  # while it waits to be placed again, its bundles serve other replicas
-            if lost is not None and isinstance(e, Exception):  # a rank died with its node: that is the news
-                raise ReplicaStartError(f"{where} did not start: {lost} ({remote_cause(e)})") from e
+            # Released only once it lost bundles (its bundles then serve other replicas while it waits to be
+            # placed again): a whole group outlives a slow start, and the next try reuses it.
+            lost = self.placements.broken(g)
+            if lost is not None:
+                self.placements.release(g)
+                if isinstance(e, Exception) and not isinstance(e, ReplicaStartError):  # a rank died with its node
+                    raise ReplicaStartError(f"{where} did not start: {lost} ({remote_cause(e)})") from e
             raise
         logger.info("replica group %d up: %d rank(s), %s, KV pool %d tokens", g, self.ranks,
                     "GPU" if self.use_gpu else "CPU", infos[0].max_total_tokens)
@@ -290,36 +288,6 @@ class ReplicaLauncher:
 
     def shutdown(self) -> None:
         self.placements.shutdown()
-
-
-def wait_all(refs: list[Any], labels: list[str], what: str, timeout_s: float, log_s: float,
-             broken: Callable[[], str | None]) -> list[Any]:
-    """ray.get(refs), bounded: a failure raises at once; ReplicaStartError once timeout_s passed or broken()
-    says why they cannot finish (a lost placement group); every log_s a warning names the labels (refs[i]'s is
-    labels[i]) still pending and `what` they are."""
-    import ray
-
-    start = time.monotonic()
-    next_log = start + log_s
-    pending = dict(zip(refs, labels))
-    while pending:
-        ready, _ = ray.wait(list(pending), num_returns=1, timeout=placement.POLL_S)
-        for ref in ready:
-            ray.get(ref)  # a failed task or dead actor raises now, not after the others finish
-            del pending[ref]
-        if ready or not pending:
-            continue
-        now = time.monotonic()
-        late = ", ".join(pending.values())
-        why = broken()
-        if why is not None:
-            raise ReplicaStartError(f"gave up waiting for {what}: {why} ({late} not done)")
-        if now - start >= timeout_s:
-            raise ReplicaStartError(f"gave up waiting for {what}: {late} not done within {timeout_s:.0f} s")
-        if now >= next_log:
-            next_log = now + log_s
-            logger.warning("waiting %.0f s now for %s: %s not done", now - start, what, late)
-    return ray.get(refs)
 
 
 def create_ray_engine_client(args: ServerArgs, *, replica_resources: list[dict[str, float]] | None = None,

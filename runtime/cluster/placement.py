@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 STRATEGIES = {"pack": "PACK", "spread": "SPREAD"}
 PLACEMENT_TIMEOUT_S = 120.0
+STATE_GRACE_S = 10.0  # how long a group's state may stay unreadable (a GCS hiccup) before its replica gives it up
 WAIT_LOG_S = 15.0  # how often a placement that waits on busy resources says so
 POLL_S = 1.0  # how soon a wait is reported (on_wait) and how often it checks for a shutdown
 
@@ -79,41 +80,50 @@ def create_placement_group(num_bundles: int, placement: str, use_gpu: bool, name
     """Reserves the bundles, waiting until the cluster can hold them (EngineUnavailableError if not).
     on_wait(what): told what the placement waits for, from a second in and then at every poll.
     stop: set by a shutdown, which gives the wait up (EngineUnavailableError) and reserves nothing."""
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import placement_group
 
     if placement not in STRATEGIES:
         raise ValueError(f"placement must be one of {', '.join(STRATEGIES)}, got {placement!r}")
     bundles = [bundle_resources(use_gpu, extra) for _ in range(num_bundles)]
     pg = placement_group(bundles, strategy=STRATEGIES[placement], name=name)
+    try:
+        wait_placed(pg, bundles, placement, name, PLACEMENT_TIMEOUT_S if timeout_s is None else timeout_s,
+                    on_wait, stop)
+    except BaseException:  # a shutdown, the timeout, or a failed query (the GCS): nobody else holds a handle to it
+        remove(pg)
+        raise
+    return pg
+
+
+def wait_placed(pg: Any, bundles: list[dict[str, float]], placement: str, name: str, timeout_s: float,
+                on_wait: Callable[[str], None] | None, stop: threading.Event | None) -> None:
+    """Waits until pg holds its bundles (create_placement_group's wait, which removes pg when this raises)."""
+    import ray
+
     ready = pg.ready()  # once: each call schedules a task of its own
     # Other jobs may hold what we need, or nodes are still joining (check_capacity): wait, and say so.
-    timeout_s = PLACEMENT_TIMEOUT_S if timeout_s is None else timeout_s
     start = time.monotonic()
     deadline, next_log = start + timeout_s, start + POLL_S
     while not ray.wait([ready], timeout=min(POLL_S, max(deadline - time.monotonic(), 0.0)))[0]:
         now = time.monotonic()
         if stop is not None and stop.is_set():
-            remove_placement_group(pg)
             raise EngineUnavailableError(f"the placement of {name} was given up: shutting down")
         if now < start + POLL_S and now < deadline:  # placing takes a moment even when it fits
             continue
         # What the bundles need, 0 where none is free (Ray leaves a resource out once it is all taken).
         free = {k: ray.available_resources().get(k, 0.0) for k in bundles[0]}
         if on_wait is not None:  # every poll: the /health reason stays current
-            on_wait(f"{num_bundles} x {bundles[0]} ({placement}) for {name}, free now {free}")
+            on_wait(f"{len(bundles)} x {bundles[0]} ({placement}) for {name}, free now {free}")
         if now >= deadline:
-            remove_placement_group(pg)
             short = shortfall(bundles, ray.cluster_resources())
             raise EngineUnavailableError(
                 f"cannot place {name} within {timeout_s:.0f} s: " + (short or (
-                    f"{num_bundles} x {bundles[0]} ({placement}) did not fit in the cluster's free resources "
+                    f"{len(bundles)} x {bundles[0]} ({placement}) did not fit in the cluster's free resources "
                     f"{free} (other jobs hold the rest; `ray status` shows them)")))
         if now >= next_log:
             next_log = now + WAIT_LOG_S
-            logger.warning("waiting for the Ray cluster to free %d x %s for %s (free now: %s)", num_bundles,
+            logger.warning("waiting for the Ray cluster to free %d x %s for %s (free now: %s)", len(bundles),
                            bundles[0], name, free)
-    return pg
 
 
 def bundle_strategy(pg: Any, bundle_index: int) -> Any:
@@ -134,13 +144,10 @@ def remove(pg: Any) -> None:
 
 def group_state(pg: Any) -> str:
     """Ray's word for the group: CREATED when whole; PENDING or RESCHEDULING while bundles wait (after a node
-    loss Ray keeps holding the surviving ones); REMOVED."""
+    loss Ray keeps holding the surviving ones); REMOVED. Raises what the query raises (the GCS did not answer)."""
     from ray.util.placement_group import placement_group_table
 
-    try:
-        return placement_group_table(pg).get("state", "REMOVED")
-    except Exception:  # the cluster itself is gone
-        return "REMOVED"
+    return placement_group_table(pg).get("state", "REMOVED")
 
 
 class ReplicaPlacements:
@@ -154,6 +161,7 @@ class ReplicaPlacements:
         self.names, self.extras = names, extras
         self.waiting: dict[int, str] = {}
         self._pgs: list[Any | None] = [None] * len(names)
+        self._unread_since: dict[int, float] = {}  # replica → when its group's state query began to fail
         self._lock = threading.Lock()  # relaunches acquire and release from their own threads
         self._stop = threading.Event()
         try:
@@ -168,11 +176,10 @@ class ReplicaPlacements:
         resources as create_placement_group does)."""
         pg = self._pgs[g]
         if pg is not None:
-            state = group_state(pg)
-            if state == "CREATED":
+            why = self.broken(g)
+            if why is None:
                 return pg
-            logger.warning("placement group %s is %s (it lost bundles with a node): replacing it", self.names[g],
-                           state)
+            logger.warning("replica %d cannot be placed in its group: %s; replacing it", g, why)
             self.release(g)
         pg = create_placement_group(self.num_bundles, self.placement, self.use_gpu, self.names[g], self.extras[g],
                                     on_wait=lambda what: self.waiting.__setitem__(g, what), stop=self._stop)
@@ -189,13 +196,35 @@ class ReplicaPlacements:
         pg = self._pgs[g]
         if pg is None:
             return f"its placement group {self.names[g]} was released"
-        state = group_state(pg)
+        try:
+            state = group_state(pg)
+        except Exception as e:
+            return self._unreadable(g, e)
+        self._unread_since.pop(g, None)
         return None if state == "CREATED" else f"its placement group {self.names[g]} lost bundles (it is {state})"
+
+    def _unreadable(self, g: int, e: Exception) -> str | None:
+        """broken(g) while group g's state query fails: None (as if whole) for STATE_GRACE_S, since one failed query
+        (a GCS hiccup) must not end a load in progress; why it is given up after that, or once Ray is shut down."""
+        import ray
+
+        since = self._unread_since.setdefault(g, time.monotonic())
+        failing = time.monotonic() - since
+        cause = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        if not ray.is_initialized():
+            return f"the state of its placement group {self.names[g]} cannot be read: Ray is shut down ({cause})"
+        if failing >= STATE_GRACE_S:
+            return (f"the state of its placement group {self.names[g]} cannot be read ({cause}; failing for "
+                    f"{failing:.0f} s)")
+        logger.debug("reading the state of placement group %s failed (%s): taken as whole for now", self.names[g],
+                     cause)
+        return None
 
     def release(self, g: int) -> None:
         """Frees replica g's group, so the bundles it still holds serve other replicas while it waits."""
         with self._lock:
             pg, self._pgs[g] = self._pgs[g], None
+        self._unread_since.pop(g, None)  # its next group's state is its own
         if pg is not None:
             remove(pg)
 

@@ -25,7 +25,7 @@ from typing import Any
 from runtime.cluster.live_stream import LiveStream, pin_seed
 from runtime.cluster.ray_admin_client import RayAdminClient
 from runtime.cluster.ray_lora_client import RayLoraClient
-from runtime.cluster.replica_group import ReplicaGroup
+from runtime.cluster.replica_group import ReplicaGroup, kill_all
 from runtime.cluster.replica_health import ReplicaHealth
 from runtime.cluster.replica_links import ReplicaLinks
 from runtime.cluster.request_link import RequestLink
@@ -330,8 +330,7 @@ class RayEngineClient(ReplicaHealth, RayLoraClient, RayAdminClient, EngineClient
             logger.debug("stopping client tasks failed", exc_info=True)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
-        for g in self.groups:
-            g.kill()
+        kill_all(self.groups)
         self.launcher.shutdown()
         if self.owns_ray:
             import ray

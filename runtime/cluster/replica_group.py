@@ -4,6 +4,8 @@ or, with DP attention, every DP rank (each rank a scheduler + worker; the MLP gr
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,3 +49,15 @@ class ReplicaGroup:
         import ray
 
         return ray.get([w.node_id.remote() for w in self.workers])
+
+
+def kill_all(groups: Sequence[ReplicaGroup]) -> None:
+    """Kills every group at once (a shutdown): each waits up to STOP_WAIT_S for its schedulers' stop, all of them
+    together, so the shutdown waits that once rather than once per replica."""
+    if len(groups) <= 1:
+        for group in groups:
+            group.kill()
+        return
+    with ThreadPoolExecutor(len(groups), thread_name_prefix="shoal-kill") as pool:
+        for done in [pool.submit(group.kill) for group in groups]:
+            done.result()

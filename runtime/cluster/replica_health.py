@@ -51,7 +51,6 @@ class ReplicaHealth:
     def _relaunch_note(self, gi: int) -> str:
         if gi not in self._restarting:
             return ""
-        # A launcher that reserves nothing (tests' fakes) has no waiting.
         waits = dict(self.launcher.waiting)  # the relaunch threads write it
         return f" (relaunching; waiting for resources: {waits[gi]})" if gi in waits else " (relaunching)"
 
@@ -129,4 +128,4 @@ class ReplicaHealth:
             self._mark_up(gi)
             for i in self._targets_of(gi):
                 self.replicas[i].alive = True
-        logger.info("replica %d is back (generation %d)", gi, new.generation)
+            logger.info("replica %d is back (generation %d)", gi, new.generation)

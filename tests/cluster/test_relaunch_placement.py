@@ -5,7 +5,11 @@ groups hold the whole node left and neither could come back. A relaunch's wait e
 bundles (or its actors did not start in time); the group is released, a fresh one is reserved, one replica
 comes back on the node left and the other waits holding nothing, saying what it waits for, until the node
 returns. The client's /health reason carries that wait, and a relaunch keeps retrying without a traceback.
-A follower's death seen while the group is being stopped is not logged as a failure."""
+A follower's death seen while the group is being stopped is not logged as a failure.
+
+What must not end a start: a slow load (no limit; its progress is logged at INFO), one failed query of the group's
+state (a GCS hiccup), actors that are slow to start in a group that is still whole (the group is kept). What must
+not leak: a placement whose wait fails. A shutdown stops every replica at once, not one after another."""
 
 from __future__ import annotations
 
@@ -17,179 +21,19 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from fake_ray_actors import INFO, FakeLauncher, FakeScheduler, fake_client
+from fake_placement_ray import FakeActor, FakePG, FakeRay
+from fake_ray_actors import FakeLauncher, FakeScheduler, fake_client
 
-from runtime.cluster import launch, placement, replica_group, replica_health, scheduler_actor
-from runtime.cluster.launch import ReplicaLauncher, ReplicaStartError, replica_group_name
+from runtime.cluster import placement, replica_group, replica_health, replica_start, scheduler_actor
+from runtime.cluster.launch import ReplicaLauncher, replica_group_name
+from runtime.cluster.replica_start import ReplicaStartError
 from runtime.cluster.tp_rank import RankSpec
 from runtime.config import ServerArgs
 from runtime.errors import EngineUnavailableError
-
-
-@dataclass(eq=False)
-class FakePG:
-    name: str
-    nodes: list[str | None]  # each bundle's node, None while unplaced
-    spread: bool
-    state: str = "PENDING"
-
-    def ready(self) -> Ref:
-        return Ref(lambda: (self.state == "CREATED", self))
-
-
-@dataclass(eq=False)
-class Ref:
-    """An ObjectRef: poll() says (ready, value or the exception to raise)."""
-
-    poll: Any
-
-
-@dataclass(eq=False)
-class FakeActor:
-    cluster: FakeRay
-    pg: FakePG
-    bundle: int
-    node: str | None = None
-    started: bool = False
-    killed: bool = False
-
-    def answer(self, method: str, args: tuple) -> tuple[bool, Any]:
-        if self.node in self.cluster.gone and not self.started:  # Ray schedules it again, into the new bundle
-            self.node = None
-        if self.node is None and self.pg.state == "CREATED":  # Ray starts it once its bundle is placed
-            self.node = self.pg.nodes[self.bundle]
-        if self.killed or self.node in self.cluster.gone:
-            return True, RuntimeError("ActorDiedError: the actor died")
-        if self.node is None or self.node in self.cluster.dead:
-            return False, None  # not started, or on a node that died unnoticed: the call hangs
-        self.started = True
-        return True, {"endpoint": ("127.0.0.1", 29500), "node_id": self.node, "init": INFO}.get(method, args)
-
-    def __getattr__(self, method: str) -> SimpleNamespace:
-        return SimpleNamespace(remote=lambda *args: Ref(lambda: self.answer(method, args)))
-
-
-class FakeRay:
-    """Ray's placement as far as ReplicaLauncher relies on it: a group's bundles are placed all at once (a pending
-    group holds nothing), SPREAD over distinct nodes where it can. A killed node is first dead unnoticed (its
-    actors hang, its groups still say CREATED); once noticed, Ray reschedules its bundles and keeps the others."""
-
-    def __init__(self, cpus: dict[str, int]):
-        self.cpus = cpus
-        self.dead: set[str] = set()
-        self.gone: set[str] = set()
-        self.pgs: list[FakePG] = []
-        self.actors: list[FakeActor] = []
-        self.lock = threading.RLock()
-
-    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        import ray
-
-        ray_pg = importlib.import_module("ray.util.placement_group")  # ray.util's name is the function
-        for name in ("wait", "get", "remote", "kill", "available_resources", "cluster_resources"):
-            monkeypatch.setattr(ray, name, getattr(self, name))
-        monkeypatch.setattr(ray_pg, "placement_group", self.placement_group)
-        monkeypatch.setattr(ray_pg, "remove_placement_group", self.remove_placement_group)
-        monkeypatch.setattr(ray_pg, "placement_group_table", lambda pg: {"state": pg.state})
-        monkeypatch.setattr(placement, "bundle_strategy", lambda pg, r: (pg, r))
-
-    # ---- placement ------------------------------------------------------------------------------
-    def free(self) -> dict[str, int]:
-        held = [n for pg in self.pgs if pg.state != "REMOVED" for n in pg.nodes if n is not None]
-        return {n: c - held.count(n) for n, c in self.cpus.items() if n not in self.gone}
-
-    def schedule(self) -> None:
-        with self.lock:
-            for pg in self.pgs:
-                if pg.state not in ("PENDING", "RESCHEDULING"):
-                    continue
-                free, nodes = self.free(), list(pg.nodes)
-                for i in [i for i, n in enumerate(nodes) if n is None]:
-                    fits = [n for n in free if free[n] > 0]
-                    if not fits:
-                        break
-                    node = min(fits, key=lambda n: (pg.spread and n in nodes, -free[n], n))
-                    nodes[i], free[node] = node, free[node] - 1
-                if None not in nodes:  # all of them, or none
-                    pg.nodes, pg.state = nodes, "CREATED"
-
-    def placement_group(self, bundles: list[dict], strategy: str, name: str) -> FakePG:
-        with self.lock:
-            pg = FakePG(name, [None] * len(bundles), strategy == "SPREAD")
-            self.pgs.append(pg)
-            self.schedule()
-            return pg
-
-    def remove_placement_group(self, pg: FakePG) -> None:
-        with self.lock:
-            pg.state, pg.nodes = "REMOVED", [None] * len(pg.nodes)
-            self.schedule()
-
-    def kill_node(self, node: str) -> None:
-        self.dead.add(node)
-
-    def notice(self, node: str) -> None:
-        with self.lock:
-            self.gone.add(node)
-            for pg in self.pgs:
-                if node in pg.nodes:
-                    pg.nodes = [None if n == node else n for n in pg.nodes]
-                    pg.state = "RESCHEDULING"
-            self.schedule()
-
-    def revive(self, node: str) -> None:
-        with self.lock:
-            self.dead.discard(node)
-            self.gone.discard(node)
-            self.schedule()
-
-    def held(self) -> dict[str, list[str | None]]:
-        """The nodes of each group that holds bundles, by name (a pending group holds none)."""
-        return {pg.name: pg.nodes for pg in self.pgs if any(pg.nodes)}
-
-    # ---- the ray API ----------------------------------------------------------------------------
-    def remote(self, cls: type) -> SimpleNamespace:
-        def start(**options: Any) -> SimpleNamespace:
-            pg, r = options["scheduling_strategy"]
-
-            def create(*args: Any) -> FakeActor:
-                actor = FakeActor(self, pg, r)
-                self.actors.append(actor)
-                return actor
-            return SimpleNamespace(remote=create)
-        return SimpleNamespace(options=start)
-
-    def wait(self, refs: list[Ref], num_returns: int = 1, timeout: float | None = None, **kw: Any) -> tuple:
-        deadline = time.monotonic() + (timeout if timeout is not None else 60.0)
-        while True:
-            ready = [r for r in refs if r.poll()[0]][:num_returns]
-            if len(ready) == num_returns or time.monotonic() >= deadline:
-                return ready, [r for r in refs if r not in ready]
-            time.sleep(0.005)
-
-    def get(self, refs: Any, timeout: float | None = None) -> Any:
-        values = []
-        for ref in refs if isinstance(refs, list) else [refs]:
-            ready, value = ref.poll()
-            assert ready, "a get that would block"
-            if isinstance(value, Exception):
-                raise value
-            values.append(value)
-        return values if isinstance(refs, list) else values[0]
-
-    def kill(self, actor: FakeActor, no_restart: bool = True) -> None:
-        actor.killed = True
-
-    def available_resources(self) -> dict[str, float]:
-        return {"CPU": float(sum(self.free().values()))}
-
-    def cluster_resources(self) -> dict[str, float]:
-        return {"CPU": float(sum(c for n, c in self.cpus.items() if n not in self.gone))}
 
 
 @pytest.fixture
@@ -259,19 +103,101 @@ def test_a_lost_node_frees_both_groups_and_one_replica_comes_back(fake_ray):
     assert fake_ray.held() == {}
 
 
-def test_actors_that_never_start_time_out_and_release_their_group(fake_ray, monkeypatch, caplog):
-    monkeypatch.setattr(launch, "ACTOR_START_TIMEOUT_S", 0.3)
+def test_actors_that_never_start_time_out_and_keep_their_whole_group(fake_ray, monkeypatch, caplog):
+    monkeypatch.setattr(replica_start, "ACTOR_START_TIMEOUT_S", 0.3)
     launcher = spread_launcher()
     fake_ray.kill_node("B")  # never noticed: the group still says CREATED
     start = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="runtime.cluster.launch"), pytest.raises(ReplicaStartError) as e:
+    with caplog.at_level(logging.WARNING, logger="runtime.cluster.replica_start"), \
+            pytest.raises(ReplicaStartError) as e:
         launcher.launch(0)
     assert time.monotonic() - start < 5
     assert str(e.value) == (f"gave up waiting for the actors of replica 0 (placement group {name(0)}) to start: "
                             f"rank 1 not done within 0 s")
     assert f"for the actors of replica 0 (placement group {name(0)}) to start: rank 1 not done" in caplog.text
-    assert name(0) not in fake_ray.held() and all(a.killed for a in fake_ray.actors)
+    # Whole as far as Ray knows: kept for the next try (a release would only queue it behind other jobs).
+    assert fake_ray.held()[name(0)] == ["A", "B"] and all(a.killed for a in fake_ray.actors)
+    fake_ray.notice("B")  # now it lost a bundle: the next try replaces it
+    with pytest.raises(EngineUnavailableError, match=f"cannot place {name(0)} within 0 s"):
+        launcher.launch(0)
+    assert name(0) not in fake_ray.held()
     launcher.shutdown()
+
+
+def test_a_placement_whose_wait_fails_is_removed(fake_ray, monkeypatch):
+    import ray
+
+    launcher = spread_launcher()
+    launcher.placements.release(1)
+    fake_ray.kill_node("B")
+    fake_ray.notice("B")  # replica 1 cannot be placed now: its new group waits
+    monkeypatch.setattr(ray, "available_resources", lambda: (_ for _ in ()).throw(ConnectionError("GCS unavailable")))
+    with pytest.raises(ConnectionError):
+        launcher.launch(1)
+    fake_ray.revive("B")  # a group left behind would now take B
+    assert name(1) not in fake_ray.held()
+    launcher.shutdown()
+    assert fake_ray.held() == {}
+
+
+def slow_init(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Every rank's load answers only `seconds` from now."""
+    answer, ends = FakeActor.answer, time.monotonic() + seconds
+    monkeypatch.setattr(FakeActor, "answer", lambda self, method, args: (False, None) if method == "init" and
+                        time.monotonic() < ends else answer(self, method, args))
+
+
+def flaky_state(monkeypatch: pytest.MonkeyPatch, fails: Any) -> None:
+    """placement_group_table raises (a GCS RPC timeout) on the calls for which fails(n) says so."""
+    ray_pg = importlib.import_module("ray.util.placement_group")
+    table, calls = ray_pg.placement_group_table, itertools.count(1)
+
+    def query(pg: FakePG) -> dict:
+        if fails(next(calls)):
+            raise TimeoutError("GCS rpc timed out")
+        return table(pg)
+    monkeypatch.setattr(ray_pg, "placement_group_table", query)
+
+
+def test_a_slow_load_with_a_failed_state_query_goes_on(fake_ray, monkeypatch, caplog):
+    monkeypatch.setattr(replica_start, "LOAD_LOG_S", 0.05)
+    launcher = spread_launcher()
+    flaky_state(monkeypatch, lambda n: n == 3)  # once, while the load waits
+    slow_init(monkeypatch, 0.4)
+    with caplog.at_level(logging.INFO, logger="runtime.cluster.replica_start"):
+        group = launcher.launch(0)
+    assert group.node_ids() == ["A", "B"] and fake_ray.held()[name(0)] == ["A", "B"]
+    progress = [r for r in caplog.records if "for the ranks of replica 0" in r.getMessage()]
+    assert progress and {r.levelno for r in progress} == {logging.INFO}, caplog.text  # no warning: no limit
+    launcher.shutdown()
+
+
+def test_a_state_that_stays_unreadable_gives_the_group_up(fake_ray, monkeypatch):
+    monkeypatch.setattr(placement, "STATE_GRACE_S", 0.2)
+    launcher = spread_launcher()
+    flaky_state(monkeypatch, lambda n: True)
+    slow_init(monkeypatch, 60)
+    start = time.monotonic()
+    with pytest.raises(ReplicaStartError, match=rf"the state of its placement group {name(0)} cannot be read "
+                       r"\(TimeoutError: GCS rpc timed out; failing for 0 s\) \(rank 0, rank 1 not done\)"):
+        launcher.launch(0)
+    assert 0.2 <= time.monotonic() - start < 5 and name(0) not in fake_ray.held()
+    fake_ray.up = False  # Ray shut down: no grace
+    start = time.monotonic()
+    with pytest.raises(ReplicaStartError, match="cannot be read: Ray is shut down"):
+        launcher.launch(1)
+    assert time.monotonic() - start < 0.2
+    launcher.shutdown()
+
+
+def test_a_shutdown_stops_every_replica_at_once(fake_ray, monkeypatch):
+    monkeypatch.setattr(replica_group, "STOP_WAIT_S", 0.3)
+    groups = spread_launcher().launch_all()
+    fake_ray.kill_node("A")  # both schedulers (rank 0) are there: their stop() hangs
+    start = time.monotonic()
+    replica_group.kill_all(groups)
+    assert 0.3 <= time.monotonic() - start < 0.55  # one wait for both, not one each
+    assert all(a.killed for a in fake_ray.actors)
 
 
 def test_a_shutdown_gives_a_waiting_placement_up(fake_ray):
