@@ -12,7 +12,7 @@ from typing import Any
 from runtime.errors import ServerArgsError
 from runtime.fp8_flags import check_fp8_flags
 from runtime.hf_cache import check_revisions
-from runtime.http_flags import api_keys, check_http_flags, json_or_list
+from runtime.http_flags import check_http_flags, normalize_http_flags
 from runtime.lora.lora_flags import check_lora_flags
 from runtime.priority_flags import check_priority_flags
 from runtime.sampling.generation_defaults import check_flags as check_generation_flags
@@ -209,6 +209,11 @@ class ServerArgs:
                                                  "/metrics, /ping, /version and /dashboard; several keys (vLLM's "
                                                  "--api-key k1 k2): any one; `shoal serve` reads $VLLM_API_KEY "
                                                  "when none is given")
+    admin_api_key: str | None = _opt(None, "SGLang's: the one key the operator routes (weights, pause, sleep, LoRA "
+                                           "loading, cache flush, profiling, /abort_request) take; --api-key keys "
+                                           "are refused there. Without it --api-key guards them too")
+    timeout_keep_alive: float = _opt(5.0, "seconds a connection may sit idle, or take to send a request's headers, "
+                                          "before it is closed (uvicorn's, as vLLM and SGLang serve)")
     max_request_bytes: int = _opt(8 * 1024 * 1024, "largest accepted request body")
     enable_force_include_usage: bool = _opt(False, "streamed completions and chat completions carry usage as if "
                                                    "every request asked stream_options {include_usage, "
@@ -261,9 +266,7 @@ class ServerArgs:
                 [f"{k}={v}" for k, v in items] if items is not None else [str(x) for x in self.lora_modules]))
         object.__setattr__(self, "served_model_aliases", served_model_aliases(self.served_model_name,
                                                                                 self.served_model_aliases))
-        object.__setattr__(self, "api_key", api_keys(self.api_key))
-        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):  # Engine(...) or YAML lists
-            object.__setattr__(self, name, json_or_list(getattr(self, name)))
+        normalize_http_flags(self)  # key tuples, Engine(...) or YAML lists
         check_field_types(self)
         _hf_overrides(self.hf_overrides)
         if pooler_config(self.pooler_config) and not self.is_embedding:
@@ -285,14 +288,10 @@ class ServerArgs:
             raise ServerArgsError("--chunked-prefill-size", f"must be -1 (off) or positive, got {self.chunked_prefill_size}")
         if self.balance_abs_threshold < 0:
             raise ServerArgsError("--balance-abs-threshold", f"must be >= 0, got {self.balance_abs_threshold}")
-        if not 0 < self.port < 65536:
-            raise ServerArgsError("--port", f"must be in 1..65535, got {self.port}")
         if self.watchdog_timeout is not None and self.watchdog_timeout != self.watchdog_timeout:  # NaN
             raise ServerArgsError("--watchdog-timeout", "must be a number of seconds (<= 0 or inf turns it off), got nan")
         if not self.retract_ratio_growth >= 1.0:  # NaN too
             raise ServerArgsError("--retract-ratio-growth", f"must be >= 1 (1 turns it off), got {self.retract_ratio_growth}")
-        if not 0 <= self.shutdown_timeout_s < float("inf"):
-            raise ServerArgsError("--shutdown-timeout-s", f"must be >= 0 seconds, got {self.shutdown_timeout_s}")
         if not 0.0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0:
             raise ServerArgsError("--min-new-token-ratio", "need 0 <= min ratio <= init ratio <= 1")
         for f in dataclasses.fields(self):

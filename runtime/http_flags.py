@@ -1,4 +1,4 @@
-"""The HTTP server's flags: API keys, the CORS lists and the access log's exclusions, parsed and checked at
+"""The HTTP server's flags: API keys (--api-key, --admin-api-key), the CORS lists and the access log's exclusions, parsed and checked at
 start (runtime/config.py calls check_http_flags) so a value the gateway could not honour names its flag
 before anything loads. The gateway (runtime/gateway/cors.py, api_keys.py, access_log.py) reads the parsed
 forms from here.
@@ -25,7 +25,7 @@ _ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s?#]+|null")
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110's token: a method or a header name
 
 
-def api_keys(value: Any) -> tuple[str, ...] | None:
+def api_keys(value: Any, flag: str = "--api-key") -> tuple[str, ...] | None:
     """--api-key as ServerArgs keeps it: a tuple of keys (any one authorizes, as vLLM's several), None for
     none. A str is one key (Engine(api_key="k"), SGLang's single key). An empty key, or one with spaces
     around it, could never be sent back as given: refused rather than leaving the server open or locked
@@ -34,15 +34,38 @@ def api_keys(value: Any) -> tuple[str, ...] | None:
         return None
     keys = (value,) if isinstance(value, str) else value
     if not isinstance(keys, list | tuple) or not keys:
-        raise ServerArgsError("--api-key", f"must be a key or a list of keys, got {value!r}")
+        raise ServerArgsError(flag, f"must be a key or a list of keys, got {value!r}")
     for key in keys:
         if not isinstance(key, str) or not key.strip():
-            raise ServerArgsError("--api-key", f"a key must be a non-empty string, got {key!r} (an unset "
-                                               "variable in --api-key \"$KEY\"?)")
+            raise ServerArgsError(flag, f"a key must be a non-empty string, got {key!r} (an unset "
+                                        f"variable in {flag} \"$KEY\"?)")
         if key != key.strip() or any(c in key for c in "\r\n"):
-            raise ServerArgsError("--api-key", "a key cannot begin or end with whitespace or hold a line "
-                                               "break: no Authorization header could carry it")
+            raise ServerArgsError(flag, "a key cannot begin or end with whitespace or hold a line "
+                                        "break: no Authorization header could carry it")
     return tuple(dict.fromkeys(keys))
+
+
+def admin_api_key(value: Any, keys: tuple[str, ...] | None) -> str | None:
+    """--admin-api-key (SGLang's, one key): the only key the operator routes take once it is set
+    (api_keys.py). One equal to an --api-key would hand them to every inference client: refused."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ServerArgsError("--admin-api-key", f"must be one key, got {value!r}")
+    api_keys(value, "--admin-api-key")
+    if value in (keys or ()):
+        raise ServerArgsError("--admin-api-key", "equals an --api-key: every inference client would hold the "
+                                                 "operator routes too; give it a key of its own")
+    return value
+
+
+def normalize_http_flags(args: ServerArgs) -> None:
+    """The HTTP flags' Python forms (Engine(...) kwargs, YAML lists) as ServerArgs keeps them: key tuples,
+    list flags as the JSON text the CLI would give. Called from ServerArgs.__post_init__ (frozen)."""
+    object.__setattr__(args, "api_key", api_keys(args.api_key))
+    object.__setattr__(args, "admin_api_key", admin_api_key(args.admin_api_key, args.api_key))
+    for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        object.__setattr__(args, name, json_or_list(getattr(args, name)))
 
 
 def json_or_list(value: Any) -> Any:
@@ -137,6 +160,13 @@ def check_credentials(origins: tuple[str, ...], credentials: bool) -> None:
 
 
 def check_http_flags(args: ServerArgs) -> None:
+    if not 0 < args.port < 65536:
+        raise ServerArgsError("--port", f"must be in 1..65535, got {args.port}")
+    if not 0 < args.timeout_keep_alive < float("inf"):  # NaN too; 0 would leave an idle socket open for ever
+        raise ServerArgsError("--timeout-keep-alive", f"must be a positive number of seconds, got "
+                                                      f"{args.timeout_keep_alive}")
+    if not 0 <= args.shutdown_timeout_s < float("inf"):
+        raise ServerArgsError("--shutdown-timeout-s", f"must be >= 0 seconds, got {args.shutdown_timeout_s}")
     check_credentials(cors_origins(args.allowed_origins), args.allow_credentials)
     cors_methods(args.allowed_methods)
     cors_headers(args.allowed_headers)

@@ -1,5 +1,5 @@
 """Operator routes both peers have, in their shapes (the engine side: EngineClient.flush_prefix_cache / profile,
-runtime/engine_admin.py and runtime/cluster/ray_admin_client.py). The API key guards them like every route.
+runtime/engine_admin.py and runtime/cluster/ray_admin_client.py). --admin-api-key guards them where set, else --api-key (api_keys.py).
 
 Prefix cache — SGLang's GET|POST /flush_cache (200 "Cache flushed..." text) and vLLM's POST /reset_prefix_cache
 (200, empty): every cached prefix no running request uses is dropped and its KV freed, on every replica. Where
@@ -68,7 +68,7 @@ from runtime.admin_messages import (
     sleep_control,
 )
 from runtime.errors import InvalidRequestError, ShoalError
-from runtime.gateway.body import read_optional_body
+from runtime.gateway.body import read_optional_body, read_raw
 from runtime.gateway.errors import ApiError, bad_request, from_shoal_error, not_supported
 from runtime.gateway.health_routes import health
 from runtime.gateway.openai_chat import chat_completions
@@ -77,7 +77,7 @@ from runtime.gateway.openai_embeddings import embeddings
 from runtime.gateway.protocol import encode
 from runtime.gateway.state import STATE_KEY, shoal_version
 
-_SECRET_ARGS = ("api_key",)  # never shown by /get_server_info
+_SECRET_ARGS = ("api_key", "admin_api_key")  # never shown by /get_server_info
 
 
 class StartProfileBody(msgspec.Struct, kw_only=True):
@@ -173,7 +173,7 @@ async def get_weight_version(request: web.Request) -> web.Response:
 # ---- weights --------------------------------------------------------------------------------------
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    raw = await request.read()
+    raw = await read_raw(request)
     try:
         body = msgspec.json.decode(raw, type=UpdateWeightsBody)
     except msgspec.DecodeError as e:
@@ -196,7 +196,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
 
 
 async def _decoded(request: web.Request, kind: type, param: str) -> Any:
-    raw = await request.read()
+    raw = await read_raw(request)
     try:
         body = msgspec.json.decode(raw or b"{}", type=kind, strict=False)  # "29500" for a port, as SGLang coerces
     except msgspec.DecodeError as e:  # "... - at `$.shapes[0]`", "... missing required field `names`": that field
@@ -317,7 +317,7 @@ async def ping(request: web.Request) -> web.Response:
 
 
 async def invocations(request: web.Request) -> web.StreamResponse:
-    raw = await request.read()  # aiohttp keeps it: the handler routed to reads it again
+    raw = await read_raw(request)  # aiohttp keeps it: the handler routed to reads it again
     try:
         body = msgspec.json.decode(raw) if raw.strip() else None
     except msgspec.DecodeError as e:

@@ -34,6 +34,7 @@ from runtime.gateway import (
 )
 from runtime.gateway.access_log import AccessLog
 from runtime.gateway.api_keys import ApiKeys
+from runtime.gateway.body import payload_error
 from runtime.gateway.cors import Cors
 from runtime.gateway.errors import ApiError, from_http_exception, from_shoal_error
 from runtime.gateway.health_probe import HEALTH_PROBE_KEY, HealthProbe
@@ -61,7 +62,9 @@ def _middleware(api_keys: ApiKeys, cors: Cors) -> Callable:
             if cors.enabled and cors.is_preflight(request):
                 return cors.preflight(request)
             if not api_keys.authorized(request):
-                raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                raise ApiError(401, "This route needs the admin key (--admin-api-key): send 'Authorization: "
+                                    "Bearer <admin key>'." if api_keys.needs_admin_key(request) else
+                               "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                                code="invalid_api_key")
             with request.app[STATE_KEY].request_scope(request.headers.get(_REQUEST_ID)):
                 if (scope := current_scope()) is not None:
@@ -75,6 +78,8 @@ def _middleware(api_keys: ApiKeys, cors: Cors) -> Callable:
             err, headers = from_http_exception(e, request.path)
         except ShoalError as e:
             err = from_shoal_error(e)
+        except web.RequestPayloadError as e:  # a route that reads the body itself (body.py maps it for the rest)
+            err = payload_error(request, e)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the last resort: a bug of ours must not take the server down
@@ -116,12 +121,12 @@ async def _stop_background_tasks(app: web.Application) -> None:
 def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) -> web.Application:
     """client_provider: a ready EngineClient, or a zero-arg callable returning it (None while the
     model loads: model routes and /health answer 503 until then)."""
-    cors, api_keys = Cors.from_args(args), ApiKeys(args.api_key)
+    cors, api_keys = Cors.from_args(args), ApiKeys(args.api_key, args.admin_api_key)
     middlewares = [AccessLog(args).middleware(), _middleware(api_keys, cors)]
     app = web.Application(client_max_size=args.max_request_bytes, middlewares=middlewares)
     app[STATE_KEY] = GatewayState(client_provider, args)
     app[HEALTH_PROBE_KEY] = HealthProbe()  # /health_generate's check, shared by its callers
-    _log_settings(args, len(api_keys))
+    _log_settings(args, api_keys)
     app.on_cleanup.append(_stop_background_tasks)
     app.on_response_prepare.append(_echo_request_id)
     if cors.enabled:
@@ -164,11 +169,14 @@ def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) 
     return app
 
 
-def _log_settings(args: ServerArgs, keys: int) -> None:
+def _log_settings(args: ServerArgs, api_keys: ApiKeys) -> None:
     """The gateway's access settings, once at start (never a key itself)."""
-    if keys:
+    if keys := len(api_keys):
         logger.info("API key required (%d key%s set): send 'Authorization: Bearer <key>' on every route but "
                     "/health*, /metrics, /ping, /version and /dashboard", keys, "s" if keys > 1 else "")
+    if api_keys.has_admin_key:
+        logger.info("admin key set (--admin-api-key): the operator routes (weights, pause, sleep, LoRA loading, "
+                    "cache flush, profiling, /abort_request) take it and no other key")
     if args.enable_log_requests:
         cut = "in full" if args.max_log_len is None else f"up to {args.max_log_len} characters"
         logger.info("logging each request's sampling params at INFO and its prompt (%s) at DEBUG, on logger "

@@ -1,6 +1,6 @@
 """LoRA adapters loaded and unloaded at run time, in both peers' shapes (the engine side: EngineClient.add_lora /
 remove_lora, runtime/lora/lora_registry.py). Always on with --enable-lora (vLLM gates its routes behind
-VLLM_ALLOW_RUNTIME_LORA_UPDATING); the API key guards them like every other route.
+VLLM_ALLOW_RUNTIME_LORA_UPDATING); --admin-api-key guards them where set, else --api-key (api_keys.py).
 
 vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace"?} and /v1/unload_lora_adapter
 {"lora_name"}: 200 with a plain-text "Success: ..." line; errors in our OpenAI-style body: 400 for bad input

@@ -17,10 +17,10 @@ first may still be running. An empty header counts as none. The middleware (app.
 each handler.
 
 X-Request-Id comes back on every response (response_header), as vLLM's --enable-request-id-headers sends it:
-the client's own where a header can carry it as sent; else the id this request's first response id was made
-from (chatcmpl-<hex> answers <hex>, a body request_id answers itself), so the header names the request the same
-way whether the client sent one or not; else (no id made: an error before it, a route that names nothing) a
-random uuid hex, as vLLM's."""
+the client's own where it is well formed (1-256 visible ASCII: a rejected one is never echoed); else the id
+this request's first response id was made from (chatcmpl-<hex> answers <hex>, a body request_id answers
+itself), so the header names the request the same way whether the client sent one or not; else (no id made:
+an error before it, a route that names nothing) a random uuid hex, as vLLM's."""
 
 from __future__ import annotations
 
@@ -73,9 +73,10 @@ def current_scope() -> IdScope | None:
 
 
 def response_header(sent: str | None, scope: IdScope | None) -> str:
-    """The X-Request-Id to answer with: the client's own if a header can carry it back as sent, else the id its
-    response was named by, else a random uuid hex (vLLM's)."""
-    if sent and sent.isascii() and sent.isprintable():
+    """The X-Request-Id to answer with: the client's own if it is well formed (_FORM: one it could be named by;
+    a longer or odd one is never echoed, so a client cannot make every answer carry kilobytes of its header),
+    else the id its response was named by, else a random uuid hex (vLLM's)."""
+    if sent and _FORM.fullmatch(sent):
         return sent
     if scope is not None and scope.base is not None:
         return scope.base

@@ -25,7 +25,9 @@ curl::
     curl http://127.0.0.1:30000/metrics            # Prometheus text, shoal:* metrics
 
 With --api-key (or $VLLM_API_KEY; several keys: `--api-key k1 k2`, any one), add
-`-H 'Authorization: Bearer sk-local'` (not needed for /health, /health_generate, /metrics).
+`-H 'Authorization: Bearer sk-local'` (not needed for /health, /health_generate, /metrics). With
+--admin-api-key (SGLang's) the operator routes (weights, pause, sleep, LoRA loading, /flush_cache, profiling,
+/abort_request) take that key and no other (api_keys.py).
 
 openai client::
 
@@ -48,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import ipaddress
 import logging
 import os
 import signal
@@ -64,6 +67,7 @@ from runtime.errors import ServerArgsError
 from runtime.gateway.app import build_app, gateway_state
 from runtime.gateway.drain import ABORTED_WRITE_S, drain
 from runtime.gateway.http_site import HttpSite
+from runtime.gateway.socket_guard import SocketGuard
 from runtime.gateway.state import ClientProvider
 from runtime.gc_guard import GcGuard
 from runtime.logging_setup import setup_logging
@@ -132,13 +136,15 @@ async def _serve_until_stopped(app: web.Application, args: ServerArgs, loader: _
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    runner = web.AppRunner(app, access_log=None)  # the app logs its own (access_log.py: request ids, latency)
+    SocketGuard().install(loop)
+    runner = _runner(app)
     await runner.setup()
     try:
         await _start_site(runner, args.host, args.port, site)
     except ServerArgsError:
         await runner.cleanup()
         raise
+    _warn_if_open(args.host, args)
     url = f"{site.scheme}://{args.host}:{args.port}"
     logger.info("listening at %s; loading the model (routes answer 503 until ready)", url)
     threading.Thread(target=loader.load, name="shoal-engine-loader", daemon=True).start()
@@ -167,6 +173,27 @@ async def _serve_until_stopped(app: web.Application, args: ServerArgs, loader: _
     logger.info("stopped")
 
 
+def _runner(app: web.Application) -> web.AppRunner:
+    # access_log None: the app logs its own (access_log.py: request ids, latency). keepalive_timeout also
+    # bounds the wait for a new connection's first request head (socket_guard.py).
+    return web.AppRunner(app, access_log=None, keepalive_timeout=gateway_state(app).args.timeout_keep_alive)
+
+
+def _warn_if_open(host: str, args: ServerArgs) -> None:
+    """Once at start: a server reachable beyond this machine with no key at all lets anyone load weights,
+    pause it or point it at a host of their choosing (/init_weights_update_group)."""
+    if args.api_key or args.admin_api_key:
+        return
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        loopback = False
+    if not loopback:
+        logger.warning("listening on %s with no --api-key or --admin-api-key: anyone who can reach it may use "
+                       "every route, the operator ones included (weight loading, pause, sleep, LoRA loading)",
+                       host or "every interface")
+
+
 async def _start_site(runner: web.AppRunner, host: str, port: int, site: HttpSite) -> None:
     """Listens on host:port; a port in use (or a host this machine lacks) is the user's flag to fix, said
     in one line rather than as the socket's traceback."""
@@ -187,7 +214,8 @@ class ServerHandle:
         self._site.install(app)
         self.url = ""
         self._loop = asyncio.new_event_loop()
-        self._runner = web.AppRunner(app, access_log=None)
+        SocketGuard().install(self._loop)
+        self._runner = _runner(app)
         self._started = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(host, port), name="shoal-gateway", daemon=True)
@@ -203,6 +231,7 @@ class ServerHandle:
             self._loop.run_until_complete(_start_site(self._runner, host, port, self._site))
             bound = self._runner.addresses[0][1]
             self.url = f"{self._site.scheme}://{host}:{bound}"
+            _warn_if_open(host, gateway_state(self.app).args)
         except BaseException as e:
             self._error = e
             with contextlib.suppress(Exception):  # the runner may not have been set up

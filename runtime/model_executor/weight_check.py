@@ -17,6 +17,7 @@ weights serving untouched (runtime/model_executor/weight_updater.py applies what
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,8 @@ from runtime.models.registry import get_model_class
 
 if TYPE_CHECKING:
     from runtime.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = (None, "auto", "safetensors")
 # ModelConfig fields a checkpoint may change without changing the modules built from the others
@@ -56,13 +59,18 @@ class WeightCheck:
         """Raises WeightLoadError (or a subclass) naming what does not fit; returns with nothing copied."""
         if load_format not in LOAD_FORMATS:
             raise WeightLoadError(f"load_format {load_format!r} cannot update weights: use auto or safetensors")
+        # One message whether the path is missing, a file, or a folder without a readable config.json: an HTTP
+        # client must not learn which paths exist on the server's machine (the operator's log says which).
+        not_loadable = f"model_path {model_path!r} is not a checkpoint folder this server can load"
         if not Path(model_path).is_dir():
-            raise WeightLoadError(f"model_path {model_path!r} is not a checkpoint folder on this machine")
+            logger.warning("weight update: %r is not a folder on this machine", model_path)
+            raise WeightLoadError(not_loadable)
         self.check_layout()
         try:
             cfg = ModelConfig.from_pretrained(model_path, overrides=self.runner.args.hf_config_overrides)
         except ValueError as e:  # ModelConfigError: no / bad config.json, an unsupported architecture
-            raise WeightLoadError(f"model_path {model_path!r}: {e}") from None
+            logger.warning("weight update: %r: %s", model_path, e)
+            raise WeightLoadError(not_loadable) from None
         self._check_config(cfg, model_path)
         args = dataclasses.replace(self.runner.args, load_format="auto")  # a dummy-weight server reads files now
         new_quant = resolve_weight_quantization(args, model_path)

@@ -1,6 +1,7 @@
 """--api-key as vLLM's and SGLang's take it: several keys (any one authorizes), vLLM's $VLLM_API_KEY when the
 command line gives none, every /health* path and every OPTIONS request open (SGLang's and vLLM's checks), the
-keys logged as a count only, and kept by the ServerArgs a Ray gateway actor gets. CORS as vLLM's flags ask:
+keys logged as a count only, and kept by the ServerArgs a Ray gateway actor gets; SGLang's --admin-api-key (the
+operator routes take it and no other key). CORS as vLLM's flags ask:
 JSON-list origins, --allowed-methods / --allowed-headers / --allow-credentials honoured in preflights and
 answers, and a value no browser could match refused by name."""
 
@@ -179,3 +180,59 @@ def test_cors_lists_in_either_form():
     assert ServerArgs(allowed_origins=["https://a.com", "https://b.com"]) == \
         ServerArgs(allowed_origins='["https://a.com", "https://b.com"]')  # Engine(...) / YAML lists
     assert _serve("--allowed-origins", '["https://a.com"]').allowed_origins == '["https://a.com"]'
+
+
+def test_admin_key_alone_opens_the_operator_routes(gw_engine, gateway_lines):
+    """SGLang's --admin-api-key beside --api-key: the operator routes take the admin key and refuse every
+    inference key; the other routes take the inference keys only; /health stays open."""
+    args = GATEWAY_ARGS.replace(api_key=KEYS, admin_api_key="sk-admin")
+    with serve_in_thread(gw_engine, args, port=0) as server:
+        def call(path: str, key: str | None, method: str = "POST") -> tuple[int, object]:
+            return http(server.url + path, method, {} if method == "POST" else None,
+                        {"Authorization": f"Bearer {key}"} if key else {})
+
+        for path in ("/flush_cache", "/pause_generation", "/abort_request", "/v1/load_lora_adapter",
+                     "/update_weights_from_disk", "/init_weights_update_group", "/sleep", "/wake_up"):
+            for key in (*KEYS, None, "sk-wrong"):
+                status, body = call(path, key)
+                assert status == 401 and "--admin-api-key" in body["error"]["message"], (path, key)
+        assert call("/flush_cache", "sk-admin")[0] == 200
+        assert call("/abort_request", "sk-admin")[0] != 401  # a 400 naming rid: past the key check
+        assert call("/v1/models", "sk-one", "GET")[0] == 200
+        assert call("/v1/models", "sk-admin", "GET")[0] == 401  # SGLang: not an inference key
+        assert call("/health", None, "GET")[0] == 200
+        status, info = call("/get_server_info", "sk-one", "GET")
+        assert status == 200 and "sk-admin" not in str(info) and "admin_api_key" not in info
+    joined = "\n".join(gateway_lines.messages)
+    assert "admin key set (--admin-api-key)" in joined and "sk-admin" not in joined
+
+
+def test_admin_key_without_api_keys_guards_the_operator_routes_only(gw_engine):
+    with serve_in_thread(gw_engine, GATEWAY_ARGS.replace(admin_api_key="sk-admin"), port=0) as server:
+        assert http(server.url + "/v1/models")[0] == 200
+        assert http(server.url + "/flush_cache", "POST", {})[0] == 401
+        assert http(server.url + "/flush_cache", "POST", {}, {"Authorization": "Bearer sk-admin"})[0] == 200
+    with serve_in_thread(gw_engine, GATEWAY_ARGS.replace(api_key=KEYS), port=0) as server:  # --api-key only
+        assert http(server.url + "/flush_cache", "POST", {}, {"Authorization": "Bearer sk-two"})[0] == 200
+        assert http(server.url + "/flush_cache", "POST", {})[0] == 401
+
+
+def test_every_admin_path_is_a_route():
+    from runtime.gateway.api_keys import ADMIN_PATHS
+    from runtime.gateway.app import build_app
+
+    routes = {r.resource.canonical for r in build_app(lambda: None, GATEWAY_ARGS).router.routes()}
+    assert ADMIN_PATHS <= routes, ADMIN_PATHS - routes
+
+
+@pytest.mark.parametrize(("kwargs", "says"), [
+    ({"api_key": ("k1", "k2"), "admin_api_key": "k2"}, "equals an --api-key"),
+    ({"admin_api_key": ""}, "non-empty"),
+    ({"admin_api_key": " adm"}, "whitespace"),
+    ({"admin_api_key": ["a", "b"]}, "one key"),
+])
+def test_a_bad_admin_key_is_refused(kwargs, says):
+    with pytest.raises(ServerArgsError, match=says) as info:
+        ServerArgs(**kwargs)
+    assert info.value.flag == "--admin-api-key"
+    assert _serve("--admin-api-key", "adm").admin_api_key == "adm"

@@ -80,8 +80,8 @@ def test_a_bad_header_is_a_400_naming_it(gw_url):
     for bad in ("has space", "x" * 257, "\u00e9"):
         status, echoed, r = _post(gw_url + "/v1/chat/completions", {"messages": MSG, **SHORT}, bad)
         assert status == 400 and r["error"]["param"] == "X-Request-Id", r
-        # errors carry it back too (if a header can: else one made)
-        assert echoed == bad if bad.isascii() else re.fullmatch(r"[0-9a-f]{32}", echoed)
+        # a rejected id is never echoed back (a 10 kB one would be): the response carries one made here
+        assert re.fullmatch(r"[0-9a-f]{32}", echoed)
 
 
 def test_duplicates_in_flight_are_told_apart_and_aborted(gw_url, gw_server, gw_engine, monkeypatch):
