@@ -146,9 +146,11 @@ class ShoalDeployment:
         return True
 
     async def _admin(self, route: str, payload: dict[str, Any]) -> tuple[int, bytes]:
-        """A call to the gateway's own admin route, keyed as the replica is (ServeLora's loads)."""
+        """A call to the gateway's own admin route, keyed as the replica is (ServeLora's loads): with
+        --admin-api-key that key, the operator routes take no other."""
         session = await self._http()
-        headers = {"Authorization": f"Bearer {self.args.api_key[0]}"} if self.args.api_key else {}
+        key = self.args.admin_api_key or (self.args.api_key[0] if self.args.api_key else None)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         async with session.post(self.gateway.url + route, json=payload, headers=headers) as resp:
             return resp.status, await resp.read()
 
