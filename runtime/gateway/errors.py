@@ -3,6 +3,8 @@ the gateway can meet — our typed errors, msgspec decode errors, aiohttp's own 
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 from aiohttp import web
 
@@ -67,6 +69,10 @@ def from_shoal_error(e: ShoalError) -> ApiError:
         return ApiError(400, e.message, param=e.param, code=code or "invalid_value")
     if isinstance(e, EngineUnhealthyError):  # its message names the reason already
         return ApiError(503, str(e), code="engine_unhealthy")
+    retry_after = getattr(e, "retry_after_s", None)  # GrammarBusyError: the compile pool, not the request
+    if isinstance(e, EngineUnavailableError) and retry_after:
+        return ApiError(503, str(e), code="grammar_compiler_busy",
+                        headers={"Retry-After": str(max(1, math.ceil(retry_after)))})
     if isinstance(e, EngineUnavailableError):
         return ApiError(503, f"the engine is unavailable: {e}")
     if isinstance(e, RequestAbortedError):

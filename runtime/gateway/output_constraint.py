@@ -12,8 +12,10 @@ from typing import Any
 
 import msgspec
 
+from runtime.errors import InvalidRequestError
 from runtime.gateway.errors import bad_request, not_supported
 from runtime.gateway.protocol import OpenAISamplingFields, StructuredOutputs
+from runtime.sampling.grammar_limits import GrammarLimits
 from runtime.sampling.params import SamplingParams
 
 # Any JSON object: what response_format json_object promises (xgrammar compiles it like a schema).
@@ -85,6 +87,10 @@ class OutputConstraint:
             return None
         if not choices:
             raise bad_request(f"{param} must hold at least one choice", param=param)
+        try:
+            GrammarLimits().check_choices(choices, param)
+        except InvalidRequestError as e:
+            raise bad_request(e.message, param=param, code=e.code) from None
         return cls("regex", choice_regex(choices), param)
 
     @classmethod

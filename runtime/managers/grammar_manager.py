@@ -8,7 +8,6 @@ mask, no advance, no grammar finish; the grammar applies from the token after it
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
 
 import torch
 
@@ -16,14 +15,17 @@ from runtime.errors import InvalidRequestError
 from runtime.managers.req import Req
 from runtime.managers.schedule_batch import ScheduleBatch
 from runtime.messages import FinishReason, WorkerBatch
-from runtime.sampling.grammar_compiler import GrammarCompiler
+from runtime.sampling.grammar_compiler import GrammarBusyError, GrammarCompiler, GrammarJob, allows_any
+
+# FinishReason.code of a request whose grammar never got a compile thread: the gateway answers 503.
+GRAMMAR_BUSY = "grammar_compiler_busy"
 
 
 class GrammarManager:
     def __init__(self, compiler: GrammarCompiler | None, vocab_size: int):
         self.compiler = compiler
         self.vocab_size = vocab_size
-        self.compiling: list[tuple[Req, Future, float]] = []
+        self.compiling: list[tuple[Req, GrammarJob, float]] = []
 
     def admit(self, req: Req) -> bool:
         """True when req may queue now; False when it waits for its grammar (or failed: finish_reason set)."""
@@ -34,7 +36,12 @@ class GrammarManager:
             req.finish_reason = FinishReason("error", message=f"invalid request ({key[0]}): structured output "
                                                               f"needs the model's tokenizer, and this model has none")
             return False
-        self.compiling.append((req, self.compiler.submit(key), time.monotonic()))
+        try:
+            job = self.compiler.submit(key)
+        except (InvalidRequestError, GrammarBusyError) as e:  # past the size limits, or the queue is full
+            req.finish_reason = self._failure(e)
+            return False
+        self.compiling.append((req, job, time.monotonic()))
         return False
 
     def poll(self) -> tuple[list[Req], list[Req]]:
@@ -43,27 +50,34 @@ class GrammarManager:
             return [], []
         ready, failed, still = [], [], []
         now = time.monotonic()
-        for req, fut, t0 in self.compiling:
+        for req, job, t0 in self.compiling:
             key = req.params.grammar
-            if fut.done():
+            if job.future.done():
                 try:
-                    req.grammar = self.compiler.matcher(self.compiler.result(fut, key))
+                    req.grammar = self.compiler.matcher(self.compiler.result(job, key))
                     # Failover resumes with tokens another replica sampled: the matcher (and the wait
                     # for grammar_after_token) must catch up on them before the next mask.
                     for at, t in enumerate(req.output_ids):
                         self.accept(req, t, at)
                     (failed if req.finished else ready).append(req)
                 except InvalidRequestError as e:
-                    req.finish_reason = FinishReason("error", message=f"invalid request ({e.param}): {e.message}")
+                    req.finish_reason = self._failure(e)
                     failed.append(req)
-            elif now - t0 > self.compiler.timeout_s:
-                e = self.compiler.timeout_error(key)
-                req.finish_reason = FinishReason("error", message=f"invalid request ({e.param}): {e.message}")
+            elif (why := self.compiler.verdict(job, key, t0, now)) is not None:
+                req.finish_reason = self._failure(why)
                 failed.append(req)
             else:
-                still.append((req, fut, t0))
+                still.append((req, job, t0))
         self.compiling = still
         return ready, failed
+
+    @staticmethod
+    def _failure(e: Exception) -> FinishReason:
+        """A grammar's failure as the request's end: the request's fault names its field (a 400); a busy
+        compiler is the engine's (a 503 the client retries)."""
+        if isinstance(e, InvalidRequestError):
+            return FinishReason("error", message=f"invalid request ({e.param}): {e.message}", param=e.param)
+        return FinishReason("error", message=str(e), code=GRAMMAR_BUSY)
 
     def drop(self, req: Req) -> bool:
         """Forgets req if it waits for its grammar (an abort); True if it did."""
@@ -140,6 +154,19 @@ class GrammarManager:
                 f"the structured output's grammar ends before min_tokens ({p.min_new_tokens}): it could only "
                 f"stop after {before} tokens"))
         if not given:
-            return FinishReason("error", message=f"the grammar rejected sampled token {token}")
+            return GrammarManager._rejected(req, token)
         return FinishReason("error", param=given[0], message="no token satisfies the structured output's grammar "
                                                              f"together with {' / '.join(given)}")
+
+    @staticmethod
+    def _rejected(req: Req, token: int) -> FinishReason:
+        """The grammar refused the sampled token, no other parameter in play. With no token allowed where
+        it stands (an unsatisfiable rule past the first token: root ::= "a" b, b ::= b), the grammar is
+        the user's to fix; with some allowed, the sampler ignored its mask: the engine's failure."""
+        m, kind = req.grammar, req.params.grammar[0] if req.params.grammar else "grammar"
+        words = getattr(m, "mask_words", None)  # set by GrammarCompiler.matcher
+        if words is not None and not allows_any(m, words):
+            return FinishReason("error", param=kind, message=(
+                f"the {kind} grammar cannot be completed: after {max(0, len(req.output_ids) - 1)} tokens it "
+                f"allows no next token (a rule with no finite expansion)"))
+        return FinishReason("error", message=f"the grammar rejected sampled token {token}")

@@ -2,9 +2,12 @@
 tokenizer, on a small thread pool — never on the scheduler's thread or an event loop — and cached by
 (kind, text), so a schema compiles once however many requests (or choices) use it.
 
-A grammar that does not compile is an InvalidRequestError naming its field; one that takes longer than
-the time limit is too (the compile goes on in its thread and lands in the cache, but the request that
-waited is refused rather than stalled). JSON grammars allow no free whitespace: even a model with random
+A grammar that does not compile is an InvalidRequestError naming its field; so is one past GrammarLimits
+(checked before it queues), one that matches no text, and one whose compile runs longer than the time
+limit (the compile goes on in its thread and lands in the cache, but the request that waited is refused
+rather than stalled). The limit counts from the compile's start: a request queued behind other compiles
+is not the one to blame, and gets GrammarBusyError (a 503, retry) once its queue wait passes the limit,
+or at once when the queue is full. JSON grammars allow no free whitespace: even a model with random
 weights then ends a schema-bounded object within a bounded number of tokens."""
 
 from __future__ import annotations
@@ -16,31 +19,70 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from runtime.errors import InvalidRequestError
+import numpy as np
+import torch
+
+from runtime.errors import EngineUnavailableError, InvalidRequestError
 from runtime.sampling.bounded_strings import expand_bounded_strings
+from runtime.sampling.grammar_limits import GrammarLimits
 
 # Distinct grammars kept compiled; a compiled JSON schema is typically tens of KiB.
 _CACHE_SIZE = 512
+# A compile waits this long at least before its queue wait counts as busy: the first grammar also loads
+# xgrammar's tokenizer tables (a second or so at a 128k vocabulary), and a tiny time limit (tests) must
+# still blame a slow compile, not an idle pool.
+_MIN_QUEUE_WAIT_S = 5.0
+
+
+class GrammarBusyError(EngineUnavailableError):
+    """The compile pool is busy with other grammars: this one did not start in time, or the queue is full.
+    Not the request's fault: the client retries after retry_after_s (a 503)."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):  # pickled across Ray actors
+        return type(self), (str(self), self.retry_after_s)
+
+
+class GrammarJob:
+    """One grammar's compile: its future, and when a pool thread started and ended it (monotonic s)."""
+
+    __slots__ = ("future", "started", "ended")
+
+    def __init__(self) -> None:
+        self.future: Future = Future()
+        self.started: float | None = None
+        self.ended: float | None = None
+
+    def failed(self) -> bool:
+        return self.future.done() and (self.future.cancelled() or self.future.exception() is not None)
 
 
 class GrammarCompiler:
     def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int], timeout_s: float,
-                 threads: int = 2, fill_threads: int | None = None):
+                 threads: int = 2, fill_threads: int | None = None, max_queued: int = 64,
+                 limits: GrammarLimits | None = None):
         """hf_tokenizer: a transformers tokenizer, or a list of each token id's raw bytes (benchmarks on
         folders without a tokenizer build one). fill_threads: xgrammar's threads for a step's masks and a
-        compile's states; default half the cores this process may use, at most 8 (1 on 2 cores)."""
+        compile's states; default half the cores this process may use, at most 8 (1 on 2 cores).
+        max_queued: compiles waiting for a thread past which a new grammar is refused as busy."""
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
+        self.queue_wait_s = max(timeout_s, _MIN_QUEUE_WAIT_S)
+        self.limits = limits or GrammarLimits()
         self._hf_tokenizer, self._stop_token_ids, self._threads = hf_tokenizer, sorted(stop_token_ids), threads
         # xgrammar's own threads (a compile's states, a step's mask rows): half the cores, at most 8.
         self._fill_threads = fill_threads or max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+        self._max_queued = max_queued
+        self._queued = 0  # jobs submitted that no thread has started
         self._xgr: Any = None  # xgrammar and its tokenizer tables load at the first grammar, not at start
         self._compiler: Any = None
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="shoal-grammar")
-        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], GrammarJob] = OrderedDict()
         self._lock = threading.Lock()
         self._init_lock = threading.Lock()
 
@@ -64,34 +106,111 @@ class GrammarCompiler:
                 self._xgr = xgr
             return self._compiler
 
-    def submit(self, key: tuple[str, str]) -> Future:
-        """The compile of key, started now or earlier (thread-safe). A failed compile is not kept: the
-        next request with the same grammar gets the same error from a fresh attempt."""
+    def submit(self, key: tuple[str, str]) -> GrammarJob:
+        """The compile of key, started now or earlier (thread-safe). A grammar past GrammarLimits is an
+        InvalidRequestError here, before it costs a thread; a full queue a GrammarBusyError. A failed
+        compile is not kept: the next request with the same grammar gets the same error afresh."""
         with self._lock:
-            fut = self._cache.get(key)
-            if fut is not None and not (fut.done() and fut.exception() is not None):
+            job = self._cache.get(key)
+            if job is not None and not job.failed():
                 self._cache.move_to_end(key)
-                return fut
-            fut = self._pool.submit(self._compile, *key)
-            self._cache[key] = fut
+                return job
+        self.limits.check(*key)  # outside the lock: a 256 KiB schema parses in about a millisecond
+        with self._lock:
+            job = self._cache.get(key)  # another thread may have queued it meanwhile
+            if job is not None and not job.failed():
+                return job
+            if self._queued >= self._max_queued:
+                raise GrammarBusyError(f"the grammar compiler is busy: {self._queued} grammars wait to compile; "
+                                       f"retry shortly", self.queue_wait_s)
+            job = GrammarJob()
+            self._queued += 1
+            self._pool.submit(self._run, job, key)
+            self._cache[key] = job
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
-            return fut
+            return job
+
+    def _run(self, job: GrammarJob, key: tuple[str, str]) -> None:
+        try:
+            self._ensure_compiler()
+        except BaseException as e:
+            self._start(job)
+            job.ended = time.monotonic()
+            job.future.set_exception(e)
+            return
+        self._start(job)
+        try:
+            compiled = self._compile(*key)
+        except BaseException as e:
+            job.ended = time.monotonic()
+            job.future.set_exception(e)
+        else:
+            job.ended = time.monotonic()
+            job.future.set_result(compiled)
+
+    def _start(self, job: GrammarJob) -> None:
+        with self._lock:
+            self._queued -= 1
+        job.started = time.monotonic()
+
+    def verdict(self, job: GrammarJob, key: tuple[str, str], since: float,
+                now: float | None = None) -> Exception | None:
+        """Why a request that began waiting for job at `since` must give up now (job not done), or once it
+        is done: a compile that ran past the time limit while it waited (InvalidRequestError, grammar_timeout),
+        or one that did not start within queue_wait_s (GrammarBusyError); None: keep waiting, or done in
+        time. The clock decides, not which thread ran first: a compile holding the GIL may be done before
+        the waiter's timer fires."""
+        now = time.monotonic() if now is None else now
+        started, ended = job.started, job.ended
+        if started is None:
+            if now - since > self.queue_wait_s:
+                return self.busy_error()
+            return None
+        end = ended if ended is not None and job.future.done() else now
+        if end - max(started, since) > self.timeout_s:
+            return self.timeout_error(key)
+        return None
+
+    def _deadline(self, job: GrammarJob, since: float) -> float:
+        return since + self.queue_wait_s if job.started is None else max(job.started, since) + self.timeout_s
 
     def check(self, key: tuple[str, str]) -> Any:
-        """Blocks until key is compiled; returns the CompiledGrammar or raises InvalidRequestError."""
-        cached, t0 = self._cached(key), time.monotonic()
-        fut = self.submit(key)
-        try:
-            compiled = fut.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            raise self.timeout_error(key) from None
-        except InvalidRequestError:
-            raise
-        except Exception:
-            self.result(fut, key)
-        if not cached and time.monotonic() - t0 > self.timeout_s:
-            raise self.timeout_error(key)
+        """Blocks until key is compiled; returns the CompiledGrammar or raises InvalidRequestError (or
+        GrammarBusyError)."""
+        cached, since = self._cached(key), time.monotonic()
+        job = self.submit(key)
+        while not job.future.done():
+            if (why := self.verdict(job, key, since)) is not None:
+                raise why
+            try:
+                job.future.result(timeout=max(0.0, self._deadline(job, since) - time.monotonic()) + 1e-3)
+            except Exception:
+                pass  # done (result read below) or the deadline: look again
+        return self._finish(job, key, since, cached)
+
+    async def check_async(self, key: tuple[str, str]) -> None:
+        """check() for an event loop: waits without blocking it."""
+        cached, since = self._cached(key), time.monotonic()
+        job = self.submit(key)
+        waiting = asyncio.shield(asyncio.wrap_future(job.future))
+        while not job.future.done():
+            if (why := self.verdict(job, key, since)) is not None:
+                waiting.cancel()
+                raise why
+            try:
+                await asyncio.wait_for(asyncio.shield(waiting),
+                                       max(0.0, self._deadline(job, since) - time.monotonic()) + 1e-3)
+            except asyncio.TimeoutError:
+                pass
+            except Exception:
+                break  # the compile failed: _finish raises its error
+        self._finish(job, key, since, cached)
+
+    def _finish(self, job: GrammarJob, key: tuple[str, str], since: float, cached: bool) -> Any:
+        compiled = self.result(job, key)
+        if not cached and (why := self.verdict(job, key, since)) is not None:
+            raise why
         return compiled
 
     def _cached(self, key: tuple[str, str]) -> bool:
@@ -99,40 +218,33 @@ class GrammarCompiler:
         and the time limit is on the clock, not on which thread the interpreter ran first."""
         with self._lock:
             known = self._cache.get(key)
-            return known is not None and known.done() and known.exception() is None
+            return known is not None and known.future.done() and not known.failed()
 
-    async def check_async(self, key: tuple[str, str]) -> None:
-        """check() for an event loop: waits without blocking it."""
-        cached, t0 = self._cached(key), time.monotonic()
-        fut = self.submit(key)
-        try:
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), self.timeout_s)
-        except asyncio.TimeoutError:
-            raise self.timeout_error(key) from None
-        except InvalidRequestError:
-            raise
-        except Exception:
-            self.result(fut, key)
-        # A busy loop may see the result before its timer fires: the limit holds on the clock.
-        if not cached and time.monotonic() - t0 > self.timeout_s:
-            raise self.timeout_error(key)
-
-    def result(self, fut: Future, key: tuple[str, str]) -> Any:
-        """A done future's CompiledGrammar, or the InvalidRequestError its failure means."""
-        e = fut.exception()
+    def result(self, job: GrammarJob, key: tuple[str, str]) -> Any:
+        """A done job's CompiledGrammar, or the InvalidRequestError its failure means."""
+        e = job.future.exception()
         if e is None:
-            return fut.result()
+            return job.future.result()
         if isinstance(e, InvalidRequestError):
             raise e
         raise InvalidRequestError(f"invalid {key[0]}: {_message(e)}", param=key[0], code="invalid_grammar")
 
     def timeout_error(self, key: tuple[str, str]) -> InvalidRequestError:
-        return InvalidRequestError(f"the {key[0]} grammar did not compile within {self.timeout_s:g} s "
-                                   f"(--grammar-compile-timeout-s); simplify it", param=key[0],
-                                   code="grammar_timeout")
+        kind = key[0]
+        return InvalidRequestError(f"the {kind} grammar did not compile within {self.timeout_s:g} s "
+                                   f"(--grammar-compile-timeout-s) of its compile starting; simplify it",
+                                   param=kind, code="grammar_timeout")
+
+    def busy_error(self) -> GrammarBusyError:
+        return GrammarBusyError(f"the grammar compiler is busy: this grammar waited {self.queue_wait_s:g} s "
+                                f"behind other compiles without starting; retry shortly", self.queue_wait_s)
 
     def matcher(self, compiled: Any) -> Any:
-        return self._xgr.GrammarMatcher(compiled)
+        m = self._xgr.GrammarMatcher(compiled)
+        # Its bitmask width, for GrammarManager to tell a grammar with no token left (the request's fault)
+        # from a sampled token the mask did not allow (the engine's) when a token is rejected.
+        m.mask_words = (self.vocab_size + 31) // 32
+        return m
 
     def fill_bitmask(self, matchers: list[Any], mask: Any) -> None:
         """Row i of the int32 mask: the tokens matchers[i] allows next. A row costs ~10 us where xgrammar's
@@ -163,6 +275,10 @@ class GrammarCompiler:
                 compiled = compiler.compile_regex(text)
             else:
                 compiled = compiler.compile_grammar(text)
+            if not allows_any(self._xgr.GrammarMatcher(compiled), (self.vocab_size + 31) // 32):
+                raise InvalidRequestError(f"the {kind} grammar matches no text: no token can start it (a rule that "
+                                          f"only refers to itself, as root ::= root, has no finite expansion)",
+                                          param=kind, code="invalid_grammar")
         except InvalidRequestError:
             raise
         except Exception as e:  # xgrammar reports a bad grammar as RuntimeError/ValueError with a message
@@ -191,6 +307,13 @@ def json_schema_ebnf(ebnf: str) -> str:
 
 def _no_control_chars(ebnf: str) -> str:
     return ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR).replace(_UNBOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+
+
+def allows_any(matcher: Any, words: int) -> bool:
+    """Whether the matcher, where it stands, allows some token (its stop token counts): one mask fill."""
+    mask = torch.zeros(1, words, dtype=torch.int32)
+    matcher.fill_next_token_bitmask(mask)
+    return bool(np.any(mask.numpy()))
 
 
 def _message(e: BaseException) -> str:
