@@ -31,7 +31,7 @@ from runtime.gateway.extension_fields import check_unhonoured, keeps_stop_str, r
 from runtime.gateway.generation import Generation
 from runtime.gateway.openai_responder import OpenAIResponder, prompt_logprobs_num, score_prompts_once
 from runtime.gateway.output_constraint import OutputConstraint
-from runtime.gateway.prompt_input import truncate_prompt
+from runtime.gateway.prompt_input import input_size, off_loop, truncate_prompt
 from runtime.gateway.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -191,18 +191,24 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise bad_request(f"{constraint.param} cannot be combined with tool_choice {tools.mode!r}",
                           param=constraint.param)
     constraint = constraint or tool_constraint
-    messages = template_messages(body.messages)
     template_tools = tools.template_tools() if tools is not None else None
     kwargs = template_kwargs(body.documents, body.chat_template_kwargs)
-    try:
+    bound = None if body.truncate_prompt_tokens is not None else client.context_len
+
+    def render() -> tuple[list[int], str]:
+        messages = template_messages(body.messages)
         ids = client.tokenizer.apply_chat_template(
             messages, add_generation_prompt=body.add_generation_prompt, tools=template_tools,
             continue_final_message=body.continue_final_message, template_kwargs=kwargs,
-            add_special_tokens=body.add_special_tokens)
+            add_special_tokens=body.add_special_tokens, context_len=bound)
         # Only with a reasoning parser: whether the turn opens with the reasoning already closed.
         opening = turn_opening(client.tokenizer, messages, template_tools, body.add_generation_prompt,
                                body.continue_final_message, kwargs) \
             if state.args.reasoning_parser is not None else ""
+        return ids, opening
+
+    try:  # a large chat (100k messages) renders on the tokenizer's thread, not on the loop every stream shares
+        ids, opening = await off_loop(client.tokenizer, input_size(request), render)
     except ShoalError as e:
         raise from_shoal_error(e) from None
     ids = truncate_prompt(ids, body.truncate_prompt_tokens, client.context_len)

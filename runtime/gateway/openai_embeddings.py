@@ -48,6 +48,7 @@ from runtime.gateway.embeddings_protocol import (
 )
 from runtime.gateway.errors import ApiError, bad_request
 from runtime.gateway.health_probe import HEALTH_PROBE_KEY
+from runtime.gateway.prompt_input import check_reach, input_size, off_loop, prompt_count
 from runtime.gateway.protocol import encode
 from runtime.gateway.state import STATE_KEY, GatewayState
 from runtime.messages import GenerateRequest, RequestOutput
@@ -90,7 +91,8 @@ async def _pooled(request: web.Request, prefix: str) -> tuple[str, str, list[lis
                           param="encoding_format")
     pooling.check_dimensions(body.dimensions)
     normalize = pooling.normalize_for(body.normalize, body.use_activation)
-    ids = [truncate_tokens(x, body.truncate_prompt_tokens, client.context_len) for x in token_inputs(client, body)]
+    ids = [truncate_tokens(x, body.truncate_prompt_tokens, client.context_len)
+           for x in await token_inputs(state, client, body, input_size(request))]
     base = state.new_id(prefix, request_id=body.request_id)
     reqs = embedding_requests(client, [f"{base}-{i}" for i in range(len(ids))], ids, cache_salt=body.cache_salt)
     vectors = await run_admitted(state, client, base, reqs, arrival)
@@ -127,12 +129,15 @@ def pooling_of(client: EngineClient) -> PoolingConfig:
     return client.pooling
 
 
-def token_inputs(client: EngineClient, body: PoolingBody) -> list[list[int]]:
-    """Each input's token ids: `input` as OpenAI defines it, or vLLM's `messages` (one conversation)."""
+async def token_inputs(state: GatewayState, client: EngineClient, body: PoolingBody, size: int) -> list[list[int]]:
+    """Each input's token ids: `input` as OpenAI defines it, or vLLM's `messages` (one conversation). Inputs
+    are counted (_check_batch_size) and texts bounded by the context before any is encoded, and a large body
+    (size bytes) is encoded off the loop."""
     has_input, has_messages = body.input is not UNSET, body.messages is not UNSET
     if has_input == has_messages:
         raise bad_request("give either input or messages", param="input")
     tok = client.tokenizer
+    bound = None if body.truncate_prompt_tokens is not None else client.context_len
     if has_messages:
         if not body.messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                         for m in body.messages):
@@ -140,17 +145,22 @@ def token_inputs(client: EngineClient, body: PoolingBody) -> list[list[int]]:
         if body.add_special_tokens:  # the chat template writes the special tokens itself
             raise bad_request("add_special_tokens applies to input; messages are rendered by the chat template",
                               param="add_special_tokens")
-        return [tok.apply_chat_template(body.messages, body.add_generation_prompt, None,
-                                        body.continue_final_message, body.chat_template_kwargs)]
+        return [await off_loop(tok, size, lambda: tok.apply_chat_template(
+            body.messages, body.add_generation_prompt, None, body.continue_final_message, body.chat_template_kwargs,
+            context_len=bound))]
     special = True if body.add_special_tokens is None else body.add_special_tokens
     x = body.input
     if isinstance(x, str):
-        return [tok.encode(x, add_special_tokens=special)]
-    if not isinstance(x, list) or not x:
+        x = [x]
+    elif not isinstance(x, list) or not x:
         raise bad_request("input must be a string, a list of strings, a list of token ids or a list of lists "
                           "of token ids, and not empty", param="input")
+    _check_batch_size(state, prompt_count(x), "input")
     if all(isinstance(t, str) for t in x):
-        return [tok.encode(t, add_special_tokens=special) for t in x]
+        if bound is not None:
+            for t in x:
+                check_reach(tok, t, bound, "input")
+        return await off_loop(tok, size, lambda: [tok.encode(t, add_special_tokens=special) for t in x])
     if all(_is_id(t) for t in x):
         return [list(x)]
     if all(isinstance(row, list) and row and all(_is_id(t) for t in row) for row in x):
@@ -190,7 +200,7 @@ async def run_admitted(state: GatewayState, client: EngineClient, base_id: str, 
 
 def _check_batch_size(state: GatewayState, n: int, param: str) -> None:
     """A batch that could never run at once (track and admit would name n or the prompt: here, the inputs'
-    field, `param`)."""
+    field, `param`); checked before the inputs are encoded, and again (run_admitted) on the requests made."""
     for limit, flag in ((state.args.max_concurrent_requests, "--max-concurrent-requests"),
                         (state.admission.max_waiting_requests, "--max-waiting-requests")):
         if limit is not None and n > limit:

@@ -32,14 +32,14 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from runtime.errors import ShoalError
+from runtime.errors import InvalidRequestError, ShoalError
 from runtime.gateway.chat_output import ChatDelta, ChatOutput
 from runtime.gateway.choice_state import ChoiceState
 from runtime.gateway.errors import ApiError, bad_request, from_shoal_error
 from runtime.gateway.extension_fields import check_unhonoured, keeps_stop_str, request_lora, template_kwargs
 from runtime.gateway.generation import Generation, Responder
 from runtime.gateway.openai_chat import chat_logprobs, constrain, template_messages, with_priority
-from runtime.gateway.prompt_input import truncate_prompt
+from runtime.gateway.prompt_input import input_size, off_loop, truncate_prompt
 from runtime.gateway.protocol import ChatTokenLogprob, ErrorInfo, OpenAISamplingFields
 from runtime.gateway.reasoning_parsers import create_reasoning_parser
 from runtime.gateway.reasoning_parsers.base import THINK_CLOSE
@@ -99,21 +99,32 @@ async def responses(request: web.Request) -> web.StreamResponse:
         raise bad_request(f"{constraint.param} cannot be combined with tool_choice {tools.mode!r}",
                           param=constraint.param)
     constraint = constraint or tool_constraint
-    messages = input_messages(body)
     cont = continues_final_message(body)
-    try:
-        rendered = template_messages(messages)
-    except ApiError as e:  # worded for chat's messages; here they are the instructions and input items
-        e.param = "input"
-        raise
     template_tools = tools.template_tools() if tools is not None else None
     kwargs = template_kwargs(body.documents, body.chat_template_kwargs)
-    try:
-        ids = client.tokenizer.apply_chat_template(rendered, add_generation_prompt=not cont, tools=template_tools,
-                                                   continue_final_message=cont, template_kwargs=kwargs,
-                                                   add_special_tokens=body.add_special_tokens)
+    bound = None if body.truncate_prompt_tokens is not None else client.context_len
+
+    def render() -> tuple[list[int], str]:
+        try:
+            rendered = template_messages(input_messages(body))
+        except ApiError as e:  # worded for chat's messages; here they are the instructions and input items
+            e.param = "input"
+            raise
+        try:
+            ids = client.tokenizer.apply_chat_template(rendered, add_generation_prompt=not cont,
+                                                       tools=template_tools, continue_final_message=cont,
+                                                       template_kwargs=kwargs,
+                                                       add_special_tokens=body.add_special_tokens, context_len=bound)
+        except InvalidRequestError as e:
+            if e.code == "context_length_exceeded":
+                e.param = "input"  # the rendered items, not chat's messages
+            raise
         opening = turn_opening(client.tokenizer, rendered, template_tools, not cont, cont, kwargs) \
             if state.args.reasoning_parser is not None else ""
+        return ids, opening
+
+    try:  # 100k input items render on the tokenizer's thread, not on the loop every stream shares
+        ids, opening = await off_loop(client.tokenizer, input_size(request), render)
     except ShoalError as e:
         raise from_shoal_error(e) from None
     ids = truncate_prompt(ids, body.truncate_prompt_tokens, client.context_len)

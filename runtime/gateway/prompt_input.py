@@ -1,15 +1,26 @@
 """PromptInput: a prompt as OpenAI's /v1/completions (`prompt`) and SGLang's /generate (`text` or
 `input_ids`) take it — a string, a list of strings, a list of token ids, or a list of token-id lists —
 as token ids per prompt. Token ids are checked against the vocabulary later, by EngineClient.validate.
-vLLM's truncate_prompt_tokens keeps each prompt's last k tokens (truncate_prompt)."""
+vLLM's truncate_prompt_tokens keeps each prompt's last k tokens (truncate_prompt).
+
+A hostile prompt must not stall the event loop every stream shares: PromptInput.read counts the prompts
+before encoding any (the caller's cap), refuses a text certainly past the context without encoding it
+(check_reach), and encodes a large body on the tokenizer's worker thread (off_loop)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgspec
+from aiohttp import web
 
-from runtime.gateway.errors import bad_request
+from runtime.errors import ShoalError
+from runtime.gateway.errors import bad_request, from_shoal_error
+
+T = TypeVar("T")
+OFF_LOOP_BYTES = 64 * 1024  # a body past this is encoded / rendered off the loop; a smaller one keeps its latency
 
 
 def _is_id(x: object) -> bool:
@@ -25,25 +36,85 @@ class PromptInput(msgspec.Struct, frozen=True):
     def parse(cls, value: object, encode: Callable[[str], list[int]], param: str = "prompt",
               allow_text: bool = True) -> PromptInput:
         """value as the client sent it; param names the field in errors; allow_text False takes token ids only."""
-        if allow_text and isinstance(value, str):
-            return cls([encode(value)], [value], batch=False)
-        if isinstance(value, list) and value:
-            if allow_text and all(isinstance(p, str) for p in value):
-                return cls([encode(p) for p in value], list(value), batch=True)
-            if all(_is_id(t) for t in value):
-                return cls([list(value)], [None], batch=False)
-            if all(isinstance(p, list) and p and all(_is_id(t) for t in p) for p in value):
-                return cls([list(p) for p in value], [None] * len(value), batch=True)
-        kinds = "a list of token ids or a list of non-empty token-id lists"
-        if allow_text:
-            kinds = "a string, a list of strings, " + kinds
-        raise bad_request(f"{param} must be {kinds} (not a mix), and not empty", param=param)
+        texts, ids, batch = _split(value, param, allow_text)
+        if texts is None:
+            return cls(ids, [None] * len(ids), batch)
+        return cls([encode(t) for t in texts], list(texts), batch)
+
+    @classmethod
+    async def read(cls, value: object, tok: Any, context_len: int, size: int, max_prompts: int,
+                   add_special_tokens: bool | None = True, truncating: bool = False,
+                   param: str = "prompt") -> PromptInput:
+        """parse for a route: at most max_prompts prompts (a 400 before any is read further), each text
+        checked against the context (unless truncating: vLLM's truncate_prompt_tokens keeps any length),
+        and encoded off the loop when the body (size bytes) is large."""
+        count = prompt_count(value)
+        if count > max_prompts:
+            raise bad_request(f"this request has {count} prompts; the server takes at most {max_prompts} "
+                              "at once: send them in parts", param=param)
+        texts, ids, batch = _split(value, param, True)
+        if texts is None:
+            return cls(ids, [None] * len(ids), batch)
+        if not truncating:
+            for t in texts:
+                check_reach(tok, t, context_len, param)
+        encoded = await off_loop(tok, size, lambda: [tok.encode(t, add_special_tokens=add_special_tokens)
+                                                     for t in texts])
+        return cls(encoded, list(texts), batch)
 
     def truncated(self, keep: int | None, context_len: int) -> PromptInput:
         """Each prompt cut to its last `keep` tokens (truncate_prompt_tokens); a cut prompt's text is gone."""
         ids = [truncate_prompt(p, keep, context_len) for p in self.ids]
         texts = [t if len(new) == len(old) else None for t, new, old in zip(self.texts, ids, self.ids)]
         return PromptInput(ids, texts, self.batch)
+
+
+def prompt_count(value: object) -> int:
+    """How many prompts value holds, read off its outer list only (a batch of strings or of id lists)."""
+    if isinstance(value, list) and value and isinstance(value[0], str | list):
+        return len(value)
+    return 1
+
+
+def _split(value: object, param: str, allow_text: bool) -> tuple[list[str] | None, list[list[int]], bool]:
+    """(texts or None, token ids when no texts, whether a batch): value's shape, checked."""
+    if allow_text and isinstance(value, str):
+        return [value], [], False
+    if isinstance(value, list) and value:
+        if allow_text and all(isinstance(p, str) for p in value):
+            return list(value), [], True
+        if all(_is_id(t) for t in value):
+            return None, [list(value)], False
+        if all(isinstance(p, list) and p and all(_is_id(t) for t in p) for p in value):
+            return None, [list(p) for p in value], True
+    kinds = "a list of token ids or a list of non-empty token-id lists"
+    if allow_text:
+        kinds = "a string, a list of strings, " + kinds
+    raise bad_request(f"{param} must be {kinds} (not a mix), and not empty", param=param)
+
+
+def check_reach(tok: Any, text: str, context_len: int, param: str) -> None:
+    """A 400 context_length_exceeded naming param for a text that makes more than context_len tokens for
+    sure (Tokenizer.check_length), without encoding it; a text that may fit passes (its tokens decide)."""
+    try:
+        tok.check_length(text, context_len, param)
+    except ShoalError as e:
+        raise from_shoal_error(e) from None
+
+
+def input_size(request: web.Request) -> int:
+    """The body's bytes, the measure of how long encoding it may take; a chunked body (no Content-Length)
+    counts as large."""
+    length = request.content_length
+    return OFF_LOOP_BYTES + 1 if length is None else length
+
+
+async def off_loop(tok: Any, size: int, fn: Callable[[], T]) -> T:
+    """fn(), which encodes or renders a body of size bytes: on the tokenizer's worker thread when the body
+    is large (so /health and every stream keep going while it runs), here when small (no thread hop)."""
+    if size <= OFF_LOOP_BYTES:
+        return fn()
+    return await asyncio.get_running_loop().run_in_executor(getattr(tok, "worker", None), fn)
 
 
 def truncate_prompt(ids: list[int], keep: int | None, context_len: int) -> list[int]:

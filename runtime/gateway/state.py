@@ -338,6 +338,13 @@ class GatewayState:
             self.request_log.received(client, req)
         return rids
 
+    def batch_limit(self) -> int:
+        """The most engine requests (prompts x n, or inputs) one HTTP request may make: what the queue takes
+        (--max-waiting-requests) and, where set, --max-concurrent-requests. Routes check their prompt count
+        against it before encoding any prompt: a 100k-prompt batch is refused without tokenizing it."""
+        limit, running = self.admission.max_waiting_requests, self.args.max_concurrent_requests
+        return limit if running is None else min(limit, running)
+
     async def admit(self, client: EngineClient, reqs: list[GenerateRequest]) -> None:
         """429 with Retry-After when the engine's queue could not start these soon (AdmissionController);
         400 for a request that could never fit the queue, which a retry would only repeat."""

@@ -11,6 +11,7 @@ from runtime.gateway.body import read_body
 from runtime.gateway.errors import bad_request, from_shoal_error, not_supported
 from runtime.gateway.extension_fields import template_kwargs
 from runtime.gateway.openai_chat import template_messages
+from runtime.gateway.prompt_input import input_size, off_loop
 from runtime.gateway.protocol import encode
 from runtime.gateway.state import STATE_KEY
 from runtime.gateway.tokenize_protocol import (
@@ -35,6 +36,7 @@ async def tokenize(request: web.Request) -> web.Response:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", param="prompt")
     tok = client.tokenizer
+    context = client.context_len
     try:
         if body.prompt is not None:
             chat_only = next((f for f in ("tools", "documents", "chat_template_kwargs", "chat_template")
@@ -42,15 +44,18 @@ async def tokenize(request: web.Request) -> web.Response:
             if chat_only is not None:
                 raise bad_request(f"{chat_only} goes with messages (a chat), not with prompt", param=chat_only)
             special = body.add_special_tokens is not False
-            ids = tok.encode(body.prompt, add_special_tokens=special)
+            # vLLM counts any length here; a text certainly past the context is refused before encoding, as
+            # the generating routes refuse it (8 MB would take the tokenizer seconds to count)
+            tok.check_length(body.prompt, context, "prompt")
+            ids = await off_loop(tok, input_size(request), lambda: tok.encode(body.prompt, add_special_tokens=special))
         else:
-            ids = _chat_ids(tok, body)
+            ids = await off_loop(tok, input_size(request), lambda: _chat_ids(tok, body, context))
     except ShoalError as e:
         raise from_shoal_error(e) from None
     return _json(TokenizeResponse(count=len(ids), max_model_len=client.context_len, tokens=ids))
 
 
-def _chat_ids(tok: Tokenizer | NullTokenizer, body: TokenizeBody) -> list[int]:
+def _chat_ids(tok: Tokenizer | NullTokenizer, body: TokenizeBody, context_len: int) -> list[int]:
     """The messages' tokens as /v1/chat/completions would send them (tool_choice aside: every mode hands
     the template the same tools)."""
     if body.continue_final_message and body.add_generation_prompt:
@@ -64,7 +69,7 @@ def _chat_ids(tok: Tokenizer | NullTokenizer, body: TokenizeBody) -> list[int]:
                                    tools=tools.template_tools() if tools is not None else None,
                                    continue_final_message=body.continue_final_message,
                                    template_kwargs=template_kwargs(body.documents, body.chat_template_kwargs),
-                                   add_special_tokens=bool(body.add_special_tokens))
+                                   add_special_tokens=bool(body.add_special_tokens), context_len=context_len)
 
 
 async def detokenize(request: web.Request) -> web.Response:

@@ -46,6 +46,7 @@ class Req:
         self.seed = seed
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(params.stop_token_ids)
+        self._blocked: list[int] | None = None  # blocked_token_ids(), sorted at its first use
         # Only max_new_tokens (or the context) can end it: its KV need is known at admission (Retractor).
         self.length_known = not (self.eos_token_ids or self.stop_token_ids or params.stop or params.grammar)
         # Prompt logprobs (and their top N) need logits at every prompt position: such a request is
@@ -168,7 +169,9 @@ class Req:
     def blocked_token_ids(self) -> list[int]:
         if not self.params.min_new_tokens or len(self.output_ids) + self.pending_tokens >= self.params.min_new_tokens:
             return _NOTHING_BLOCKED
-        return sorted(self.eos_token_ids | self.stop_token_ids)
+        if self._blocked is None:  # sorted once: it is asked at every step until min_new_tokens
+            self._blocked = sorted(self.eos_token_ids | self.stop_token_ids)
+        return self._blocked
 
     def bad_words_context(self) -> list[int]:
         """The last output ids a bad word's prefix is matched against (the output only, as vLLM: never the

@@ -86,6 +86,9 @@ def pair_ids(tokenizer: Any, pairs: Sequence[tuple[str, str]], truncate_prompt_t
     if truncate_prompt_tokens is not None:  # truncate_tokens checks it, and resolves -1 to the model's limit
         limit = max_embedding_tokens(context_len)
         cut = {"truncation": True, "max_length": len(truncate_tokens(range(limit), truncate_prompt_tokens, context_len))}
+        # Truncation is a setting of the Rust tokenizer: set on the shared one, it would clash ("Already
+        # borrowed") with an encode running on the gateway's worker thread
+        hf = getattr(tokenizer, "truncating_hf", hf)
     return [list(hf(text=a, text_pair=b, **cut)["input_ids"]) for a, b in pairs]
 
 

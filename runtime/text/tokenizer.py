@@ -6,12 +6,14 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from runtime.errors import InvalidRequestError, ServerArgsError
 from runtime.hf_cache import HfCache, local_model_folder, looks_like_repo_id
 from runtime.text.chat_template import read_chat_template
+from runtime.text.token_reach import TokenReach
 from runtime.text.token_spelling import TokenSpelling
 
 try:
@@ -44,17 +46,48 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
+    @functools.cached_property
+    def reach(self) -> TokenReach | None:
+        """The most characters one token covers (None: no such bound): a text certainly past the context is
+        refused without tokenizing it. One walk over the vocabulary, at the first use."""
+        return TokenReach.of_tokenizer(self.hf)
+
+    def check_length(self, text: str, context_len: int, param: str) -> None:
+        """InvalidRequestError (context_length_exceeded, naming param) for a text that makes more than
+        context_len tokens for sure, found without encoding it; a text that may fit passes."""
+        if len(text) > context_len:  # a token covers at least one character: a shorter text cannot be past it
+            reach = self.reach
+            if reach is not None:
+                reach.check(text, context_len, param)
+
+    @functools.cached_property
+    def truncating_hf(self) -> Any:
+        """A copy of hf for encodes that truncate (score pairs): truncation is a setting of the Rust
+        tokenizer, and changing it on hf while the worker encodes with it fails ("Already borrowed")."""
+        import copy
+
+        return copy.deepcopy(self.hf)
+
+    @functools.cached_property
+    def worker(self) -> Executor:
+        """The thread that encodes and renders large inputs off the gateway's event loop: one, so a burst of
+        them takes one core rather than every one the engine needs (the Rust encoder releases the GIL)."""
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-tokenize")
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
                             template_kwargs: dict[str, Any] | None = None,
-                            add_special_tokens: bool = False) -> list[int]:
+                            add_special_tokens: bool = False, context_len: int | None = None) -> list[int]:
         """add_special_tokens: the tokenizer's own (BOS) on top of what the template writes (vLLM's chat
-        field; off by default, as the template usually writes BOS itself)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools, continue_final_message,
-                                            template_kwargs), add_special_tokens=add_special_tokens)
+        field; off by default, as the template usually writes BOS itself). context_len: a rendered chat
+        certainly longer is refused before encoding (check_length, naming messages)."""
+        text = self.render_chat(messages, add_generation_prompt, tools, continue_final_message, template_kwargs)
+        if context_len is not None:
+            self.check_length(text, context_len, "messages")
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
@@ -119,6 +152,8 @@ class NullTokenizer:
 
     is_null = True
     has_chat_template = False
+    reach = None  # no text is ever encoded
+    worker = None  # so none is encoded off the loop either
 
     def __init__(self, eos_token_ids: tuple[int, ...], vocab_size: int = 0):
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -130,9 +165,12 @@ class NullTokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
                             template_kwargs: dict[str, Any] | None = None,
-                            add_special_tokens: bool = False) -> list[int]:
+                            add_special_tokens: bool = False, context_len: int | None = None) -> list[int]:
         raise InvalidRequestError("this model folder has no tokenizer: chat needs one; use /v1/completions "
                                   "with token ids", param="messages")
+
+    def check_length(self, text: str, context_len: int, param: str) -> None:
+        pass  # encode refuses every text
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return ""
