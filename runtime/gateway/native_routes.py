@@ -30,7 +30,7 @@ from runtime.gateway.errors import bad_request, from_shoal_error
 from runtime.gateway.generation import Generation, Responder
 from runtime.gateway.openai_embeddings import embedding_requests, pooling_of, run_admitted
 from runtime.gateway.openai_responder import score_prompts_once
-from runtime.gateway.prompt_input import PromptInput
+from runtime.gateway.prompt_input import PromptInput, input_size, prompt_count
 from runtime.gateway.protocol import (
     AbortRequestBody,
     GenerateBody,
@@ -106,15 +106,25 @@ def _result(c: ChoiceState, scorer: ChoiceState, arrival: float, with_text: bool
     return GenerateResponse(text=c.text, output_ids=list(c.ids), meta_info=meta)
 
 
+async def _prompts(request: web.Request, state: Any, client: Any, text: object, input_ids: object) -> PromptInput:
+    """SGLang's text or input_ids, bounded before any encoding as the OpenAI routes are (PromptInput.read): the
+    prompt count, each text against the context, and a large body encoded off the loop."""
+    limit = max(1, state.batch_limit())
+    if text is not None:
+        return await PromptInput.read(text, client.tokenizer, client.context_len, input_size(request), limit,
+                                      param="text")
+    if prompt_count(input_ids) > limit:
+        raise bad_request(f"this request has {prompt_count(input_ids)} prompts; the server takes at most {limit} "
+                          "at once: send them in parts", param="input_ids")
+    return PromptInput.parse(input_ids, client.tokenizer.encode, param="input_ids", allow_text=False)
+
+
 async def generate(request: web.Request) -> web.StreamResponse:
     gen = await Generation.read(request, GenerateBody)
     body, client, state = gen.body, gen.client, gen.state
     if (body.text is None) == (body.input_ids is None):
         raise bad_request("give exactly one of text or input_ids", param="text")
-    if body.text is not None:
-        prompts = PromptInput.parse(body.text, client.tokenizer.encode, param="text")
-    else:
-        prompts = PromptInput.parse(body.input_ids, client.tokenizer.encode, param="input_ids", allow_text=False)
+    prompts = await _prompts(request, state, client, body.text, body.input_ids)
     _check_int64(body.sampling_params)
     if body.custom_logit_processor:
         raise bad_request("custom_logit_processor (server-side code) is not supported", param="custom_logit_processor")
@@ -195,8 +205,7 @@ async def encode_request(request: web.Request) -> web.Response:
     if (body.text is None) == (body.input_ids is None):
         raise bad_request("give exactly one of text or input_ids", param="text")
     param = "text" if body.text is not None else "input_ids"
-    prompts = PromptInput.parse(body.text if body.text is not None else body.input_ids, client.tokenizer.encode,
-                                param=param, allow_text=body.text is not None)
+    prompts = await _prompts(request, state, client, body.text, body.input_ids)
     base, rids = _encode_rids(body.rid, len(prompts.ids), prompts.batch, state.new_id("embd"))
     reqs = embedding_requests(client, rids, prompts.ids, param, cache_salt=body.cache_salt)
     vectors = await run_admitted(state, client, base, reqs, arrival, param)

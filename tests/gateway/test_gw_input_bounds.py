@@ -53,6 +53,7 @@ def test_reach_is_a_lower_bound(gw_engine):
     ("/tokenize", {"prompt": "x" * 2_000_000}, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 2_000_000}]}, "messages"),
     ("/v1/responses", {"input": "x" * 2_000_000}, "input"),
+    ("/generate", {"text": "x" * 2_000_000, "sampling_params": {"max_new_tokens": 1}}, "text"),
 ])
 def test_past_the_context_is_refused_without_encoding(big_url, encodes, path, body, param):
     t = time.monotonic()
@@ -77,6 +78,10 @@ def test_prompt_batch_counted_before_encoding(big_url, encodes):
     assert status == 400 and "40 prompts" in r["error"]["message"], r
     status, r = http(big_url + "/v1/completions", "POST", {"prompt": [[5, 6]] * 100_000, "max_tokens": 1})
     assert status == 400 and r["error"]["param"] == "prompt", r
+    status, r = http(big_url + "/generate", "POST", {"input_ids": [[5, 6]] * 100_000})
+    assert status == 400 and r["error"]["param"] == "input_ids", r
+    status, r = http(big_url + "/generate", "POST", {"text": ["hello"] * 65})
+    assert status == 400 and r["error"]["param"] == "text" and "65 prompts" in r["error"]["message"], r
     assert encodes == []
 
 
