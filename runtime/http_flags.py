@@ -51,7 +51,7 @@ def admin_api_key(value: Any, keys: tuple[str, ...] | None) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise ServerArgsError("--admin-api-key", f"must be one key, got {value!r}")
+        raise ServerArgsError("--admin-api-key", f"must be one key (a string), got a {type(value).__name__}")
     api_keys(value, "--admin-api-key")
     if value in (keys or ()):
         raise ServerArgsError("--admin-api-key", "equals an --api-key: every inference client would hold the "

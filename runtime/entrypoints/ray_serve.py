@@ -89,9 +89,11 @@ class ShoalDeployment:
         import aiohttp
 
         if self._session is None or self._session.closed:  # made on the replica's own event loop
-            # No pool cap: aiohttp's default of 100 connections would queue requests past that silently.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                                  timeout=aiohttp.ClientTimeout(total=None))
+            # No pool cap: aiohttp's default of 100 connections would queue requests past that silently. Idle
+            # connections go before the gateway's --timeout-keep-alive closes them: a POST sent on one the
+            # server is closing fails, and aiohttp retries no POST.
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.args.timeout_keep_alive / 2)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
         return self._session
 
     async def __call__(self, request: Any) -> Any:

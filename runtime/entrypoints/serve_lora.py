@@ -288,7 +288,7 @@ class ServeLora:
         """(status, JSON body) refusing a LoRA admin route on a deployment of several replicas; None to relay it
         (one replica, LoRA off, or a request the gateway will refuse for its key anyway). path: the route, below
         Serve's root path (its http_options.root_path and the app's route_prefix: serve_relay.route_path)."""
-        if method != "POST" or path not in ADMIN_ROUTES or not self.args.enable_lora or not self._keyed(headers):
+        if method != "POST" or path not in ADMIN_ROUTES or not self.args.enable_lora or not self._operator(headers):
             return None
         scale = await deployment_scale()
         if scale is None or scale.max_replicas <= 1:
@@ -301,6 +301,15 @@ class ServeLora:
         if path.startswith("/v1/"):
             return 400, encode(ApiError(400, message, param="lora_name", code="unsupported").body())
         return 400, json.dumps({"success": False, "error_message": message, "loaded_adapters": None}).encode()
+
+    def _operator(self, headers: Mapping[str, str]) -> bool:
+        """The caller holds what the gateway's operator routes take: --admin-api-key where set (SGLang's rule),
+        else an --api-key."""
+        if self.args.admin_api_key is None:
+            return self._keyed(headers)
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        sent = token.strip().encode("utf-8", "surrogateescape")
+        return scheme.lower() == "bearer" and hmac.compare_digest(sent, self.args.admin_api_key.encode())
 
     def _keyed(self, headers: Mapping[str, str]) -> bool:
         keys = self.args.api_key or ()

@@ -35,10 +35,11 @@ _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.
 
 
 def raise_open_file_limit() -> int:
-    """Raises RLIMIT_NOFILE's soft limit to its hard limit (where the hard one is unlimited, or more than the
-    kernel allows, to 65535); the soft limit in force after. Never lowers it; a refusal is a warning."""
+    """Raises RLIMIT_NOFILE's soft limit to 65535 (vLLM's and SGLang's target), or the hard limit where that is
+    lower; the soft limit in force after. Never lowers it; a refusal is a warning. Not to the hard limit itself:
+    a container's can be ~1e9, which children inherit and code that closes every fd up to it then stalls on."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    ceiling = hard if hard != resource.RLIM_INFINITY else 1 << 20  # Linux's default fs.nr_open
+    ceiling = _FD_FALLBACK if hard == resource.RLIM_INFINITY else min(hard, _FD_FALLBACK)
     error: Exception | None = None
     for target in dict.fromkeys((ceiling, min(ceiling, _FD_FALLBACK))):
         if target <= soft:

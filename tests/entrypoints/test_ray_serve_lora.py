@@ -234,6 +234,7 @@ async def test_the_relay_holds_a_streams_adapter_until_its_last_chunk(root, monk
     cls = ShoalDeployment.func_or_class
     deployment = cls.__new__(cls)
     deployment.lora, deployment._session, deployment._orphans = lr, None, OrphanReport()
+    deployment.args = lr.args
     async with TestServer(app, host="127.0.0.1") as server:
         deployment.gateway = SimpleNamespace(url=str(server.make_url("")).rstrip("/"))
         stream = await deployment(relayed("/v1/completions", {"model": f"{BASE}:a", "stream": True}, KEY, "/llm"))
@@ -319,6 +320,12 @@ async def test_admin_routes_are_refused_where_the_deployment_can_scale_out(root,
         "error"]["message"]
     off = ServeLora(ServerArgs(), LoraLoading(), FakeGateway().serves, FakeGateway().call)
     assert await off.refusal("POST", "/v1/load_lora_adapter", {}) is None  # LoRA off: the gateway says so
+    # With --admin-api-key the operator's key is the one refused here; an inference key or none meets the 401
+    admin = lora(root, FakeGateway(), api_key="k", admin_api_key="a")
+    assert (await admin.refusal("POST", "/v1/load_lora_adapter", {"authorization": "Bearer a"}))[0] == 400
+    assert await admin.refusal("POST", "/v1/load_lora_adapter", key) is None
+    only_admin = lora(root, FakeGateway(), admin_api_key="a")
+    assert await only_admin.refusal("POST", "/v1/load_lora_adapter", {}) is None
 
 
 @pytest.mark.parametrize(("num_replicas", "autoscaling", "expected"), [
