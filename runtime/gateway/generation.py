@@ -123,7 +123,14 @@ class Generation(Generic[B]):
 
     async def _stream(self, responder: Responder) -> web.StreamResponse:
         sse = SseWriter(self.request)
-        await sse.start()
+        try:
+            await sse.start()
+        except (ConnectionError, RuntimeError) as e:  # aiohttp: "Cannot write to closing transport"
+            if not is_disconnected(self.request):
+                raise
+            # The client left before the headers went out: a 499 as a drop mid-stream is, not a 500.
+            self._count_abandoned()
+            raise RequestAbortedError("the client disconnected") from e
         send = _named_sender(sse) if responder.named_events else _plain_sender(sse)
         try:
             for event in responder.first_events():
