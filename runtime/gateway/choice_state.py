@@ -135,11 +135,13 @@ class ChoiceState:
     @property
     def finish_reason(self) -> str | None:
         """OpenAI's finish_reason: stop, length, abort or error; None while running."""
-        if self.detok.stopped:  # our detokenizer saw the stop string, whether or not the engine did
+        if self.detok.stopped and not self.hide_output:  # our detokenizer saw the stop string, the engine or not
             return "stop"
         if not self.finished or self.last.finish_reason is None:
             return None
-        return self.last.finish_reason.openai_reason()
+        reason = self.last.finish_reason.openai_reason()
+        # Prompt scoring asked for 0 tokens, which is all it gets (vLLM: length); the hidden one token may be EOS
+        return "length" if self.hide_output and reason == "stop" else reason
 
     @property
     def matched_stop(self) -> int | str | None:
