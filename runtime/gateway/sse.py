@@ -6,9 +6,16 @@ vLLM do; the caller gives the name, which it has from the event before encoding 
 from the bytes would decode every event again, response.completed's whole Response among them). A write
 to a client that went away raises RequestAbortedError, so the caller stops generating for it. The response
 notes whether the stream reached its end (its last event written: stream_ended), which the access log reads:
-a stream cut off before it is logged 499."""
+a stream cut off before it is logged 499.
+
+A client that stays connected but stops reading would hold its request's place (and a --max-concurrent-requests
+slot) for good once the socket buffers fill: a write that cannot go out for SEND_STALL_S (nginx's send_timeout,
+60 s) closes the connection, and the stream ends as if the client had left. The timer is armed per write (a
+timer handle, no task), so a reading client pays microseconds."""
 
 from __future__ import annotations
+
+import asyncio
 
 from aiohttp import web
 
@@ -18,6 +25,7 @@ from runtime.gateway.protocol import encode
 
 # On an SSE response: whether its last event was written (an aiohttp ResponseKey: made once, holds nothing).
 _ENDED = web.ResponseKey("shoal_stream_ended", bool)
+SEND_STALL_S = 60.0  # nginx's send_timeout: how long one write may wait for a client that reads nothing
 
 
 def is_disconnected(request: web.Request) -> bool:
@@ -48,10 +56,20 @@ class SseWriter:
             await self.start()
         if is_disconnected(self.request):
             raise RequestAbortedError("the client disconnected")
+        stall = asyncio.get_running_loop().call_later(SEND_STALL_S, self._stalled)
         try:
             await self.response.write(frame)
         except (ConnectionError, RuntimeError) as e:  # aiohttp: "Cannot write to closing transport"
             raise RequestAbortedError("the client disconnected") from e
+        finally:
+            stall.cancel()
+
+    def _stalled(self) -> None:
+        """A write waited SEND_STALL_S on a client that reads nothing: drop the connection (the write then fails
+        as for a client that left, and its requests are aborted)."""
+        transport = self.request.transport
+        if transport is not None:
+            transport.abort()
 
     async def send(self, payload: bytes) -> None:
         await self._write(b"data: " + payload + b"\n\n")
@@ -63,10 +81,13 @@ class SseWriter:
     async def end(self) -> web.StreamResponse:
         """After the last event (finish's [DONE], the Responses API's last event, an error event)."""
         self.response[_ENDED] = True
+        stall = asyncio.get_running_loop().call_later(SEND_STALL_S, self._stalled)
         try:
             await self.response.write_eof()
         except (ConnectionError, RuntimeError):
             pass  # the client already has the last event; nothing left to tell it
+        finally:
+            stall.cancel()
         return self.response
 
     async def finish(self) -> web.StreamResponse:
