@@ -303,7 +303,8 @@ def test_a_failed_allocation_closes_the_group(engine, tensors, monkeypatch):
     monkeypatch.setattr(sync.torch, "empty", empty)
     assert not ok and "OutOfMemoryError" in message and "the group is closed" in message, message
     sent.join(TIMEOUT_S)
-    assert not sent.is_alive() and "Connection closed" in str(trainer.error)  # the trainer fails fast, not hangs
+    # The trainer fails fast, not hangs; gloo says closed or reset by its peer, as the close's timing falls
+    assert not sent.is_alive() and ("Connection closed" in str(trainer.error) or "Connection reset" in str(trainer.error))
     ok, message = engine.update_weights_from_distributed([norm], ["float32"], [[64]], group_name="wdist-oom")
     assert not ok and "'wdist-oom' is closed" in message, message
     assert torch.equal(_params(engine)[norm], before)
