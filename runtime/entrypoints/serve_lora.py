@@ -307,17 +307,18 @@ class ServeLora:
         else an --api-key."""
         if self.args.admin_api_key is None:
             return self._keyed(headers)
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        sent = token.strip().encode("utf-8", "surrogateescape")
-        return scheme.lower() == "bearer" and hmac.compare_digest(sent, self.args.admin_api_key.encode())
+        return _bearer_in(headers, (self.args.admin_api_key,))
 
     def _keyed(self, headers: Mapping[str, str]) -> bool:
         keys = self.args.api_key or ()
-        if not keys:
-            return True
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        sent = token.strip().encode("utf-8", "surrogateescape")
-        return scheme.lower() == "bearer" and any(hmac.compare_digest(sent, k.encode()) for k in keys)
+        return not keys or _bearer_in(headers, keys)
+
+
+def _bearer_in(headers: Mapping[str, str], keys: tuple[str, ...]) -> bool:
+    """The request's `Authorization: Bearer <key>` is one of keys (compared in constant time)."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    sent = token.strip().encode("utf-8", "surrogateescape")
+    return scheme.lower() == "bearer" and any(hmac.compare_digest(sent, k.encode()) for k in keys)
 
 
 @dataclasses.dataclass(frozen=True)
