@@ -80,6 +80,9 @@ class StepWatchdog:
         finally:
             stop.set()
             self.started = None
+            # Joined, not left to end on its own: its frame holds the scheduler (on_hang), and an engine shut
+            # down must be collectable at once (stop.wait returns as soon as it is set)
+            watcher.join(timeout=CALL_POLL_S * 5)
 
     def stuck(self) -> bool:
         """The step flagged as hung still runs: it holds the scheduler's lock, and nothing it would take from the

@@ -13,7 +13,8 @@ hangs, those already waiting as the verdict lands, and /metrics answers (stats r
 failed step's errors held through a probe that hangs are delivered by the watchdog, in the first unhealthy answer.
 Slow steps that finish under the timeout, calls run on the scheduler thread between steps for longer than it (a weight
 update takes minutes) and IDLE steps (a DP rank waiting for its peers) leave it healthy; <= 0, None or inf turns the
-watchdog off (no thread); NaN is refused naming the flag. A failure between steps times its probe."""
+watchdog off (no thread); NaN is refused naming the flag. A failure between steps times its probe. The thread is
+joined as the step loop ends."""
 
 from __future__ import annotations
 
@@ -113,6 +114,17 @@ def test_the_watchdog_flags_only_a_step_past_the_timeout():
         before = set(threading.enumerate())
         with dog.watching():  # no thread is started
             assert set(threading.enumerate()) == before
+
+
+def test_the_watchdog_thread_is_gone_once_the_loop_ends():
+    """Its thread holds the scheduler (on_hang): left to end on its own it could keep a shut-down engine's model
+    alive a moment (test_gc_guard's collection check failed so, once in a loaded run)."""
+    dog = StepWatchdog(300.0, StepHealth())
+    before = set(threading.enumerate())
+    with dog.watching():
+        (watcher,) = set(threading.enumerate()) - before
+        assert watcher.name.endswith("-watchdog") and watcher.daemon
+    assert not watcher.is_alive()
 
 
 def test_the_flag():
