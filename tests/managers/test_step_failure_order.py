@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import pytest
+from collect_failure import fail_the_collect_a_pause_makes
 from test_engine_health import GREEDY, PROMPT, STICKY, N, break_worker
 
 
@@ -57,23 +58,8 @@ def test_a_pause_whose_collect_fails_counts_one_failure(tiny_llama, monkeypatch,
     deadline = time.monotonic() + 10
     while not s.running and time.monotonic() < deadline:
         time.sleep(0.005)
-    finish, armed = engine.worker.finish_batch, []
-
-    def failing(launched: Any) -> Any:
-        if armed:
-            armed.clear()
-            raise RuntimeError("device error in flight")
-        return finish(launched)
-
-    pause_now = s.pause_now
-
-    def arm_then_pause(mode: str) -> int:
-        if s.pending is not None:  # a batch in flight (between two steps there may be none: try again)
-            armed.append(True)
-        return pause_now(mode)
-
-    monkeypatch.setattr(engine.worker, "finish_batch", failing)
-    monkeypatch.setattr(s, "pause_now", arm_then_pause)
+    assert s.worker is engine.worker
+    fail_the_collect_a_pause_makes(monkeypatch, s)
     for _ in range(50):
         try:
             engine.pause_generation("in_place")

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from collect_failure import fail_the_collect_a_pause_makes
 from tiny_models import hf_greedy_ids, make_tiny_model
 
 from runtime import Engine
@@ -287,22 +288,7 @@ def test_a_batch_failing_as_the_pause_collects_it_fails_its_requests(tiny_llama,
             input_ids=PROMPT, sampling_params={"max_new_tokens": 300, **GREEDY})))
         thread.start()
         asyncio.run(_running_req(engine, freeze=False))  # the pause must find a batch in flight
-        finish, armed = s.worker.finish_batch, []
-
-        def failing(launched: Any) -> Any:
-            if armed:
-                armed.clear()
-                raise RuntimeError("device error in flight")
-            return finish(launched)
-
-        pause_now = s.pause_now
-
-        def arm_then_pause(mode: str) -> int:
-            armed.append(s.pending is not None)
-            return pause_now(mode)
-
-        monkeypatch.setattr(s.worker, "finish_batch", failing)
-        monkeypatch.setattr(s, "pause_now", arm_then_pause)
+        fail_the_collect_a_pause_makes(monkeypatch, s)
         with pytest.raises(Exception, match="device error in flight"):
             engine.pause_generation("in_place")
         thread.join(15)
