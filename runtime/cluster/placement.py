@@ -2,7 +2,8 @@
 
 --placement pack puts a replica's bundles on as few nodes as possible (NVLink within a node);
 --placement spread puts them on different nodes where it can (a TP group across nodes). Extra custom
-resources per replica (e.g. {"node:rack-a": 0.01}) pin replicas to nodes that advertise them.
+resources per replica (e.g. {"node:rack-a": 0.01}) pin replicas to nodes that advertise them; a Serve
+replica's accelerator_type is one ({"accelerator_type:L4": 0.001} in each bundle: accelerator_resource).
 
 ReplicaPlacements keeps each replica's group across relaunches while it is whole. When a node dies, Ray
 reschedules the group's lost bundles but keeps holding its surviving ones: two replicas spread over a lost node
@@ -27,6 +28,13 @@ PLACEMENT_TIMEOUT_S = 120.0
 STATE_GRACE_S = 10.0  # how long a group's state may stay unreadable (a GCS hiccup) before its replica gives it up
 WAIT_LOG_S = 15.0  # how often a placement that waits on busy resources says so
 POLL_S = 1.0  # how soon a wait is reported (on_wait) and how often it checks for a shutdown
+ACCELERATOR_PREFIX = "accelerator_type:"  # Ray's resource (1) on each node with that accelerator
+
+
+def accelerator_resource(accelerator_type: str) -> dict[str, float]:
+    """What pins a bundle to a node with that accelerator: 0.001 of Ray's resource, as Ray's own
+    accelerator_type option and Ray Serve LLM's bundles ask for it (so any number of bundles share a node)."""
+    return {ACCELERATOR_PREFIX + accelerator_type: 0.001}
 
 
 def bundle_resources(use_gpu: bool, extra: dict[str, float] | None = None) -> dict[str, float]:
@@ -51,13 +59,19 @@ def shortfall(bundles: list[dict[str, float]], cluster: dict[str, float]) -> str
     for bundle in bundles:
         for key, amount in bundle.items():
             need[key] = need.get(key, 0.0) + amount
-    short = [f"{need[k]:g} {k} (the cluster has {cluster.get(k, 0.0):g})" for k in sorted(need)
-             if cluster.get(k, 0.0) + 1e-9 < need[k]]
-    if not short:
+    lacking = [k for k in sorted(need) if cluster.get(k, 0.0) + 1e-9 < need[k]]
+    if not lacking:
         return None
+    short = [f"{need[k]:g} {k} (the cluster has {cluster.get(k, 0.0):g})" for k in lacking]
+    types = [k.removeprefix(ACCELERATOR_PREFIX) for k in lacking if k.startswith(ACCELERATOR_PREFIX)]
+    fewer = "ask for fewer ranks (--tp-size, --dp-size)"
+    hint = f"add nodes (`ray start --address <head>:6379`) or {fewer}"
+    if types:  # no node has that accelerator (a Serve replica's accelerator_type): fewer ranks would not help
+        hint = (f"add nodes with {' or '.join(types)} accelerators (`ray start --address <head>:6379` there) or "
+                "give an accelerator_type the cluster has")
+        hint += f", and add nodes or {fewer}" if len(types) < len(lacking) else ""
     return (f"the Ray cluster cannot hold {len(bundles)} rank(s) (one bundle of {bundles[0]} each): they need "
-            f"{', '.join(short)}; add nodes (`ray start --address <head>:6379`) or ask for fewer ranks "
-            f"(--tp-size, --dp-size)")
+            f"{', '.join(short)}; {hint}")
 
 
 def check_capacity(bundles: list[dict[str, float]], cluster: dict[str, float], fixed: bool) -> None:

@@ -25,12 +25,19 @@ def _gpu_wanted(device: str) -> bool:
     return torch.cuda.is_available()
 
 
-def create_engine_client(args: ServerArgs) -> EngineClient:
-    """Builds (and loads) what the gateway serves through; the caller shuts it down."""
+def create_engine_client(args: ServerArgs, accelerator_type: str | None = None) -> EngineClient:
+    """Builds (and loads) what the gateway serves through; the caller shuts it down.
+    accelerator_type (a Serve replica's): every bundle of every replica group asks for a node with that
+    accelerator, as Ray Serve LLM's bundles do; in process, the engine runs where its caller was placed."""
     if runs_in_process(args):
         from runtime.engine import Engine
 
         return Engine(server_args=args)
+    from runtime.cluster import placement
     from runtime.cluster.launch import create_ray_engine_client
 
-    return create_ray_engine_client(args)
+    if accelerator_type is None:
+        return create_ray_engine_client(args)
+    groups = 1 if args.enable_dp_attention else args.dp_size  # ReplicaLauncher's: one placement group each
+    return create_ray_engine_client(args, replica_resources=[placement.accelerator_resource(accelerator_type)
+                                                             for _ in range(groups)])

@@ -35,7 +35,7 @@ from typing import Any
 from ray import serve
 
 from runtime.config import ServerArgs
-from runtime.entrypoints.serve_app_args import ServeAppArgs
+from runtime.entrypoints.serve_app_args import ServeAppArgs, accelerator_split
 from runtime.entrypoints.serve_lora import LoraLoading, ServeLora
 from runtime.entrypoints.serve_relay import HOP_BY_HOP, RelayResponse, relayed_headers, route_path
 from runtime.errors import ServerArgsError
@@ -65,10 +65,11 @@ class ShoalDeployment:
         from runtime.gc_guard import GcGuard
 
         server_args, loading = LoraLoading.split(server_args)
+        server_args, accelerator = accelerator_split(server_args)
         loading.check_here()
         self.args = replica_args(server_args)
         try:
-            self.client = create_engine_client(self.args)
+            self.client = create_engine_client(self.args, accelerator_type=accelerator)
         except Exception as e:  # noqa: BLE001 — a model that does not load, a cluster too small, a bug
             raise replica_start_error(e) from None
         self.gateway = serve_in_thread(self.client, self.args, host="127.0.0.1", port=0)

@@ -9,9 +9,10 @@ Two shapes are accepted:
   Ray's; tokenizer_source → tokenizer_path), engine_kwargs (vLLM's engine arguments, flattened and translated
   as above: Shoal's own field names work there too), lora_config (dynamic_lora_loading_path,
   max_num_adapters_per_replica), deployment_config and runtime_env (the deployment's .options),
-  accelerator_type (the replica's ray_actor_options.accelerator_type, a node with that accelerator, as Ray's)
-  and placement_group_config (its strategy as args.placement; its bundles are not used: Shoal reserves its
-  TP ranks' own); or build_openai_app's {"llm_configs": [one]}.
+  accelerator_type (as Ray's: the replica's ray_actor_options.accelerator_type, and `accelerator_type:<type>`
+  in every bundle of its TP/DP rank actors' placement groups, so no rank lands on another GPU; flat args
+  take it too) and placement_group_config (its strategy as args.placement; its bundles are not used:
+  Shoal reserves its TP ranks' own); or build_openai_app's {"llm_configs": [one]}.
 
 Unknown keys are one error that lists each by its YAML key (engine_kwargs.foo, not --foo); other bad values
 name the YAML key too where the error traces back to one."""
@@ -32,7 +33,7 @@ from runtime.vllm_flags import translate_vllm_kwargs
 logger = logging.getLogger(__name__)
 
 FIELDS = frozenset(f.name for f in dataclasses.fields(ServerArgs))
-# An LLMConfig's keys; the first ones tell its shape from the flat one (accelerator_type alone is a flat typo)
+# An LLMConfig's keys; the first ones tell its shape from the flat one (flat args take accelerator_type too)
 LLM_CONFIG_SHAPE = frozenset({"model_loading_config", "engine_kwargs", "lora_config", "deployment_config",
                               "runtime_env", "llm_engine", "log_engine_metrics"})
 LLM_CONFIG_KEYS = LLM_CONFIG_SHAPE | {"accelerator_type", "placement_group_config"}
@@ -42,6 +43,8 @@ LORA_NO_EFFECT = frozenset({"download_timeout_s", "max_download_tries"})  # Ray'
 # placement_group_config's strategy → Shoal's placement of a replica's TP ranks (its own placement group)
 PLACEMENT = {"PACK": "pack", "STRICT_PACK": "pack", "SPREAD": "spread", "STRICT_SPREAD": "spread"}
 PLACEMENT_GROUP_KEYS = frozenset({"bundle_per_worker", "bundles", "strategy"})
+# The replica's Serve-level key (split off by accelerator_split): its ranks' bundles ask for that accelerator.
+ACCELERATOR_KEY = "accelerator_type"
 # Serve's deployment options build_app can set (not name: the deployment is ShoalDeployment, as the config's
 # `deployments:` names it; not user_config: ShoalDeployment has no reconfigure()).
 DEPLOYMENT_OPTIONS = frozenset({"num_replicas", "autoscaling_config", "max_ongoing_requests", "max_queued_requests",
@@ -51,8 +54,8 @@ DEPLOYMENT_OPTIONS = frozenset({"num_replicas", "autoscaling_config", "max_ongoi
                                 "max_replicas_per_node"})
 LIST_VALUED = ("allowed_origins", "metrics_compat")  # a YAML list, as vLLM's allowed_origins is
 FLAT_HINT = ("each must be a ServerArgs field (`shoal serve --help`), a vLLM engine argument Shoal takes, "
-             f"{PATH_KEY} or {MAX_KEY}; or give Ray Serve LLM's LLMConfig shape (model_loading_config, "
-             "engine_kwargs, ...)")
+             f"{PATH_KEY}, {MAX_KEY} or {ACCELERATOR_KEY}; or give Ray Serve LLM's LLMConfig shape "
+             "(model_loading_config, engine_kwargs, ...)")
 LLM_CONFIG_HINT = ("an LLMConfig here takes model_loading_config (model_id, model_source, tokenizer_source), "
                    "engine_kwargs (vLLM engine arguments Shoal takes, or ServerArgs fields), lora_config "
                    f"({', '.join(LORA_CONFIG)}), deployment_config (Serve deployment options: "
@@ -62,7 +65,8 @@ LLM_CONFIG_HINT = ("an LLMConfig here takes model_loading_config (model_id, mode
 
 @dataclasses.dataclass(frozen=True)
 class ServeAppArgs:
-    kwargs: dict[str, Any]  # the replica's args: ServerArgs kwargs (vLLM's names too) and serve_lora's keys
+    kwargs: dict[str, Any]  # the replica's args: ServerArgs kwargs (vLLM's names too), serve_lora's keys and
+    # ACCELERATOR_KEY
     options: dict[str, Any]  # ShoalDeployment.options(...): an LLMConfig's deployment_config and runtime_env
     names: dict[str, str]  # each kwargs key -> the YAML key it came from (what errors and warnings name)
 
@@ -75,8 +79,11 @@ class ServeAppArgs:
         if LLM_CONFIG_SHAPE & args.keys():
             return cls._of_llm_config(args, "", [])
         kwargs, names = _joined_lists(args), {k: k for k in args}
+        accelerator = kwargs.pop(ACCELERATOR_KEY, None)
         check(kwargs, names, FLAT_HINT)
-        return cls(kwargs, {}, names)
+        options: dict[str, Any] = {}
+        _apply_accelerator_type(accelerator, options, kwargs, "")
+        return cls(kwargs, options, names)
 
     @classmethod
     def _of_llm_configs(cls, args: dict[str, Any]) -> ServeAppArgs:
@@ -138,9 +145,9 @@ class ServeAppArgs:
         unknown += [f"{at}deployment_config.{k}" for k in options if k not in DEPLOYMENT_OPTIONS]
         unknown += _apply_placement_group(config, kwargs, names, at)
         kwargs = _joined_lists(kwargs)
-        server = check(kwargs, names, LLM_CONFIG_HINT, unknown)
+        check(kwargs, names, LLM_CONFIG_HINT, unknown)
         _apply_runtime_env(config, options, at)
-        _apply_accelerator_type(config, options, at, server)
+        _apply_accelerator_type(config.get("accelerator_type"), options, kwargs, at)
         engine_name = config.get("llm_engine", "vLLM")
         if str(engine_name).lower() != "vllm":
             raise ServerArgsError(f"{at}llm_engine", f"Shoal runs the model; its engine_kwargs take vLLM's names "
@@ -229,29 +236,41 @@ def _apply_runtime_env(config: Mapping[str, Any], options: dict[str, Any], at: s
     options["ray_actor_options"] = {**actor, "runtime_env": dict(env)}
 
 
-def _apply_accelerator_type(config: Mapping[str, Any], options: dict[str, Any], at: str, server: ServerArgs) -> None:
-    """LLMConfig's accelerator_type, as Ray Serve LLM applies it (`accelerator_type:<type>` in the replica's
-    bundle, and the engine's actors' `accelerator_type` option): the replica's ray_actor_options'."""
-    value = config.get("accelerator_type")
-    if value is None:
-        return
+def _apply_accelerator_type(value: Any, options: dict[str, Any], kwargs: dict[str, Any], at: str) -> None:
+    """accelerator_type, as Ray Serve LLM applies it: the replica's ray_actor_options.accelerator_type (its
+    node), and kwargs[ACCELERATOR_KEY], by which the replica's TP/DP rank actors' bundles each ask for
+    `accelerator_type:<type>` (engine_factory.create_engine_client). deployment_config's
+    ray_actor_options.accelerator_type alone does both too: a rank on another GPU type than its replica's
+    would be a slower (or too small) replica that nothing reports."""
+    actor = options.get("ray_actor_options") or {}
+    if not isinstance(actor, Mapping):
+        return  # Serve's .options names the bad ray_actor_options itself
+    here = f"{at}deployment_config.ray_actor_options.accelerator_type"
+    given = {where: _accelerator(v, where) for where, v in ((f"{at}accelerator_type", value),
+                                                            (here, actor.get("accelerator_type"))) if v is not None}
+    if len(set(given.values())) > 1:
+        raise ServerArgsError(f"{at}accelerator_type", f"{here} is {actor['accelerator_type']!r}; give one of them")
+    if given:
+        value = next(iter(given.values()))
+        options["ray_actor_options"] = {**actor, "accelerator_type": value}
+        kwargs[ACCELERATOR_KEY] = value
+
+
+def _accelerator(value: Any, where: str) -> str:
+    """One of Ray's accelerator types (the names its nodes' `accelerator_type:<type>` resources carry)."""
     from ray.util.accelerators import accelerators
 
     known = sorted({v for k, v in vars(accelerators).items() if k.isupper() and isinstance(v, str)})
     value = "A10G" if value == "A10" else value  # as Ray's LLMConfig reads it
     if value not in known:
-        raise ServerArgsError(f"{at}accelerator_type", f"{value!r} is not one of Ray's accelerator types: "
-                                                       f"{', '.join(known)}")
-    actor = options.get("ray_actor_options") or {}
-    if not isinstance(actor, Mapping):
-        return  # Serve's .options names the bad ray_actor_options itself
-    if actor.get("accelerator_type") not in (None, value):
-        raise ServerArgsError(f"{at}accelerator_type", f"{at}deployment_config.ray_actor_options.accelerator_type "
-                                                       f"is {actor['accelerator_type']!r}; give one of them")
-    options["ray_actor_options"] = {**actor, "accelerator_type": value}
-    if server.uses_ray:  # tp/dp > 1 or use_ray: the ranks run in actors of Shoal's own placement group
-        logger.warning("ray_serve: %saccelerator_type %s places the replica on a node with it; the replica's "
-                       "TP/DP rank actors go to GPU nodes of any type (Shoal places them itself)", at, value)
+        raise ServerArgsError(where, f"{value!r} is not one of Ray's accelerator types: {', '.join(known)}")
+    return value
+
+
+def accelerator_split(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """(the rest, the accelerator type its ranks' bundles ask for) of a replica's args."""
+    rest = dict(kwargs)
+    return rest, rest.pop(ACCELERATOR_KEY, None)
 
 
 def _apply_placement_group(config: Mapping[str, Any], kwargs: dict[str, Any], names: dict[str, str],
