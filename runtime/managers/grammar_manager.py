@@ -3,7 +3,10 @@ its grammar compiles (on the GrammarCompiler's threads, so other requests keep r
 queue with its own matcher; each step it fills the bitmask of the constrained rows that sample, which
 travels in the WorkerBatch to every rank; each sampled token advances the row's matcher. A request with
 SamplingParams.grammar_after_token (a reasoning model's </think>) samples freely until that token: no
-mask, no advance, no grammar finish; the grammar applies from the token after it."""
+mask, no advance, no grammar finish; the grammar applies from the token after it. A waiting request is
+its compile job's waiter until it stops waiting, whatever the reason (ready, failed, past its deadline,
+aborted, its client gone, the engine failing): GrammarCompiler.leave, so a compile nobody waits for any
+more never runs."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import time
 
 import torch
 
-from runtime.errors import InvalidRequestError
+from runtime.errors import EngineUnavailableError, InvalidRequestError
 from runtime.managers.req import Req
 from runtime.managers.schedule_batch import ScheduleBatch
 from runtime.messages import FinishReason, WorkerBatch
@@ -60,7 +63,7 @@ class GrammarManager:
                     for at, t in enumerate(req.output_ids):
                         self.accept(req, t, at)
                     (failed if req.finished else ready).append(req)
-                except InvalidRequestError as e:
+                except (InvalidRequestError, EngineUnavailableError) as e:  # bad grammar; compiler shut down
                     req.finish_reason = self._failure(e)
                     failed.append(req)
             elif (why := self.compiler.verdict(job, key, t0, now)) is not None:
@@ -68,6 +71,8 @@ class GrammarManager:
                 failed.append(req)
             else:
                 still.append((req, job, t0))
+                continue
+            self.compiler.leave(job)
         self.compiling = still
         return ready, failed
 
@@ -77,18 +82,25 @@ class GrammarManager:
         compiler is the engine's (a 503 the client retries)."""
         if isinstance(e, InvalidRequestError):
             return FinishReason("error", message=f"invalid request ({e.param}): {e.message}", param=e.param)
-        return FinishReason("error", message=str(e), code=GRAMMAR_BUSY)
+        if isinstance(e, GrammarBusyError):
+            return FinishReason("error", message=str(e), code=GRAMMAR_BUSY)
+        return FinishReason("error", message=str(e))
 
     def drop(self, req: Req) -> bool:
-        """Forgets req if it waits for its grammar (an abort); True if it did."""
-        n = len(self.compiling)
-        self.compiling = [c for c in self.compiling if c[0] is not req]
-        return len(self.compiling) != n
+        """Forgets req if it waits for its grammar (an abort, its client gone); True if it did."""
+        gone = [c for c in self.compiling if c[0] is req]
+        if gone:
+            self.compiling = [c for c in self.compiling if c[0] is not req]
+            for _, job, _ in gone:
+                self.compiler.leave(job)
+        return bool(gone)
 
     def take_all(self) -> list[Req]:
-        reqs = [c[0] for c in self.compiling]
-        self.compiling = []
-        return reqs
+        """Forgets every waiting request (the engine failed: they end with it)."""
+        waiting, self.compiling = self.compiling, []
+        for _, job, _ in waiting:
+            self.compiler.leave(job)
+        return [c[0] for c in waiting]
 
     @staticmethod
     def constrains(batch: ScheduleBatch) -> bool:

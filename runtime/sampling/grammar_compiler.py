@@ -7,7 +7,8 @@ A grammar that does not compile is an InvalidRequestError naming its field; so i
 limit (the compile goes on in its thread and lands in the cache, but the request that waited is refused
 rather than stalled). The limit counts from the compile's start: a request queued behind other compiles
 is not the one to blame, and gets GrammarBusyError (a 503, retry) once its queue wait passes the limit,
-or at once when the queue is full. JSON grammars allow no free whitespace: even a model with random
+or at once when the queue is full. Every caller of submit() leaves its job when it stops waiting, for
+whatever reason: a queued compile nobody waits for any more never runs (GrammarPool). JSON grammars allow no free whitespace: even a model with random
 weights then ends a schema-bounded object within a bounded number of tokens."""
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ import json
 import os
 import threading
 import time
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -27,6 +26,9 @@ import torch
 from runtime.errors import EngineUnavailableError, InvalidRequestError
 from runtime.sampling.bounded_strings import expand_bounded_strings
 from runtime.sampling.grammar_limits import GrammarLimits
+from runtime.sampling.grammar_pool import GrammarJob, GrammarPool
+
+__all__ = ["GrammarBusyError", "GrammarCompiler", "GrammarJob", "allows_any", "create_grammar_compiler"]
 
 # Distinct grammars kept compiled; a compiled JSON schema is typically tens of KiB.
 _CACHE_SIZE = 512
@@ -48,20 +50,6 @@ class GrammarBusyError(EngineUnavailableError):
         return type(self), (str(self), self.retry_after_s)
 
 
-class GrammarJob:
-    """One grammar's compile: its future, and when a pool thread started and ended it (monotonic s)."""
-
-    __slots__ = ("future", "started", "ended")
-
-    def __init__(self) -> None:
-        self.future: Future = Future()
-        self.started: float | None = None
-        self.ended: float | None = None
-
-    def failed(self) -> bool:
-        return self.future.done() and (self.future.cancelled() or self.future.exception() is not None)
-
-
 class GrammarCompiler:
     def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int], timeout_s: float,
                  threads: int = 2, fill_threads: int | None = None, max_queued: int = 64,
@@ -77,13 +65,11 @@ class GrammarCompiler:
         self._hf_tokenizer, self._stop_token_ids, self._threads = hf_tokenizer, sorted(stop_token_ids), threads
         # xgrammar's own threads (a compile's states, a step's mask rows): half the cores, at most 8.
         self._fill_threads = fill_threads or max(1, min(8, len(os.sched_getaffinity(0)) // 2))
-        self._max_queued = max_queued
-        self._queued = 0  # jobs submitted that no thread has started
         self._xgr: Any = None  # xgrammar and its tokenizer tables load at the first grammar, not at start
         self._compiler: Any = None
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="shoal-grammar")
-        self._cache: OrderedDict[tuple[str, str], GrammarJob] = OrderedDict()
-        self._lock = threading.Lock()
+        # _compile looked up per job, not bound here: tests put a slow one in its place
+        self._pool = GrammarPool(threads, max_queued, _CACHE_SIZE, self._ensure_compiler,
+                                 lambda key: self._compile(*key))
         self._init_lock = threading.Lock()
 
     @property
@@ -106,53 +92,29 @@ class GrammarCompiler:
                 self._xgr = xgr
             return self._compiler
 
+    @property
+    def queued(self) -> int:
+        """Compiles waiting for a thread."""
+        return self._pool.queued
+
     def submit(self, key: tuple[str, str]) -> GrammarJob:
-        """The compile of key, started now or earlier (thread-safe). A grammar past GrammarLimits is an
-        InvalidRequestError here, before it costs a thread; a full queue a GrammarBusyError. A failed
-        compile is not kept: the next request with the same grammar gets the same error afresh."""
-        with self._lock:
-            job = self._cache.get(key)
-            if job is not None and not job.failed():
-                self._cache.move_to_end(key)
-                return job
-        self.limits.check(*key)  # outside the lock: a 256 KiB schema parses in about a millisecond
-        with self._lock:
-            job = self._cache.get(key)  # another thread may have queued it meanwhile
-            if job is not None and not job.failed():
-                return job
-            if self._queued >= self._max_queued:
-                raise GrammarBusyError(f"the grammar compiler is busy: {self._queued} grammars wait to compile; "
-                                       f"retry shortly", self.queue_wait_s)
-            job = GrammarJob()
-            self._queued += 1
-            self._pool.submit(self._run, job, key)
-            self._cache[key] = job
-            while len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
+        """The compile of key, started now or earlier (thread-safe), with the caller counted as its waiter:
+        leave(job) once it stops waiting, whatever the reason. A grammar past GrammarLimits is an
+        InvalidRequestError here, before it costs a thread; a full queue a GrammarBusyError."""
+        job = self._pool.find(key)
+        if job is not None:
             return job
+        self.limits.check(*key)  # outside the lock: a 256 KiB schema parses in about a millisecond
+        job = self._pool.join(key)
+        if job is None:
+            raise GrammarBusyError(f"the grammar compiler is busy: {self._pool.queued} grammars wait to compile; "
+                                   f"retry shortly", self.queue_wait_s)
+        return job
 
-    def _run(self, job: GrammarJob, key: tuple[str, str]) -> None:
-        try:
-            self._ensure_compiler()
-        except BaseException as e:
-            self._start(job)
-            job.ended = time.monotonic()
-            job.future.set_exception(e)
-            return
-        self._start(job)
-        try:
-            compiled = self._compile(*key)
-        except BaseException as e:
-            job.ended = time.monotonic()
-            job.future.set_exception(e)
-        else:
-            job.ended = time.monotonic()
-            job.future.set_result(compiled)
-
-    def _start(self, job: GrammarJob) -> None:
-        with self._lock:
-            self._queued -= 1
-        job.started = time.monotonic()
+    def leave(self, job: GrammarJob) -> None:
+        """The caller of submit() stops waiting for job (done, failed, refused, aborted or gone): a job no
+        thread has started and nobody waits for is dropped, never run."""
+        self._pool.leave(job)
 
     def verdict(self, job: GrammarJob, key: tuple[str, str], since: float,
                 now: float | None = None) -> Exception | None:
@@ -178,34 +140,47 @@ class GrammarCompiler:
     def check(self, key: tuple[str, str]) -> Any:
         """Blocks until key is compiled; returns the CompiledGrammar or raises InvalidRequestError (or
         GrammarBusyError)."""
-        cached, since = self._cached(key), time.monotonic()
+        # Compiled already? Asked before submit: a compile that holds the GIL may be done when it returns,
+        # and the time limit is on the clock, not on which thread the interpreter ran first.
+        cached, since = self._pool.cached(key), time.monotonic()
         job = self.submit(key)
-        while not job.future.done():
-            if (why := self.verdict(job, key, since)) is not None:
-                raise why
-            try:
-                job.future.result(timeout=max(0.0, self._deadline(job, since) - time.monotonic()) + 1e-3)
-            except Exception:
-                pass  # done (result read below) or the deadline: look again
-        return self._finish(job, key, since, cached)
+        try:
+            while not job.future.done():
+                if (why := self.verdict(job, key, since)) is not None:
+                    raise why
+                try:
+                    job.future.result(timeout=max(0.0, self._deadline(job, since) - time.monotonic()) + 1e-3)
+                except Exception:
+                    pass  # done (result read below) or the deadline: look again
+            return self._finish(job, key, since, cached)
+        finally:
+            self.leave(job)
 
     async def check_async(self, key: tuple[str, str]) -> None:
-        """check() for an event loop: waits without blocking it."""
-        cached, since = self._cached(key), time.monotonic()
+        """check() for an event loop: waits without blocking it. A cancelled caller (its client gone)
+        leaves the job like any other."""
+        cached, since = self._pool.cached(key), time.monotonic()
         job = self.submit(key)
+        # Shielded: a waiter giving up never cancels the job the others share.
         waiting = asyncio.shield(asyncio.wrap_future(job.future))
-        while not job.future.done():
-            if (why := self.verdict(job, key, since)) is not None:
-                waiting.cancel()
-                raise why
-            try:
-                await asyncio.wait_for(asyncio.shield(waiting),
-                                       max(0.0, self._deadline(job, since) - time.monotonic()) + 1e-3)
-            except asyncio.TimeoutError:
-                pass
-            except Exception:
-                break  # the compile failed: _finish raises its error
-        self._finish(job, key, since, cached)
+        try:
+            while not job.future.done():
+                if (why := self.verdict(job, key, since)) is not None:
+                    raise why
+                try:
+                    await asyncio.wait_for(asyncio.shield(waiting),
+                                           max(0.0, self._deadline(job, since) - time.monotonic()) + 1e-3)
+                except asyncio.TimeoutError:
+                    pass
+                except asyncio.CancelledError:
+                    if not job.future.cancelled():  # this caller was cancelled, not the job (a shutdown)
+                        raise
+                except Exception:
+                    break  # the compile failed: _finish raises its error
+            self._finish(job, key, since, cached)
+        finally:
+            waiting.cancel()
+            self.leave(job)
 
     def _finish(self, job: GrammarJob, key: tuple[str, str], since: float, cached: bool) -> Any:
         compiled = self.result(job, key)
@@ -213,15 +188,10 @@ class GrammarCompiler:
             raise why
         return compiled
 
-    def _cached(self, key: tuple[str, str]) -> bool:
-        """Compiled already. Asked before submit: a compile that holds the GIL may be done when it returns,
-        and the time limit is on the clock, not on which thread the interpreter ran first."""
-        with self._lock:
-            known = self._cache.get(key)
-            return known is not None and known.future.done() and not known.failed()
-
     def result(self, job: GrammarJob, key: tuple[str, str]) -> Any:
         """A done job's CompiledGrammar, or the InvalidRequestError its failure means."""
+        if job.future.cancelled():  # queued at shutdown()
+            raise EngineUnavailableError("the grammar compiler is shut down")
         e = job.future.exception()
         if e is None:
             return job.future.result()
@@ -286,7 +256,7 @@ class GrammarCompiler:
         return compiled
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
 
 
 # xgrammar 0.2.8 writes the characters of a length-bounded JSON string (maxLength / minLength) as

@@ -144,6 +144,7 @@ def test_a_grammar_queued_behind_slow_compiles_is_busy_not_blamed():
         assert not mgr.admit(req) and not req.finished
         time.sleep(0.35)
         assert mgr.poll() == ([], [req]) and req.finish_reason.code == GRAMMAR_BUSY and req.finish_reason.param is None
+        assert c.queued == 0  # neither busy waiter left its job behind: both dropped, never run
     finally:
         release.set()
     # queued 0.3 s+ (longer than the time limit) yet compiled fast once started: not a timeout
@@ -161,7 +162,7 @@ def test_a_full_queue_refuses_at_once_and_a_slow_compile_is_still_a_timeout():
     try:
         c.submit(("regex", "slow"))
         deadline = time.monotonic() + 5
-        while c._queued and time.monotonic() < deadline:  # "slow" holds the thread
+        while c.queued and time.monotonic() < deadline:  # "slow" holds the thread
             time.sleep(0.01)
         c.submit(("regex", "a"))  # queued: the queue is full now
         with pytest.raises(GrammarBusyError):
