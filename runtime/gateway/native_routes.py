@@ -158,7 +158,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
                                         input_top_logprobs_num=body.top_logprobs_num if scored else 0))
     reqs = [state.validate(client, r) for r in score_prompts_once(reqs, n)]  # a prompt's n choices share one score
     if params.grammar is not None:  # json_schema, regex or ebnf: compiled (or refused) before anything runs
-        await state.check_grammar(client, reqs[0], f"sampling_params.{params.grammar[0]}")
+        await state.check_grammar(client, reqs[0], f"sampling_params.{params.grammar[0]}", request)
     gen.set_choices(base, reqs)
     return await gen.respond(body.stream, _GenerateResponder(gen, body.return_text_in_logprobs, several, n, start))
 

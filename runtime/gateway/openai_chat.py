@@ -235,7 +235,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if prompt_lp is not None:
         reqs = score_prompts_once(reqs, n)
     if constraint is not None:
-        await state.check_grammar(client, reqs[0], constraint.param)
+        await state.check_grammar(client, reqs[0], constraint.param, request)
     gen.set_choices(base, reqs)
     responder = _ChatResponder(gen, model, n, want_lp, tools, reasoning, reasoning_done, prompt_lp)
     return await gen.respond(bool(body.stream), responder)

@@ -122,7 +122,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if scored and not echo_lp:  # echo shows each choice's own prompt logprobs, a stream's in its first delta
         reqs = score_prompts_once(reqs, n)
     if constraint is not None:
-        await state.check_grammar(client, reqs[0], constraint.param)
+        await state.check_grammar(client, reqs[0], constraint.param, request)
     echo = [(prompts.texts[i // n] if prompts.texts[i // n] is not None else client.tokenizer.decode(r.input_ids))
             if body.echo else "" for i, r in enumerate(reqs)]
     gen.set_choices(base, reqs, hide_output=scoring)

@@ -144,7 +144,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     reqs = with_priority(state, client, state.choice_requests(client, base, [ids], params, 1, lora_name=lora,
                                                               cache_salt=body.cache_salt), body.priority)
     if constraint is not None:
-        await state.check_grammar(client, reqs[0], constraint.param)
+        await state.check_grammar(client, reqs[0], constraint.param, request)
     gen.set_choices(base, reqs)
     responder = _ResponsesResponder(gen, model, _echo(body, params), tools, reasoning, reasoning_done, want_lp)
     return await gen.respond(bool(body.stream), responder)

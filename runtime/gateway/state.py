@@ -7,6 +7,7 @@ request_scope and rids_of hand over to it."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import importlib.metadata
@@ -22,7 +23,7 @@ from aiohttp import web
 from runtime.config import ServerArgs
 from runtime.default_model import DEFAULT_MODEL_NAME, default_cache_root
 from runtime.engine_client import EngineClient
-from runtime.errors import InvalidRequestError, ShoalError
+from runtime.errors import InvalidRequestError, RequestAbortedError, ShoalError
 from runtime.gateway.admission import AdmissionController
 from runtime.gateway.dashboard import Dashboard
 from runtime.gateway.error_log import ErrorLog
@@ -32,6 +33,7 @@ from runtime.gateway.metrics import GatewayMetrics
 from runtime.gateway.protocol import OpenAISamplingFields
 from runtime.gateway.request_ids import RequestIds
 from runtime.gateway.request_log import RequestLog
+from runtime.gateway.sse import is_disconnected
 from runtime.gateway.ttft_trace import TtftTrace
 from runtime.messages import GenerateRequest
 from runtime.model_names import BaseModelNames
@@ -43,6 +45,7 @@ ClientProvider = Callable[[], EngineClient | None]
 
 _TOKEN_ID = re.compile(r"-?[0-9]+")
 # Our SamplingParams names → the OpenAI request field a user wrote, for error messages.
+GRAMMAR_GONE_POLL_S = 0.25  # how often a request waiting for its grammar looks for a gone client
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs_num": "logprobs"}
 
 
@@ -285,17 +288,26 @@ class GatewayState:
         return reqs
 
     @staticmethod
-    async def check_grammar(client: EngineClient, req: GenerateRequest, param: str) -> None:
+    async def check_grammar(client: EngineClient, req: GenerateRequest, param: str,
+                            request: web.Request | None = None) -> None:
         """Compiles the request's grammar before anything is sent (the choices of a request share it, and
         the compile is cached): an invalid one or one past --grammar-compile-timeout-s is a 400 naming
-        `param`, the body field that gave it."""
+        `param`, the body field that gave it. A client that leaves meanwhile (request's connection closed)
+        stops waiting at once (RequestAbortedError): aiohttp does not cancel its handler, and a compile no
+        thread has started is dropped once nobody waits for it (GrammarPool)."""
         if req.sampling_params.grammar is None:
             return
+        check = asyncio.ensure_future(client.check_grammar(req))
         try:
-            await client.check_grammar(req)
+            while not (await asyncio.wait({check}, timeout=GRAMMAR_GONE_POLL_S))[0]:
+                if request is not None and is_disconnected(request):
+                    raise RequestAbortedError("the client disconnected while its grammar compiled")
+            await check
         except InvalidRequestError as e:
             code = None if e.code == "invalid_request_error" else e.code
             raise bad_request(e.message, param=param, code=code or "invalid_value") from None
+        finally:
+            check.cancel()  # a gone client, or this handler cancelled: its waiter leaves (no-op once done)
 
     @staticmethod
     def with_bad_words_ids(client: EngineClient, params: SamplingParams) -> SamplingParams:

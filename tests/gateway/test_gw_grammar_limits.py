@@ -1,6 +1,7 @@
 """Over HTTP, hostile grammars are 400s naming the body field that gave them: too large (a 100k-value
 enum answers at once), a $ref to a URL, a grammar that matches no text (at compile), and one that
-dead-ends after its first token; a 100k-value enum is refused alike (at the step that finds it, naming the grammar)."""
+dead-ends after its first token; a 100k-value enum is refused alike (at the step that finds it, naming the grammar).
+A client that leaves while its grammar waits for a compile thread has the compile dropped."""
 
 from __future__ import annotations
 
@@ -44,3 +45,43 @@ def test_a_busy_compile_pool_is_a_503_with_retry_after():
     err = from_shoal_error(GrammarBusyError("grammar compiler is busy", retry_after_s=2.4))
     assert err.status == 503 and err.headers == {"Retry-After": "3"}
     assert err.body().error.code == "grammar_compiler_busy"
+
+
+def test_a_client_gone_while_its_grammar_waits_drops_the_compile(gw_engine, gw_server, monkeypatch):
+    """aiohttp does not cancel a handler whose client left: the grammar check looks for a closed connection
+    itself, so the compile it queued (behind two that hold the pool's threads) is dropped within a poll,
+    never compiled, instead of waiting out its deadline."""
+    import socket
+    import threading
+
+    g, gate, calls = gw_engine.grammar, threading.Event(), []
+    real = g._compile
+
+    def compile_(kind: str, text: str):
+        calls.append(text)
+        if text.startswith("hog"):
+            gate.wait(10)
+        return real(kind, text)
+
+    monkeypatch.setattr(g, "_compile", compile_)
+    hogs = [g.submit(("regex", f"hog-gone{i}")) for i in range(2)]  # the engine's two compile threads
+    try:
+        body = json.dumps({**P, "regex": "gone-client[0-9]"}).encode()
+        host, port = gw_server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            deadline = time.monotonic() + 5
+            while g.queued < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert g.queued == 1  # its compile waits for a thread
+        deadline = time.monotonic() + 3  # the queue wait's own deadline is 5 s or more
+        while g.queued and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert g.queued == 0
+    finally:
+        gate.set()
+        for job in hogs:
+            g.leave(job)
+    time.sleep(0.1)
+    assert not any(t.startswith("gone-client") for t in calls), calls
