@@ -146,7 +146,9 @@ class ChoiceState:
     @property
     def matched_stop(self) -> int | str | None:
         fr = self.last.finish_reason if self.last is not None else None
-        return fr.matched if fr is not None else None
+        if fr is None or self.hide_output:  # prompt scoring finishes `length`: its hidden token matched nothing
+            return None
+        return fr.matched
 
     @property
     def error(self) -> str | None:

@@ -130,9 +130,10 @@ def test_streamed_echo_sends_prompt_top_n_first(gw_url, gw_engine):
 
 def test_prompt_scoring_is_length_even_when_its_hidden_token_is_eos(oai, gw_engine):
     """max_tokens 0 gets 0 tokens: finish_reason length (vLLM's), whatever the one hidden token the engine
-    makes is; forced to EOS here (an unseeded draw once landed on it and said stop)."""
+    makes is, with no matched_stop; forced to EOS here (an unseeded draw once landed on it and said stop)."""
     eos = sorted(gw_engine.tokenizer.eos_token_ids)[0]
     r = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1,
                                logit_bias={str(eos): 100})
     assert r.choices[0].text == PROMPT and r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 0
+    assert r.choices[0].model_extra.get("matched_stop") is None  # nothing was matched: no stop reported
