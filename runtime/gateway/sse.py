@@ -10,8 +10,9 @@ a stream cut off before it is logged 499.
 
 A client that stays connected but stops reading would hold its request's place (and a --max-concurrent-requests
 slot) for good once the socket buffers fill: a write that cannot go out for SEND_STALL_S (nginx's send_timeout,
-60 s) closes the connection, and the stream ends as if the client had left. The timer is armed per write (a
-timer handle, no task), so a reading client pays microseconds."""
+60 s) closes the connection, and the stream ends as if the client had left. As nginx's, the wait counts from
+the client's last progress: a client that reads, however slowly (the transport's buffer shrank), gets another
+SEND_STALL_S. The timer is armed per write (a timer handle, no task), so a reading client pays microseconds."""
 
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ class SseWriter:
             "Connection": "keep-alive", "X-Accel-Buffering": "no"})
         self.response[_ENDED] = False
         self.started = False
+        self._stall: asyncio.TimerHandle | None = None  # the write in progress's stall timer (_arm)
+        self._buffered = 0  # the transport's buffered bytes the client must read below to count as progress
 
     async def start(self) -> None:
         await self.response.prepare(self.request)
@@ -56,20 +59,39 @@ class SseWriter:
             await self.start()
         if is_disconnected(self.request):
             raise RequestAbortedError("the client disconnected")
-        stall = asyncio.get_running_loop().call_later(SEND_STALL_S, self._stalled)
+        self._arm(len(frame))
         try:
             await self.response.write(frame)
         except (ConnectionError, RuntimeError) as e:  # aiohttp: "Cannot write to closing transport"
             raise RequestAbortedError("the client disconnected") from e
         finally:
-            stall.cancel()
+            self._disarm()
+
+    def _arm(self, adding: int) -> None:
+        """The stall timer of a write of `adding` bytes: what the transport will hold once it is queued is the
+        mark that the client's reads must bring the buffer under."""
+        transport = self.request.transport
+        self._buffered = (transport.get_write_buffer_size() if transport is not None else 0) + adding
+        self._stall = asyncio.get_running_loop().call_later(SEND_STALL_S, self._stalled)
+
+    def _disarm(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
 
     def _stalled(self) -> None:
-        """A write waited SEND_STALL_S on a client that reads nothing: drop the connection (the write then fails
-        as for a client that left, and its requests are aborted)."""
+        """A write waited SEND_STALL_S: if the client read meanwhile (the buffer shrank under the mark) it gets
+        another SEND_STALL_S, else the connection is dropped (the write then fails as for a client that left,
+        and its requests are aborted)."""
         transport = self.request.transport
-        if transport is not None:
-            transport.abort()
+        if transport is None:
+            return
+        held = transport.get_write_buffer_size()
+        if held < self._buffered:
+            self._buffered = held
+            self._stall = asyncio.get_running_loop().call_later(SEND_STALL_S, self._stalled)
+            return
+        transport.abort()
 
     async def send(self, payload: bytes) -> None:
         await self._write(b"data: " + payload + b"\n\n")
@@ -81,13 +103,13 @@ class SseWriter:
     async def end(self) -> web.StreamResponse:
         """After the last event (finish's [DONE], the Responses API's last event, an error event)."""
         self.response[_ENDED] = True
-        stall = asyncio.get_running_loop().call_later(SEND_STALL_S, self._stalled)
+        self._arm(0)
         try:
             await self.response.write_eof()
         except (ConnectionError, RuntimeError):
             pass  # the client already has the last event; nothing left to tell it
         finally:
-            stall.cancel()
+            self._disarm()
         return self.response
 
     async def finish(self) -> web.StreamResponse:

@@ -157,6 +157,41 @@ def test_a_client_that_stops_reading_loses_its_slot_after_the_stall_limit(server
     _leave(s, reset=False)
 
 
+def test_a_slow_reader_gets_more_time_and_a_stalled_one_is_dropped():
+    """The stall limit counts from the client's last progress (nginx's send_timeout): a client that read
+    anything since (the transport's buffer went under the write's mark) gets another SEND_STALL_S."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from runtime.gateway.sse import SseWriter
+
+    class Transport:
+        held, aborted = 0, False
+
+        def get_write_buffer_size(self) -> int:
+            return self.held
+
+        def abort(self) -> None:
+            self.aborted = True
+
+        def is_closing(self) -> bool:
+            return self.aborted
+
+    async def run() -> None:
+        t = Transport()
+        w = SseWriter(SimpleNamespace(transport=t))
+        t.held = 50_000
+        w._arm(1_000)  # the mark: 51,000 bytes held once the frame is queued
+        t.held = 50_900  # the client read 100 bytes of it
+        w._stalled()
+        assert not t.aborted and w._stall is not None  # re-armed
+        w._stalled()  # nothing read since
+        assert t.aborted
+        w._disarm()
+
+    asyncio.run(run())
+
+
 def test_refusals_after_counting_free_their_places(server, gw_engine, monkeypatch):
     slow_steps(gw_engine, monkeypatch, 0.005)
     state = _state(server)
