@@ -199,20 +199,28 @@ class Sampler:
         dev = logits.device
         temps = to_device(sb.temperatures, torch.float32, dev)
         greedy = temps == 0.0
-        probs = torch.softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
+        probs = Sampler._filtered(torch.softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1), sb)
+        seeds = to_device(sb.seeds, torch.int64, dev)
+        steps = to_device(sb.steps, torch.int64, dev)
+        noise = -torch.log(hash_uniform(seeds, steps, probs.shape[1]))  # Exp(1): argmax p/E draws from p
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, greedy_ids(logits), sampled)
+
+    @staticmethod
+    def _filtered(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+        """probs with what top-k, top-p and min-p drop set to 0 (each row by its own settings)."""
+        dev = probs.device
         if any(k > 0 for k in sb.top_ks) or any(p < 1.0 for p in sb.top_ps):
             sorted_p, order = probs.sort(dim=-1, descending=True)
             ranks = torch.arange(probs.shape[1], device=dev)[None, :]
             top_ks = to_device([k if k > 0 else probs.shape[1] for k in sb.top_ks], torch.int64, dev)
-            top_ps = to_device(sb.top_ps, torch.float32, dev)
+            # top_p 1 keeps every token: float32's cumsum can pass 1.0 and would cut a batch mate's tail,
+            # making a seeded request's draw depend on which requests share its batch
+            top_ps = to_device([p if p < 1.0 else float("inf") for p in sb.top_ps], torch.float32, dev)
             drop = (ranks >= top_ks[:, None]) | ((sorted_p.cumsum(-1) - sorted_p) > top_ps[:, None])
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
         if any(m > 0.0 for m in sb.min_ps):
             min_ps = to_device(sb.min_ps, torch.float32, dev)
             probs = probs.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * min_ps[:, None], 0.0)
-        seeds = to_device(sb.seeds, torch.int64, dev)
-        steps = to_device(sb.steps, torch.int64, dev)
-        noise = -torch.log(hash_uniform(seeds, steps, probs.shape[1]))  # Exp(1): argmax p/E draws from p
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, greedy_ids(logits), sampled)
+        return probs

@@ -54,6 +54,19 @@ def test_seeded_sampling_independent_of_batch() -> None:
     assert any(t != int(_logits(4, seed=s, scale=1.0)[1].argmax()) for s, t in enumerate(alone_tokens))
 
 
+def test_top_p_one_keeps_every_token_beside_a_truncating_batch_mate() -> None:
+    """A batch mate's top_p < 1 sends the whole batch through the sorted cumsum, which in float32 passes 1.0
+    in a large vocabulary's tail: a row with top_p 1 must keep that tail all the same (or its seeded draws
+    would depend on its batch mates)."""
+    logits = torch.randn(2, 32000, generator=torch.Generator().manual_seed(0)) * 3
+    probs = torch.softmax(logits, dim=-1)
+    sorted_p = probs[0].sort(descending=True).values
+    assert ((sorted_p.cumsum(-1) - sorted_p) > 1.0).any()  # the overshoot this guards against is there
+    kept = Sampler._filtered(probs, _batch(2, top_ps=[1.0, 0.5]))
+    assert torch.equal(kept[0], probs[0])
+    assert 0 < int((kept[1] > 0).sum()) < 32000
+
+
 def test_seed_and_step_change_the_draw() -> None:
     row = torch.zeros(VOCAB)  # uniform: every draw is decided by the noise alone
     by_seed = Sampler()(row.expand(8, -1).clone(), _batch(8, seeds=list(range(8)))).next_token_ids
