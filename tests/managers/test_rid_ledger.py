@@ -1,5 +1,5 @@
 """RidLedger: an abort that overtakes its request ends it on arrival; an abort for a rid that just ended
-is dropped (a reused rid starts clean); both memories stay bounded."""
+is dropped (a reused rid starts clean); both memories stay bounded, and an early abort expires."""
 
 from runtime.managers.rid_ledger import RidLedger
 
@@ -36,3 +36,17 @@ def test_memories_are_bounded_oldest_first():
         ledger.finished(rid)
     ledger.abort_unknown("w")  # forgotten as finished: remembered as an early abort
     assert ledger.arrived("w") is True
+
+
+def test_an_early_abort_is_forgotten_after_its_ttl():
+    """A stray abort (an id nobody used yet) must not end whichever request takes that id much later."""
+    from runtime.managers.rid_ledger import EARLY_ABORT_TTL_S
+
+    now = [0.0]
+    ledger = RidLedger(clock=lambda: now[0])
+    ledger.abort_unknown("a")
+    ledger.abort_unknown("b")
+    now[0] = EARLY_ABORT_TTL_S - 1
+    assert ledger.arrived("a") is True  # overtook its request: still ends it
+    now[0] = EARLY_ABORT_TTL_S + 1
+    assert ledger.arrived("b") is False
