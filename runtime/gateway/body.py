@@ -15,6 +15,9 @@ from runtime.gateway.errors import ApiError, bad_request, from_decode_error
 from runtime.gateway.state import STATE_KEY
 
 T = TypeVar("T")
+# On a request: its body's bytes once read (decoded: a 10 KB gzip body may hold 8 MB of prompt). An aiohttp
+# RequestKey: made once, holds nothing.
+BODY_BYTES_KEY = web.RequestKey("shoal_body_bytes", int)
 
 
 def payload_error(request: web.Request, e: web.RequestPayloadError) -> ApiError:
@@ -28,10 +31,14 @@ def payload_error(request: web.Request, e: web.RequestPayloadError) -> ApiError:
 
 
 async def read_raw(request: web.Request) -> bytes:
+    """The body as the handler reads it (decompressed by aiohttp per Content-Encoding); its length is noted
+    on the request (BODY_BYTES_KEY): what the route will encode, where Content-Length gives the wire size."""
     try:
-        return await request.read()  # raises HTTPRequestEntityTooLarge past client_max_size
+        raw = await request.read()  # raises HTTPRequestEntityTooLarge past client_max_size
     except web.RequestPayloadError as e:
         raise payload_error(request, e) from None
+    request[BODY_BYTES_KEY] = len(raw)
+    return raw
 
 
 async def read_body(request: web.Request, kind: type[T]) -> T:

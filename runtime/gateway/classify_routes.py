@@ -24,7 +24,6 @@ from runtime.gateway.embeddings_protocol import (
 )
 from runtime.gateway.errors import bad_request
 from runtime.gateway.openai_embeddings import embedding_requests, run_admitted, token_inputs
-from runtime.gateway.prompt_input import input_size
 from runtime.gateway.protocol import encode
 from runtime.gateway.state import STATE_KEY
 from runtime.text.embedding_request import truncate_tokens
@@ -55,7 +54,7 @@ async def classify(request: web.Request) -> web.Response:
         raise bad_request("use_activation and activation (its older name) disagree", param="use_activation")
     activate = next((v for v in (body.use_activation, body.activation) if v is not None), pooling.use_activation)
     ids = [truncate_tokens(x, body.truncate_prompt_tokens, client.context_len)
-           for x in await token_inputs(state, client, body, input_size(request))]
+           for x in await token_inputs(state, client, body, request)]
     base = state.new_id("classify", request_id=body.request_id)
     reqs = embedding_requests(client, [f"{base}-{i}" for i in range(len(ids))], ids, cache_salt=body.cache_salt)
     all_logits = await run_admitted(state, client, base, reqs, arrival)

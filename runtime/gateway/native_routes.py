@@ -30,7 +30,7 @@ from runtime.gateway.errors import bad_request, from_shoal_error
 from runtime.gateway.generation import Generation, Responder
 from runtime.gateway.openai_embeddings import embedding_requests, pooling_of, run_admitted
 from runtime.gateway.openai_responder import score_prompts_once
-from runtime.gateway.prompt_input import PromptInput, input_size, prompt_count
+from runtime.gateway.prompt_input import PromptInput, prompt_count
 from runtime.gateway.protocol import (
     AbortRequestBody,
     GenerateBody,
@@ -111,7 +111,7 @@ async def _prompts(request: web.Request, state: Any, client: Any, text: object, 
     prompt count, each text against the context, and a large body encoded off the loop."""
     limit = max(1, state.batch_limit())
     if text is not None:
-        return await PromptInput.read(text, client.tokenizer, client.context_len, input_size(request), limit,
+        return await PromptInput.read(text, client.tokenizer, client.context_len, request, limit,
                                       param="text")
     if prompt_count(input_ids) > limit:
         raise bad_request(f"this request has {prompt_count(input_ids)} prompts; the server takes at most {limit} "

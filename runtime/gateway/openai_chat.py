@@ -25,13 +25,14 @@ from msgspec import UNSET, UnsetType
 from runtime.engine_client import EngineClient
 from runtime.errors import ShoalError
 from runtime.gateway.chat_output import ChatOutput
+from runtime.gateway.chat_render import ChatRender
 from runtime.gateway.choice_state import ChoiceState
 from runtime.gateway.errors import bad_request, from_shoal_error, not_supported
 from runtime.gateway.extension_fields import check_unhonoured, keeps_stop_str, request_lora, template_kwargs
 from runtime.gateway.generation import Generation
 from runtime.gateway.openai_responder import OpenAIResponder, prompt_logprobs_num, score_prompts_once
 from runtime.gateway.output_constraint import OutputConstraint
-from runtime.gateway.prompt_input import input_size, off_loop, truncate_prompt
+from runtime.gateway.prompt_input import truncate_prompt
 from runtime.gateway.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -46,7 +47,7 @@ from runtime.gateway.protocol import (
     DeltaMessage,
 )
 from runtime.gateway.reasoning_parsers import create_reasoning_parser, reasoning_tags
-from runtime.gateway.reasoning_parsers.grammar_gate import AnswerOnlyParser, grammar_gate, turn_opening
+from runtime.gateway.reasoning_parsers.grammar_gate import AnswerOnlyParser, grammar_gate
 from runtime.gateway.state import GatewayState
 from runtime.gateway.tool_request import ToolRequest
 from runtime.messages import GenerateRequest, RequestOutput
@@ -195,20 +196,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     kwargs = template_kwargs(body.documents, body.chat_template_kwargs)
     bound = None if body.truncate_prompt_tokens is not None else client.context_len
 
-    def render() -> tuple[list[int], str]:
-        messages = template_messages(body.messages)
-        ids = client.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt, tools=template_tools,
-            continue_final_message=body.continue_final_message, template_kwargs=kwargs,
-            add_special_tokens=body.add_special_tokens, context_len=bound)
-        # Only with a reasoning parser: whether the turn opens with the reasoning already closed.
-        opening = turn_opening(client.tokenizer, messages, template_tools, body.add_generation_prompt,
-                               body.continue_final_message, kwargs) \
-            if state.args.reasoning_parser is not None else ""
-        return ids, opening
-
-    try:  # a large chat (100k messages) renders on the tokenizer's thread, not on the loop every stream shares
-        ids, opening = await off_loop(client.tokenizer, input_size(request), render)
+    chat = ChatRender(body.add_generation_prompt, template_tools, body.continue_final_message, kwargs,
+                      bool(body.add_special_tokens), bound, opening=state.args.reasoning_parser is not None)
+    try:  # a large chat (100k messages, nested tools) renders on the tokenizer's thread, not on the shared loop
+        ids, opening = await chat.ids(request, client.tokenizer, lambda: template_messages(body.messages))
     except ShoalError as e:
         raise from_shoal_error(e) from None
     ids = truncate_prompt(ids, body.truncate_prompt_tokens, client.context_len)

@@ -26,7 +26,7 @@ from runtime.gateway.generation import Generation
 from runtime.gateway.openai_chat import with_priority
 from runtime.gateway.openai_responder import OpenAIResponder, prompt_logprobs_num, score_prompts_once
 from runtime.gateway.output_constraint import OutputConstraint
-from runtime.gateway.prompt_input import PromptInput, input_size
+from runtime.gateway.prompt_input import PromptInput
 from runtime.gateway.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -95,7 +95,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     constraint = OutputConstraint.from_body(body)
     tok = client.tokenizer
     # At most as many prompts as could ever run (n choices each), each text bounded, all before encoding
-    prompts = await PromptInput.read(body.prompt, tok, client.context_len, input_size(request),
+    prompts = await PromptInput.read(body.prompt, tok, client.context_len, request,
                                      max(1, state.batch_limit() // n), body.add_special_tokens,
                                      truncating=body.truncate_prompt_tokens is not None)
     prompts = prompts.truncated(body.truncate_prompt_tokens, client.context_len)

@@ -36,6 +36,7 @@ from msgspec import UNSET
 from runtime.engine_client import EngineClient
 from runtime.errors import InvalidRequestError
 from runtime.gateway.body import read_body
+from runtime.gateway.chat_render import ChatRender
 from runtime.gateway.embeddings_protocol import (
     ENCODING_FORMATS,
     EmbeddingData,
@@ -92,7 +93,7 @@ async def _pooled(request: web.Request, prefix: str) -> tuple[str, str, list[lis
     pooling.check_dimensions(body.dimensions)
     normalize = pooling.normalize_for(body.normalize, body.use_activation)
     ids = [truncate_tokens(x, body.truncate_prompt_tokens, client.context_len)
-           for x in await token_inputs(state, client, body, input_size(request))]
+           for x in await token_inputs(state, client, body, request)]
     base = state.new_id(prefix, request_id=body.request_id)
     reqs = embedding_requests(client, [f"{base}-{i}" for i in range(len(ids))], ids, cache_salt=body.cache_salt)
     vectors = await run_admitted(state, client, base, reqs, arrival)
@@ -129,10 +130,11 @@ def pooling_of(client: EngineClient) -> PoolingConfig:
     return client.pooling
 
 
-async def token_inputs(state: GatewayState, client: EngineClient, body: PoolingBody, size: int) -> list[list[int]]:
+async def token_inputs(state: GatewayState, client: EngineClient, body: PoolingBody,
+                       request: web.Request) -> list[list[int]]:
     """Each input's token ids: `input` as OpenAI defines it, or vLLM's `messages` (one conversation). Inputs
     are counted (_check_batch_size) and texts bounded by the context before any is encoded, and a large body
-    (size bytes) is encoded off the loop."""
+    (or a chat whose template may write much more) is encoded off the loop (off_loop, ChatRender)."""
     has_input, has_messages = body.input is not UNSET, body.messages is not UNSET
     if has_input == has_messages:
         raise bad_request("give either input or messages", param="input")
@@ -145,9 +147,9 @@ async def token_inputs(state: GatewayState, client: EngineClient, body: PoolingB
         if body.add_special_tokens:  # the chat template writes the special tokens itself
             raise bad_request("add_special_tokens applies to input; messages are rendered by the chat template",
                               param="add_special_tokens")
-        return [await off_loop(tok, size, lambda: tok.apply_chat_template(
-            body.messages, body.add_generation_prompt, None, body.continue_final_message, body.chat_template_kwargs,
-            context_len=bound))]
+        chat = ChatRender(body.add_generation_prompt, None, body.continue_final_message, body.chat_template_kwargs,
+                          context_len=bound)
+        return [(await chat.ids(request, tok, lambda: body.messages))[0]]
     special = True if body.add_special_tokens is None else body.add_special_tokens
     x = body.input
     if isinstance(x, str):
@@ -160,7 +162,8 @@ async def token_inputs(state: GatewayState, client: EngineClient, body: PoolingB
         if bound is not None:
             for t in x:
                 check_reach(tok, t, bound, "input")
-        return await off_loop(tok, size, lambda: [tok.encode(t, add_special_tokens=special) for t in x])
+        return await off_loop(request, tok, input_size(request),
+                              lambda: [tok.encode(t, add_special_tokens=special) for t in x])
     if all(_is_id(t) for t in x):
         return [list(x)]
     if all(isinstance(row, list) and row and all(_is_id(t) for t in row) for row in x):

@@ -32,18 +32,19 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from runtime.errors import InvalidRequestError, ShoalError
+from runtime.errors import ShoalError
 from runtime.gateway.chat_output import ChatDelta, ChatOutput
+from runtime.gateway.chat_render import ChatRender
 from runtime.gateway.choice_state import ChoiceState
 from runtime.gateway.errors import ApiError, bad_request, from_shoal_error
 from runtime.gateway.extension_fields import check_unhonoured, keeps_stop_str, request_lora, template_kwargs
 from runtime.gateway.generation import Generation, Responder
 from runtime.gateway.openai_chat import chat_logprobs, constrain, template_messages, with_priority
-from runtime.gateway.prompt_input import input_size, off_loop, truncate_prompt
+from runtime.gateway.prompt_input import truncate_prompt
 from runtime.gateway.protocol import ChatTokenLogprob, ErrorInfo, OpenAISamplingFields
 from runtime.gateway.reasoning_parsers import create_reasoning_parser
 from runtime.gateway.reasoning_parsers.base import THINK_CLOSE
-from runtime.gateway.reasoning_parsers.grammar_gate import AnswerOnlyParser, turn_opening
+from runtime.gateway.reasoning_parsers.grammar_gate import AnswerOnlyParser
 from runtime.gateway.responses_input import (
     check_unsupported,
     continues_final_message,
@@ -104,27 +105,18 @@ async def responses(request: web.Request) -> web.StreamResponse:
     kwargs = template_kwargs(body.documents, body.chat_template_kwargs)
     bound = None if body.truncate_prompt_tokens is not None else client.context_len
 
-    def render() -> tuple[list[int], str]:
+    def messages() -> list[dict[str, Any]]:
         try:
-            rendered = template_messages(input_messages(body))
+            return template_messages(input_messages(body))
         except ApiError as e:  # worded for chat's messages; here they are the instructions and input items
             e.param = "input"
             raise
-        try:
-            ids = client.tokenizer.apply_chat_template(rendered, add_generation_prompt=not cont,
-                                                       tools=template_tools, continue_final_message=cont,
-                                                       template_kwargs=kwargs,
-                                                       add_special_tokens=body.add_special_tokens, context_len=bound)
-        except InvalidRequestError as e:
-            if e.code == "context_length_exceeded":
-                e.param = "input"  # the rendered items, not chat's messages
-            raise
-        opening = turn_opening(client.tokenizer, rendered, template_tools, not cont, cont, kwargs) \
-            if state.args.reasoning_parser is not None else ""
-        return ids, opening
 
-    try:  # 100k input items render on the tokenizer's thread, not on the loop every stream shares
-        ids, opening = await off_loop(client.tokenizer, input_size(request), render)
+    # the rendered items are the input, not chat's messages: a chat certainly past the context names it
+    chat = ChatRender(not cont, template_tools, cont, kwargs, bool(body.add_special_tokens), bound, param="input",
+                      opening=state.args.reasoning_parser is not None)
+    try:  # 100k input items (or nested tools) render on the tokenizer's thread, not on the shared loop
+        ids, opening = await chat.ids(request, client.tokenizer, messages)
     except ShoalError as e:
         raise from_shoal_error(e) from None
     ids = truncate_prompt(ids, body.truncate_prompt_tokens, client.context_len)

@@ -5,7 +5,8 @@ vLLM's truncate_prompt_tokens keeps each prompt's last k tokens (truncate_prompt
 
 A hostile prompt must not stall the event loop every stream shares: PromptInput.read counts the prompts
 before encoding any (the caller's cap), refuses a text certainly past the context without encoding it
-(check_reach), and encodes a large body on the tokenizer's worker thread (off_loop)."""
+(check_reach), and encodes a large body (its decompressed size: input_size) on the tokenizer's worker thread
+(off_loop), whose bounded queue refuses work past its depth (503 tokenizer_busy) and drops a gone client's."""
 
 from __future__ import annotations
 
@@ -16,11 +17,15 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from runtime.errors import ShoalError
-from runtime.gateway.errors import bad_request, from_shoal_error
+from runtime.errors import RequestAbortedError, ShoalError
+from runtime.gateway.body import BODY_BYTES_KEY
+from runtime.gateway.errors import ApiError, bad_request, from_shoal_error
+from runtime.gateway.sse import is_disconnected
+from runtime.text.tokenizer_worker import TokenizerBusyError
 
 T = TypeVar("T")
 OFF_LOOP_BYTES = 64 * 1024  # a body past this is encoded / rendered off the loop; a smaller one keeps its latency
+GONE_POLL_S = 0.25  # how often a request waiting for the worker looks for a closed connection (as grammars do)
 
 
 def _is_id(x: object) -> bool:
@@ -42,12 +47,12 @@ class PromptInput(msgspec.Struct, frozen=True):
         return cls([encode(t) for t in texts], list(texts), batch)
 
     @classmethod
-    async def read(cls, value: object, tok: Any, context_len: int, size: int, max_prompts: int,
+    async def read(cls, value: object, tok: Any, context_len: int, request: web.Request, max_prompts: int,
                    add_special_tokens: bool | None = True, truncating: bool = False,
                    param: str = "prompt") -> PromptInput:
         """parse for a route: at most max_prompts prompts (a 400 before any is read further), each text
         checked against the context (unless truncating: vLLM's truncate_prompt_tokens keeps any length),
-        and encoded off the loop when the body (size bytes) is large."""
+        and encoded off the loop when request's body is large (off_loop)."""
         count = prompt_count(value)
         if count > max_prompts:
             raise bad_request(f"this request has {count} prompts; the server takes at most {max_prompts} "
@@ -58,8 +63,8 @@ class PromptInput(msgspec.Struct, frozen=True):
         if not truncating:
             for t in texts:
                 check_reach(tok, t, context_len, param)
-        encoded = await off_loop(tok, size, lambda: [tok.encode(t, add_special_tokens=add_special_tokens)
-                                                     for t in texts])
+        encoded = await off_loop(request, tok, input_size(request),
+                                 lambda: [tok.encode(t, add_special_tokens=add_special_tokens) for t in texts])
         return cls(encoded, list(texts), batch)
 
     def truncated(self, keep: int | None, context_len: int) -> PromptInput:
@@ -103,18 +108,53 @@ def check_reach(tok: Any, text: str, context_len: int, param: str) -> None:
 
 
 def input_size(request: web.Request) -> int:
-    """The body's bytes, the measure of how long encoding it may take; a chunked body (no Content-Length)
-    counts as large."""
+    """The body's bytes as read (decompressed: body.read_raw notes them), the measure of how long encoding it
+    may take. Before the body is read: Content-Length, where the body comes as sent (a compressed or chunked
+    one counts as large: its size is not known yet)."""
+    read = request.get(BODY_BYTES_KEY)
+    if read is not None:
+        return read
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
     length = request.content_length
-    return OFF_LOOP_BYTES + 1 if length is None else length
+    return OFF_LOOP_BYTES + 1 if length is None or encoding not in ("", "identity") else length
 
 
-async def off_loop(tok: Any, size: int, fn: Callable[[], T]) -> T:
-    """fn(), which encodes or renders a body of size bytes: on the tokenizer's worker thread when the body
-    is large (so /health and every stream keep going while it runs), here when small (no thread hop)."""
-    if size <= OFF_LOOP_BYTES:
+async def off_loop(request: web.Request, tok: Any, size: int, fn: Callable[[], T]) -> T:
+    """fn(), which encodes or renders an input of size bytes (or characters) for request: here when small (no
+    thread hop), else on the tokenizer's worker thread, so /health and every stream keep going while it runs.
+    The worker's queue is bounded: past its depth a 503 tokenizer_busy with Retry-After (the server is busy,
+    not the request wrong). A client that leaves while its job waits gets RequestAbortedError, and the job is
+    dropped (while queued) or skipped when its turn comes."""
+    worker = getattr(tok, "worker", None)
+    if size <= OFF_LOOP_BYTES or worker is None:  # no worker: a NullTokenizer, which refuses text at once
         return fn()
-    return await asyncio.get_running_loop().run_in_executor(getattr(tok, "worker", None), fn)
+    # One turn of the loop first, so it reads what the socket already holds: a client that closed right after
+    # sending its body is seen gone before the worker is committed to a job nothing can stop once started
+    await asyncio.sleep(0)
+    if is_disconnected(request):
+        raise RequestAbortedError("the client disconnected before its input was encoded")
+    try:
+        job = worker.submit(fn, lambda: not is_disconnected(request))
+    except TokenizerBusyError as e:
+        raise ApiError(503, e.message, code="tokenizer_busy",
+                       headers={"Retry-After": str(e.retry_after_s)}) from None
+    waiting = asyncio.wrap_future(job)
+    waiting.add_done_callback(_retrieved)
+    try:
+        # aiohttp does not cancel a gone client's handler: looked for while the job waits, so a queued job
+        # leaves the worker's count at once rather than when its turn comes
+        while not (await asyncio.wait({waiting}, timeout=GONE_POLL_S))[0]:
+            if is_disconnected(request):
+                raise RequestAbortedError("the client disconnected before its input was encoded")
+        return waiting.result()
+    finally:
+        job.cancel()  # a gone client or a cancelled handler: a job not started never runs (no-op once done)
+
+
+def _retrieved(done: asyncio.Future[Any]) -> None:
+    """A job's end read, so one that fails after its client left (nobody awaits it) is not logged as unread."""
+    if not done.cancelled():
+        done.exception()
 
 
 def truncate_prompt(ids: list[int], keep: int | None, context_len: int) -> list[int]:

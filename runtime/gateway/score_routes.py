@@ -120,7 +120,7 @@ async def _scores(request: web.Request, state: GatewayState, client: EngineClien
     # A truncating encode always runs on the one worker thread: it sets truncation on the tokenizer's shared
     # truncating copy, which fails ("Already borrowed") while the worker encodes with that copy at once
     size = OFF_LOOP_BYTES + 1 if keep is not None else input_size(request)
-    ids = await off_loop(tok, size, lambda: pair_ids(tok, pairs, keep, client.context_len, param))
+    ids = await off_loop(request, tok, size, lambda: pair_ids(tok, pairs, keep, client.context_len, param))
     reqs = embedding_requests(client, [f"{base}-{i}" for i in range(len(ids))], ids, param,
                               cache_salt=body.cache_salt)
     all_logits = await run_admitted(state, client, base, reqs, arrival, param)

@@ -8,6 +8,7 @@ from aiohttp import web
 
 from runtime.errors import ShoalError
 from runtime.gateway.body import read_body
+from runtime.gateway.chat_render import ChatRender
 from runtime.gateway.errors import bad_request, from_shoal_error, not_supported
 from runtime.gateway.extension_fields import template_kwargs
 from runtime.gateway.openai_chat import template_messages
@@ -21,7 +22,6 @@ from runtime.gateway.tokenize_protocol import (
     TokenizeResponse,
 )
 from runtime.gateway.tool_request import ToolRequest
-from runtime.text.tokenizer import NullTokenizer, Tokenizer
 
 
 def _json(obj: object) -> web.Response:
@@ -47,17 +47,18 @@ async def tokenize(request: web.Request) -> web.Response:
             # vLLM counts any length here; a text certainly past the context is refused before encoding, as
             # the generating routes refuse it (8 MB would take the tokenizer seconds to count)
             tok.check_length(body.prompt, context, "prompt")
-            ids = await off_loop(tok, input_size(request), lambda: tok.encode(body.prompt, add_special_tokens=special))
+            ids = await off_loop(request, tok, input_size(request),
+                                 lambda: tok.encode(body.prompt, add_special_tokens=special))
         else:
-            ids = await off_loop(tok, input_size(request), lambda: _chat_ids(tok, body, context))
+            ids, _ = await _chat(body, context).ids(request, tok, lambda: template_messages(body.messages))
     except ShoalError as e:
         raise from_shoal_error(e) from None
     return _json(TokenizeResponse(count=len(ids), max_model_len=client.context_len, tokens=ids))
 
 
-def _chat_ids(tok: Tokenizer | NullTokenizer, body: TokenizeBody, context_len: int) -> list[int]:
-    """The messages' tokens as /v1/chat/completions would send them (tool_choice aside: every mode hands
-    the template the same tools)."""
+def _chat(body: TokenizeBody, context_len: int) -> ChatRender:
+    """The messages' template call as /v1/chat/completions makes it (tool_choice aside: every mode hands the
+    template the same tools)."""
     if body.continue_final_message and body.add_generation_prompt:
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true: set "
                           "add_generation_prompt to false", param="continue_final_message")
@@ -65,11 +66,9 @@ def _chat_ids(tok: Tokenizer | NullTokenizer, body: TokenizeBody, context_len: i
         raise not_supported("a per-request chat_template (the server's template renders every chat)",
                             "chat_template")
     tools = ToolRequest.from_body(body.tools, "none", None, None)
-    return tok.apply_chat_template(template_messages(body.messages), add_generation_prompt=body.add_generation_prompt,
-                                   tools=tools.template_tools() if tools is not None else None,
-                                   continue_final_message=body.continue_final_message,
-                                   template_kwargs=template_kwargs(body.documents, body.chat_template_kwargs),
-                                   add_special_tokens=bool(body.add_special_tokens), context_len=context_len)
+    return ChatRender(body.add_generation_prompt, tools.template_tools() if tools is not None else None,
+                      body.continue_final_message, template_kwargs(body.documents, body.chat_template_kwargs),
+                      bool(body.add_special_tokens), context_len)
 
 
 async def detokenize(request: web.Request) -> web.Response:

@@ -6,7 +6,6 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from runtime.hf_cache import HfCache, local_model_folder, looks_like_repo_id
 from runtime.text.chat_template import read_chat_template
 from runtime.text.token_reach import TokenReach
 from runtime.text.token_spelling import TokenSpelling
+from runtime.text.tokenizer_worker import TokenizerWorker
 
 try:
     from tokenizers.decoders import DecodeStream
@@ -69,10 +69,11 @@ class Tokenizer:
         return copy.deepcopy(self.hf)
 
     @functools.cached_property
-    def worker(self) -> Executor:
+    def worker(self) -> TokenizerWorker:
         """The thread that encodes and renders large inputs off the gateway's event loop: one, so a burst of
-        them takes one core rather than every one the engine needs (the Rust encoder releases the GIL)."""
-        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-tokenize")
+        them takes one core rather than every one the engine needs (the Rust encoder releases the GIL), with
+        a bounded queue that drops the jobs of clients that left."""
+        return TokenizerWorker()
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
