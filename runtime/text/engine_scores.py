@@ -89,7 +89,52 @@ def pair_ids(tokenizer: Any, pairs: Sequence[tuple[str, str]], truncate_prompt_t
         # Truncation is a setting of the Rust tokenizer: set on the shared one, it would clash ("Already
         # borrowed") with an encode running on the gateway's worker thread
         hf = getattr(tokenizer, "truncating_hf", hf)
+    once = encoded_once(hf, pairs, cut)
+    if once is not None:
+        return once
     return [list(hf(text=a, text_pair=b, **cut)["input_ids"]) for a, b in pairs]
+
+
+def encoded_once(hf: Any, pairs: Sequence[tuple[str, str]], cut: dict[str, Any]) -> list[list[int]] | None:
+    """Each pair's ids exactly as `hf(text=a, text_pair=b, **cut)` makes them, but with each distinct text
+    encoded once: a rerank of one long query against thousands of documents would otherwise re-encode the
+    query per document. It takes the steps the fast tokenizer's call takes (set truncation and padding,
+    encode each sequence, the Rust post-processor: truncation, special tokens) with the sequence encodes
+    shared. None where it cannot be sure to match the call: a slow tokenizer, one that overrides those
+    steps or switches modes per call (seq2seq tokenizers), split_special_tokens, or a strategy other than
+    none / longest_first without padding."""
+    backend = getattr(hf, "_tokenizer", None)
+    if backend is None or not _plain_fast(hf) or getattr(hf, "split_special_tokens", True) \
+            or getattr(backend, "encode_special_tokens", True):
+        return None
+    from transformers.tokenization_utils_base import PaddingStrategy, TruncationStrategy
+
+    # The call's own resolution of truncation=True / max_length (longest_first, the tokenizer's side)
+    padding, truncation, max_length, _ = hf._get_padding_truncation_strategies(padding=False, **cut)
+    if padding != PaddingStrategy.DO_NOT_PAD or truncation not in (TruncationStrategy.DO_NOT_TRUNCATE,
+                                                                   TruncationStrategy.LONGEST_FIRST):
+        return None
+    # Sequences are encoded untruncated (the call truncates the pair, in post-processing), so the backend
+    # loses any truncation or padding first, as the call's own set_truncation_and_padding would clear it
+    hf.set_truncation_and_padding(PaddingStrategy.DO_NOT_PAD, TruncationStrategy.DO_NOT_TRUNCATE, None, 0, None,
+                                  None)
+    encoded: dict[str, Any] = {}
+    for a, b in pairs:
+        for text in (a, b) if b else (a,):  # an empty text_pair is no pair to the call: one sequence
+            if text not in encoded:
+                encoded[text] = backend.encode(text, add_special_tokens=False)
+    if truncation != TruncationStrategy.DO_NOT_TRUNCATE:
+        hf.set_truncation_and_padding(PaddingStrategy.DO_NOT_PAD, truncation, max_length, 0, None, None)
+    return [backend.post_process(encoded[a], encoded[b] if b else None, True).ids for a, b in pairs]
+
+
+def _plain_fast(hf: Any) -> bool:
+    """Whether hf is a fast tokenizer whose call runs transformers' own steps (none of them overridden)."""
+    from transformers import PreTrainedTokenizerFast
+
+    steps = ("__call__", "_get_padding_truncation_strategies", "_encode_plus", "set_truncation_and_padding")
+    return (isinstance(hf, PreTrainedTokenizerFast) and not hasattr(hf, "_switch_to_input_mode")
+            and all(getattr(type(hf), s, None) is getattr(PreTrainedTokenizerFast, s, None) for s in steps))
 
 
 class EngineScores:
