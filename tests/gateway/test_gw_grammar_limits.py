@@ -9,6 +9,7 @@ import json
 import time
 
 import pytest
+from grammar_hogs import recorded_compiles
 from gw_helpers import http
 
 pytest.importorskip("xgrammar")
@@ -54,16 +55,8 @@ def test_a_client_gone_while_its_grammar_waits_drops_the_compile(gw_engine, gw_s
     import socket
     import threading
 
-    g, gate, calls = gw_engine.grammar, threading.Event(), []
-    real = g._compile
-
-    def compile_(kind: str, text: str):
-        calls.append(text)
-        if text.startswith("hog"):
-            gate.wait(10)
-        return real(kind, text)
-
-    monkeypatch.setattr(g, "_compile", compile_)
+    g, gate = gw_engine.grammar, threading.Event()
+    calls = recorded_compiles(g, gate, monkeypatch)
     hogs = [g.submit(("regex", f"hog-gone{i}")) for i in range(2)]  # the engine's two compile threads
     try:
         body = json.dumps({**P, "regex": "gone-client[0-9]"}).encode()

@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from grammar_hogs import recorded_compiles
 
 from runtime.managers.grammar_manager import GRAMMAR_BUSY, GrammarManager
 from runtime.managers.req import Req
@@ -116,7 +117,7 @@ def test_a_storm_of_abandoned_grammars_leaves_a_benign_one_unblocked():
     c.shutdown()
 
 
-async def test_requests_that_leave_while_their_grammar_waits_drop_its_compile(tiny_llama):
+async def test_requests_that_leave_while_their_grammar_waits_drop_its_compile(tiny_llama, monkeypatch):
     """Engine level: one request aborted, one whose client went away (its stream cancelled), both queued
     behind compiles that hold both threads: both leave their jobs, which never run; the engine then serves a
     grammar at once."""
@@ -126,16 +127,8 @@ async def test_requests_that_leave_while_their_grammar_waits_drop_its_compile(ti
     engine = Engine(str(tiny_llama), device="cpu", dtype="float32", max_total_tokens=512, log_level="warning")
     gate = threading.Event()
     try:
-        g, calls = engine.grammar, []
-        real = g._compile
-
-        def compile_(kind: str, text: str):
-            calls.append(text)
-            if text.startswith("hog"):
-                gate.wait(10)
-            return real(kind, text)
-
-        g._compile = compile_
+        g = engine.grammar
+        calls = recorded_compiles(g, gate, monkeypatch)
         hogs = [g.submit(("regex", f"hog{i}")) for i in range(2)]  # the engine's 2 compile threads
 
         async def drain(rid: str) -> list:
