@@ -8,8 +8,9 @@ prompt and <Instruct>/<Query>/<Document> lines) is the client's to write, as vLL
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
@@ -100,7 +101,8 @@ def encoded_once(hf: Any, pairs: Sequence[tuple[str, str]], cut: dict[str, Any])
     encoded once: a rerank of one long query against thousands of documents would otherwise re-encode the
     query per document. It takes the steps the fast tokenizer's call takes (set truncation and padding,
     encode each sequence, the Rust post-processor: truncation, special tokens) with the sequence encodes
-    shared. None where it cannot be sure to match the call: a slow tokenizer, one that overrides those
+    shared, and truncates in Python (longest_first, then the post-processor's learnt frame of specials).
+    None where it cannot be sure to match the call: a slow tokenizer, one that overrides those
     steps or switches modes per call (seq2seq tokenizers), split_special_tokens, or a strategy other than
     none / longest_first without padding."""
     backend = getattr(hf, "_tokenizer", None)
@@ -123,9 +125,106 @@ def encoded_once(hf: Any, pairs: Sequence[tuple[str, str]], cut: dict[str, Any])
         for text in (a, b) if b else (a,):  # an empty text_pair is no pair to the call: one sequence
             if text not in encoded:
                 encoded[text] = backend.encode(text, add_special_tokens=False)
-    if truncation != TruncationStrategy.DO_NOT_TRUNCATE:
-        hf.set_truncation_and_padding(PaddingStrategy.DO_NOT_PAD, truncation, max_length, 0, None, None)
+    if truncation == TruncationStrategy.DO_NOT_TRUNCATE:
+        return [backend.post_process(encoded[a], encoded[b] if b else None, True).ids for a, b in pairs]
+    # The Rust truncation keeps every cut-off piece as an "overflowing" encoding and the post-processor joins
+    # every piece of one text with every piece of the other: quadratic (two 12,000-character texts cut to 4
+    # tokens ran out of memory). Its longest_first on the id lists, framed by the learnt specials, is the same
+    # ids with no pieces
+    template = SpecialTemplate.learn(backend)
+    if template is not None:
+        ids = {text: e.ids for text, e in encoded.items()}
+        left = hf.truncation_side == "left"
+        return [template.truncated(ids[a], ids[b] if b else None, max_length, left) for a, b in pairs]
+    hf.set_truncation_and_padding(PaddingStrategy.DO_NOT_PAD, truncation, max_length, 0, None, None)
     return [backend.post_process(encoded[a], encoded[b] if b else None, True).ids for a, b in pairs]
+
+
+class SpecialTemplate(NamedTuple):
+    """The ids a post-processor adds around one sequence (before, after) and around a pair (before, between,
+    after), learnt by probing it; the same for inputs of any length (BERT's, RoBERTa's, template
+    processors and their byte-level sequences)."""
+
+    single: tuple[list[int], list[int]]
+    pair: tuple[list[int], list[int], list[int]]
+
+    @classmethod
+    def learn(cls, backend: Any) -> SpecialTemplate | None:
+        """The template of backend's post-processor (its truncation must be off), from encodings of a few
+        lengths; None where no one frame fits every probe exactly, or it disagrees with the count of added
+        tokens the Rust truncation subtracts."""
+        probes = [backend.encode(text, add_special_tokens=False) for text in ("", "a", "a b", "a b c d e")]
+        if len({len(p.ids) for p in probes}) < len(probes):  # lengths must differ, or the frame is unproven
+            return None
+        empty = probes[0]
+        single = _frame(backend.post_process(empty, None, True).ids, 2,
+                        [([p.ids], backend.post_process(p, None, True).ids) for p in probes[1:]])
+        pair = _frame(backend.post_process(empty, empty, True).ids, 3,
+                      [([p.ids, q.ids], backend.post_process(p, q, True).ids)
+                       for p in probes for q in probes if p is not empty or q is not empty])
+        if single is None or pair is None or sum(map(len, single)) != backend.num_special_tokens_to_add(False) \
+                or sum(map(len, pair)) != backend.num_special_tokens_to_add(True):
+            return None
+        return cls((single[0], single[1]), (pair[0], pair[1], pair[2]))
+
+    def truncated(self, first: list[int], second: list[int] | None, max_length: int, left: bool) -> list[int]:
+        """`post_process(first, second)` with the tokenizer's longest_first truncation to max_length (from
+        the start of each sequence where left): tokenizers' truncate_encodings on the sequences' ids, within
+        max_length less the added tokens, then framed."""
+        frame = self.single if second is None else self.pair
+        room = max_length - sum(map(len, frame))
+        if room >= 0:  # Rust's usize subtraction wraps below the added tokens: no truncation at all
+            first, second = longest_first(first, second, room, left)
+        if second is None:
+            return [*frame[0], *first, *frame[1]]
+        return [*frame[0], *first, *frame[1], *second, *frame[2]]
+
+
+def longest_first(first: list[int], second: list[int] | None, max_length: int,
+                  left: bool) -> tuple[list[int], list[int] | None]:
+    """tokenizers' truncate_encodings, longest_first (stride 0): a single sequence keeps max_length; a
+    pair over it gives the longer one what the shorter leaves, or halves max_length (the odd token to the
+    second where they tie, else to the longer)."""
+    if second is None:
+        return _kept(first, max_length, left), None
+    n1, n2 = len(first), len(second)
+    if n1 + n2 <= max_length:
+        return first, second
+    short = min(n1, n2)
+    long = short if short > max_length else max(short, max_length - short)
+    if short + long > max_length:
+        short = max_length // 2
+        long = short + max_length % 2
+    keep1, keep2 = (long, short) if n1 > n2 else (short, long)
+    return _kept(first, keep1, left), _kept(second, keep2, left)
+
+
+def _kept(ids: list[int], n: int, left: bool) -> list[int]:
+    """The first n ids (the last n where left), as Encoding.truncate keeps them."""
+    if n >= len(ids):
+        return ids
+    return ids[len(ids) - n:] if left else ids[:n]
+
+
+def _frame(bare: list[int], parts: int, probes: list[tuple[list[list[int]], list[int]]]) -> list[list[int]] | None:
+    """The one cut of bare (the post-processor's output for empty inputs) into `parts` pieces that, with
+    each probe's inputs between them, makes each probe's output; None where none or several do."""
+    found: list[list[list[int]]] = []
+    for cuts in itertools.combinations_with_replacement(range(len(bare) + 1), parts - 1):
+        bounds = (0, *cuts, len(bare))
+        pieces = [bare[i:j] for i, j in itertools.pairwise(bounds)]
+        if all(_joined(pieces, inputs) == out for inputs, out in probes):
+            found.append(pieces)
+    return found[0] if len(found) == 1 else None
+
+
+def _joined(pieces: list[list[int]], inputs: list[list[int]]) -> list[int]:
+    """pieces[0] + inputs[0] + pieces[1] + ... + pieces[-1]."""
+    out = list(pieces[0])
+    for ids, piece in zip(inputs, pieces[1:]):
+        out += ids
+        out += piece
+    return out
 
 
 def _plain_fast(hf: Any) -> bool:

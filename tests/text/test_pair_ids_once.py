@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "classify"))
 from classify_models import classifier_copy  # noqa: E402
 from tiny_models import make_tokenizer  # noqa: E402
 
-from runtime.text.engine_scores import encoded_once, pair_ids  # noqa: E402
+from runtime.text import engine_scores  # noqa: E402
+from runtime.text.engine_scores import encoded_once, longest_first, pair_ids  # noqa: E402
 from runtime.text.tokenizer import Tokenizer  # noqa: E402
 
 TEXTS = ["", " ", "  padded  ", "Hello Paris", "The quick brown fox jumps over the lazy dog. " * 6,
@@ -80,9 +81,10 @@ def tokenizers(tiny_model_dirs, tmp_path_factory) -> dict[str, Tokenizer]:
             "roberta": Tokenizer(bert_like(root / "roberta", roberta=True))}
 
 
-def reference(tok: Tokenizer, keep: int | None) -> list[list[int]]:
+def reference(tok: Tokenizer, keep: int | None, side: str = "right") -> list[list[int]]:
     """Today's encoding, one call per pair, on a copy (so the tokenizer under test is not touched)."""
     hf = copy.deepcopy(tok.hf)
+    hf.truncation_side = side
     cut: dict[str, Any] = {} if keep is None else {"truncation": True, "max_length": CONTEXT if keep == -1 else keep}
     return [list(hf(text=a, text_pair=b, **cut)["input_ids"]) for a, b in PAIRS]
 
@@ -127,8 +129,9 @@ def test_a_shared_query_is_encoded_once(tokenizers, keep):
     query = "What is the capital of France? " * 20
     pairs = [(query, f"document {i % 250}: Paris is the capital.") for i in range(1000)]
     ids = pair_ids(SimpleNamespace(hf=hf, truncating_hf=truncating), pairs, keep, CONTEXT)
-    assert spied._tokenizer.texts[query] == 1
-    assert max(spied._tokenizer.texts.values()) == 1 and len(spied._tokenizer.texts) == 251  # the 250 documents once
+    counted = {t: n for t, n in spied._tokenizer.texts.items() if any(t in pair for pair in pairs)}  # not probes
+    assert counted[query] == 1
+    assert max(counted.values()) == 1 and len(counted) == 251  # the 250 documents once
     cut: dict[str, Any] = {} if keep is None else {"truncation": True, "max_length": keep}
     distinct = {b: list(tok.hf(text=query, text_pair=b, **cut)["input_ids"]) for _, b in pairs[:250]}
     assert ids == [distinct[b] for _, b in pairs]
@@ -141,3 +144,71 @@ def test_split_special_tokens_keeps_the_per_pair_call(tokenizers):
     want = [list(hf(text=a, text_pair=b)["input_ids"]) for a, b in PAIRS]
     assert pair_ids(SimpleNamespace(hf=hf), PAIRS, None, CONTEXT) == want
     assert want != pair_ids(tokenizers["tiny"], PAIRS, None, CONTEXT)  # <|im_end|> inside a text is split here
+
+
+@pytest.mark.parametrize("name", ["tiny", "bert", "roberta"])
+def test_left_truncation_matches_the_tokenizers(tokenizers, name):
+    hf = copy.deepcopy(tokenizers[name].hf)
+    hf.truncation_side = "left"  # each sequence keeps its end
+    tok = SimpleNamespace(hf=hf, truncating_hf=copy.deepcopy(hf))
+    for keep in (1, 4, 5, 16):
+        assert pair_ids(tok, PAIRS, keep, CONTEXT) == reference(tokenizers[name], keep, "left"), (name, keep)
+
+
+def test_the_rust_truncation_fallback_still_matches(tokenizers, monkeypatch):
+    """A post-processor with no fixed frame of specials keeps the Rust truncation (overflows and all)."""
+    monkeypatch.setattr(engine_scores.SpecialTemplate, "learn", classmethod(lambda cls, backend: None))
+    for keep in (3, 5, 64):
+        assert pair_ids(tokenizers["bert"], PAIRS, keep, CONTEXT) == reference(tokenizers["bert"], keep), keep
+
+
+def test_longest_first_is_the_rust_table():
+    """tokenizers' own truncate_encodings_longest_first cases (max_length 7), kept lengths per pair."""
+    lengths = (0, 2, 4, 8)
+    kept = [[(0, 0), (0, 2), (0, 4), (0, 7)], [(2, 0), (2, 2), (2, 4), (2, 5)],
+            [(4, 0), (4, 2), (3, 4), (3, 4)], [(7, 0), (5, 2), (4, 3), (3, 4)]]
+    for n1, row in zip(lengths, kept):
+        for n2, want in zip(lengths, row):
+            first, second = longest_first(list(range(n1)), list(range(100, 100 + n2)), 7, False)
+            assert (len(first), len(second or [])) == want, (n1, n2)
+    assert longest_first(list(range(8)), list(range(3)), 0, True) == ([], [])
+    assert longest_first(list(range(8)), list(range(3)), 5, True) == ([5, 6, 7], [1, 2])
+    assert longest_first(list(range(8)), None, 3, True) == ([5, 6, 7], None)
+
+
+class TruncationSpy:
+    """The Rust tokenizer, noting every post_process that runs with its truncation set (which builds every
+    combination of the two texts' overflowing pieces)."""
+
+    def __init__(self, inner: Any):
+        object.__setattr__(self, "inner", inner)
+        object.__setattr__(self, "truncating", [])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.inner, name, value)
+
+    def post_process(self, *args: Any, **kwargs: Any) -> Any:
+        if self.inner.truncation is not None:
+            self.truncating.append(len(args[0].ids))
+        return self.inner.post_process(*args, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["tiny", "bert"])
+def test_long_texts_cut_short_build_no_overflows(tokenizers, name):
+    """Two 12,000-character texts cut to 4 tokens: the Rust truncation made hundreds of thousands of
+    overflow encodings (and ran out of memory); this keeps the first tokens of each, never truncating in Rust."""
+    import time
+
+    hf = copy.deepcopy(tokenizers[name].hf)
+    hf._tokenizer = TruncationSpy(hf._tokenizer)
+    first, second = "a b c " * 2000, "d e f " * 2000
+    started = time.monotonic()
+    ids = pair_ids(SimpleNamespace(hf=hf, truncating_hf=hf), [(first, second), (first, "")], 4, 8192)
+    assert time.monotonic() - started < 10  # ~0.05 s: the Rust truncation took minutes and GBs
+    assert hf._tokenizer.truncating == []
+    short = tokenizers[name].hf  # the first tokens of a prefix are the text's first tokens
+    assert ids == [list(short(text=first[:60], text_pair=second[:60], truncation=True, max_length=4)["input_ids"]),
+                   list(short(text=first[:60], truncation=True, max_length=4)["input_ids"])]
