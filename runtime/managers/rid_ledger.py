@@ -4,15 +4,17 @@ An abort can overtake its own request (both travel through the inbox from differ
 for an unknown rid is remembered and ends the request the moment it arrives; an abort for a rid that
 ended lately is dropped, so a later request reusing the rid does not inherit it. Both memories are
 bounded (oldest forgotten first), and an early abort is kept EARLY_ABORT_TTL_S only: an abort overtakes its
-request by milliseconds, while a stray one (a mistyped /abort_request id) would otherwise end whichever later
-request happened to take that X-Request-Id."""
+request by at most what the request waits for before the scheduler (a grammar's queue and compile, the gateway's
+tokenizer worker: seconds, tens with a long --grammar-compile-timeout-s), while a stray one (a mistyped
+/abort_request id) would otherwise end whichever later request happened to take that X-Request-Id."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 
-EARLY_ABORT_TTL_S = 30.0
+EARLY_ABORT_TTL_S = 300.0  # past any wait before the scheduler: a grammar queue + compile, the tokenizer worker
+
 
 class RidLedger:
     def __init__(self, capacity: int = 4096, clock: Callable[[], float] = time.monotonic):
