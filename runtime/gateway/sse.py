@@ -11,8 +11,10 @@ a stream cut off before it is logged 499.
 A client that stays connected but stops reading would hold its request's place (and a --max-concurrent-requests
 slot) for good once the socket buffers fill: a write that cannot go out for SEND_STALL_S (nginx's send_timeout,
 60 s) closes the connection, and the stream ends as if the client had left. As nginx's, the wait counts from
-the client's last progress: a client that reads, however slowly (the transport's buffer shrank), gets another
-SEND_STALL_S. The timer is armed per write (a timer handle, no task), so a reading client pays microseconds."""
+the client's last progress: a client that reads (the transport's buffer shrank) gets another SEND_STALL_S, but
+only STALL_BUDGET_S in all per stream: unlike an nginx connection, a stream holds a --max-concurrent-requests
+slot, and a client reading a byte a minute would hold it for hours. The timer is armed per write (a timer
+handle, no task), so a reading client pays microseconds."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from runtime.gateway.protocol import encode
 # On an SSE response: whether its last event was written (an aiohttp ResponseKey: made once, holds nothing).
 _ENDED = web.ResponseKey("shoal_stream_ended", bool)
 SEND_STALL_S = 60.0  # nginx's send_timeout: how long one write may wait for a client that reads nothing
+STALL_BUDGET_S = 300.0  # the most a stream's writes may wait in all, the client reading however slowly
 
 
 def is_disconnected(request: web.Request) -> bool:
@@ -49,6 +52,7 @@ class SseWriter:
         self.started = False
         self._stall: asyncio.TimerHandle | None = None  # the write in progress's stall timer (_arm)
         self._buffered = 0  # the transport's buffered bytes the client must read below to count as progress
+        self._stalls = 0  # how many SEND_STALL_S periods this stream's writes have waited through
 
     async def start(self) -> None:
         await self.response.prepare(self.request)
@@ -81,13 +85,14 @@ class SseWriter:
 
     def _stalled(self) -> None:
         """A write waited SEND_STALL_S: if the client read meanwhile (the buffer shrank under the mark) it gets
-        another SEND_STALL_S, else the connection is dropped (the write then fails as for a client that left,
-        and its requests are aborted)."""
+        another SEND_STALL_S while the stream's STALL_BUDGET_S lasts, else the connection is dropped (the write
+        then fails as for a client that left, and its requests are aborted)."""
         transport = self.request.transport
         if transport is None:
             return
         held = transport.get_write_buffer_size()
-        if held < self._buffered:
+        self._stalls += 1
+        if held < self._buffered and self._stalls * SEND_STALL_S < STALL_BUDGET_S:
             self._buffered = held
             self._stall = asyncio.get_running_loop().call_later(SEND_STALL_S, self._stalled)
             return

@@ -159,11 +159,12 @@ def test_a_client_that_stops_reading_loses_its_slot_after_the_stall_limit(server
 
 def test_a_slow_reader_gets_more_time_and_a_stalled_one_is_dropped():
     """The stall limit counts from the client's last progress (nginx's send_timeout): a client that read
-    anything since (the transport's buffer went under the write's mark) gets another SEND_STALL_S."""
+    anything since (the transport's buffer went under the write's mark) gets another SEND_STALL_S, within the
+    stream's STALL_BUDGET_S (a byte-a-minute reader would hold its slot for hours)."""
     import asyncio
     from types import SimpleNamespace
 
-    from runtime.gateway.sse import SseWriter
+    from runtime.gateway.sse import SEND_STALL_S, STALL_BUDGET_S, SseWriter
 
     class Transport:
         held, aborted = 0, False
@@ -187,6 +188,17 @@ def test_a_slow_reader_gets_more_time_and_a_stalled_one_is_dropped():
         assert not t.aborted and w._stall is not None  # re-armed
         w._stalled()  # nothing read since
         assert t.aborted
+        w._disarm()
+        t = Transport()  # a client that always reads a little: another SEND_STALL_S, until the stream's budget
+        w = SseWriter(SimpleNamespace(transport=t))
+        t.held = 50_000
+        w._arm(1_000)
+        periods = 0
+        while not t.aborted:
+            t.held -= 1
+            w._stalled()
+            periods += 1
+        assert periods == STALL_BUDGET_S // SEND_STALL_S
         w._disarm()
 
     asyncio.run(run())
