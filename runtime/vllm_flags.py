@@ -249,6 +249,24 @@ def _revision_notes(tr: Translation) -> None:
             tr.note(tr.given.get(name, flag_name(name)), value, _LOCAL)
 
 
+def _cpu_notes(tr: Translation) -> None:
+    """vLLM's --gpu-memory-utilization on a CPU: logged as the table's no-ops are, since the share it sets
+    (--mem-fraction-static) sizes only a CUDA device's KV pool. Known here for --device cpu, or auto with no
+    CUDA device on this host and no Ray (whose nodes decide)."""
+    spelling, value = tr.given.get("mem_fraction_static"), tr.get("mem_fraction_static")
+    if spelling != "--gpu-memory-utilization" or tr.get("device") == "cuda":
+        return
+    if tr.get("device") == "auto":
+        if tr.get("use_ray") or tr.get("tp_size") > 1 or tr.get("dp_size") > 1 or tr.get("address") is not None:
+            return
+        import torch  # only here: the flag parser stays light otherwise
+
+        if torch.cuda.is_available():
+            return
+    tr.note(spelling, value, "no effect on a CPU: the KV pool there holds --max-total-tokens tokens, not a share "
+                             "of device memory")
+
+
 def add_vllm_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Registers the table's flags and the HTTP site's on `shoal serve`, each hidden: --help lists Shoal's
     (and VLLM_ALIASES') names, one group line says the rest are accepted."""
@@ -283,6 +301,7 @@ def apply_vllm_flags(ns: argparse.Namespace) -> list[str]:
         if value is not None:
             entry.treat(value, tr, entry.flag)
     _revision_notes(tr)
+    _cpu_notes(tr)
     for name, (value, _) in tr.changed.items():
         setattr(ns, name, value)
     env_key = os.environ.get(API_KEY_ENV)
@@ -344,7 +363,8 @@ def translate_vllm_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
                 raise ServerArgsError(spelling, f"sets the same setting as {given[name]}; give one of them")
             out[name], given[name] = value, spelling
     entries = [e for e in VLLM_FLAGS if e.key in out]
-    if not entries and out.get("revision") is None and out.get("tokenizer_revision") is None:
+    if (not entries and out.get("revision") is None and out.get("tokenizer_revision") is None
+            and given.get("mem_fraction_static") != "--gpu-memory-utilization"):
         return out
     tr = Translation({**defaults, **{k: v for k, v in out.items() if k in defaults and v is not None}}, given)
     for entry in entries:
@@ -352,6 +372,7 @@ def translate_vllm_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
         if value is not None:
             entry.treat(entry.checked(value), tr, entry.flag)
     _revision_notes(tr)
+    _cpu_notes(tr)
     out.update({name: value for name, (value, _) in tr.changed.items()})
     level = out.get("log_level")
     log_notes(tr.notes, level if level in ("debug", "info", "warning", "error") else "info")

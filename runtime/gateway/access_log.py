@@ -1,17 +1,21 @@
 """AccessLog: one line per HTTP request once it is answered (streams: once they end), on logger
 `shoal.access` at INFO, as uvicorn's access log in vLLM, on by default:
 
-    127.0.0.1 "POST /v1/chat/completions HTTP/1.1" 200 chatcmpl-1f0c...-0 532.4 ms
+    127.0.0.1 "POST /v1/chat/completions HTTP/1.1" 200 1f0c... 532.4 ms
 
 the status (499, nginx's: the client went away first: before a whole answer was written, or before a
-stream's last event), the request's id (its first engine request's rid, which starts with the response id
-the client got; else its X-Request-Id where it has a client id's form (request_ids.py), so a caller cannot
-forge fields or lines with it; else '-') and the time to the answer's last byte (the middleware writes a
-whole answer itself, to time that). --disable-access-log (vLLM: --disable-uvicorn-access-log) turns it
-off, and vLLM's --disable-access-log-for-endpoints /health,/metrics leaves those paths out.
+stream's last event), the request's id and the time to the answer's last byte (the middleware writes a whole
+answer itself, to time that). The id is the X-Request-Id the answer carried (app.py), the one id a client
+can match for every request, GETs and errors included: its own header, else the id its response id was
+made from (chatcmpl-1f0c... answers 1f0c...); where no answer went out (the client left first), its header
+or that id as the answer would have carried it, else '-'. Only an id of a client id's form
+(request_ids.py) is printed, so a caller cannot forge fields or lines with it. The engine's rids of the
+request's choices (chatcmpl-1f0c...-0) are the request log's (request_log.py). --disable-access-log (vLLM:
+--disable-uvicorn-access-log) turns it off, and vLLM's --disable-access-log-for-endpoints /health,/metrics
+leaves those paths out.
 
 Its middleware is the outermost: it also opens the Exchange, the record of one HTTP request that the
-engine's view (request_log.py) notes each engine request on."""
+request log (request_log.py) notes the prompts it logged on, to log each once."""
 
 from __future__ import annotations
 
@@ -32,16 +36,16 @@ from runtime.http_flags import quiet_paths
 logger = logging.getLogger("shoal.access")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+RequestId = Callable[[web.Request], str | None]  # the X-Request-Id a request's answer carries (app.py)
 CLIENT_GONE = 499  # nginx's code for a request whose client closed the connection before the answer
 
 
 class Exchange:
-    """One HTTP request, as its handler (and the tasks it starts) sees it: the engine requests sent for it."""
+    """One HTTP request, as its handler (and the tasks it starts) sees it: the prompts the request log logged."""
 
-    __slots__ = ("rids", "prompts")
+    __slots__ = ("prompts",)
 
     def __init__(self) -> None:
-        self.rids: list[str] = []
         self.prompts: list[tuple[int, ...]] = []  # the prompts already logged (--enable-log-requests)
 
 
@@ -56,9 +60,10 @@ def current_exchange() -> Exchange | None:
 
 
 class AccessLog:
-    def __init__(self, args: ServerArgs):
+    def __init__(self, args: ServerArgs, request_id: RequestId):
         self.enabled = not args.disable_access_log
         self.quiet = quiet_paths(args.disable_access_log_for_endpoints)
+        self.request_id = request_id
 
     def middleware(self) -> Callable:
         @web.middleware
@@ -79,7 +84,7 @@ class AccessLog:
             finally:
                 _CURRENT.reset(token)
                 if self.enabled and logger.isEnabledFor(logging.INFO) and not self._quiet(request):
-                    self._log(request, status, exchange, time.perf_counter() - start)
+                    self._log(request, status, self.request_id(request), time.perf_counter() - start)
 
         return access_log
 
@@ -91,10 +96,8 @@ class AccessLog:
         return (path.rstrip("/") or "/") in self.quiet
 
     @staticmethod
-    def _log(request: web.Request, status: int, exchange: Exchange, elapsed_s: float) -> None:
-        header = request.headers.get("X-Request-Id")
-        # Engine rids are made of checked ids only (request_ids.py, the /generate and /encode rid checks).
-        rid = exchange.rids[0] if exchange.rids else header if header and well_formed_id(header) else "-"
+    def _log(request: web.Request, status: int, request_id: str | None, elapsed_s: float) -> None:
+        rid = request_id if request_id and well_formed_id(request_id) else "-"
         version = f"{request.version.major}.{request.version.minor}"
         logger.info('%s "%s %s HTTP/%s" %d %s %.1f ms', request.remote or "-", request.method, request.path_qs,
                     version, status, rid, elapsed_s * 1000)

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from runtime.gateway.http_site import ROOT_PATH_KEY
 
-_OPEN_PATHS = frozenset({"/ping", "/metrics", "/dashboard", "/version"})
+_OPEN_PATHS = frozenset({"/", "/favicon.ico", "/ping", "/metrics", "/dashboard", "/version"})
 _OPEN_PREFIX = "/health"
 # What changes the server for everyone (weights, its process group's peer, memory, adapters, the cache, a
 # pause, profiling to disk) or stops another client's request: an inference key must not reach these.

@@ -5,7 +5,12 @@
 X-Request-Id, as vLLM's: a request that sends it is named by it (GatewayState.new_id: chatcmpl-<id>, ...),
 and every response, streams and errors included, carries the header (vLLM does with
 --enable-request-id-headers; here always, as it costs nothing): the client's own, or where it sent none the
-id its response was named by (chatcmpl-<hex> answers <hex>), else a random one (request_ids.response_header)."""
+id its response was named by (chatcmpl-<hex> answers <hex>), else a random one (request_ids.response_header).
+The access log names each request by that header (_request_id).
+
+A 404 of a path with no route (a browser's /favicon.ico, a probe of /docs) is answered as any error but kept
+out of the dashboard's recent errors and errors_total: not a fault of a request the server serves. GET /
+(dashboard_routes.root) points at the dashboard and the main routes; neither vLLM nor SGLang serve it."""
 
 from __future__ import annotations
 
@@ -42,7 +47,7 @@ from runtime.gateway.openai_chat import chat_completions
 from runtime.gateway.openai_completions import completions
 from runtime.gateway.openai_embeddings import embeddings, health_embed, pooling
 from runtime.gateway.openai_responses import responses
-from runtime.gateway.request_ids import IdScope, current_scope, response_header
+from runtime.gateway.request_ids import IdScope, current_scope, response_header, well_formed_id
 from runtime.gateway.state import STATE_KEY, ClientProvider, GatewayState
 from runtime.text.embedding_request import task_mismatch
 
@@ -52,6 +57,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 _REQUEST_ID = "X-Request-Id"
 _ID_SCOPE = web.RequestKey("shoal_id_scope", IdScope)  # the handler's ids, for the header as the answer goes out
+_ANSWERED_ID = web.RequestKey("shoal_answered_id", str)  # the X-Request-Id the answer went out with
 
 
 def _middleware(api_keys: ApiKeys, cors: Cors) -> Callable:
@@ -85,7 +91,8 @@ def _middleware(api_keys: ApiKeys, cors: Cors) -> Callable:
         except Exception as e:  # the last resort: a bug of ours must not take the server down
             logger.exception("unhandled error on %s %s", request.method, request.path)
             err = ApiError(500, f"internal error: {type(e).__name__}: {e}")
-        request.app[STATE_KEY].errors.record(request.method, request.path, err)
+        if not _no_route(request, err):
+            request.app[STATE_KEY].errors.record(request.method, request.path, err)
         return err.response(headers)
 
     return gateway_middleware
@@ -107,10 +114,28 @@ def _generation(handler: Handler, on_embedding: Handler | None = None) -> Handle
     return route
 
 
+def _no_route(request: web.Request, err: ApiError) -> bool:
+    """A 404 of the router's: no route has this path (a route's own 404, an unknown model, is an error)."""
+    return err.status == 404 and request.match_info.http_exception is not None
+
+
 async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
     # As the headers go out: a stream's leave before its handler returns, once its id is made.
     if _REQUEST_ID not in response.headers:
         response.headers[_REQUEST_ID] = response_header(request.headers.get(_REQUEST_ID), request.get(_ID_SCOPE))
+    request[_ANSWERED_ID] = response.headers[_REQUEST_ID]
+
+
+def _request_id(request: web.Request) -> str | None:
+    """The access log's id of a request: the X-Request-Id its answer carried; where none went out (the client
+    left first, a redirect still to be written) the one it would carry, short of a random one (None)."""
+    if (answered := request.get(_ANSWERED_ID)) is not None:
+        return answered
+    sent = request.headers.get(_REQUEST_ID)
+    if sent and well_formed_id(sent):
+        return sent
+    scope = request.get(_ID_SCOPE)
+    return scope.base if scope is not None else None
 
 
 async def _stop_background_tasks(app: web.Application) -> None:
@@ -122,7 +147,7 @@ def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) 
     """client_provider: a ready EngineClient, or a zero-arg callable returning it (None while the
     model loads: model routes and /health answer 503 until then)."""
     cors, api_keys = Cors.from_args(args), ApiKeys(args.api_key, args.admin_api_key)
-    middlewares = [AccessLog(args).middleware(), _middleware(api_keys, cors)]
+    middlewares = [AccessLog(args, _request_id).middleware(), _middleware(api_keys, cors)]
     app = web.Application(client_max_size=args.max_request_bytes, middlewares=middlewares)
     app[STATE_KEY] = GatewayState(client_provider, args)
     app[HEALTH_PROBE_KEY] = HealthProbe()  # /health_generate's check, shared by its callers
@@ -159,6 +184,8 @@ def build_app(client_provider: EngineClient | ClientProvider, args: ServerArgs) 
         app.router.add_post(path, tokenize_routes.tokenize)
     for path in ("/detokenize", "/v1/detokenize"):
         app.router.add_post(path, tokenize_routes.detokenize)
+    app.router.add_get("/", dashboard_routes.root)
+    app.router.add_get("/favicon.ico", dashboard_routes.favicon)  # a browser's, on opening /dashboard
     app.router.add_get("/dashboard", dashboard_routes.page)
     app.router.add_get("/dashboard/data", dashboard_routes.data)
     app.router.add_get("/debug/ttft_trace", debug_routes.ttft_trace)

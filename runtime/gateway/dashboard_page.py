@@ -2,7 +2,11 @@
 build step and nothing fetched from elsewhere. The script polls GET /dashboard/data every second and
 writes the numbers with textContent (never as HTML: error messages can quote what a client sent). With
 --api-key, open /dashboard#key=KEY: the fragment never leaves the browser except as the Authorization
-header of the data request."""
+header of the data request. ICON: the server's icon (GET /favicon.ico), three fish of a shoal."""
+
+ICON = ('<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 16 16"><g fill="#0ea5e9">'
+        '<path d="M1 4l3-2v4zM4 4c2-2 5-2 6 0-1 2-4 2-6 0z"/><path d="M6 12l3-2v4zM9 12c2-2 5-2 6 0-1 2-4 2-6 0z"/>'
+        '<path d="M1 9l2-1.5v3zM3 9c1.5-1.5 4-1.5 5 0-1 1.5-3.5 1.5-5 0z"/></g></svg>')
 
 PAGE = """<!doctype html>
 <html lang="en">
@@ -10,7 +14,7 @@ PAGE = """<!doctype html>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>Shoal status</title>
-<link rel="icon" href="data:,">
+<link rel="icon" href="favicon.ico" type="image/svg+xml">
 <style>
   body { margin: 0; font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; background: #f3f5f8;
          color: #1f2933; }

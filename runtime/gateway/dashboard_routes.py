@@ -1,15 +1,38 @@
 """GET /dashboard (the live status page, dashboard_page.PAGE) and GET /dashboard/data (its numbers as
-JSON, Dashboard.data), which the page fetches every second."""
+JSON, Dashboard.data), which the page fetches every second; and what a browser or a first look asks the
+server's root for: GET / (a browser to the dashboard, any other client a short list of the main routes;
+vLLM and SGLang answer it 404) and GET /favicon.ico (a small icon, the dashboard's too), so neither is an
+unknown route."""
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from aiohttp import web
 
-from runtime.gateway.dashboard_page import PAGE
+from runtime.gateway.dashboard_page import ICON, PAGE
 from runtime.gateway.protocol import encode
 from runtime.gateway.state import STATE_KEY
 
 _NO_STORE = {"Cache-Control": "no-store"}
+# What GET / lists: the routes a first client wants, not every one (the README lists those).
+ROUTES = MappingProxyType({
+    "openai": ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"),
+    "native": ("/generate", "/encode", "/tokenize", "/detokenize"),
+    "operations": ("/health", "/health_generate", "/metrics", "/version", "/dashboard"),
+})
+
+
+async def root(request: web.Request) -> web.Response:
+    if "text/html" in request.headers.get("Accept", ""):
+        # Relative: right at / and under --root-path, whether the proxy strips the prefix or not.
+        return web.Response(status=302, headers={"Location": "dashboard"})
+    body = {"object": "shoal.server", "dashboard": "/dashboard", "routes": {k: list(v) for k, v in ROUTES.items()}}
+    return web.Response(body=encode(body), content_type="application/json")
+
+
+async def favicon(request: web.Request) -> web.Response:
+    return web.Response(body=ICON.encode(), content_type="image/svg+xml", headers={"Cache-Control": "max-age=86400"})
 
 
 async def page(request: web.Request) -> web.Response:

@@ -9,13 +9,19 @@ handler (stats() is async; collectors are not) and handed to a custom collector 
 into metric families. A request's client leaving counts it as aborted (Generation), as /abort_request does.
 
 --metrics-compat (default vllm,sglang) also exposes, under vLLM's and SGLang's own names, types and labels,
-the series of theirs that one of ours already measures (metrics_compat.py)."""
+the series of theirs that one of ours already measures (metrics_compat.py).
+
+No `_created` series (prometheus_client's disable_created_metrics): one per counter and histogram, a start
+time Prometheus does not read (it finds counter resets itself). The
+shoal:* series carry no model_name label, where vLLM's twins carry one: a server serves one model (its other
+names are aliases), the name is known only once the engine is ready, and the vllm:* twins (on by default)
+carry it for dashboards that select by it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -184,6 +190,8 @@ class GatewayMetrics:
             extra = (b for name, _, bounds in HISTOGRAM_TWINS[attr] if system_of(name) in systems for b in bounds)
             return tuple(sorted({*own, *extra}))
 
+        # prometheus_client's switch is process-wide (read as each sample is made): set before any is.
+        disable_created_metrics()
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("shoal:time_to_first_token_seconds", "arrival at the gateway to first token",

@@ -41,7 +41,7 @@ from runtime.gateway.protocol import (
     ModelList,
     encode,
 )
-from runtime.gateway.request_ids import ID_RULE, well_formed_id
+from runtime.gateway.request_ids import ID_RULE, current_scope, well_formed_id
 from runtime.gateway.state import STATE_KEY
 from runtime.messages import GenerateRequest, RequestOutput
 from runtime.sampling.params import SamplingParams
@@ -141,6 +141,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except InvalidRequestError as e:
         raise from_shoal_error(e) from None
     base = _check_rid(body.rid) if body.rid is not None else state.new_id("gen")
+    scope = current_scope()
+    if body.rid is not None and scope is not None and scope.base is None:
+        scope.base = base  # X-Request-Id (and the access log) answer with the body's rid, as new_id's would
     lora = (state.adapter_of(body.lora_name, "lora_name") if body.lora_name is not None
             else state.adapter_of(body.lora_path, "lora_path"))
     several = prompts.batch or n > 1

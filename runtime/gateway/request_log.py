@@ -9,8 +9,8 @@ as vLLM's RequestLogger does: at INFO
 model reads it (chat template applied, special tokens shown), cut to --max-log-len characters. The rid is
 quoted (repr) as the prompt is: a client names it, and no character of it may end the line. The n choices of
 one prompt share one input_ids tuple (the routes build it once per prompt), so they are logged once, by
-their first rid. Every engine request's rid is also noted on the HTTP request's Exchange: the access log
-names the request by it."""
+their first rid. The access log names the HTTP request by the X-Request-Id its answer carried, which the
+rids here start from (chatcmpl-<id>-0 for X-Request-Id <id>)."""
 
 from __future__ import annotations
 
@@ -31,11 +31,9 @@ class RequestLog:
         self.max_log_len = max_log_len
 
     def received(self, client: EngineClient, req: GenerateRequest) -> None:
-        exchange = current_exchange()
-        if exchange is not None:
-            exchange.rids.append(req.rid)
         if not self.enabled or not logger.isEnabledFor(logging.INFO):
             return
+        exchange = current_exchange()
         if exchange is not None:
             if any(p is req.input_ids for p in exchange.prompts):  # another choice of a prompt logged already
                 return

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from gw_helpers import GATEWAY_ARGS, http, slow_steps, wait_kv_full
+from gw_helpers import GATEWAY_ARGS, http, raw, slow_steps, wait_kv_full
 from log_lines import LogLines
 
 from runtime.cli import build_parser, server_args
@@ -22,6 +22,7 @@ from runtime.errors import ServerArgsError
 from runtime.gateway.app import build_app
 from runtime.gateway.server import serve_in_thread
 
+_HEX_ID = re.compile(r"[0-9a-f]{32}")  # an id the gateway drew (uuid4 hex)
 _LINE = re.compile(r'(\S+) "(\w+) (\S+) HTTP/1\.1" (\d{3}) (\S+) (\d+\.\d) ms')
 
 
@@ -64,14 +65,20 @@ def test_access_and_request_lines(gw_engine, lines):
         assert status == 200 and text.rstrip().endswith("[DONE]")
         assert http(server.url + "/v1/completions", "POST", {"prompt": "hi", "max_tokens": -1})[0] == 400
         assert http(server.url + "/no/such/route")[0] == 404
+        status, headers, _ = raw(server.url + "/v1/models")
+        assert status == 200
         assert http(server.url + "/health")[0] == 200  # left out, as /metrics
         assert http(server.url + "/metrics")[0] == 200
     access = _access(lines)
     assert [a[:3] for a in access] == [("POST", "/v1/completions", 200), ("POST", "/v1/chat/completions", 200),
-                                       ("POST", "/v1/completions", 400), ("GET", "/no/such/route", 404)]
-    assert access[0][3] == "cmpl-trace-7-0"  # the first engine request's rid: the response id and its choice
-    assert access[1][3].startswith("chatcmpl-") and access[1][4] == "127.0.0.1"
-    assert access[2][3] == access[3][3] == "-"
+                                       ("POST", "/v1/completions", 400), ("GET", "/no/such/route", 404),
+                                       ("GET", "/v1/models", 200)]
+    # Each request by the X-Request-Id its answer carried: the client's own, else the id its response id was
+    # made from (chatcmpl-<id>), else (a GET, an error before any id) the one drawn for the header.
+    assert access[0][3] == "trace-7"
+    assert _HEX_ID.fullmatch(access[1][3]) and f'"id":"chatcmpl-{access[1][3]}"' in text
+    assert access[1][4] == "127.0.0.1"
+    assert all(_HEX_ID.fullmatch(a[3]) for a in access[2:]) and access[4][3] == headers["X-Request-Id"]
     # Each prompt once (the n=2 choices share it): its params at INFO; at DEBUG (user data, as vLLM logs it)
     # the prompt as the model reads it, cut to --max-log-len characters.
     received = lines["shoal.requests"].messages
@@ -134,7 +141,8 @@ def test_client_gone_is_499(gw_engine, lines, monkeypatch):
         assert status == 200 and done.rstrip().endswith("[DONE]")
     access = _access(lines)
     assert [a[:3] for a in access] == [("POST", "/v1/completions", 499)] * 2 + [("POST", "/v1/completions", 200)]
-    assert all(a[3].startswith("cmpl-") for a in access)
+    # The id the response id was made from (cmpl-<id>): sent as X-Request-Id, or that it would have carried.
+    assert all(_HEX_ID.fullmatch(a[3]) for a in access)
     wait_kv_full(gw_engine)
 
 

@@ -53,6 +53,8 @@ def test_several_keys_any_one_authorizes(gw_engine, gateway_lines):
         # SGLang leaves every /health* path open: /health_generate runs a real one-token generation.
         assert http(server.url + "/health_generate") == (200, {"status": "ok"})
         assert http(server.url + "/health")[0] == 200
+        # What a browser asks for on its own (no key to send): the favicon and the index, which hold no data
+        assert raw(server.url + "/favicon.ico")[0] == 200 and http(server.url + "/")[0] == 200
         # Any OPTIONS passes the key check (vLLM, SGLang): not a preflight, so the router's 405.
         status, _, _ = raw(server.url + "/v1/completions", "OPTIONS")
         assert status == 405

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from gw_helpers import GATEWAY_ARGS, http, wait_kv_full
+from gw_helpers import GATEWAY_ARGS, http, raw, wait_kv_full
 
 from runtime.gateway.server import serve_in_thread
 
@@ -59,6 +59,7 @@ def test_dashboard_data_moves_under_load(dash_url):
     assert first["ready"] and first["model"] == "llama" and first["requests_total"] == 0
     assert [r["up"] for r in first["replicas"]] == [True]
     assert http(dash_url + "/v1/completions", "POST", {"prompt": "hi", "top_k": 2**63})[0] == 400
+    _harmless_requests(dash_url)
     with _Load(dash_url):
         time.sleep(1.5)
         busy = _data(dash_url)
@@ -66,9 +67,21 @@ def test_dashboard_data_moves_under_load(dash_url):
     assert {m["mode"] for m in busy["modes"]} >= {"EXTEND", "DECODE"}
     assert 0 <= busy["kv_usage"] <= 1 and busy["batch_size"] >= 1
     assert busy["replicas"][0]["tokens_per_s"] > 0
-    [error] = busy["errors"]
+    [error] = busy["errors"]  # the unknown routes' 404s are not errors of the server's
     assert (error["path"], error["status"], error["param"]) == ("/v1/completions", 400, "top_k")
     assert len(busy["history"]) == 2 and busy["errors_total"] == 1
+
+
+def _harmless_requests(url: str) -> None:
+    """What a browser or a first look sends beside the API: none is an error on the dashboard."""
+    status, headers, icon = raw(url + "/favicon.ico")  # a browser's, on opening any page
+    assert status == 200 and headers["Content-Type"] == "image/svg+xml" and icon.startswith(b"<svg")
+    status, _, page = raw(url + "/", headers={"Accept": "text/html,*/*"})  # a browser: to the dashboard
+    assert status == 200 and b"<title>Shoal status</title>" in page  # urllib followed the redirect
+    status, listing = http(url + "/")  # anything else: the main routes
+    assert status == 200 and "/v1/chat/completions" in listing["routes"]["openai"]
+    assert listing["dashboard"] == "/dashboard"
+    assert http(url + "/docs")[0] == http(url + "/robots.txt")[0] == 404  # answered, and in the access log
 
 
 def test_dashboard_data_needs_the_api_key(gw_engine):

@@ -1,17 +1,19 @@
 """Nothing a client sends can forge a log line or a field of one: SGLang's body rid (/generate, /encode and
 /abort_request) must have a client id's form (request_ids.py: 1-256 visible ASCII characters; an engine rid
 made from one may be longer for /abort_request), else a 400 naming rid; the access log prints X-Request-Id
-only in that form (else '-'), a keyless caller's 401 line included; the request log quotes the rid (repr)."""
+only in that form (the header its answer carried: a bad one is never echoed but answered with an id drawn
+for it), a keyless caller's 401 line included; the request log quotes the rid (repr)."""
 
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import time
 from collections.abc import Iterator
 
 import pytest
-from gw_helpers import GATEWAY_ARGS, http
+from gw_helpers import GATEWAY_ARGS, http, raw
 
 from runtime.gateway.errors import ApiError
 from runtime.gateway.native_routes import _encode_rids
@@ -19,6 +21,7 @@ from runtime.gateway.request_ids import well_formed_id
 from runtime.gateway.server import ServerHandle, serve_in_thread
 
 FORGED = 'x\n6.6.6.6 "POST /v1/admin HTTP/1.1" 200 forged 1.0 ms'
+_HEX_ID = re.compile(r"[0-9a-f]{32}")  # an id the gateway drew (uuid4 hex)
 BAD_RIDS = [FORGED, "two words", "", "x" * 257, "caf\u00e9", "tab\there"]
 
 
@@ -72,14 +75,14 @@ def test_generate_rid_is_checked(logged):
         status, body = http(server.url + "/generate", "POST", {"text": "hi", "rid": rid,
                                                                "sampling_params": {"max_new_tokens": 1}}, headers=KEY)
         assert status == 400 and body["error"]["param"] == "rid", (rid, body)
-        assert records.access("POST /generate").startswith("400 - ")
+        assert _HEX_ID.fullmatch(records.access("POST /generate").split()[1])  # the header drawn for the 400
     records.lines.clear()
-    status, body = http(server.url + "/generate", "POST", {"text": "hi", "rid": "fine-rid",
-                                                           "sampling_params": {"max_new_tokens": 1}}, headers=KEY)
-    assert status == 200 and body["meta_info"]["id"] == "fine-rid"
+    status, headers, got = raw(server.url + "/generate", "POST", {**KEY, "Content-Type": "application/json"},
+                               b'{"text": "hi", "rid": "fine-rid", "sampling_params": {"max_new_tokens": 1}}')
+    assert status == 200 and b'"id":"fine-rid"' in got
     access, received = records.access("POST /generate"), records.lines[0]
     assert received.startswith("Received request 'fine-rid': params: ")  # quoted, as the prompt is
-    assert access.startswith("200 fine-rid ")
+    assert headers["X-Request-Id"] == "fine-rid" and access.startswith("200 fine-rid ")  # the body's rid names it
 
 
 def test_abort_rid_is_checked(logged):
@@ -105,18 +108,21 @@ def test_encode_rids_are_checked():
 
 
 def test_access_log_prints_only_a_well_formed_header(logged):
-    """A keyless caller's X-Request-Id cannot forge fields of its own 401 line: '-' unless it has an id's form."""
+    """A keyless caller's X-Request-Id cannot forge fields of its own 401 line: shown only with an id's form,
+    else the id drawn for the answer's header instead."""
     server, records = logged
     spoof = 'x 1.0 ms | 10.0.0.9 "DELETE /v1/models HTTP/1.1" 200 ok'
-    for header, shown in ((spoof, "-"), ("x" * 257, "-"), ("trace-9", "trace-9")):
+    for header in (spoof, "x" * 257, "trace-9"):
         records.lines.clear()
-        assert http(server.url + "/v1/models", headers={"X-Request-Id": header})[0] == 401
+        status, headers, _ = raw(server.url + "/v1/models", headers={"X-Request-Id": header})
+        answered = headers["X-Request-Id"]
+        assert status == 401 and (answered == header) == (header == "trace-9"), answered
         line = records.access("GET /v1/models")
-        assert line.startswith(f"401 {shown} "), line
+        assert line.startswith(f"401 {answered} "), line
     # The path is logged as sent (percent-encoded): a %0a in it stays three characters.
     records.lines.clear()
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(b"GET /nope%0a9.9.9.9%20x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         assert sock.recv(64).startswith(b"HTTP/1.1 401")
-    assert records.access("GET /nope%0a9.9.9.9%20x").startswith("401 - ")
+    assert _HEX_ID.fullmatch(records.access("GET /nope%0a9.9.9.9%20x").split()[1])

@@ -11,6 +11,7 @@ from argparse import Namespace
 from pathlib import Path
 
 import pytest
+import torch
 from tls_cert import self_signed
 
 from runtime.cli import build_parser, main, server_args
@@ -41,8 +42,24 @@ def test_a_real_world_vllm_command_line_parses_as_typed(logged):
         "serve --model-path /m --tool-call-parser hermes --max-prefill-tokens 8192 --chunked-prefill-size 8192 "
         "--random-seed 0 --mem-fraction-static 0.9 --context-length 8192 --served-model-name x".split()))
     assert vllm == ours
+    on_cpu = [] if torch.cuda.is_available() else ["vLLM's --gpu-memory-utilization 0.9"]  # test_device_share_*
     assert [n.split(":")[0] for n in logged.messages] == ["vLLM's --enable-auto-tool-choice", "vLLM's --trust-remote-code",
-                                                "vLLM's --disable-log-requests"]
+                                                "vLLM's --disable-log-requests", *on_cpu]
+
+
+def test_device_share_on_a_cpu_is_logged_as_a_noop(logged):
+    """--gpu-memory-utilization sets --mem-fraction-static, which sizes a CUDA device's KV pool only: on a CPU
+    it is logged as the table's no-ops are (the CLI and LLM(...) kwargs); on CUDA, and by Shoal's name, silent."""
+    assert _serve("--device", "cpu", "--gpu-memory-utilization", "0.5") == _serve("--device", "cpu",
+                                                                               "--mem-fraction-static", "0.5")
+    ServerArgs.from_kwargs(model_path="/m", device="cpu", gpu_memory_utilization=0.6)
+    assert [m.split(":")[0] for m in logged.messages] == ["vLLM's --gpu-memory-utilization 0.5",
+                                                          "vLLM's --gpu-memory-utilization 0.6"]
+    assert "--max-total-tokens" in logged.messages[0]
+    logged.messages.clear()
+    _serve("--device", "cuda", "--gpu-memory-utilization", "0.5")
+    _serve("--device", "cpu", "--mem-fraction-static", "0.5")
+    assert logged.messages == []
 
 
 @pytest.mark.parametrize(("vllm", "shoal"), [
@@ -165,7 +182,8 @@ def test_llm_kwargs_translate_to_server_args(logged):
         model_path="/m", random_seed=1, disable_radix_cache=True, mem_fraction_static=0.5, max_running_requests=8,
         context_length=128, tp_size=1, disable_cuda_graph=True, max_prefill_tokens=512, chunked_prefill_size=512)
     assert [n.split(":")[0] for n in logged.messages] == [  # in the table's order
-        "vLLM's --compilation-config keys level", "vLLM's --trust-remote-code", "vLLM's --swap-space 4"]
+        "vLLM's --compilation-config keys level", "vLLM's --trust-remote-code", "vLLM's --swap-space 4",
+        *([] if torch.cuda.is_available() else ["vLLM's --gpu-memory-utilization 0.5"])]
     assert translate_vllm_kwargs({"optimization_level": 0, "max_n": 4}) == {"disable_cuda_graph": True, "max_n": 4}
 
 
