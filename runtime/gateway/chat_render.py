@@ -1,9 +1,10 @@
 """ChatRender: a chat through the model's template to token ids, as Tokenizer.apply_chat_template makes them,
 split into its render and its encode so each runs where its size says. A template can write far more than
 the body holds (Llama 3.x writes each tool's schema with tojson(indent=4): a 57 KB body of nested tools
-rendered to 6.5M characters), so a chat with tools, documents or other structured template variables is
-rendered on the tokenizer's worker thread, as is a large body's; a plain small chat renders here (its text
-is about its messages' size), then is encoded off the loop only when its rendered text is large."""
+rendered to 6.5M characters), so a small chat with tools, documents or other structured template variables is
+rendered on the tokenizer worker's small lane (never behind a large body), and a large body's chat on its large
+lane; a plain small chat renders here (its text is about its messages' size). A rendered text that is large is
+encoded on the large lane, which weighs it by its size."""
 
 from __future__ import annotations
 
@@ -38,9 +39,15 @@ class ChatRender(msgspec.Struct, frozen=True):
     async def ids(self, request: web.Request, tok: Any, messages: Callable[[], Messages]) -> tuple[list[int], str]:
         """(token ids, turn opening or "") of the chat messages() makes (called where it renders: checking
         100k messages is work too). Raises ShoalError (InvalidRequestError, RequestAbortedError) or ApiError."""
-        if self.may_grow() or input_size(request) > OFF_LOOP_BYTES:
-            return await off_loop(request, tok, OFF_LOOP_BYTES + 1, lambda: self._ids(tok, *self.text(tok, messages())))
-        text, opening = self.text(tok, messages())
+        size = input_size(request)
+        if size > OFF_LOOP_BYTES:
+            return await off_loop(request, tok, size, lambda: self._ids(tok, *self.text(tok, messages())))
+        if self.may_grow():  # rendered on the small lane, and encoded there too unless its text grew large
+            text, opening, ids = await off_loop(request, tok, size, lambda: self._small(tok, messages()), grows=True)
+            if ids is not None:
+                return ids, opening
+        else:
+            text, opening = self.text(tok, messages())
         return await off_loop(request, tok, len(text), lambda: self._ids(tok, text, opening))
 
     def text(self, tok: Any, messages: Messages) -> tuple[str, str]:
@@ -51,9 +58,22 @@ class ChatRender(msgspec.Struct, frozen=True):
                                self.template_kwargs)
         if self.context_len is not None:
             tok.check_length(text, self.context_len, self.param)
-        opening = turn_opening(tok, messages, self.tools, self.add_generation_prompt, self.continue_final_message,
-                               self.template_kwargs) if self.opening else ""
-        return text, opening
+        return text, self._opening(tok, messages, text)
+
+    def _opening(self, tok: Any, messages: Messages, text: str) -> str:
+        """turn_opening, with the generation prompt's render being text itself: one more render, not two."""
+        if not self.opening:
+            return ""
+        if self.continue_final_message or not self.add_generation_prompt:  # no render: read off the messages
+            return turn_opening(tok, messages, self.tools, self.add_generation_prompt, self.continue_final_message,
+                                self.template_kwargs)
+        base = tok.render_chat(messages, False, self.tools, False, self.template_kwargs)
+        return text[len(base):] if text.startswith(base) else text  # a template that rewrites earlier turns
+
+    def _small(self, tok: Any, messages: Messages) -> tuple[str, str, list[int] | None]:
+        """text's (text, opening, ids), ids None where the text is large: then the large lane encodes it."""
+        text, opening = self.text(tok, messages)
+        return text, opening, None if len(text) > OFF_LOOP_BYTES else self._ids(tok, text, opening)[0]
 
     def _ids(self, tok: Any, text: str, opening: str) -> tuple[list[int], str]:
         return tok.encode(text, add_special_tokens=self.add_special_tokens), opening

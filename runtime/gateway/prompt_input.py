@@ -5,8 +5,9 @@ vLLM's truncate_prompt_tokens keeps each prompt's last k tokens (truncate_prompt
 
 A hostile prompt must not stall the event loop every stream shares: PromptInput.read counts the prompts
 before encoding any (the caller's cap), refuses a text certainly past the context without encoding it
-(check_reach), and encodes a large body (its decompressed size: input_size) on the tokenizer's worker thread
-(off_loop), whose bounded queue refuses work past its depth (503 tokenizer_busy) and drops a gone client's."""
+(check_reach), and encodes a large body (its decompressed size: input_size) on the tokenizer worker's large
+lane (off_loop), which refuses work past what it can encode in a minute (503 tokenizer_busy) and drops a gone
+client's."""
 
 from __future__ import annotations
 
@@ -119,14 +120,17 @@ def input_size(request: web.Request) -> int:
     return OFF_LOOP_BYTES + 1 if length is None or encoding not in ("", "identity") else length
 
 
-async def off_loop(request: web.Request, tok: Any, size: int, fn: Callable[[], T]) -> T:
+async def off_loop(request: web.Request, tok: Any, size: int, fn: Callable[[], T], grows: bool = False) -> T:
     """fn(), which encodes or renders an input of size bytes (or characters) for request: here when small (no
-    thread hop), else on the tokenizer's worker thread, so /health and every stream keep going while it runs.
-    The worker's queue is bounded: past its depth a 503 tokenizer_busy with Retry-After (the server is busy,
-    not the request wrong). A client that leaves while its job waits gets RequestAbortedError, and the job is
-    dropped (while queued) or skipped when its turn comes."""
+    thread hop), else on a lane of the tokenizer's worker, so /health and every stream keep going while it
+    runs. grows: a small input whose work may still be large (a template that writes tools' schemas, a
+    truncating rerank) goes to the small lane, where it never waits behind a large body. A lane that holds too
+    much work answers 503 tokenizer_busy with Retry-After (the server is busy, not the request wrong). A client
+    that leaves while its job waits gets RequestAbortedError, and the job is dropped (while queued) or skipped
+    when its turn comes."""
     worker = getattr(tok, "worker", None)
-    if size <= OFF_LOOP_BYTES or worker is None:  # no worker: a NullTokenizer, which refuses text at once
+    large = size > OFF_LOOP_BYTES
+    if not (large or grows) or worker is None:  # no worker: a NullTokenizer, which refuses text at once
         return fn()
     # One turn of the loop first, so it reads what the socket already holds: a client that closed right after
     # sending its body is seen gone before the worker is committed to a job nothing can stop once started
@@ -134,7 +138,7 @@ async def off_loop(request: web.Request, tok: Any, size: int, fn: Callable[[], T
     if is_disconnected(request):
         raise RequestAbortedError("the client disconnected before its input was encoded")
     try:
-        job = worker.submit(fn, lambda: not is_disconnected(request))
+        job = worker.submit(fn, size, small=not large, wanted=lambda: not is_disconnected(request))
     except TokenizerBusyError as e:
         raise ApiError(503, e.message, code="tokenizer_busy",
                        headers={"Retry-After": str(e.retry_after_s)}) from None
@@ -142,7 +146,7 @@ async def off_loop(request: web.Request, tok: Any, size: int, fn: Callable[[], T
     waiting.add_done_callback(_retrieved)
     try:
         # aiohttp does not cancel a gone client's handler: looked for while the job waits, so a queued job
-        # leaves the worker's count at once rather than when its turn comes
+        # leaves its lane at once rather than when its turn comes
         while not (await asyncio.wait({waiting}, timeout=GONE_POLL_S))[0]:
             if is_disconnected(request):
                 raise RequestAbortedError("the client disconnected before its input was encoded")

@@ -26,7 +26,7 @@ from runtime.gateway.body import read_body
 from runtime.gateway.embeddings_protocol import ClassificationUsage
 from runtime.gateway.errors import bad_request
 from runtime.gateway.openai_embeddings import embedding_requests, run_admitted
-from runtime.gateway.prompt_input import OFF_LOOP_BYTES, check_reach, input_size, off_loop
+from runtime.gateway.prompt_input import check_reach, input_size, off_loop
 from runtime.gateway.protocol import encode
 from runtime.gateway.score_protocol import (
     RerankDocument,
@@ -108,6 +108,16 @@ def _check_pairs(state: GatewayState, client: EngineClient, pairs: list[tuple[st
             check_reach(tok, text, client.context_len, name if isinstance(value, str) else f"{name}[{i}]")
 
 
+def _pair_ids(tok: Any, pairs: list[tuple[str, str]], keep: int | None, context_len: int,
+              param: str) -> list[list[int]]:
+    """pair_ids; a truncating one holds the tokenizer worker's exclusive lock (it may change a setting)."""
+    worker = getattr(tok, "worker", None) if keep is not None else None
+    if worker is None:
+        return pair_ids(tok, pairs, keep, context_len, param)
+    with worker.exclusive:
+        return pair_ids(tok, pairs, keep, context_len, param)
+
+
 async def _scores(request: web.Request, state: GatewayState, client: EngineClient, base: str,
                   pairs: list[tuple[str, str]], body: ScoreRequest | RerankRequest, arrival: float,
                   param: str) -> tuple[list[float], int]:
@@ -117,10 +127,13 @@ async def _scores(request: web.Request, state: GatewayState, client: EngineClien
     pooling = require_scorer(client.pooling)
     activate = next((v for v in (body.use_activation, body.activation) if v is not None), pooling.use_activation)
     tok, keep = client.tokenizer, body.truncate_prompt_tokens
-    # A truncating encode always runs on the one worker thread: it sets truncation on the tokenizer's shared
-    # truncating copy, which fails ("Already borrowed") while the worker encodes with that copy at once
-    size = OFF_LOOP_BYTES + 1 if keep is not None else input_size(request)
-    ids = await off_loop(request, tok, size, lambda: pair_ids(tok, pairs, keep, client.context_len, param))
+    # A truncating encode always runs on a worker lane, holding the worker's exclusive lock: it may set
+    # truncation on the tokenizer's truncating copy, which fails ("Already borrowed") while another lane
+    # encodes with that copy at once
+    def encode() -> list[list[int]]:
+        return _pair_ids(tok, pairs, keep, client.context_len, param)
+
+    ids = await off_loop(request, tok, input_size(request), encode, grows=keep is not None)
     reqs = embedding_requests(client, [f"{base}-{i}" for i in range(len(ids))], ids, param,
                               cache_salt=body.cache_salt)
     all_logits = await run_admitted(state, client, base, reqs, arrival, param)

@@ -1,7 +1,7 @@
-"""The tokenizer's worker thread and what goes to it: a gzip body counts by its decompressed size, a chat with
-tools renders there (its template may write far more than the body holds), the worker's queue is bounded
-(503 tokenizer_busy with Retry-After, while small requests still run on the loop), and a queued job whose
-client left never runs."""
+"""The tokenizer's worker and what goes to its lanes: a gzip body counts by its decompressed size (the large
+lane), a small chat with tools renders on the small lane (its template may write far more than the body holds)
+and never waits behind a large body, the large lane takes many mid-size prompts and refuses only past a
+minute of queued work (503 tokenizer_busy with Retry-After), and a queued job whose client left never runs."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -19,8 +20,9 @@ from gw_helpers import http, raw
 from runtime import ServerArgs
 from runtime.errors import RequestAbortedError
 from runtime.gateway.server import serve_in_thread
+from runtime.text.tokenizer_worker import TokenizerBusyError, TokenizerWorker
 
-WORKER = "shoal-tokenize"
+WORKER, SMALL, LARGE = "shoal-tokenize", "shoal-tokenize-small", "shoal-tokenize-large"
 BIG = {"prompt": "ab " * 30_000, "max_tokens": 1, "truncate_prompt_tokens": 8}  # 90 KB: past the off-loop size
 
 
@@ -57,57 +59,109 @@ def _gzip_post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
 def test_gzip_body_counts_decompressed(big_url, threads):
     status, r = _gzip_post(big_url + "/v1/completions", BIG)  # ~300 bytes on the wire
     assert status == 200 and r["usage"]["prompt_tokens"] == 8, r
-    assert [name.startswith(WORKER) for name, _ in threads["encode"]] == [True]
+    assert [name.startswith(LARGE) for name, _ in threads["encode"]] == [True]
     threads["encode"].clear()
     status, r = _gzip_post(big_url + "/v1/completions", {"prompt": "hello", "max_tokens": 1})
     assert status == 200, r
     assert threads["encode"] and not any(name.startswith(WORKER) for name, _ in threads["encode"])  # no hop
 
 
-def test_chat_with_tools_renders_on_the_worker(big_url, threads):
+def _hold(worker: Any, jobs: int, size: int = 0, small: bool = False) -> tuple[threading.Event, list[Any]]:
+    """jobs on a lane that end once the gate opens: the first runs (waits), the rest queue behind it."""
+    gate = threading.Event()
+    return gate, [worker.submit(lambda: gate.wait(30), size, small=small) for _ in range(jobs)]
+
+
+def _in_threads(calls: list[Callable[[], Any]]) -> list[Any]:
+    """Each call's result, all of them running at once."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(lambda call: call(), calls))
+
+
+def test_small_tools_chat_never_waits_behind_a_large_body(big_url, gw_engine, threads):
     schema: dict[str, Any] = {"type": "string"}
     for _ in range(5):
         schema = {"type": "object", "properties": {"a": schema}}
     tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    status, r = http(big_url + "/v1/chat/completions", "POST", {**chat, "tools": tools, "tool_choice": "none"})
-    assert status == 200, r
-    status, t = http(big_url + "/tokenize", "POST", {"messages": chat["messages"], "tools": tools})
-    assert status == 200 and t["count"] == r["usage"]["prompt_tokens"], t
-    assert threads["render"] and all(name.startswith(WORKER) for name, _ in threads["render"])
-    assert all(name.startswith(WORKER) for name, _ in threads["encode"])
+    gate, held = _hold(gw_engine.tokenizer.worker, 1)  # stands for a large body being encoded (3 MB: ~9 s)
+    try:
+        start = time.monotonic()
+        status, r = http(big_url + "/v1/chat/completions", "POST", {**chat, "tools": tools, "tool_choice": "none"})
+        assert status == 200, r
+        status, t = http(big_url + "/tokenize", "POST", {"messages": chat["messages"], "tools": tools})
+        assert status == 200 and t["count"] == r["usage"]["prompt_tokens"], t
+        assert time.monotonic() - start < 5 and not gate.is_set()  # served while the large lane is held
+    finally:
+        gate.set()
+    held[0].result(timeout=10)
+    assert threads["render"] and all(name.startswith(SMALL) for name, _ in threads["render"])
+    assert all(name.startswith(SMALL) for name, _ in threads["encode"])
     threads["render"].clear()
     threads["encode"].clear()
     assert http(big_url + "/v1/chat/completions", "POST", chat)[0] == 200  # a plain small chat: on the loop
     assert not any(name.startswith(WORKER) for name, _ in threads["render"] + threads["encode"])
 
 
-def _hold(worker: Any, jobs: int) -> tuple[threading.Event, list[Any]]:
-    """jobs on the worker that end once the gate opens: the first runs (waits), the rest queue behind it."""
-    gate = threading.Event()
-    return gate, [worker.submit(lambda: gate.wait(30)) for _ in range(jobs)]
-
-
-def test_full_worker_answers_busy(big_url, gw_engine, threads):
+def test_many_mid_size_prompts_pass(big_url, gw_engine, threads):
     worker = gw_engine.tokenizer.worker
-    gate, held = _hold(worker, worker.max_depth)
+    body = {"prompt": "ab " * 23_400, "max_tokens": 1, "truncate_prompt_tokens": 8}  # 70 KB
+    gate, held = _hold(worker, 1)
+    try:
+        calls = [lambda: http(big_url + "/v1/completions", "POST", body) for _ in range(16)]
+        with ThreadPoolExecutor(1) as pool:
+            answers = pool.submit(_in_threads, calls)
+            deadline = time.monotonic() + 10
+            while worker.depth < 17 and time.monotonic() < deadline:  # all queued behind the held job
+                time.sleep(0.02)
+            assert worker.depth == 17 and worker.large.bytes >= 16 * 70_000
+            gate.set()
+            results = answers.result(timeout=60)
+    finally:
+        gate.set()
+    held[0].result(timeout=10)
+    assert [status for status, _ in results] == [200] * 16, results[0]
+    assert all(r["usage"]["prompt_tokens"] == 8 for _, r in results)
+    assert worker.depth == 0 and worker.large.bytes == 0
+
+
+def test_queued_work_bound_answers_busy(big_url, gw_engine, threads, monkeypatch):
+    worker = TokenizerWorker(first_rate=1000.0)  # 1 KB/s: a 70 KB job in line is 70 s of work
+    monkeypatch.setattr(gw_engine.tokenizer, "worker", worker)
+    gate, held = _hold(worker, 1, 70_000)
     try:
         status, headers, body = raw(big_url + "/v1/completions", "POST", {"Content-Type": "application/json"},
                                     json.dumps(BIG).encode())
         error = json.loads(body)["error"]
         assert status == 503 and error["code"] == "tokenizer_busy" and "busy" in error["message"], error
-        assert int(headers["Retry-After"]) >= 1
+        assert headers["Retry-After"] == "70"  # the queued seconds
         big_chat = {"messages": [{"role": "user", "content": "ab " * 30_000}], "truncate_prompt_tokens": 8}
         status, r = http(big_url + "/v1/chat/completions", "POST", big_chat)
         assert status == 503 and r["error"]["code"] == "tokenizer_busy", r
         status, r = http(big_url + "/tokenize", "POST", {"prompt": "small"})  # a small one: on the loop
         assert status == 200 and r["count"] > 0, r
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        status, r = http(big_url + "/tokenize", "POST", {"messages": [{"role": "user", "content": "hi"}],
+                                                         "tools": tools})
+        assert status == 200 and r["count"] > 0, r  # the small lane is not the large one's work
+    finally:
+        gate.set()
+    held[0].result(timeout=10)
+    assert worker.depth == 0
+    assert not any(n > 1000 for _, n in threads["encode"])  # the refused bodies were never encoded
+    small = TokenizerWorker(small_jobs=2)  # the small lane: a count only
+    gate, held = _hold(small, 2, small=True)
+    try:
+        with pytest.raises(TokenizerBusyError) as busy:
+            small.submit(lambda: None, small=True)
+        assert busy.value.retry_after_s >= 1
+        small.submit(lambda: None, 10 << 20).result(timeout=10)  # the large lane is apart (and takes any one job)
     finally:
         gate.set()
     for job in held:
         job.result(timeout=10)
-    assert worker.depth == 0
-    assert not any(n > 1000 for _, n in threads["encode"])  # the refused bodies were never encoded
+    worker.close()
+    small.close()
 
 
 def test_gone_client_job_never_runs(big_url, gw_engine, threads):
@@ -125,11 +179,11 @@ def test_gone_client_job_never_runs(big_url, gw_engine, threads):
             deadline = time.monotonic() + 10
             while worker.depth < 2 and time.monotonic() < deadline:  # queued behind the held job
                 time.sleep(0.02)
-            assert worker.depth == 2
+            assert worker.depth == 2 and worker.large.bytes == len(data)
         deadline = time.monotonic() + 5
         while worker.depth > 1 and time.monotonic() < deadline:  # dropped from the queue once seen gone
             time.sleep(0.02)
-        assert worker.depth == 1
+        assert worker.depth == 1 and worker.large.bytes == 0
     finally:
         gate.set()
     held[0].result(timeout=10)
