@@ -108,16 +108,6 @@ def _check_pairs(state: GatewayState, client: EngineClient, pairs: list[tuple[st
             check_reach(tok, text, client.context_len, name if isinstance(value, str) else f"{name}[{i}]")
 
 
-def _pair_ids(tok: Any, pairs: list[tuple[str, str]], keep: int | None, context_len: int,
-              param: str) -> list[list[int]]:
-    """pair_ids; a truncating one holds the tokenizer worker's exclusive lock (it may change a setting)."""
-    worker = getattr(tok, "worker", None) if keep is not None else None
-    if worker is None:
-        return pair_ids(tok, pairs, keep, context_len, param)
-    with worker.exclusive:
-        return pair_ids(tok, pairs, keep, context_len, param)
-
-
 async def _scores(request: web.Request, state: GatewayState, client: EngineClient, base: str,
                   pairs: list[tuple[str, str]], body: ScoreRequest | RerankRequest, arrival: float,
                   param: str) -> tuple[list[float], int]:
@@ -127,11 +117,10 @@ async def _scores(request: web.Request, state: GatewayState, client: EngineClien
     pooling = require_scorer(client.pooling)
     activate = next((v for v in (body.use_activation, body.activation) if v is not None), pooling.use_activation)
     tok, keep = client.tokenizer, body.truncate_prompt_tokens
-    # A truncating encode always runs on a worker lane, holding the worker's exclusive lock: it may set
-    # truncation on the tokenizer's truncating copy, which fails ("Already borrowed") while another lane
-    # encodes with that copy at once
+    # A truncating encode always runs on a worker lane (grows): it may set truncation on its thread's copy of
+    # the tokenizer (Tokenizer.truncating_hf), never on the one the loop encodes with
     def encode() -> list[list[int]]:
-        return _pair_ids(tok, pairs, keep, client.context_len, param)
+        return pair_ids(tok, pairs, keep, client.context_len, param)
 
     ids = await off_loop(request, tok, input_size(request), encode, grows=keep is not None)
     reqs = embedding_requests(client, [f"{base}-{i}" for i in range(len(ids))], ids, param,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -60,19 +61,28 @@ class Tokenizer:
             if reach is not None:
                 reach.check(text, context_len, param)
 
-    @functools.cached_property
+    @property
     def truncating_hf(self) -> Any:
-        """A copy of hf for encodes that truncate (score pairs): truncation is a setting of the Rust
-        tokenizer, and changing it on hf while the worker encodes with it fails ("Already borrowed")."""
-        import copy
+        """This thread's copy of hf for encodes that truncate (score pairs): truncation is a setting of the Rust
+        tokenizer, and changing it while another thread encodes with the same one fails ("Already borrowed"),
+        so each thread (a worker lane, a caller of Engine.score) sets it on a copy of its own."""
+        local = self._truncating
+        if not hasattr(local, "hf"):
+            import copy
 
-        return copy.deepcopy(self.hf)
+            local.hf = copy.deepcopy(self.hf)
+        return local.hf
+
+    @functools.cached_property
+    def _truncating(self) -> threading.local:
+        return threading.local()
 
     @functools.cached_property
     def worker(self) -> TokenizerWorker:
-        """The thread that encodes and renders large inputs off the gateway's event loop: one, so a burst of
-        them takes one core rather than every one the engine needs (the Rust encoder releases the GIL), with
-        a bounded queue that drops the jobs of clients that left."""
+        """The threads that encode and render off the gateway's event loop (TokenizerWorker): a lane for large
+        bodies, admitted by queued work, and one for small inputs that may grow (tool chats), so neither a
+        burst takes every core the engine needs (the Rust encoder releases the GIL) nor a small job waits
+        behind a large one; jobs of clients that left are dropped."""
         return TokenizerWorker()
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

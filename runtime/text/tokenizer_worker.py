@@ -74,9 +74,6 @@ class TokenizerWorker:
         self.large = _Lane("shoal-tokenize-large", first_rate)
         # Submits come from every gateway loop sharing this tokenizer; ends from the lanes' threads
         self._lock = threading.Lock()
-        # Held by a job that changes a setting of the tokenizer (a truncating pair encode sets truncation on
-        # its truncating copy): two lanes could otherwise run two at once, which fails ("Already borrowed")
-        self.exclusive = threading.Lock()
 
     @property
     def depth(self) -> int:

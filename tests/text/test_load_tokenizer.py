@@ -78,3 +78,19 @@ def test_template_kwargs_and_continue_final_message(tiny_llama):
         with pytest.raises(InvalidRequestError, match=key) as e:
             tok.render_chat(msgs, template_kwargs={key: True})
         assert e.value.param == "chat_template_kwargs"
+
+
+def test_each_thread_truncates_with_its_own_copy(tiny_llama):
+    """Truncation is a setting of the Rust tokenizer: a worker lane and a caller of Engine.score setting it on one
+    shared copy at once would fail ("Already borrowed"), so each thread has its own, and none is hf itself."""
+    import threading
+
+    tok = Tokenizer(tiny_llama)
+    mine = tok.truncating_hf
+    assert tok.truncating_hf is mine and mine is not tok.hf
+    other: list = []
+    t = threading.Thread(target=lambda: other.append(tok.truncating_hf))
+    t.start()
+    t.join()
+    assert other[0] is not mine and other[0] is not tok.hf
+    assert other[0]("a b", "c")["input_ids"] == tok.hf("a b", "c")["input_ids"]
