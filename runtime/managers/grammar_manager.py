@@ -22,6 +22,9 @@ from runtime.sampling.grammar_compiler import GrammarBusyError, GrammarCompiler,
 
 # FinishReason.code of a request whose grammar never got a compile thread: the gateway answers 503.
 GRAMMAR_BUSY = "grammar_compiler_busy"
+# FinishReason.code of a request whose grammar's compiler shut down before compiling it (the engine
+# stopping): the engine's failure, a 503, not the request's.
+GRAMMAR_SHUT_DOWN = "engine_unavailable"
 
 
 class GrammarManager:
@@ -41,7 +44,8 @@ class GrammarManager:
             return False
         try:
             job = self.compiler.submit(key)
-        except (InvalidRequestError, GrammarBusyError) as e:  # past the size limits, or the queue is full
+        # past the size limits, the queue full (GrammarBusyError), or the compiler shut down
+        except (InvalidRequestError, EngineUnavailableError) as e:
             req.finish_reason = self._failure(e)
             return False
         self.compiling.append((req, job, time.monotonic()))
@@ -51,39 +55,54 @@ class GrammarManager:
         """(requests whose grammar is ready: matcher set; requests that failed: finish_reason set)."""
         if not self.compiling:
             return [], []
-        ready, failed, still = [], [], []
+        ready, failed = [], []
         now = time.monotonic()
-        for req, job, t0 in self.compiling:
-            key = req.params.grammar
-            if job.future.done():
+        handled: set[int] = set()  # ids of the entries left: off the list even if one's handling raises
+        try:
+            for entry in self.compiling:
+                req, job, t0 = entry
+                done = job.future.done()
+                why = None if done else self.compiler.verdict(job, req.params.grammar, t0, now)
+                if not done and why is None:
+                    continue
+                handled.add(id(entry))
                 try:
-                    req.grammar = self.compiler.matcher(self.compiler.result(job, key))
-                    # Failover resumes with tokens another replica sampled: the matcher (and the wait
-                    # for grammar_after_token) must catch up on them before the next mask.
-                    for at, t in enumerate(req.output_ids):
-                        self.accept(req, t, at)
-                    (failed if req.finished else ready).append(req)
-                except (InvalidRequestError, EngineUnavailableError) as e:  # bad grammar; compiler shut down
-                    req.finish_reason = self._failure(e)
-                    failed.append(req)
-            elif (why := self.compiler.verdict(job, key, t0, now)) is not None:
-                req.finish_reason = self._failure(why)
-                failed.append(req)
-            else:
-                still.append((req, job, t0))
-                continue
-            self.compiler.leave(job)
-        self.compiling = still
+                    if why is not None:
+                        req.finish_reason = self._failure(why)
+                        failed.append(req)
+                    else:
+                        (ready if self._activate(req, job) else failed).append(req)
+                finally:
+                    self.compiler.leave(job)
+        finally:
+            if handled:
+                self.compiling = [c for c in self.compiling if id(c) not in handled]
         return ready, failed
+
+    def _activate(self, req: Req, job: GrammarJob) -> bool:
+        """Gives req the matcher of its compiled grammar; False when that ends req (its grammar failed to
+        compile, the compiler shut down, or a resumed token is refused): finish_reason set."""
+        try:
+            req.grammar = self.compiler.matcher(self.compiler.result(job, req.params.grammar))
+            # Failover resumes with tokens another replica sampled: the matcher (and the wait for
+            # grammar_after_token) must catch up on them before the next mask.
+            for at, t in enumerate(req.output_ids):
+                self.accept(req, t, at)
+        except (InvalidRequestError, EngineUnavailableError) as e:  # bad grammar; compiler shut down
+            req.finish_reason = self._failure(e)
+            return False
+        return not req.finished
 
     @staticmethod
     def _failure(e: Exception) -> FinishReason:
-        """A grammar's failure as the request's end: the request's fault names its field (a 400); a busy
-        compiler is the engine's (a 503 the client retries)."""
+        """A grammar's failure as the request's end: the request's fault names its field (a 400); a busy or
+        shut-down compiler is the engine's (a 503 the client retries)."""
         if isinstance(e, InvalidRequestError):
             return FinishReason("error", message=f"invalid request ({e.param}): {e.message}", param=e.param)
         if isinstance(e, GrammarBusyError):
             return FinishReason("error", message=str(e), code=GRAMMAR_BUSY)
+        if isinstance(e, EngineUnavailableError):
+            return FinishReason("error", message=str(e), code=GRAMMAR_SHUT_DOWN)
         return FinishReason("error", message=str(e))
 
     def drop(self, req: Req) -> bool:

@@ -8,8 +8,9 @@ limit (the compile goes on in its thread and lands in the cache, but the request
 rather than stalled). The limit counts from the compile's start: a request queued behind other compiles
 is not the one to blame, and gets GrammarBusyError (a 503, retry) once its queue wait passes the limit,
 or at once when the queue is full. Every caller of submit() leaves its job when it stops waiting, for
-whatever reason: a queued compile nobody waits for any more never runs (GrammarPool). JSON grammars allow no free whitespace: even a model with random
-weights then ends a schema-bounded object within a bounded number of tokens."""
+whatever reason: a queued compile nobody waits for any more never runs (GrammarPool). Once shut down, a
+new grammar and a queued one are EngineUnavailableError (a 503). JSON grammars allow no free whitespace:
+even a model with random weights then ends a schema-bounded object within a bounded number of tokens."""
 
 from __future__ import annotations
 
@@ -68,8 +69,9 @@ class GrammarCompiler:
         self._xgr: Any = None  # xgrammar and its tokenizer tables load at the first grammar, not at start
         self._compiler: Any = None
         # _compile looked up per job, not bound here: tests put a slow one in its place
+        # shutdown() waits for a running compile as long as a request would have
         self._pool = GrammarPool(threads, max_queued, _CACHE_SIZE, self._ensure_compiler,
-                                 lambda key: self._compile(*key))
+                                 lambda key: self._compile(*key), join_s=timeout_s)
         self._init_lock = threading.Lock()
 
     @property
@@ -100,7 +102,8 @@ class GrammarCompiler:
     def submit(self, key: tuple[str, str]) -> GrammarJob:
         """The compile of key, started now or earlier (thread-safe), with the caller counted as its waiter:
         leave(job) once it stops waiting, whatever the reason. A grammar past GrammarLimits is an
-        InvalidRequestError here, before it costs a thread; a full queue a GrammarBusyError."""
+        InvalidRequestError here, before it costs a thread; a full queue a GrammarBusyError; a shut-down
+        compiler an EngineUnavailableError."""
         job = self._pool.find(key)
         if job is not None:
             return job
@@ -255,8 +258,10 @@ class GrammarCompiler:
             raise InvalidRequestError(f"invalid {kind}: {_message(e)}", param=kind, code="invalid_grammar") from None
         return compiled
 
-    def shutdown(self) -> None:
-        self._pool.shutdown()
+    def shutdown(self) -> bool:
+        """Drops the queued compiles and waits up to the time limit for a running one: True when its
+        threads have ended (the interpreter waits for a later one at exit)."""
+        return self._pool.shutdown()
 
 
 # xgrammar 0.2.8 writes the characters of a length-bounded JSON string (maxLength / minLength) as

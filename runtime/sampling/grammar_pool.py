@@ -5,18 +5,29 @@ aborted, disconnected, or past its deadline), so it never runs and the next job 
 that, a client sending 64 slow grammars and leaving kept every later grammar busy (a 503) until all 64
 had compiled. A started job runs to its end (xgrammar cannot interrupt a compile) and is cached: its
 thread is spent either way, and a client retrying the same grammar then finds it compiled. SGLang does
-the same per request: an abort or a timeout cancels the request's pending compile future."""
+the same per request: an abort or a timeout cancels the request's pending compile future.
+
+The threads are not daemons: xgrammar releases the GIL while it compiles, and a daemon thread coming back
+into a finalizing interpreter is killed mid-C++ (std::terminate, the process aborts). As concurrent.futures
+does, the pool closes before the interpreter joins its threads at exit (threading._register_atexit), so an
+idle thread ends and a running compile is waited for; shutdown() joins them too, up to a bound."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from runtime.errors import EngineUnavailableError
+
 Key = tuple[str, str]
+
+logger = logging.getLogger(__name__)
 
 
 class GrammarJob:
@@ -37,13 +48,18 @@ class GrammarJob:
         return self.future.done() and (self.future.cancelled() or self.future.exception() is not None)
 
 
+def shut_down_error() -> EngineUnavailableError:
+    return EngineUnavailableError("the grammar compiler is shut down")
+
+
 class GrammarPool:
     def __init__(self, threads: int, max_queued: int, cache_size: int, prepare: Callable[[], Any],
-                 compile_: Callable[[Key], Any]):
+                 compile_: Callable[[Key], Any], join_s: float = 10.0):
         """prepare: run on a thread before it starts a job (xgrammar's tokenizer tables load at the first
-        grammar, outside its time limit); its failure fails that job. compile_: a key's compiled grammar."""
+        grammar, outside its time limit); its failure fails that job. compile_: a key's compiled grammar.
+        join_s: how long shutdown() waits for a running compile to end."""
         self._threads, self._max_queued, self._cache_size = threads, max_queued, cache_size
-        self._prepare, self._compile = prepare, compile_
+        self._prepare, self._compile, self._join_s = prepare, compile_, join_s
         self._jobs: OrderedDict[Key, GrammarJob] = OrderedDict()  # every job, by key, least recently used first
         self._pending: deque[GrammarJob] = deque()  # jobs no thread has started, oldest first
         self._lock = threading.Lock()
@@ -69,33 +85,52 @@ class GrammarPool:
 
     def join(self, key: Key) -> GrammarJob | None:
         """find(key), or else a new job queued for it with this one waiter; None when max_queued jobs
-        wait for a thread already (the caller refuses as busy)."""
+        wait for a thread already (the caller refuses as busy). EngineUnavailableError once shut down:
+        no thread would ever run a new job."""
         with self._lock:
             job = self._jobs.get(key)  # another caller may have queued it since find()
             if job is None or job.failed():
+                if self._closed:
+                    raise shut_down_error()
                 if len(self._pending) >= self._max_queued:
                     return None
+                self._start_workers()
                 job = self._jobs[key] = GrammarJob(key)
                 self._pending.append(job)
-                self._start_workers()
                 self._wake.notify()
-                while len(self._jobs) > self._cache_size:
-                    self._jobs.popitem(last=False)  # a waiter of an evicted live job still holds it
+                self._evict()
             job.waiters += 1
             self._jobs.move_to_end(key)
             return job
+
+    def _evict(self) -> None:
+        """Forgets the least recently used compiled (or failed) grammars past cache_size. A queued or
+        running job stays: its waiters hold it, and a new caller of the same grammar must share it, not
+        queue a second compile. Live jobs number at most threads + max_queued, far below cache_size."""
+        excess = len(self._jobs) - self._cache_size
+        if excess <= 0:
+            return
+        done = [k for k, j in self._jobs.items() if j.future.done()][:excess]
+        for k in done:
+            del self._jobs[k]
 
     def leave(self, job: GrammarJob) -> None:
         """One waiter of job stops waiting (its request ended, for whatever reason): each join/find once.
         The last one leaving a job no thread has started drops it: it never runs."""
         with self._lock:
-            job.waiters = max(0, job.waiters - 1)
+            if job.waiters <= 0:  # a caller's bookkeeping bug: clamping it would hide a double leave
+                logger.error("a %s grammar's compile job was left more often than joined", job.key[0],
+                             stack_info=True)
+                return
+            job.waiters -= 1
             if job.waiters or job.started is not None or job.future.done():
+                return
+            if job not in self._pending:  # shutdown() took the queue: it cancels the job
                 return
             self._pending.remove(job)
             if self._jobs.get(job.key) is job:
                 del self._jobs[job.key]
-            job.future.cancel()
+        job.future.cancel()  # outside the lock: its done-callbacks run here and may call back into the pool
 
     def cached(self, key: Key) -> bool:
         with self._lock:
@@ -103,10 +138,35 @@ class GrammarPool:
             return job is not None and job.future.done() and not job.failed()
 
     def _start_workers(self) -> None:
+        """Under the lock. Registers the exit hook first: a thread started once the interpreter is
+        finalizing (which refuses the hook) could never be joined."""
+        if not self._workers:
+            try:
+                self._close_at_exit()
+            except RuntimeError:
+                raise shut_down_error() from None  # the interpreter is exiting
         while len(self._workers) < self._threads:
-            t = threading.Thread(target=self._work, name=f"shoal-grammar-{len(self._workers)}", daemon=True)
+            t = threading.Thread(target=self._work, name=f"shoal-grammar-{len(self._workers)}")
+            try:
+                t.start()
+            except RuntimeError as e:  # out of threads: the ones started serve; none at all is the engine's
+                if self._workers:
+                    logger.warning("grammar compiler runs on %d of %d threads: %s", len(self._workers),
+                                   self._threads, e)
+                    return
+                raise EngineUnavailableError(f"the grammar compiler could not start a thread: {e}") from None
             self._workers.append(t)
-            t.start()
+
+    def _close_at_exit(self) -> None:
+        """Closes the pool before the interpreter joins its threads, waiting for a running compile (it must
+        end before finalization). Through a weak reference: the hook alone keeps no pool alive."""
+        ref = weakref.ref(self)
+
+        def close() -> None:
+            if (pool := ref()) is not None:
+                pool._close(None)
+
+        threading._register_atexit(close)
 
     def _work(self) -> None:
         while True:
@@ -121,6 +181,8 @@ class GrammarPool:
             except BaseException as e:
                 failure = e
             with self._lock:
+                if self._closed:
+                    return
                 if not self._pending:  # dropped while the tables loaded
                     continue
                 job = self._pending.popleft()
@@ -139,11 +201,29 @@ class GrammarPool:
             job.ended = time.monotonic()
             job.future.set_result(compiled)
 
-    def shutdown(self) -> None:
-        """Stops the threads once their compile (if any) ends; the queued jobs are cancelled."""
+    def shutdown(self) -> bool:
+        """Refuses new jobs, drops the queued ones (their waiters get EngineUnavailableError) and waits up
+        to join_s for a running compile to end. True when every thread has ended; a compile still running
+        then ends on its own, and the interpreter waits for it at exit."""
+        return self._close(self._join_s)
+
+    def _close(self, join_s: float | None) -> bool:
+        """shutdown(), waiting join_s at most for the threads (None: until they end)."""
         with self._lock:
             self._closed = True
-            pending, self._pending = list(self._pending), deque()
+            dropped, self._pending = list(self._pending), deque()
+            for job in dropped:
+                if self._jobs.get(job.key) is job:
+                    del self._jobs[job.key]
             self._wake.notify_all()
-        for job in pending:
+            workers = [t for t in self._workers if t is not threading.current_thread()]
+        for job in dropped:  # outside the lock, as in leave()
             job.future.cancel()
+        deadline = None if join_s is None else time.monotonic() + join_s
+        for t in workers:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in workers if t.is_alive()]
+        if alive:
+            logger.warning("grammar compiler shut down with a compile still running on %s: exit waits for it",
+                           ", ".join(alive))
+        return not alive
