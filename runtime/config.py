@@ -21,6 +21,7 @@ from runtime.server_flags import (  # noqa: F401  (METRICS_COMPAT, VLLM_ALIASES:
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
     VLLM_ALIASES,
+    FlagPlacement,
     add_server_flags,
     check_field_types,
     check_speculative_flags,
@@ -384,8 +385,8 @@ class ServerArgs:
         return cls(**kwargs)
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        add_server_flags(parser, dataclasses.fields(cls))
+    def add_cli_args(cls, parser: argparse.ArgumentParser, place: FlagPlacement | None = None) -> None:
+        add_server_flags(parser, dataclasses.fields(cls), place)
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> ServerArgs:

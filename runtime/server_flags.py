@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import json
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -43,25 +43,36 @@ class OneSpelling(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def add_server_flags(parser: argparse.ArgumentParser, fields: tuple[dataclasses.Field, ...]) -> None:
+# Where a field's flag goes: an argument group of the parser (runtime/flag_groups.py), or None to leave it out.
+FlagPlacement = Callable[[str], "argparse._ActionsContainer | None"]
+
+
+def add_server_flags(parser: argparse.ArgumentParser, fields: tuple[dataclasses.Field, ...],
+                     place: FlagPlacement | None = None) -> None:
     """One flag per ServerArgs field (`--field-name`, then VLLM_ALIASES' names of it), its help from the
-    field's metadata; a switch is store_true (and --no-X where NEGATABLE), a MULTI_VALUE one takes nargs="+"."""
+    field's metadata; a switch is store_true (and --no-X where NEGATABLE), a MULTI_VALUE one takes nargs="+".
+    place: each field's group (default: the parser itself); a field it leaves out keeps its default, so
+    ServerArgs.from_cli still finds every field in the namespace."""
     for f in fields:
         flags, helptext = (flag_name(f.name), *VLLM_ALIASES.get(f.name, ())), f.metadata.get("help", "")
+        target = parser if place is None else place(f.name)
+        if target is None:
+            parser.set_defaults(**{f.name: f.default})
+            continue
         if f.type in ("bool", bool):
-            parser.add_argument(*flags, dest=f.name, action="store_true", default=f.default, help=helptext)
+            target.add_argument(*flags, dest=f.name, action="store_true", default=f.default, help=helptext)
             if f.name in NEGATABLE:
-                parser.add_argument(*(f"--no-{n[2:]}" for n in flags if n.startswith("--")), dest=f.name,
+                target.add_argument(*(f"--no-{n[2:]}" for n in flags if n.startswith("--")), dest=f.name,
                                     action="store_false", help=argparse.SUPPRESS)
             continue
         kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
         if f.name in MULTI_VALUE:
-            parser.add_argument(*flags, dest=f.name, nargs="+", default=f.default, help=helptext,
+            target.add_argument(*flags, dest=f.name, nargs="+", default=f.default, help=helptext,
                                 action=OneSpelling)
             continue
         if f.default is not None:  # a None default is described in words by the help text itself
             helptext = f"{helptext} (default: {f.default})"
-        parser.add_argument(*flags, dest=f.name, type=kind, default=f.default, choices=f.metadata.get("choices"),
+        target.add_argument(*flags, dest=f.name, type=kind, default=f.default, choices=f.metadata.get("choices"),
                             help=helptext, action=OneSpelling)
 
 
