@@ -117,8 +117,8 @@ async def _scores(request: web.Request, state: GatewayState, client: EngineClien
     pooling = require_scorer(client.pooling)
     activate = next((v for v in (body.use_activation, body.activation) if v is not None), pooling.use_activation)
     tok, keep = client.tokenizer, body.truncate_prompt_tokens
-    # A truncating encode always runs on a worker lane (grows): it may set truncation on its thread's copy of
-    # the tokenizer (Tokenizer.truncating_hf), never on the one the loop encodes with
+    # A truncating encode always runs on a worker lane (grows): it may set truncation on the tokenizer's
+    # truncating copy (Tokenizer.truncating, held by one thread at a time), never on the one the loop uses
     def encode() -> list[list[int]]:
         return pair_ids(tok, pairs, keep, client.context_len, param)
 

@@ -88,8 +88,16 @@ def pair_ids(tokenizer: Any, pairs: Sequence[tuple[str, str]], truncate_prompt_t
         limit = max_embedding_tokens(context_len)
         cut = {"truncation": True, "max_length": len(truncate_tokens(range(limit), truncate_prompt_tokens, context_len))}
         # Truncation is a setting of the Rust tokenizer: set on the shared one, it would clash ("Already
-        # borrowed") with an encode running on the gateway's worker thread
+        # borrowed") with an encode running on the gateway's worker thread; its copy is one thread's at a time
+        truncating = getattr(tokenizer, "truncating", None)
+        if truncating is not None:
+            with truncating() as copy_hf:
+                return _pair_ids(copy_hf, pairs, cut)
         hf = getattr(tokenizer, "truncating_hf", hf)
+    return _pair_ids(hf, pairs, cut)
+
+
+def _pair_ids(hf: Any, pairs: Sequence[tuple[str, str]], cut: dict[str, Any]) -> list[list[int]]:
     once = encoded_once(hf, pairs, cut)
     if once is not None:
         return once

@@ -6,7 +6,8 @@ import functools
 import inspect
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -61,21 +62,25 @@ class Tokenizer:
             if reach is not None:
                 reach.check(text, context_len, param)
 
-    @property
+    @functools.cached_property
     def truncating_hf(self) -> Any:
-        """This thread's copy of hf for encodes that truncate (score pairs): truncation is a setting of the Rust
-        tokenizer, and changing it while another thread encodes with the same one fails ("Already borrowed"),
-        so each thread (a worker lane, a caller of Engine.score) sets it on a copy of its own."""
-        local = self._truncating
-        if not hasattr(local, "hf"):
-            import copy
+        """A copy of hf for encodes that truncate (score pairs): truncation is a setting of the Rust tokenizer,
+        and changing it on hf while another thread encodes with it fails ("Already borrowed"). Used under
+        truncating_lock (truncating()): one copy, not one per thread (a large vocabulary's is ~60 MB)."""
+        import copy
 
-            local.hf = copy.deepcopy(self.hf)
-        return local.hf
+        return copy.deepcopy(self.hf)
 
     @functools.cached_property
-    def _truncating(self) -> threading.local:
-        return threading.local()
+    def truncating_lock(self) -> threading.Lock:
+        return threading.Lock()
+
+    @contextmanager
+    def truncating(self) -> Iterator[Any]:
+        """truncating_hf, for this thread alone while the block runs (a worker lane and a caller of
+        Engine.score may both truncate)."""
+        with self.truncating_lock:
+            yield self.truncating_hf
 
     @functools.cached_property
     def worker(self) -> TokenizerWorker:

@@ -46,7 +46,7 @@ class _PairSpy:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.real, name)
 
-    def __deepcopy__(self, memo: dict) -> Any:  # a thread's truncating copy (Tokenizer.truncating_hf): the real one's
+    def __deepcopy__(self, memo: dict) -> Any:  # the truncating copy (Tokenizer.truncating_hf): the real one's
         import copy
 
         return copy.deepcopy(self.real, memo)

@@ -80,17 +80,19 @@ def test_template_kwargs_and_continue_final_message(tiny_llama):
         assert e.value.param == "chat_template_kwargs"
 
 
-def test_each_thread_truncates_with_its_own_copy(tiny_llama):
+def test_one_truncating_copy_held_by_one_thread_at_a_time(tiny_llama):
     """Truncation is a setting of the Rust tokenizer: a worker lane and a caller of Engine.score setting it on one
-    shared copy at once would fail ("Already borrowed"), so each thread has its own, and none is hf itself."""
+    copy at once would fail ("Already borrowed"), so the copy (never hf itself: the loop encodes with it) is held
+    under a lock; one copy, not one per thread (a large vocabulary's is ~60 MB)."""
     import threading
 
     tok = Tokenizer(tiny_llama)
-    mine = tok.truncating_hf
-    assert tok.truncating_hf is mine and mine is not tok.hf
-    other: list = []
-    t = threading.Thread(target=lambda: other.append(tok.truncating_hf))
-    t.start()
-    t.join()
-    assert other[0] is not mine and other[0] is not tok.hf
-    assert other[0]("a b", "c")["input_ids"] == tok.hf("a b", "c")["input_ids"]
+    with tok.truncating() as mine:
+        assert mine is tok.truncating_hf and mine is not tok.hf
+        other: list = []
+        t = threading.Thread(target=lambda: other.append(tok.truncating_lock.acquire(timeout=0.05)))
+        t.start()
+        t.join()
+        assert other == [False]  # held here
+    with tok.truncating() as again:
+        assert again is mine and again("a b", "c")["input_ids"] == tok.hf("a b", "c")["input_ids"]
