@@ -13,7 +13,8 @@ slot) for good once the socket buffers fill: a write that cannot go out for SEND
 60 s) closes the connection, and the stream ends as if the client had left. As nginx's, the wait counts from
 the client's last progress: a client that reads (the transport's buffer shrank) gets another SEND_STALL_S, but
 only STALL_BUDGET_S in all per stream: unlike an nginx connection, a stream holds a --max-concurrent-requests
-slot, and a client reading a byte a minute would hold it for hours. The timer is armed per write (a timer
+slot, and a client reading a byte a minute would hold it for hours. The budget counts every write's wait,
+those that end in time included (a client reading just fast enough for each to end under SEND_STALL_S). The timer is armed per write (a timer
 handle, no task), so a reading client pays microseconds."""
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class SseWriter:
         self.started = False
         self._stall: asyncio.TimerHandle | None = None  # the write in progress's stall timer (_arm)
         self._buffered = 0  # the transport's buffered bytes the client must read below to count as progress
-        self._stalls = 0  # how many SEND_STALL_S periods this stream's writes have waited through
+        self._waited = 0.0  # seconds this stream's finished writes waited on the client, in all
+        self._armed_at = 0.0  # loop time the write in progress began
 
     async def start(self) -> None:
         await self.response.prepare(self.request)
@@ -76,12 +78,20 @@ class SseWriter:
         mark that the client's reads must bring the buffer under."""
         transport = self.request.transport
         self._buffered = (transport.get_write_buffer_size() if transport is not None else 0) + adding
-        self._stall = asyncio.get_running_loop().call_later(SEND_STALL_S, self._stalled)
+        loop = asyncio.get_running_loop()
+        self._armed_at = loop.time()
+        self._stall = loop.call_later(self._next_wait(0.0), self._stalled)
+
+    def _next_wait(self, waiting: float) -> float:
+        """How long the write in progress (waiting for `waiting` s already) may wait before it is looked at:
+        SEND_STALL_S, or what is left of the stream's budget (writes that each end in time count too)."""
+        return max(0.0, min(SEND_STALL_S, STALL_BUDGET_S - self._waited - waiting))
 
     def _disarm(self) -> None:
         if self._stall is not None:
             self._stall.cancel()
             self._stall = None
+            self._waited += asyncio.get_running_loop().time() - self._armed_at
 
     def _stalled(self) -> None:
         """A write waited SEND_STALL_S: if the client read meanwhile (the buffer shrank under the mark) it gets
@@ -91,10 +101,11 @@ class SseWriter:
         if transport is None:
             return
         held = transport.get_write_buffer_size()
-        self._stalls += 1
-        if held < self._buffered and self._stalls * SEND_STALL_S < STALL_BUDGET_S:
+        loop = asyncio.get_running_loop()
+        left = self._next_wait(loop.time() - self._armed_at)
+        if held < self._buffered and left > 0:
             self._buffered = held
-            self._stall = asyncio.get_running_loop().call_later(SEND_STALL_S, self._stalled)
+            self._stall = loop.call_later(left, self._stalled)
             return
         transport.abort()
 

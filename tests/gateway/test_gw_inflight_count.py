@@ -196,9 +196,20 @@ def test_a_slow_reader_gets_more_time_and_a_stalled_one_is_dropped():
         periods = 0
         while not t.aborted:
             t.held -= 1
+            w._armed_at -= SEND_STALL_S  # the write has waited one more period
             w._stalled()
             periods += 1
         assert periods == STALL_BUDGET_S // SEND_STALL_S
+        w._disarm()
+        t = Transport()  # writes that each end under SEND_STALL_S count against the budget too
+        w = SseWriter(SimpleNamespace(transport=t))
+        for _ in range(int(STALL_BUDGET_S // 50)):
+            w._arm(1_000)
+            w._armed_at -= 50  # this write waited 50 s, then went out
+            w._disarm()
+        w._arm(1_000)
+        w._stalled()  # the next write that has to wait at all: the budget is spent
+        assert t.aborted
         w._disarm()
 
     asyncio.run(run())
