@@ -4,8 +4,8 @@ Open without a key, as SGLang leaves them: every path starting with /health (/he
 probes), /metrics (scrapers), /ping (SageMaker's /health), /version, and the dashboard's page (it holds no
 data; its script sends the key it finds in the page's #key=... fragment to /dashboard/data, which needs it
 like any route). Every OPTIONS request passes too, as vLLM's and SGLang's: a browser's preflight never
-carries Authorization, and CORS (or the router's 405) answers it. Paths are matched without --root-path's
-prefix, as vLLM's check strips it.
+carries Authorization, and CORS (or the router's 405) answers it. Paths are matched as the route that
+answers them: without --root-path's prefix where it is re-routed (/prefix is /), as vLLM's check strips it.
 
 The operator routes (ADMIN_PATHS: SGLang's ADMIN_OPTIONAL ones and vLLM's counterparts) follow SGLang's
 --admin-api-key: with it set they take that key only (an --api-key key is refused there, and the other
@@ -18,6 +18,7 @@ import hashlib
 import hmac
 
 from aiohttp import web
+from yarl import URL
 
 from runtime.gateway.http_site import ROOT_PATH_KEY
 
@@ -40,8 +41,17 @@ def _digest(key: str) -> bytes:
 
 
 def _route_path(request: web.Request) -> str:
-    root, path = request.app.get(ROOT_PATH_KEY, ""), request.path
-    return path[len(root):] if root and path.startswith(root + "/") else path
+    """The path of the route that answers: under --root-path, where no route has the path as sent, the rest
+    after the prefix (/prefix, /prefix/ and /prefix?q: /), as http_site._under_prefix re-routes it, from the
+    raw path as that does (a %-encoded prefix is no prefix there, so none here)."""
+    root = request.app.get(ROOT_PATH_KEY, "")
+    if not root or request.match_info.http_exception is None:
+        return request.path
+    raw = request.raw_path
+    if not raw.startswith(root) or raw[len(root):len(root) + 1] not in ("/", "?", ""):
+        return request.path
+    rest = raw[len(root):]
+    return URL(rest if rest.startswith("/") else "/" + rest).path
 
 
 class ApiKeys:

@@ -63,7 +63,7 @@ _ANSWERED_ID = web.RequestKey("shoal_answered_id", str)  # the X-Request-Id the 
 def _middleware(api_keys: ApiKeys, cors: Cors) -> Callable:
     @web.middleware
     async def gateway_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        headers = None
+        headers, no_route = None, False
         try:
             if cors.enabled and cors.is_preflight(request):
                 return cors.preflight(request)
@@ -81,6 +81,7 @@ def _middleware(api_keys: ApiKeys, cors: Cors) -> Callable:
         except web.HTTPException as e:
             if e.status < 400:
                 raise
+            no_route = _no_route(request, e)
             err, headers = from_http_exception(e, request.path)
         except ShoalError as e:
             err = from_shoal_error(e)
@@ -91,7 +92,7 @@ def _middleware(api_keys: ApiKeys, cors: Cors) -> Callable:
         except Exception as e:  # the last resort: a bug of ours must not take the server down
             logger.exception("unhandled error on %s %s", request.method, request.path)
             err = ApiError(500, f"internal error: {type(e).__name__}: {e}")
-        if not _no_route(request, err):
+        if not no_route:
             request.app[STATE_KEY].errors.record(request.method, request.path, err)
         return err.response(headers)
 
@@ -114,9 +115,12 @@ def _generation(handler: Handler, on_embedding: Handler | None = None) -> Handle
     return route
 
 
-def _no_route(request: web.Request, err: ApiError) -> bool:
+def _no_route(request: web.Request, e: web.HTTPException) -> bool:
     """A 404 of the router's: no route has this path (a route's own 404, an unknown model, is an error)."""
-    return err.status == 404 and request.match_info.http_exception is not None
+    # The router's own exception object, raised by its stand-in handler: request.match_info alone would not
+    # do, as it stays the router's 404 where --root-path's middleware re-routed the request to a real route
+    # (http_site._under_prefix) and that route answered 404 itself.
+    return e.status == 404 and e is request.match_info.http_exception
 
 
 async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:

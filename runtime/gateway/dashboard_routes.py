@@ -11,6 +11,7 @@ from types import MappingProxyType
 from aiohttp import web
 
 from runtime.gateway.dashboard_page import ICON, PAGE
+from runtime.gateway.http_site import ROOT_PATH_KEY
 from runtime.gateway.protocol import encode
 from runtime.gateway.state import STATE_KEY
 
@@ -24,10 +25,15 @@ ROUTES = MappingProxyType({
 
 
 async def root(request: web.Request) -> web.Response:
+    # Under --root-path every path a client is given carries the prefix: it reaches the route whether the
+    # proxy strips the prefix or keeps it (http_site re-routes), and a browser at /prefix (no trailing slash)
+    # would take a relative "dashboard" to /dashboard, outside it. Without one, relative as before: right at /
+    # and behind a proxy that strips a prefix the server was not told of.
+    root_path = request.app.get(ROOT_PATH_KEY, "")
     if "text/html" in request.headers.get("Accept", ""):
-        # Relative: right at / and under --root-path, whether the proxy strips the prefix or not.
-        return web.Response(status=302, headers={"Location": "dashboard"})
-    body = {"object": "shoal.server", "dashboard": "/dashboard", "routes": {k: list(v) for k, v in ROUTES.items()}}
+        return web.Response(status=302, headers={"Location": f"{root_path}/dashboard" if root_path else "dashboard"})
+    body = {"object": "shoal.server", "dashboard": f"{root_path}/dashboard",
+            "routes": {k: [root_path + p for p in v] for k, v in ROUTES.items()}}
     return web.Response(body=encode(body), content_type="application/json")
 
 

@@ -11,17 +11,18 @@ into metric families. A request's client leaving counts it as aborted (Generatio
 --metrics-compat (default vllm,sglang) also exposes, under vLLM's and SGLang's own names, types and labels,
 the series of theirs that one of ours already measures (metrics_compat.py).
 
-No `_created` series (prometheus_client's disable_created_metrics): one per counter and histogram, a start
-time Prometheus does not read (it finds counter resets itself). The
+No `_created` series: one per counter and histogram, a start time Prometheus does not read (it finds counter
+resets itself), dropped from this registry's output as it renders (_WithoutCreated; prometheus_client's
+disable_created_metrics is process-wide and would take them from an embedding app's own metrics too). The
 shoal:* series carry no model_name label, where vLLM's twins carry one: a server serves one model (its other
 names are aliases), the name is known only once the engine is ready, and the vllm:* twins (on by default)
 carry it for dashboards that select by it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -173,6 +174,23 @@ class _AdmissionRoutingCollector(Collector):
             yield up
 
 
+class _WithoutCreated(Collector):
+    """A registry's families less their `<name>_created` samples (counters', histograms', summaries')."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            created = family.name + "_created"
+            if any(s.name == created for s in family.samples):
+                # A copy: a collector may hand out a family it keeps.
+                kept = Metric(family.name, family.documentation, family.type, family.unit)
+                kept.samples = [s for s in family.samples if s.name != created]
+                family = kept
+            yield family
+
+
 class GatewayMetrics:
     def __init__(self, compat: Iterable[str] = METRICS_COMPAT, model_name: Callable[[], str | None] = lambda: None,
                  max_model_len: Callable[[], int | None] = lambda: None):
@@ -190,8 +208,6 @@ class GatewayMetrics:
             extra = (b for name, _, bounds in HISTOGRAM_TWINS[attr] if system_of(name) in systems for b in bounds)
             return tuple(sorted({*own, *extra}))
 
-        # prometheus_client's switch is process-wide (read as each sample is made): set before any is.
-        disable_created_metrics()
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("shoal:time_to_first_token_seconds", "arrival at the gateway to first token",
@@ -288,4 +304,4 @@ class GatewayMetrics:
         replicas: each replica's (or DP rank's) own stats, for the per-replica families."""
         self._stats.stats, self._stats.replicas = stats, replicas or []
         self._admission.estimate, self._admission.routing = estimate, routing
-        return generate_latest(self.registry)
+        return generate_latest(_WithoutCreated(self.registry))

@@ -8,10 +8,13 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator
+from http.client import HTTPConnection
+from urllib.parse import urlsplit
 
 import pytest
 from gw_helpers import GATEWAY_ARGS, http, raw, wait_kv_full
 
+from runtime.gateway.http_site import SiteSpec, open_site
 from runtime.gateway.server import serve_in_thread
 
 CHROMIUM = "/usr/bin/chromium"
@@ -91,6 +94,31 @@ def test_dashboard_data_needs_the_api_key(gw_engine):
         assert http(server.url + "/dashboard/data")[0] == 401
         status, body = http(server.url + "/dashboard/data", headers={"Authorization": "Bearer sk-dash"})
         assert status == 200 and body["ready"]
+
+
+def test_root_path_dashboard_errors_and_open_paths(gw_engine):
+    """--root-path (a proxy that keeps the prefix): a route's own 404 under the prefix is an error on the
+    dashboard, an unknown path's is not; /api (no slash) is GET / (open without a key), which sends a browser
+    to the prefixed dashboard and lists prefixed routes."""
+    key = {"Authorization": "Bearer sk-root"}
+    site = open_site(SiteSpec(root_path="/api"))
+    with serve_in_thread(gw_engine, GATEWAY_ARGS.replace(api_key="sk-root", admin_api_key="sk-adm"), port=0,
+                         site=site) as server:
+        assert http(server.url + "/api/v1/models/nope", headers=key)[0] == 404  # the route's: unknown model
+        assert http(server.url + "/api/nope", headers=key)[0] == http(server.url + "/nope", headers=key)[0] == 404
+        data = http(server.url + "/api/dashboard/data", headers=key)[1]
+        assert [e["path"] for e in data["errors"]] == ["/api/v1/models/nope"] and data["errors_total"] == 1
+        status, listing = http(server.url + "/api")  # no key: GET / is open in every form
+        assert status == 200 and listing["dashboard"] == "/api/dashboard"
+        assert "/api/v1/chat/completions" in listing["routes"]["openai"]
+        for path in ("/api", "/api/", "/"):  # relative would take a browser at /api to /dashboard
+            conn = HTTPConnection(urlsplit(server.url).netloc, timeout=10)
+            conn.request("GET", path, headers={"Accept": "text/html"})
+            answer = conn.getresponse()
+            assert (answer.status, answer.getheader("Location")) == (302, "/api/dashboard"), path
+            conn.close()
+        assert http(server.url + "/api/dashboard")[0] == 200
+        assert http(server.url + "/api/flush_cache", "POST", {}, headers=key)[0] == 401  # an operator route
 
 
 def _browser():

@@ -9,11 +9,13 @@ import urllib.request
 
 import pytest
 from gw_helpers import GATEWAY_ARGS
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.config import ServerArgs
 from runtime.errors import ServerArgsError
 from runtime.gateway.metrics import GatewayMetrics
+from runtime.gateway.metrics_compat import counter_value
 from runtime.gateway.state import STATE_KEY
 from runtime.messages import SchedulerStats
 
@@ -179,7 +181,12 @@ def test_buckets_labels_and_values_exact():
                            max_total_tokens=1000, gen_throughput=123.5, retractions=2, cache_hit_tokens=30,
                            cache_query_tokens=120, spec_verify_reqs=10, spec_draft_tokens=40, spec_accepted_tokens=25)
     text = m.render(stats).decode()
-    assert "_created" not in text  # prometheus_client's start-time series: noise, turned off (metrics.py)
+    assert "_created" not in text  # prometheus_client's start-time series: noise, dropped (metrics.py)
+    # ... from the gateway's output only: an embedding app's own metrics keep theirs (no process-wide switch)
+    theirs = CollectorRegistry()
+    Counter("app_jobs", "an embedding app's counter", registry=theirs).inc()
+    assert "app_jobs_created" in generate_latest(theirs).decode()
+    assert counter_value(m.prompt_tokens) == 0 and m.totals()[0] == 13  # our own readers skip _created
     fams = families(text)
     for name, (_, bounds) in HISTOGRAMS.items():
         check_histogram(fams, name)
