@@ -10,6 +10,7 @@ more never runs."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -25,6 +26,8 @@ GRAMMAR_BUSY = "grammar_compiler_busy"
 # FinishReason.code of a request whose grammar's compiler shut down before compiling it (the engine
 # stopping): the engine's failure, a 503, not the request's.
 GRAMMAR_SHUT_DOWN = "engine_unavailable"
+
+logger = logging.getLogger(__name__)
 
 
 class GrammarManager:
@@ -52,32 +55,56 @@ class GrammarManager:
         return False
 
     def poll(self) -> tuple[list[Req], list[Req]]:
-        """(requests whose grammar is ready: matcher set; requests that failed: finish_reason set)."""
+        """(requests whose grammar is ready: matcher set; requests that failed: finish_reason set). Never
+        raises for one request's failure: a request taken off the list is in one of the two, or it would
+        never be answered (an in-process Engine.generate caller waits for good)."""
         if not self.compiling:
             return [], []
-        ready, failed = [], []
+        ready, failed, waiting = [], [], []
         now = time.monotonic()
-        handled: set[int] = set()  # ids of the entries left: off the list even if one's handling raises
-        try:
-            for entry in self.compiling:
-                req, job, t0 = entry
-                done = job.future.done()
-                why = None if done else self.compiler.verdict(job, req.params.grammar, t0, now)
-                if not done and why is None:
-                    continue
-                handled.add(id(entry))
-                try:
-                    if why is not None:
-                        req.finish_reason = self._failure(why)
-                        failed.append(req)
-                    else:
-                        (ready if self._activate(req, job) else failed).append(req)
-                finally:
-                    self.compiler.leave(job)
-        finally:
-            if handled:
-                self.compiling = [c for c in self.compiling if id(c) not in handled]
+        for entry in self.compiling:
+            outcome = self._settle(*entry, now)
+            if outcome is None:
+                waiting.append(entry)
+            else:
+                (ready if outcome else failed).append(entry[0])
+        self.compiling = waiting
         return ready, failed
+
+    def _settle(self, req: Req, job: GrammarJob, t0: float, now: float) -> bool | None:
+        """None while req still waits; True when its grammar is ready (matcher set); False when req ends
+        (finish_reason set). Once it stops waiting it leaves its job, whatever happened."""
+        waits = False
+        try:
+            done = job.future.done()
+            why = None if done else self.compiler.verdict(job, req.params.grammar, t0, now)
+            if not done and why is None:
+                waits = True
+                return None
+            if why is not None:
+                req.finish_reason = self._failure(why)
+                return False
+            return self._activate(req, job)
+        except Exception as e:  # a bug or the grammar library's failure (GrammarMatcher raising): req alone ends
+            req.grammar = None  # a matcher left halfway through catching up is no state to keep
+            req.finish_reason = self._broken(req, e)
+            return False
+        finally:
+            if not waits:
+                self._leave(req, job)
+
+    @staticmethod
+    def _broken(req: Req, e: Exception) -> FinishReason:
+        """An unexpected failure of req's grammar as its end: the engine's (no code, no param: a 500)."""
+        kind = req.params.grammar[0] if req.params.grammar else "grammar"
+        logger.exception("request %s: its %s grammar failed to activate", req.rid, kind)
+        return FinishReason("error", message=f"the {kind} grammar failed: {type(e).__name__}: {e}")
+
+    def _leave(self, req: Req, job: GrammarJob) -> None:
+        try:
+            self.compiler.leave(job)
+        except Exception:  # bookkeeping only: req is answered either way
+            logger.exception("request %s: leaving its grammar's compile job failed", req.rid)
 
     def _activate(self, req: Req, job: GrammarJob) -> bool:
         """Gives req the matcher of its compiled grammar; False when that ends req (its grammar failed to

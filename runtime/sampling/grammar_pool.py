@@ -10,11 +10,18 @@ the same per request: an abort or a timeout cancels the request's pending compil
 The threads are not daemons: xgrammar releases the GIL while it compiles, and a daemon thread coming back
 into a finalizing interpreter is killed mid-C++ (std::terminate, the process aborts). As concurrent.futures
 does, the pool closes before the interpreter joins its threads at exit (threading._register_atexit), so an
-idle thread ends and a running compile is waited for; shutdown() joins them too, up to a bound."""
+idle thread ends and a running compile is waited for, up to join_s (the compile time limit); shutdown()
+joins them too, up to the same bound. A compile still running past that at exit may never end, and the
+interpreter would join its thread for good: the pool logs it and ends the process (os._exit) after
+the exit's remaining cleanup, rather than let it hang or return into a finalizing interpreter."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
+import os
+import sys
 import threading
 import time
 import weakref
@@ -26,6 +33,11 @@ from typing import Any
 from runtime.errors import EngineUnavailableError
 
 Key = tuple[str, str]
+
+# The exit status of a process whose exit gave up on a running compile. The status it was exiting with
+# cannot be read from a threading exit hook (Py_Exit consumed sys.exit's code before the hooks run), and
+# such an exit is not a clean one either way.
+ABANDONED_EXIT_STATUS = 1
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +69,7 @@ class GrammarPool:
                  compile_: Callable[[Key], Any], join_s: float = 10.0):
         """prepare: run on a thread before it starts a job (xgrammar's tokenizer tables load at the first
         grammar, outside its time limit); its failure fails that job. compile_: a key's compiled grammar.
-        join_s: how long shutdown() waits for a running compile to end."""
+        join_s: how long shutdown(), and the exit, wait for a running compile to end."""
         self._threads, self._max_queued, self._cache_size = threads, max_queued, cache_size
         self._prepare, self._compile, self._join_s = prepare, compile_, join_s
         self._jobs: OrderedDict[Key, GrammarJob] = OrderedDict()  # every job, by key, least recently used first
@@ -66,6 +78,7 @@ class GrammarPool:
         self._wake = threading.Condition(self._lock)
         self._workers: list[threading.Thread] = []  # started at the first job: most servers see no grammar
         self._closed = False
+        self._exit_hook: Callable[[], None] | None = None  # registered with the first thread
 
     @property
     def queued(self) -> int:
@@ -158,15 +171,52 @@ class GrammarPool:
             self._workers.append(t)
 
     def _close_at_exit(self) -> None:
-        """Closes the pool before the interpreter joins its threads, waiting for a running compile (it must
-        end before finalization). Through a weak reference: the hook alone keeps no pool alive."""
+        """Closes the pool before the interpreter joins its threads, waiting up to join_s for a running
+        compile (it must end before finalization). Through a weak reference: the hook alone keeps no pool
+        alive (a running thread does: its target is the pool's)."""
         ref = weakref.ref(self)
 
         def close() -> None:
             if (pool := ref()) is not None:
-                pool._close(None)
+                pool._exit()
 
         threading._register_atexit(close)
+        self._exit_hook = close
+
+    def _unregister_exit_hook(self) -> None:
+        """Drops the exit hook of a pool whose threads all ended, so that a process creating many engines
+        does not grow threading's hook list. Removal never makes threading._shutdown skip a hook: it
+        walks the list backwards, and a removal only shifts the entries it has already visited."""
+        hook, self._exit_hook = self._exit_hook, None
+        hooks = getattr(threading, "_threading_atexits", None)  # private: without it the hook stays, a no-op
+        if hook is None or hooks is None:
+            return
+        for entry in hooks:  # _register_atexit wraps each hook in a functools.partial
+            if entry is hook or getattr(entry, "func", None) is hook:
+                with contextlib.suppress(ValueError):
+                    hooks.remove(entry)
+                return
+
+    def _exit(self) -> None:
+        """The interpreter exits: close, and end the process if a compile outlives join_s."""
+        if self._close(self._join_s):
+            return
+        with self._lock:
+            running = [j for j in self._jobs.values() if j.started is not None and not j.future.done()]
+        names = ", ".join(f"{kind} {text[:80]!r}" for kind, text in (j.key for j in running)) or "unknown"
+        logger.error("exiting with a grammar compile still running after %g s (%s): ending the process "
+                     "(status %d) rather than wait for it", self._join_s, names, ABANDONED_EXIT_STATUS)
+        # What the exit still had to do (atexit: logging's flush among it), then no interpreter
+        # finalization: the compile thread would block it for good, or die in C++ returning into it.
+        run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)
+        if run_exitfuncs is not None:
+            run_exitfuncs()
+        else:
+            logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(ABANDONED_EXIT_STATUS)
 
     def _work(self) -> None:
         while True:
@@ -204,11 +254,14 @@ class GrammarPool:
     def shutdown(self) -> bool:
         """Refuses new jobs, drops the queued ones (their waiters get EngineUnavailableError) and waits up
         to join_s for a running compile to end. True when every thread has ended; a compile still running
-        then ends on its own, and the interpreter waits for it at exit."""
-        return self._close(self._join_s)
+        then ends on its own, and the exit waits up to join_s more for it."""
+        ended = self._close(self._join_s)
+        if ended:
+            self._unregister_exit_hook()
+        return ended
 
-    def _close(self, join_s: float | None) -> bool:
-        """shutdown(), waiting join_s at most for the threads (None: until they end)."""
+    def _close(self, join_s: float) -> bool:
+        """shutdown(), waiting join_s at most for the threads."""
         with self._lock:
             self._closed = True
             dropped, self._pending = list(self._pending), deque()
@@ -219,11 +272,11 @@ class GrammarPool:
             workers = [t for t in self._workers if t is not threading.current_thread()]
         for job in dropped:  # outside the lock, as in leave()
             job.future.cancel()
-        deadline = None if join_s is None else time.monotonic() + join_s
+        deadline = time.monotonic() + join_s
         for t in workers:
-            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            t.join(max(0.0, deadline - time.monotonic()))
         alive = [t.name for t in workers if t.is_alive()]
         if alive:
-            logger.warning("grammar compiler shut down with a compile still running on %s: exit waits for it",
-                           ", ".join(alive))
+            logger.warning("grammar compiler shut down with a compile still running on %s after %g s",
+                           ", ".join(alive), join_s)
         return not alive
