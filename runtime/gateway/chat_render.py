@@ -3,8 +3,10 @@ split into its render and its encode so each runs where its size says. A templat
 the body holds (Llama 3.x writes each tool's schema with tojson(indent=4): a 57 KB body of nested tools
 rendered to 6.5M characters), so a small chat with tools, documents or other structured template variables is
 rendered on the tokenizer worker's small lane (never behind a large body), and a large body's chat on its large
-lane; a plain small chat renders here (its text is about its messages' size). A rendered text that is large is
-encoded on the large lane, which weighs it by its size."""
+lane, as a render job sized by the body (all that is known before rendering); a plain small chat renders here
+(its text is about its messages' size). A rendered text that is large is encoded on the large lane as a job of
+its own, weighed by the text's characters: a template's growth is learned as the renders' rate, never as the
+encodes' one that every large prompt is admitted by."""
 
 from __future__ import annotations
 
@@ -41,9 +43,10 @@ class ChatRender(msgspec.Struct, frozen=True):
         100k messages is work too). Raises ShoalError (InvalidRequestError, RequestAbortedError) or ApiError."""
         size = input_size(request)
         if size > OFF_LOOP_BYTES:
-            return await off_loop(request, tok, size, lambda: self._ids(tok, *self.text(tok, messages())))
-        if self.may_grow():  # rendered on the small lane, and encoded there too unless its text grew large
-            text, opening, ids = await off_loop(request, tok, size, lambda: self._small(tok, messages()), grows=True)
+            text, opening = await off_loop(request, tok, size, lambda: self.text(tok, messages()), renders=True)
+        elif self.may_grow():  # rendered on the small lane, and encoded there too unless its text grew large
+            text, opening, ids = await off_loop(request, tok, size, lambda: self._small(tok, messages()), grows=True,
+                                                renders=True)
             if ids is not None:
                 return ids, opening
         else:

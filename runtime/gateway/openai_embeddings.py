@@ -49,7 +49,7 @@ from runtime.gateway.embeddings_protocol import (
 )
 from runtime.gateway.errors import ApiError, bad_request
 from runtime.gateway.health_probe import HEALTH_PROBE_KEY
-from runtime.gateway.prompt_input import check_reach, input_size, off_loop, prompt_count
+from runtime.gateway.prompt_input import check_reach, off_loop, prompt_count, text_size
 from runtime.gateway.protocol import encode
 from runtime.gateway.state import STATE_KEY, GatewayState
 from runtime.messages import GenerateRequest, RequestOutput
@@ -162,7 +162,7 @@ async def token_inputs(state: GatewayState, client: EngineClient, body: PoolingB
         if bound is not None:
             for t in x:
                 check_reach(tok, t, bound, "input")
-        return await off_loop(request, tok, input_size(request),
+        return await off_loop(request, tok, text_size(x),
                               lambda: [tok.encode(t, add_special_tokens=special) for t in x])
     if all(_is_id(t) for t in x):
         return [list(x)]

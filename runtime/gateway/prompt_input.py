@@ -5,14 +5,14 @@ vLLM's truncate_prompt_tokens keeps each prompt's last k tokens (truncate_prompt
 
 A hostile prompt must not stall the event loop every stream shares: PromptInput.read counts the prompts
 before encoding any (the caller's cap), refuses a text certainly past the context without encoding it
-(check_reach), and encodes a large body (its decompressed size: input_size) on the tokenizer worker's large
-lane (off_loop), which refuses work past what it can encode in a minute (503 tokenizer_busy) and drops a gone
-client's."""
+(check_reach), and encodes large texts (their characters: text_size, not the body's bytes, which padding or
+ignored keys can swell) on the tokenizer worker's large lane (off_loop), which refuses work past what it can
+encode in a minute (503 tokenizer_busy) and drops a gone client's."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import msgspec
@@ -25,7 +25,9 @@ from runtime.gateway.sse import is_disconnected
 from runtime.text.tokenizer_worker import TokenizerBusyError
 
 T = TypeVar("T")
-OFF_LOOP_BYTES = 64 * 1024  # a body past this is encoded / rendered off the loop; a smaller one keeps its latency
+# Texts (characters) or a chat's body (bytes) past this are encoded / rendered off the loop; smaller ones keep
+# their latency
+OFF_LOOP_BYTES = 64 * 1024
 GONE_POLL_S = 0.25  # how often a request waiting for the worker looks for a closed connection (as grammars do)
 
 
@@ -64,7 +66,7 @@ class PromptInput(msgspec.Struct, frozen=True):
         if not truncating:
             for t in texts:
                 check_reach(tok, t, context_len, param)
-        encoded = await off_loop(request, tok, input_size(request),
+        encoded = await off_loop(request, tok, text_size(texts),
                                  lambda: [tok.encode(t, add_special_tokens=add_special_tokens) for t in texts])
         return cls(encoded, list(texts), batch)
 
@@ -108,10 +110,16 @@ def check_reach(tok: Any, text: str, context_len: int, param: str) -> None:
         raise from_shoal_error(e) from None
 
 
+def text_size(texts: Iterable[str]) -> int:
+    """The characters an encode of texts works on: its size for off_loop (encoding time goes with them)."""
+    return sum(len(t) for t in texts)
+
+
 def input_size(request: web.Request) -> int:
-    """The body's bytes as read (decompressed: body.read_raw notes them), the measure of how long encoding it
-    may take. Before the body is read: Content-Length, where the body comes as sent (a compressed or chunked
-    one counts as large: its size is not known yet)."""
+    """The body's bytes as read (decompressed: body.read_raw notes them): the size of a job whose work is
+    known only once it runs (a chat's render), or an upper bound on the characters of the texts it holds. Before
+    the body is read: Content-Length, where the body comes as sent (a compressed or chunked one counts as
+    large: its size is not known yet)."""
     read = request.get(BODY_BYTES_KEY)
     if read is not None:
         return read
@@ -120,10 +128,12 @@ def input_size(request: web.Request) -> int:
     return OFF_LOOP_BYTES + 1 if length is None or encoding not in ("", "identity") else length
 
 
-async def off_loop(request: web.Request, tok: Any, size: int, fn: Callable[[], T], grows: bool = False) -> T:
-    """fn(), which encodes or renders an input of size bytes (or characters) for request: here when small (no
-    thread hop), else on a lane of the tokenizer's worker, so /health and every stream keep going while it
-    runs. grows: a small input whose work may still be large (a template that writes tools' schemas, a
+async def off_loop(request: web.Request, tok: Any, size: int, fn: Callable[[], T], grows: bool = False,
+                   renders: bool = False) -> T:
+    """fn(), which encodes texts of size characters (text_size) for request, or renders (renders) a chat of a
+    size-byte body: here when small (no thread hop), else on a lane of the tokenizer's worker, so /health and
+    every stream keep going while it runs; the lane weighs it at its measured rate for that kind of work.
+    grows: a small input whose work may still be large (a template that writes tools' schemas, a
     truncating rerank) goes to the small lane, where it never waits behind a large body. A lane that holds too
     much work answers 503 tokenizer_busy with Retry-After (the server is busy, not the request wrong). A client
     that leaves while its job waits gets RequestAbortedError, and the job is dropped (while queued) or skipped
@@ -138,7 +148,8 @@ async def off_loop(request: web.Request, tok: Any, size: int, fn: Callable[[], T
     if is_disconnected(request):
         raise RequestAbortedError("the client disconnected before its input was encoded")
     try:
-        job = worker.submit(fn, size, small=not large, wanted=lambda: not is_disconnected(request))
+        job = worker.submit(fn, size, small=not large, renders=renders,
+                            wanted=lambda: not is_disconnected(request))
     except TokenizerBusyError as e:
         raise ApiError(503, e.message, code="tokenizer_busy",
                        headers={"Retry-After": str(e.retry_after_s)}) from None

@@ -12,7 +12,7 @@ from runtime.gateway.chat_render import ChatRender
 from runtime.gateway.errors import bad_request, from_shoal_error, not_supported
 from runtime.gateway.extension_fields import template_kwargs
 from runtime.gateway.openai_chat import template_messages
-from runtime.gateway.prompt_input import input_size, off_loop
+from runtime.gateway.prompt_input import off_loop
 from runtime.gateway.protocol import encode
 from runtime.gateway.state import STATE_KEY
 from runtime.gateway.tokenize_protocol import (
@@ -47,7 +47,7 @@ async def tokenize(request: web.Request) -> web.Response:
             # vLLM counts any length here; a text certainly past the context is refused before encoding, as
             # the generating routes refuse it (8 MB would take the tokenizer seconds to count)
             tok.check_length(body.prompt, context, "prompt")
-            ids = await off_loop(request, tok, input_size(request),
+            ids = await off_loop(request, tok, len(body.prompt),
                                  lambda: tok.encode(body.prompt, add_special_tokens=special))
         else:
             ids, _ = await _chat(body, context).ids(request, tok, lambda: template_messages(body.messages))

@@ -1,7 +1,10 @@
 """The tokenizer's worker and what goes to its lanes: a gzip body counts by its decompressed size (the large
 lane), a small chat with tools renders on the small lane (its template may write far more than the body holds)
 and never waits behind a large body, the large lane takes many mid-size prompts and refuses only past a
-minute of queued work (503 tokenizer_busy with Retry-After), and a queued job whose client left never runs."""
+minute of queued work (503 tokenizer_busy with Retry-After), and a queued job whose client left never runs.
+A job is sized by the characters it works on (a padded body with a short prompt is encoded on the loop), its
+rate is learned from every job (failed ones too) within a clamp, so no sender can teach the lanes to admit
+hours of work or to refuse a burst of prompts, and backstops bound the large lane whatever it learned."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,7 +24,8 @@ from gw_helpers import http, raw
 from runtime import ServerArgs
 from runtime.errors import RequestAbortedError
 from runtime.gateway.server import serve_in_thread
-from runtime.text.tokenizer_worker import TokenizerBusyError, TokenizerWorker
+from runtime.text import tokenizer_worker
+from runtime.text.tokenizer_worker import FIRST_RATE, RATE_SPAN, TokenizerBusyError, TokenizerWorker
 
 WORKER, SMALL, LARGE = "shoal-tokenize", "shoal-tokenize-small", "shoal-tokenize-large"
 BIG = {"prompt": "ab " * 30_000, "max_tokens": 1, "truncate_prompt_tokens": 8}  # 90 KB: past the off-loop size
@@ -64,6 +69,16 @@ def test_gzip_body_counts_decompressed(big_url, threads):
     status, r = _gzip_post(big_url + "/v1/completions", {"prompt": "hello", "max_tokens": 1})
     assert status == 200, r
     assert threads["encode"] and not any(name.startswith(WORKER) for name, _ in threads["encode"])  # no hop
+    threads["encode"].clear()
+    padded = json.dumps({"prompt": "hi", "max_tokens": 1}) + " " * 100_000  # a large body, a short prompt
+    status, r = http(big_url + "/v1/completions", "POST", padded.encode())
+    assert status == 200, r
+    assert threads["encode"] and not any(name.startswith(WORKER) for name, _ in threads["encode"])
+    threads["encode"].clear()
+    chat = {"messages": [{"role": "user", "content": BIG["prompt"]}], "max_tokens": 1, "truncate_prompt_tokens": 8}
+    status, r = _gzip_post(big_url + "/v1/chat/completions", chat)
+    assert status == 200, r  # rendered, then encoded as a job of its own sized by the text
+    assert [name.startswith(LARGE) for name, _ in threads["render"] + threads["encode"]] == [True, True]
 
 
 def _hold(worker: Any, jobs: int, size: int = 0, small: bool = False) -> tuple[threading.Event, list[Any]]:
@@ -179,7 +194,7 @@ def test_gone_client_job_never_runs(big_url, gw_engine, threads):
             deadline = time.monotonic() + 10
             while worker.depth < 2 and time.monotonic() < deadline:  # queued behind the held job
                 time.sleep(0.02)
-            assert worker.depth == 2 and worker.large.bytes == len(data)
+            assert worker.depth == 2 and worker.large.bytes == len(BIG["prompt"])  # its text, not its body
         deadline = time.monotonic() + 5
         while worker.depth > 1 and time.monotonic() < deadline:  # dropped from the queue once seen gone
             time.sleep(0.02)
@@ -189,3 +204,77 @@ def test_gone_client_job_never_runs(big_url, gw_engine, threads):
     held[0].result(timeout=10)
     assert worker.depth == 0
     assert not any(n > 1000 for _, n in threads["encode"])  # the gone client's prompt was never encoded
+
+
+@pytest.fixture()
+def clock(monkeypatch) -> SimpleNamespace:
+    """The worker's clock, moved by the jobs themselves: a job of n seconds takes none."""
+    now = SimpleNamespace(t=0.0)
+    monkeypatch.setattr(tokenizer_worker, "time", SimpleNamespace(monotonic=lambda: now.t))
+    return now
+
+
+def _fill(worker: TokenizerWorker, jobs: int, size: int, small: bool = False) -> tuple[threading.Event, int]:
+    """Up to jobs gated jobs of size on a lane: (the gate, how many it took before refusing)."""
+    gate, taken = threading.Event(), 0
+    try:
+        for _ in range(jobs):
+            worker.submit(lambda: gate.wait(30), size, small=small)
+            taken += 1
+    except TokenizerBusyError as e:
+        assert e.retry_after_s >= 1 and "busy" in e.message
+    return gate, taken
+
+
+def test_rates_resist_poisoning(clock):
+    mb = 1 << 20
+    worker = TokenizerWorker()
+    for _ in range(40):  # 8 MB bodies of padding around "prompt": "hi" (were they sized by the body)
+        worker.submit(lambda: None, 8 * mb).result(timeout=10)
+    assert worker.large.rate == FIRST_RATE * RATE_SPAN
+    gate, taken = _fill(worker, 2000, 8 * mb)  # then slow ones: a minute at the clamped rate, not 15 GB
+    queued = worker.queued_s()
+    gate.set()
+    assert taken == 22 and queued <= 60 + 8 * mb / worker.large.rate  # the last one found a minute or less
+    worker.close()
+
+    def slow(seconds: float, fails: bool = False) -> Callable[[], None]:
+        def run() -> None:
+            clock.t += seconds
+            if fails:
+                raise ValueError("past the context")
+        return run
+
+    worker = TokenizerWorker()
+    for _ in range(20):  # chats whose template grows: 3 s to render a 65 KB body (22 KB/s)
+        worker.submit(slow(3.0), 65 * 1024, renders=True).result(timeout=10)
+    assert worker.large.renders.rate == FIRST_RATE / RATE_SPAN and worker.large.rate == FIRST_RATE
+    gate, taken = _fill(worker, 64, 70 * 1024)  # a burst of 70 KB prompts is not the renders' work
+    gate.set()
+    assert taken == 64
+    job = worker.submit(slow(10.0, fails=True), 300_000)  # a failed job's time counts: 10 s for 300 KB
+    with pytest.raises(ValueError):
+        job.result(timeout=10)
+    assert worker.large.rate < FIRST_RATE / 2
+    worker.close()
+
+
+def test_backstops_and_small_lane_time(clock):
+    worker = TokenizerWorker(first_rate=1e12, large_bytes=1000, large_jobs=3)  # the time bound never binds
+    gate = threading.Event()
+    worker.submit(lambda: gate.wait(30), 10)
+    with pytest.raises(TokenizerBusyError):
+        worker.submit(lambda: None, 991)  # past 1000 characters queued
+    worker.submit(lambda: None, 990)
+    worker.submit(lambda: None, 0)
+    with pytest.raises(TokenizerBusyError):
+        worker.submit(lambda: None, 0)  # past 3 jobs
+    gate.set()
+    worker.close()
+    worker = TokenizerWorker()
+    for _ in range(20):  # renders on the small lane that take 2 s each (a template that grows)
+        worker.submit(lambda: setattr(clock, "t", clock.t + 2.0), small=True, renders=True).result(timeout=10)
+    gate, taken = _fill(worker, 1024, 0, small=True)
+    gate.set()
+    assert 28 <= taken <= 32  # about a minute of them, not 1024 (34 minutes)
+    worker.close()
