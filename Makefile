@@ -30,8 +30,11 @@ install: $(DEV_STAMP)
 serve: $(SERVE_STAMP)
 	$(VENV)/bin/shoal serve $(SERVE_ARGS)
 
+# Test files run on one worker per core (pytest-xdist; at most 4): most of the suite's time is waiting (Ray and
+# server start-ups, streams, timeouts), not computing. A file stays on one worker (its module fixtures are built
+# once). PYTEST_ARGS="-n 0" runs serially.
 test: $(DEV_STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --maxprocesses=4 --dist loadfile $(PYTEST_ARGS)
 
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check runtime kernels tests benchmarks
