@@ -106,10 +106,12 @@ def _result(c: ChoiceState, scorer: ChoiceState, arrival: float, with_text: bool
     return GenerateResponse(text=c.text, output_ids=list(c.ids), meta_info=meta)
 
 
-async def _prompts(request: web.Request, state: Any, client: Any, text: object, input_ids: object) -> PromptInput:
+async def _prompts(request: web.Request, state: Any, client: Any, text: object, input_ids: object,
+                   n: int = 1) -> PromptInput:
     """SGLang's text or input_ids, bounded before any encoding as the OpenAI routes are (PromptInput.read): the
-    prompt count, each text against the context, and a large body encoded off the loop."""
-    limit = max(1, state.batch_limit())
+    prompt count (each prompt makes n requests), each text against the context, and a large body encoded off
+    the loop."""
+    limit = max(1, state.batch_limit() // n)
     if text is not None:
         return await PromptInput.read(text, client.tokenizer, client.context_len, request, limit,
                                       param="text")
@@ -124,11 +126,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body, client, state = gen.body, gen.client, gen.state
     if (body.text is None) == (body.input_ids is None):
         raise bad_request("give exactly one of text or input_ids", param="text")
-    prompts = await _prompts(request, state, client, body.text, body.input_ids)
+    sampling, n = _split_n(body.sampling_params, state.args.max_n)
+    prompts = await _prompts(request, state, client, body.text, body.input_ids, n)
     _check_int64(body.sampling_params)
     if body.custom_logit_processor:
         raise bad_request("custom_logit_processor (server-side code) is not supported", param="custom_logit_processor")
-    sampling, n = _split_n(body.sampling_params, state.args.max_n)
     if (prompts.batch or n > 1) and body.stream:
         raise bad_request("streaming a batch (several prompts, or sampling_params.n > 1) is not supported; send "
                           "one request per prompt and choice", param="stream")

@@ -82,6 +82,8 @@ def test_prompt_batch_counted_before_encoding(big_url, encodes):
     assert status == 400 and r["error"]["param"] == "input_ids", r
     status, r = http(big_url + "/generate", "POST", {"text": ["hello"] * 65})
     assert status == 400 and r["error"]["param"] == "text" and "65 prompts" in r["error"]["message"], r
+    status, r = http(big_url + "/generate", "POST", {"text": ["hello"] * 40, "sampling_params": {"n": 2}})
+    assert status == 400 and "40 prompts" in r["error"]["message"], r  # each makes n requests, as on completions
     assert encodes == []
 
 
