@@ -38,6 +38,7 @@ Key = tuple[str, str]
 # cannot be read from a threading exit hook (Py_Exit consumed sys.exit's code before the hooks run), and
 # such an exit is not a clean one either way.
 ABANDONED_EXIT_STATUS = 1
+EXIT_JOIN_FLOOR_S = 1.0  # the least the exit waits for the threads (a tiny --grammar-compile-timeout-s aside)
 
 logger = logging.getLogger(__name__)
 
@@ -198,14 +199,16 @@ class GrammarPool:
                 return
 
     def _exit(self) -> None:
-        """The interpreter exits: close, and end the process if a compile outlives join_s."""
-        if self._close(self._join_s):
+        """The interpreter exits: close, and end the process if a compile outlives join_s (EXIT_JOIN_FLOOR_S at
+        least: idle threads just woken need a moment to end, whatever the compile time limit)."""
+        waited = max(self._join_s, EXIT_JOIN_FLOOR_S)
+        if self._close(waited):
             return
         with self._lock:
             running = [j for j in self._jobs.values() if j.started is not None and not j.future.done()]
         names = ", ".join(f"{kind} {text[:80]!r}" for kind, text in (j.key for j in running)) or "unknown"
         logger.error("exiting with a grammar compile still running after %g s (%s): ending the process "
-                     "(status %d) rather than wait for it", self._join_s, names, ABANDONED_EXIT_STATUS)
+                     "(status %d) rather than wait for it", waited, names, ABANDONED_EXIT_STATUS)
         # What the exit still had to do (atexit: logging's flush among it), then no interpreter
         # finalization: the compile thread would block it for good, or die in C++ returning into it.
         run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)
@@ -216,6 +219,8 @@ class GrammarPool:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
+        if not any(t.is_alive() for t in self._workers):  # it ended meanwhile: the exit goes on as it began
+            return
         os._exit(ABANDONED_EXIT_STATUS)
 
     def _work(self) -> None:
