@@ -26,7 +26,7 @@ from runtime.gateway.body import read_body
 from runtime.gateway.embeddings_protocol import ClassificationUsage
 from runtime.gateway.errors import bad_request
 from runtime.gateway.openai_embeddings import embedding_requests, run_admitted
-from runtime.gateway.prompt_input import check_reach, off_loop
+from runtime.gateway.prompt_input import check_reach, off_loop, text_size
 from runtime.gateway.protocol import encode
 from runtime.gateway.score_protocol import (
     RerankDocument,
@@ -122,7 +122,8 @@ async def _scores(request: web.Request, state: GatewayState, client: EngineClien
     def encode() -> list[list[int]]:
         return pair_ids(tok, pairs, keep, client.context_len, param)
 
-    ids = await off_loop(request, tok, sum(len(a) + len(b) for a, b in pairs), encode, grows=keep is not None)
+    # Sized by the distinct texts: pair_ids encodes each once (a query shared by every pair counts once)
+    ids = await off_loop(request, tok, text_size({t for pair in pairs for t in pair}), encode, grows=keep is not None)
     reqs = embedding_requests(client, [f"{base}-{i}" for i in range(len(ids))], ids, param,
                               cache_salt=body.cache_salt)
     all_logits = await run_admitted(state, client, base, reqs, arrival, param)

@@ -44,6 +44,9 @@ class Tokenizer:
         self.vocab_size = len(self.hf)
         self.has_chat_template = bool(getattr(self.hf, "chat_template", None))
         self.spelling = TokenSpelling(self.hf)
+        # Made here, not lazily: from Python 3.12 a cached_property no longer locks, and two threads making
+        # their own lock at once would use the one truncating copy together
+        self.truncating_lock = threading.Lock()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
@@ -70,10 +73,6 @@ class Tokenizer:
         import copy
 
         return copy.deepcopy(self.hf)
-
-    @functools.cached_property
-    def truncating_lock(self) -> threading.Lock:
-        return threading.Lock()
 
     @contextmanager
     def truncating(self) -> Iterator[Any]:
