@@ -132,7 +132,8 @@ def local_model_folder(model_path: str, revision: str | None = None, flag: str =
     """The folder to load for model_path: itself, or, for a Hub repo id that is no local folder, its snapshot
     at revision in the local Hugging Face cache (ServerArgsError naming flag if not there)."""
     if not is_repo_id(model_path):
-        return model_path
+        # `~/m` reaches here unexpanded from `--model-path=~/m` (no shell expands it there) or a YAML config
+        return str(Path(model_path).expanduser()) if model_path.startswith("~") else model_path
     return str(HfCache.from_env().resolve(model_path, revision, flag, needs))
 
 

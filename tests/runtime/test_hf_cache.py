@@ -140,3 +140,11 @@ def test_each_ray_node_finds_the_repo_in_its_own_cache(hf_home, tmp_path):
     with pytest.raises(ServerArgsError) as e:
         local_model_path(ServerArgs(model_path="Org/Absent"), "/elsewhere/snapshot")
     assert e.value.flag == "--model-path"
+
+
+def test_a_home_relative_folder_is_expanded(tmp_path, monkeypatch):
+    """`--model-path=~/m` and a YAML config's `model: ~/m` reach Shoal unexpanded (no shell expands them)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "m").mkdir()
+    assert local_model_folder("~/m") == str(tmp_path / "m")
+    assert local_model_folder(str(tmp_path / "m")) == str(tmp_path / "m")
