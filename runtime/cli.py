@@ -205,8 +205,22 @@ def _help_keyword(argv: list[str]) -> str | None:
     return next((t.partition("=")[2] for t in argv[1:] if t.startswith("--help=")), None)
 
 
+def _early_help_keyword(argv: list[str]) -> str | None:
+    """A `--help=<keyword>` before the subcommand (`shoal --help=listgroup`): the groups are the
+    subcommands', so the caller names where to ask (argparse would say "ignored explicit argument")."""
+    for token in argv:
+        if token in _SUBCOMMANDS:
+            return None
+        if token.startswith("--help="):
+            return token.partition("=")[2]
+    return None
+
+
 def _print_help(parser: argparse.ArgumentParser, command: str, keyword: str) -> int:
     text, rc = filtered_help(subcommand_parser(parser, command), keyword)
+    if rc and command != "serve" and not filtered_help(subcommand_parser(parser, "serve"), keyword)[1]:
+        # a serve-only flag (HTTP, access log, vLLM's): say where it is rather than that it does not exist
+        text = f"{text.rstrip()}; it is `shoal serve`'s: shoal serve --help={keyword}\n"
     if rc:
         print(f"shoal {command}: {text}", end="", file=sys.stderr)
     elif keyword == "page":
@@ -220,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         parser = build_parser()
+        early = _early_help_keyword(argv)
+        if early is not None:
+            print(f"shoal: --help={early} shows a subcommand's flags: use shoal serve --help={early} (or "
+                  f"shoal generate --help={early})", file=sys.stderr)
+            return 2
         keyword = _help_keyword(argv)
         if keyword is not None:
             return _print_help(parser, argv[0], keyword)

@@ -9,11 +9,15 @@ from it still gets its flag, under OTHER (tests/runtime/test_cli_help.py keeps t
 from __future__ import annotations
 
 import argparse
+import copy
+import inspect
 import re
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from runtime.server_flags import FlagPlacement
+from runtime.server_flags import FlagPlacement, flag_name
+from runtime.vllm_flags import VLLM_FLAGS
+from runtime.vllm_translation import Treat
 
 OTHER = "Other"
 # Title -> (description, the ServerArgs fields whose flags it holds), in --help's order.
@@ -66,6 +70,33 @@ _VLLM_GROUPS: Mapping[str, str] = MappingProxyType({
     "structuredoutputsconfig": "Requests and sampling", "decodingconfig": "Requests and sampling",
     "loraconfig": "LoRA", "parallelconfig": "Parallelism and Ray", "frontend": "HTTP and security",
     "observabilityconfig": "Logging and metrics"})
+# What a hidden flag does, where its treatment does not say it in words (a table entry's own function, or a
+# flag registered outside vllm_flags' table): the keyword search prints it, so `--help=ssl` finds the flag.
+_HIDDEN_HELP: Mapping[str, str] = MappingProxyType({
+    "--task": "vLLM's: embed / embedding serve the model as --is-embedding; generate, auto: the default",
+    "--runner": "vLLM's: pooling serves the model as --is-embedding; generate, auto: the default",
+    "--ssl-certfile": "accepted: serves HTTPS with this certificate (uvicorn's flag)",
+    "--ssl-keyfile": "accepted: the certificate's private key (with --ssl-certfile)",
+    "--ssl-ca-certs": "accepted: CA file to check client certificates (with --ssl-certfile)",
+    "--ssl-cert-reqs": "accepted: client certificates 0 none, 1 optional, 2 required (with --ssl-certfile)",
+    "--root-path": "accepted: the routes also answer under this /prefix (FastAPI's root_path, for a proxy)",
+    "--enable-prefix-caching": "translated: --no-enable-prefix-caching is --disable-radix-cache (on: the default)",
+    "--enable-chunked-prefill": "translated: --no-enable-chunked-prefill is --chunked-prefill-size -1",
+    "--max-num-batched-tokens": "translated: --max-prefill-tokens and --chunked-prefill-size",
+    "--disable-log-stats": "accepted, no effect: the stats line stays (--log-level warning hides it)",
+    "--distributed-executor-backend": "translated: ray is --use-ray, uni --in-process; mp: no effect; "
+                                      "external_launcher: refused",
+    "--async-scheduling": "translated: --no-async-scheduling is --disable-overlap-schedule",
+    "-O": "translated: a level (0-3) or -O.<key>=<value>, as --compilation-config takes them",
+    "--compilation-config": "translated: its CUDA-graph keys onto --disable-cuda-graph / --cuda-graph-max-bs; "
+                            "others logged or refused",
+    "--speculative-config": "translated onto the --speculative-* flags",
+    "--enable-auto-tool-choice": "accepted: tool_choice auto is served whenever --tool-call-parser is set",
+    "--disable-log-requests": "accepted: requests are logged only with --enable-log-requests",
+    "--max-logprobs": "accepted up to 20 (Shoal's fixed top-N limit); more, or -1, refused",
+    "--tokenizer-mode": "accepted: auto, hf; slow, mistral, custom refused",
+    "--chat-template-content-format": "accepted: auto, string; openai refused",
+})
 HELP_TIP = ("Tip: --help=<group or keyword> shows part of this: --help=listgroup lists the groups, --help=Model "
             "prints one (vLLM's titles work too: --help=ModelConfig), --help=max the flags whose names hold "
             "'max', --help=page all of it through a pager.")
@@ -113,16 +144,69 @@ def filtered_help(parser: argparse.ArgumentParser, keyword: str) -> tuple[str, i
             formatter.add_text(g.description)
             formatter.add_arguments(g._group_actions)
             formatter.end_section()
+            hidden = [a for a in g._group_actions if a.help == argparse.SUPPRESS]
+            _add_hidden(formatter, parser, hidden, f"{g.title}: not listed in --help, accepted")
             return formatter.format_help(), 0
     needle = keyword.lower().lstrip("-").replace("_", "-")
-    matched = [a for a in parser._actions if a.help != argparse.SUPPRESS and needle
-               and any(needle in o.lower() for o in a.option_strings)]
-    if matched:
+    matched = [a for a in parser._actions if needle and any(needle in o.lower() for o in a.option_strings)]
+    shown = [a for a in matched if a.help != argparse.SUPPRESS]
+    hidden = [a for a in matched if a.help == argparse.SUPPRESS]
+    if not matched:
+        return f"no group or flag matching {keyword!r}; --help=listgroup lists the groups\n", 1
+    if shown:
         formatter.start_section(f"flags matching {keyword!r}")
-        formatter.add_arguments(matched)
+        formatter.add_arguments(shown)
         formatter.end_section()
-        return formatter.format_help(), 0
-    return f"no group or flag matching {keyword!r}; --help=listgroup lists the groups\n", 1
+    _add_hidden(formatter, parser, hidden, f"flags matching {keyword!r} not listed in --help (vLLM's, accepted)")
+    return formatter.format_help(), 0
+
+
+def _add_hidden(formatter: argparse.HelpFormatter, parser: argparse.ArgumentParser,
+                hidden: list[argparse.Action], title: str) -> None:
+    """hidden's flags as a section, each with what it does here (translated, no effect, or refused)."""
+    if not hidden:
+        return
+    described = []
+    for action in hidden:
+        twin = copy.copy(action)
+        twin.help = hidden_help(parser, action).replace("%", "%%")  # argparse %-formats help texts
+        if twin.metavar is None and twin.dest.startswith("vllm_"):  # vllm_flags' dests: SWAP_SPACE, not VLLM_...
+            twin.metavar = twin.dest.removeprefix("vllm_").upper()
+        described.append(twin)
+    formatter.start_section(title)
+    formatter.add_arguments(described)
+    formatter.end_section()
+
+
+def hidden_help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    """What a flag hidden from --help does: its line above, its table entry's treatment, or the switch it
+    turns off."""
+    for option in action.option_strings:
+        if option in _HIDDEN_HELP:
+            return _HIDDEN_HELP[option]
+    entry = next((e for e in VLLM_FLAGS if set(e.names) & set(action.option_strings)), None)
+    if entry is not None:
+        return _treatment(entry.treat)
+    if isinstance(action, argparse._StoreFalseAction):  # server_flags' --no-X of a visible switch
+        on = next((a for a in parser._actions if a.dest == action.dest and a is not action), None)
+        if on is not None and on.option_strings:
+            return f"turns {on.option_strings[0]} off"
+    return "accepted (not listed in --help)"
+
+
+def _treatment(treat: Treat) -> str:
+    # vllm_translation's noop / refuse / alias / at_least keep their words in their closures.
+    kind = treat.__qualname__.split(".")[0]
+    held = inspect.getclosurevars(treat).nonlocals
+    if kind == "at_least" and callable(held.get("then")):
+        return f"{_treatment(held['then'])} (must be >= {held['low']})"
+    if kind == "noop" and "why" in held:
+        return f"accepted, logged as having no effect: {held['why']}"
+    if kind == "refuse" and "why" in held:
+        return f"refused unless vLLM's default: {held['why']}"
+    if kind == "alias" and "name" in held:
+        return f"translated: the same as {flag_name(held['name'])}"
+    return "translated onto Shoal's settings (runtime/vllm_flags.py)"
 
 
 def _folded(text: str) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import re
 import socket
 from importlib.metadata import version
 
@@ -145,3 +146,35 @@ def test_generate_sampling_line_says_greedy():
     model = GenerationDefaults(temperature=0.6, source="/m/generation_config.json")
     line = generate_sampling_line(ns, generate_sampling(ns, model), model)
     assert "temperature=0.6 (the model's: /m/generation_config.json)" in line
+
+
+def _unwrapped(text: str) -> str:
+    # argparse wraps help at the terminal's width, also after a hyphen ("--disable-\n radix-cache")
+    return " ".join(re.sub(r"-\n\s+", "-", text).split())
+
+
+def test_help_keyword_finds_hidden_vllm_flags(capsys):
+    """vLLM's flags Shoal accepts but --help does not list are found by --help=<keyword>, each with what it
+    does here (translated, no effect, or refused); a serve-only keyword on generate says where it is."""
+    for keyword, flags, says in (("ssl", ("--ssl-certfile", "--ssl-keyfile", "--ssl-ca-certs", "--ssl-cert-reqs"),
+                                  "HTTPS"),
+                                 ("root-path", ("--root-path",), "/prefix"),
+                                 ("prefix", ("--enable-prefix-caching",), "--disable-radix-cache"),
+                                 ("trust", ("--trust-remote-code",), "no effect"),
+                                 ("swap", ("--swap-space SWAP_SPACE",), "never swapped"),
+                                 ("pipeline", ("--pipeline-parallel-size",), "refused")):
+        assert main(["serve", f"--help={keyword}"]) == 0, keyword
+        out = _unwrapped(capsys.readouterr().out)
+        assert "not listed in --help" in out and says in out and all(f in out for f in flags), (keyword, out)
+    assert main(["serve", "--help=seed"]) == 0  # a visible flag and a hidden one: both, each in its section
+    out = _unwrapped(capsys.readouterr().out)
+    assert out.index("--random-seed") < out.index("--seed SEED") and "the same as --random-seed" in out
+    assert main(["serve", "--help=vLLM's flags"]) == 0  # the group: its description, then its flags
+    out = capsys.readouterr().out
+    assert "--block-size" in out and "--ssl-certfile" in out and "--cpu-offload-gb" in out
+    assert main(["generate", "--help=api"]) == 1
+    assert capsys.readouterr().err.endswith("it is `shoal serve`'s: shoal serve --help=api\n")
+    assert main(["generate", "--help=nothing-like-this"]) == 1
+    assert "shoal serve" not in capsys.readouterr().err
+    assert main(["--help=listgroup"]) == 2  # before the subcommand: where to ask
+    assert "use shoal serve --help=listgroup" in capsys.readouterr().err
