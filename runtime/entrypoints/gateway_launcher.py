@@ -12,6 +12,7 @@ import logging
 import re
 import signal
 import threading
+import time
 from typing import Any
 
 from runtime.config import ServerArgs
@@ -54,6 +55,77 @@ def watch_gateway(handle: Any, stop: threading.Event, poll_s: float = WATCH_POLL
     return None
 
 
+def process_alive(pid: int) -> bool:
+    """Whether `pid` still runs on this machine (a zombie, exited but not yet reaped, does not)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def gateway_processes(actor_pid: int, owned: bool) -> tuple[int, ...]:
+    """The processes on this node the gateway needs: its actor's, its raylet's (the actor's parent; an actor's
+    process outlives its raylet, orphaned, where Ray no longer reaches it) and, on a local cluster this
+    process started (owned), that cluster's own processes (its children: GCS, raylet, log monitor...)."""
+    import psutil
+
+    try:
+        pids = {actor_pid, psutil.Process(actor_pid).ppid()}
+    except psutil.NoSuchProcess:
+        pids = {actor_pid}
+    if owned:
+        pids.update(child.pid for child in psutil.Process().children())
+    return tuple(sorted(pids))
+
+
+def end_local_cluster() -> None:
+    """Kills the processes of the local Ray cluster this process started (its children), at once."""
+    import psutil
+
+    for child in psutil.Process().children():
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+GONE_WITH_THE_GROUP = ("the gateway actor (or its Ray node) had already stopped: the stop signal reached the "
+                       "whole process group; nothing to drain")
+
+
+def shut_down_gateway(handle: Any, pids: tuple[int, ...], timeout_s: float, poll_s: float = WATCH_POLL_S) -> bool:
+    """Asks the gateway actor to drain and stop; returns False if it, or the Ray node under it, was already
+    gone (nothing to drain, nothing to kill). A SIGTERM to the whole process group (`timeout`, systemd's
+    default stop, a container's end) reaches the local Ray cluster's processes but not the actors (each has
+    its own process group): the GCS and raylet stop answering while the actors live on, orphaned, and
+    shutdown() hangs in calls that need them (a placement group's removal). Hence the wait ends as soon as
+    one process of `pids` (gateway_processes) is gone."""
+    import ray
+
+    if not all(map(process_alive, pids)):
+        logger.info(GONE_WITH_THE_GROUP)
+        return False
+    done = handle.shutdown.remote()
+    deadline = time.monotonic() + timeout_s
+    while not ray.wait([done], timeout=poll_s)[0]:
+        if not all(map(process_alive, pids)):
+            logger.info(GONE_WITH_THE_GROUP)
+            return False
+        if time.monotonic() > deadline:
+            logger.warning("the gateway actor did not shut down within %.0f s; killing it", timeout_s)
+            return True
+    try:
+        ray.get(done)
+    except ray.exceptions.RayActorError:  # it died while it drained (or before): nothing left to kill
+        logger.info(GONE_WITH_THE_GROUP)
+        return False
+    except ray.exceptions.RayError as e:
+        logger.warning("the gateway actor did not shut down cleanly: %s", death_cause(e))
+    return True
+
+
 def serve_gateway_actor(args: ServerArgs, stop: threading.Event | None = None, site: HttpSite | None = None) -> None:
     """Blocks until `stop` is set (default: SIGINT/SIGTERM), then shuts the gateway and its replicas down.
     Raises EngineUnavailableError if the gateway actor dies first (after taking down what it started).
@@ -91,12 +163,19 @@ def serve_gateway_actor(args: ServerArgs, stop: threading.Event | None = None, s
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
     died: str | None = None
+    gone = False  # died of the stop signal itself: nothing to drain or kill
     actor_pid: int | None = None
+    pids: tuple[int, ...] = ()  # on this node: the actor's, its raylet's
     try:
         url, actor_pid = ray.get([handle.url.remote(), handle.pid.remote()])
+        pids = gateway_processes(actor_pid, owned)
         logger.info("Shoal is ready: the gateway actor serves at %s (OpenAI API: %s/v1)", url, url)
         died = watch_gateway(handle, stop)
-        if died == SHUT_DOWN_ELSEWHERE:  # deliberate, and already drained: a clean exit, nothing to restart
+        if died is not None and died != SHUT_DOWN_ELSEWHERE and stop.is_set():
+            # Killed by the same signal as this process (sent to the whole group): a deliberate stop, not a crash
+            died, gone = None, True
+            logger.info(GONE_WITH_THE_GROUP)
+        elif died == SHUT_DOWN_ELSEWHERE:  # deliberate, and already drained: a clean exit, nothing to restart
             logger.info("the gateway actor was shut down by another caller; exiting")
             died = None
         elif died is None:
@@ -106,23 +185,29 @@ def serve_gateway_actor(args: ServerArgs, stop: threading.Event | None = None, s
             logger.error("the gateway actor died (%s): nothing serves %s any more; stopping, so that a "
                          "supervisor can restart `shoal serve`", died, url)
     except ray.exceptions.RayError as e:  # died between its start and the watch
-        died = death_cause(e)
-        logger.error("the gateway actor died (%s); stopping", died)
+        if stop.is_set():  # of the stop signal, sent to the whole group (as above)
+            gone = True
+            logger.info(GONE_WITH_THE_GROUP)
+        else:
+            died = death_cause(e)
+            logger.error("the gateway actor died (%s); stopping", died)
     finally:
         if signals:  # a second signal while the actor drains: stop waiting for it
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, signal.default_int_handler)
-        if died is None:
+        kill = not gone  # one gone with the group needs none, and without its GCS (gone too) the kill would hang
+        if died is None and not gone:
             try:
-                ray.get(handle.shutdown.remote(), timeout=args.shutdown_timeout_s + 30)
+                kill = shut_down_gateway(handle, pids, args.shutdown_timeout_s + 30)
             except KeyboardInterrupt:
                 logger.warning("stopping now: requests still in flight are cut")
-            except Exception:
-                logger.warning("the gateway actor did not shut down cleanly", exc_info=True)
-        ray.kill(handle)  # with it go the replicas it owns
+        if kill:
+            ray.kill(handle)  # with it go the replicas it owns
         if died is not None and actor_pid is not None:
             remove_replica_groups(args, actor_pid)  # the placement groups it reserved, which outlive it
         if owned:
+            if not kill:  # gone with the group: its processes got the signal too, but the raylet's graceful
+                end_local_cluster()  # stop waits ~10 s on the GCS, and ray.shutdown() waits on the raylet
             ray.shutdown()
     if died is not None:
         raise EngineUnavailableError(f"the gateway actor died: {died}")

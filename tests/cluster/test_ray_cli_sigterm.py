@@ -22,8 +22,8 @@ pytestmark = pytest.mark.ray
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _serve(tiny_llama: Path, log: Path, *extra: str) -> tuple[subprocess.Popen, int]:
-    """`shoal serve --use-ray` on a free port, its output in log."""
+def _serve(tiny_llama: Path, log: Path, *extra: str, new_session: bool = False) -> tuple[subprocess.Popen, int]:
+    """`shoal serve --use-ray` on a free port, its output in log (new_session: it leads its own process group)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -31,7 +31,8 @@ def _serve(tiny_llama: Path, log: Path, *extra: str) -> tuple[subprocess.Popen, 
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "runtime", "serve", "--model-path", str(tiny_llama),
                                  "--use-ray", "--device", "cpu", "--max-total-tokens", "2048", "--port", str(port),
-                                 *extra], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+                                 *extra], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                start_new_session=new_session)
     return proc, port
 
 
@@ -83,6 +84,30 @@ def test_sigterm_while_the_replicas_load_exits_0(tiny_llama, tmp_path):
             proc.kill()
     text = log.read_text()
     assert rc == 0 and "SIGTERM received" not in text, text[-3000:]
+
+
+def test_sigterm_to_the_process_group_exits_0_at_once(tiny_llama, tmp_path):
+    """`timeout`, systemd's default stop and a container's end signal the whole group: the local Ray cluster's
+    processes stop with the CLI (not the actors: Ray gives each its own group), so the drain cannot be answered.
+    The CLI used to wait shutdown_timeout_s + 30 s for it, then log a GetTimeoutError traceback."""
+    log = tmp_path / "serve.log"
+    proc, _ = _serve(tiny_llama, log, new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        while "Shoal is ready" not in log.read_text():  # the CLI watches the actor (a 200 from /health comes sooner)
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGTERM)
+        start = time.monotonic()
+        rc = proc.wait(timeout=20)
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert rc == 0 and "Traceback" not in text, text[-3000:]
+    assert "the stop signal reached the whole process group" in text, text[-3000:]
+    assert took < 15, took
 
 
 def test_a_gateway_actor_start_error_is_one_line(tiny_llama, tmp_path):
