@@ -21,14 +21,13 @@ from aiohttp import web
 from runtime.errors import RequestAbortedError, ShoalError
 from runtime.gateway.body import BODY_BYTES_KEY
 from runtime.gateway.errors import ApiError, bad_request, from_shoal_error
-from runtime.gateway.sse import is_disconnected
+from runtime.gateway.sse import is_disconnected, unless_gone
 from runtime.text.tokenizer_worker import TokenizerBusyError
 
 T = TypeVar("T")
 # Texts (characters) or a chat's body (bytes) past this are encoded / rendered off the loop; smaller ones keep
 # their latency
 OFF_LOOP_BYTES = 64 * 1024
-GONE_POLL_S = 0.25  # how often a request waiting for the worker looks for a closed connection (as grammars do)
 
 
 def _is_id(x: object) -> bool:
@@ -157,12 +156,8 @@ async def off_loop(request: web.Request, tok: Any, size: int, fn: Callable[[], T
     waiting = asyncio.wrap_future(job)
     waiting.add_done_callback(_retrieved)
     try:
-        # aiohttp does not cancel a gone client's handler: looked for while the job waits, so a queued job
-        # leaves its lane at once rather than when its turn comes
-        while not (await asyncio.wait({waiting}, timeout=GONE_POLL_S))[0]:
-            if is_disconnected(request):
-                raise RequestAbortedError("the client disconnected before its input was encoded")
-        return waiting.result()
+        # A queued job of a gone client leaves its lane at once rather than when its turn comes
+        return await unless_gone(request, waiting, "the client disconnected before its input was encoded")
     finally:
         job.cancel()  # a gone client or a cancelled handler: a job not started never runs (no-op once done)
 

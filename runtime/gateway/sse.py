@@ -20,6 +20,7 @@ handle, no task), so a reading client pays microseconds."""
 from __future__ import annotations
 
 import asyncio
+from typing import TypeVar
 
 from aiohttp import web
 
@@ -27,8 +28,10 @@ from runtime.errors import RequestAbortedError, ShoalError
 from runtime.gateway.errors import ApiError, from_shoal_error
 from runtime.gateway.protocol import encode
 
+T = TypeVar("T")
 # On an SSE response: whether its last event was written (an aiohttp ResponseKey: made once, holds nothing).
 _ENDED = web.ResponseKey("shoal_stream_ended", bool)
+GONE_POLL_S = 0.25  # how often a handler waiting on other work looks for a closed connection (unless_gone)
 SEND_STALL_S = 60.0  # nginx's send_timeout: how long one write may wait for a client that reads nothing
 STALL_BUDGET_S = 300.0  # the most a stream's writes may wait in all, the client reading however slowly
 
@@ -36,6 +39,16 @@ STALL_BUDGET_S = 300.0  # the most a stream's writes may wait in all, the client
 def is_disconnected(request: web.Request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
+
+
+async def unless_gone(request: web.Request | None, waiting: asyncio.Future[T], why: str) -> T:
+    """waiting's result; RequestAbortedError(why) once request's client has left. aiohttp does not cancel a gone
+    client's handler, so a handler waiting on other work (a grammar's compile, the tokenizer worker) looks for a
+    closed connection every GONE_POLL_S itself. The caller cancels waiting when this raises."""
+    while not (await asyncio.wait({waiting}, timeout=GONE_POLL_S))[0]:
+        if request is not None and is_disconnected(request):
+            raise RequestAbortedError(why)
+    return waiting.result()
 
 
 def stream_ended(response: web.StreamResponse) -> bool | None:

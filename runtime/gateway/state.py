@@ -23,7 +23,7 @@ from aiohttp import web
 from runtime.config import ServerArgs
 from runtime.default_model import DEFAULT_MODEL_NAME, default_cache_root
 from runtime.engine_client import EngineClient
-from runtime.errors import InvalidRequestError, RequestAbortedError, ShoalError
+from runtime.errors import InvalidRequestError, ShoalError
 from runtime.gateway.admission import AdmissionController
 from runtime.gateway.dashboard import Dashboard
 from runtime.gateway.error_log import ErrorLog
@@ -33,7 +33,7 @@ from runtime.gateway.metrics import GatewayMetrics
 from runtime.gateway.protocol import OpenAISamplingFields
 from runtime.gateway.request_ids import RequestIds
 from runtime.gateway.request_log import RequestLog
-from runtime.gateway.sse import is_disconnected
+from runtime.gateway.sse import unless_gone
 from runtime.gateway.ttft_trace import TtftTrace
 from runtime.messages import GenerateRequest
 from runtime.model_names import BaseModelNames
@@ -45,7 +45,6 @@ ClientProvider = Callable[[], EngineClient | None]
 
 _TOKEN_ID = re.compile(r"-?[0-9]+")
 # Our SamplingParams names → the OpenAI request field a user wrote, for error messages.
-GRAMMAR_GONE_POLL_S = 0.25  # how often a request waiting for its grammar looks for a gone client
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs_num": "logprobs"}
 
 
@@ -299,10 +298,7 @@ class GatewayState:
             return
         check = asyncio.ensure_future(client.check_grammar(req))
         try:
-            while not (await asyncio.wait({check}, timeout=GRAMMAR_GONE_POLL_S))[0]:
-                if request is not None and is_disconnected(request):
-                    raise RequestAbortedError("the client disconnected while its grammar compiled")
-            await check
+            await unless_gone(request, check, "the client disconnected while its grammar compiled")
         except InvalidRequestError as e:
             code = None if e.code == "invalid_request_error" else e.code
             raise bad_request(e.message, param=param, code=code or "invalid_value") from None
