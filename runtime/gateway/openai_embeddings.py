@@ -133,7 +133,7 @@ def pooling_of(client: EngineClient) -> PoolingConfig:
 async def token_inputs(state: GatewayState, client: EngineClient, body: PoolingBody,
                        request: web.Request) -> list[list[int]]:
     """Each input's token ids: `input` as OpenAI defines it, or vLLM's `messages` (one conversation). Inputs
-    are counted (_check_batch_size) and texts bounded by the context before any is encoded, and a large body
+    are counted (check_batch_size) and texts bounded by the context before any is encoded, and a large body
     (or a chat whose template may write much more) is encoded off the loop (off_loop, ChatRender)."""
     has_input, has_messages = body.input is not UNSET, body.messages is not UNSET
     if has_input == has_messages:
@@ -157,7 +157,7 @@ async def token_inputs(state: GatewayState, client: EngineClient, body: PoolingB
     elif not isinstance(x, list) or not x:
         raise bad_request("input must be a string, a list of strings, a list of token ids or a list of lists "
                           "of token ids, and not empty", param="input")
-    _check_batch_size(state, prompt_count(x), "input")
+    check_batch_size(state, prompt_count(x), "input")
     if all(isinstance(t, str) for t in x):
         if bound is not None:
             for t in x:
@@ -192,7 +192,7 @@ async def run_admitted(state: GatewayState, client: EngineClient, base_id: str, 
     """The requests' vectors under the gateway's admission, as Generation.respond runs a generation's
     choices: tracked (429 past --max-concurrent-requests; 503 once a drain began), admitted by the queue
     estimate (429 with Retry-After), untracked on every exit, each input's end counted in the metrics."""
-    _check_batch_size(state, len(reqs), param)
+    check_batch_size(state, len(reqs), param)
     tracked = state.track(base_id, reqs)
     try:
         await state.admit(client, reqs)
@@ -201,13 +201,14 @@ async def run_admitted(state: GatewayState, client: EngineClient, base_id: str, 
         state.untrack(base_id, tracked)
 
 
-def _check_batch_size(state: GatewayState, n: int, param: str) -> None:
+def check_batch_size(state: GatewayState, n: int, param: str, what: str = "inputs") -> None:
     """A batch that could never run at once (track and admit would name n or the prompt: here, the inputs'
-    field, `param`); checked before the inputs are encoded, and again (run_admitted) on the requests made."""
+    field, `param`); checked before the inputs are encoded, and again (run_admitted) on the requests made.
+    what: the batch's items, in the message (inputs; score's pairs)."""
     for limit, flag in ((state.args.max_concurrent_requests, "--max-concurrent-requests"),
                         (state.admission.max_waiting_requests, "--max-waiting-requests")):
         if limit is not None and n > limit:
-            raise bad_request(f"this request has {n} inputs; the server takes at most {limit} at once ({flag}): "
+            raise bad_request(f"this request has {n} {what}; the server takes at most {limit} at once ({flag}): "
                               "send them in parts", param=param)
 
 

@@ -25,7 +25,7 @@ from runtime.engine_client import EngineClient
 from runtime.gateway.body import read_body
 from runtime.gateway.embeddings_protocol import ClassificationUsage
 from runtime.gateway.errors import bad_request
-from runtime.gateway.openai_embeddings import embedding_requests, run_admitted
+from runtime.gateway.openai_embeddings import check_batch_size, embedding_requests, run_admitted
 from runtime.gateway.prompt_input import check_reach, off_loop, text_size
 from runtime.gateway.protocol import encode
 from runtime.gateway.score_protocol import (
@@ -95,11 +95,7 @@ def _check_pairs(state: GatewayState, client: EngineClient, pairs: list[tuple[st
     whose list sets their number), or a text certainly past the context (fields: each (name, string or list
     of strings) as sent; an item is named name[i]). With truncate_prompt_tokens any length is kept (cut after
     encoding), as on the prompt routes."""
-    for limit, flag in ((state.args.max_concurrent_requests, "--max-concurrent-requests"),
-                        (state.admission.max_waiting_requests, "--max-waiting-requests")):
-        if limit is not None and len(pairs) > limit:
-            raise bad_request(f"this request makes {len(pairs)} pairs to score ({counted}); the server takes at "
-                              f"most {limit} at once ({flag}): send them in parts", param=counted)
+    check_batch_size(state, len(pairs), counted, f"pairs to score ({counted})")
     if body.truncate_prompt_tokens is not None:
         return
     tok = client.tokenizer
