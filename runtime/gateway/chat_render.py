@@ -55,8 +55,6 @@ class ChatRender(msgspec.Struct, frozen=True):
 
     def text(self, tok: Any, messages: Messages) -> tuple[str, str]:
         """(the template's text, the turn's opening or ""); the text checked against context_len."""
-        if tok.is_null:  # no template to render: its apply_chat_template says so (a 400 naming messages)
-            tok.apply_chat_template(messages)
         text = tok.render_chat(messages, self.add_generation_prompt, self.tools, self.continue_final_message,
                                self.template_kwargs)
         if self.context_len is not None:

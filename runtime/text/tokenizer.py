@@ -181,6 +181,12 @@ class NullTokenizer:
                             tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
                             template_kwargs: dict[str, Any] | None = None,
                             add_special_tokens: bool = False, context_len: int | None = None) -> list[int]:
+        self.render_chat(messages)
+        return []
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
         raise InvalidRequestError("this model folder has no tokenizer: chat needs one; use /v1/completions "
                                   "with token ids", param="messages")
 
