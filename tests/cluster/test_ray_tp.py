@@ -47,9 +47,11 @@ def test_tp2_matches_tp1(ray_local, tiny_model_dirs, arch, load_format, channel)
                 for i, p in enumerate(PROMPTS)]
         results = run_all(client, reqs)
         trace = ray.get(follower.trace_steps.remote(False))
-        # Every step reached the follower, decodes among them, each with rank 0's stamps lined up.
+        # Every step reached the follower, decodes among them, each with rank 0's stamps lined up. A request makes
+        # one token a step (12 steps at least); how many are pure decodes depends on arrival (a late prefill
+        # mixed with the others' decodes is no decode step: 10 were seen under a parallel test run)
         assert trace["channel"] == ray.get(follower.step_channel.remote())
-        assert trace["decode_steps"] >= 11 and trace["steps"] > trace["decode_steps"]
+        assert trace["steps"] >= 12 and 0 < trace["decode_steps"] < trace["steps"]
         for key in ("channel_us", "decode_us", "launch_us", "rank0_host_us", "rank0_wait_us", "period_us"):
             assert trace[key]["n"] > 0 and trace[key]["median"] >= 0, key
         assert trace["lag_us"]["n"] > 0  # either sign: on a CPU the follower may finish its launch first
