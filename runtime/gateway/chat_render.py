@@ -65,11 +65,9 @@ class ChatRender(msgspec.Struct, frozen=True):
         """turn_opening, with the generation prompt's render being text itself: one more render, not two."""
         if not self.opening:
             return ""
-        if self.continue_final_message or not self.add_generation_prompt:  # no render: read off the messages
-            return turn_opening(tok, messages, self.tools, self.add_generation_prompt, self.continue_final_message,
-                                self.template_kwargs)
-        base = tok.render_chat(messages, False, self.tools, False, self.template_kwargs)
-        return text[len(base):] if text.startswith(base) else text  # a template that rewrites earlier turns
+        full = text if self.add_generation_prompt and not self.continue_final_message else None
+        return turn_opening(tok, messages, self.tools, self.add_generation_prompt, self.continue_final_message,
+                            self.template_kwargs, rendered=full)
 
     def _small(self, tok: Any, messages: Messages) -> tuple[str, str, list[int] | None]:
         """text's (text, opening, ids), ids None where the text is large: then the large lane encodes it."""

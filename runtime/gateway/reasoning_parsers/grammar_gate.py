@@ -44,11 +44,12 @@ def grammar_gate(tokenizer: Any, opening: str,
 
 def turn_opening(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                  add_generation_prompt: bool, continue_final_message: bool,
-                 template_kwargs: dict[str, Any] | None) -> str:
+                 template_kwargs: dict[str, Any] | None, rendered: str | None = None) -> str:
     """What the prompt puts at the start of the model's turn: the template's generation prompt (Qwen3's
     empty <think></think> under enable_thinking false, R1's open <think>), or the final assistant message
     being continued. Only this part says whether the reasoning is closed: a user who writes "</think>" in a
-    question has not closed the model's reasoning."""
+    question has not closed the model's reasoning. rendered: the chat already rendered with the generation
+    prompt (the caller's own render: one render fewer)."""
     if continue_final_message:
         content = messages[-1].get("content") if messages else None
         if isinstance(content, list):  # text parts
@@ -56,7 +57,7 @@ def turn_opening(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dic
         return content if isinstance(content, str) else ""
     if not add_generation_prompt:
         return ""
-    full = tokenizer.render_chat(messages, True, tools, False, template_kwargs)
+    full = rendered if rendered is not None else tokenizer.render_chat(messages, True, tools, False, template_kwargs)
     base = tokenizer.render_chat(messages, False, tools, False, template_kwargs)
     return full[len(base):] if full.startswith(base) else full  # a template that rewrites earlier turns
 
